@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""steeple's developer entry point: ``python3 dev.py test`` and ``python3 dev.py demo``.
+
+It needs nothing but the machine's own Python 3.11+: it creates ``.venv`` with that
+interpreter, installs uv into it from PyPI, syncs the locked workspace (never downloading
+an interpreter), and runs the requested job.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+CORE_VENV = ROOT / ".venv-core"
+UV_VERSION = "0.13.9"
+
+
+def _bin(env: Path, name: str) -> Path:
+    return env / ("Scripts" if os.name == "nt" else "bin") / name
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["UV_PYTHON_DOWNLOADS"] = "never"
+    env["UV_PROJECT_ENVIRONMENT"] = str(VENV)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def _run(*cmd: str | Path, env: dict[str, str] | None = None) -> int:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    return subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env or _env())
+
+
+def bootstrap() -> Path:
+    """Create .venv with this interpreter, put uv in it, and sync the locked workspace."""
+    if sys.version_info < (3, 11):
+        sys.exit(f"steeple needs Python 3.11 or newer; this is {sys.version.split()[0]}")
+    if not _bin(VENV, "python").exists():
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    uv = _bin(VENV, "uv")
+    if not uv.exists():
+        rc = _run(_bin(VENV, "python"), "-m", "pip", "install", "-q", f"uv=={UV_VERSION}")
+        if rc:
+            sys.exit(rc)
+    rc = _run(uv, "sync", "--frozen", "--all-packages", "--all-extras",
+              "--python", _bin(VENV, "python"))
+    if rc:
+        sys.exit(rc)
+    return uv
+
+
+def core_only(uv: Path) -> int:
+    """Run core's tests in an environment that has no driver installed at all."""
+    env = _env()
+    env["UV_PROJECT_ENVIRONMENT"] = str(CORE_VENV)
+    if not _bin(CORE_VENV, "python").exists():
+        rc = _run(uv, "venv", "--python", sys.executable, CORE_VENV, env=env)
+        if rc:
+            return rc
+    env["VIRTUAL_ENV"] = str(CORE_VENV)
+    rc = _run(uv, "pip", "install", "-q", "-e", "packages/core", "-e", "packages/testing",
+              "pytest", "pytest-asyncio", "pytest-timeout", "hypothesis", env=env)
+    if rc:
+        return rc
+    return _run(_bin(CORE_VENV, "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                "packages/core/tests", env=env)
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch ``test`` or ``demo`` (and ``lint``), passing extra arguments through."""
+    if not argv or argv[0] not in {"test", "demo", "lint"}:
+        print("usage: python3 dev.py test [pytest args] | demo [steeple demo args] | lint")
+        return 2
+    job, rest = argv[0], argv[1:]
+    uv = bootstrap()
+    if job == "demo":
+        return _run(_bin(VENV, "steeple"), "demo", *rest)
+    if job == "lint":
+        rc = _run(_bin(VENV, "ruff"), "check", ".")
+        return rc or _run(_bin(VENV, "mypy"))
+    if not rest:
+        rc = core_only(uv)
+        if rc:
+            return rc
+    return _run(_bin(VENV, "python"), "-m", "pytest", *rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

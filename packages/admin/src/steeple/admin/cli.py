@@ -1,0 +1,6 @@
+"""The ``steeple`` command."""
+
+
+def main() -> None:
+    """Run the ``steeple`` command."""
+    raise SystemExit("steeple: not built yet")

@@ -1,0 +1,253 @@
+"""steeple's error hierarchy: one root, typed by meaning, subclassing the builtins callers catch.
+
+Nested aliases give the seed's spelling: ``RecurringError.Clock``,
+``RecurringRelayError.Acknowledgement`` and so on are the classes defined here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from steeple.core.messages import BrokerReceipt
+
+__all__ = [
+    "AuthenticationFailedError",
+    "BrokerError",
+    "BrokerRejectedError",
+    "BrokerTimeoutError",
+    "BrokerUnavailableError",
+    "ConfigurationError",
+    "InvalidCronExpression",
+    "InvalidTransitionError",
+    "KeyringConfigurationError",
+    "KeyringError",
+    "MalformedEnvelopeError",
+    "MessageTooLargeError",
+    "RecurringCapacityError",
+    "RecurringClockError",
+    "RecurringConfigurationError",
+    "RecurringConflictError",
+    "RecurringDeadlineError",
+    "RecurringError",
+    "RecurringInvalidStateError",
+    "RecurringNotFoundError",
+    "RecurringRelayError",
+    "RecurringStorageError",
+    "RelayAcknowledgementError",
+    "RelayBrokerError",
+    "RelayBrokerTimeoutError",
+    "RelayLeaseLostError",
+    "SealBudgetExhaustedError",
+    "SteepleError",
+    "UnknownKeyIdError",
+]
+
+
+class SteepleError(Exception):
+    """Root of every error steeple raises on purpose."""
+
+
+class ConfigurationError(SteepleError, ValueError):
+    """Bad input or configuration; the message says what to fix. Nothing was stored."""
+
+
+class InvalidCronExpression(ConfigurationError):
+    """A cron expression that steeple's calendar does not accept.
+
+    Attributes:
+        expression: the rejected text (truncated for display).
+        field: the field at fault (``"minute"`` ... ``"weekday"``) or ``None`` for the whole.
+        reason: why it was rejected.
+    """
+
+    def __init__(self, expression: str, reason: str, *, field: str | None = None) -> None:
+        shown = expression if len(expression) <= 80 else expression[:77] + "..."
+        where = f" in the {field} field" if field else ""
+        super().__init__(f"invalid cron expression {shown!r}{where}: {reason}")
+        self.expression = shown
+        self.field = field
+        self.reason = reason
+
+
+class InvalidTransitionError(SteepleError):
+    """A lifecycle event that the state table does not allow from the current state.
+
+    Nothing changed: the caller still holds the previous state.
+    """
+
+    def __init__(self, lifecycle: str, state: object, event: object) -> None:
+        state_name = getattr(state, "value", state)
+        event_name = getattr(event, "value", event)
+        super().__init__(f"{lifecycle}: {event_name!s} is not allowed in state {state_name!s}")
+        self.lifecycle = lifecycle
+        self.state = state
+        self.event = event
+
+
+# --- recurring publications -------------------------------------------------------------
+
+
+class RecurringError(SteepleError):
+    """Base of the recurring-publication store's errors."""
+
+    Configuration: ClassVar[type[RecurringConfigurationError]]
+    Conflict: ClassVar[type[RecurringConflictError]]
+    Capacity: ClassVar[type[RecurringCapacityError]]
+    Clock: ClassVar[type[RecurringClockError]]
+    Storage: ClassVar[type[RecurringStorageError]]
+    Deadline: ClassVar[type[RecurringDeadlineError]]
+    NotFound: ClassVar[type[RecurringNotFoundError]]
+    InvalidState: ClassVar[type[RecurringInvalidStateError]]
+
+
+class RecurringConfigurationError(RecurringError, ConfigurationError):
+    """Invalid configuration or definition, or stored configuration/keys that do not match."""
+
+
+class RecurringConflictError(RecurringError):
+    """A name reused with a different definition (definitions are immutable)."""
+
+
+class RecurringCapacityError(RecurringError):
+    """A quota would be exceeded (definitions or occurrences); nothing was stored."""
+
+
+class RecurringClockError(RecurringError):
+    """The local clock trails the recorded namespace time by more than the tolerance."""
+
+
+class RecurringStorageError(RecurringError):
+    """The database failed, refused, or is unfit (not durable, read-only, wrong schema)."""
+
+
+class RecurringDeadlineError(RecurringStorageError, TimeoutError):
+    """A storage deadline (call, acquisition, statement or lock wait) passed."""
+
+
+class RecurringNotFoundError(RecurringError, LookupError):
+    """No definition or occurrence with that identity in this namespace."""
+
+
+class RecurringInvalidStateError(RecurringError):
+    """The operation is not allowed in the record's current state."""
+
+
+RecurringError.Configuration = RecurringConfigurationError
+RecurringError.Conflict = RecurringConflictError
+RecurringError.Capacity = RecurringCapacityError
+RecurringError.Clock = RecurringClockError
+RecurringError.Storage = RecurringStorageError
+RecurringError.Deadline = RecurringDeadlineError
+RecurringError.NotFound = RecurringNotFoundError
+RecurringError.InvalidState = RecurringInvalidStateError
+
+
+class RecurringRelayError(SteepleError):
+    """Base of the errors of ``relay``: publication of one leased occurrence."""
+
+    Acknowledgement: ClassVar[type[RelayAcknowledgementError]]
+    LeaseLost: ClassVar[type[RelayLeaseLostError]]
+    Broker: ClassVar[type[RelayBrokerError]]
+    BrokerTimeout: ClassVar[type[RelayBrokerTimeoutError]]
+
+
+class RelayAcknowledgementError(RecurringRelayError):
+    """The broker accepted the message but its acknowledgement is uncertain.
+
+    Brokers raise this too. Recovery republishes with the same idempotency key.
+
+    Attributes:
+        receipt: what the broker returned before the acknowledgement was lost.
+    """
+
+    def __init__(self, receipt: BrokerReceipt, detail: str = "acknowledgement uncertain") -> None:
+        super().__init__(f"broker accepted the message but {detail}")
+        self.receipt = receipt
+
+
+class RelayLeaseLostError(RecurringRelayError):
+    """The lease is no longer live (expired, fenced by a newer claim, or the work ended)."""
+
+
+class RelayBrokerError(RecurringRelayError):
+    """Publication failed; ``permanent`` says whether retrying can help."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class RelayBrokerTimeoutError(RelayBrokerError, TimeoutError):
+    """Publication did not finish within its deadline (the broker may have accepted it)."""
+
+
+RecurringRelayError.Acknowledgement = RelayAcknowledgementError
+RecurringRelayError.LeaseLost = RelayLeaseLostError
+RecurringRelayError.Broker = RelayBrokerError
+RecurringRelayError.BrokerTimeout = RelayBrokerTimeoutError
+
+
+# --- brokers ----------------------------------------------------------------------------
+
+
+class BrokerError(SteepleError):
+    """A broker adapter's failure. ``permanent`` failures must not be retried."""
+
+    permanent: bool = False
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.context = context
+
+
+class BrokerUnavailableError(BrokerError, ConnectionError):
+    """The broker could not be reached or dropped the connection."""
+
+
+class BrokerTimeoutError(BrokerError, TimeoutError):
+    """The broker did not answer in time; it may have accepted the message."""
+
+
+class BrokerRejectedError(BrokerError):
+    """The broker refused the message for good (unroutable, forbidden, misconfigured)."""
+
+    permanent = True
+
+
+class MessageTooLargeError(BrokerRejectedError):
+    """The message exceeds the broker's size limit; retrying cannot help."""
+
+
+# --- keyring ----------------------------------------------------------------------------
+
+
+class KeyringError(SteepleError):
+    """Base of the keyring's errors."""
+
+
+class KeyringConfigurationError(KeyringError, ConfigurationError):
+    """A keyring that cannot be built: bad key length or id, duplicates, too many keys."""
+
+
+class UnknownKeyIdError(KeyringError, LookupError):
+    """The envelope names a key id this keyring does not hold (restore that key)."""
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(
+            f"sealed with key id {key_id!r}, which this keyring does not hold; "
+            "add that key back (as a previous key) to read this record"
+        )
+        self.key_id = key_id
+
+
+class AuthenticationFailedError(KeyringError):
+    """Tampered, truncated, wrong key material, or moved to another context."""
+
+
+class MalformedEnvelopeError(KeyringError, ValueError):
+    """Not a sealed envelope steeple understands (bad version or framing)."""
+
+
+class SealBudgetExhaustedError(KeyringError):
+    """The primary key sealed as many records as its budget allows; rotate to a new key."""

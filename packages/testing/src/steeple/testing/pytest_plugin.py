@@ -1,0 +1,1 @@
+"""pytest plugin for steeple: registers steeple's fixtures (a fake clock)."""
