@@ -1,0 +1,107 @@
+"""Messages the recurring store publishes, and what a broker gives back."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from steeple.core import limits
+from steeple.core._validate import text
+from steeple.core.errors import RecurringConfigurationError
+
+__all__ = ["BrokerReceipt", "ScheduledMessage"]
+
+
+def _freeze_headers(value: Mapping[str, str] | None) -> Mapping[str, str]:
+    if value is None:
+        return MappingProxyType({})
+    if not isinstance(value, Mapping):
+        raise RecurringConfigurationError("headers must be a mapping of str to str")
+    if len(value) > limits.MAX_HEADERS:
+        raise RecurringConfigurationError(
+            f"a message has {len(value)} headers; the limit is {limits.MAX_HEADERS}"
+        )
+    out: dict[str, str] = {}
+    for k, v in value.items():
+        text(k, "header name", max_len=limits.MAX_HEADER_NAME_LENGTH,
+             error=RecurringConfigurationError)
+        if not isinstance(v, str):
+            raise RecurringConfigurationError(f"header {k!r} must have a str value")
+        if len(v) > limits.MAX_HEADER_VALUE_LENGTH:
+            raise RecurringConfigurationError(
+                f"header {k!r} is {len(v)} characters; the limit is "
+                f"{limits.MAX_HEADER_VALUE_LENGTH}"
+            )
+        if any(ord(c) < 32 or ord(c) == 127 for c in v):
+            raise RecurringConfigurationError(f"header {k!r} contains a control character")
+        out[k] = v
+    return MappingProxyType(dict(sorted(out.items())))
+
+
+def _payload(value: Any) -> bytes:
+    if isinstance(value, bytearray | memoryview):
+        value = bytes(value)
+    if not isinstance(value, bytes):
+        raise RecurringConfigurationError(
+            f"payload must be bytes, not {type(value).__name__}; encode it first"
+        )
+    if len(value) > limits.MAX_PAYLOAD_BYTES:
+        raise RecurringConfigurationError(
+            f"payload is {len(value)} bytes; the limit is {limits.MAX_PAYLOAD_BYTES} (16 KiB): "
+            "send a reference to the data instead"
+        )
+    return value
+
+
+@attrs.frozen(repr=False, eq=True)
+class ScheduledMessage:
+    """What a recurring definition publishes: topic, message type, raw payload, headers.
+
+    Raises:
+        RecurringConfigurationError: empty/too long/control characters in topic or type,
+            a payload over 16 KiB, bad headers.
+    """
+
+    topic: str = attrs.field()
+    message_type: str = attrs.field()
+    payload: bytes = attrs.field(converter=_payload)
+    headers: Mapping[str, str] = attrs.field(factory=dict, converter=_freeze_headers)
+
+    @topic.validator
+    def _check_topic(self, _: object, value: str) -> None:
+        text(value, "topic", max_len=limits.MAX_TOPIC_LENGTH, error=RecurringConfigurationError)
+
+    @message_type.validator
+    def _check_type(self, _: object, value: str) -> None:
+        text(value, "message_type", max_len=limits.MAX_TOPIC_LENGTH,
+             error=RecurringConfigurationError)
+
+    def __repr__(self) -> str:
+        # Payloads and headers may hold personal data: never shown.
+        return (
+            f"ScheduledMessage(topic={self.topic!r}, message_type={self.message_type!r}, "
+            f"payload=<{len(self.payload)} bytes>, headers=<{len(self.headers)} headers>)"
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.topic, self.message_type, self.payload, tuple(self.headers.items())))
+
+
+@attrs.frozen
+class BrokerReceipt:
+    """A broker's word that it accepted a message.
+
+    Attributes:
+        broker: which adapter (``"nats"``, ``"redis"``, ``"sqlite"``...).
+        idempotency_key: the key the message was published under.
+        duplicate: the broker recognised the key and did not store a second copy.
+        location: where it landed (stream sequence, entry id, journal row), if known.
+    """
+
+    broker: str
+    idempotency_key: str
+    duplicate: bool = False
+    location: str | None = None

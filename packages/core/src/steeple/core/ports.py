@@ -1,0 +1,116 @@
+"""Ports: the interfaces adapters implement, as structural protocols."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from steeple.core.config import RecurringDefinition
+from steeple.core.messages import BrokerReceipt, ScheduledMessage
+from steeple.core.records import Lease, OccurrenceInfo, Page, ScheduleInfo, TickResult
+
+__all__ = ["Clock", "MessageBroker", "RandomSource", "RecurringStore", "Sealer"]
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """A source of the current instant (aware, UTC)."""
+
+    def now(self) -> datetime:
+        """Return the current instant."""
+        ...
+
+
+class RandomSource(Protocol):
+    """A source of randomness for capabilities, generations and jitter."""
+
+    def token_bytes(self, n: int) -> bytes:
+        """Return ``n`` random bytes."""
+        ...
+
+    def random(self) -> float:
+        """Return a float in [0, 1)."""
+        ...
+
+
+@runtime_checkable
+class MessageBroker(Protocol):
+    """Where the relay publishes occurrences.
+
+    ``publish`` must deliver the same message under the same ``idempotency_key`` at most
+    once to consumers for as long as the broker's dedup window lasts, and finish within
+    ``timeout`` seconds. It raises ``steeple.core.errors.BrokerError`` subclasses on failure
+    (``permanent`` ones must not be retried) and ``RelayAcknowledgementError`` (carrying the
+    receipt) when the broker accepted the message but the acknowledgement is uncertain.
+    """
+
+    async def publish(
+        self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+    ) -> BrokerReceipt:
+        """Publish ``message`` under ``idempotency_key`` within ``timeout`` seconds."""
+        ...
+
+
+class Sealer(Protocol):
+    """Authenticated encryption bound to a context (the keyring implements this)."""
+
+    @property
+    def primary_key_id(self) -> str:
+        """The id of the key new seals use."""
+        ...
+
+    def seal(self, plaintext: bytes, *, namespace: str, purpose: str, identity: str) -> bytes:
+        """Encrypt and authenticate ``plaintext`` for this exact context."""
+        ...
+
+    def open(self, sealed: bytes, *, namespace: str, purpose: str, identity: str) -> bytes:
+        """Return the plaintext, or raise if tampered or moved to another context."""
+        ...
+
+
+class RecurringStore(Protocol):
+    """The recurring-publication store contract (seed 000); the conformance suite runs it."""
+
+    async def create(self, definition: RecurringDefinition) -> ScheduleInfo:
+        """Create an immutable definition, or replay an identical earlier creation."""
+        ...
+
+    async def tick(self, budget: int) -> TickResult:
+        """Materialize due occurrences, at most ``budget`` (1-100), atomically."""
+        ...
+
+    async def claim(self, limit: int) -> list[Lease]:
+        """Lease up to ``limit`` (1-100) publishable occurrences, fencing earlier holders."""
+        ...
+
+    async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
+        """Publish the leased occurrence and record the outcome."""
+        ...
+
+    async def cancel(self, name: str) -> ScheduleInfo:
+        """Cancel a definition permanently (its name stays reserved)."""
+        ...
+
+    async def retry_failed(self, occurrence_id: str) -> OccurrenceInfo:
+        """Give a dead occurrence a fresh operator attempt budget inside its window."""
+        ...
+
+    async def schedules(
+        self, after: str | None = None, limit: int = 100
+    ) -> Page[ScheduleInfo]:
+        """List definitions' metadata after the exclusive cursor."""
+        ...
+
+    async def occurrences(
+        self, after: str | None = None, limit: int = 100
+    ) -> Page[OccurrenceInfo]:
+        """List occurrences' metadata after the exclusive cursor."""
+        ...
+
+    async def purge_terminal(self, older_than: datetime, limit: int = 100) -> int:
+        """Remove at most ``limit`` terminal occurrences older than the cutoff."""
+        ...
+
+    async def close(self) -> None:
+        """Release this store's resources."""
+        ...
