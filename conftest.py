@@ -8,7 +8,6 @@ Each test that asks for ``pg_schema`` gets its own schema, dropped afterwards.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import tempfile
@@ -57,7 +56,7 @@ async def pg_schema(pg_dsn: str) -> AsyncIterator[tuple[str, str]]:
     schema = f"t_{uuid.uuid4().hex[:12]}"
     try:
         conn = await asyncpg.connect(pg_dsn, timeout=10)
-    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         _unavailable(f"PostgreSQL at {pg_dsn!r} ({exc})")
         return
     try:

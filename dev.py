@@ -39,7 +39,7 @@ def _run(*cmd: str | Path, env: dict[str, str] | None = None) -> int:
 
 def bootstrap() -> Path:
     """Create .venv with this interpreter, put uv in it, and sync the locked workspace."""
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - dev.py may be run by an older python3
         sys.exit(f"steeple needs Python 3.11 or newer; this is {sys.version.split()[0]}")
     if not _bin(VENV, "python").exists():
         venv.EnvBuilder(with_pip=True).create(VENV)

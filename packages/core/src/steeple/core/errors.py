@@ -251,3 +251,30 @@ class MalformedEnvelopeError(KeyringError, ValueError):
 
 class SealBudgetExhaustedError(KeyringError):
     """The primary key sealed as many records as its budget allows; rotate to a new key."""
+
+
+# --- keyring: configuration binding (appended by the keyring package) --------------------
+
+
+class KeyringBindingMismatchError(KeyringError, ConfigurationError):
+    """The stored configuration binding differs from the supplied configuration: fail closed.
+
+    Only field names are reported, never values (a binding is sealed content).
+
+    Attributes:
+        namespace: the namespace whose binding did not match.
+        fields: names of the fields that differ, are missing or are extra, sorted.
+    """
+
+    def __init__(self, namespace: str, fields: tuple[str, ...]) -> None:
+        listed = ", ".join(fields) if fields else "(format)"
+        super().__init__(
+            f"the stored configuration binding of namespace {namespace!r} does not match the "
+            f"supplied configuration (fields: {listed}); supply the configuration the namespace "
+            "was initialized with, or re-initialize it deliberately"
+        )
+        self.namespace = namespace
+        self.fields = fields
+
+
+__all__ += ["KeyringBindingMismatchError"]
