@@ -1,6 +1,695 @@
-"""The ``steeple`` command."""
+"""The ``steeple`` command: demo, deployment, workers, inspection and operator actions.
+
+Exit codes: 0 success; 1 the operation was refused or failed (not found, wrong state);
+2 usage (bad options or arguments); 3 configuration (DSN, keys, namespace settings);
+4 unavailable (PostgreSQL, the broker or the embedded server cannot be reached).
+Errors are one line on stderr, followed by what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import sys
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from steeple.admin._backend import Target, classify, connect_store, initialize_store
+from steeple.admin.app import occurrence_json, schedule_json
+from steeple.admin.settings import (
+    DSN_ENV,
+    KEYS_ENV,
+    CliError,
+    ExitCode,
+    NamespaceSettings,
+    load_keyring,
+    parse_duration,
+    redact_dsn,
+    resolve_dsn,
+)
+
+if TYPE_CHECKING:
+    from steeple.admin.tasks import TaskRecord
+
+__all__ = ["app", "main"]
+
+T = TypeVar("T")
+
+_EXIT_CODES_HELP = (
+    "Exit codes: 0 ok, 1 refused or failed, 2 usage, 3 configuration, 4 unavailable."
+)
+
+app = typer.Typer(
+    name="steeple",
+    help="steeple: durable scheduled work on PostgreSQL.\n\n" + _EXIT_CODES_HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+keys_app = typer.Typer(
+    help="Storage keys: generate one, show the key ids in use.", no_args_is_help=True
+)
+admin_app = typer.Typer(help="The admin web app.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+app.add_typer(admin_app, name="admin")
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+# --- shared options --------------------------------------------------------------------------
+
+DsnOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dsn", envvar=DSN_ENV, show_envvar=True, show_default=False,
+        help="PostgreSQL URL (postgresql://user@host:5432/db).",
+    ),
+]
+SchemaOpt = Annotated[
+    str,
+    typer.Option("--schema", envvar="STEEPLE_SCHEMA", help="PostgreSQL schema of the store."),
+]
+NamespaceOpt = Annotated[
+    str,
+    typer.Option("--namespace", "-n", envvar="STEEPLE_NAMESPACE", help="steeple namespace."),
+]
+QueueSchemaOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--queue-schema", envvar="STEEPLE_QUEUE_SCHEMA", show_default=False,
+        help="Schema of the work queue (default: <schema>_queue).",
+    ),
+]
+KeysFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--keys-file", envvar="STEEPLE_KEYS_FILE", show_default=False,
+        help=f"File of storage keys (id:base64, one per line; first = primary). "
+        f"Default: the {KEYS_ENV} environment variable.",
+    ),
+]
+MaxDefinitionsOpt = Annotated[
+    int,
+    typer.Option("--max-definitions", envvar="STEEPLE_MAX_DEFINITIONS",
+                 help="Namespace quota of definitions (must match initialization)."),
+]
+MaxOccurrencesOpt = Annotated[
+    int,
+    typer.Option("--max-occurrences", envvar="STEEPLE_MAX_OCCURRENCES",
+                 help="Namespace quota of occurrences (must match initialization)."),
+]
+WindowOpt = Annotated[
+    str,
+    typer.Option("--delivery-window", envvar="STEEPLE_DELIVERY_WINDOW",
+                 help="Delivery window, e.g. 1d (must match initialization)."),
+]
+LeaseOpt = Annotated[
+    str,
+    typer.Option("--lease", envvar="STEEPLE_LEASE",
+                 help="Lease duration, e.g. 60s (must match initialization)."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+LimitOpt = Annotated[int, typer.Option("--limit", help="Rows per page (1-100).")]
+AfterOpt = Annotated[
+    str | None, typer.Option("--after", help="Exclusive cursor from a previous page.")
+]
+
+
+def _target(
+    dsn: str | None,
+    schema: str,
+    namespace: str,
+    keys_file: Path | None,
+    *,
+    queue_schema: str | None = None,
+    max_definitions: int = 1000,
+    max_occurrences: int = 100_000,
+    delivery_window: str = "1d",
+    lease: str = "60s",
+) -> Target:
+    resolved = resolve_dsn(dsn)
+    assert resolved is not None
+    settings = NamespaceSettings(
+        namespace=namespace,
+        max_definitions=max_definitions,
+        max_occurrences=max_occurrences,
+        delivery_window=parse_duration(delivery_window, what="--delivery-window"),
+        lease_duration=parse_duration(lease, what="--lease"),
+    )
+    return Target(resolved, schema, settings, keys_file, queue_schema)
+
+
+def _fail(error: CliError) -> typer.Exit:
+    err.print(f"steeple: error: {error}", markup=False)
+    if error.hint:
+        err.print(f"  what to do: {error.hint}", markup=False)
+    return typer.Exit(int(error.code))
+
+
+def _run(body: Callable[[], Coroutine[Any, Any, T]], target: Target | None = None) -> T:
+    """Run an async command body; turn every failure into one line and an exit code."""
+    try:
+        return asyncio.run(body())
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        err.print("steeple: interrupted")
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        if os.environ.get("STEEPLE_DEBUG"):
+            raise
+        raise _fail(classify(exc, target)) from None
+
+
+def _guard(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except CliError as exc:
+        raise _fail(exc) from None
+
+
+def _check_limit(limit: int) -> None:
+    if not 1 <= limit <= 100:
+        raise _fail(CliError("--limit must be between 1 and 100", code=ExitCode.USAGE))
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+# --- deployment --------------------------------------------------------------------------------
+
+
+@app.command()
+def initialize(
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
+    keys_file: KeysFileOpt = None,
+    max_definitions: MaxDefinitionsOpt = 1000,
+    max_occurrences: MaxOccurrencesOpt = 100_000,
+    delivery_window: WindowOpt = "1d",
+    lease: LeaseOpt = "60s",
+) -> None:
+    """Create the recurring store's schema and a namespace (deployment role; idempotent)."""
+    target = _guard(lambda: _target(
+        dsn, schema, namespace, keys_file, max_definitions=max_definitions,
+        max_occurrences=max_occurrences, delivery_window=delivery_window, lease=lease,
+    ))
+
+    async def body() -> None:
+        store = await initialize_store(target)
+        await store.close()
+
+    _run(body, target)
+    out.print(
+        f"initialized namespace {namespace!r} in schema {schema!r} at {redact_dsn(target.dsn)}",
+        markup=False,
+    )
+
+
+@app.command()
+def migrate(
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
+    queue_schema: QueueSchemaOpt = None,
+) -> None:
+    """Install or upgrade the work queue's tables (idempotent, forward-only)."""
+    target = _guard(lambda: _target(dsn, schema, namespace, None, queue_schema=queue_schema))
+
+    async def body() -> int:
+        import asyncpg
+
+        from steeple.postgres.queue import install
+
+        conn = await asyncpg.connect(target.dsn, timeout=10)
+        try:
+            return int(await install(conn, schema=target.queue_schema))
+        finally:
+            await conn.close()
+
+    version = _run(body, target)
+    out.print(
+        f"work queue schema {target.queue_schema!r} is at version {version}", markup=False
+    )
+
+
+# --- inspection --------------------------------------------------------------------------------
+
+
+@app.command()
+def schedules(
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
+    keys_file: KeysFileOpt = None,
+    max_definitions: MaxDefinitionsOpt = 1000,
+    max_occurrences: MaxOccurrencesOpt = 100_000,
+    delivery_window: WindowOpt = "1d",
+    lease: LeaseOpt = "60s",
+    as_json: JsonOpt = False,
+    limit: LimitOpt = 100,
+    after: AfterOpt = None,
+) -> None:
+    """List recurring definitions (metadata only)."""
+    _check_limit(limit)
+    target = _guard(lambda: _target(
+        dsn, schema, namespace, keys_file, max_definitions=max_definitions,
+        max_occurrences=max_occurrences, delivery_window=delivery_window, lease=lease,
+    ))
+
+    async def body() -> Any:
+        store = await connect_store(target)
+        try:
+            return await store.schedules(after=after, limit=limit)
+        finally:
+            await store.close()
+
+    page = _run(body, target)
+    if as_json:
+        _print_json({"items": [schedule_json(s) for s in page.items],
+                     "next_cursor": page.next_cursor})
+        return
+    table = Table(title=f"schedules in {namespace}")
+    for column in ("name", "cron", "policy", "state", "topic", "next due (UTC)"):
+        table.add_column(column)
+    for s in page.items:
+        table.add_row(s.name, s.cron, s.policy.value, s.state, s.topic, _when(s.next_due_at))
+    out.print(table)
+    if page.next_cursor:
+        out.print(f"more: --after {page.next_cursor}", markup=False)
+
+
+@app.command()
+def occurrences(
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
+    keys_file: KeysFileOpt = None,
+    max_definitions: MaxDefinitionsOpt = 1000,
+    max_occurrences: MaxOccurrencesOpt = 100_000,
+    delivery_window: WindowOpt = "1d",
+    lease: LeaseOpt = "60s",
+    as_json: JsonOpt = False,
+    limit: LimitOpt = 100,
+    after: AfterOpt = None,
+) -> None:
+    """List occurrences (metadata only: never payloads or lease credentials)."""
+    _check_limit(limit)
+    target = _guard(lambda: _target(
+        dsn, schema, namespace, keys_file, max_definitions=max_definitions,
+        max_occurrences=max_occurrences, delivery_window=delivery_window, lease=lease,
+    ))
+
+    async def body() -> Any:
+        store = await connect_store(target)
+        try:
+            return await store.occurrences(after=after, limit=limit)
+        finally:
+            await store.close()
+
+    page = _run(body, target)
+    if as_json:
+        _print_json({"items": [occurrence_json(o) for o in page.items],
+                     "next_cursor": page.next_cursor})
+        return
+    table = Table(title=f"occurrences in {namespace}")
+    for column in ("id", "definition", "due (UTC)", "state", "attempts", "last error"):
+        table.add_column(column)
+    for o in page.items:
+        table.add_row(o.occurrence_id, o.definition_name, _when(o.due_at), o.state.value,
+                      str(o.attempts), o.last_error or "")
+    out.print(table)
+    if page.next_cursor:
+        out.print(f"more: --after {page.next_cursor}", markup=False)
+
+
+@app.command()
+def tasks(
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
+    queue_schema: QueueSchemaOpt = None,
+    state: Annotated[
+        str | None, typer.Option("--state", help="Only tasks in this state.")
+    ] = None,
+    as_json: JsonOpt = False,
+    limit: LimitOpt = 100,
+    after: AfterOpt = None,
+) -> None:
+    """List work-queue tasks (metadata only: never arguments or lease tokens)."""
+    _check_limit(limit)
+    target = _guard(lambda: _target(dsn, schema, namespace, None, queue_schema=queue_schema))
+
+    async def body() -> Any:
+        from steeple.admin.queue_admin import PostgresTaskAdmin
+
+        async with PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema) as admin:
+            return await admin.tasks(after=after, limit=limit, state=state)
+
+    page = _run(body, target)
+    records: list[TaskRecord] = list(page.items)
+    if as_json:
+        _print_json({"items": [t.to_json() for t in records], "next_cursor": page.next_cursor})
+        return
+    table = Table(title=f"tasks in {target.queue_schema}")
+    for column in ("id", "name", "state", "attempts", "run at (UTC)", "last error"):
+        table.add_column(column)
+    for t in records:
+        table.add_row(str(t.task_id), t.name, t.state, f"{t.attempts}/{t.max_attempts}",
+                      _when(t.run_at), t.last_error or "")
+    out.print(table)
+    if page.next_cursor:
+        out.print(f"more: --after {page.next_cursor}", markup=False)
+
+
+# --- operator actions --------------------------------------------------------------------------
+
+
+@app.command()
+def cancel(
+    name: Annotated[
+        str | None, typer.Argument(help="Name of the recurring definition to cancel.")
+    ] = None,
+    task: Annotated[
+        int | None, typer.Option("--task", help="Cancel this work-queue task id instead.")
+    ] = None,
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
+    queue_schema: QueueSchemaOpt = None,
+    keys_file: KeysFileOpt = None,
+    max_definitions: MaxDefinitionsOpt = 1000,
+    max_occurrences: MaxOccurrencesOpt = 100_000,
+    delivery_window: WindowOpt = "1d",
+    lease: LeaseOpt = "60s",
+) -> None:
+    """Cancel a recurring definition for good (NAME), or a task (--task ID)."""
+    if (name is None) == (task is None):
+        raise _fail(CliError("give either a definition NAME or --task ID", code=ExitCode.USAGE,
+                             hint="steeple cancel NAME  |  steeple cancel --task 42"))
+    target = _guard(lambda: _target(
+        dsn, schema, namespace, keys_file, queue_schema=queue_schema,
+        max_definitions=max_definitions, max_occurrences=max_occurrences,
+        delivery_window=delivery_window, lease=lease,
+    ))
+    if task is not None:
+        task_id = task
+
+        async def cancel_task() -> str | None:
+            from steeple.admin.queue_admin import PostgresTaskAdmin
+
+            async with PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema) as admin:
+                return await admin.cancel(task_id)
+
+        state = _run(cancel_task, target)
+        if state is None:
+            raise _fail(CliError(f"there is no task {task_id}", code=ExitCode.FAILED,
+                                 hint="see `steeple tasks`"))
+        if state != "cancelled":
+            raise _fail(CliError(f"task {task_id} already finished ({state})",
+                                 code=ExitCode.FAILED))
+        out.print(f"cancelled task {task_id}")
+        return
+    definition = name
+    assert definition is not None
+
+    async def cancel_schedule() -> Any:
+        store = await connect_store(target)
+        try:
+            return await store.cancel(definition)
+        finally:
+            await store.close()
+
+    info = _run(cancel_schedule, target)
+    out.print(f"cancelled definition {info.name!r} (state {info.state})", markup=False)
+
+
+@app.command()
+def retry(
+    occurrence_id: Annotated[str, typer.Argument(help="Id of a dead occurrence.")],
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
+    keys_file: KeysFileOpt = None,
+    max_definitions: MaxDefinitionsOpt = 1000,
+    max_occurrences: MaxOccurrencesOpt = 100_000,
+    delivery_window: WindowOpt = "1d",
+    lease: LeaseOpt = "60s",
+) -> None:
+    """Give a dead occurrence a fresh attempt budget (inside its delivery window)."""
+    target = _guard(lambda: _target(
+        dsn, schema, namespace, keys_file, max_definitions=max_definitions,
+        max_occurrences=max_occurrences, delivery_window=delivery_window, lease=lease,
+    ))
+
+    async def body() -> Any:
+        store = await connect_store(target)
+        try:
+            return await store.retry_failed(occurrence_id)
+        finally:
+            await store.close()
+
+    info = _run(body, target)
+    out.print(f"occurrence {info.occurrence_id} is {info.state.value} again", markup=False)
+
+
+@app.command()
+def purge(
+    older_than: Annotated[
+        str, typer.Option("--older-than", help="Only records finished before this age (7d).")
+    ] = "7d",
+    limit: LimitOpt = 100,
+    include_tasks: Annotated[
+        bool, typer.Option("--tasks", help="Prune terminal work-queue tasks instead.")
+    ] = False,
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
+    queue_schema: QueueSchemaOpt = None,
+    keys_file: KeysFileOpt = None,
+    max_definitions: MaxDefinitionsOpt = 1000,
+    max_occurrences: MaxOccurrencesOpt = 100_000,
+    delivery_window: WindowOpt = "1d",
+    lease: LeaseOpt = "60s",
+) -> None:
+    """Remove terminal occurrences (or tasks with --tasks) older than --older-than."""
+    _check_limit(limit)
+    age = _guard(lambda: parse_duration(older_than, what="--older-than"))
+    target = _guard(lambda: _target(
+        dsn, schema, namespace, keys_file, queue_schema=queue_schema,
+        max_definitions=max_definitions, max_occurrences=max_occurrences,
+        delivery_window=delivery_window, lease=lease,
+    ))
+    cutoff = datetime.now(UTC) - age
+
+    async def body() -> int:
+        if include_tasks:
+            from steeple.admin.queue_admin import PostgresTaskAdmin
+
+            async with PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema) as admin:
+                return await admin.prune(cutoff, limit)
+        store = await connect_store(target)
+        try:
+            return await store.purge_terminal(cutoff, limit)
+        finally:
+            await store.close()
+
+    removed = _run(body, target)
+    what = "tasks" if include_tasks else "occurrences"
+    out.print(f"purged {removed} terminal {what} older than {older_than}", markup=False)
+
+
+# --- keys ---------------------------------------------------------------------------------------
+
+
+@keys_app.command("generate")
+def keys_generate(
+    key_id: Annotated[
+        str | None, typer.Option("--id", help="Key id (default: key-YYYYMMDD-HHMMSS).")
+    ] = None,
+) -> None:
+    """Print a new 32-byte storage key as id:base64 (a secret: store it as one)."""
+    from steeple.keyring import StorageKey
+
+    chosen = key_id or datetime.now(UTC).strftime("key-%Y%m%d-%H%M%S")
+    try:
+        key = StorageKey.generate(chosen)
+    except ValueError as exc:
+        raise _fail(CliError(str(exc), code=ExitCode.USAGE)) from None
+    sys.stdout.write(f"{key.key_id}:{key.to_base64()}\n")
+    err.print(
+        f"this is a secret: put it in {KEYS_ENV} or a keys file (chmod 600); "
+        "to rotate, put the new key first and keep the old ones after it",
+        markup=False,
+    )
+
+
+@keys_app.command("show")
+def keys_show(
+    keys_file: KeysFileOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show the configured key ids (the first seals), never the key material."""
+    keyring = _guard(lambda: load_keyring(keys_file))
+    ids = list(keyring.key_ids)
+    if as_json:
+        _print_json({"primary": ids[0], "key_ids": ids})
+        return
+    table = Table(title="storage keys")
+    table.add_column("key id")
+    table.add_column("role")
+    for index, key_id in enumerate(ids):
+        table.add_row(key_id, "primary (seals)" if index == 0 else "previous (opens only)")
+    out.print(table)
+
+
+# --- worker -------------------------------------------------------------------------------------
+
+
+@app.command()
+def worker(
+    app_ref: Annotated[
+        str, typer.Option("--app", help="module:object giving a steeple.admin.WorkerApp.")
+    ],
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
+    queue_schema: QueueSchemaOpt = None,
+    keys_file: KeysFileOpt = None,
+    max_definitions: MaxDefinitionsOpt = 1000,
+    max_occurrences: MaxOccurrencesOpt = 100_000,
+    delivery_window: WindowOpt = "1d",
+    lease: LeaseOpt = "60s",
+) -> None:
+    """Run the recurring relay and/or the task worker of your application until stopped.
+
+    SIGINT or SIGTERM stops it gracefully: in-flight work finishes, nothing new starts.
+    """
+    from steeple.admin.worker import load_worker_app, run_worker
+
+    target = _guard(lambda: _target(
+        dsn, schema, namespace, keys_file, queue_schema=queue_schema,
+        max_definitions=max_definitions, max_occurrences=max_occurrences,
+        delivery_window=delivery_window, lease=lease,
+    ))
+    spec = _guard(lambda: load_worker_app(app_ref))
+
+    async def body() -> None:
+        await run_worker(spec, target, log=lambda line: err.print(line, markup=False))
+
+    _run(body, target)
+    err.print("steeple worker: stopped")
+
+
+# --- admin ------------------------------------------------------------------------------------
+
+
+@admin_app.command("serve")
+def admin_serve(
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
+    queue_schema: QueueSchemaOpt = None,
+    keys_file: KeysFileOpt = None,
+    max_definitions: MaxDefinitionsOpt = 1000,
+    max_occurrences: MaxOccurrencesOpt = 100_000,
+    delivery_window: WindowOpt = "1d",
+    lease: LeaseOpt = "60s",
+    host: Annotated[str, typer.Option("--host", help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8520,
+) -> None:
+    """Serve the admin app for one namespace (HTTP basic auth with STEEPLE_ADMIN_TOKEN).
+
+    Sign in with any user name and the token as password (or send
+    ``Authorization: Bearer <token>``). State-changing API calls also need the
+    ``X-Steeple-CSRF`` header equal to STEEPLE_ADMIN_CSRF_TOKEN (disabled if unset).
+    """
+    from steeple.admin.serve import serve
+
+    target = _guard(lambda: _target(
+        dsn, schema, namespace, keys_file, queue_schema=queue_schema,
+        max_definitions=max_definitions, max_occurrences=max_occurrences,
+        delivery_window=delivery_window, lease=lease,
+    ))
+    token = os.environ.get("STEEPLE_ADMIN_TOKEN", "")
+    if len(token) < 16:
+        raise _fail(CliError(
+            "STEEPLE_ADMIN_TOKEN is not set (or shorter than 16 characters)",
+            code=ExitCode.CONFIG,
+            hint=f"export STEEPLE_ADMIN_TOKEN={secrets.token_urlsafe(24)}",
+        ))
+    csrf = os.environ.get("STEEPLE_ADMIN_CSRF_TOKEN") or None
+    if csrf is not None and len(csrf) < 16:
+        raise _fail(CliError("STEEPLE_ADMIN_CSRF_TOKEN must be at least 16 characters",
+                             code=ExitCode.CONFIG))
+    keyring = _guard(target.keyring)
+    err.print(
+        f"steeple admin: http://{host}:{port}/ui/{namespace} "
+        f"(state changes {'enabled' if csrf else 'disabled: set STEEPLE_ADMIN_CSRF_TOKEN'})",
+        markup=False,
+    )
+    _run(lambda: serve(target, keyring, token=token, csrf_token=csrf, host=host, port=port),
+         target)
+
+
+# --- demo ---------------------------------------------------------------------------------------
+
+
+@app.command()
+def demo(
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple_demo",
+    namespace: NamespaceOpt = "demo",
+    data_dir: Annotated[
+        Path, typer.Option("--data-dir", help="Where the demo keeps its PostgreSQL cluster, "
+                           "key and journal (kept between runs).")
+    ] = Path(".steeple/demo"),
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Delete the data directory first.")
+    ] = False,
+    duration: Annotated[
+        float, typer.Option("--duration", help="Seconds to run (1-55).")
+    ] = 20.0,
+    speed: Annotated[
+        float, typer.Option("--speed", help="Clock speed-up for recurring schedules (1-600).")
+    ] = 60.0,
+) -> None:
+    """Run both products end to end on the embedded default, with live progress.
+
+    A private PostgreSQL, the SQLite journal broker, recurring publications on an
+    accelerated clock, and work-queue tasks; a summary at the end. Without --dsn (or
+    STEEPLE_DATABASE_URL) it starts a private PostgreSQL in --data-dir.
+    """
+    from steeple.admin.demo import DemoOptions, run_demo
+
+    if not 1 <= duration <= 55:
+        raise _fail(CliError("--duration must be between 1 and 55 seconds", code=ExitCode.USAGE))
+    if not 1 <= speed <= 600:
+        raise _fail(CliError("--speed must be between 1 and 600", code=ExitCode.USAGE))
+    chosen = _guard(lambda: resolve_dsn(dsn, required=False))
+    options = DemoOptions(
+        dsn=chosen, schema=schema, namespace=namespace, data_dir=data_dir.absolute(),
+        fresh=fresh, duration=duration, speed=speed,
+    )
+    _run(lambda: run_demo(options, out))
 
 
 def main() -> None:
     """Run the ``steeple`` command."""
-    raise SystemExit("steeple: not built yet")
+    app()
+

@@ -1,1 +1,70 @@
-"""steeple-brokers."""
+"""steeple-brokers: implementations of the core's ``MessageBroker`` port.
+
+Importing this package loads no client library. Each backend is its own module behind an
+extra, and the names below are resolved lazily, on first use:
+
+=====================================  ==========================  =========================
+name                                   module                      extra
+=====================================  ==========================  =========================
+``SqliteJournalBroker``                ``steeple.brokers.sqlite``  ``steeple-brokers[sqlite]``
+``JetStreamBroker``, ``JetStreamConsumer``  ``steeple.brokers.nats``  ``[nats]``
+``RedisStreamBroker``, ``RedisStreamConsumer``  ``steeple.brokers.redis``  ``[redis]``
+``RabbitMQBroker``, ``RabbitMQConsumer``, ``DedupingConsumer``  ``steeple.brokers.rabbitmq``
+                                                                   ``[rabbitmq]``
+``WorkQueueBroker``                    ``steeple.brokers.queue``   ``[queue]``
+``MemoryBroker``                       ``steeple.brokers.memory``  (``steeple-testing``)
+=====================================  ==========================  =========================
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from steeple.brokers._common import Delivery
+
+if TYPE_CHECKING:
+    from steeple.brokers.memory import MemoryBroker
+    from steeple.brokers.nats import JetStreamBroker, JetStreamConsumer
+    from steeple.brokers.queue import WorkQueueBroker
+    from steeple.brokers.rabbitmq import DedupingConsumer, RabbitMQBroker, RabbitMQConsumer
+    from steeple.brokers.redis import RedisStreamBroker, RedisStreamConsumer
+    from steeple.brokers.sqlite import SqliteJournalBroker
+
+__all__ = [
+    "DedupingConsumer",
+    "Delivery",
+    "JetStreamBroker",
+    "JetStreamConsumer",
+    "MemoryBroker",
+    "RabbitMQBroker",
+    "RabbitMQConsumer",
+    "RedisStreamBroker",
+    "RedisStreamConsumer",
+    "SqliteJournalBroker",
+    "WorkQueueBroker",
+]
+
+_LAZY = {
+    "SqliteJournalBroker": "steeple.brokers.sqlite",
+    "JetStreamBroker": "steeple.brokers.nats",
+    "JetStreamConsumer": "steeple.brokers.nats",
+    "RedisStreamBroker": "steeple.brokers.redis",
+    "RedisStreamConsumer": "steeple.brokers.redis",
+    "RabbitMQBroker": "steeple.brokers.rabbitmq",
+    "RabbitMQConsumer": "steeple.brokers.rabbitmq",
+    "DedupingConsumer": "steeple.brokers.rabbitmq",
+    "WorkQueueBroker": "steeple.brokers.queue",
+    "MemoryBroker": "steeple.brokers.memory",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'steeple.brokers' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

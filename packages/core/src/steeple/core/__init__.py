@@ -40,9 +40,31 @@ from steeple.core.errors import (
     UnknownKeyIdError,
 )
 from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
+from steeple.core.leases import (
+    CAPABILITY_BYTES,
+    GENERATION_BYTES,
+    FailureDecision,
+    adopt_time,
+    after_publish_failure,
+    capability_matches,
+    is_live,
+    lease_expiry,
+    new_capability,
+    new_generation,
+    occurrence_id_for,
+    window_end,
+)
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
-from steeple.core.occurrences import OccurrenceState
-from steeple.core.policies import MissedRunPolicy
+from steeple.core.occurrences import (
+    CLAIMABLE_STATES,
+    OCCURRENCE_TRANSITIONS,
+    PURGED,
+    TERMINAL_STATES,
+    OccurrenceEvent,
+    OccurrenceState,
+    PurgedType,
+)
+from steeple.core.policies import DueCalendar, MissedRunPolicy, TickPlan, plan_tick, validate_budget
 from steeple.core.ports import Clock, MessageBroker, RandomSource, RecurringStore, Sealer
 from steeple.core.records import (
     Lease,
@@ -52,11 +74,26 @@ from steeple.core.records import (
     ScheduleState,
     TickResult,
 )
-from steeple.core.tasks import TaskState
+from steeple.core.tasks import (
+    TASK_TRANSITIONS,
+    TERMINAL_TASK_STATES,
+    RetryDecision,
+    TaskEvent,
+    TaskState,
+    retry_decision,
+)
 
 __all__ = [
+    "CAPABILITY_BYTES",
+    "CLAIMABLE_STATES",
+    "GENERATION_BYTES",
+    "OCCURRENCE_TRANSITIONS",
     "PUBLISH_PURPOSE",
+    "PURGED",
     "RELAY_BACKOFF",
+    "TASK_TRANSITIONS",
+    "TERMINAL_STATES",
+    "TERMINAL_TASK_STATES",
     "AuthenticationFailedError",
     "Backoff",
     "BrokerError",
@@ -67,6 +104,8 @@ __all__ = [
     "Clock",
     "ConfigurationError",
     "CronCalendar",
+    "DueCalendar",
+    "FailureDecision",
     "InvalidCronExpression",
     "InvalidTransitionError",
     "KeyringConfigurationError",
@@ -76,9 +115,11 @@ __all__ = [
     "MessageBroker",
     "MessageTooLargeError",
     "MissedRunPolicy",
+    "OccurrenceEvent",
     "OccurrenceInfo",
     "OccurrenceState",
     "Page",
+    "PurgedType",
     "RandomSource",
     "RecurringCapacityError",
     "RecurringClockError",
@@ -97,6 +138,7 @@ __all__ = [
     "RelayBrokerError",
     "RelayBrokerTimeoutError",
     "RelayLeaseLostError",
+    "RetryDecision",
     "ScheduleInfo",
     "ScheduleState",
     "ScheduledMessage",
@@ -105,8 +147,22 @@ __all__ = [
     "SteepleError",
     "SystemClock",
     "SystemRandom",
+    "TaskEvent",
     "TaskState",
+    "TickPlan",
     "TickResult",
     "UnknownKeyIdError",
+    "adopt_time",
+    "after_publish_failure",
+    "capability_matches",
     "idempotency_key",
+    "is_live",
+    "lease_expiry",
+    "new_capability",
+    "new_generation",
+    "occurrence_id_for",
+    "plan_tick",
+    "retry_decision",
+    "validate_budget",
+    "window_end",
 ]

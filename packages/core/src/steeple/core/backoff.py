@@ -35,8 +35,12 @@ class Backoff:
             raise ConfigurationError("backoff maximum must be a timedelta >= the initial delay")
         if isinstance(self.factor, bool) or not isinstance(self.factor, int) or self.factor < 1:
             raise ConfigurationError("backoff factor must be an int >= 1")
-        if not 0.0 <= float(self.jitter) <= 1.0:
-            raise ConfigurationError("backoff jitter must be within [0, 1]")
+        if (
+            isinstance(self.jitter, bool)
+            or not isinstance(self.jitter, int | float)
+            or not 0.0 <= self.jitter <= 1.0
+        ):
+            raise ConfigurationError("backoff jitter must be a number within [0, 1]")
 
     def delay(self, attempt: int, draw: float = 0.0) -> timedelta:
         """Return the delay after failed attempt number ``attempt`` (>= 1).
@@ -44,7 +48,12 @@ class Backoff:
         Args:
             attempt: how many attempts have failed so far (1 for the first failure).
             draw: a random float in [0, 1) used for jitter; 0 means no jitter.
+
+        Raises:
+            ConfigurationError: ``attempt`` is not an int >= 1.
         """
+        if isinstance(attempt, bool) or not isinstance(attempt, int):
+            raise ConfigurationError(f"attempt must be an int, not {type(attempt).__name__}")
         if attempt < 1:
             raise ConfigurationError(f"attempt numbers start at 1; got {attempt}")
         initial_us = self.initial // timedelta(microseconds=1)

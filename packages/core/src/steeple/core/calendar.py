@@ -149,6 +149,8 @@ def _number(text: str, spec: _FieldSpec, what: str) -> int:
     if not text:
         raise _FieldError(f"missing {what}")
     if not (text.isascii() and text.isdigit()):
+        if spec.names is not None:
+            raise _FieldError(f"{what} {text!r} is neither a number nor a {spec.name} name")
         raise _FieldError(f"{what} {text!r} is not a number")
     value = int(text)
     if not spec.minimum <= value <= spec.maximum:
@@ -210,7 +212,7 @@ def _parse_item(item: str, spec: _FieldSpec) -> range:
             raise _FieldError(f"range {base!r} mixes a number and a name")
         start = _bound(start_text, spec, "range start")
         end = _bound(end_text, spec, "range end")
-        if start > end:
+        if start > end + 1:
             raise _FieldError(f"range {base!r} is reversed (ranges do not wrap around)")
         return range(start, end + 1, step)
     if _is_name(base):

@@ -278,3 +278,18 @@ class KeyringBindingMismatchError(KeyringError, ConfigurationError):
 
 
 __all__ += ["KeyringBindingMismatchError"]
+
+
+# --- brokers: configuration that breaks the dedup promise (appended by the brokers package) --
+
+
+class BrokerConfigurationError(BrokerRejectedError, ConfigurationError):
+    """The broker is set up so that it cannot keep steeple's promise (permanent).
+
+    For example a JetStream stream whose ``duplicate_window`` is shorter than the delivery
+    window it must protect, or a missing stream the adapter is not allowed to create.
+    The message says what the operator must change.
+    """
+
+
+__all__ += ["BrokerConfigurationError"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -35,7 +36,8 @@ def _freeze_headers(value: Mapping[str, str] | None) -> Mapping[str, str]:
                 f"header {k!r} is {len(v)} characters; the limit is "
                 f"{limits.MAX_HEADER_VALUE_LENGTH}"
             )
-        if any(ord(c) < 32 or ord(c) == 127 for c in v):
+        # C0, DEL and C1 controls (CR/LF included) could split or forge a header downstream.
+        if any(unicodedata.category(c) == "Cc" for c in v):
             raise RecurringConfigurationError(f"header {k!r} contains a control character")
         out[k] = v
     return MappingProxyType(dict(sorted(out.items())))

@@ -1,10 +1,28 @@
-"""The work-queue task lifecycle (states; the transition table is added below)."""
+"""The work-queue task lifecycle: ONE transition table, a pure ``transition()``, retry decisions."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from datetime import datetime
+from types import MappingProxyType
+from typing import Final
 
-__all__ = ["TaskState"]
+import attrs
+
+from steeple.core._validate import aware_utc
+from steeple.core.backoff import Backoff
+from steeple.core.errors import ConfigurationError, InvalidTransitionError
+
+__all__ = [
+    "TASK_TRANSITIONS",
+    "TERMINAL_TASK_STATES",
+    "RetryDecision",
+    "TaskEvent",
+    "TaskState",
+    "retry_decision",
+    "transition",
+]
 
 
 class TaskState(enum.Enum):
@@ -15,3 +33,115 @@ class TaskState(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+class TaskEvent(enum.Enum):
+    """What can happen to a task (inputs of the state table)."""
+
+    CLAIM = "claim"
+    """A worker claimed it and holds a token-fenced lease."""
+    SUCCEED = "succeed"
+    """The handler returned."""
+    FAIL_RETRYABLE = "fail_retryable"
+    """The handler failed and attempts remain: back to pending, run again later."""
+    FAIL_PERMANENT = "fail_permanent"
+    """The handler failed for good, or attempts are used up."""
+    LEASE_EXPIRED = "lease_expired"
+    """The worker died or stalled past its lease: recovered to pending."""
+    CANCEL = "cancel"
+    """An operator or the application cancelled it."""
+
+
+_S = TaskState
+_E = TaskEvent
+
+TASK_TRANSITIONS: Final[Mapping[tuple[TaskState, TaskEvent], TaskState]] = MappingProxyType(
+    {
+        (_S.PENDING, _E.CLAIM): _S.RUNNING,
+        (_S.PENDING, _E.CANCEL): _S.CANCELLED,
+        (_S.RUNNING, _E.SUCCEED): _S.SUCCEEDED,
+        # The store sets run_at from retry_decision(); the state itself returns to pending.
+        (_S.RUNNING, _E.FAIL_RETRYABLE): _S.PENDING,
+        (_S.RUNNING, _E.FAIL_PERMANENT): _S.FAILED,
+        (_S.RUNNING, _E.LEASE_EXPIRED): _S.PENDING,
+        (_S.RUNNING, _E.CANCEL): _S.CANCELLED,
+    }
+)
+"""The whole task lifecycle: ``(state, event) -> next state``."""
+
+TERMINAL_TASK_STATES: Final[frozenset[TaskState]] = frozenset(
+    {_S.SUCCEEDED, _S.FAILED, _S.CANCELLED}
+)
+"""States a task never leaves (``prune_terminal`` may remove them)."""
+
+
+def transition(state: TaskState, event: TaskEvent) -> TaskState:
+    """Return the state that ``event`` moves a task in ``state`` to.
+
+    Raises:
+        InvalidTransitionError: ``(state, event)`` is not in the table (including values
+            that are not a :class:`TaskState` / :class:`TaskEvent`).
+    """
+    try:
+        return TASK_TRANSITIONS[(state, event)]
+    except (KeyError, TypeError):
+        raise InvalidTransitionError("task", state, event) from None
+
+
+@attrs.frozen
+class RetryDecision:
+    """What to do after a retryable handler failure.
+
+    Attributes:
+        retry: whether the task runs again (``FAIL_RETRYABLE``) or fails for good.
+        run_at: when it runs again; ``None`` when it does not.
+    """
+
+    retry: bool
+    run_at: datetime | None
+
+    @property
+    def event(self) -> TaskEvent:
+        """The table event this decision amounts to."""
+        return TaskEvent.FAIL_RETRYABLE if self.retry else TaskEvent.FAIL_PERMANENT
+
+
+def _positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationError(f"{what} must be an int, not {type(value).__name__}")
+    if value < 1:
+        raise ConfigurationError(f"{what} must be at least 1; got {value}")
+    return value
+
+
+def retry_decision(
+    attempt: int, max_attempts: int, backoff: Backoff, now: datetime, draw: float = 0.0
+) -> RetryDecision:
+    """Decide whether a task that failed retryably runs again, and when.
+
+    A retryable failure with attempts used up becomes a permanent one.
+
+    Args:
+        attempt: how many attempts have run, the failed one included (1-based).
+        max_attempts: the task's snapshotted attempt limit (>= 1).
+        backoff: the task's snapshotted backoff policy.
+        now: the current instant (aware).
+        draw: a random float in [0, 1) for jitter, injected by the caller.
+
+    Raises:
+        ConfigurationError: ``attempt`` or ``max_attempts`` is not a positive int.
+        ValueError: ``now`` is naive.
+        TypeError: ``now`` is not a datetime.
+    """
+    _positive_int(attempt, "attempt")
+    _positive_int(max_attempts, "max_attempts")
+    instant = aware_utc(now, "now")
+    if attempt >= max_attempts:
+        return RetryDecision(retry=False, run_at=None)
+    delay = backoff.delay(attempt, draw)
+    try:
+        run_at = instant + delay
+    except OverflowError:
+        # A cap of centuries past year 9999: "never sooner than the end of time".
+        run_at = datetime.max.replace(tzinfo=instant.tzinfo)
+    return RetryDecision(retry=True, run_at=run_at)

@@ -1,4 +1,4 @@
-"""steeple's AES-256-GCM keyring: explicit rotating keys, each seal bound to its context.
+r"""steeple's AES-256-GCM keyring: explicit rotating keys, each seal bound to its context.
 
 ``Keyring(primary, *previous)`` seals definitions, occurrence content and the namespace
 configuration binding at rest. It implements ``steeple.core.ports.Sealer``.
@@ -19,7 +19,7 @@ Envelope format, version 1 (``L`` is the key id length, 1..32)::
 Associated data (authenticated, never stored; rebuilt from the header and the caller's
 context on open), each part as a 4-byte big-endian length then the bytes::
 
-    len|b"STK\\x01"  len|key id (ASCII)  len|namespace  len|purpose  len|identity  (UTF-8)
+    len|b"STK\x01"  len|key id (ASCII)  len|namespace  len|purpose  len|identity  (UTF-8)
 
 So the version and key id are authenticated, and moving a record to another namespace,
 purpose or identity fails authentication; with five length-prefixed parts no two contexts

@@ -1,4 +1,4 @@
-"""The sealed envelope's framing and associated data (no cryptography here).
+r"""The sealed envelope's framing and associated data (no cryptography here).
 
 Layout (offsets in bytes, ``L`` is the key id length)::
 
@@ -11,7 +11,7 @@ Layout (offsets in bytes, ``L`` is the key id length)::
 
 Associated data (never stored, rebuilt on open)::
 
-    lp(b"STK\\x01") | lp(key id) | lp(namespace) | lp(purpose) | lp(identity)
+    lp(b"STK\x01") | lp(key id) | lp(namespace) | lp(purpose) | lp(identity)
 
 where ``lp(x)`` is the 4-byte big-endian length of ``x`` followed by ``x`` (strings in
 UTF-8). A fixed number of length-prefixed parts makes the encoding injective, so no two
@@ -99,9 +99,7 @@ def sealed_bytes(sealed: object) -> bytes:
         return sealed
     if isinstance(sealed, bytearray | memoryview):
         return bytes(sealed)
-    raise MalformedEnvelopeError(
-        f"a sealed envelope is bytes, not {type(sealed).__name__}"
-    )
+    raise MalformedEnvelopeError(f"a sealed envelope is bytes, not {type(sealed).__name__}")
 
 
 def parse_header(sealed: bytes) -> tuple[str, int]:

@@ -187,9 +187,7 @@ class Keyring:
                         f"seal_counts names key id {key_id!r}, which this keyring does not hold"
                     )
                 if isinstance(count, bool) or not isinstance(count, int):
-                    raise KeyringConfigurationError(
-                        f"the seal count of {key_id!r} must be an int"
-                    )
+                    raise KeyringConfigurationError(f"the seal count of {key_id!r} must be an int")
                 if not 0 <= count <= budget:
                     raise KeyringConfigurationError(
                         f"the seal count of {key_id!r} must be between 0 and the budget "
@@ -234,7 +232,7 @@ class Keyring:
             primary_remaining=self._budget - counts[primary],
         )
 
-    def key_id_of(self, sealed: bytes) -> str:
+    def key_id_of(self, sealed: bytes | bytearray | memoryview) -> str:
         """Return the key id an envelope names, from its header, without opening it.
 
         Raises:
@@ -254,7 +252,14 @@ class Keyring:
 
     # --- sealing -----------------------------------------------------------------------
 
-    def seal(self, plaintext: bytes, *, namespace: str, purpose: str, identity: str) -> bytes:
+    def seal(
+        self,
+        plaintext: bytes | bytearray | memoryview,
+        *,
+        namespace: str,
+        purpose: str,
+        identity: str,
+    ) -> bytes:
         """Encrypt and authenticate ``plaintext`` under the primary key for this context.
 
         Args:
@@ -287,7 +292,14 @@ class Keyring:
         body = self._ciphers[key_id].encrypt(nonce, data, associated_data(key_id, *parts))
         return encode_header(key_id) + nonce + body
 
-    def open(self, sealed: bytes, *, namespace: str, purpose: str, identity: str) -> bytes:
+    def open(
+        self,
+        sealed: bytes | bytearray | memoryview,
+        *,
+        namespace: str,
+        purpose: str,
+        identity: str,
+    ) -> bytes:
         """Authenticate and decrypt an envelope sealed for exactly this context.
 
         Only the key the envelope names is used; no other key is ever tried.
@@ -339,7 +351,11 @@ class Keyring:
         )
 
     def open_binding(
-        self, sealed: bytes, *, namespace: str, expected: Mapping[str, BindingValue]
+        self,
+        sealed: bytes | bytearray | memoryview,
+        *,
+        namespace: str,
+        expected: Mapping[str, BindingValue],
     ) -> BindingStatus:
         """Open a namespace's binding and check it against the supplied configuration.
 

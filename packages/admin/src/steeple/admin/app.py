@@ -1,0 +1,464 @@
+"""The admin ASGI app (Starlette): a JSON API and a small HTML dashboard for operators.
+
+Mount it in any ASGI host. The host owns authentication: every request goes through the
+``authorize(request, action, namespace)`` callback, and without one the app refuses
+everything. Namespaces and names in a request select what to act on; they are never
+authorization. State-changing routes take only ``application/json`` bodies plus the
+``X-Steeple-CSRF`` header token, so a cross-site form or simple request cannot reach them.
+Every response carries restrictive security headers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import html
+import json
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from steeple.admin.tasks import TaskAdmin, TaskRecord
+from steeple.core.errors import (
+    ConfigurationError,
+    RecurringInvalidStateError,
+    RecurringNotFoundError,
+    RecurringStorageError,
+    SteepleError,
+)
+from steeple.core.ports import RecurringStore
+from steeple.core.records import OccurrenceInfo, ScheduleInfo
+
+__all__ = [
+    "ACTIONS",
+    "CSRF_HEADER",
+    "SECURITY_HEADERS",
+    "Authorize",
+    "StoreProvider",
+    "TaskProvider",
+    "create_admin_app",
+    "occurrence_json",
+    "schedule_json",
+]
+
+Authorize = Callable[[Request, str, str], Awaitable[bool]]
+"""``authorize(request, action, namespace) -> allowed``: the host's decision, per request."""
+StoreProvider = Callable[[str], Awaitable[RecurringStore]]
+"""Return the (host-owned, long-lived) recurring store of a namespace; LookupError if none."""
+TaskProvider = Callable[[str], Awaitable[TaskAdmin]]
+"""Return the task access of a namespace; LookupError if none."""
+
+CSRF_HEADER = "X-Steeple-CSRF"
+"""Header that state-changing requests must carry, equal to the configured token."""
+
+ACTIONS = (
+    "schedules.read",
+    "schedules.cancel",
+    "occurrences.read",
+    "occurrences.retry",
+    "occurrences.purge",
+    "tasks.read",
+    "tasks.cancel",
+    "tasks.purge",
+    "dashboard.read",
+    "static.read",
+)
+"""Every action the app asks ``authorize`` about."""
+
+SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    (
+        b"content-security-policy",
+        b"default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-store"),
+    (b"cross-origin-opener-policy", b"same-origin"),
+    (b"cross-origin-resource-policy", b"same-origin"),
+)
+"""Headers set on every response, whatever route (or error) produced it."""
+
+_NAMESPACE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}\Z")
+_MAX_BODY = 16 * 1024
+
+
+class _SecurityHeaders:
+    """ASGI middleware: replace any same-named headers with :data:`SECURITY_HEADERS`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        names = {name for name, _ in SECURITY_HEADERS}
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [
+                    (k, v) for k, v in message.get("headers", []) if k.lower() not in names
+                ]
+                headers.extend(SECURITY_HEADERS)
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, error: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+def _json_error(status: int, error: str, detail: str) -> JSONResponse:
+    return JSONResponse({"error": error, "detail": detail}, status_code=status)
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def schedule_json(info: ScheduleInfo) -> dict[str, Any]:
+    """Return a schedule's metadata as a JSON-ready dict (no payload, no headers)."""
+    return {
+        "name": info.name,
+        "cron": info.cron,
+        "policy": info.policy.value,
+        "first_after": _iso(info.first_after),
+        "topic": info.topic,
+        "message_type": info.message_type,
+        "state": info.state,
+        "next_due_at": _iso(info.next_due_at),
+        "created_at": _iso(info.created_at),
+        "cancelled_at": _iso(info.cancelled_at),
+    }
+
+
+def occurrence_json(info: OccurrenceInfo) -> dict[str, Any]:
+    """Return an occurrence's metadata as a JSON-ready dict (no payload, no lease)."""
+    return {
+        "occurrence_id": info.occurrence_id,
+        "definition_name": info.definition_name,
+        "due_at": _iso(info.due_at),
+        "state": info.state.value,
+        "attempts": info.attempts,
+        "window_ends_at": _iso(info.window_ends_at),
+        "created_at": _iso(info.created_at),
+        "next_attempt_at": _iso(info.next_attempt_at),
+        "last_error": info.last_error,
+    }
+
+
+def create_admin_app(
+    *,
+    authorize: Authorize | None,
+    stores: StoreProvider | None = None,
+    tasks: TaskProvider | None = None,
+    csrf_token: str | None = None,
+    now: Callable[[], datetime] | None = None,
+) -> Starlette:
+    """Build the admin app.
+
+    Args:
+        authorize: the host's ``authorize(request, action, namespace)``; ``None`` (or any
+            answer but ``True``) refuses with 403. ``action`` is one of :data:`ACTIONS`.
+        stores: returns the recurring store of a namespace (the host opens and closes it;
+            the app never closes it). ``None``: recurring routes answer 404.
+        tasks: returns the task access of a namespace. ``None``: task routes answer 404.
+        csrf_token: the value state-changing requests must send in ``X-Steeple-CSRF``
+            (at least 16 characters). ``None``: every state-changing request is refused.
+        now: the clock for purge cutoffs (defaults to the system clock).
+
+    Raises:
+        ConfigurationError: a ``csrf_token`` shorter than 16 characters.
+    """
+    if csrf_token is not None and len(csrf_token) < 16:
+        raise ConfigurationError("csrf_token must be at least 16 characters of random text")
+    clock = now or (lambda: datetime.now(UTC))
+    expected_token = None if csrf_token is None else csrf_token.encode("utf-8")
+
+    async def gate(request: Request, action: str, namespace: str) -> None:
+        # Refuse before looking at anything else: no callback means no access at all.
+        if authorize is None:
+            raise _Refusal(403, "forbidden", "this admin app has no authorize callback")
+        if not _NAMESPACE.match(namespace) and action != "static.read":
+            raise _Refusal(404, "not_found", "no such namespace")
+        allowed = await authorize(request, action, namespace)
+        if allowed is not True:
+            raise _Refusal(403, "forbidden", f"not allowed: {action}")
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        if expected_token is None:
+            raise _Refusal(403, "forbidden", "state-changing requests are disabled")
+        presented = request.headers.get(CSRF_HEADER, "").encode("utf-8")
+        if not hmac.compare_digest(presented, expected_token):
+            raise _Refusal(403, "csrf", f"missing or wrong {CSRF_HEADER} header")
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise _Refusal(415, "unsupported_media_type", "send an application/json body")
+        raw = await request.body()
+        if len(raw) > _MAX_BODY:
+            raise _Refusal(413, "too_large", "the body is too large")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise _Refusal(400, "bad_request", "the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise _Refusal(400, "bad_request", "the body must be a JSON object")
+        return body
+
+    async def store_of(namespace: str) -> RecurringStore:
+        if stores is None:
+            raise _Refusal(404, "not_found", "recurring publications are not served here")
+        try:
+            return await stores(namespace)
+        except LookupError:
+            raise _Refusal(404, "not_found", "no such namespace") from None
+
+    async def tasks_of(namespace: str) -> TaskAdmin:
+        if tasks is None:
+            raise _Refusal(404, "not_found", "tasks are not served here")
+        try:
+            return await tasks(namespace)
+        except LookupError:
+            raise _Refusal(404, "not_found", "no such namespace") from None
+
+    def endpoint(
+        action: str, handler: Callable[[Request, str], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            namespace = str(request.path_params.get("namespace", ""))
+            try:
+                await gate(request, action, namespace)
+                return await handler(request, namespace)
+            except _Refusal as refusal:
+                return _json_error(refusal.status, refusal.error, refusal.detail)
+            except RecurringNotFoundError as exc:
+                return _json_error(404, "not_found", str(exc))
+            except RecurringInvalidStateError as exc:
+                return _json_error(409, "invalid_state", str(exc))
+            except (ConfigurationError, ValueError) as exc:
+                return _json_error(400, "bad_request", str(exc))
+            except (RecurringStorageError, OSError, TimeoutError):
+                return _json_error(503, "unavailable", "storage is unavailable; try again")
+            except SteepleError as exc:
+                return _json_error(409, "refused", str(exc))
+
+        return run
+
+    # --- reads -------------------------------------------------------------------------
+
+    async def list_schedules(request: Request, namespace: str) -> Response:
+        after, limit = _paging(request)
+        page = await (await store_of(namespace)).schedules(after=after, limit=limit)
+        return JSONResponse(
+            {"items": [schedule_json(s) for s in page.items], "next_cursor": page.next_cursor}
+        )
+
+    async def list_occurrences(request: Request, namespace: str) -> Response:
+        after, limit = _paging(request)
+        page = await (await store_of(namespace)).occurrences(after=after, limit=limit)
+        return JSONResponse(
+            {"items": [occurrence_json(o) for o in page.items], "next_cursor": page.next_cursor}
+        )
+
+    async def list_tasks(request: Request, namespace: str) -> Response:
+        after, limit = _paging(request)
+        state = request.query_params.get("state") or None
+        page = await (await tasks_of(namespace)).tasks(after=after, limit=limit, state=state)
+        return JSONResponse(
+            {"items": [t.to_json() for t in page.items], "next_cursor": page.next_cursor}
+        )
+
+    async def show_task(request: Request, namespace: str) -> Response:
+        task_id = _task_id(request.path_params.get("task_id"))
+        record = await (await tasks_of(namespace)).task(task_id)
+        if record is None:
+            return _json_error(404, "not_found", "no such task")
+        return JSONResponse(record.to_json())
+
+    # --- changes -----------------------------------------------------------------------
+
+    async def cancel_schedule(request: Request, namespace: str) -> Response:
+        body = await json_body(request)
+        name = body.get("name")
+        if not isinstance(name, str) or not name:
+            raise _Refusal(400, "bad_request", "give the schedule's name as {\"name\": ...}")
+        info = await (await store_of(namespace)).cancel(name)
+        return JSONResponse(schedule_json(info))
+
+    async def retry_occurrence(request: Request, namespace: str) -> Response:
+        body = await json_body(request)
+        occurrence_id = body.get("occurrence_id")
+        if not isinstance(occurrence_id, str) or not occurrence_id:
+            raise _Refusal(400, "bad_request", "give {\"occurrence_id\": ...}")
+        info = await (await store_of(namespace)).retry_failed(occurrence_id)
+        return JSONResponse(occurrence_json(info))
+
+    async def purge_occurrences(request: Request, namespace: str) -> Response:
+        body = await json_body(request)
+        older_than, limit = _purge_args(body, clock())
+        removed = await (await store_of(namespace)).purge_terminal(older_than, limit)
+        return JSONResponse({"purged": removed})
+
+    async def cancel_task(request: Request, namespace: str) -> Response:
+        body = await json_body(request)
+        task_id = _task_id(body.get("task_id"))
+        state = await (await tasks_of(namespace)).cancel(task_id)
+        if state is None:
+            return _json_error(404, "not_found", "no such task")
+        if state != "cancelled":
+            return _json_error(409, "invalid_state", f"the task already finished ({state})")
+        return JSONResponse({"task_id": task_id, "state": state})
+
+    async def purge_tasks(request: Request, namespace: str) -> Response:
+        body = await json_body(request)
+        older_than, limit = _purge_args(body, clock())
+        removed = await (await tasks_of(namespace)).prune(older_than, limit)
+        return JSONResponse({"purged": removed})
+
+    # --- dashboard ---------------------------------------------------------------------
+
+    async def dashboard(request: Request, namespace: str) -> Response:
+        sections: list[str] = []
+        if stores is not None:
+            store = await store_of(namespace)
+            schedules = (await store.schedules(limit=100)).items
+            occurrences = (await store.occurrences(limit=100)).items
+            sections.append(_schedules_table(schedules))
+            sections.append(_occurrences_table(occurrences))
+        if tasks is not None:
+            records = (await (await tasks_of(namespace)).tasks(limit=100)).items
+            sections.append(_tasks_table(records))
+        return HTMLResponse(_page(namespace, sections))
+
+    async def stylesheet(request: Request, namespace: str) -> Response:
+        css = resources.files("steeple.admin").joinpath("static/admin.css").read_text("utf-8")
+        return Response(css, media_type="text/css")
+
+    routes = [
+        Route("/api/{namespace}/schedules", endpoint("schedules.read", list_schedules)),
+        Route("/api/{namespace}/occurrences", endpoint("occurrences.read", list_occurrences)),
+        Route("/api/{namespace}/tasks", endpoint("tasks.read", list_tasks)),
+        Route("/api/{namespace}/tasks/{task_id}", endpoint("tasks.read", show_task)),
+        Route("/api/{namespace}/schedules/cancel",
+              endpoint("schedules.cancel", cancel_schedule), methods=["POST"]),
+        Route("/api/{namespace}/occurrences/retry",
+              endpoint("occurrences.retry", retry_occurrence), methods=["POST"]),
+        Route("/api/{namespace}/occurrences/purge",
+              endpoint("occurrences.purge", purge_occurrences), methods=["POST"]),
+        Route("/api/{namespace}/tasks/cancel",
+              endpoint("tasks.cancel", cancel_task), methods=["POST"]),
+        Route("/api/{namespace}/tasks/purge",
+              endpoint("tasks.purge", purge_tasks), methods=["POST"]),
+        Route("/ui/{namespace}", endpoint("dashboard.read", dashboard)),
+        Route("/static/admin.css", endpoint("static.read", stylesheet)),
+    ]
+    app = Starlette(routes=routes)
+    app.add_middleware(_SecurityHeaders)
+    return app
+
+
+def _paging(request: Request) -> tuple[str | None, int]:
+    after = request.query_params.get("after") or None
+    raw = request.query_params.get("limit", "100")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise _Refusal(400, "bad_request", "limit must be a whole number from 1 to 100")
+    return after, int(raw)
+
+
+def _task_id(value: object) -> int:
+    if isinstance(value, bool):
+        raise _Refusal(400, "bad_request", "a task id is a positive whole number")
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if not isinstance(value, int) or value < 1 or value > 2**63 - 1:
+        raise _Refusal(400, "bad_request", "a task id is a positive whole number")
+    return value
+
+
+def _purge_args(body: dict[str, Any], now: datetime) -> tuple[datetime, int]:
+    seconds = body.get("older_than_seconds", 7 * 86400)
+    limit = body.get("limit", 100)
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 0:
+        raise _Refusal(400, "bad_request", "older_than_seconds must be a whole number >= 0")
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100:
+        raise _Refusal(400, "bad_request", "limit must be a whole number from 1 to 100")
+    return now - timedelta(seconds=min(seconds, 100 * 365 * 86400)), limit
+
+
+# --- HTML (escaped text only; no inline script or style: the CSP forbids them) ------------
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "<td class=\"none\">-</td>"
+    if isinstance(value, datetime):
+        value = value.strftime("%Y-%m-%d %H:%M:%S")
+    return f"<td>{html.escape(str(value))}</td>"
+
+
+def _table(title: str, kind: str, headings: Sequence[str], rows: list[list[object]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headings)
+    if rows:
+        body = "".join(
+            f"<tr class=\"row {kind}\">" + "".join(_cell(v) for v in row) + "</tr>" for row in rows
+        )
+    else:
+        body = f"<tr><td class=\"empty\" colspan=\"{len(headings)}\">none</td></tr>"
+    return (
+        f"<section id=\"{kind}\"><h2>{html.escape(title)} <span class=\"count\">"
+        f"{len(rows)}</span></h2><table><thead><tr>{head}</tr></thead>"
+        f"<tbody>{body}</tbody></table></section>"
+    )
+
+
+def _schedules_table(items: Sequence[ScheduleInfo]) -> str:
+    return _table(
+        "Recurring publications", "schedule",
+        ["name", "cron", "policy", "state", "topic", "next due"],
+        [[s.name, s.cron, s.policy.value, s.state, s.topic, s.next_due_at] for s in items],
+    )
+
+
+def _occurrences_table(items: Sequence[OccurrenceInfo]) -> str:
+    return _table(
+        "Occurrences", "occurrence",
+        ["id", "definition", "due", "state", "attempts", "last error"],
+        [[o.occurrence_id, o.definition_name, o.due_at, o.state.value, o.attempts, o.last_error]
+         for o in items],
+    )
+
+
+def _tasks_table(items: Sequence[TaskRecord]) -> str:
+    return _table(
+        "Tasks", "task",
+        ["id", "name", "state", "attempts", "run at", "last error"],
+        [[t.task_id, t.name, t.state, f"{t.attempts}/{t.max_attempts}", t.run_at, t.last_error]
+         for t in items],
+    )
+
+
+def _page(namespace: str, sections: list[str]) -> str:
+    ns = html.escape(namespace)
+    return (
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>steeple · {ns}</title>"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        "<link rel=\"stylesheet\" href=\"../static/admin.css\"></head><body>"
+        f"<header><h1>steeple</h1><p>namespace <strong>{ns}</strong></p></header><main>"
+        + "".join(sections)
+        + "</main></body></html>"
+    )

@@ -1,0 +1,409 @@
+"""``steeple demo``: both products end to end on the embedded default, in under a minute.
+
+A private PostgreSQL (pgserver) in a data directory kept between runs, a demo storage key
+kept beside it, recurring publications relayed into the SQLite journal broker (a file in
+the same directory) and consumed from it, and work-queue tasks run by the task worker. The
+recurring schedules run on an accelerated clock (60x by default: minutes pass in seconds);
+the work queue runs on PostgreSQL's own clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+from steeple.admin._backend import Target, initialize_store
+from steeple.admin.embedded import EmbeddedPostgres
+from steeple.admin.loops import RelayCounters, relay_forever, sleep_until, tick_forever
+from steeple.admin.settings import CliError, ExitCode, NamespaceSettings, redact_dsn
+from steeple.core.config import RecurringDefinition
+from steeple.core.errors import BrokerError
+from steeple.core.messages import ScheduledMessage
+from steeple.core.policies import MissedRunPolicy
+
+if TYPE_CHECKING:
+    from steeple.keyring import Keyring
+
+__all__ = ["AcceleratedClock", "DemoOptions", "DemoSummary", "run_demo"]
+
+DEMO_KEY_ID = "demo-key"
+_KEY_FILE = "demo.key"
+_CLOCK_FILE = "clock.json"
+_JOURNAL_FILE = "journal.sqlite3"
+
+
+class AcceleratedClock:
+    """A clock that runs ``speed`` times faster than real time and never goes backwards.
+
+    It reads the monotonic clock (immune to wall-clock steps) and scales the elapsed time.
+
+    Raises:
+        ValueError: ``speed`` is not positive, or ``start`` is naive.
+    """
+
+    def __init__(self, start: datetime, speed: float, *, monotonic: Any = time.monotonic) -> None:
+        if start.tzinfo is None:
+            raise ValueError("start must be timezone-aware (UTC)")
+        if not speed > 0:
+            raise ValueError("speed must be positive")
+        self._start = start.astimezone(UTC)
+        self._speed = float(speed)
+        self._monotonic = monotonic
+        self._origin = monotonic()
+        self._last = self._start
+
+    @property
+    def speed(self) -> float:
+        """How many simulated seconds pass per real second."""
+        return self._speed
+
+    def now(self) -> datetime:
+        """Return the accelerated instant (aware UTC, never earlier than the last one)."""
+        elapsed = max(0.0, self._monotonic() - self._origin) * self._speed
+        instant = self._start + timedelta(seconds=elapsed)
+        if instant < self._last:
+            instant = self._last
+        self._last = instant
+        return instant
+
+    def __repr__(self) -> str:
+        return f"AcceleratedClock(speed={self._speed:g})"
+
+
+@attrs.frozen
+class DemoOptions:
+    """What ``steeple demo`` was asked to do."""
+
+    dsn: str | None
+    schema: str
+    namespace: str
+    data_dir: Path
+    fresh: bool = False
+    duration: float = 20.0
+    speed: float = 60.0
+
+
+@attrs.define
+class DemoSummary:
+    """Counts of one demo run."""
+
+    recurring: RelayCounters = attrs.field(factory=RelayCounters)
+    deliveries: int = 0
+    redeliveries: int = 0
+    tasks_enqueued: int = 0
+    tasks_materialized: int = 0
+    tasks_done: int = 0
+    tasks_retried: int = 0
+    tasks_failed: int = 0
+    purged: int = 0
+    by_topic: Counter[str] = attrs.field(factory=Counter)
+    elapsed: float = 0.0
+    simulated: timedelta = timedelta(0)
+
+    def line(self) -> str:
+        """Return the one-line, machine-readable summary."""
+        r = self.recurring
+        return (
+            f"summary: ticks={r.ticks} materialized={r.materialized} "
+            f"claims={r.claims} relays={r.relays} duplicates={r.duplicates} "
+            f"relay_failures={r.relay_failures} deliveries={self.deliveries} "
+            f"tasks_enqueued={self.tasks_enqueued + self.tasks_materialized} "
+            f"tasks_done={self.tasks_done} "
+            f"tasks_retried={self.tasks_retried} tasks_failed={self.tasks_failed} "
+            f"elapsed={self.elapsed:.1f}s simulated={int(self.simulated.total_seconds())}s"
+        )
+
+
+# --- the demo's data directory -----------------------------------------------------------------
+
+
+def _demo_keyring(data_dir: Path) -> tuple[Keyring, bool]:
+    """Load the demo key kept in the data directory, or create it (mode 600)."""
+    from steeple.keyring import Keyring, StorageKey
+
+    path = data_dir / _KEY_FILE
+    if path.exists():
+        text = path.read_text(encoding="utf-8").strip()
+        key_id, _, material = text.rpartition(":")
+        return Keyring(StorageKey.from_base64(key_id, material)), False
+    key = StorageKey.generate(DEMO_KEY_ID)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(f"{key.key_id}:{key.to_base64()}\n")
+    return Keyring(key), True
+
+
+def _load_high_water(data_dir: Path) -> datetime | None:
+    try:
+        raw = json.loads((data_dir / _CLOCK_FILE).read_text(encoding="utf-8"))
+        return datetime.fromisoformat(raw["high_water"]).astimezone(UTC)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _save_high_water(data_dir: Path, instant: datetime) -> None:
+    tmp = data_dir / (_CLOCK_FILE + ".tmp")
+    tmp.write_text(json.dumps({"high_water": instant.isoformat()}), encoding="utf-8")
+    tmp.replace(data_dir / _CLOCK_FILE)
+
+
+def _definitions(start: datetime) -> list[RecurringDefinition]:
+    """Return the demo's recurring publications: both policies, with missed runs."""
+
+    def message(topic: str, kind: str, body: dict[str, Any]) -> ScheduledMessage:
+        return ScheduledMessage(topic, kind, json.dumps(body).encode(), {"source": "demo"})
+
+    return [
+        RecurringDefinition(
+            "heartbeat", "* * * * *", start - timedelta(minutes=5), MissedRunPolicy.CATCH_UP,
+            message("demo.heartbeat", "Heartbeat", {"service": "billing"}),
+        ),
+        RecurringDefinition(
+            "digest", "*/5 * * * *", start - timedelta(minutes=30), MissedRunPolicy.COALESCE,
+            message("demo.digest", "DigestDue", {"list": "weekly-news"}),
+        ),
+        RecurringDefinition(
+            "cache-refresh", "*/2 * * * *", start - timedelta(minutes=1),
+            MissedRunPolicy.COALESCE,
+            message("demo.cache", "RefreshCache", {"cache": "prices"}),
+        ),
+    ]
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def _progress(summary: DemoSummary, clock: AcceleratedClock, started: float,
+              duration: float) -> Panel:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(justify="right", style="bold")
+    table.add_column()
+    elapsed = time.monotonic() - started
+    table.add_row("demo clock", f"{clock.now():%Y-%m-%d %H:%M:%S} UTC ({clock.speed:g}x)")
+    table.add_row("elapsed", f"{min(elapsed, duration):.1f} s of {duration:g} s")
+    r = summary.recurring
+    table.add_row("ticks", f"{r.ticks} (materialized {r.materialized} occurrences)")
+    table.add_row("claims", str(r.claims))
+    table.add_row("relays", f"{r.relays} ({r.duplicates} duplicates, "
+                  f"{r.relay_failures} failures)")
+    table.add_row("deliveries", f"{summary.deliveries} consumed from the SQLite journal")
+    table.add_row("tasks", f"{summary.tasks_done} done, {summary.tasks_retried} retried, "
+                  f"{summary.tasks_failed} failed of {summary.tasks_enqueued} enqueued "
+                  f"+ {summary.tasks_materialized} from the recurring job")
+    return Panel(table, title="steeple demo", border_style="cyan")
+
+
+async def run_demo(options: DemoOptions, console: Console) -> DemoSummary:
+    """Run the demo and print live progress and a summary.
+
+    Raises:
+        CliError: the database, the key or the journal is unusable; or the run delivered
+            nothing (exit code 1).
+    """
+    data_dir = options.data_dir
+    if options.fresh and data_dir.exists() and options.dsn is not None:
+        shutil.rmtree(data_dir)
+    embedded: EmbeddedPostgres | None = None
+    if options.dsn is None:
+        embedded = EmbeddedPostgres(data_dir, reset=options.fresh)
+        console.print(f"starting the embedded PostgreSQL in {embedded.pgdata} ...",
+                      markup=False)
+        dsn = await asyncio.to_thread(embedded.start)
+    else:
+        dsn = options.dsn
+        data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        console.print(f"database: {redact_dsn(dsn)} (schema {options.schema!r})", markup=False)
+        if options.fresh and options.dsn is not None:
+            await _drop_schemas(dsn, options.schema)
+        return await _run(options, dsn, console)
+    finally:
+        if embedded is not None:
+            await asyncio.to_thread(embedded.stop)
+
+
+async def _drop_schemas(dsn: str, schema: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        for name in (schema, f"{schema}_queue"):
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    finally:
+        await conn.close()
+
+
+async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
+    from steeple.brokers.sqlite import SqliteJournalBroker
+    from steeple.core.clock import SystemClock
+
+    data_dir = options.data_dir
+    keyring, created = _demo_keyring(data_dir)
+    console.print(
+        f"{'created' if created else 'using'} the DEMO key {DEMO_KEY_ID!r} in "
+        f"{data_dir / _KEY_FILE} (a demo key: never use it for real data)",
+        markup=False,
+    )
+    wall = datetime.now(UTC)
+    saved = _load_high_water(data_dir)
+    # Recorded namespace time may be ahead of the wall clock after an accelerated run:
+    # start from it so the store never sees time go backwards.
+    start = max(wall, saved + timedelta(milliseconds=1)) if saved else wall
+    clock = AcceleratedClock(start, options.speed)
+    settings = NamespaceSettings(
+        options.namespace, max_definitions=100, max_occurrences=100_000,
+        delivery_window=timedelta(days=1), lease_duration=timedelta(seconds=300),
+    )
+    target = Target(dsn, options.schema, settings)
+    store = await initialize_store(target, clock=clock, keyring=keyring)
+    summary = DemoSummary()
+    try:
+        created_names = await _ensure_definitions(store, clock.now())
+        if created_names:
+            console.print(f"created recurring publications: {', '.join(created_names)}",
+                          markup=False)
+        else:
+            console.print("recurring publications kept from an earlier run", markup=False)
+        journal = SqliteJournalBroker(
+            data_dir / _JOURNAL_FILE, keyring, namespace=options.namespace,
+            required_window=settings.delivery_window, clock=SystemClock(),
+        )
+        async with journal:
+            await _work(options, dsn, target, store, journal, clock, summary, console)
+            summary.purged = await store.purge_terminal(clock.now() - timedelta(hours=2), 100)
+            with contextlib.suppress(BrokerError):
+                await journal.purge()
+        _save_high_water(data_dir, clock.now())
+    finally:
+        await store.close()
+    _print_summary(summary, console)
+    if summary.deliveries == 0 or summary.tasks_done == 0:
+        raise CliError(
+            "the demo ran but delivered no messages or finished no tasks",
+            code=ExitCode.FAILED,
+            hint="run again with --fresh; if it persists, see the PostgreSQL log in the data dir",
+        )
+    return summary
+
+
+async def _ensure_definitions(store: Any, now: datetime) -> list[str]:
+    existing: set[str] = set()
+    cursor: str | None = None
+    while True:
+        page = await store.schedules(after=cursor, limit=100)
+        existing.update(s.name for s in page.items)
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    created = []
+    for definition in _definitions(now):
+        if definition.name not in existing:
+            await store.create(definition)
+            created.append(definition.name)
+    return created
+
+
+async def _work(
+    options: DemoOptions,
+    dsn: str,
+    target: Target,
+    store: Any,
+    journal: Any,
+    clock: AcceleratedClock,
+    summary: DemoSummary,
+    console: Console,
+) -> None:
+    from steeple.admin import demo_tasks
+
+    stop = asyncio.Event()
+    started = time.monotonic()
+    schedule_start = clock.now()
+    queue = await demo_tasks.prepare(dsn, target.queue_schema, summary, options.duration)
+
+    async def consumer() -> None:
+        while True:
+            deliveries = await journal.fetch(100)
+            for delivery in deliveries:
+                summary.deliveries += 1
+                summary.redeliveries += int(delivery.delivery_count > 1)
+                summary.by_topic[delivery.message.topic] += 1
+                await journal.acknowledge(delivery.delivery_id)
+            if stop.is_set() and not deliveries:
+                return
+            if not deliveries:
+                await sleep_until(stop, 0.2)
+
+    async def timer() -> None:
+        await asyncio.sleep(options.duration)
+        stop.set()
+
+    refresh = _progress(summary, clock, started, options.duration)
+    with Live(refresh, console=console, refresh_per_second=4, transient=False) as live:
+
+        async def painter() -> None:
+            while not stop.is_set():
+                summary.tasks_materialized = queue.materialized
+                live.update(_progress(summary, clock, started, options.duration))
+                await sleep_until(stop, 0.25)
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(timer())
+            group.create_task(tick_forever(store, stop, summary.recurring, interval=0.2))
+            group.create_task(
+                relay_forever(store, journal, stop, summary.recurring, batch=50, interval=0.2)
+            )
+            group.create_task(consumer())
+            group.create_task(queue.run(stop))
+            group.create_task(painter())
+        summary.elapsed = time.monotonic() - started
+        summary.simulated = clock.now() - schedule_start
+        live.update(_progress(summary, clock, started, options.duration))
+    console.print()
+
+
+def _print_summary(summary: DemoSummary, console: Console) -> None:
+    table = Table(title="summary", show_header=True)
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    r = summary.recurring
+    rows = [
+        ("ticks", r.ticks),
+        ("occurrences materialized", r.materialized),
+        ("leases claimed", r.claims),
+        ("relayed to the SQLite journal", r.relays),
+        ("  of which duplicates (deduplicated)", r.duplicates),
+        ("relay failures (will retry)", r.relay_failures),
+        ("deliveries consumed", summary.deliveries),
+        ("tasks enqueued", summary.tasks_enqueued),
+        ("tasks from the recurring job", summary.tasks_materialized),
+        ("tasks done", summary.tasks_done),
+        ("task attempts retried", summary.tasks_retried),
+        ("tasks failed for good", summary.tasks_failed),
+        ("terminal occurrences purged", summary.purged),
+    ]
+    for what, count in rows:
+        table.add_row(what, str(count))
+    topics = ", ".join(f"{topic}: {n}" for topic, n in sorted(summary.by_topic.items()))
+    console.print(Group(table))
+    if topics:
+        console.print(f"deliveries by topic: {topics}", markup=False)
+    console.print(
+        f"ran {summary.elapsed:.1f} s of real time = "
+        f"{summary.simulated.total_seconds() / 60:.0f} minutes of schedule time",
+        markup=False,
+    )
+    console.print(summary.line(), markup=False)

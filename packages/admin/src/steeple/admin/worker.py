@@ -1,0 +1,177 @@
+"""``steeple worker --app module:object``: run an application's relay and task handlers.
+
+The object is a :class:`WorkerApp`, or a callable (sync or async, no arguments) returning
+one. A ``broker`` runs the recurring loops (tick, claim, relay) for the namespace; ``tasks``
+run the work-queue worker. SIGINT / SIGTERM stop both gracefully: nothing new is claimed,
+in-flight work finishes (within ``drain_timeout``), then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from steeple.admin.loops import RelayCounters, relay_forever, tick_forever
+from steeple.admin.settings import CliError, ExitCode
+from steeple.core.ports import MessageBroker
+
+if TYPE_CHECKING:
+    from steeple.admin._backend import Target
+
+__all__ = ["WorkerApp", "load_worker_app", "run_worker"]
+
+
+@attrs.frozen
+class WorkerApp:
+    """What ``steeple worker`` runs for an application.
+
+    Attributes:
+        broker: where recurring occurrences are published; ``None`` runs no relay.
+        tasks: ``(Task, handler)`` pairs for the work-queue worker; empty runs no worker.
+        worker_id: the task worker's name (shown on claimed tasks).
+        concurrency: the most task handlers running at once.
+        relay_batch: leases claimed per relay round (1-100).
+        drain_timeout: seconds in-flight handlers get after a stop signal.
+    """
+
+    broker: MessageBroker | None = None
+    tasks: Sequence[tuple[Any, Callable[..., Any]]] = ()
+    worker_id: str = "steeple-worker"
+    concurrency: int = 16
+    relay_batch: int = 20
+    drain_timeout: float = 30.0
+
+
+def load_worker_app(reference: str) -> Any:
+    """Import ``module:attribute`` (the current directory is importable).
+
+    Raises:
+        CliError: (usage) not ``module:object``; (config) the module or object is missing.
+    """
+    module_name, sep, attribute = reference.partition(":")
+    if not sep or not module_name or not attribute:
+        raise CliError(
+            f"--app {reference!r} is not module:object",
+            code=ExitCode.USAGE,
+            hint="write it like --app myproject.worker:app",
+        )
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CliError(
+            f"cannot import {module_name!r}: {exc}",
+            code=ExitCode.CONFIG,
+            hint="run from your project's directory, or fix PYTHONPATH",
+        ) from None
+    value: Any = module
+    for part in attribute.split("."):
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            raise CliError(
+                f"{module_name!r} has no attribute {attribute!r}",
+                code=ExitCode.CONFIG,
+                hint="point --app at a steeple.admin.WorkerApp (or a function returning one)",
+            ) from None
+    return value
+
+
+async def _resolve(value: Any) -> WorkerApp:
+    if not isinstance(value, WorkerApp) and callable(value):
+        value = value()
+        if inspect.isawaitable(value):
+            value = await value
+    if not isinstance(value, WorkerApp):
+        raise CliError(
+            f"--app gave a {type(value).__name__}, not a steeple.admin.WorkerApp",
+            code=ExitCode.CONFIG,
+            hint="return WorkerApp(broker=..., tasks=[(task, handler), ...])",
+        )
+    if value.broker is None and not value.tasks:
+        raise CliError(
+            "the WorkerApp has neither a broker nor tasks: nothing to run",
+            code=ExitCode.CONFIG,
+        )
+    return value
+
+
+async def run_worker(
+    spec: Any,
+    target: Target,
+    *,
+    log: Callable[[str], None] = print,
+    stop: asyncio.Event | None = None,
+) -> RelayCounters:
+    """Run until ``stop`` is set or SIGINT / SIGTERM arrives; return the relay's counters.
+
+    Raises:
+        CliError: the application object, the store or the queue is unusable.
+    """
+    from steeple.admin._backend import connect_store
+
+    worker_app = await _resolve(spec)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signum, _stopper(stop, log, signum))
+            installed.append(signum)
+    counters = RelayCounters()
+    store = None
+    scheduler = None
+    try:
+        if worker_app.broker is not None:
+            store = await connect_store(target)
+        if worker_app.tasks:
+            from steeple.postgres.queue import Scheduler
+
+            scheduler = Scheduler(
+                target.dsn, worker_id=worker_app.worker_id, schema=target.queue_schema,
+                concurrency=worker_app.concurrency,
+            )
+            for task, handler in worker_app.tasks:
+                scheduler.register(task, handler)
+        parts = []
+        if store is not None:
+            parts.append(f"relay for namespace {target.namespace!r}")
+        if scheduler is not None:
+            parts.append(f"task worker on {target.queue_schema!r}")
+        log(f"steeple worker: running {' and '.join(parts)}; Ctrl-C or SIGTERM to stop")
+        async with asyncio.TaskGroup() as group:
+            if store is not None and worker_app.broker is not None:
+                group.create_task(tick_forever(store, stop, counters))
+                group.create_task(relay_forever(
+                    store, worker_app.broker, stop, counters, batch=worker_app.relay_batch
+                ))
+            if scheduler is not None:
+                group.create_task(
+                    scheduler.run_until_shutdown(stop, drain_timeout=worker_app.drain_timeout)
+                )
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
+        if store is not None:
+            await store.close()
+    return counters
+
+
+def _stopper(stop: asyncio.Event, log: Callable[[str], None], signum: int) -> Callable[[], None]:
+    def handler() -> None:
+        if not stop.is_set():
+            log(f"steeple worker: {signal.Signals(signum).name} received, stopping gracefully")
+        stop.set()
+
+    return handler

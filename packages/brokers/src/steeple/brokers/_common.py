@@ -1,0 +1,261 @@
+"""Pieces every adapter shares: the delivery value, wire encoding, validation (private).
+
+Nothing here imports a client library, so ``steeple.brokers`` stays importable without
+any extra installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import attrs
+
+from steeple.core import limits
+from steeple.core.errors import (
+    BrokerConfigurationError,
+    BrokerError,
+    BrokerTimeoutError,
+    ConfigurationError,
+    MessageTooLargeError,
+    RecurringConfigurationError,
+    RelayAcknowledgementError,
+)
+from steeple.core.messages import BrokerReceipt, ScheduledMessage
+
+__all__ = [
+    "HEADER_HEADERS",
+    "HEADER_KEY",
+    "HEADER_TOPIC",
+    "HEADER_TYPE",
+    "Delivery",
+    "check_dedup_window",
+    "check_key",
+    "check_size",
+    "check_timeout",
+    "decode_headers",
+    "encode_headers",
+    "encoded_size",
+    "header_map",
+    "positive_duration",
+    "publish_guarded",
+    "redact_url",
+]
+
+HEADER_TOPIC = "Steeple-Topic"
+HEADER_TYPE = "Steeple-Message-Type"
+HEADER_KEY = "Steeple-Idempotency-Key"
+HEADER_HEADERS = "Steeple-Headers"
+"""The message's own headers, as one JSON object (broker header names are too restricted)."""
+
+
+@attrs.frozen(repr=False)
+class Delivery:
+    """One message handed to a consumer, to be acknowledged by ``delivery_id``.
+
+    Attributes:
+        delivery_id: opaque id the consumer acknowledges with.
+        idempotency_key: the key the relay published under (deduplicate on it).
+        message: the published message.
+        delivery_count: how many times this message was handed out (1 = first time).
+    """
+
+    delivery_id: str
+    idempotency_key: str
+    message: ScheduledMessage
+    delivery_count: int = 1
+
+    def __repr__(self) -> str:
+        # The message repr already hides payload and headers.
+        return (
+            f"Delivery(delivery_id={self.delivery_id!r}, idempotency_key={self.idempotency_key!r},"
+            f" message={self.message!r}, delivery_count={self.delivery_count})"
+        )
+
+
+def check_timeout(timeout: object) -> float:
+    """Validate a publish timeout in seconds (finite, > 0).
+
+    Raises:
+        ConfigurationError: not a positive finite number.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ConfigurationError(f"timeout must be a number of seconds, not {timeout!r}")
+    value = float(timeout)
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return value
+
+
+def check_key(key: object) -> str:
+    """Validate an idempotency key: printable ASCII without spaces, 1..200 characters.
+
+    Raises:
+        ConfigurationError: empty, too long or not a plain token.
+    """
+    if not isinstance(key, str) or not key:
+        raise ConfigurationError("idempotency_key must be a non-empty str")
+    if len(key) > limits.MAX_NAME_LENGTH:
+        raise ConfigurationError(
+            f"idempotency_key is {len(key)} characters; the limit is {limits.MAX_NAME_LENGTH}"
+        )
+    if not all(33 <= ord(c) < 127 for c in key):
+        raise ConfigurationError("idempotency_key must be printable ASCII without spaces")
+    return key
+
+
+def encode_headers(message: ScheduledMessage) -> str:
+    """The message's headers as compact, sorted JSON."""
+    return json.dumps(dict(message.headers), separators=(",", ":"), sort_keys=True)
+
+
+def decode_headers(raw: str | bytes | None) -> dict[str, str]:
+    """Inverse of :func:`encode_headers` (missing -> no headers).
+
+    Raises:
+        RecurringConfigurationError: not a JSON object of strings.
+    """
+    if raw is None or raw in ("", b""):
+        return {}
+    value: Any = json.loads(raw)
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise RecurringConfigurationError("the Steeple-Headers header is not a JSON object")
+    return value
+
+
+def encoded_size(message: ScheduledMessage, key: str) -> int:
+    """Bytes the message occupies on the wire: payload plus metadata, near enough."""
+    headers = sum(len(k) + len(v) for k, v in message.headers.items())
+    return (
+        len(message.payload)
+        + len(message.topic.encode())
+        + len(message.message_type.encode())
+        + len(key)
+        + headers
+        + 96
+    )
+
+
+def check_size(size: int, limit: int, broker: str) -> None:
+    """Refuse a message over ``limit`` bytes for good.
+
+    Raises:
+        MessageTooLargeError: ``size > limit``.
+    """
+    if size > limit:
+        raise MessageTooLargeError(
+            f"the message is {size} bytes on the wire; {broker} accepts at most {limit}: "
+            "send a reference to the data instead",
+            size=size,
+            limit=limit,
+        )
+
+
+def check_dedup_window(
+    window: timedelta, required_window: timedelta, *, broker: str, what: str, fix: str
+) -> None:
+    """Refuse a dedup window shorter than the delivery window it must protect.
+
+    Raises:
+        BrokerConfigurationError: ``window < required_window``.
+    """
+    if window < required_window:
+        raise BrokerConfigurationError(
+            f"{broker}: {what} is {window}, shorter than the delivery window {required_window} "
+            f"that it must protect; a retry after {window} could deliver a second copy. {fix}",
+            window=window.total_seconds(),
+            required=required_window.total_seconds(),
+        )
+
+
+def positive_duration(value: object, what: str) -> timedelta:
+    """Require a positive timedelta.
+
+    Raises:
+        ConfigurationError: not a timedelta, or not positive.
+    """
+    if not isinstance(value, timedelta):
+        raise ConfigurationError(f"{what} must be a datetime.timedelta, not {type(value).__name__}")
+    if value <= timedelta(0):
+        raise ConfigurationError(f"{what} must be positive, not {value}")
+    return value
+
+
+def redact_url(url: str) -> str:
+    """The URL without user name, password, query or fragment: safe for reprs and logs."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        port = f":{parts.port}" if parts.port else ""
+        return urlunsplit((parts.scheme, host + port, parts.path, "", ""))
+    except ValueError:
+        return "<url>"
+
+
+def header_map(message: ScheduledMessage, key: str) -> Mapping[str, str]:
+    """The metadata headers NATS and RabbitMQ messages carry."""
+    out = {HEADER_TOPIC: message.topic, HEADER_TYPE: message.message_type, HEADER_KEY: key}
+    if message.headers:
+        out[HEADER_HEADERS] = encode_headers(message)
+    return out
+
+
+class AckUncertainError(Exception):
+    """Raised inside an adapter when the request went out but its reply never came back."""
+
+
+PROBE_RESERVE_SECONDS = 1.0
+"""At most this much of a publish deadline is kept to ask the broker what happened."""
+
+
+async def publish_guarded(
+    *,
+    broker: str,
+    key: str,
+    timeout: float,
+    transmit: Callable[[], Awaitable[BrokerReceipt]],
+    probe: Callable[[], Awaitable[BrokerReceipt | None]],
+) -> BrokerReceipt:
+    """Run ``transmit`` within the deadline; when its reply is lost, ask ``probe``.
+
+    The whole call finishes within ``timeout`` seconds: a quarter of it (at most one second)
+    is reserved for the probe, which looks the idempotency key up on a fresh connection.
+
+    Raises:
+        RelayAcknowledgementError: the reply was lost but the probe found the message: the
+            broker accepted it (the error carries the receipt).
+        BrokerTimeoutError: the reply was lost and the probe could not tell; the broker may
+            have accepted the message. Republish with the same key.
+        BrokerError: whatever ``transmit`` raised otherwise.
+    """
+    reserve = min(timeout * 0.25, PROBE_RESERVE_SECONDS)
+    try:
+        async with asyncio.timeout(timeout - reserve):
+            return await transmit()
+    except (TimeoutError, AckUncertainError) as exc:
+        original: BaseException = exc
+    try:
+        async with asyncio.timeout(reserve):
+            found = await probe()
+    except (TimeoutError, BrokerError, OSError):
+        # The probe is best effort: not knowing is reported as a timeout below.
+        found = None
+    if found is not None:
+        raise RelayAcknowledgementError(
+            found, f"its acknowledgement was lost ({broker} holds the key)"
+        ) from original
+    raise BrokerTimeoutError(
+        f"{broker} did not acknowledge the publication within {timeout:g} s; it may have "
+        "accepted it: republish with the same idempotency key",
+        timeout=timeout,
+        idempotency_key=key,
+    ) from original

@@ -1,0 +1,249 @@
+"""Delivery windows, lease arithmetic, fencing, shared-time adoption and relay-failure decisions.
+
+Pure functions of the instants and values they are given: stores call them with the
+persisted server time and the injected random source, and persist what they return.
+"""
+
+from __future__ import annotations
+
+import hmac
+from datetime import datetime, timedelta
+from typing import Final
+
+import attrs
+
+from steeple.core import limits
+from steeple.core._validate import aware_utc
+from steeple.core.backoff import RELAY_BACKOFF, Backoff
+from steeple.core.errors import ConfigurationError, RecurringClockError
+from steeple.core.occurrences import OccurrenceState
+from steeple.core.ports import RandomSource
+
+__all__ = [
+    "CAPABILITY_BYTES",
+    "GENERATION_BYTES",
+    "FailureDecision",
+    "adopt_time",
+    "after_publish_failure",
+    "capability_matches",
+    "is_live",
+    "lease_expiry",
+    "new_capability",
+    "new_generation",
+    "occurrence_id_for",
+    "window_end",
+]
+
+CAPABILITY_BYTES: Final = 16
+"""Length of a lease capability (a fresh random secret per claim)."""
+GENERATION_BYTES: Final = 16
+"""Length of an occurrence's random generation (its id is the generation's hex)."""
+
+
+def _positive_duration(value: object, what: str) -> timedelta:
+    if not isinstance(value, timedelta):
+        raise ConfigurationError(f"{what} must be a datetime.timedelta, not {type(value).__name__}")
+    if value <= timedelta(0):
+        raise ConfigurationError(f"{what} must be positive; got {value}")
+    return value
+
+
+def window_end(created_at: datetime, delivery_window: timedelta) -> datetime:
+    """Return the end of the delivery window of an occurrence materialized at ``created_at``.
+
+    The window is fixed at materialization, caught-up occurrences included.
+
+    Raises:
+        ConfigurationError: ``delivery_window`` is not a positive timedelta.
+        ValueError: ``created_at`` is naive.
+        TypeError: ``created_at`` is not a datetime.
+    """
+    created = aware_utc(created_at, "created_at")
+    return created + _positive_duration(delivery_window, "delivery_window")
+
+
+def lease_expiry(
+    now: datetime, lease_duration: timedelta, window_ends_at: datetime
+) -> datetime | None:
+    """Return when a lease granted at ``now`` expires, or ``None`` if none may be granted.
+
+    A lease near the end of its delivery window is shortened to the window's end; a lease
+    that would already be over (the window has ended) is not handed out.
+
+    Raises:
+        ConfigurationError: ``lease_duration`` is not a positive timedelta.
+        ValueError: an instant is naive.
+        TypeError: an instant is not a datetime.
+    """
+    start = aware_utc(now, "now")
+    end = aware_utc(window_ends_at, "window_ends_at")
+    expires = min(start + _positive_duration(lease_duration, "lease_duration"), end)
+    return expires if expires > start else None
+
+
+def is_live(expires_at: datetime, now: datetime) -> bool:
+    """Return whether a lease expiring at ``expires_at`` is still live at ``now``.
+
+    The expiry instant itself is already too late.
+
+    Raises:
+        ValueError: an instant is naive.
+        TypeError: an instant is not a datetime.
+    """
+    return aware_utc(now, "now") < aware_utc(expires_at, "expires_at")
+
+
+def _as_bytes(value: object, what: str) -> bytes:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"{what} must be bytes, not {type(value).__name__}")
+
+
+def capability_matches(expected: bytes, presented: bytes) -> bool:
+    """Compare a stored lease capability with a presented one in constant time.
+
+    Raises:
+        TypeError: either value is not bytes-like.
+    """
+    # compare_digest's time does not depend on where the first differing byte is, so a
+    # forger learns nothing from how long a rejection takes.
+    return hmac.compare_digest(_as_bytes(expected, "expected"), _as_bytes(presented, "presented"))
+
+
+def _random_bytes(random: RandomSource, n: int, what: str) -> bytes:
+    raw = random.token_bytes(n)
+    if not isinstance(raw, bytes) or len(raw) != n:
+        raise ConfigurationError(f"the random source returned a bad {what} (need {n} bytes)")
+    return raw
+
+
+def new_capability(random: RandomSource) -> bytes:
+    """Return a fresh lease capability (:data:`CAPABILITY_BYTES` random bytes).
+
+    Raises:
+        ConfigurationError: the random source returned the wrong number of bytes.
+    """
+    return _random_bytes(random, CAPABILITY_BYTES, "capability")
+
+
+def new_generation(random: RandomSource) -> bytes:
+    """Return a fresh occurrence generation (:data:`GENERATION_BYTES` random bytes).
+
+    Raises:
+        ConfigurationError: the random source returned the wrong number of bytes.
+    """
+    return _random_bytes(random, GENERATION_BYTES, "generation")
+
+
+def occurrence_id_for(generation: bytes) -> str:
+    """Return the occurrence id of a generation: 32 lowercase hex characters.
+
+    Raises:
+        ValueError: ``generation`` is not :data:`GENERATION_BYTES` long.
+        TypeError: ``generation`` is not bytes-like.
+    """
+    raw = _as_bytes(generation, "generation")
+    if len(raw) != GENERATION_BYTES:
+        raise ValueError(f"a generation is {GENERATION_BYTES} bytes; got {len(raw)}")
+    return raw.hex()
+
+
+def adopt_time(
+    recorded: datetime | None,
+    local: datetime,
+    tolerance: timedelta = limits.CLOCK_TOLERANCE,
+) -> datetime:
+    """Return the shared time an instance uses: never earlier than the recorded time.
+
+    Instances share the namespace's recorded time, not a clock. A local clock trailing
+    the recorded time by at most ``tolerance`` adopts the recorded time, so shared time
+    never moves backwards; a local clock ahead of it is used as is.
+
+    Args:
+        recorded: the namespace's last recorded time, or ``None`` if none yet.
+        local: this instance's clock reading.
+        tolerance: how far the local clock may trail (5 s by default).
+
+    Raises:
+        RecurringClockError: the local clock trails the recorded time by more than
+            ``tolerance``.
+        ConfigurationError: ``tolerance`` is negative or not a timedelta.
+        ValueError: an instant is naive.
+        TypeError: an instant is not a datetime.
+    """
+    here = aware_utc(local, "local")
+    if not isinstance(tolerance, timedelta) or tolerance < timedelta(0):
+        raise ConfigurationError("tolerance must be a non-negative timedelta")
+    if recorded is None:
+        return here
+    shared = aware_utc(recorded, "recorded")
+    if here >= shared:
+        return here
+    if shared - here > tolerance:
+        raise RecurringClockError(
+            f"the local clock ({here.isoformat()}) trails the recorded namespace time "
+            f"({shared.isoformat()}) by {shared - here}, more than the {tolerance} tolerance; "
+            "fix this host's clock synchronisation"
+        )
+    return shared
+
+
+@attrs.frozen
+class FailureDecision:
+    """What a failed automatic publication leads to.
+
+    Attributes:
+        state: :attr:`OccurrenceState.RETRY_WAIT` or :attr:`OccurrenceState.DEAD`.
+        next_attempt_at: when the next automatic attempt may run (``None`` when dead).
+        reason: why it is dead (``"permanent"``, ``"attempts"``, ``"window"``), or ``""``.
+    """
+
+    state: OccurrenceState
+    next_attempt_at: datetime | None
+    reason: str = ""
+
+
+def after_publish_failure(
+    attempts: int,
+    now: datetime,
+    window_ends_at: datetime,
+    permanent: bool,
+    backoff: Backoff = RELAY_BACKOFF,
+    max_attempts: int = limits.RELAY_MAX_ATTEMPTS,
+    *,
+    draw: float = 0.0,
+) -> FailureDecision:
+    """Decide what a failed automatic publication leads to.
+
+    Dead when the failure is permanent, when ``attempts`` reached ``max_attempts``, or when
+    the next attempt would fall at or after the end of the delivery window; otherwise
+    ``retry_wait`` until ``now`` plus the backoff delay.
+
+    Args:
+        attempts: attempts made so far, the failed one included (>= 1).
+        now: the current (shared) time.
+        window_ends_at: the end of the occurrence's delivery window.
+        permanent: the broker said retrying cannot help.
+        backoff: the retry backoff (the relay's by default).
+        max_attempts: the automatic attempt budget (ten by default).
+        draw: a random float in [0, 1) for jitter, injected by the caller.
+
+    Raises:
+        ConfigurationError: ``attempts`` or ``max_attempts`` is not a positive int.
+        ValueError: an instant is naive.
+        TypeError: an instant is not a datetime.
+    """
+    for value, what in ((attempts, "attempts"), (max_attempts, "max_attempts")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"{what} must be an int >= 1; got {value!r}")
+    start = aware_utc(now, "now")
+    end = aware_utc(window_ends_at, "window_ends_at")
+    if permanent:
+        return FailureDecision(OccurrenceState.DEAD, None, "permanent")
+    if attempts >= max_attempts:
+        return FailureDecision(OccurrenceState.DEAD, None, "attempts")
+    delay = backoff.delay(attempts, draw)
+    # Comparing the delay with the time left avoids datetime overflow for huge caps.
+    if start >= end or delay >= end - start:
+        return FailureDecision(OccurrenceState.DEAD, None, "window")
+    return FailureDecision(OccurrenceState.RETRY_WAIT, start + delay)

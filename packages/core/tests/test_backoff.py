@@ -1,0 +1,92 @@
+"""Exponential backoff: exact, capped, jitter from an injected draw, fast at any attempt."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from steeple.core import RELAY_BACKOFF, Backoff, ConfigurationError
+
+S = timedelta(seconds=1)
+
+
+def test_relay_backoff_sequence() -> None:
+    delays = [RELAY_BACKOFF.delay(n) for n in range(1, 13)]
+    assert delays == [S * s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300, 300)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 10_000_000),  # initial, microseconds
+    st.integers(0, 10**12),  # extra room up to the cap, microseconds
+    st.integers(1, 10),
+    st.integers(1, 200),
+)
+def test_delay_matches_exact_integer_model(
+    initial_us: int, extra_us: int, factor: int, attempt: int
+) -> None:
+    backoff = Backoff(
+        initial=timedelta(microseconds=initial_us),
+        maximum=timedelta(microseconds=initial_us + extra_us),
+        factor=factor,
+    )
+    expected = min(initial_us * factor ** (attempt - 1), initial_us + extra_us)
+    assert backoff.delay(attempt) == timedelta(microseconds=expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 10**12), st.floats(0, 1), st.floats(0, 1, exclude_max=True))
+def test_jitter_only_shortens_within_its_fraction(attempt: int, jitter: float, draw: float) -> None:
+    backoff = Backoff(initial=S, maximum=timedelta(minutes=5), jitter=jitter)
+    full = Backoff(initial=S, maximum=timedelta(minutes=5)).delay(attempt)
+    got = backoff.delay(attempt, draw)
+    assert full * (1 - jitter) - timedelta(microseconds=1) <= got <= full
+
+
+@pytest.mark.parametrize("attempt", [10**6, 10**9, 10**18, 2**200])
+def test_huge_attempt_numbers_are_capped_fast(attempt: int) -> None:
+    started = time.perf_counter()
+    assert RELAY_BACKOFF.delay(attempt) == timedelta(minutes=5)
+    assert Backoff(initial=S, maximum=7 * S, factor=1).delay(attempt) == S
+    tiny = Backoff(initial=timedelta(microseconds=1), maximum=timedelta(days=7), factor=2)
+    assert tiny.delay(attempt) == timedelta(days=7)
+    assert time.perf_counter() - started < 0.05
+
+
+def test_largest_cap_no_overflow() -> None:
+    backoff = Backoff(initial=timedelta(days=1), maximum=timedelta.max, factor=10)
+    assert backoff.delay(10**9) == timedelta.max
+    assert backoff.delay(2) == timedelta(days=10)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"initial": timedelta(0)},
+        {"initial": -S},
+        {"initial": 1},
+        {"initial": 10 * S, "maximum": S},
+        {"maximum": "5m"},
+        {"factor": 0},
+        {"factor": 1.5},
+        {"factor": True},
+        {"jitter": -0.1},
+        {"jitter": 1.1},
+        {"jitter": float("nan")},
+        {"jitter": "0.5"},
+        {"jitter": True},
+    ],
+)
+def test_bad_backoff_rejected(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigurationError, match="backoff"):
+        Backoff(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("attempt", [0, -1, True, 1.0, "1", None])
+def test_bad_attempt_rejected(attempt: object) -> None:
+    with pytest.raises(ConfigurationError, match="attempt"):
+        RELAY_BACKOFF.delay(attempt)  # type: ignore[arg-type]

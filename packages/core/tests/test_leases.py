@@ -1,0 +1,318 @@
+"""Windows, lease arithmetic, fencing, shared-time adoption and relay failure decisions."""
+
+from __future__ import annotations
+
+import ast
+import hmac
+import inspect
+import time
+from datetime import UTC, datetime, timedelta, timezone
+from unittest import mock
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import steeple.core.leases as leases_module
+from steeple.core import (
+    RELAY_BACKOFF,
+    Backoff,
+    ConfigurationError,
+    OccurrenceState,
+    RecurringClockError,
+    RecurringError,
+)
+from steeple.core.leases import (
+    CAPABILITY_BYTES,
+    GENERATION_BYTES,
+    FailureDecision,
+    adopt_time,
+    after_publish_failure,
+    capability_matches,
+    is_live,
+    lease_expiry,
+    new_capability,
+    new_generation,
+    occurrence_id_for,
+    window_end,
+)
+
+T0 = datetime(2033, 3, 3, 3, 3, 3, 333000, tzinfo=UTC)
+S = timedelta(seconds=1)
+
+
+# --- windows and lease arithmetic ----------------------------------------------------------
+
+
+def test_window_end_is_fixed_from_creation() -> None:
+    assert window_end(T0, timedelta(days=1)) == T0 + timedelta(days=1)
+    assert window_end(T0, timedelta(days=7)) == T0 + timedelta(days=7)
+
+
+@pytest.mark.parametrize("window", [timedelta(0), -S, 5, None])
+def test_window_end_rejects_bad_windows(window: object) -> None:
+    with pytest.raises(ConfigurationError, match="delivery_window"):
+        window_end(T0, window)  # type: ignore[arg-type]
+
+
+def test_lease_in_the_middle_of_the_window_is_full_length() -> None:
+    assert lease_expiry(T0, 60 * S, T0 + timedelta(hours=1)) == T0 + 60 * S
+
+
+def test_lease_near_window_end_is_shortened_to_it() -> None:
+    end = T0 + 20 * S
+    assert lease_expiry(T0, 60 * S, end) == end
+    assert lease_expiry(T0, 20 * S, end) == end
+
+
+def test_expired_lease_is_not_handed_out() -> None:
+    end = T0
+    assert lease_expiry(T0, 60 * S, end) is None  # window ends right now
+    assert lease_expiry(T0, 60 * S, end - S) is None  # window already over
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.timedeltas(min_value=timedelta(milliseconds=1), max_value=timedelta(seconds=300)),
+    st.timedeltas(min_value=-timedelta(days=8), max_value=timedelta(days=8)),
+)
+def test_lease_expiry_property(lease: timedelta, until_end: timedelta) -> None:
+    end = T0 + until_end
+    got = lease_expiry(T0, lease, end)
+    if until_end <= timedelta(0):
+        assert got is None
+    else:
+        assert got is not None
+        assert T0 < got <= T0 + lease
+        assert got <= end
+        assert got == (T0 + lease if lease <= until_end else end)
+        assert is_live(got, T0)
+        assert not is_live(got, got)
+
+
+@pytest.mark.parametrize("lease", [timedelta(0), -S, 60, None])
+def test_lease_expiry_rejects_bad_durations(lease: object) -> None:
+    with pytest.raises(ConfigurationError, match="lease_duration"):
+        lease_expiry(T0, lease, T0 + timedelta(days=1))  # type: ignore[arg-type]
+
+
+def test_is_live_boundary() -> None:
+    assert is_live(T0 + timedelta(microseconds=1), T0)
+    assert not is_live(T0, T0)
+    assert not is_live(T0 - S, T0)
+    other_zone = (T0 + S).astimezone(timezone(timedelta(hours=9)))
+    assert is_live(other_zone, T0)
+
+
+def test_naive_instants_rejected_everywhere() -> None:
+    naive = datetime(2033, 1, 1)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        window_end(naive, timedelta(days=1))
+    with pytest.raises(ValueError, match="timezone-aware"):
+        lease_expiry(naive, S, T0)
+    with pytest.raises(ValueError, match="window_ends_at must be timezone-aware"):
+        lease_expiry(T0, S, naive)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        is_live(naive, T0)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        adopt_time(naive, T0)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        after_publish_failure(1, naive, T0, permanent=False)
+    with pytest.raises(TypeError):
+        is_live("2033-01-01T00:00Z", T0)  # type: ignore[arg-type]
+
+
+# --- fencing -------------------------------------------------------------------------------
+
+
+def test_capability_comparison() -> None:
+    secret = bytes(range(16))
+    assert capability_matches(secret, bytes(range(16)))
+    assert capability_matches(secret, bytearray(range(16)))  # type: ignore[arg-type]
+    assert not capability_matches(secret, bytes(range(1, 17)))
+    assert not capability_matches(secret, secret[:-1])
+    assert not capability_matches(secret, secret + b"\0")
+    assert not capability_matches(secret, b"")
+    flipped = bytearray(secret)
+    flipped[15] ^= 1
+    assert not capability_matches(secret, bytes(flipped))
+    with pytest.raises(TypeError):
+        capability_matches(secret, secret.hex())  # type: ignore[arg-type]
+
+
+def test_capability_comparison_is_constant_time() -> None:
+    """The comparison goes through hmac.compare_digest (and nothing short-circuits it)."""
+    assert leases_module.hmac is hmac  # type: ignore[attr-defined]
+    with mock.patch.object(hmac, "compare_digest", wraps=hmac.compare_digest) as spy:
+        assert not capability_matches(b"a" * 16, b"b" * 16)
+        assert capability_matches(b"a" * 16, b"a" * 16)
+    assert spy.call_count == 2
+    # And the source uses no == on the secrets.
+    tree = ast.parse(inspect.getsource(capability_matches))
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]
+
+
+class _Fixed:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.asked: list[int] = []
+
+    def token_bytes(self, n: int) -> bytes:
+        self.asked.append(n)
+        return self.data[:n]
+
+    def random(self) -> float:
+        return 0.0
+
+
+def test_fresh_capability_and_generation_come_from_the_injected_source() -> None:
+    source = _Fixed(bytes(range(32)))
+    assert new_capability(source) == bytes(range(16))
+    assert new_generation(source) == bytes(range(16))
+    assert source.asked == [CAPABILITY_BYTES, GENERATION_BYTES] == [16, 16]
+    with pytest.raises(ConfigurationError, match="capability"):
+        new_capability(_Fixed(b"short"))
+    with pytest.raises(ConfigurationError, match="generation"):
+        new_generation(_Fixed(b""))
+
+
+def test_occurrence_id_is_32_lowercase_hex() -> None:
+    generation = bytes([0xAB] * 16)
+    assert occurrence_id_for(generation) == "ab" * 16
+    with pytest.raises(ValueError, match="16 bytes"):
+        occurrence_id_for(b"\x00" * 15)
+    with pytest.raises(TypeError):
+        occurrence_id_for("ab" * 16)  # type: ignore[arg-type]
+
+
+# --- shared time adoption ------------------------------------------------------------------
+
+
+def test_clock_trailing_by_4_9_s_adopts_recorded_time() -> None:
+    recorded = T0
+    assert adopt_time(recorded, T0 - timedelta(seconds=4.9)) == recorded
+
+
+def test_clock_trailing_by_exactly_the_tolerance_adopts() -> None:
+    assert adopt_time(T0, T0 - timedelta(seconds=5)) == T0
+
+
+def test_clock_trailing_by_5_1_s_is_a_clock_error() -> None:
+    with pytest.raises(RecurringClockError, match="trails") as info:
+        adopt_time(T0, T0 - timedelta(seconds=5.1))
+    assert isinstance(info.value, RecurringError)
+    assert isinstance(info.value, RecurringError.Clock)
+
+
+def test_clock_ahead_is_used_and_no_record_means_local() -> None:
+    assert adopt_time(T0, T0 + timedelta(hours=1)) == T0 + timedelta(hours=1)
+    assert adopt_time(None, T0) == T0
+
+
+def test_custom_tolerance() -> None:
+    assert adopt_time(T0, T0 - 30 * S, tolerance=timedelta(minutes=1)) == T0
+    with pytest.raises(RecurringClockError):
+        adopt_time(T0, T0 - timedelta(microseconds=1), tolerance=timedelta(0))
+    with pytest.raises(ConfigurationError):
+        adopt_time(T0, T0, tolerance=-S)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.timedeltas(min_value=-timedelta(hours=1), max_value=timedelta(hours=1)))
+def test_shared_time_never_moves_backwards(skew: timedelta) -> None:
+    local = T0 + skew
+    if skew < -timedelta(seconds=5):
+        with pytest.raises(RecurringClockError):
+            adopt_time(T0, local)
+    else:
+        adopted = adopt_time(T0, local)
+        assert adopted >= T0
+        assert adopted == max(T0, local)
+
+
+# --- relay failure decisions -------------------------------------------------------------------
+
+DAY_END = T0 + timedelta(days=1)
+
+
+def test_retryable_failure_backs_off() -> None:
+    decision = after_publish_failure(1, T0, DAY_END, permanent=False)
+    assert decision == FailureDecision(OccurrenceState.RETRY_WAIT, T0 + S)
+    assert after_publish_failure(3, T0, DAY_END, False).next_attempt_at == T0 + 4 * S
+
+
+def test_relay_failure_after_ten_attempts_is_dead() -> None:
+    assert after_publish_failure(9, T0, DAY_END, False).state is OccurrenceState.RETRY_WAIT
+    decision = after_publish_failure(10, T0, DAY_END, False)
+    assert decision == FailureDecision(OccurrenceState.DEAD, None, "attempts")
+    assert after_publish_failure(11, T0, DAY_END, False).state is OccurrenceState.DEAD
+
+
+def test_permanent_failure_is_dead_at_once() -> None:
+    decision = after_publish_failure(1, T0, DAY_END, permanent=True)
+    assert decision == FailureDecision(OccurrenceState.DEAD, None, "permanent")
+
+
+def test_failure_at_window_expiry_is_dead() -> None:
+    assert after_publish_failure(1, T0, T0, False).reason == "window"
+    assert after_publish_failure(1, T0, T0 - S, False).state is OccurrenceState.DEAD
+
+
+def test_retry_that_would_land_at_or_after_window_end_is_dead() -> None:
+    # Attempt 4 waits 8 s (1, 2, 4, 8...).
+    assert after_publish_failure(4, T0, T0 + 8 * S, False).state is OccurrenceState.DEAD
+    ok = after_publish_failure(4, T0, T0 + 8 * S + timedelta(microseconds=1), False)
+    assert ok == FailureDecision(OccurrenceState.RETRY_WAIT, T0 + 8 * S)
+
+
+def test_custom_backoff_and_attempts_and_jitter() -> None:
+    backoff = Backoff(initial=10 * S, maximum=10 * S, jitter=1.0)
+    d = after_publish_failure(1, T0, DAY_END, False, backoff, 2, draw=0.25)
+    assert d == FailureDecision(OccurrenceState.RETRY_WAIT, T0 + 7.5 * S)
+    assert after_publish_failure(2, T0, DAY_END, False, backoff, 2).state is OccurrenceState.DEAD
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 10**9),
+    st.booleans(),
+    st.timedeltas(min_value=-timedelta(days=1), max_value=timedelta(days=8)),
+)
+def test_failure_decision_model(attempts: int, permanent: bool, left: timedelta) -> None:
+    end = T0 + left
+    decision = after_publish_failure(attempts, T0, end, permanent)
+    # Independent model of RELAY_BACKOFF: 1 s doubling, capped at 300 s.
+    wait = timedelta(seconds=300 if attempts > 9 else min(300, 2 ** (attempts - 1)))
+    dead = permanent or attempts >= 10 or T0 + wait >= end
+    if dead:
+        assert decision.state is OccurrenceState.DEAD
+        assert decision.next_attempt_at is None
+        assert decision.reason in {"permanent", "attempts", "window"}
+    else:
+        assert decision == FailureDecision(OccurrenceState.RETRY_WAIT, T0 + wait)
+        assert decision.next_attempt_at is not None
+        assert decision.next_attempt_at < end
+
+
+@pytest.mark.parametrize(("attempts", "max_attempts"), [(0, 10), (-3, 10), (1, 0), (True, 10)])
+def test_failure_decision_rejects_bad_counts(attempts: int, max_attempts: int) -> None:
+    with pytest.raises(ConfigurationError):
+        after_publish_failure(attempts, T0, DAY_END, False, max_attempts=max_attempts)
+
+
+def test_huge_attempt_numbers_are_capped_and_fast() -> None:
+    started = time.perf_counter()
+    assert RELAY_BACKOFF.delay(10**9) == timedelta(minutes=5)
+    decision = after_publish_failure(10**9, T0, DAY_END, False, max_attempts=10**9 + 1)
+    assert decision == FailureDecision(OccurrenceState.RETRY_WAIT, T0 + timedelta(minutes=5))
+    assert time.perf_counter() - started < 0.1
+
+
+def test_huge_backoff_cap_near_the_end_of_time_does_not_overflow() -> None:
+    backoff = Backoff(initial=timedelta(days=1), maximum=timedelta(days=999_999_999))
+    late = datetime(9999, 12, 1, tzinfo=UTC)
+    decision = after_publish_failure(
+        50, late, datetime(9999, 12, 31, tzinfo=UTC), False, backoff, 100
+    )
+    assert decision.state is OccurrenceState.DEAD
+    assert decision.reason == "window"

@@ -1,0 +1,312 @@
+"""Missed-run planning: property tests against an independent minute-scan enumerator."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from steeple.core import CronCalendar, RecurringConfigurationError
+from steeple.core.policies import MissedRunPolicy, TickPlan, plan_tick, validate_budget
+
+MINUTE = timedelta(minutes=1)
+
+
+@attrs.frozen
+class Spec:
+    """A generated calendar: its expression and, independently, the sets it means."""
+
+    expression: str
+    minutes: frozenset[int]
+    hours: frozenset[int]
+
+    def matches(self, t: datetime) -> bool:
+        return t.second == 0 and t.microsecond == 0 and t.minute in self.minutes and (
+            t.hour in self.hours
+        )
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> Spec:
+    kind = draw(st.sampled_from(["daily", "hourly", "step", "multi"]))
+    if kind == "daily":
+        m, h = draw(st.integers(0, 59)), draw(st.integers(0, 23))
+        return Spec(f"{m} {h} * * *", frozenset({m}), frozenset({h}))
+    if kind == "hourly":
+        m = draw(st.integers(0, 59))
+        return Spec(f"{m} * * * *", frozenset({m}), frozenset(range(24)))
+    if kind == "step":
+        k = draw(st.integers(1, 59))
+        return Spec(f"*/{k} * * * *", frozenset(range(0, 60, k)), frozenset(range(24)))
+    ms = draw(st.lists(st.integers(0, 59), min_size=1, max_size=4, unique=True))
+    hs = draw(st.lists(st.integers(0, 23), min_size=1, max_size=4, unique=True))
+    return Spec(
+        f"{','.join(map(str, ms))} {','.join(map(str, hs))} * * *",
+        frozenset(ms),
+        frozenset(hs),
+    )
+
+
+def brute_due(spec: Spec, cursor: datetime, now: datetime) -> list[datetime]:
+    """Every instant in (cursor, now] the spec matches, by scanning minute by minute."""
+    t = cursor.replace(second=0, microsecond=0) + MINUTE  # first whole minute > cursor
+    out = []
+    while t <= now:
+        if spec.matches(t):
+            out.append(t)
+        t += MINUTE
+    return out
+
+
+def brute_next(spec: Spec, after: datetime) -> datetime:
+    """The first matching instant strictly after ``after`` (these specs fire at least daily)."""
+    found = brute_due(spec, after, after + timedelta(days=1, minutes=1))
+    assert found
+    return found[0]
+
+
+instants = st.datetimes(
+    min_value=datetime(2000, 1, 1), max_value=datetime(2090, 1, 1), timezones=st.just(UTC)
+)
+gaps = st.timedeltas(min_value=timedelta(0), max_value=timedelta(days=2))
+budgets = st.integers(1, 100)
+
+
+@settings(max_examples=300, deadline=None)
+@given(specs(), instants, gaps, budgets)
+def test_catch_up_emits_exactly_the_oldest_due_times(
+    spec: Spec, cursor: datetime, gap: timedelta, budget: int
+) -> None:
+    now = cursor + gap
+    calendar = CronCalendar.parse(spec.expression)
+    plan = plan_tick(MissedRunPolicy.CATCH_UP, calendar, cursor, now, budget)
+    everything = brute_due(spec, cursor, now)
+    assert list(plan.due) == everything[:budget]
+    assert plan.cursor == (plan.due[-1] if plan.due else cursor)
+    assert plan.exhausted is False
+    assert plan.cursor is not None
+    assert plan.next_due == brute_next(spec, plan.cursor)
+    assert all(d.tzinfo is not None and d.utcoffset() == timedelta(0) for d in plan.due)
+
+
+@settings(max_examples=200, deadline=None)
+@given(specs(), instants, gaps, budgets)
+def test_repeated_catch_up_ticks_emit_every_due_time_exactly_once(
+    spec: Spec, cursor: datetime, gap: timedelta, budget: int
+) -> None:
+    now = cursor + gap
+    calendar = CronCalendar.parse(spec.expression)
+    emitted: list[datetime] = []
+    position = cursor
+    ticks = 0
+    while True:
+        plan = plan_tick(MissedRunPolicy.CATCH_UP, calendar, position, now, budget)
+        ticks += 1
+        assert len(plan.due) <= budget
+        assert plan.cursor is not None
+        if not plan.due:
+            assert plan.cursor == position
+            break
+        emitted.extend(plan.due)
+        position = plan.cursor
+        assert ticks <= 3000
+    expected = brute_due(spec, cursor, now)
+    assert emitted == expected  # each once, oldest first, nothing missing
+    assert ticks == -(-len(expected) // budget) + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    specs(),
+    instants,
+    st.lists(gaps, min_size=1, max_size=6),
+    budgets,
+    st.sampled_from([MissedRunPolicy.CATCH_UP, MissedRunPolicy.COALESCE]),
+)
+def test_advancing_clock_never_duplicates_or_goes_backwards(
+    spec: Spec,
+    start: datetime,
+    steps: list[timedelta],
+    budget: int,
+    policy: MissedRunPolicy,
+) -> None:
+    calendar = CronCalendar.parse(spec.expression)
+    cursor, now = start, start
+    emitted: list[datetime] = []
+    for step in steps:
+        now += step
+        plan = plan_tick(policy, calendar, cursor, now, budget)
+        outstanding = brute_due(spec, cursor, now)
+        if policy is MissedRunPolicy.COALESCE:
+            assert list(plan.due) == outstanding[:1]
+        else:
+            assert list(plan.due) == outstanding[:budget]
+        emitted.extend(plan.due)
+        assert plan.cursor is not None
+        cursor = plan.cursor
+    assert emitted == sorted(set(emitted))  # strictly increasing: no duplicates
+    assert all(spec.matches(d) for d in emitted)
+    if policy is MissedRunPolicy.CATCH_UP:
+        # Every due time up to the cursor was emitted, none skipped.
+        assert emitted == brute_due(spec, start, cursor)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    specs(),
+    instants,
+    gaps,
+    budgets,
+    st.sampled_from([MissedRunPolicy.COALESCE, MissedRunPolicy.RUN_ONCE]),
+)
+def test_coalesce_emits_at_most_one_then_advances_past_now(
+    spec: Spec, cursor: datetime, gap: timedelta, budget: int, policy: MissedRunPolicy
+) -> None:
+    now = cursor + gap
+    calendar = CronCalendar.parse(spec.expression)
+    plan = plan_tick(policy, calendar, cursor, now, budget)
+    outstanding = brute_due(spec, cursor, now)
+    if outstanding:
+        assert plan.due == (outstanding[0],)  # the oldest outstanding due time
+        assert plan.cursor == now
+        assert plan.next_due == brute_next(spec, now)
+        assert plan.next_due is not None
+        assert plan.next_due > now
+        # A second tick at the same observed time has nothing more to do.
+        again = plan_tick(policy, calendar, now, now, budget)
+        assert again.due == ()
+        assert again.cursor == now
+    else:
+        assert plan.due == ()
+        assert plan.cursor == cursor
+        assert plan.next_due == brute_next(spec, cursor)
+    assert plan.exhausted is False
+
+
+def test_catch_up_worked_example() -> None:
+    calendar = CronCalendar.parse("*/15 * * * *")
+    cursor = datetime(2030, 5, 1, 10, 0, tzinfo=UTC)
+    now = datetime(2030, 5, 1, 11, 7, 30, tzinfo=UTC)
+    plan = plan_tick(MissedRunPolicy.CATCH_UP, calendar, cursor, now, 3)
+    assert plan == TickPlan(
+        due=(
+            datetime(2030, 5, 1, 10, 15, tzinfo=UTC),
+            datetime(2030, 5, 1, 10, 30, tzinfo=UTC),
+            datetime(2030, 5, 1, 10, 45, tzinfo=UTC),
+        ),
+        cursor=datetime(2030, 5, 1, 10, 45, tzinfo=UTC),
+        exhausted=False,
+        next_due=datetime(2030, 5, 1, 11, 0, tzinfo=UTC),
+    )
+    rest = plan_tick(MissedRunPolicy.CATCH_UP, calendar, plan.cursor, now, 3)  # type: ignore[arg-type]
+    assert rest.due == (datetime(2030, 5, 1, 11, 0, tzinfo=UTC),)
+
+
+def test_coalesce_worked_example() -> None:
+    calendar = CronCalendar.parse("*/15 * * * *")
+    cursor = datetime(2030, 5, 1, 10, 0, tzinfo=UTC)
+    now = datetime(2030, 5, 1, 11, 7, 30, tzinfo=UTC)
+    plan = plan_tick(MissedRunPolicy.COALESCE, calendar, cursor, now, 100)
+    assert plan.due == (datetime(2030, 5, 1, 10, 15, tzinfo=UTC),)
+    assert plan.cursor == now
+    assert plan.next_due == datetime(2030, 5, 1, 11, 15, tzinfo=UTC)
+
+
+def test_due_time_equal_to_now_is_due_and_cursor_is_exclusive() -> None:
+    calendar = CronCalendar.parse("0 12 * * *")
+    noon = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
+    for policy in MissedRunPolicy:
+        assert plan_tick(policy, calendar, noon - MINUTE, noon, 1).due == (noon,)
+        assert plan_tick(policy, calendar, noon, noon, 1).due == ()
+        assert plan_tick(policy, calendar, noon - MINUTE, noon - MINUTE / 60, 1).due == ()
+
+
+@pytest.mark.parametrize("policy", list(MissedRunPolicy))
+def test_exhaustion_after_the_last_instant(policy: MissedRunPolicy) -> None:
+    calendar = CronCalendar.parse("0 0 31 12 *")
+    last = datetime(2100, 12, 31, tzinfo=UTC)
+    cursor = datetime(2100, 6, 1, tzinfo=UTC)
+    now = datetime(2101, 6, 1, tzinfo=UTC)
+    plan = plan_tick(policy, calendar, cursor, now, 10)
+    assert plan.due == (last,)
+    assert plan.exhausted is True
+    assert plan.cursor is None
+    assert plan.next_due is None
+    # Nothing ever follows: a later tick from the last due time plans nothing, exhausted.
+    after = plan_tick(policy, calendar, last, now, 10)
+    assert after == TickPlan(due=(), cursor=None, exhausted=True, next_due=None)
+
+
+def test_not_yet_exhausted_before_the_last_instant() -> None:
+    calendar = CronCalendar.parse("0 0 31 12 *")
+    cursor = datetime(2099, 12, 31, tzinfo=UTC)
+    plan = plan_tick(MissedRunPolicy.CATCH_UP, calendar, cursor, cursor + MINUTE, 5)
+    assert plan.due == ()
+    assert plan.exhausted is False
+    assert plan.next_due == datetime(2100, 12, 31, tzinfo=UTC)
+
+
+def test_never_firing_calendar_is_exhausted_immediately() -> None:
+    calendar = CronCalendar.parse("0 0 30 2 *")
+    t = datetime(2030, 1, 1, tzinfo=UTC)
+    plan = plan_tick(MissedRunPolicy.CATCH_UP, calendar, t, t + timedelta(days=400), 100)
+    assert plan == TickPlan(due=(), cursor=None, exhausted=True)
+
+
+def test_clock_behind_cursor_plans_nothing() -> None:
+    calendar = CronCalendar.parse("* * * * *")
+    cursor = datetime(2030, 1, 1, 12, tzinfo=UTC)
+    for policy in MissedRunPolicy:
+        plan = plan_tick(policy, calendar, cursor, cursor - timedelta(hours=1), 100)
+        assert plan.due == ()
+        assert plan.cursor == cursor
+
+
+def test_budget_caps_a_long_outage() -> None:
+    calendar = CronCalendar.parse("* * * * *")
+    cursor = datetime(2030, 1, 1, tzinfo=UTC)
+    plan = plan_tick(MissedRunPolicy.CATCH_UP, calendar, cursor, cursor + timedelta(days=1), 100)
+    assert len(plan.due) == 100
+    assert plan.due[0] == cursor + MINUTE
+    assert plan.cursor == cursor + 100 * MINUTE
+
+
+@pytest.mark.parametrize("budget", [0, -1, 101, 10**6, True, False, 1.0, "5", None])
+def test_budgets_outside_range_are_typed_errors(budget: object) -> None:
+    calendar = CronCalendar.parse("* * * * *")
+    t = datetime(2030, 1, 1, tzinfo=UTC)
+    with pytest.raises(RecurringConfigurationError, match="budget"):
+        plan_tick(MissedRunPolicy.CATCH_UP, calendar, t, t, budget)  # type: ignore[arg-type]
+    with pytest.raises(RecurringConfigurationError):
+        validate_budget(budget)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="limit"):
+        validate_budget(budget, "limit")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [1, 2, 50, 99, 100])
+def test_budgets_in_range_are_returned(n: int) -> None:
+    assert validate_budget(n) == n
+
+
+def test_naive_instants_rejected_clearly() -> None:
+    calendar = CronCalendar.parse("* * * * *")
+    aware = datetime(2030, 1, 1, tzinfo=UTC)
+    naive = datetime(2030, 1, 1)
+    with pytest.raises(ValueError, match="cursor must be timezone-aware"):
+        plan_tick(MissedRunPolicy.CATCH_UP, calendar, naive, aware, 1)
+    with pytest.raises(ValueError, match="now must be timezone-aware"):
+        plan_tick(MissedRunPolicy.CATCH_UP, calendar, aware, naive, 1)
+
+
+def test_unknown_policy_rejected() -> None:
+    calendar = CronCalendar.parse("* * * * *")
+    t = datetime(2030, 1, 1, tzinfo=UTC)
+    with pytest.raises(RecurringConfigurationError, match="policy"):
+        plan_tick("catch_up", calendar, t, t, 1)  # type: ignore[arg-type]
+
+
+def test_policy_values_unchanged() -> None:
+    assert [p.value for p in MissedRunPolicy] == ["catch_up", "coalesce", "run_once"]

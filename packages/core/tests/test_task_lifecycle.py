@@ -1,0 +1,177 @@
+"""The task lifecycle table and retry decisions, checked against independent expectations."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from steeple.core import Backoff, ConfigurationError, InvalidTransitionError
+from steeple.core.tasks import (
+    TASK_TRANSITIONS,
+    TERMINAL_TASK_STATES,
+    RetryDecision,
+    TaskEvent,
+    TaskState,
+    retry_decision,
+    transition,
+)
+
+
+def expected(state: str, event: str) -> str | None:
+    """CORE_API.md's task table written as branches (shares nothing with the module)."""
+    if state == "pending":
+        return {"claim": "running", "cancel": "cancelled"}.get(event)
+    if state == "running":
+        return {
+            "succeed": "succeeded",
+            "fail_retryable": "pending",
+            "fail_permanent": "failed",
+            "lease_expired": "pending",
+            "cancel": "cancelled",
+        }.get(event)
+    return None  # succeeded, failed, cancelled accept nothing
+
+
+def _check(state: TaskState, event: TaskEvent) -> None:
+    want = expected(state.value, event.value)
+    if want is None:
+        with pytest.raises(InvalidTransitionError) as info:
+            transition(state, event)
+        assert info.value.lifecycle == "task"
+        assert info.value.state is state
+        assert info.value.event is event
+    else:
+        assert transition(state, event).value == want
+
+
+def test_enums_are_exactly_the_contract() -> None:
+    assert [s.value for s in TaskState] == [
+        "pending", "running", "succeeded", "failed", "cancelled",
+    ]
+    assert [e.name for e in TaskEvent] == [
+        "CLAIM", "SUCCEED", "FAIL_RETRYABLE", "FAIL_PERMANENT", "LEASE_EXPIRED", "CANCEL",
+    ]
+
+
+@pytest.mark.parametrize(("state", "event"), list(itertools.product(TaskState, TaskEvent)))
+def test_every_pair_exhaustively(state: TaskState, event: TaskEvent) -> None:
+    _check(state, event)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(TaskState), st.sampled_from(TaskEvent))
+def test_every_pair_property(state: TaskState, event: TaskEvent) -> None:
+    _check(state, event)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(TaskState), st.lists(st.sampled_from(TaskEvent), max_size=30))
+def test_sequences_and_unchanged_state_on_rejection(
+    start: TaskState, events: list[TaskEvent]
+) -> None:
+    state, model = start, start.value
+    for event in events:
+        want = expected(model, event.value)
+        if want is None:
+            with pytest.raises(InvalidTransitionError):
+                transition(state, event)
+        else:
+            state, model = transition(state, event), want
+        assert state.value == model
+
+
+def test_table_rows_and_terminal_states() -> None:
+    rows = {(s.value, e.value) for s, e in TASK_TRANSITIONS}
+    assert rows == {
+        (s.value, e.value)
+        for s, e in itertools.product(TaskState, TaskEvent)
+        if expected(s.value, e.value) is not None
+    }
+    assert {s.value for s in TERMINAL_TASK_STATES} == {"succeeded", "failed", "cancelled"}
+    assert {
+        s for s in TaskState if all(expected(s.value, e.value) is None for e in TaskEvent)
+    } == TERMINAL_TASK_STATES
+    with pytest.raises(TypeError):
+        TASK_TRANSITIONS[(TaskState.FAILED, TaskEvent.CLAIM)] = TaskState.RUNNING  # type: ignore[index]
+
+
+def test_non_members_rejected() -> None:
+    with pytest.raises(InvalidTransitionError):
+        transition("pending", TaskEvent.CLAIM)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransitionError):
+        transition(TaskState.PENDING, {})  # type: ignore[arg-type]
+
+
+NOW = datetime(2031, 7, 9, 10, 11, 12, 345000, tzinfo=UTC)
+BACKOFF = Backoff(initial=timedelta(seconds=2), maximum=timedelta(minutes=10), factor=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 10**9), st.integers(1, 10**9), st.floats(0, 1, exclude_max=True))
+def test_retry_decision_model(attempt: int, max_attempts: int, draw: float) -> None:
+    decision = retry_decision(attempt, max_attempts, BACKOFF, NOW, draw)
+    if attempt >= max_attempts:
+        assert decision == RetryDecision(retry=False, run_at=None)
+        assert decision.event is TaskEvent.FAIL_PERMANENT
+    else:
+        # Independent model: 2 s * 3**(attempt-1), capped at 600 s, no jitter configured.
+        seconds = 600 if attempt > 7 else min(600, 2 * 3 ** (attempt - 1))
+        assert decision == RetryDecision(retry=True, run_at=NOW + timedelta(seconds=seconds))
+        assert decision.event is TaskEvent.FAIL_RETRYABLE
+
+
+def test_retry_decision_retryable_becomes_permanent_at_the_limit() -> None:
+    assert retry_decision(2, 3, BACKOFF, NOW).retry is True
+    assert retry_decision(3, 3, BACKOFF, NOW) == RetryDecision(False, None)
+    assert retry_decision(1, 1, BACKOFF, NOW).retry is False
+
+
+def test_retry_decision_jitter_uses_the_injected_draw() -> None:
+    jittery = Backoff(initial=timedelta(seconds=10), maximum=timedelta(seconds=10), jitter=0.5)
+    assert retry_decision(1, 5, jittery, NOW, 0.0).run_at == NOW + timedelta(seconds=10)
+    assert retry_decision(1, 5, jittery, NOW, 0.5).run_at == NOW + timedelta(seconds=7.5)
+
+
+def test_retry_decision_huge_attempt_is_fast_and_capped() -> None:
+    started = time.perf_counter()
+    decision = retry_decision(10**9, 10**9 + 1, BACKOFF, NOW)
+    assert time.perf_counter() - started < 0.1
+    assert decision.run_at == NOW + timedelta(minutes=10)
+
+
+def test_retry_decision_overflowing_cap_saturates() -> None:
+    huge = Backoff(initial=timedelta(days=1), maximum=timedelta(days=999_999_999))
+    late = datetime(9999, 1, 1, tzinfo=UTC)
+    decision = retry_decision(60, 100, huge, late)
+    assert decision.retry is True
+    assert decision.run_at == datetime.max.replace(tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("attempt", "max_attempts"), [(0, 3), (-1, 3), (1, 0), (True, 3), (1.5, 3), (1, "3")]
+)
+def test_retry_decision_rejects_bad_counts(attempt: object, max_attempts: object) -> None:
+    with pytest.raises(ConfigurationError):
+        retry_decision(attempt, max_attempts, BACKOFF, NOW)  # type: ignore[arg-type]
+
+
+def test_retry_decision_rejects_naive_now() -> None:
+    with pytest.raises(ValueError, match="timezone-aware"):
+        retry_decision(1, 3, BACKOFF, datetime(2030, 1, 1))
+    with pytest.raises(TypeError):
+        retry_decision(1, 3, BACKOFF, "2030-01-01")  # type: ignore[arg-type]
+
+
+def test_retry_decision_normalizes_to_utc() -> None:
+    from datetime import timezone
+
+    eastern = NOW.astimezone(timezone(timedelta(hours=-5)))
+    decision = retry_decision(1, 3, BACKOFF, eastern)
+    assert decision.run_at == NOW + timedelta(seconds=2)
+    assert decision.run_at is not None
+    assert decision.run_at.utcoffset() == timedelta(0)

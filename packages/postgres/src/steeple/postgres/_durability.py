@@ -1,0 +1,262 @@
+"""Fail-closed checks shared by steeple's PostgreSQL adapters.
+
+Before a store does any work it verifies that PostgreSQL will keep what it acknowledges
+(permanent tables, ``fsync``, ``full_page_writes``, ``synchronous_commit``, a writable
+primary), that a remote connection uses verified TLS, and that the runtime role holds the
+privileges it needs and no more than it should.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, TypeAlias
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import asyncpg
+
+if TYPE_CHECKING:
+    from asyncpg.pool import PoolConnectionProxy
+
+__all__ = [
+    "AnyConnection",
+    "DurabilityProblem",
+    "check_privileges",
+    "check_server_durability",
+    "check_tables_permanent",
+    "check_transport",
+    "quote_ident",
+]
+
+_VERIFIED_SSL_MODES = frozenset({"verify-full", "verify-ca"})
+# Every synchronous_commit value except "off" flushes the local WAL before COMMIT returns.
+_DURABLE_SYNC_COMMIT = frozenset({"on", "local", "remote_write", "remote_apply"})
+
+
+AnyConnection: TypeAlias = (
+    "asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]"
+)
+"""A plain or pooled asyncpg connection."""
+
+
+class DurabilityProblem(Exception):
+    """Internal: a failed check, turned into the adapter's own typed error by the caller."""
+
+    def __init__(self, message: str, *, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+def quote_ident(name: str) -> str:
+    """Quote a PostgreSQL identifier (doubling embedded quotes; NUL is refused)."""
+    if not name or "\x00" in name or len(name.encode()) > 63:
+        raise ValueError(f"invalid PostgreSQL identifier {name!r}")
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _is_loopback(host: str) -> bool:
+    if not host or host.startswith("/") or host.startswith("@"):
+        return True  # a Unix-domain socket (path or abstract namespace)
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _dsn_hosts(dsn: str) -> tuple[list[str], dict[str, list[str]]]:
+    parts = urlsplit(dsn)
+    if parts.scheme not in {"postgres", "postgresql"}:
+        raise DurabilityProblem(
+            "the DSN must be a postgresql:// URI", setting="dsn"
+        )
+    query = parse_qs(parts.query)
+    netloc = parts.netloc.rpartition("@")[2]
+    hosts: list[str] = []
+    for item in netloc.split(","):
+        if item.startswith("["):
+            hosts.append(item[1 : item.find("]")])
+        else:
+            hosts.append(unquote(item.rpartition(":")[0] if ":" in item else item))
+    hosts.extend(query.get("host", []))
+    if not any(hosts):
+        hosts = [os.environ.get("PGHOST", "")]
+    return [h for h in hosts if h is not None], query
+
+
+def check_transport(dsn: str) -> None:
+    """Refuse a remote connection that does not verify the server's certificate.
+
+    A Unix socket or a loopback host may use any mode. Any other host requires
+    ``sslmode=verify-full`` or ``verify-ca`` (in the DSN or ``PGSSLMODE``).
+
+    Raises:
+        DurabilityProblem: with ``setting="sslmode"`` when TLS is not verified.
+    """
+    hosts, query = _dsn_hosts(dsn)
+    remote = [h for h in hosts if not _is_loopback(h)]
+    if not remote:
+        return
+    modes = query.get("sslmode") or [os.environ.get("PGSSLMODE", "prefer")]
+    mode = modes[-1]
+    if mode not in _VERIFIED_SSL_MODES:
+        raise DurabilityProblem(
+            f"the connection to {remote[0]!r} is remote and uses sslmode={mode!r}; remote "
+            "connections require verified TLS: add sslmode=verify-full (or verify-ca) and "
+            "sslrootcert to the DSN",
+            setting="sslmode",
+        )
+
+
+async def check_server_durability(conn: AnyConnection) -> None:
+    """Refuse a server or session that could lose acknowledged commits or cannot write.
+
+    Raises:
+        DurabilityProblem: naming the setting at fault (``fsync``, ``full_page_writes``,
+            ``synchronous_commit``, ``pg_is_in_recovery``, ``default_transaction_read_only``).
+    """
+    row = await conn.fetchrow(
+        "SELECT current_setting('fsync') AS fsync,"
+        " current_setting('full_page_writes') AS full_page_writes,"
+        " current_setting('synchronous_commit') AS synchronous_commit,"
+        " pg_is_in_recovery() AS in_recovery,"
+        " current_setting('default_transaction_read_only') AS default_ro,"
+        " current_setting('transaction_read_only') AS tx_ro"
+    )
+    assert row is not None
+    if row["fsync"] != "on":
+        raise DurabilityProblem(
+            "PostgreSQL runs with fsync=off, so a crash can lose or corrupt committed work; "
+            "set fsync=on", setting="fsync",
+        )
+    if row["full_page_writes"] != "on":
+        raise DurabilityProblem(
+            "PostgreSQL runs with full_page_writes=off, so a crash can corrupt pages; set "
+            "full_page_writes=on", setting="full_page_writes",
+        )
+    if row["synchronous_commit"] not in _DURABLE_SYNC_COMMIT:
+        raise DurabilityProblem(
+            f"synchronous_commit is {row['synchronous_commit']!r} for this session (server, "
+            "role, database or connection option), so acknowledged commits can be lost in a "
+            "crash; remove that setting (ALTER ROLE ... RESET synchronous_commit)",
+            setting="synchronous_commit",
+        )
+    if row["in_recovery"]:
+        raise DurabilityProblem(
+            "PostgreSQL is a standby in recovery (pg_is_in_recovery() is true); connect to "
+            "the writable primary", setting="pg_is_in_recovery",
+        )
+    if row["default_ro"] != "off" or row["tx_ro"] != "off":
+        raise DurabilityProblem(
+            "the session is read-only (default_transaction_read_only is on); connect to a "
+            "writable primary with a writable role",
+            setting="default_transaction_read_only",
+        )
+
+
+async def check_tables_permanent(
+    conn: AnyConnection, schema: str, tables: Sequence[str]
+) -> None:
+    """Require every table to exist in ``schema`` and be permanent (not unlogged or temp).
+
+    Raises:
+        DurabilityProblem: ``setting="missing_table"`` when a table does not exist,
+            ``setting="relpersistence"`` when one is unlogged or temporary.
+    """
+    rows = await conn.fetch(
+        "SELECT c.relname, c.relpersistence::text AS relpersistence FROM pg_catalog.pg_class c"
+        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = $1 AND c.relname = ANY($2::text[]) AND c.relkind IN ('r', 'p')",
+        schema,
+        list(tables),
+    )
+    found = {r["relname"]: r["relpersistence"] for r in rows}
+    for table in tables:
+        if table not in found:
+            raise DurabilityProblem(
+                f"table {schema}.{table} does not exist; run initialize with the deployment "
+                "role first (connect never creates or repairs tables)",
+                setting="missing_table",
+            )
+        persistence = found[table]
+        if persistence != "p":
+            kind = "unlogged" if persistence == "u" else "temporary"
+            raise DurabilityProblem(
+                f"table {schema}.{table} is {kind} (pg_class.relpersistence={persistence!r}), "
+                f"so its rows do not survive a crash; run ALTER TABLE {schema}.{table} "
+                "SET LOGGED",
+                setting="relpersistence",
+            )
+
+
+async def check_privileges(
+    conn: AnyConnection, schema: str, required: Mapping[str, Sequence[str]]
+) -> list[str]:
+    """Check the runtime role: fail on a missing privilege, report excess power.
+
+    Args:
+        conn: a connection as the runtime role.
+        schema: the schema holding the tables.
+        required: table name -> privileges the runtime needs on it.
+
+    Returns:
+        Warnings for a role that is a superuser, owns a table or can CREATE in the schema.
+
+    Raises:
+        DurabilityProblem: ``setting="privilege"`` naming the first missing privilege.
+    """
+    role = await conn.fetchrow(
+        "SELECT current_user AS name, r.rolsuper, r.rolbypassrls,"
+        " has_schema_privilege(current_user, $1, 'USAGE') AS usage,"
+        " has_schema_privilege(current_user, $1, 'CREATE') AS can_create"
+        " FROM pg_catalog.pg_roles r WHERE r.rolname = current_user",
+        schema,
+    )
+    assert role is not None
+    name = role["name"]
+    if not role["usage"]:
+        raise DurabilityProblem(
+            f"role {name!r} lacks USAGE on schema {schema!r}; run GRANT USAGE ON SCHEMA "
+            f"{quote_ident(schema)} TO {quote_ident(name)} (see grants.sql)",
+            setting="privilege",
+        )
+    qualified = {t: f"{quote_ident(schema)}.{quote_ident(t)}" for t in required}
+    for table, privileges in required.items():
+        for privilege in privileges:
+            ok = await conn.fetchval(
+                "SELECT has_table_privilege(current_user, $1, $2)", qualified[table], privilege
+            )
+            if not ok:
+                raise DurabilityProblem(
+                    f"role {name!r} lacks {privilege} on table {schema}.{table}; run GRANT "
+                    f"{privilege} ON {qualified[table]} TO {quote_ident(name)} (see grants.sql)",
+                    setting="privilege",
+                )
+    warnings: list[str] = []
+    if role["rolsuper"]:
+        warnings.append(
+            f"runtime role {name!r} is a superuser; use a role with only the grants in "
+            "grants.sql"
+        )
+    owned = await conn.fetch(
+        "SELECT c.relname FROM pg_catalog.pg_class c"
+        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = $1 AND c.relname = ANY($2::text[])"
+        " AND pg_has_role(current_user, c.relowner, 'USAGE')",
+        schema,
+        list(required),
+    )
+    if owned and not role["rolsuper"]:
+        tables = ", ".join(sorted(r["relname"] for r in owned))
+        warnings.append(
+            f"runtime role {name!r} owns (or is a member of the owner of) {tables}; the "
+            "runtime role should not be able to alter or drop the tables"
+        )
+    if role["can_create"] and not role["rolsuper"]:
+        warnings.append(
+            f"runtime role {name!r} has CREATE on schema {schema!r}; the runtime role "
+            "should hold only USAGE"
+        )
+    return warnings

@@ -1,0 +1,70 @@
+"""steeple's PostgreSQL work queue: immediate, delayed and recurring work as durable task rows.
+
+Produce with :func:`enqueue` on your own connection (asyncpg or psycopg, in your own
+transaction); run with a :class:`Scheduler`; declare recurring work with :mod:`.jobs`.
+Install the schema explicitly with :func:`install` first.
+"""
+
+from __future__ import annotations
+
+from steeple.postgres.queue import jobs
+from steeple.postgres.queue._enqueue import enqueue, enqueue_many, enqueue_many_sync, enqueue_sync
+from steeple.postgres.queue._ops import TaskRun, cancel, prune_terminal, run_state
+from steeple.postgres.queue._schema import (
+    DEFAULT_SCHEMA,
+    LIBRARY_SCHEMA_VERSION,
+    check_schema,
+    install,
+    schema_version,
+)
+from steeple.postgres.queue._worker import Handler, Health, JobContext, Scheduler, WorkerStats
+from steeple.postgres.queue.errors import (
+    ArgsEncodingError,
+    JobError,
+    JobExistsError,
+    JobNotFoundError,
+    LeaseLostError,
+    QueueConfigurationError,
+    QueueError,
+    SchemaVersionMismatchError,
+    TaskNotFoundError,
+    UnknownTaskError,
+    UnsupportedConnectionError,
+)
+from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, Task
+
+__all__ = [
+    "DEFAULT_SCHEMA",
+    "LIBRARY_SCHEMA_VERSION",
+    "ArgsEncodingError",
+    "EnqueueOptions",
+    "EnqueuedTask",
+    "Handler",
+    "Health",
+    "JobContext",
+    "JobError",
+    "JobExistsError",
+    "JobNotFoundError",
+    "LeaseLostError",
+    "QueueConfigurationError",
+    "QueueError",
+    "Scheduler",
+    "SchemaVersionMismatchError",
+    "Task",
+    "TaskNotFoundError",
+    "TaskRun",
+    "UnknownTaskError",
+    "UnsupportedConnectionError",
+    "WorkerStats",
+    "cancel",
+    "check_schema",
+    "enqueue",
+    "enqueue_many",
+    "enqueue_many_sync",
+    "enqueue_sync",
+    "install",
+    "jobs",
+    "prune_terminal",
+    "run_state",
+    "schema_version",
+]

@@ -1,0 +1,174 @@
+"""Producing work on the caller's own connection, inside the caller's transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final, TypeVar
+
+from steeple.postgres.queue import _driver
+from steeple.postgres.queue._schema import DEFAULT_SCHEMA
+from steeple.postgres.queue._sql import QueueSql, queue_sql
+from steeple.postgres.queue.errors import QueueConfigurationError, QueueError
+from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, Task
+
+__all__ = ["MAX_ENQUEUE_MANY", "enqueue", "enqueue_many", "enqueue_many_sync", "enqueue_sync"]
+
+A = TypeVar("A")
+_DEFAULT_OPTIONS: Final = EnqueueOptions()
+MAX_ENQUEUE_MANY: Final = 10_000
+"""The most tasks one ``enqueue_many`` statement inserts."""
+# A duplicate can finish between our insert and our lookup; a few rounds settle it.
+_DEDUP_ROUNDS: Final = 5
+
+
+def _params(sql: QueueSql, task: Task[Any], args_text: str, options: EnqueueOptions) -> list[Any]:
+    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = options.snapshot()
+    return [
+        task.name, args_text, priority, options.run_at, max_attempts, lease,
+        b_init, b_max, b_factor, b_jitter, options.dedup_key, sql.channel,
+    ]  # fmt: skip
+
+
+async def enqueue(
+    conn: Any,
+    task: Task[A],
+    args: A,
+    options: EnqueueOptions | None = None,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+) -> EnqueuedTask:
+    """Create one task on ``conn`` (asyncpg or psycopg async), in the caller's transaction.
+
+    The task commits or rolls back with the caller's transaction; workers are woken by a
+    NOTIFY sent on commit. With a ``dedup_key`` and a live (pending or running) task of the
+    same name and key, nothing is inserted and that task is returned.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        task: the task definition.
+        args: arguments of the task's args type.
+        options: when and how it runs (default: now, priority 0, 60 s lease, 5 attempts).
+        schema: the queue's PostgreSQL schema.
+
+    Returns:
+        The task's id, and whether an existing duplicate was returned.
+
+    Raises:
+        ArgsEncodingError: ``args`` cannot be encoded.
+        UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
+        QueueConfigurationError: invalid schema name.
+        QueueError: the duplicate kept changing under us (pathological churn).
+    """
+    options = options or _DEFAULT_OPTIONS
+    sql = queue_sql(schema)
+    params = _params(sql, task, task.encode(args), options)
+    for _ in range(_DEDUP_ROUNDS):
+        rows = await _driver.fetch(conn, sql.enqueue, *params)
+        if rows:
+            return EnqueuedTask(int(rows[0][0]), deduplicated=False)
+        found = await _driver.fetch(conn, sql.find_duplicate, task.name, options.dedup_key)
+        if found:
+            return EnqueuedTask(int(found[0][0]), deduplicated=True)
+    raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
+
+
+def enqueue_sync(
+    conn: Any,
+    task: Task[A],
+    args: A,
+    options: EnqueueOptions | None = None,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+) -> EnqueuedTask:
+    """Like :func:`enqueue`, for a psycopg (sync) ``Connection``.
+
+    Raises:
+        ArgsEncodingError: ``args`` cannot be encoded.
+        UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
+        QueueConfigurationError: invalid schema name.
+        QueueError: the duplicate kept changing under us (pathological churn).
+    """
+    options = options or _DEFAULT_OPTIONS
+    sql = queue_sql(schema)
+    params = _params(sql, task, task.encode(args), options)
+    for _ in range(_DEDUP_ROUNDS):
+        rows = _driver.fetch_sync(conn, sql.enqueue, *params)
+        if rows:
+            return EnqueuedTask(int(rows[0][0]), deduplicated=False)
+        found = _driver.fetch_sync(conn, sql.find_duplicate, task.name, options.dedup_key)
+        if found:
+            return EnqueuedTask(int(found[0][0]), deduplicated=True)
+    raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
+
+
+def _many_params(
+    task: Task[A], args_list: Sequence[A], options: EnqueueOptions | None, sql: QueueSql
+) -> list[Any]:
+    options = options or _DEFAULT_OPTIONS
+    if options.dedup_key is not None:
+        raise QueueConfigurationError("enqueue_many does not take a dedup_key; use enqueue")
+    if len(args_list) > MAX_ENQUEUE_MANY:
+        raise QueueConfigurationError(
+            f"enqueue_many takes at most {MAX_ENQUEUE_MANY} tasks per call; got {len(args_list)}"
+        )
+    texts = [task.encode(a) for a in args_list]
+    params = _params(sql, task, "", options)
+    params[1] = texts
+    del params[10]  # no dedup key
+    return params
+
+
+async def enqueue_many(
+    conn: Any,
+    task: Task[A],
+    args_list: Sequence[A],
+    options: EnqueueOptions | None = None,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+) -> list[int]:
+    """Create many tasks of one kind with one statement, in the caller's transaction.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        task: the task definition.
+        args_list: the arguments, one task each (at most 10,000 per call).
+        options: shared options (no ``dedup_key``).
+        schema: the queue's PostgreSQL schema.
+
+    Returns:
+        The new task ids, in the order of ``args_list``.
+
+    Raises:
+        ArgsEncodingError: any args cannot be encoded (nothing is inserted).
+        QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
+        UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
+    """
+    sql = queue_sql(schema)
+    params = _many_params(task, args_list, options, sql)
+    if not args_list:
+        return []
+    rows = await _driver.fetch(conn, sql.enqueue_many, *params)
+    return [int(i) for i in rows[0][0]]
+
+
+def enqueue_many_sync(
+    conn: Any,
+    task: Task[A],
+    args_list: Sequence[A],
+    options: EnqueueOptions | None = None,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+) -> list[int]:
+    """Like :func:`enqueue_many`, for a psycopg (sync) ``Connection``.
+
+    Raises:
+        ArgsEncodingError: any args cannot be encoded (nothing is inserted).
+        QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
+        UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
+    """
+    sql = queue_sql(schema)
+    params = _many_params(task, args_list, options, sql)
+    if not args_list:
+        return []
+    rows = _driver.fetch_sync(conn, sql.enqueue_many, *params)
+    return [int(i) for i in rows[0][0]]

@@ -1,0 +1,219 @@
+"""Every SQL statement of the queue, built once per schema.
+
+Each statement that must be durable calls ``set_config('synchronous_commit', 'on', true)``
+inside itself: a session or role with ``synchronous_commit=off`` would otherwise lose
+acknowledged commits on a crash, and doing it in-statement costs no round trip. Every lease
+comparison uses ``clock_timestamp()``: ``now()`` is the transaction start, stale after a lock
+wait.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+
+from steeple.postgres.queue._schema import notify_channel, validate_schema
+
+DURABLE = "(SELECT set_config('synchronous_commit', 'on', true)) AS durable"
+LIVE = "('pending', 'running')"
+TERMINAL = "('succeeded', 'failed', 'cancelled')"
+_TASK_COLUMNS = (
+    "task_name, args, priority, run_at, max_attempts, lease_duration, "
+    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter"
+)
+
+
+@attrs.frozen
+class QueueSql:
+    """The statements of one schema."""
+
+    schema: str
+    channel: str
+    enqueue: str
+    enqueue_many: str
+    find_duplicate: str
+    claim: str
+    renew: str
+    complete: str
+    retry: str
+    fail: str
+    release: str
+    recover_expired: str
+    lost_states: str
+    run_state: str
+    cancel: str
+    prune: str
+
+
+@functools.lru_cache(maxsize=64)
+def queue_sql(schema: str) -> QueueSql:
+    """Build (once) the statements for ``schema``.
+
+    Raises:
+        QueueConfigurationError: invalid schema name.
+    """
+    s = validate_schema(schema)
+    return QueueSql(
+        schema=schema,
+        channel=notify_channel(schema),
+        # $1 name, $2 args, $3 priority, $4 run_at|null, $5 max_attempts, $6 lease,
+        # $7..$10 backoff, $11 dedup key, $12 channel
+        enqueue=f"""
+INSERT INTO {s}.tasks ({_TASK_COLUMNS}, dedup_key)
+SELECT $1, $2::text::jsonb, $3, coalesce($4::timestamptz, clock_timestamp()), $5, $6::interval,
+       $7, $8, $9, $10, $11
+FROM {DURABLE}
+ON CONFLICT (task_name, dedup_key) WHERE dedup_key IS NOT NULL AND state IN {LIVE} DO NOTHING
+RETURNING id, pg_notify($12, '')::text""",
+        # $1 name, $2 args[], $3.. as above but no dedup; $11 channel
+        enqueue_many=f"""
+WITH ins AS (
+    INSERT INTO {s}.tasks ({_TASK_COLUMNS})
+    SELECT $1, u.a::jsonb, $3, coalesce($4::timestamptz, clock_timestamp()), $5, $6::interval,
+           $7, $8, $9, $10
+    FROM {DURABLE}, unnest($2::text[]) WITH ORDINALITY AS u(a, n)
+    ORDER BY u.n
+    RETURNING id
+)
+SELECT array_agg(id ORDER BY id), (SELECT pg_notify($11, ''))::text FROM ins""",
+        find_duplicate=f"""
+SELECT id FROM {s}.tasks
+WHERE task_name = $1 AND dedup_key = $2 AND state IN {LIVE}""",
+        # $1 names[], $2 limit, $3 worker id
+        claim=f"""
+WITH picked AS (
+    SELECT id FROM {s}.tasks
+    WHERE state = 'pending' AND run_at <= clock_timestamp() AND task_name = ANY($1::text[])
+    ORDER BY priority DESC, run_at, id
+    LIMIT $2
+    FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE {s}.tasks t
+SET state = 'running', attempts = t.attempts + 1, lease_token = gen_random_uuid(),
+    lease_expires_at = clock_timestamp() + t.lease_duration, worker_id = $3,
+    started_at = clock_timestamp(), updated_at = clock_timestamp()
+FROM picked
+WHERE t.id = picked.id
+RETURNING t.id, t.task_name, t.args::text, t.attempts, t.max_attempts, t.run_id, t.lease_token,
+          t.lease_duration, t.backoff_initial_us, t.backoff_maximum_us, t.backoff_factor,
+          t.backoff_jitter, t.run_at, t.started_at, t.scheduled_for""",
+        # $1 ids[], $2 tokens[]
+        renew=f"""
+UPDATE {s}.tasks t
+SET lease_expires_at = clock_timestamp() + t.lease_duration
+FROM unnest($1::bigint[], $2::uuid[]) AS h(id, token)
+WHERE t.id = h.id AND t.lease_token = h.token AND t.state = 'running'
+RETURNING t.id""",
+        # $1 ids[], $2 tokens[], $3 worker id
+        complete=f"""
+WITH done AS (
+    UPDATE {s}.tasks t
+    SET state = 'succeeded', finished_at = clock_timestamp(), updated_at = clock_timestamp(),
+        lease_token = NULL, lease_expires_at = NULL
+    FROM {DURABLE}, unnest($1::bigint[], $2::uuid[]) AS h(id, token)
+    WHERE t.id = h.id AND t.lease_token = h.token AND t.state = 'running'
+    RETURNING t.id, t.attempts, t.started_at, t.finished_at
+), history AS (
+    INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, finished_at)
+    SELECT id, attempts, $3, 'succeeded', started_at, finished_at FROM done
+)
+SELECT id FROM done""",
+        # $1 id, $2 token, $3 delay interval, $4 error, $5 worker id
+        retry=f"""
+WITH done AS (
+    UPDATE {s}.tasks t
+    SET state = 'pending', run_at = clock_timestamp() + $3::interval, lease_token = NULL,
+        lease_expires_at = NULL, worker_id = NULL, last_error = $4, updated_at = clock_timestamp()
+    FROM {DURABLE}
+    WHERE t.id = $1 AND t.lease_token = $2 AND t.state = 'running'
+    RETURNING t.id, t.attempts, t.started_at
+), history AS (
+    INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
+    SELECT id, attempts, $5, 'retried', started_at, $4 FROM done
+)
+SELECT id FROM done""",
+        # $1 id, $2 token, $3 error, $4 worker id
+        fail=f"""
+WITH done AS (
+    UPDATE {s}.tasks t
+    SET state = 'failed', finished_at = clock_timestamp(), lease_token = NULL,
+        lease_expires_at = NULL, last_error = $3, updated_at = clock_timestamp()
+    FROM {DURABLE}
+    WHERE t.id = $1 AND t.lease_token = $2 AND t.state = 'running'
+    RETURNING t.id, t.attempts, t.started_at
+), history AS (
+    INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
+    SELECT id, attempts, $4, 'failed', started_at, $3 FROM done
+)
+SELECT id FROM done""",
+        # $1 id, $2 token, $3 worker id: hand back unfinished work at shutdown, attempt refunded
+        release=f"""
+WITH done AS (
+    UPDATE {s}.tasks t
+    SET state = 'pending', run_at = clock_timestamp(), attempts = greatest(t.attempts - 1, 0),
+        lease_token = NULL, lease_expires_at = NULL, worker_id = NULL,
+        updated_at = clock_timestamp()
+    FROM {DURABLE}
+    WHERE t.id = $1 AND t.lease_token = $2 AND t.state = 'running'
+    RETURNING t.id, t.attempts, t.started_at
+), history AS (
+    INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at)
+    SELECT id, attempts + 1, $3, 'released', started_at FROM done
+)
+SELECT id FROM done""",
+        # $1 limit. Exhausted attempts fail for good so a task that kills workers stops.
+        recover_expired=f"""
+WITH expired AS (
+    SELECT id FROM {s}.tasks
+    WHERE state = 'running' AND lease_expires_at < clock_timestamp()
+    ORDER BY lease_expires_at
+    LIMIT $1
+    FOR NO KEY UPDATE SKIP LOCKED
+), done AS (
+    UPDATE {s}.tasks t
+    SET state = CASE WHEN t.attempts >= t.max_attempts THEN 'failed' ELSE 'pending' END,
+        finished_at = CASE WHEN t.attempts >= t.max_attempts THEN clock_timestamp() END,
+        last_error = 'lease expired', run_at = clock_timestamp(), lease_token = NULL,
+        lease_expires_at = NULL, updated_at = clock_timestamp()
+    FROM {DURABLE}, expired
+    WHERE t.id = expired.id AND t.lease_expires_at < clock_timestamp()
+    RETURNING t.id, t.attempts, t.worker_id, t.started_at, t.state
+), history AS (
+    INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
+    SELECT id, attempts, worker_id, 'lease_expired', started_at, 'lease expired' FROM done
+)
+SELECT id, state FROM done""",
+        lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::bigint[])",
+        run_state=f"""
+SELECT id, task_name, state, priority, run_at, attempts, max_attempts, run_id, worker_id,
+       lease_expires_at, dedup_key, job_id, scheduled_for, created_at, started_at, finished_at,
+       last_error
+FROM {s}.tasks WHERE id = $1""",
+        cancel=f"""
+WITH target AS (
+    SELECT id, state FROM {s}.tasks WHERE id = $1 FOR NO KEY UPDATE
+), done AS (
+    UPDATE {s}.tasks t
+    SET state = 'cancelled', finished_at = clock_timestamp(), lease_token = NULL,
+        lease_expires_at = NULL, updated_at = clock_timestamp(),
+        last_error = coalesce(t.last_error, 'cancelled')
+    FROM {DURABLE}, target
+    WHERE t.id = target.id AND target.state IN {LIVE}
+    RETURNING t.id
+
+)
+SELECT target.state, (SELECT count(*) FROM done) FROM target""",
+        # $1 older-than interval, $2 limit
+        prune=f"""
+WITH victims AS (
+    SELECT id FROM {s}.tasks
+    WHERE state IN {TERMINAL} AND finished_at < clock_timestamp() - $1::interval
+    ORDER BY finished_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM {s}.tasks t USING {DURABLE}, victims WHERE t.id = victims.id RETURNING t.id
+)
+SELECT count(*) FROM gone""",
+    )

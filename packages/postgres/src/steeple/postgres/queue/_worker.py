@@ -1,0 +1,661 @@
+"""The worker: claims batches, runs handlers concurrently, renews, completes, recovers.
+
+One asyncio program per :class:`Scheduler`:
+
+- the claim loop takes up to ``batch_size`` due tasks in one ``UPDATE ... FROM (SELECT ...
+  FOR NO KEY UPDATE SKIP LOCKED)`` with a fresh random lease token per task, and starts a
+  handler for each in a TaskGroup, never more than ``concurrency`` at once;
+- completions are buffered and written in batches, each fenced by ``lease_token`` (a worker
+  that lost its lease cannot finish anything);
+- a renewer extends the leases of running handlers (token-guarded) and sets
+  ``ctx.lease_lost`` when a renewal finds the lease gone;
+- maintenance recovers expired leases of dead workers and materializes due recurring jobs;
+- a listener on a dedicated connection turns NOTIFYs into immediate wake-ups; if it dies
+  the worker polls every ``poll_interval`` and reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from typing import Any, Final, Generic, TypeVar
+
+import asyncpg
+import attrs
+
+from steeple.core.backoff import Backoff
+from steeple.core.clock import SystemClock
+from steeple.core.entropy import SystemRandom
+from steeple.core.ports import Clock, RandomSource
+from steeple.core.tasks import TaskEvent, TaskState, retry_decision, transition
+from steeple.postgres.queue import _metrics
+from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
+from steeple.postgres.queue._sql import queue_sql
+from steeple.postgres.queue.errors import (
+    JobError,
+    QueueConfigurationError,
+    QueueError,
+    UnknownTaskError,
+)
+from steeple.postgres.queue.tasks import Task
+
+__all__ = ["Handler", "Health", "JobContext", "Scheduler", "WorkerStats"]
+
+_log = logging.getLogger("steeple.postgres.queue")
+A = TypeVar("A")
+Handler = Callable[["JobContext", A], Awaitable[object]]
+"""An async handler: ``async def handle(ctx: JobContext, args) -> None``."""
+
+_DB_ERRORS: Final = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+_MAX_ERROR_TEXT: Final = 2000
+_FLUSH_BATCH: Final = 1000
+
+# The SQL encodes these transitions; deriving the names from core's table keeps them honest.
+_AFTER_SUCCESS: Final = transition(TaskState.RUNNING, TaskEvent.SUCCEED)
+_AFTER_RETRY: Final = transition(TaskState.RUNNING, TaskEvent.FAIL_RETRYABLE)
+_AFTER_FAILURE: Final = transition(TaskState.RUNNING, TaskEvent.FAIL_PERMANENT)
+
+
+class Health(enum.Enum):
+    """What :meth:`Scheduler.health` reports."""
+
+    STARTING = "starting"
+    """Not yet claiming (schema check, first connection)."""
+    HEALTHY = "healthy"
+    """Claiming, with the database and the wake-up listener working."""
+    DEGRADED = "degraded"
+    """Running, but the database failed recently or the listener is down (polling)."""
+    STOPPED = "stopped"
+    """``run_until_shutdown`` returned (or never ran and was closed)."""
+
+
+@attrs.define(eq=False)
+class JobContext:
+    """What a handler knows about the attempt it runs.
+
+    Attributes:
+        task_id: the task's id.
+        task_name: the task's name.
+        run_id: stable across attempts: the idempotency key for external side effects.
+        attempt: this attempt's number (1-based).
+        max_attempts: the task's snapshotted attempt limit.
+        worker_id: the worker running it.
+        scheduled_for: the recurring due instant, for tasks materialized from a job.
+        lease_lost: set when the worker no longer holds the lease (expired, re-claimed by
+            another worker, or cancelled): stop and do not start new side effects.
+        cancelled: set (with ``lease_lost``) when the task was cancelled.
+    """
+
+    task_id: int
+    task_name: str
+    run_id: uuid.UUID
+    attempt: int
+    max_attempts: int
+    worker_id: str
+    scheduled_for: datetime | None = None
+    lease_lost: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
+    cancelled: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
+
+
+@attrs.define(eq=False)
+class _Claimed:
+    ctx: JobContext
+    token: uuid.UUID = attrs.field(repr=False)
+    args_text: str = attrs.field(repr=False)
+    lease: float
+    backoff: Backoff
+    renew_at: float
+    expires_at: float
+    lost: bool = False
+
+
+@attrs.define
+class WorkerStats:
+    """Counts since the worker started (also exported as OpenTelemetry metrics)."""
+
+    claimed: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    failed: int = 0
+    released: int = 0
+    recovered: int = 0
+    rejected_completions: int = 0
+    lease_lost: int = 0
+    materialized: int = 0
+
+
+@attrs.frozen
+class _Registration(Generic[A]):
+    task: Task[A]
+    handler: Handler[A]
+
+
+def _seconds(value: float | timedelta, what: str, minimum: float = 0.001) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < minimum:
+        raise QueueConfigurationError(f"{what} must be at least {minimum} s")
+    return float(seconds)
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _MAX_ERROR_TEXT else text[: _MAX_ERROR_TEXT - 3] + "..."
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> bool:
+    """Wait for ``event`` at most ``timeout`` seconds; return whether it is set."""
+    if event.is_set():
+        return True
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    return event.is_set()
+
+
+async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    """Wait until any of ``events`` is set, at most ``timeout`` seconds."""
+    if any(e.is_set() for e in events):
+        return
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+class Scheduler:
+    """A worker running registered handlers for due tasks of one queue schema.
+
+    Args:
+        pool_or_dsn: an asyncpg pool (the caller owns it), or a DSN (the worker opens and
+            closes its own pool).
+        worker_id: this worker's name, recorded on claimed tasks (1-200 chars).
+        schema: the queue's PostgreSQL schema.
+        poll_interval: seconds (or timedelta) between polls when no NOTIFY arrives.
+        concurrency: the most handlers running at once.
+        batch_size: the most tasks claimed per query (default: ``concurrency``).
+        maintenance_interval: seconds between expired-lease recovery and job materialization.
+        listen: use LISTEN/NOTIFY wake-ups (polling alone when False).
+        clock: the clock for retry decisions (default: system clock).
+        random: randomness for backoff jitter (default: the OS).
+
+    Raises:
+        QueueConfigurationError: an invalid worker id, schema or interval.
+    """
+
+    def __init__(
+        self,
+        pool_or_dsn: asyncpg.Pool | str,
+        *,
+        worker_id: str,
+        schema: str = DEFAULT_SCHEMA,
+        poll_interval: float | timedelta = 1.0,
+        concurrency: int = 16,
+        batch_size: int | None = None,
+        maintenance_interval: float | timedelta = 1.0,
+        listen: bool = True,
+        clock: Clock | None = None,
+        random: RandomSource | None = None,
+    ) -> None:
+        if not isinstance(worker_id, str) or not 1 <= len(worker_id) <= 200:
+            raise QueueConfigurationError("worker_id must be a str of 1..200 characters")
+        validate_schema(schema)
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise QueueConfigurationError("concurrency must be an int >= 1")
+        batch = concurrency if batch_size is None else batch_size
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 1000:
+            raise QueueConfigurationError("batch_size must be an int of 1..1000")
+        if not isinstance(pool_or_dsn, str | asyncpg.Pool):
+            raise QueueConfigurationError("pool_or_dsn must be an asyncpg Pool or a DSN string")
+        self._source = pool_or_dsn
+        self.worker_id = worker_id
+        self.schema = schema
+        self._sql = queue_sql(schema)
+        self._poll = _seconds(poll_interval, "poll_interval")
+        self._maintenance = _seconds(maintenance_interval, "maintenance_interval")
+        self._concurrency = concurrency
+        self._batch = batch
+        self._listen = listen
+        self._clock: Clock = clock or SystemClock()
+        self._random: RandomSource = random or SystemRandom()
+        self._registry: dict[str, _Registration[Any]] = {}
+        self._health = Health.STARTING
+        self._started = False
+        self._db_ok = True
+        self._listener_ok = not listen
+        self._pool: asyncpg.Pool | None = None
+        self._running: dict[int, _Claimed] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._completions: list[_Claimed] = []
+        self._to_release: list[_Claimed] = []
+        self._wake = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._flush_wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._closing = asyncio.Event()
+        self._hard_stop = False
+        self.stats = WorkerStats()
+
+    def __repr__(self) -> str:
+        return f"Scheduler(worker_id={self.worker_id!r}, schema={self.schema!r})"
+
+    def register(self, task: Task[A], handler: Handler[A]) -> None:
+        """Run ``handler`` for tasks named ``task.name``.
+
+        Raises:
+            UnknownTaskError: that task name already has a handler.
+            QueueError: the worker has already started.
+        """
+        if self._started:
+            raise QueueError("register handlers before run_until_shutdown")
+        if task.name in self._registry:
+            raise UnknownTaskError(f"task {task.name!r} already has a handler")
+        self._registry[task.name] = _Registration(task, handler)
+
+    def health(self) -> Health:
+        """Report starting / healthy / degraded / stopped."""
+        if self._health is Health.HEALTHY and not (self._db_ok and self._listener_ok):
+            return Health.DEGRADED
+        return self._health
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def run_until_shutdown(
+        self, stop: asyncio.Event, *, drain_timeout: float | timedelta = 30.0
+    ) -> None:
+        """Work until ``stop`` is set, then drain gracefully within ``drain_timeout``.
+
+        After ``stop``: no new claims; running handlers get ``drain_timeout`` to finish;
+        the rest are cancelled and their tasks handed back (pending, attempt refunded);
+        buffered completions are written; the pool (if the worker opened it) is closed.
+
+        Raises:
+            SchemaVersionMismatchError: the queue schema is missing or another version.
+            UnknownTaskError: no handler is registered.
+            QueueError: called twice.
+        """
+        if self._started:
+            raise QueueError("a Scheduler runs once; create a new one")
+        if not self._registry:
+            raise UnknownTaskError("register at least one handler before running")
+        self._started = True
+        drain = _seconds(drain_timeout, "drain_timeout", minimum=0.0)
+        owned = isinstance(self._source, str)
+        try:
+            if isinstance(self._source, str):
+                self._pool = await asyncpg.create_pool(
+                    self._source, min_size=2, max_size=8, max_inactive_connection_lifetime=60
+                )
+            else:
+                self._pool = self._source
+            await check_schema(self._pool, self.schema)
+            self._health = Health.HEALTHY
+            async with asyncio.TaskGroup() as services:
+                if self._listen:
+                    services.create_task(self._listen_forever())
+                services.create_task(self._renew_forever())
+                services.create_task(self._maintain_forever())
+                services.create_task(self._flush_forever())
+                try:
+                    async with asyncio.TaskGroup() as handlers:
+                        await self._claim_until(stop, handlers)
+                        await self._drain(drain)
+                    await self._release_unfinished()
+                finally:
+                    self._closing.set()
+                    self._flush_wake.set()
+        finally:
+            self._health = Health.STOPPED
+            if owned and self._pool is not None:
+                await self._pool.close()
+
+    async def _drain(self, timeout: float) -> None:
+        if self._running and not await _wait(self._idle, timeout):
+            self._hard_stop = True
+            for task in list(self._tasks.values()):
+                task.cancel()
+
+    async def _release_unfinished(self) -> None:
+        pool = self._require_pool()
+        for claimed in self._to_release:
+            try:
+                await pool.fetch(
+                    self._sql.release, claimed.ctx.task_id, claimed.token, self.worker_id
+                )
+                self.stats.released += 1
+            except _DB_ERRORS as exc:
+                # The lease will expire and maintenance elsewhere recovers the task.
+                _log.warning("could not release task %s: %s", claimed.ctx.task_id, exc)
+        self._to_release.clear()
+
+    def _require_pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise QueueError("the worker is not running")
+        return self._pool
+
+    # --- claiming ------------------------------------------------------------------------
+
+    async def _claim_until(self, stop: asyncio.Event, handlers: asyncio.TaskGroup) -> None:
+        pool = self._require_pool()
+        names = list(self._registry)
+        inst = _metrics.instruments()
+        stop_waiter = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                free = self._concurrency - len(self._running)
+                if free <= 0:
+                    self._slot_freed.clear()
+                    await self._wait_either(self._slot_freed, stop_waiter, None)
+                    continue
+                self._wake.clear()
+                try:
+                    rows = await pool.fetch(
+                        self._sql.claim, names, min(free, self._batch), self.worker_id
+                    )
+                    self._db_ok = True
+                except _DB_ERRORS as exc:
+                    self._db_ok = False
+                    _log.warning("claim failed (%s); retrying after the poll interval", exc)
+                    await self._wait_either(self._wake, stop_waiter, self._poll)
+                    continue
+                now = time.monotonic()
+                for row in rows:
+                    self._start(row, now, handlers, inst)
+                if len(rows) < min(free, self._batch):
+                    await self._wait_either(self._wake, stop_waiter, self._poll)
+                else:
+                    # Let handlers and the flusher run before the next claim.
+                    await asyncio.sleep(0)
+        finally:
+            stop_waiter.cancel()
+
+    @staticmethod
+    async def _wait_either(
+        event: asyncio.Event, stop_waiter: asyncio.Future[Any], timeout: float | None
+    ) -> None:
+        if event.is_set() or stop_waiter.done():
+            return
+        waiter = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait(
+                {waiter, stop_waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            waiter.cancel()
+
+    def _start(
+        self,
+        row: Any,
+        now: float,
+        handlers: asyncio.TaskGroup,
+        inst: _metrics.QueueInstruments,
+    ) -> None:
+        (task_id, name, args_text, attempt, max_attempts, run_id, token, lease,
+         b_init, b_max, b_factor, b_jitter, run_at, started_at, scheduled_for) = row  # fmt: skip
+        lease_s = lease.total_seconds()
+        claimed = _Claimed(
+            ctx=JobContext(
+                task_id=task_id,
+                task_name=name,
+                run_id=run_id,
+                attempt=attempt,
+                max_attempts=max_attempts,
+                worker_id=self.worker_id,
+                scheduled_for=scheduled_for,
+            ),
+            token=token,
+            args_text=args_text,
+            lease=lease_s,
+            backoff=Backoff(
+                initial=timedelta(microseconds=b_init),
+                maximum=timedelta(microseconds=b_max),
+                factor=b_factor,
+                jitter=b_jitter,
+            ),
+            renew_at=now + lease_s / 3,
+            expires_at=now + lease_s,
+        )
+        attributes = {"task": name}
+        inst.claimed.add(1, attributes)
+        inst.pickup_latency.record(max((started_at - run_at).total_seconds(), 0.0), attributes)
+        self.stats.claimed += 1
+        self._running[task_id] = claimed
+        self._idle.clear()
+        self._tasks[task_id] = handlers.create_task(self._execute(claimed))
+
+    # --- running -------------------------------------------------------------------------
+
+    async def _execute(self, claimed: _Claimed) -> None:
+        ctx = claimed.ctx
+        registration = self._registry[ctx.task_name]
+        inst = _metrics.instruments()
+        attributes = {"task": ctx.task_name}
+        started = time.monotonic()
+        try:
+            try:
+                args = registration.task.decode(claimed.args_text)
+                await registration.handler(ctx, args)
+            except asyncio.CancelledError:
+                if self._hard_stop:
+                    self._to_release.append(claimed)
+                    return
+                raise
+            except JobError as exc:
+                inst.run_time.record(time.monotonic() - started, attributes)
+                await self._finish_failed(claimed, exc, exc.retryable, exc.delay)
+            except Exception as exc:  # a handler's failure is data: recorded on the task
+                inst.run_time.record(time.monotonic() - started, attributes)
+                await self._finish_failed(claimed, exc, False, None)
+            else:
+                inst.run_time.record(time.monotonic() - started, attributes)
+                self._completions.append(claimed)
+                self._flush_wake.set()
+        finally:
+            self._running.pop(ctx.task_id, None)
+            self._tasks.pop(ctx.task_id, None)
+            self._slot_freed.set()
+            if not self._running:
+                self._idle.set()
+
+    async def _finish_failed(
+        self, claimed: _Claimed, exc: BaseException, retryable: bool, delay: timedelta | None
+    ) -> None:
+        pool = self._require_pool()
+        ctx = claimed.ctx
+        inst = _metrics.instruments()
+        attributes = {"task": ctx.task_name}
+        text = _error_text(exc)
+        retry_after: timedelta | None = None
+        if retryable:
+            now = self._clock.now()
+            decision = retry_decision(
+                ctx.attempt, ctx.max_attempts, claimed.backoff, now, self._random.random()
+            )
+            if decision.retry and decision.run_at is not None:
+                retry_after = delay if delay is not None else decision.run_at - now
+            else:
+                text = f"attempts exhausted ({ctx.attempt}/{ctx.max_attempts}): {text}"
+        try:
+            if retry_after is not None:
+                rows = await pool.fetch(
+                    self._sql.retry, ctx.task_id, claimed.token, retry_after, text, self.worker_id
+                )
+                outcome = _AFTER_RETRY
+            else:
+                rows = await pool.fetch(
+                    self._sql.fail, ctx.task_id, claimed.token, text, self.worker_id
+                )
+                outcome = _AFTER_FAILURE
+        except _DB_ERRORS as exc2:
+            # Nothing recorded: the lease expires and the task is recovered and rerun.
+            self._db_ok = False
+            _log.warning("could not record the failure of task %s: %s", ctx.task_id, exc2)
+            return
+        if not rows:
+            self._fenced(claimed)
+        elif outcome is TaskState.PENDING:
+            self.stats.retried += 1
+            inst.retried.add(1, attributes)
+        else:
+            self.stats.failed += 1
+            inst.failed.add(1, attributes)
+
+    def _fenced(self, claimed: _Claimed) -> None:
+        self.stats.rejected_completions += 1
+        _metrics.instruments().lease_lost.add(1, {"task": claimed.ctx.task_name})
+        claimed.ctx.lease_lost.set()
+        _log.info(
+            "task %s: the outcome of attempt %s was rejected (lease lost or cancelled)",
+            claimed.ctx.task_id,
+            claimed.ctx.attempt,
+        )
+
+    # --- background loops ----------------------------------------------------------------
+
+    async def _flush_forever(self) -> None:
+        pool = self._require_pool()
+        inst = _metrics.instruments()
+        while True:
+            await self._flush_wake.wait()
+            self._flush_wake.clear()
+            while self._completions:
+                batch = self._completions[:_FLUSH_BATCH]
+                del self._completions[:_FLUSH_BATCH]
+                try:
+                    rows = await pool.fetch(
+                        self._sql.complete,
+                        [c.ctx.task_id for c in batch],
+                        [c.token for c in batch],
+                        self.worker_id,
+                    )
+                    self._db_ok = True
+                except _DB_ERRORS as exc:
+                    self._db_ok = False
+                    _log.warning("could not record %d completions: %s", len(batch), exc)
+                    self._completions[:0] = batch
+                    if self._closing.is_set():
+                        # Shutting down: the leases expire and the tasks are rerun elsewhere.
+                        self._completions.clear()
+                        return
+                    await asyncio.sleep(min(self._poll, 1.0))
+                    continue
+                done = {r[0] for r in rows}
+                for claimed in batch:
+                    if claimed.ctx.task_id in done:
+                        self.stats.succeeded += 1
+                    else:
+                        self._fenced(claimed)
+                if done:
+                    inst.succeeded.add(len(done), {"task": batch[0].ctx.task_name})
+            if self._closing.is_set() and not self._completions:
+                return
+
+    async def _renew_forever(self) -> None:
+        pool = self._require_pool()
+        while not self._closing.is_set():
+            leases = [c.lease for c in self._running.values()]
+            tick = min(0.5, max(0.02, min(leases) / 6)) if leases else min(0.5, self._poll)
+            if await _wait(self._closing, tick):
+                return
+            now = time.monotonic()
+            due = [c for c in self._running.values() if not c.lost and now >= c.renew_at]
+            if not due:
+                continue
+            try:
+                rows = await pool.fetch(
+                    self._sql.renew, [c.ctx.task_id for c in due], [c.token for c in due]
+                )
+                self._db_ok = True
+            except _DB_ERRORS as exc:
+                self._db_ok = False
+                _log.warning("lease renewal failed: %s", exc)
+                for claimed in due:
+                    if time.monotonic() >= claimed.expires_at:
+                        self._lose(claimed, cancelled=False)
+                continue
+            renewed = {r[0] for r in rows}
+            lost = [c for c in due if c.ctx.task_id not in renewed]
+            for claimed in due:
+                if claimed.ctx.task_id in renewed:
+                    claimed.renew_at = now + claimed.lease / 3
+                    claimed.expires_at = now + claimed.lease
+            if lost:
+                cancelled: set[int] = set()
+                with contextlib.suppress(*_DB_ERRORS):
+                    states = await pool.fetch(self._sql.lost_states, [c.ctx.task_id for c in lost])
+                    cancelled = {r[0] for r in states if r[1] == TaskState.CANCELLED.value}
+                for claimed in lost:
+                    self._lose(claimed, cancelled=claimed.ctx.task_id in cancelled)
+
+    def _lose(self, claimed: _Claimed, *, cancelled: bool) -> None:
+        claimed.lost = True
+        self.stats.lease_lost += 1
+        if cancelled:
+            claimed.ctx.cancelled.set()
+        claimed.ctx.lease_lost.set()
+
+    async def _maintain_forever(self) -> None:
+        from steeple.postgres.queue.jobs import materialize_due
+
+        pool = self._require_pool()
+        inst = _metrics.instruments()
+        while True:
+            try:
+                rows = await pool.fetch(self._sql.recover_expired, 100)
+                if rows:
+                    self.stats.recovered += len(rows)
+                    inst.recovered.add(len(rows))
+                    self._wake.set()
+                async with pool.acquire() as conn:
+                    made = await materialize_due(
+                        conn, schema=self.schema, clock=self._clock, limit=100
+                    )
+                if made:
+                    self.stats.materialized += made
+                    self._wake.set()
+            except _DB_ERRORS as exc:
+                self._db_ok = False
+                _log.warning("maintenance failed: %s", exc)
+            if await _wait(self._closing, self._maintenance):
+                return
+
+    async def _listen_forever(self) -> None:
+        pool = self._require_pool()
+        channel = self._sql.channel
+
+        def on_notify(*_: object) -> None:
+            self._wake.set()
+
+        while not self._closing.is_set():
+            lost = asyncio.Event()
+            try:
+                async with pool.acquire() as conn:
+                    conn.add_termination_listener(lambda _c, lost=lost: lost.set())
+                    await conn.add_listener(channel, on_notify)
+                    self._listener_ok = True
+                    self._wake.set()  # anything enqueued while we were not listening
+                    try:
+                        while not self._closing.is_set() and not lost.is_set():
+                            await _wait_any((self._closing, lost), 5.0)
+                            if not self._closing.is_set() and not lost.is_set():
+                                # A cheap probe: a silently dead socket fails here.
+                                async with asyncio.timeout(5.0):
+                                    await conn.execute("SELECT 1")
+                    finally:
+                        self._listener_ok = False
+                        if not conn.is_closed():
+                            with contextlib.suppress(*_DB_ERRORS):
+                                await conn.remove_listener(channel, on_notify)
+            except _DB_ERRORS as exc:
+                self._listener_ok = False
+                _log.warning("wake-up listener lost (%s); polling until it reconnects", exc)
+            if self._closing.is_set():
+                return
+            await _wait(self._closing, min(self._poll, 1.0))

@@ -1,0 +1,129 @@
+"""The work queue's errors, rooted in :class:`steeple.core.errors.SteepleError`."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from steeple.core.errors import ConfigurationError, SteepleError
+
+__all__ = [
+    "ArgsEncodingError",
+    "JobError",
+    "JobExistsError",
+    "JobNotFoundError",
+    "LeaseLostError",
+    "QueueConfigurationError",
+    "QueueError",
+    "SchemaVersionMismatchError",
+    "TaskNotFoundError",
+    "UnknownTaskError",
+    "UnsupportedConnectionError",
+]
+
+
+class QueueError(SteepleError):
+    """Base of the work queue's errors."""
+
+
+class QueueConfigurationError(QueueError, ConfigurationError):
+    """Invalid options, names or settings; nothing was stored."""
+
+
+class SchemaVersionMismatchError(QueueError):
+    """The database's queue schema version differs from the one this library ships.
+
+    Attributes:
+        schema: the PostgreSQL schema that was checked.
+        database_version: the version recorded there (0 when not installed).
+        library_version: the version this library expects.
+    """
+
+    def __init__(self, schema: str, database_version: int, library_version: int) -> None:
+        if database_version == 0:
+            hint = "the queue schema is not installed; run install() (or `steeple migrate`)"
+        elif database_version < library_version:
+            hint = "the database is older than the library; run install() to migrate it"
+        else:
+            hint = "the database is newer than the library; upgrade steeple-postgres"
+        super().__init__(
+            f"queue schema {schema!r} is at version {database_version}, this library needs "
+            f"version {library_version}: {hint}"
+        )
+        self.schema = schema
+        self.database_version = database_version
+        self.library_version = library_version
+
+
+class TaskNotFoundError(QueueError, LookupError):
+    """No task with that id (never existed, or pruned)."""
+
+    def __init__(self, task_id: int) -> None:
+        super().__init__(f"no task with id {task_id}")
+        self.task_id = task_id
+
+
+class JobNotFoundError(QueueError, LookupError):
+    """No recurring job with that name."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no recurring job named {name!r}")
+        self.name = name
+
+
+class JobExistsError(QueueError):
+    """A recurring job with that name already exists (use ``ensure_job`` to declare)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"a recurring job named {name!r} already exists")
+        self.name = name
+
+
+class LeaseLostError(QueueError):
+    """The worker no longer holds the task's lease (expired, re-claimed or cancelled)."""
+
+
+class ArgsEncodingError(QueueError, ValueError):
+    """Task arguments that cannot be encoded to JSON, or stored JSON that cannot be decoded."""
+
+
+class UnknownTaskError(QueueError, LookupError):
+    """A task name with no registered handler, or a registration conflict."""
+
+
+class UnsupportedConnectionError(QueueError, TypeError):
+    """The connection object is not an asyncpg or psycopg connection."""
+
+
+class JobError(QueueError):
+    """Raised by a handler to say how its attempt failed.
+
+    Build it with :meth:`retry` (run again after the task's snapshotted backoff, or after
+    ``delay``, until ``max_attempts`` is used up) or :meth:`permanent` (fail for good). Any
+    other exception from a handler is a permanent failure too.
+
+    Attributes:
+        retryable: whether the task should run again.
+        delay: an explicit delay before the retry, overriding the backoff.
+    """
+
+    def __init__(self, message: str, *, retryable: bool, delay: timedelta | None = None) -> None:
+        super().__init__(message)
+        if delay is not None and (not isinstance(delay, timedelta) or delay < timedelta(0)):
+            raise QueueConfigurationError("a retry delay must be a non-negative timedelta")
+        self.message = message
+        self.retryable = retryable
+        self.delay = delay
+
+    @classmethod
+    def retry(cls, message: str, delay: timedelta | None = None) -> JobError:
+        """Build a retryable failure: run again after ``delay`` or the task's backoff.
+
+        Raises:
+            QueueConfigurationError: a negative or non-timedelta ``delay``.
+        """
+        return cls(message, retryable=True, delay=delay)
+
+    @classmethod
+    def permanent(cls, message: str) -> JobError:
+        """Build a terminal failure: the task fails now, whatever attempts remain."""
+        return cls(message, retryable=False)

@@ -1,0 +1,389 @@
+"""Recurring jobs: cron definitions the worker materializes into ordinary task rows.
+
+A job's options and args are a template. When an occurrence is due, the materializer
+copies them onto a new task and advances the job's cursor in ONE transaction; later edits
+or deletion of the job never change that task. Due jobs are locked with ``FOR UPDATE SKIP
+LOCKED`` and a unique ``(job_id, scheduled_for)`` index on tasks, so several workers never
+materialize the same occurrence twice.
+
+Misfire policy ``run_once``: after downtime, one task for the oldest missed due time, then
+the cursor jumps to now (the next task is the next future due time). Pausing stops
+materialization; resuming or rescheduling restarts from the current time (occurrences due
+while paused are not owed).
+
+Times come from an injected :class:`~steeple.core.ports.Clock` (the system clock by default).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any, Final, TypeVar
+
+import attrs
+
+from steeple.core.calendar import CronCalendar
+from steeple.core.clock import SystemClock
+from steeple.core.policies import MissedRunPolicy, plan_tick
+from steeple.core.ports import Clock
+from steeple.postgres.queue import _driver
+from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
+from steeple.postgres.queue.errors import (
+    JobExistsError,
+    JobNotFoundError,
+    QueueConfigurationError,
+    QueueError,
+)
+from steeple.postgres.queue.tasks import EnqueueOptions, Task, _check_name
+
+__all__ = [
+    "JobInfo",
+    "create",
+    "delete",
+    "ensure",
+    "ensure_job",
+    "get",
+    "materialize_due",
+    "pause",
+    "reschedule",
+    "resume",
+]
+
+A = TypeVar("A")
+_DEFAULT_OPTIONS: Final = EnqueueOptions()
+_COLUMNS: Final = (
+    "name, task_name, cron, paused, next_run_at, cursor_at, priority, max_attempts, "
+    "lease_duration, created_at, updated_at"
+)
+_TEMPLATE: Final = (
+    "task_name, cron, args, priority, max_attempts, lease_duration, backoff_initial_us, "
+    "backoff_maximum_us, backoff_factor, backoff_jitter"
+)
+
+_OLD_TEMPLATE: Final = ", ".join(f"j.{c}" for c in _TEMPLATE.split(", "))
+_NEW_TEMPLATE: Final = ", ".join(f"EXCLUDED.{c}" for c in _TEMPLATE.split(", "))
+
+
+@attrs.frozen
+class JobInfo:
+    """A recurring job as stored (its args are not shown).
+
+    Attributes:
+        name: the job's unique name.
+        task_name: the task each occurrence becomes.
+        cron: the five-field cron expression (UTC).
+        paused: whether materialization is paused.
+        next_run_at: the next due instant (``None`` once the calendar is exhausted).
+        cursor_at: the exclusive cursor (last materialized due time, or when (re)started).
+        priority: snapshot priority of materialized tasks.
+        max_attempts: snapshot attempt limit.
+        lease_duration: snapshot lease duration.
+        created_at: creation time.
+        updated_at: last change.
+    """
+
+    name: str
+    task_name: str
+    cron: str
+    paused: bool
+    next_run_at: datetime | None
+    cursor_at: datetime
+    priority: int
+    max_attempts: int
+    lease_duration: timedelta
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> JobInfo:
+        """Build from a row of the job columns, in order."""
+        return cls(*row)
+
+
+def _calendar(cron: str, now: datetime) -> tuple[CronCalendar, datetime]:
+    calendar = CronCalendar.parse(cron)
+    following = calendar.next_after(now)
+    if following is None:
+        raise QueueConfigurationError(f"cron expression {cron!r} never fires after {now:%Y-%m-%d}")
+    return calendar, following
+
+
+def _template(options: EnqueueOptions | None) -> EnqueueOptions:
+    options = options or _DEFAULT_OPTIONS
+    if options.run_at is not None or options.dedup_key is not None:
+        raise QueueConfigurationError(
+            "recurring job options take no run_at or dedup_key (the calendar decides when)"
+        )
+    return options
+
+
+def _params(task: Task[A], cron: str, args: A, options: EnqueueOptions | None) -> list[Any]:
+    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = _template(options).snapshot()
+    return [task.name, cron, task.encode(args), priority, max_attempts, lease,
+            b_init, b_max, b_factor, b_jitter]  # fmt: skip
+
+
+async def create(
+    conn: Any,
+    name: str,
+    task: Task[A],
+    cron: str,
+    args: A,
+    options: EnqueueOptions | None = None,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    clock: Clock | None = None,
+) -> JobInfo:
+    """Create a recurring job; its first occurrence is the first due time after now.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        name: the job's unique name (1-200 chars, no control characters).
+        task: the task every occurrence becomes.
+        cron: a five-field cron expression, evaluated in UTC.
+        args: the args copied onto every occurrence.
+        options: priority, lease, attempts and backoff copied onto every occurrence.
+        schema: the queue's PostgreSQL schema.
+        clock: the clock (system clock by default).
+
+    Raises:
+        JobExistsError: a job with that name exists.
+        InvalidCronExpression: a malformed cron expression.
+        QueueConfigurationError: a bad name, a calendar that never fires, run_at/dedup_key.
+        ArgsEncodingError: args that cannot be encoded.
+    """
+    _check_name(name, "job name")
+    s = validate_schema(schema)
+    now = (clock or SystemClock()).now()
+    _, following = _calendar(cron, now)
+    rows = await _driver.fetch(
+        conn,
+        f"""INSERT INTO {s}.jobs (name, {_TEMPLATE}, cursor_at, next_run_at)
+        VALUES ($1, $2, $3, $4::text::jsonb, $5, $6, $7::interval, $8, $9, $10, $11, $12, $13)
+        ON CONFLICT (name) DO NOTHING
+        RETURNING {_COLUMNS}""",
+        name, *_params(task, cron, args, options), now, following,
+    )  # fmt: skip
+    if not rows:
+        raise JobExistsError(name)
+    return JobInfo.from_row(rows[0])
+
+
+async def ensure_job(
+    conn: Any,
+    name: str,
+    task: Task[A],
+    cron: str,
+    args: A,
+    options: EnqueueOptions | None = None,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    clock: Clock | None = None,
+) -> JobInfo:
+    """Declare a recurring job at start-up: create it, or bring it to this definition.
+
+    Idempotent: an identical declaration changes nothing (the cursor keeps its place). A
+    changed cron restarts the cursor from now; changed args or options apply to
+    occurrences materialized from now on. A paused job stays paused.
+
+    Raises:
+        InvalidCronExpression: a malformed cron expression.
+        QueueConfigurationError: a bad name, a calendar that never fires, run_at/dedup_key.
+        ArgsEncodingError: args that cannot be encoded.
+    """
+    _check_name(name, "job name")
+    s = validate_schema(schema)
+    now = (clock or SystemClock()).now()
+    _, following = _calendar(cron, now)
+    rows = await _driver.fetch(
+        conn,
+        f"""INSERT INTO {s}.jobs AS j (name, {_TEMPLATE}, cursor_at, next_run_at)
+        VALUES ($1, $2, $3, $4::text::jsonb, $5, $6, $7::interval, $8, $9, $10, $11, $12, $13)
+        ON CONFLICT (name) DO UPDATE SET
+            task_name = EXCLUDED.task_name, cron = EXCLUDED.cron, args = EXCLUDED.args,
+            priority = EXCLUDED.priority, max_attempts = EXCLUDED.max_attempts,
+            lease_duration = EXCLUDED.lease_duration,
+            backoff_initial_us = EXCLUDED.backoff_initial_us,
+            backoff_maximum_us = EXCLUDED.backoff_maximum_us,
+            backoff_factor = EXCLUDED.backoff_factor, backoff_jitter = EXCLUDED.backoff_jitter,
+            cursor_at = CASE WHEN j.cron = EXCLUDED.cron THEN j.cursor_at
+                             ELSE EXCLUDED.cursor_at END,
+            next_run_at = CASE WHEN j.cron = EXCLUDED.cron THEN j.next_run_at
+                               ELSE EXCLUDED.next_run_at END,
+            updated_at = clock_timestamp()
+        WHERE ({_OLD_TEMPLATE}) IS DISTINCT FROM ({_NEW_TEMPLATE})
+        RETURNING {_COLUMNS}""",
+        name, *_params(task, cron, args, options), now, following,
+    )  # fmt: skip
+    if rows:
+        return JobInfo.from_row(rows[0])
+    return await get(conn, name, schema=schema)
+
+
+ensure = ensure_job
+
+
+async def get(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
+    """Return the job named ``name``.
+
+    Raises:
+        JobNotFoundError: no such job.
+    """
+    s = validate_schema(schema)
+    rows = await _driver.fetch(conn, f"SELECT {_COLUMNS} FROM {s}.jobs WHERE name = $1", name)
+    if not rows:
+        raise JobNotFoundError(name)
+    return JobInfo.from_row(rows[0])
+
+
+async def pause(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
+    """Stop materializing the job (already materialized tasks still run). Idempotent.
+
+    Raises:
+        JobNotFoundError: no such job.
+    """
+    s = validate_schema(schema)
+    rows = await _driver.fetch(
+        conn,
+        f"""UPDATE {s}.jobs SET paused = true,
+            updated_at = CASE WHEN paused THEN updated_at ELSE clock_timestamp() END
+        WHERE name = $1 RETURNING {_COLUMNS}""",
+        name,
+    )
+    if not rows:
+        raise JobNotFoundError(name)
+    return JobInfo.from_row(rows[0])
+
+
+async def _restart(
+    conn: Any, name: str, schema: str, clock: Clock | None, cron: str | None
+) -> JobInfo:
+    s = validate_schema(schema)
+    now = (clock or SystemClock()).now()
+    for _ in range(5):
+        current = await get(conn, name, schema=schema)
+        if cron is None and not current.paused:
+            return current
+        new_cron = current.cron if cron is None else cron
+        _, following = _calendar(new_cron, now)
+        # Optimistic: apply only if the cron we computed from is still the stored one.
+        rows = await _driver.fetch(
+            conn,
+            f"""UPDATE {s}.jobs SET cron = $2, paused = CASE WHEN $5 THEN false ELSE paused END,
+                cursor_at = $3, next_run_at = $4, updated_at = clock_timestamp()
+            WHERE name = $1 AND cron = $6 RETURNING {_COLUMNS}""",
+            name, new_cron, now, following, cron is None, current.cron,
+        )  # fmt: skip
+        if rows:
+            return JobInfo.from_row(rows[0])
+    raise QueueError(f"job {name!r} kept changing; try again")
+
+
+async def resume(
+    conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA, clock: Clock | None = None
+) -> JobInfo:
+    """Resume a paused job from now: the next occurrence is the first due time after now.
+
+    Idempotent: resuming a running job changes nothing.
+
+    Raises:
+        JobNotFoundError: no such job.
+        QueueConfigurationError: its calendar never fires again.
+    """
+    return await _restart(conn, name, schema, clock, None)
+
+
+async def reschedule(
+    conn: Any,
+    name: str,
+    cron: str,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    clock: Clock | None = None,
+) -> JobInfo:
+    """Give the job a new cron expression; the next occurrence is its first after now.
+
+    Tasks already materialized keep their time and snapshot. A paused job stays paused.
+
+    Raises:
+        JobNotFoundError: no such job.
+        InvalidCronExpression: a malformed cron expression.
+        QueueConfigurationError: a calendar that never fires.
+    """
+    CronCalendar.parse(cron)
+    return await _restart(conn, name, schema, clock, cron)
+
+
+async def delete(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> None:
+    """Delete the job. Tasks it already materialized are not touched.
+
+    Raises:
+        JobNotFoundError: no such job.
+    """
+    s = validate_schema(schema)
+    rows = await _driver.fetch(conn, f"DELETE FROM {s}.jobs WHERE name = $1 RETURNING id", name)
+    if not rows:
+        raise JobNotFoundError(name)
+
+
+async def materialize_due(
+    conn: Any, *, schema: str = DEFAULT_SCHEMA, clock: Clock | None = None, limit: int = 100
+) -> int:
+    """Turn due occurrences of up to ``limit`` jobs into tasks, in one transaction.
+
+    The worker calls this in its maintenance loop; it is public so applications without
+    a worker (or tests) can drive it. Each job's task insert and cursor advance commit
+    together; jobs locked by another worker are skipped.
+
+    Args:
+        conn: an asyncpg connection (not in a transaction).
+        schema: the queue's PostgreSQL schema.
+        clock: the clock deciding what is due (system clock by default).
+        limit: the most jobs handled in this call.
+
+    Returns:
+        How many tasks were created.
+    """
+    s = validate_schema(schema)
+    created = 0
+    async with conn.transaction():
+        await conn.execute("SET LOCAL synchronous_commit = on")
+        now = (clock or SystemClock()).now()
+        jobs = await conn.fetch(
+            f"""SELECT id, cron, cursor_at, args::text, priority, max_attempts, lease_duration,
+                       backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter,
+                       task_name
+            FROM {s}.jobs
+            WHERE NOT paused AND next_run_at IS NOT NULL AND next_run_at <= $1
+            ORDER BY next_run_at
+            LIMIT $2
+            FOR UPDATE SKIP LOCKED""",
+            now,
+            limit,
+        )
+        for job in jobs:
+            plan = plan_tick(
+                MissedRunPolicy.RUN_ONCE, CronCalendar.parse(job["cron"]), job["cursor_at"], now, 1
+            )
+            for due in plan.due:
+                inserted = await conn.fetch(
+                    f"""INSERT INTO {s}.tasks (task_name, args, priority, run_at, max_attempts,
+                        lease_duration, backoff_initial_us, backoff_maximum_us, backoff_factor,
+                        backoff_jitter, job_id, scheduled_for)
+                    VALUES ($1, $2::jsonb, $3, $4, $5, $6, $7, $8, $9, $10, $11, $4)
+                    ON CONFLICT (job_id, scheduled_for) WHERE job_id IS NOT NULL DO NOTHING
+                    RETURNING id""",
+                    job["task_name"], job["args"], job["priority"], due, job["max_attempts"],
+                    job["lease_duration"], job["backoff_initial_us"], job["backoff_maximum_us"],
+                    job["backoff_factor"], job["backoff_jitter"], job["id"],
+                )  # fmt: skip
+                created += len(inserted)
+            await conn.execute(
+                f"""UPDATE {s}.jobs SET cursor_at = coalesce($2, cursor_at), next_run_at = $3,
+                    updated_at = clock_timestamp() WHERE id = $1""",
+                job["id"],
+                plan.cursor,
+                plan.next_due,
+            )
+        if created:
+            await conn.execute("SELECT pg_notify($1, '')", notify_channel(schema))
+    return created

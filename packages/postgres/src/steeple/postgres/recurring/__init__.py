@@ -1,0 +1,19 @@
+"""The PostgreSQL recurring-publication store and its relay loop."""
+
+from steeple.postgres.recurring._relay import RecurringRelay
+from steeple.postgres.recurring._sql import RUNTIME_PRIVILEGES, SCHEMA_VERSION, TABLES
+from steeple.postgres.recurring._store import (
+    SERVER_SETTINGS,
+    PostgresRecurringStore,
+    grant_runtime_role,
+)
+
+__all__ = [
+    "RUNTIME_PRIVILEGES",
+    "SCHEMA_VERSION",
+    "SERVER_SETTINGS",
+    "TABLES",
+    "PostgresRecurringStore",
+    "RecurringRelay",
+    "grant_runtime_role",
+]

@@ -1,0 +1,157 @@
+"""Installing and checking the queue schema against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+import pytest
+
+from steeple.postgres.queue import (
+    LIBRARY_SCHEMA_VERSION,
+    QueueConfigurationError,
+    Scheduler,
+    SchemaVersionMismatchError,
+    Task,
+    check_schema,
+    install,
+    schema_version,
+)
+
+
+async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await schema_version(conn, schema) == 0
+        assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
+        assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
+        await check_schema(conn, schema)
+        rows = await conn.fetch(f'SELECT version, name FROM "{schema}".schema_migrations')
+        assert [(r["version"], r["name"]) for r in rows] == [(1, "0001_create_queue_tables")]
+        tables = {
+            r["tablename"]
+            for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = $1", schema)
+        }
+        assert {"tasks", "jobs", "attempts", "schema_migrations"} <= tables
+        indexes = {
+            r["indexname"]: r["indexdef"]
+            for r in await conn.fetch(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1", schema
+            )
+        }
+        assert "WHERE (state = 'pending'" in indexes["tasks_claim_idx"]
+        assert "WHERE (state = 'running'" in indexes["tasks_lease_idx"]
+        assert "succeeded" in indexes["tasks_terminal_idx"]
+        assert "UNIQUE" in indexes["tasks_dedup_idx"]
+        # bigint ids everywhere
+        types = await conn.fetch(
+            "SELECT table_name, data_type FROM information_schema.columns "
+            "WHERE table_schema = $1 AND column_name IN ('id', 'task_id', 'job_id')",
+            schema,
+        )
+        assert types and all(r["data_type"] == "bigint" for r in types)
+        # tables are logged (durable): relpersistence 'p'
+        persistence = await conn.fetch(
+            "SELECT c.relpersistence::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = $1 AND c.relkind = 'r'",
+            schema,
+        )
+        assert {r[0] for r in persistence} == {"p"}
+    finally:
+        await conn.close()
+
+
+async def test_concurrent_installs_apply_once(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    conns = [await asyncpg.connect(dsn) for _ in range(6)]
+    try:
+        results = await asyncio.gather(*(install(c, schema=schema) for c in conns))
+        assert results == [LIBRARY_SCHEMA_VERSION] * 6
+        count = await conns[0].fetchval(f'SELECT count(*) FROM "{schema}".schema_migrations')
+        assert count == 1
+    finally:
+        for c in conns:
+            await c.close()
+
+
+async def test_install_creates_a_missing_schema(pg_dsn: str) -> None:
+    conn = await asyncpg.connect(pg_dsn)
+    schema = "t_queue_fresh_schema_install"
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await install(conn, schema=schema)
+        await check_schema(conn, schema)
+    finally:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await conn.close()
+
+
+async def test_mismatched_versions_raise_typed_errors(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    try:
+        with pytest.raises(SchemaVersionMismatchError) as missing:
+            await check_schema(conn, schema)
+        assert missing.value.database_version == 0
+        assert "not installed" in str(missing.value)
+
+        await install(conn, schema=schema)
+        await conn.execute(
+            f'INSERT INTO "{schema}".schema_migrations (version, name) VALUES (99, $1)', "future"
+        )
+        with pytest.raises(SchemaVersionMismatchError) as newer:
+            await check_schema(conn, schema)
+        assert newer.value.database_version == 99
+        assert newer.value.library_version == LIBRARY_SCHEMA_VERSION
+        assert "newer" in str(newer.value)
+        # install refuses to touch a newer schema
+        with pytest.raises(SchemaVersionMismatchError):
+            await install(conn, schema=schema)
+
+        await conn.execute(f'DELETE FROM "{schema}".schema_migrations')
+        with pytest.raises(SchemaVersionMismatchError):
+            await check_schema(conn, schema)
+    finally:
+        await conn.close()
+
+
+async def test_older_database_is_reported_as_older(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    try:
+        await install(conn, schema=schema)
+        from steeple.postgres.queue import _schema
+
+        old = _schema.LIBRARY_SCHEMA_VERSION
+        try:
+            _schema.LIBRARY_SCHEMA_VERSION = old + 1  # type: ignore[misc]
+            with pytest.raises(SchemaVersionMismatchError, match="older"):
+                await _schema.check_schema(conn, schema)
+        finally:
+            _schema.LIBRARY_SCHEMA_VERSION = old  # type: ignore[misc]
+    finally:
+        await conn.close()
+
+
+async def test_scheduler_refuses_an_uninstalled_schema(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    worker = Scheduler(dsn, worker_id="w", schema=schema)
+
+    async def handler(ctx: object, args: object) -> None:
+        return None
+
+    worker.register(Task("x"), handler)
+    with pytest.raises(SchemaVersionMismatchError):
+        await worker.run_until_shutdown(asyncio.Event())
+    assert worker.health().value == "stopped"
+
+
+@pytest.mark.parametrize("bad", ["", "Upper", "has space", 'quo"te', "x" * 64, "1abc"])
+async def test_invalid_schema_names_are_refused(pg_dsn: str, bad: str) -> None:
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        with pytest.raises(QueueConfigurationError):
+            await install(conn, schema=bad)
+    finally:
+        await conn.close()

@@ -1,0 +1,849 @@
+"""The recurring-store conformance suite: a hypothesis state machine any store can run.
+
+:class:`RecurringStoreConformance` drives the store under test through random sequences
+of the contract's operations (create, replayed and conflicting create, tick, claim, relay
+through a :class:`~steeple.testing.MemoryBroker` with injected faults, cancel,
+retry_failed, purge, clock moves forward and small/large regressions) beside an
+independent model made of plain dicts. The model shares no code with any store: it has
+its own calendar arithmetic (the suite only uses ``*/n``-minute calendars), its own
+planning, lease and backoff rules. After every step it checks that
+
+- no occurrence is lost or duplicated: the store lists exactly the model's occurrences,
+  each ``(definition, due time)`` is materialized at most once, ever;
+- every published occurrence reached the broker, and the broker holds one copy per key;
+- an occurrence's idempotency key is the same on every attempt, and differs between
+  occurrences;
+- a fenced-out or expired lease never publishes or records anything;
+- quotas hold, and listing pages (1-100 items, exclusive cursors) agree with the model.
+
+A store opts in with a few lines::
+
+    async def make_store(config: RecurringConfig, clock: Clock) -> RecurringStore:
+        return InMemoryRecurringStore(config, clock)
+
+    def test_conformance() -> None:
+        run_recurring_conformance(make_store)
+
+The factory is awaited inside an :class:`asyncio.Runner` the machine owns, once per
+example, with a fresh namespace each time; ``close`` (the store's ``close()`` by default)
+runs at the end of each example in the same runner.
+
+Contract details the suite pins down (the reference store behaves so): ticks take the
+oldest due times first across definitions (due time, then name); every call except
+``schedules`` adopts and records the shared time; ``claim``, ``occurrences``,
+``purge_terminal``, ``cancel`` and ``retry_failed`` classify window-expired work first;
+an occurrence whose lease lapsed stays ``leased`` until reclaimed; ``attempts`` counts
+publication attempts and ``retry_failed`` resets it to zero; cancelling twice is not an
+error; relay failures back off by ``RELAY_BACKOFF`` (1 s doubling to 5 min, no jitter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import UTC, datetime, timedelta
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from steeple.core.config import RecurringConfig, RecurringDefinition
+from steeple.core.errors import (
+    RecurringCapacityError,
+    RecurringClockError,
+    RecurringConflictError,
+    RecurringInvalidStateError,
+    RecurringNotFoundError,
+    RelayAcknowledgementError,
+    RelayBrokerError,
+    RelayBrokerTimeoutError,
+    RelayLeaseLostError,
+)
+from steeple.core.messages import ScheduledMessage
+from steeple.core.policies import MissedRunPolicy
+from steeple.core.ports import Clock, RecurringStore
+from steeple.core.records import Lease, OccurrenceInfo, ScheduleInfo
+from steeple.testing.broker import BrokerFault, MemoryBroker
+from steeple.testing.clock import FakeClock
+
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "MakeStore",
+    "RecurringStoreConformance",
+    "recurring_conformance_machine",
+    "run_recurring_conformance",
+]
+
+MakeStore = Callable[[RecurringConfig, Clock], Awaitable[RecurringStore]]
+"""Builds the store under test for one example (awaited inside the machine's runner)."""
+CloseStore = Callable[[RecurringStore], Awaitable[None]]
+
+T = TypeVar("T")
+
+START = datetime(2031, 5, 17, 3, 14, 15, 926000, tzinfo=UTC)
+"""An odd epoch: hidden wall-clock reads produce visibly wrong instants."""
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+NAMES = ("alpha", "beta", "gamma", "delta")
+CALENDARS = {"* * * * *": 1, "*/5 * * * *": 5, "*/15 * * * *": 15, "0 * * * *": 60}
+"""Cron expressions the suite uses, with their period in minutes (the model's calendar)."""
+PAYLOADS = (b"", b"x", b"hello, occurrence")
+TOPIC, MESSAGE_TYPE = "steeple.conformance", "reminder.requested"
+MAX_RELAY_ATTEMPTS = 10
+BACKOFF_INITIAL, BACKOFF_MAX = timedelta(seconds=1), timedelta(minutes=5)
+CLOCK_TOLERANCE = timedelta(seconds=5)
+OCC_PAGE, SCHEDULE_PAGE = 7, 3
+LIVE = frozenset({"pending", "leased", "retry_wait", "dead"})
+TERMINAL = frozenset({"published", "dead", "expired", "cancelled"})
+_namespaces = itertools.count(1)
+
+DEFAULT_SETTINGS = settings(
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+"""What :func:`run_recurring_conformance` uses unless told otherwise."""
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+def _next_due(period_minutes: int, after: datetime) -> datetime:
+    """Return the first multiple of the period (counted from the epoch) after ``after``."""
+    period = timedelta(minutes=period_minutes)
+    return EPOCH + ((after - EPOCH) // period + 1) * period
+
+
+def _backoff(attempts: int) -> timedelta:
+    delay = BACKOFF_INITIAL
+    for _ in range(attempts - 1):
+        if delay >= BACKOFF_MAX:
+            break
+        delay *= 2
+    return min(delay, BACKOFF_MAX)
+
+
+@attrs.define
+class _Schedule:
+    name: str
+    cron: str
+    period: int
+    policy: MissedRunPolicy
+    first_after: datetime
+    payload: bytes
+    headers: dict[str, str]
+    created_at: datetime
+    cursor: datetime
+    cancelled_at: datetime | None = None
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.cron, self.policy, self.first_after, self.payload, self.headers)
+
+    def message(self) -> ScheduledMessage:
+        return ScheduledMessage(TOPIC, MESSAGE_TYPE, self.payload, self.headers)
+
+
+@attrs.define
+class _Occurrence:
+    occurrence_id: str
+    name: str
+    due_at: datetime
+    window_ends_at: datetime
+    created_at: datetime
+    updated_at: datetime
+    state: str = "pending"
+    attempts: int = 0
+    next_attempt_at: datetime | None = None
+    lease: Lease | None = None
+    key: str | None = None
+
+
+@attrs.frozen
+class _Outcome:
+    value: Any = None
+    error: BaseException | None = None
+
+
+# --- the machine ----------------------------------------------------------------------------
+
+
+class RecurringStoreConformance(RuleBasedStateMachine):
+    """The store under test beside an independent model; build with a factory.
+
+    Use :func:`recurring_conformance_machine` (or :func:`run_recurring_conformance`) to
+    bind a store factory; this base class has none.
+    """
+
+    make_store: ClassVar[MakeStore | None] = None
+    close_store: ClassVar[CloseStore | None] = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runner = asyncio.Runner()
+        self.store: RecurringStore | None = None
+        self.clock = FakeClock(START)
+        self.broker = MemoryBroker()
+        self.config: RecurringConfig | None = None
+        self.recorded: datetime | None = None
+        self.schedules: dict[str, _Schedule] = {}
+        self.occurrences: dict[str, _Occurrence] = {}
+        self.materialized: set[tuple[str, datetime]] = set()
+        self.key_owner: dict[str, str] = {}
+        self.accepted: set[str] = set()
+        self.faults: deque[BrokerFault] = deque()
+        self.leases: list[Lease] = []
+
+    # --- plumbing ------------------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.runner.run(coro)
+
+    def _try(self, coro: Coroutine[Any, Any, Any]) -> _Outcome:
+        try:
+            return _Outcome(value=self._run(coro))
+        except Exception as exc:  # the rule asserts on the exact error
+            return _Outcome(error=exc)
+
+    @property
+    def _store(self) -> RecurringStore:
+        assert self.store is not None
+        return self.store
+
+    @property
+    def _config(self) -> RecurringConfig:
+        assert self.config is not None
+        return self.config
+
+    def _now(self) -> datetime:
+        """Return the model's shared time for the next store call; classify expired work."""
+        local = self.clock.now()
+        now = local if self.recorded is None else max(local, self.recorded)
+        self.recorded = now
+        for occ in self.occurrences.values():
+            if occ.state in LIVE and occ.window_ends_at <= now:
+                self._move(occ, "expired", now)
+        return now
+
+    @staticmethod
+    def _move(occ: _Occurrence, state: str, now: datetime) -> None:
+        occ.state = state
+        occ.updated_at = now
+        if state != "leased":
+            occ.lease = None
+        if state != "retry_wait":
+            occ.next_attempt_at = None
+
+    def _list_occurrences(self) -> dict[str, OccurrenceInfo]:
+        self._now()
+        found: dict[str, OccurrenceInfo] = {}
+        cursor: str | None = None
+        previous: tuple[datetime, str] | None = None
+        for _ in range(len(self.occurrences) + 3):
+            page = self._run(self._store.occurrences(after=cursor, limit=OCC_PAGE))
+            assert len(page.items) <= OCC_PAGE, "a page holds more items than its limit"
+            for info in page.items:
+                position = (info.due_at, info.occurrence_id)
+                assert previous is None or position > previous, (
+                    "occurrences are not listed in (due_at, occurrence_id) order"
+                )
+                previous = position
+                assert info.occurrence_id not in found, "an occurrence was listed twice"
+                found[info.occurrence_id] = info
+            if page.next_cursor is None:
+                return found
+            assert page.items, "an empty page carried a next cursor"
+            cursor = page.next_cursor
+        raise AssertionError("occurrence pages never ended")
+
+    def _list_schedules(self) -> dict[str, ScheduleInfo]:
+        found: dict[str, ScheduleInfo] = {}
+        cursor: str | None = None
+        for _ in range(len(self.schedules) + 3):
+            page = self._run(self._store.schedules(after=cursor, limit=SCHEDULE_PAGE))
+            assert len(page.items) <= SCHEDULE_PAGE, "a page holds more items than its limit"
+            for info in page.items:
+                assert info.name not in found, "a schedule was listed twice"
+                assert not found or info.name > max(found), "schedules are not in name order"
+                found[info.name] = info
+            if page.next_cursor is None:
+                return found
+            cursor = page.next_cursor
+        raise AssertionError("schedule pages never ended")
+
+    def _check_schedule(self, info: ScheduleInfo, model: _Schedule) -> None:
+        assert info.name == model.name
+        assert info.created_at == model.created_at, "created_at is not the original"
+        assert info.cron == model.cron
+        assert info.policy is model.policy
+        assert info.first_after == model.first_after
+        assert (info.topic, info.message_type) == (TOPIC, MESSAGE_TYPE)
+        if model.cancelled_at is not None:
+            assert info.state == "cancelled", f"{model.name} should be cancelled"
+            assert info.cancelled_at == model.cancelled_at
+            assert info.next_due_at is None
+        else:
+            assert info.state == "active", f"{model.name} is {info.state}, not active"
+            assert info.cancelled_at is None
+            assert info.next_due_at == _next_due(model.period, model.cursor), (
+                f"{model.name}: next due {info.next_due_at} != model's "
+                f"{_next_due(model.period, model.cursor)}"
+            )
+
+    # --- setup and teardown -----------------------------------------------------------------
+
+    @initialize(
+        lease_s=st.sampled_from([5, 30, 60]),
+        window=st.sampled_from(["two-leases", "10min", "1day"]),
+        max_definitions=st.integers(1, 4),
+        max_occurrences=st.sampled_from([3, 8, 25]),
+        first_cron=st.sampled_from(sorted(CALENDARS)),
+        first_policy=st.sampled_from([MissedRunPolicy.CATCH_UP, MissedRunPolicy.COALESCE]),
+        first_offset_s=st.sampled_from([120, 600, 3 * 3600]),
+    )
+    def setup(
+        self,
+        lease_s: int,
+        window: str,
+        max_definitions: int,
+        max_occurrences: int,
+        first_cron: str,
+        first_policy: MissedRunPolicy,
+        first_offset_s: int,
+    ) -> None:
+        """Build the configuration and the store under test, with one definition in it."""
+        lease = timedelta(seconds=lease_s)
+        delivery = {
+            "two-leases": 2 * lease,
+            "10min": timedelta(minutes=10),
+            "1day": timedelta(days=1),
+        }[window]
+        self.config = RecurringConfig(
+            f"conformance-{next(_namespaces)}-{os.urandom(4).hex()}",
+            max_definitions,
+            max_occurrences,
+            delivery_window=delivery,
+            lease_duration=lease,
+        )
+        factory = type(self).make_store
+        if factory is None:
+            raise TypeError("bind a store factory with recurring_conformance_machine()")
+        self.store = self._run(_awaitable(factory(self.config, self.clock)))
+        # One definition with due times in the past, so that early steps have work to do.
+        self._create(NAMES[0], first_cron, first_policy, first_offset_s, PAYLOADS[2], {})
+
+    def teardown(self) -> None:
+        """Close the store and the runner."""
+        try:
+            if self.store is not None:
+                closer = type(self).close_store
+                self._run(_awaitable(closer(self.store) if closer else self.store.close()))
+        finally:
+            self.runner.close()
+
+    # --- definitions ----------------------------------------------------------------------------
+
+    def _definition(self, model: _Schedule, payload: bytes | None = None) -> RecurringDefinition:
+        return RecurringDefinition(
+            model.name,
+            model.cron,
+            model.first_after,
+            model.policy,
+            ScheduledMessage(
+                TOPIC, MESSAGE_TYPE, model.payload if payload is None else payload, model.headers
+            ),
+        )
+
+    @rule(
+        name=st.sampled_from(NAMES),
+        cron=st.sampled_from(sorted(CALENDARS)),
+        policy=st.sampled_from([MissedRunPolicy.CATCH_UP, MissedRunPolicy.COALESCE]),
+        offset_s=st.sampled_from([0, 59, 600, 3 * 3600]),
+        payload=st.sampled_from(PAYLOADS),
+        headers=st.sampled_from([{}, {"x-tenant": "t1"}]),
+    )
+    def create(
+        self,
+        name: str,
+        cron: str,
+        policy: MissedRunPolicy,
+        offset_s: int,
+        payload: bytes,
+        headers: dict[str, str],
+    ) -> None:
+        """Create a definition: new, identical replay, conflict or over quota."""
+        self._create(name, cron, policy, offset_s, payload, headers)
+
+    def _create(
+        self,
+        name: str,
+        cron: str,
+        policy: MissedRunPolicy,
+        offset_s: int,
+        payload: bytes,
+        headers: dict[str, str],
+    ) -> None:
+        now = self._now()
+        candidate = _Schedule(
+            name=name,
+            cron=cron,
+            period=CALENDARS[cron],
+            policy=policy,
+            first_after=self.clock.now() - timedelta(seconds=offset_s),
+            payload=payload,
+            headers=headers,
+            created_at=now,
+            cursor=self.clock.now() - timedelta(seconds=offset_s),
+        )
+        outcome = self._try(self._store.create(self._definition(candidate)))
+        existing = self.schedules.get(name)
+        if existing is not None:
+            if existing.identity() == candidate.identity():
+                assert outcome.error is None, f"identical replay failed: {outcome.error!r}"
+                self._check_schedule(outcome.value, existing)
+            else:
+                assert isinstance(outcome.error, RecurringConflictError), (
+                    f"conflicting reuse of {name!r} gave {outcome.error!r}"
+                )
+            return
+        if len(self.schedules) >= self._config.max_definitions:
+            assert isinstance(outcome.error, RecurringCapacityError), (
+                f"definition quota not enforced: {outcome.error!r}"
+            )
+            return
+        assert outcome.error is None, f"create failed: {outcome.error!r}"
+        self.schedules[name] = candidate
+        self._check_schedule(outcome.value, candidate)
+
+    @precondition(lambda self: bool(self.schedules))
+    @rule(index=st.integers(0, 99))
+    def replay_create(self, index: int) -> None:
+        """Replay an existing definition exactly: the original metadata comes back."""
+        model = sorted(self.schedules.values(), key=lambda s: s.name)[index % len(self.schedules)]
+        self._now()
+        outcome = self._try(self._store.create(self._definition(model)))
+        assert outcome.error is None, f"identical replay failed: {outcome.error!r}"
+        self._check_schedule(outcome.value, model)
+
+    @precondition(lambda self: bool(self.schedules))
+    @rule(index=st.integers(0, 99))
+    def conflicting_create(self, index: int) -> None:
+        """Reuse an existing name with different content: a conflict, nothing changes."""
+        model = sorted(self.schedules.values(), key=lambda s: s.name)[index % len(self.schedules)]
+        self._now()
+        outcome = self._try(self._store.create(self._definition(model, model.payload + b"!")))
+        assert isinstance(outcome.error, RecurringConflictError), (
+            f"conflicting reuse gave {outcome.error!r}"
+        )
+
+    @rule(index=st.integers(0, 99))
+    def cancel(self, index: int) -> None:
+        """Cancel a definition (or an unknown name): permanent, occurrences cancelled."""
+        names = [*sorted(self.schedules), "nobody"]
+        name = names[index % len(names)]
+        now = self._now()
+        outcome = self._try(self._store.cancel(name))
+        model = self.schedules.get(name)
+        if model is None:
+            assert isinstance(outcome.error, RecurringNotFoundError), (
+                f"cancelling an unknown name gave {outcome.error!r}"
+            )
+            return
+        assert outcome.error is None, f"cancel failed: {outcome.error!r}"
+        if model.cancelled_at is None:
+            model.cancelled_at = now
+        for occ in self.occurrences.values():
+            if occ.name == name and occ.state in LIVE:
+                self._move(occ, "cancelled", now)
+        self._check_schedule(outcome.value, model)
+
+    # --- ticks and claims -----------------------------------------------------------------------
+
+    @rule(budget=st.one_of(st.integers(1, 12), st.just(100)))
+    def tick(self, budget: int) -> None:
+        """Materialize due occurrences: oldest first, budgeted, all or nothing."""
+        now = self._now()
+        candidates: list[tuple[datetime, str]] = []
+        for model in self.schedules.values():
+            if model.cancelled_at is not None:
+                continue
+            due = _next_due(model.period, model.cursor)
+            if model.policy is MissedRunPolicy.CATCH_UP:
+                taken = 0
+                while due <= now and taken < budget:
+                    candidates.append((due, model.name))
+                    due = _next_due(model.period, due)
+                    taken += 1
+            elif due <= now:
+                candidates.append((due, model.name))
+        chosen = sorted(candidates)[:budget]
+        outcome = self._try(self._store.tick(budget))
+        if len(self.occurrences) + len(chosen) > self._config.max_occurrences:
+            assert isinstance(outcome.error, RecurringCapacityError), (
+                f"occurrence quota not enforced: {outcome.error!r}"
+            )
+            return
+        assert outcome.error is None, f"tick failed: {outcome.error!r}"
+        result = outcome.value
+        assert result.materialized == len(chosen), (
+            f"tick materialized {result.materialized}, the model expects {len(chosen)}"
+        )
+        new_ids = set(result.occurrence_ids)
+        assert len(new_ids) == len(chosen) == len(result.occurrence_ids)
+        assert not new_ids & set(self.occurrences), "a new occurrence reused an existing id"
+        listed = self._list_occurrences()
+        pairs = {(listed[i].definition_name, listed[i].due_at): i for i in new_ids}
+        assert set(pairs) == {(name, due) for due, name in chosen}, (
+            "the tick materialized other due times than the oldest outstanding ones"
+        )
+        for (name, due), occurrence_id in pairs.items():
+            assert (name, due) not in self.materialized, f"{name} at {due} materialized twice"
+            self.materialized.add((name, due))
+            self.occurrences[occurrence_id] = _Occurrence(
+                occurrence_id=occurrence_id,
+                name=name,
+                due_at=due,
+                window_ends_at=now + self._config.delivery_window,
+                created_at=now,
+                updated_at=now,
+            )
+        for name in {name for _, name in chosen}:
+            model = self.schedules[name]
+            if model.policy is MissedRunPolicy.CATCH_UP:
+                model.cursor = max(due for due, n in chosen if n == name)
+            else:
+                model.cursor = now
+
+    @rule(limit=st.integers(1, 6))
+    def claim(self, limit: int) -> None:
+        """Lease publishable occurrences with fresh capabilities, fencing old holders."""
+        self._claim_and_check(limit)
+
+    @rule(limit=st.integers(1, 4))
+    def claim_and_relay(self, limit: int) -> None:
+        """Act as a relay worker: claim, then relay every new lease at once."""
+        before = len(self.leases)
+        self._claim_and_check(limit)
+        fresh = len(self.leases) - before
+        for position in range(fresh):
+            self._relay(self.leases[len(self.leases) - fresh + position])
+
+    def _claim_and_check(self, limit: int) -> None:
+        now = self._now()
+        ready = {
+            o.occurrence_id
+            for o in self.occurrences.values()
+            if o.state == "pending"
+            or (o.state == "retry_wait" and o.next_attempt_at is not None
+                and o.next_attempt_at <= now)
+            or (o.state == "leased" and o.lease is not None and o.lease.expires_at <= now)
+        }
+        outcome = self._try(self._store.claim(limit))
+        assert outcome.error is None, f"claim failed: {outcome.error!r}"
+        leases: list[Lease] = outcome.value
+        assert len(leases) == min(limit, len(ready)), (
+            f"claim returned {len(leases)} leases; {len(ready)} occurrences were ready, "
+            f"limit {limit}"
+        )
+        ids = [lease.occurrence_id for lease in leases]
+        assert len(set(ids)) == len(ids), "one claim leased an occurrence twice"
+        assert set(ids) <= ready, "claim leased an occurrence that was not publishable"
+        for lease in leases:
+            occ = self.occurrences[lease.occurrence_id]
+            expected = min(now + self._config.lease_duration, occ.window_ends_at)
+            assert lease.expires_at == expected, (
+                f"lease expires {lease.expires_at}, expected {expected} "
+                "(shared time + lease, shortened to the window)"
+            )
+            if occ.lease is not None:
+                assert lease.revision > occ.lease.revision, "a reclaim did not bump the revision"
+                assert lease.capability != occ.lease.capability, "a reclaim reused a capability"
+            self._move(occ, "leased", now)
+            occ.lease = lease
+            self.leases.append(lease)
+        del self.leases[:-24]
+
+    # --- relays and broker faults ---------------------------------------------------------------
+
+    @precondition(lambda self: len(self.faults) < 3)
+    @rule(fault=st.sampled_from(list(BrokerFault)))
+    def inject_broker_fault(self, fault: BrokerFault) -> None:
+        """Make the broker's next publish fail, time out or lose its acknowledgement."""
+        self.broker.inject(fault)
+        self.faults.append(fault)
+
+    @precondition(lambda self: bool(self.leases))
+    @rule(index=st.integers(0, 99))
+    def relay(self, index: int) -> None:
+        """Relay a lease (live or stale) through the broker and check what was recorded."""
+        self._relay(self.leases[-1 - index % len(self.leases)])
+
+    def _relay(self, lease: Lease) -> None:
+        now = self._now()
+        occ = self.occurrences.get(lease.occurrence_id)
+        holder = (
+            occ is not None
+            and occ.state == "leased"
+            and occ.lease == lease
+            and now < lease.expires_at
+        )
+        attempts_before = self.broker.attempts
+        outcome = self._try(self._store.relay(lease, self.broker))
+        if not holder or occ is None:
+            assert isinstance(outcome.error, RelayLeaseLostError), (
+                f"a stale or expired lease was not refused: {outcome.error!r}"
+            )
+            assert self.broker.attempts == attempts_before, "a stale lease reached the broker"
+            return
+        assert self.broker.attempts == attempts_before + 1, "relay did not publish exactly once"
+        key = self.broker.keys_attempted[-1]
+        if occ.key is None:
+            assert key not in self.key_owner, "two occurrences share an idempotency key"
+            occ.key = key
+            self.key_owner[key] = occ.occurrence_id
+        assert key == occ.key, "the idempotency key changed between attempts"
+        occ.attempts += 1
+        fault = self.faults.popleft() if self.faults else None
+        if fault in (None, BrokerFault.TIMEOUT_AFTER_ACCEPT, BrokerFault.LOSE_ACK):
+            was_accepted = key in self.accepted
+            self.accepted.add(key)
+            stored = [m for m, k in self.broker.published if k == key]
+            assert stored == [self.schedules[occ.name].message()], (
+                "the broker holds a different message than the definition's"
+            )
+        if fault is None:
+            assert outcome.error is None, f"relay failed: {outcome.error!r}"
+            assert outcome.value.idempotency_key == key
+            assert outcome.value.duplicate == was_accepted, "receipt duplicate flag is wrong"
+            self._move(occ, "published", now)
+            return
+        if fault is BrokerFault.LOSE_ACK:
+            assert isinstance(outcome.error, RelayAcknowledgementError), (
+                f"a lost acknowledgement gave {outcome.error!r}"
+            )
+            assert outcome.error.receipt.idempotency_key == key
+            permanent = False
+        elif fault in (BrokerFault.TIMEOUT, BrokerFault.TIMEOUT_AFTER_ACCEPT):
+            assert isinstance(outcome.error, RelayBrokerTimeoutError), (
+                f"a broker timeout gave {outcome.error!r}"
+            )
+            permanent = False
+        else:
+            permanent = fault is BrokerFault.REJECTED
+            assert isinstance(outcome.error, RelayBrokerError), (
+                f"a broker failure gave {outcome.error!r}"
+            )
+            assert not isinstance(outcome.error, RelayBrokerTimeoutError)
+            assert outcome.error.permanent == permanent
+        retry_at = now + _backoff(occ.attempts)
+        if permanent or occ.attempts >= MAX_RELAY_ATTEMPTS or retry_at >= occ.window_ends_at:
+            self._move(occ, "dead", now)
+        else:
+            self._move(occ, "retry_wait", now)
+            occ.next_attempt_at = retry_at
+
+    # --- operator actions -----------------------------------------------------------------------
+
+    @rule(index=st.integers(0, 99))
+    def retry_failed(self, index: int) -> None:
+        """Retry an occurrence: only dead ones come back, with a fresh attempt budget."""
+        now = self._now()
+        dead = sorted(i for i, o in self.occurrences.items() if o.state == "dead")
+        ids = dead if dead and index < 60 else sorted(self.occurrences)
+        if index % 10 == 9 or not ids:
+            outcome = self._try(self._store.retry_failed("0" * 32))
+            assert isinstance(outcome.error, RecurringNotFoundError), (
+                f"retrying an unknown occurrence gave {outcome.error!r}"
+            )
+            return
+        occ = self.occurrences[ids[index % len(ids)]]
+        outcome = self._try(self._store.retry_failed(occ.occurrence_id))
+        if occ.state != "dead":
+            assert isinstance(outcome.error, RecurringInvalidStateError), (
+                f"retrying a {occ.state} occurrence gave {outcome.error!r}"
+            )
+            return
+        assert outcome.error is None, f"retry_failed failed: {outcome.error!r}"
+        self._move(occ, "pending", now)
+        occ.attempts = 0
+        assert outcome.value.state.value == "pending"
+        assert outcome.value.attempts == 0
+
+    @rule(
+        age=st.sampled_from([timedelta(seconds=-1), timedelta(0), timedelta(minutes=1),
+                             timedelta(hours=1)]),
+        limit=st.integers(1, 5),
+    )
+    def purge(self, age: timedelta, limit: int) -> None:
+        """Purge terminal occurrences last updated before a cutoff, at most ``limit``."""
+        now = self._now()
+        cutoff = now - age
+        eligible = {
+            o.occurrence_id
+            for o in self.occurrences.values()
+            if o.state in TERMINAL and o.updated_at < cutoff
+        }
+        outcome = self._try(self._store.purge_terminal(cutoff, limit))
+        assert outcome.error is None, f"purge_terminal failed: {outcome.error!r}"
+        assert outcome.value == min(limit, len(eligible)), (
+            f"purged {outcome.value}; {len(eligible)} were eligible, limit {limit}"
+        )
+        listed = self._list_occurrences()
+        removed = set(self.occurrences) - set(listed)
+        assert removed <= eligible, "purge removed an occurrence that was not eligible"
+        assert len(removed) == outcome.value
+        for occurrence_id in removed:
+            del self.occurrences[occurrence_id]
+
+    # --- time -------------------------------------------------------------------------------------
+
+    @rule(
+        delta=st.sampled_from([
+            timedelta(seconds=1), timedelta(seconds=4), timedelta(seconds=29),
+            timedelta(seconds=61), timedelta(minutes=5), timedelta(minutes=17),
+            timedelta(hours=1), timedelta(days=1, seconds=1),
+        ])
+    )
+    def advance_clock(self, delta: timedelta) -> None:
+        """Let time pass."""
+        self.clock.advance(delta)
+
+    @rule(back_ms=st.one_of(st.integers(1, 5_000), st.integers(5_001, 600_000)))
+    def regress_clock(self, back_ms: int) -> None:
+        """Move the clock back: up to 5 s is adopted, more is a clock error."""
+        if back_ms <= CLOCK_TOLERANCE // timedelta(milliseconds=1):
+            self._regress_within_tolerance(back_ms)
+        else:
+            self._regress_beyond_tolerance(back_ms - 5_000)
+
+    def _regress_within_tolerance(self, back_ms: int) -> None:
+        """Move the clock back by less than 5 s: the store adopts its recorded time."""
+        self._list_occurrences()  # records the current time in both store and model
+        assert self.recorded is not None
+        target = self.recorded - timedelta(milliseconds=back_ms)
+        if target < self.clock.now():
+            self.clock.set(target)
+        # A claim with the clock trailing: no clock error, leases judged by recorded time.
+        self._claim_and_check(1)
+
+    def _regress_beyond_tolerance(self, extra_ms: int) -> None:
+        """Move the clock back by more than 5 s: operations fail with a clock error."""
+        self._list_occurrences()
+        assert self.recorded is not None
+        before = self.clock.now()
+        self.clock.set(self.recorded - CLOCK_TOLERANCE - timedelta(milliseconds=extra_ms))
+        try:
+            calls: list[Callable[[], Coroutine[Any, Any, Any]]] = [
+                lambda: self._store.tick(1),
+                lambda: self._store.claim(1),
+            ]
+            for call in calls:
+                outcome = self._try(call())
+                assert isinstance(outcome.error, RecurringClockError), (
+                    f"a clock trailing by more than 5 s was accepted: {outcome.error!r}"
+                )
+        finally:
+            self.clock.set(before)
+
+    # --- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def store_agrees_with_model(self) -> None:
+        """Check listings, quotas, the broker and idempotency keys against the model."""
+        if self.store is None:
+            return
+        listed = self._list_occurrences()
+        assert set(listed) == set(self.occurrences), (
+            f"occurrences lost {sorted(set(self.occurrences) - set(listed))} or unexpected "
+            f"{sorted(set(listed) - set(self.occurrences))}"
+        )
+        for occurrence_id, info in listed.items():
+            occ = self.occurrences[occurrence_id]
+            assert (info.definition_name, info.due_at) == (occ.name, occ.due_at)
+            assert info.state.value == occ.state, (
+                f"occurrence {occurrence_id} is {info.state.value}; the model says {occ.state}"
+            )
+            assert info.attempts == occ.attempts, (
+                f"occurrence {occurrence_id} has {info.attempts} attempts; model {occ.attempts}"
+            )
+            assert info.window_ends_at == occ.window_ends_at
+            assert info.created_at == occ.created_at
+            if occ.state == "retry_wait":
+                assert info.next_attempt_at == occ.next_attempt_at, (
+                    f"next attempt {info.next_attempt_at} != model {occ.next_attempt_at}"
+                )
+        assert len(listed) <= self._config.max_occurrences, "the occurrence quota was exceeded"
+        schedules = self._list_schedules()
+        assert set(schedules) == set(self.schedules)
+        assert len(schedules) <= self._config.max_definitions, "the definition quota was exceeded"
+        for name, schedule in schedules.items():
+            self._check_schedule(schedule, self.schedules[name])
+        keys = self.broker.keys()
+        assert len(keys) == len(set(keys)), "the broker holds two copies under one key"
+        assert set(keys) == self.accepted, "the broker holds messages the model did not expect"
+        for key in keys:
+            assert key in self.key_owner, "the broker holds a key no occurrence owns"
+        for occ in self.occurrences.values():
+            if occ.state == "published":
+                assert occ.key in self.accepted, "a published occurrence never reached the broker"
+
+
+async def _await(value: Awaitable[T]) -> T:
+    return await value
+
+
+def _awaitable(value: Awaitable[T]) -> Coroutine[Any, Any, T]:
+    return _await(value)
+
+
+def recurring_conformance_machine(
+    make_store: MakeStore, *, close: CloseStore | None = None
+) -> type[RecurringStoreConformance]:
+    """Return a :class:`RecurringStoreConformance` subclass bound to a store factory.
+
+    Args:
+        make_store: ``async (config, clock) -> store``; called once per example, inside
+            the machine's event loop, with a fresh namespace.
+        close: ``async (store) -> None`` run at the end of each example; the store's
+            ``close()`` by default.
+    """
+    return type(
+        "BoundRecurringStoreConformance",
+        (RecurringStoreConformance,),
+        {"make_store": staticmethod(make_store), "close_store": staticmethod(close) if close
+         else None},
+    )
+
+
+def run_recurring_conformance(
+    make_store: MakeStore,
+    *,
+    settings: settings | None = None,
+    close: CloseStore | None = None,
+) -> None:
+    """Run the recurring-store conformance state machine against a store factory.
+
+    Call it from a synchronous test (the machine owns its event loop).
+
+    Args:
+        make_store: ``async (config, clock) -> store``; called once per example.
+        settings: hypothesis settings; :data:`DEFAULT_SETTINGS` by default.
+        close: ``async (store) -> None`` run after each example (``store.close()``).
+
+    Raises:
+        AssertionError: the store broke the contract (hypothesis shows the shortest
+            sequence of steps that does).
+    """
+    machine = recurring_conformance_machine(make_store, close=close)
+    run_state_machine_as_test(machine, settings=settings or DEFAULT_SETTINGS)
