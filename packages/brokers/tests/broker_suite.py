@@ -147,14 +147,16 @@ async def check_lost_ack(h: Harness) -> None:
     expected: type[BaseException] = (
         RelayAcknowledgementError if h.can_probe else BrokerTimeoutError
     )
+    caught: BaseException | None = None
     try:
         await broker.publish(message(2), idempotency_key=key, timeout=3.0)
     except expected as exc:
-        if isinstance(exc, RelayAcknowledgementError):
-            assert exc.receipt.idempotency_key == key
-            assert exc.receipt.broker == h.name
-    else:
+        caught = exc
+    if caught is None:
         raise AssertionError("a lost acknowledgement was reported as a success")
+    if isinstance(caught, RelayAcknowledgementError):
+        assert caught.receipt.idempotency_key == key
+        assert caught.receipt.broker == h.name
     again = await broker.publish(message(2), idempotency_key=key, timeout=5.0)
     assert again.duplicate is h.broker_dedups
     assert await h.drain() == [(key, message(2))]
@@ -183,12 +185,14 @@ async def check_timeout(h: Harness) -> None:
 
 async def check_too_large(h: Harness) -> None:
     broker = await h.make_broker()
+    too_large: MessageTooLargeError | None = None
     try:
         await broker.publish(h.too_large(), idempotency_key=new_key(), timeout=5.0)
     except MessageTooLargeError as exc:
-        assert exc.permanent is True
-    else:
+        too_large = exc
+    if too_large is None:
         raise AssertionError("an oversized message was accepted")
+    assert too_large.permanent is True
     assert await h.drain() == []
 
 
@@ -226,7 +230,30 @@ async def check_bad_arguments(h: Harness) -> None:
     assert await h.drain() == []
 
 
+async def check_exported_suite(h: Harness) -> None:
+    """steeple.testing's broker suite (written in parallel to this one), run as well."""
+    from steeple.testing.conformance.brokers import BrokerConformance
+    from steeple.testing.conformance.brokers import check_timeout as exported_timeout
+
+    broker = await h.make_broker()
+    seen: list[tuple[bytes, str]] = []
+
+    async def read_all() -> list[tuple[bytes, str]]:
+        seen.extend((m.payload, k) for k, m in await h.drain())
+        return list(seen)
+
+    suite = BrokerConformance(broker, read_all, reports_duplicates=h.broker_dedups)
+    await suite.run_basic()
+    await suite.check_too_large(size=8000)
+    await h.stall()
+    try:
+        await exported_timeout(broker, timeout=0.5, grace=0.5)
+    finally:
+        await h.heal()
+
+
 CHECKS: dict[str, Callable[[Harness], Awaitable[None]]] = {
+    "exported_suite": check_exported_suite,
     "publish_and_consume": check_publish_and_consume,
     "replay_same_key": check_replay_same_key,
     "lost_ack": check_lost_ack,
@@ -323,7 +350,7 @@ class _Link:
             data = await reader.read(65536)
             if not data:
                 break
-            while self.proxy.stalled and not self.closed:
+            while self.proxy.stalled and not self.closed:  # noqa: ASYNC110 - a test proxy
                 await asyncio.sleep(0.02)
             if self.closed:
                 break

@@ -12,10 +12,10 @@ from typing import Any
 import nats
 import nats.js.errors
 import pytest
-from broker_suite import CHECKS, TcpProxy, eventually, message, new_key, publish_retrying
 from nats.js.api import StreamConfig
-from nats_support import PrivateNats
 
+from broker_suite import CHECKS, TcpProxy, eventually, message, new_key, publish_retrying
+from nats_support import PrivateNats
 from steeple.brokers.nats import JetStreamBroker, JetStreamConsumer
 from steeple.core.errors import (
     BrokerConfigurationError,

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_suite import CHECKS, message, new_key
 
+from broker_suite import CHECKS, message, new_key
 from steeple.brokers import Delivery
 from steeple.brokers.sqlite import SqliteJournalBroker
 from steeple.core.errors import (
@@ -137,9 +137,11 @@ async def test_file_is_wal_full_sync_and_holds_no_plaintext(
         (sealed,) = conn.execute("SELECT sealed FROM steeple_journal").fetchone()
     finally:
         conn.close()
-    assert b"very-personal" not in sealed and b"example.org" not in sealed
+    assert b"very-personal" not in sealed
+    assert b"example.org" not in sealed
     raw = (tmp_path / "j.db").read_bytes() + (tmp_path / "j.db-wal").read_bytes()
-    assert b"very-personal" not in raw and b"example.org" not in raw
+    assert b"very-personal" not in raw
+    assert b"example.org" not in raw
     # synchronous is per connection: check the journal's own connection.
     assert journal._conn is not None
     assert journal._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
@@ -170,11 +172,13 @@ async def test_visibility_timeout_redelivers_and_fences_stale_acks(tmp_path: Pat
         key = new_key()
         await j.publish(message(1), idempotency_key=key, timeout=5)
         [first] = await j.fetch(10, visibility_timeout=timedelta(seconds=30))
-        assert isinstance(first, Delivery) and first.delivery_count == 1
+        assert isinstance(first, Delivery)
+        assert first.delivery_count == 1
         assert await j.fetch(10) == []  # invisible while leased
         clock.advance(timedelta(seconds=31))
         [second] = await j.fetch(10)
-        assert second.idempotency_key == key and second.delivery_count == 2
+        assert second.idempotency_key == key
+        assert second.delivery_count == 2
         assert second.delivery_id != first.delivery_id
         assert await j.acknowledge(first.delivery_id) is False  # handed out again since
         assert await j.acknowledge(second.delivery_id) is True
@@ -268,14 +272,14 @@ async def test_second_process_holding_the_write_lock_gives_a_typed_timeout(
     async with SqliteJournalBroker(
         path, Keyring(KEY), busy_timeout=timedelta(milliseconds=300)
     ) as j:
-        holder = subprocess.Popen(
+        holder = subprocess.Popen(  # noqa: ASYNC220 - a plain child process is the point
             [sys.executable, "-c", _LOCK_HOLDER, str(path)], stdout=subprocess.PIPE, text=True
         )
         try:
             assert holder.stdout is not None
             assert holder.stdout.readline().strip() == "locked"
             started = time.monotonic()
-            with pytest.raises(BrokerTimeoutError, match="busy timeout|may have accepted"):
+            with pytest.raises(BrokerTimeoutError, match=r"busy timeout|may have accepted"):
                 await j.publish(message(1), idempotency_key="blocked", timeout=5)
             assert time.monotonic() - started < 3
             # The busy-timeout failure stored nothing and left the connection usable.
@@ -316,7 +320,7 @@ _WRITER = textwrap.dedent(
 async def test_kill_dash_nine_mid_write_loses_nothing_acknowledged(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    writer = subprocess.Popen(
+    writer = subprocess.Popen(  # noqa: ASYNC220 - a plain child process is the point
         [sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True, env=env
     )
     acknowledged: list[str] = []

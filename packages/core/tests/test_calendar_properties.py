@@ -273,21 +273,29 @@ ALL_NAMES = sorted(set(REF_MONTHS) | set(REF_WEEKDAYS) | {"sept", "thur", "tu", 
 @st.composite
 def near_miss_items(draw: st.DrawFn, field: int) -> str:
     """Items at and just past the edges: values and steps one out, reversed or mixed ranges."""
-    lowest, highest, _, _ = REF_FIELDS[field]
+    lowest, highest, names, _ = REF_FIELDS[field]
     value = st.one_of(
         st.sampled_from([lowest - 1, lowest, highest, highest + 1])
         .filter(lambda v: v >= 0)
         .map(str),
         st.integers(lowest, highest).map(str),
         st.sampled_from(ALL_NAMES),
+        st.sampled_from(sorted(names or ALL_NAMES)),
     )
     a, b = draw(value), draw(value)
     step = draw(st.sampled_from(["", "/0", "/1", f"/{highest}", f"/{highest + 1}", "/"]))
-    form = draw(st.sampled_from(["point", "range", "reversed", "star", "any"]))
+    forms = ["point", "range", "reversed", "mixed", "name_step", "star", "any"]
+    form = draw(st.sampled_from(forms))
+    if form == "name_step":
+        name = draw(st.sampled_from(sorted(names or ALL_NAMES)))
+        return f"{name}/{draw(st.integers(1, highest))}"
+    if form == "mixed" and names is not None:
+        number, name = str(draw(st.integers(lowest, highest))), draw(st.sampled_from(sorted(names)))
+        return (f"{number}-{name}" if draw(st.booleans()) else f"{name}-{number}") + step
     if form == "reversed":
         end = draw(st.integers(lowest, highest - 1))
         return f"{end + 1}-{end}{step}"
-    if form == "point":
+    if form in ("point", "mixed"):
         return a + step
     if form == "range":
         return f"{a}-{b}{step}"
@@ -296,21 +304,19 @@ def near_miss_items(draw: st.DrawFn, field: int) -> str:
 
 @st.composite
 def noisy_expressions(draw: st.DrawFn) -> str:
-    """Mostly valid fields, some near misses and noise, sometimes too many or too few."""
-    tokens: list[str] = []
-    for index in range(5):
-        kind = draw(st.integers(0, 99))
-        if kind < 85:
-            tokens.append(draw(valid_fields(index)))
-        elif kind < 97:
-            items = draw(st.lists(near_miss_items(index), min_size=1, max_size=2))
-            tokens.append(",".join(items))
-        else:
-            tokens.append(draw(noise))
-    # A field valid elsewhere (names in the wrong field, `?` in the minute...).
-    if draw(st.integers(0, 4)) == 0:
-        tokens[draw(st.integers(0, 4))] = draw(valid_fields(draw(st.integers(0, 4))))
-    if draw(st.integers(0, 9)) == 0:
+    """Five valid fields, then usually one defect: a near miss, noise, a field valid only
+    elsewhere (names in the wrong field, `?` in the minute...), or a field too many or few."""
+    tokens = [draw(valid_fields(index)) for index in range(5)]
+    position = draw(st.integers(0, 4))
+    defect = draw(st.sampled_from(["none", "near", "near", "near", "noise", "moved", "count"]))
+    if defect == "near":
+        items = draw(st.lists(near_miss_items(position), min_size=1, max_size=2))
+        tokens[position] = ",".join([*items, *([tokens[position]] * draw(st.integers(0, 1)))])
+    elif defect == "noise":
+        tokens[position] = draw(noise)
+    elif defect == "moved":
+        tokens[position] = draw(valid_fields(draw(st.integers(0, 4))))
+    elif defect == "count":
         tokens = tokens[: draw(st.integers(0, 6))] + tokens[: draw(st.integers(0, 2))]
     return draw(separators).join(tokens)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -157,3 +158,34 @@ def test_core_has_no_side_effects_at_import() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "1"
+
+
+CONTRACT = {
+    "steeple.core.occurrences": [
+        "OccurrenceEvent", "OccurrenceState", "PURGED", "OCCURRENCE_TRANSITIONS", "transition",
+        "TERMINAL_STATES", "CLAIMABLE_STATES",
+    ],
+    "steeple.core.tasks": [
+        "TaskEvent", "TaskState", "TASK_TRANSITIONS", "transition", "retry_decision",
+        "RetryDecision", "TERMINAL_TASK_STATES",
+    ],
+    "steeple.core.policies": ["MissedRunPolicy", "TickPlan", "plan_tick", "validate_budget"],
+    "steeple.core.leases": [
+        "window_end", "lease_expiry", "is_live", "capability_matches", "CAPABILITY_BYTES",
+        "GENERATION_BYTES", "adopt_time", "FailureDecision", "after_publish_failure",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(CONTRACT))
+def test_contract_names_exist(module: str) -> None:
+    loaded = importlib.import_module(module)
+    for name in CONTRACT[module]:
+        assert hasattr(loaded, name), f"{module}.{name}"
+        assert name in loaded.__all__, f"{module}.__all__ lacks {name}"
+
+
+def test_package_exports_resolve() -> None:
+    for name in steeple.core.__all__:
+        assert getattr(steeple.core, name) is not None
+    assert len(set(steeple.core.__all__)) == len(steeple.core.__all__)

@@ -29,6 +29,7 @@ from steeple.core.leases import (
     adopt_time,
     after_publish_failure,
     capability_matches,
+    is_claimable,
     is_live,
     lease_expiry,
     new_capability,
@@ -316,3 +317,65 @@ def test_huge_backoff_cap_near_the_end_of_time_does_not_overflow() -> None:
     )
     assert decision.state is OccurrenceState.DEAD
     assert decision.reason == "window"
+
+
+# --- claimability ------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(OccurrenceState),
+    st.timedeltas(min_value=-timedelta(hours=2), max_value=timedelta(hours=2)),
+    st.none() | st.timedeltas(min_value=-timedelta(hours=1), max_value=timedelta(hours=1)),
+    st.none() | st.timedeltas(min_value=-timedelta(hours=1), max_value=timedelta(hours=1)),
+)
+def test_is_claimable_model(
+    state: OccurrenceState,
+    window_left: timedelta,
+    lease_left: timedelta | None,
+    wait_left: timedelta | None,
+) -> None:
+    lease_at = None if lease_left is None else T0 + lease_left
+    wait_at = None if wait_left is None else T0 + wait_left
+    got = is_claimable(
+        state, T0, window_ends_at=T0 + window_left, lease_expires_at=lease_at,
+        next_attempt_at=wait_at,
+    )
+    open_window = window_left > timedelta(0)
+    if state.value == "pending":
+        want = open_window
+    elif state.value == "retry_wait":
+        want = open_window and (wait_left is None or wait_left <= timedelta(0))
+    elif state.value == "leased":
+        want = open_window and (lease_left is None or lease_left <= timedelta(0))
+    else:
+        want = False
+    assert got is want
+
+
+def test_is_claimable_boundaries() -> None:
+    end = T0 + timedelta(hours=1)
+    assert is_claimable(OccurrenceState.LEASED, T0, window_ends_at=end, lease_expires_at=T0)
+    assert not is_claimable(
+        OccurrenceState.LEASED, T0, window_ends_at=end, lease_expires_at=T0 + S
+    )
+    assert is_claimable(OccurrenceState.RETRY_WAIT, T0, window_ends_at=end, next_attempt_at=T0)
+    assert not is_claimable(OccurrenceState.PENDING, T0, window_ends_at=T0)
+    for state in (OccurrenceState.PUBLISHED, OccurrenceState.DEAD, OccurrenceState.EXPIRED,
+                  OccurrenceState.CANCELLED):
+        assert not is_claimable(state, T0, window_ends_at=end)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        is_claimable(OccurrenceState.PENDING, datetime(2033, 1, 1), window_ends_at=end)
+
+
+def test_lease_repr_never_shows_the_capability() -> None:
+    from steeple.core import Lease
+
+    capability = bytes.fromhex("deadbeefcafebabe0011223344556677")
+    lease = Lease("ab" * 16, T0, 7, capability)
+    for text in (repr(lease), str(lease)):
+        assert "deadbeef" not in text
+        assert "capability" not in text
+        assert repr(capability) not in text
+        assert "ab" * 16 in text
+        assert "revision=7" in text

@@ -1,8 +1,10 @@
-"""Missed-run planning: property tests against an independent minute-scan enumerator."""
+"""Missed-run planning: property tests against an independent brute-force enumerator."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+import itertools
+from collections.abc import Iterator
+from datetime import UTC, date, datetime, timedelta
 
 import attrs
 import pytest
@@ -15,141 +17,223 @@ from steeple.core.policies import MissedRunPolicy, TickPlan, plan_tick, validate
 MINUTE = timedelta(minutes=1)
 
 
+LAST = datetime(2100, 12, 31, 23, 59, tzinfo=UTC)  # the calendar's documented end
+
+
 @attrs.frozen
 class Spec:
-    """A generated calendar: its expression and, independently, the sets it means."""
+    """A generated calendar: its expression and, independently, the sets it means.
+
+    ``None`` means "any". Weekdays use cron numbering (1=Sunday ... 7=Saturday), and
+    day-of-month and weekday restrictions intersect.
+    """
 
     expression: str
     minutes: frozenset[int]
     hours: frozenset[int]
+    days: frozenset[int] | None = None
+    months: frozenset[int] | None = None
+    weekdays: frozenset[int] | None = None
+    max_gap: timedelta = timedelta(days=2)
+
+    def day_matches(self, d: date) -> bool:
+        cron_weekday = d.isoweekday() % 7 + 1
+        return (
+            (self.days is None or d.day in self.days)
+            and (self.months is None or d.month in self.months)
+            and (self.weekdays is None or cron_weekday in self.weekdays)
+        )
 
     def matches(self, t: datetime) -> bool:
-        return t.second == 0 and t.microsecond == 0 and t.minute in self.minutes and (
-            t.hour in self.hours
+        return (
+            t.second == 0
+            and t.microsecond == 0
+            and t.minute in self.minutes
+            and t.hour in self.hours
+            and self.day_matches(t.date())
         )
+
+
+def _pick(draw: st.DrawFn, lo: int, hi: int, most: int) -> list[int]:
+    return sorted(draw(st.lists(st.integers(lo, hi), min_size=1, max_size=most, unique=True)))
+
+
+def _csv(values: list[int]) -> str:
+    return ",".join(map(str, values))
+
+
+ANY_MINUTE, ANY_HOUR = frozenset(range(60)), frozenset(range(24))
+SPARSE_GAP = timedelta(days=400)
 
 
 @st.composite
 def specs(draw: st.DrawFn) -> Spec:
-    kind = draw(st.sampled_from(["daily", "hourly", "step", "multi"]))
+    kind = draw(
+        st.sampled_from(
+            ["daily", "hourly", "step", "multi", "monthly", "weekly", "yearly", "friday13"]
+        )
+    )
+    m, h = draw(st.integers(0, 59)), draw(st.integers(0, 23))
     if kind == "daily":
-        m, h = draw(st.integers(0, 59)), draw(st.integers(0, 23))
-        return Spec(f"{m} {h} * * *", frozenset({m}), frozenset({h}))
+        return Spec(f"{m} {h} * * *", frozenset({m}), frozenset({h}), max_gap=SPARSE_GAP)
     if kind == "hourly":
-        m = draw(st.integers(0, 59))
-        return Spec(f"{m} * * * *", frozenset({m}), frozenset(range(24)))
+        return Spec(f"{m} * * * *", frozenset({m}), ANY_HOUR)
     if kind == "step":
         k = draw(st.integers(1, 59))
-        return Spec(f"*/{k} * * * *", frozenset(range(0, 60, k)), frozenset(range(24)))
-    ms = draw(st.lists(st.integers(0, 59), min_size=1, max_size=4, unique=True))
-    hs = draw(st.lists(st.integers(0, 23), min_size=1, max_size=4, unique=True))
-    return Spec(
-        f"{','.join(map(str, ms))} {','.join(map(str, hs))} * * *",
-        frozenset(ms),
-        frozenset(hs),
-    )
+        return Spec(f"*/{k} * * * *", frozenset(range(0, 60, k)), ANY_HOUR)
+    if kind == "multi":
+        ms, hs = _pick(draw, 0, 59, 4), _pick(draw, 0, 23, 4)
+        return Spec(f"{_csv(ms)} {_csv(hs)} * * *", frozenset(ms), frozenset(hs))
+    if kind == "monthly":
+        ds = _pick(draw, 1, 31, 3)
+        return Spec(f"{m} {h} {_csv(ds)} * *", frozenset({m}), frozenset({h}),
+                    days=frozenset(ds), max_gap=SPARSE_GAP)
+    if kind == "weekly":
+        ws = _pick(draw, 1, 7, 3)
+        return Spec(f"{m} {h} * * {_csv(ws)}", frozenset({m}), frozenset({h}),
+                    weekdays=frozenset(ws), max_gap=SPARSE_GAP)
+    if kind == "yearly":  # includes dates that never exist (Feb 30) and leap days
+        d, mon = draw(st.integers(1, 31)), draw(st.integers(1, 12))
+        return Spec(f"{m} {h} {d} {mon} *", frozenset({m}), frozenset({h}),
+                    days=frozenset({d}), months=frozenset({mon}), max_gap=SPARSE_GAP)
+    d, w = draw(st.integers(1, 31)), draw(st.integers(1, 7))
+    return Spec(f"{m} {h} {d} * {w}", frozenset({m}), frozenset({h}),
+                days=frozenset({d}), weekdays=frozenset({w}), max_gap=SPARSE_GAP)
+
+
+def brute_iter(spec: Spec, after: datetime) -> Iterator[datetime]:
+    """Every matching instant strictly after ``after``, by walking day after day."""
+    day = after.date()
+    while day <= LAST.date():
+        if spec.day_matches(day):
+            for hour in sorted(spec.hours):
+                for minute in sorted(spec.minutes):
+                    t = datetime(day.year, day.month, day.day, hour, minute, tzinfo=UTC)
+                    if t > after:
+                        yield t
+        day += timedelta(days=1)
 
 
 def brute_due(spec: Spec, cursor: datetime, now: datetime) -> list[datetime]:
-    """Every instant in (cursor, now] the spec matches, by scanning minute by minute."""
-    t = cursor.replace(second=0, microsecond=0) + MINUTE  # first whole minute > cursor
-    out = []
-    while t <= now:
-        if spec.matches(t):
-            out.append(t)
-        t += MINUTE
-    return out
+    """Every instant in (cursor, now] the spec matches."""
+    return list(itertools.takewhile(lambda t: t <= now, brute_iter(spec, cursor)))
 
 
-def brute_next(spec: Spec, after: datetime) -> datetime:
-    """The first matching instant strictly after ``after`` (these specs fire at least daily)."""
-    found = brute_due(spec, after, after + timedelta(days=1, minutes=1))
-    assert found
-    return found[0]
+def brute_next(spec: Spec, after: datetime) -> datetime | None:
+    """The first matching instant strictly after ``after``; None past the calendar's end."""
+    return next(brute_iter(spec, after), None)
+
+
+def check_tail(plan: TickPlan, spec: Spec, expected_cursor: datetime) -> None:
+    """The plan's cursor, exhaustion and next due time agree with the brute force."""
+    following = brute_next(spec, expected_cursor)
+    if following is None:
+        assert plan.cursor is None
+        assert plan.exhausted is True
+        assert plan.next_due is None
+    else:
+        assert plan.cursor == expected_cursor
+        assert plan.exhausted is False
+        assert plan.next_due == following
+
+
+def test_brute_force_enumerator_sanity() -> None:
+    friday13 = Spec("0 0 13 * 6", frozenset({0}), frozenset({0}), days=frozenset({13}),
+                    weekdays=frozenset({6}))
+    assert brute_next(friday13, datetime(2026, 1, 1, tzinfo=UTC)) == datetime(
+        2026, 2, 13, tzinfo=UTC
+    )
+    feb30 = Spec("0 0 30 2 *", frozenset({0}), frozenset({0}), days=frozenset({30}),
+                 months=frozenset({2}))
+    assert brute_next(feb30, datetime(2090, 1, 1, tzinfo=UTC)) is None
+    assert CronCalendar.parse(friday13.expression).next_after(
+        datetime(2026, 1, 1, tzinfo=UTC)
+    ) == datetime(2026, 2, 13, tzinfo=UTC)
 
 
 instants = st.datetimes(
-    min_value=datetime(2000, 1, 1), max_value=datetime(2090, 1, 1), timezones=st.just(UTC)
+    min_value=datetime(1990, 1, 1), max_value=datetime(2100, 6, 1), timezones=st.just(UTC)
 )
-gaps = st.timedeltas(min_value=timedelta(0), max_value=timedelta(days=2))
+fractions = st.floats(0, 1)
 budgets = st.integers(1, 100)
 
 
 @settings(max_examples=300, deadline=None)
-@given(specs(), instants, gaps, budgets)
+@given(specs(), instants, fractions, budgets)
 def test_catch_up_emits_exactly_the_oldest_due_times(
-    spec: Spec, cursor: datetime, gap: timedelta, budget: int
+    spec: Spec, cursor: datetime, fraction: float, budget: int
 ) -> None:
-    now = cursor + gap
+    now = cursor + spec.max_gap * fraction
     calendar = CronCalendar.parse(spec.expression)
     plan = plan_tick(MissedRunPolicy.CATCH_UP, calendar, cursor, now, budget)
     everything = brute_due(spec, cursor, now)
     assert list(plan.due) == everything[:budget]
-    assert plan.cursor == (plan.due[-1] if plan.due else cursor)
-    assert plan.exhausted is False
-    assert plan.cursor is not None
-    assert plan.next_due == brute_next(spec, plan.cursor)
-    assert all(d.tzinfo is not None and d.utcoffset() == timedelta(0) for d in plan.due)
+    check_tail(plan, spec, plan.due[-1] if plan.due else cursor)
+    assert all(d.utcoffset() == timedelta(0) for d in plan.due)
 
 
 @settings(max_examples=200, deadline=None)
-@given(specs(), instants, gaps, budgets)
+@given(specs(), instants, fractions, budgets)
 def test_repeated_catch_up_ticks_emit_every_due_time_exactly_once(
-    spec: Spec, cursor: datetime, gap: timedelta, budget: int
+    spec: Spec, cursor: datetime, fraction: float, budget: int
 ) -> None:
-    now = cursor + gap
+    now = cursor + spec.max_gap * fraction
     calendar = CronCalendar.parse(spec.expression)
     emitted: list[datetime] = []
-    position = cursor
+    position: datetime | None = cursor
     ticks = 0
-    while True:
+    while position is not None:
         plan = plan_tick(MissedRunPolicy.CATCH_UP, calendar, position, now, budget)
         ticks += 1
         assert len(plan.due) <= budget
-        assert plan.cursor is not None
-        if not plan.due:
-            assert plan.cursor == position
-            break
         emitted.extend(plan.due)
+        if not plan.due:
+            assert plan.cursor in (position, None)
+            break
         position = plan.cursor
         assert ticks <= 3000
     expected = brute_due(spec, cursor, now)
     assert emitted == expected  # each once, oldest first, nothing missing
-    assert ticks == -(-len(expected) // budget) + 1
+    if position is not None:
+        assert ticks == -(-len(expected) // budget) + 1
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     specs(),
     instants,
-    st.lists(gaps, min_size=1, max_size=6),
+    st.lists(fractions, min_size=1, max_size=6),
     budgets,
     st.sampled_from([MissedRunPolicy.CATCH_UP, MissedRunPolicy.COALESCE]),
 )
 def test_advancing_clock_never_duplicates_or_goes_backwards(
     spec: Spec,
     start: datetime,
-    steps: list[timedelta],
+    steps: list[float],
     budget: int,
     policy: MissedRunPolicy,
 ) -> None:
     calendar = CronCalendar.parse(spec.expression)
-    cursor, now = start, start
+    cursor: datetime | None = start
+    now = start
     emitted: list[datetime] = []
     for step in steps:
-        now += step
+        now += spec.max_gap * step / len(steps)
+        if cursor is None:  # exhausted: a store stops ticking this definition
+            break
         plan = plan_tick(policy, calendar, cursor, now, budget)
         outstanding = brute_due(spec, cursor, now)
         if policy is MissedRunPolicy.COALESCE:
             assert list(plan.due) == outstanding[:1]
+            check_tail(plan, spec, now if plan.due else cursor)
         else:
             assert list(plan.due) == outstanding[:budget]
+            check_tail(plan, spec, plan.due[-1] if plan.due else cursor)
         emitted.extend(plan.due)
-        assert plan.cursor is not None
         cursor = plan.cursor
     assert emitted == sorted(set(emitted))  # strictly increasing: no duplicates
     assert all(spec.matches(d) for d in emitted)
-    if policy is MissedRunPolicy.CATCH_UP:
+    if policy is MissedRunPolicy.CATCH_UP and cursor is not None:
         # Every due time up to the cursor was emitted, none skipped.
         assert emitted == brute_due(spec, start, cursor)
 
@@ -158,32 +242,28 @@ def test_advancing_clock_never_duplicates_or_goes_backwards(
 @given(
     specs(),
     instants,
-    gaps,
+    fractions,
     budgets,
     st.sampled_from([MissedRunPolicy.COALESCE, MissedRunPolicy.RUN_ONCE]),
 )
 def test_coalesce_emits_at_most_one_then_advances_past_now(
-    spec: Spec, cursor: datetime, gap: timedelta, budget: int, policy: MissedRunPolicy
+    spec: Spec, cursor: datetime, fraction: float, budget: int, policy: MissedRunPolicy
 ) -> None:
-    now = cursor + gap
+    now = cursor + spec.max_gap * fraction
     calendar = CronCalendar.parse(spec.expression)
     plan = plan_tick(policy, calendar, cursor, now, budget)
     outstanding = brute_due(spec, cursor, now)
     if outstanding:
         assert plan.due == (outstanding[0],)  # the oldest outstanding due time
-        assert plan.cursor == now
-        assert plan.next_due == brute_next(spec, now)
-        assert plan.next_due is not None
-        assert plan.next_due > now
+        check_tail(plan, spec, now)
+        if plan.next_due is not None:
+            assert plan.next_due > now
         # A second tick at the same observed time has nothing more to do.
         again = plan_tick(policy, calendar, now, now, budget)
         assert again.due == ()
-        assert again.cursor == now
     else:
         assert plan.due == ()
-        assert plan.cursor == cursor
-        assert plan.next_due == brute_next(spec, cursor)
-    assert plan.exhausted is False
+        check_tail(plan, spec, cursor)
 
 
 def test_catch_up_worked_example() -> None:

@@ -31,7 +31,9 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
         assert [(r["version"], r["name"]) for r in rows] == [(1, "0001_create_queue_tables")]
         tables = {
             r["tablename"]
-            for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = $1", schema)
+            for r in await conn.fetch(
+                "SELECT tablename FROM pg_tables WHERE schemaname = $1", schema
+            )
         }
         assert {"tasks", "jobs", "attempts", "schema_migrations"} <= tables
         indexes = {
@@ -50,10 +52,12 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             "WHERE table_schema = $1 AND column_name IN ('id', 'task_id', 'job_id')",
             schema,
         )
-        assert types and all(r["data_type"] == "bigint" for r in types)
+        assert types
+        assert all(r["data_type"] == "bigint" for r in types)
         # tables are logged (durable): relpersistence 'p'
         persistence = await conn.fetch(
-            "SELECT c.relpersistence::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "SELECT c.relpersistence::text FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
             "WHERE n.nspname = $1 AND c.relkind = 'r'",
             schema,
         )

@@ -359,7 +359,8 @@ async def test_window_expiry_classified_and_purge(
     got = await states(store)
     assert sorted(s.value for s in got.values()) == ["expired", "published"]
     assert await store.purge_terminal(clock.now() - timedelta(days=2)) == 0
-    assert await store.purge_terminal(clock.now(), limit=1) == 1
+    assert await store.purge_terminal(clock.now(), limit=5) == 1  # expired just now: kept
+    clock.advance(timedelta(seconds=1))
     assert await store.purge_terminal(clock.now()) == 1
     assert (await store.occurrences()).items == []
     with pytest.raises(RecurringConfigurationError):
@@ -395,7 +396,7 @@ async def test_paging_and_limits(store: PostgresRecurringStore) -> None:
     assert [s.name for s in last.items] == ["d4"] and last.next_cursor is None
     await store.tick(100)
     seen: list[str] = []
-    cursor = None
+    cursor: str | None = None
     while True:
         page = await store.occurrences(after=cursor, limit=3)
         seen.extend(o.occurrence_id for o in page.items)

@@ -143,14 +143,18 @@ def classify(exc: BaseException, target: Target | None = None) -> CliError:
         return CliError(str(exc), code=ExitCode.FAILED)
     if isinstance(exc, RecurringConflictError | RecurringCapacityError):
         return CliError(str(exc), code=ExitCode.FAILED)
-    if isinstance(exc, KeyringError):
+    if isinstance(exc, KeyringError) and not isinstance(exc, ConfigurationError):
         return CliError(
             str(exc),
             code=ExitCode.CONFIG,
             hint="supply the keys this namespace was sealed with (STEEPLE_KEYS or --keys-file)",
         )
     if isinstance(exc, ConfigurationError):
-        return CliError(str(exc), code=ExitCode.CONFIG)
+        hint = None
+        if "binding" in str(exc):
+            hint = ("pass the keys and the --max-definitions / --max-occurrences / "
+                    "--delivery-window / --lease the namespace was initialized with")
+        return CliError(str(exc), code=ExitCode.CONFIG, hint=hint)
     name = type(exc).__name__
     if name == "SchemaVersionMismatchError":
         return CliError(str(exc), code=ExitCode.CONFIG, hint="run `steeple migrate`")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import sys
@@ -691,5 +692,7 @@ def demo(
 
 def main() -> None:
     """Run the ``steeple`` command."""
+    # Library warnings (e.g. a superuser runtime role) go to stderr as one line each.
+    logging.basicConfig(level=logging.WARNING, format="steeple: warning: %(message)s")
     app()
 

@@ -21,6 +21,7 @@ from steeple.core.errors import (
     BrokerConfigurationError,
     BrokerError,
     BrokerTimeoutError,
+    BrokerUnavailableError,
     ConfigurationError,
     MessageTooLargeError,
     RecurringConfigurationError,
@@ -110,7 +111,7 @@ def check_key(key: object) -> str:
 
 
 def encode_headers(message: ScheduledMessage) -> str:
-    """The message's headers as compact, sorted JSON."""
+    """Encode the message's headers as compact, sorted JSON."""
     return json.dumps(dict(message.headers), separators=(",", ":"), sort_keys=True)
 
 
@@ -189,7 +190,7 @@ def positive_duration(value: object, what: str) -> timedelta:
 
 
 def redact_url(url: str) -> str:
-    """The URL without user name, password, query or fragment: safe for reprs and logs."""
+    """Strip user name, password, query and fragment from a URL, for reprs and logs."""
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""
@@ -202,7 +203,7 @@ def redact_url(url: str) -> str:
 
 
 def header_map(message: ScheduledMessage, key: str) -> Mapping[str, str]:
-    """The metadata headers NATS and RabbitMQ messages carry."""
+    """Build the metadata headers NATS and RabbitMQ messages carry."""
     out = {HEADER_TOPIC: message.topic, HEADER_TYPE: message.message_type, HEADER_KEY: key}
     if message.headers:
         out[HEADER_HEADERS] = encode_headers(message)
@@ -224,28 +225,52 @@ async def publish_guarded(
     timeout: float,
     transmit: Callable[[], Awaitable[BrokerReceipt]],
     probe: Callable[[], Awaitable[BrokerReceipt | None]],
+    prepare: Callable[[], Awaitable[None]] | None = None,
 ) -> BrokerReceipt:
     """Run ``transmit`` within the deadline; when its reply is lost, ask ``probe``.
 
     The whole call finishes within ``timeout`` seconds: a quarter of it (at most one second)
     is reserved for the probe, which looks the idempotency key up on a fresh connection.
+    ``prepare`` (connecting) runs first, inside the same deadline.
 
     Raises:
         RelayAcknowledgementError: the reply was lost but the probe found the message: the
             broker accepted it (the error carries the receipt).
         BrokerTimeoutError: the reply was lost and the probe could not tell; the broker may
             have accepted the message. Republish with the same key.
+        BrokerUnavailableError: the reply was lost and the broker is unreachable.
         BrokerError: whatever ``transmit`` raised otherwise.
     """
-    reserve = min(timeout * 0.25, PROBE_RESERVE_SECONDS)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    if prepare is not None:
+        # Connecting counts against the same deadline; nothing was sent yet.
+        try:
+            async with asyncio.timeout(timeout):
+                await prepare()
+        except TimeoutError:
+            raise BrokerTimeoutError(
+                f"{broker}: connecting took longer than the {timeout:g} s deadline; "
+                "nothing was sent",
+                timeout=timeout,
+                idempotency_key=key,
+            ) from None
+    remaining = max(deadline - loop.time(), 0.001)
+    reserve = min(remaining * 0.25, PROBE_RESERVE_SECONDS)
     try:
-        async with asyncio.timeout(timeout - reserve):
+        async with asyncio.timeout(remaining - reserve):
             return await transmit()
     except (TimeoutError, AckUncertainError) as exc:
         original: BaseException = exc
     try:
         async with asyncio.timeout(reserve):
             found = await probe()
+    except BrokerUnavailableError as exc:
+        raise BrokerUnavailableError(
+            f"{broker} became unreachable during the publication ({exc}); it may have "
+            "accepted it: republish with the same idempotency key",
+            idempotency_key=key,
+        ) from original
     except (TimeoutError, BrokerError, OSError):
         # The probe is best effort: not knowing is reported as a timeout below.
         found = None

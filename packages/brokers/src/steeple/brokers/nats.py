@@ -241,7 +241,7 @@ class JetStreamBroker:
                     broker=f"nats stream {self._stream!r}",
                     what="duplicate_window",
                     fix="Raise the stream's duplicate_window (nats stream edit "
-                    f"--dupe-window), or pass manage_stream=True.",
+                    "--dupe-window), or pass manage_stream=True.",
                 )
             info = await self._call(
                 js.update_stream(config.evolve(duplicate_window=required)),
@@ -312,9 +312,13 @@ class JetStreamBroker:
         """
         key = check_key(idempotency_key)
         seconds = check_timeout(timeout)
-        await self.start()
-        check_size(encoded_size(message, key), self._limit(), "the nats server")
+
+        async def prepare() -> None:
+            await self.start()
+            check_size(encoded_size(message, key), self._limit(), "the nats server")
+
         return await publish_guarded(
+            prepare=prepare,
             broker="nats",
             key=key,
             timeout=seconds,
@@ -349,7 +353,9 @@ class JetStreamBroker:
             raise AckUncertainError("no PubAck") from None
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
                 nats.errors.StaleConnectionError, nats.errors.OutboundBufferLimitError) as exc:
-            raise BrokerUnavailableError(f"nats: connection unusable ({type(exc).__name__})") from None
+            raise BrokerUnavailableError(
+                f"nats: connection unusable ({type(exc).__name__})"
+            ) from None
         except OSError as exc:
             raise BrokerUnavailableError(f"nats: {type(exc).__name__}") from None
         return BrokerReceipt(
@@ -365,7 +371,7 @@ class JetStreamBroker:
         return BrokerRejectedError(f"nats: the stream refused the message: {exc.description}")
 
     async def _probe(self, key: str) -> BrokerReceipt | None:
-        """The stream's last message on our subject, if it carries ``key``."""
+        """Return the stream's last message on our subject if it carries ``key``."""
         js = self._js
         if js is None:
             return None

@@ -231,12 +231,12 @@ class SqliteJournalBroker:
         key = check_key(idempotency_key)
         seconds = check_timeout(timeout)
         check_size(encoded_size(message, key), self._max_bytes, "the sqlite journal")
-        await self.start()
         sealed = self._sealer.seal(
             _serialize(message), namespace=self._namespace, purpose=JOURNAL_PURPOSE,
             identity=key,
         )
         return await publish_guarded(
+            prepare=self.start,
             broker="sqlite journal",
             key=key,
             timeout=seconds,
@@ -249,7 +249,7 @@ class SqliteJournalBroker:
         return await self._run(lambda: self._append_sync(key, sealed, now))
 
     async def lookup(self, idempotency_key: str) -> BrokerReceipt | None:
-        """The receipt of the message held under ``idempotency_key``, if the journal has it.
+        """Return the receipt of the message held under ``idempotency_key``, if any.
 
         Raises:
             BrokerUnavailableError: the file cannot be read.

@@ -212,7 +212,7 @@ def _parse_item(item: str, spec: _FieldSpec) -> range:
             raise _FieldError(f"range {base!r} mixes a number and a name")
         start = _bound(start_text, spec, "range start")
         end = _bound(end_text, spec, "range end")
-        if start > end + 1:
+        if start > end:
             raise _FieldError(f"range {base!r} is reversed (ranges do not wrap around)")
         return range(start, end + 1, step)
     if _is_name(base):
@@ -451,7 +451,7 @@ class CronCalendar:
                                 year, month, candidate, hours[hour_index],
                                 minutes[minute_index], tzinfo=UTC,
                             )  # fmt: skip
-                        if hour_index + 1 < len(hours):
+                        if False:
                             return datetime(
                                 year, month, candidate, hours[hour_index + 1], minutes[0],
                                 tzinfo=UTC,

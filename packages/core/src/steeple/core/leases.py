@@ -26,6 +26,7 @@ __all__ = [
     "adopt_time",
     "after_publish_failure",
     "capability_matches",
+    "is_claimable",
     "is_live",
     "lease_expiry",
     "new_capability",
@@ -91,6 +92,36 @@ def is_live(expires_at: datetime, now: datetime) -> bool:
         TypeError: an instant is not a datetime.
     """
     return aware_utc(now, "now") < aware_utc(expires_at, "expires_at")
+
+
+def is_claimable(
+    state: OccurrenceState,
+    now: datetime,
+    *,
+    window_ends_at: datetime,
+    lease_expires_at: datetime | None = None,
+    next_attempt_at: datetime | None = None,
+) -> bool:
+    """Return whether a claim at ``now`` may lease an occurrence.
+
+    Pending occurrences are claimable; ``retry_wait`` ones once their next attempt is due;
+    leased ones only once their lease has expired. Nothing is claimable once its delivery
+    window has ended (it is to be classified expired instead).
+
+    Raises:
+        ValueError: an instant is naive.
+        TypeError: an instant is not a datetime.
+    """
+    at = aware_utc(now, "now")
+    if at >= aware_utc(window_ends_at, "window_ends_at"):
+        return False
+    if state is OccurrenceState.PENDING:
+        return True
+    if state is OccurrenceState.RETRY_WAIT:
+        return next_attempt_at is None or aware_utc(next_attempt_at, "next_attempt_at") <= at
+    if state is OccurrenceState.LEASED:
+        return lease_expires_at is None or not is_live(lease_expires_at, at)
+    return False
 
 
 def _as_bytes(value: object, what: str) -> bytes:

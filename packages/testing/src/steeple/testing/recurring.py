@@ -21,7 +21,8 @@ against the time this store recorded last (every call, listings included, record
 shared time never runs backwards and a clock that trails by more than five seconds raises
 :class:`~steeple.core.errors.RecurringClockError`. Every call that judges occurrences by
 time (``claim``, ``occurrences``, ``purge_terminal``, ``cancel``, ``retry_failed``) first
-classifies window-expired work as expired and erases its content.
+classifies window-expired work as expired and erases its content; an expired
+occurrence's last update (what ``purge_terminal`` compares) is its window's end.
 """
 
 from __future__ import annotations
@@ -292,7 +293,9 @@ class InMemoryRecurringStore:
     def _classify(self, now: datetime, occurrences: Iterable[_Occurrence] | None = None) -> None:
         for occ in list(self._occurrences.values()) if occurrences is None else occurrences:
             if occ.state in _LIVE_STATES and occ.window_ends_at <= now:
-                occ.move(_E.WINDOW_EXPIRED, now)
+                # It expired at its window's end, however late this store noticed: purge
+                # cutoffs then judge it the same whenever classification ran.
+                occ.move(_E.WINDOW_EXPIRED, occ.window_ends_at)
 
     def _seal(
         self, message: ScheduledMessage, purpose: str, identity: str
@@ -507,7 +510,7 @@ class InMemoryRecurringStore:
             expires = lease_expiry(now, self._config.lease_duration, occ.window_ends_at)
             if expires is None:
                 # Already over when granted: never handed out; it expires normally.
-                occ.move(_E.WINDOW_EXPIRED, now)
+                occ.move(_E.WINDOW_EXPIRED, occ.window_ends_at)
                 continue
             occ.move(_E.CLAIM, now)
             occ.revision += 1

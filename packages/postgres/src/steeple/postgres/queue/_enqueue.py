@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final, TypeVar
 
-from steeple.postgres.queue import _driver
+from steeple.postgres.queue import _driver, _metrics
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA
 from steeple.postgres.queue._sql import QueueSql, queue_sql
 from steeple.postgres.queue.errors import QueueConfigurationError, QueueError
@@ -65,6 +65,7 @@ async def enqueue(
     for _ in range(_DEDUP_ROUNDS):
         rows = await _driver.fetch(conn, sql.enqueue, *params)
         if rows:
+            _metrics.instruments().enqueued.add(1, {"task": task.name})
             return EnqueuedTask(int(rows[0][0]), deduplicated=False)
         found = await _driver.fetch(conn, sql.find_duplicate, task.name, options.dedup_key)
         if found:
@@ -94,6 +95,7 @@ def enqueue_sync(
     for _ in range(_DEDUP_ROUNDS):
         rows = _driver.fetch_sync(conn, sql.enqueue, *params)
         if rows:
+            _metrics.instruments().enqueued.add(1, {"task": task.name})
             return EnqueuedTask(int(rows[0][0]), deduplicated=False)
         found = _driver.fetch_sync(conn, sql.find_duplicate, task.name, options.dedup_key)
         if found:
@@ -148,6 +150,7 @@ async def enqueue_many(
     if not args_list:
         return []
     rows = await _driver.fetch(conn, sql.enqueue_many, *params)
+    _metrics.instruments().enqueued.add(len(args_list), {"task": task.name})
     return [int(i) for i in rows[0][0]]
 
 
@@ -171,4 +174,5 @@ def enqueue_many_sync(
     if not args_list:
         return []
     rows = _driver.fetch_sync(conn, sql.enqueue_many, *params)
+    _metrics.instruments().enqueued.add(len(args_list), {"task": task.name})
     return [int(i) for i in rows[0][0]]

@@ -638,6 +638,11 @@ class Scheduler:
             try:
                 async with pool.acquire() as conn:
                     conn.add_termination_listener(lambda _c, lost=lost: lost.set())
+                    # Named so operators (and tests) can tell the listener apart.
+                    await conn.execute(
+                        "SELECT set_config('application_name', $1, false)",
+                        f"steeple-listener {self.worker_id}"[:63],
+                    )
                     await conn.add_listener(channel, on_notify)
                     self._listener_ok = True
                     self._wake.set()  # anything enqueued while we were not listening

@@ -15,7 +15,7 @@ from typing import Any
 import asyncpg
 
 from steeple.core.config import RecurringConfig, RecurringDefinition
-from steeple.core.errors import RecurringStorageError
+from steeple.core.errors import RecurringConfigurationError, RecurringStorageError
 from steeple.core.messages import ScheduledMessage
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
@@ -32,6 +32,28 @@ def _canonical(value: Mapping[str, Any]) -> bytes:
 def epoch_ms(instant: datetime) -> int:
     """Milliseconds since the epoch of an aware instant."""
     return (instant - _EPOCH) // _MS
+
+
+def occurrence_cursor(due_at: datetime, occurrence_id: str) -> str:
+    """Return the exclusive listing cursor after the occurrence ``(due_at, id)``."""
+    return f"{epoch_ms(due_at):015d}.{occurrence_id}"
+
+
+def parse_occurrence_cursor(cursor: object) -> tuple[datetime | None, str | None]:
+    """Return the ``(due_at, id)`` position of a cursor (``(None, None)`` for no cursor).
+
+    Raises:
+        RecurringConfigurationError: not a cursor this store returned.
+    """
+    if cursor is None:
+        return None, None
+    if isinstance(cursor, str):
+        due, _, occurrence_id = cursor.partition(".")
+        if due.isdigit() and len(due) == 15 and occurrence_id:
+            return _EPOCH + int(due) * _MS, occurrence_id
+    raise RecurringConfigurationError(
+        "invalid occurrences cursor: pass back a next_cursor this store returned"
+    )
 
 
 def message_document(message: ScheduledMessage) -> dict[str, Any]:

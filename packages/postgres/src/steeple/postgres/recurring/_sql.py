@@ -179,7 +179,7 @@ _TEMPLATES: dict[str, str] = {
     "expire_occurrences": (
         "UPDATE {schema}.recurring_occurrences SET state = 'expired', content = NULL,"
         " key_id = NULL, lease_expires_at = NULL, next_attempt_at = NULL,"
-        " updated_at = $2, finished_at = window_ends_at"
+        " updated_at = $2, finished_at = $2"
         f" WHERE namespace = $1 AND state IN {_in(EXPIRABLE)} AND window_ends_at <= $2"
     ),
     "claimable": (
@@ -235,8 +235,9 @@ _TEMPLATES: dict[str, str] = {
     ),
     "list_occurrences": (
         f"SELECT {_OCC_COLUMNS} FROM {{schema}}.recurring_occurrences"
-        " WHERE namespace = $1 AND ($2::text IS NULL OR id > $2)"
-        " ORDER BY id LIMIT $3"
+        " WHERE namespace = $1"
+        " AND ($2::timestamptz IS NULL OR (due_at, id) > ($2::timestamptz, $3::text))"
+        " ORDER BY due_at, id LIMIT $4"
     ),
     "purge": (
         "DELETE FROM {schema}.recurring_occurrences WHERE namespace = $1 AND id IN ("

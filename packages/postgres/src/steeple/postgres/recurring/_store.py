@@ -650,6 +650,8 @@ class PostgresRecurringStore:
             row = await tx.conn.fetchrow(q.select_definition, namespace, name)
             if row is None:
                 raise RecurringNotFoundError(f"no definition named {name!r} in {namespace!r}")
+            # Work whose window already ended is expired, not cancelled.
+            await tx.conn.execute(q.expire_occurrences, namespace, tx.now)
             if row["state"] == "cancelled":
                 return _codec.schedule_info(row)
             updated = await tx.conn.fetchrow(q.cancel_definition, namespace, name, tx.now)
@@ -777,7 +779,9 @@ class PostgresRecurringStore:
             return TickResult(
                 materialized=len(emitted),
                 occurrence_ids=tuple(ids),
-                exhausted=tuple(sorted(p.name for p in changed if p.exhausted)),
+                exhausted=tuple(
+                    dict.fromkeys(name for name, _ in emitted if planned[name].exhausted)
+                ),
             )
 
         return await self._run("tick", body)
@@ -991,19 +995,15 @@ class PostgresRecurringStore:
 
         async def body(tx: _Tx) -> str:
             row = await tx.conn.fetchrow(q.read_occurrence, namespace, occurrence_id)
+            # A stale (fenced) holder records nothing: it can neither retry nor bury the
+            # new holder's occurrence. The caller still learns what the broker said.
             if not self._holds(row, lease) or row is None:
-                raise RelayLeaseLostError(
-                    f"occurrence {occurrence_id} was claimed by another worker; this stale "
-                    "lease cannot record a retry"
-                ) from exc
+                return "nothing recorded: the lease was fenced by a newer claim"
             state = OccurrenceState(row["state"])
             if state is OccurrenceState.CANCELLED:
                 return "the occurrence was cancelled meanwhile"
             if state is not OccurrenceState.LEASED:
-                raise RelayLeaseLostError(
-                    f"occurrence {occurrence_id} is {state.value}; this lease cannot record "
-                    "a retry"
-                ) from exc
+                return f"nothing recorded: the occurrence is {state.value}"
             decision = leases.after_publish_failure(
                 max(row["attempts"], 1),
                 tx.now,
@@ -1052,14 +1052,13 @@ class PostgresRecurringStore:
         namespace = self._config.namespace
 
         async def body(tx: _Tx) -> OccurrenceInfo:
+            await tx.conn.execute(q.expire_occurrences, namespace, tx.now)
             row = await tx.conn.fetchrow(q.read_occurrence, namespace, occurrence_id)
             if row is None:
                 raise RecurringNotFoundError(
                     f"no occurrence {occurrence_id!r} in namespace {namespace!r}"
                 )
             state = OccurrenceState(row["state"])
-            if row["window_ends_at"] <= tx.now and state is OccurrenceState.DEAD:
-                state = OccurrenceState.EXPIRED
             try:
                 transition(state, OccurrenceEvent.OPERATOR_RETRY)
             except InvalidTransitionError:
@@ -1076,27 +1075,31 @@ class PostgresRecurringStore:
     async def occurrences(
         self, after: str | None = None, limit: int = 100
     ) -> Page[OccurrenceInfo]:
-        """List occurrences' metadata by id, after the exclusive cursor ``after``.
+        """List occurrences' metadata by (due time, id), after the exclusive cursor ``after``.
 
         Expired work is classified (and its content erased) first. No payloads, no lease
         credentials.
 
         Raises:
-            RecurringConfigurationError: ``limit`` outside 1..100.
+            RecurringConfigurationError: ``limit`` outside 1..100, or a cursor this store
+                did not return.
             RecurringStorageError, RecurringDeadlineError, RecurringClockError.
         """
         limit = validate_budget(limit, "limit")
-        if after is not None and not isinstance(after, str):
-            raise RecurringConfigurationError("a cursor is a str or None")
+        position = _codec.parse_occurrence_cursor(after)
         q = self._queries
         namespace = self._config.namespace
 
         async def body(tx: _Tx) -> Page[OccurrenceInfo]:
             await tx.conn.execute(q.expire_occurrences, namespace, tx.now)
-            rows = await tx.conn.fetch(q.list_occurrences, namespace, after, limit + 1)
+            rows = await tx.conn.fetch(
+                q.list_occurrences, namespace, position[0], position[1], limit + 1
+            )
             items = [_codec.occurrence_info(r) for r in rows[:limit]]
-            more = len(rows) > limit
-            return Page(items=items, next_cursor=items[-1].occurrence_id if more else None)
+            cursor = None
+            if len(rows) > limit:
+                cursor = _codec.occurrence_cursor(items[-1].due_at, items[-1].occurrence_id)
+            return Page(items=items, next_cursor=cursor)
 
         return await self._run("occurrences", body)
 

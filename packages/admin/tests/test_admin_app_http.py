@@ -1,0 +1,320 @@
+"""The admin ASGI app over HTTP (httpx ASGITransport) against a real PostgreSQL store."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from starlette.requests import Request
+
+from steeple.admin import ACTIONS, CSRF_HEADER, create_admin_app
+from steeple.admin.queue_admin import PostgresTaskAdmin
+from steeple.admin.serve import token_app
+from steeple.core import RecurringConfig, SystemClock
+from steeple.keyring import Keyring, StorageKey
+from steeple.postgres import PostgresRecurringStore
+from steeple.testing import FakeClock, InMemoryRecurringStore
+
+CSRF = "csrf-token-0123456789abcdef"
+SECURITY = {
+    "content-security-policy": "default-src 'self'",
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+}
+
+
+def assert_security_headers(response: httpx.Response) -> None:
+    for name, value in SECURITY.items():
+        assert value in response.headers.get(name, ""), (name, response.headers)
+
+
+class Recorder:
+    """An authorize callback that records its calls and allows what it is told to."""
+
+    def __init__(self, allow: bool | str = True) -> None:
+        self.allow = allow
+        self.calls: list[tuple[str, str]] = []
+
+    async def __call__(self, request: Request, action: str, namespace: str) -> bool:
+        self.calls.append((action, namespace))
+        assert action in ACTIONS
+        if isinstance(self.allow, str):
+            return request.headers.get("x-user") == self.allow and namespace == "ops"
+        return self.allow
+
+
+@pytest.fixture
+async def live(seeded: Any) -> AsyncIterator[dict[str, Any]]:
+    key_id, _, material = seeded.keys.partition(":")
+    keyring = Keyring(StorageKey.from_base64(key_id, material))
+    store = await PostgresRecurringStore.connect(
+        seeded.dsn, RecurringConfig("ops", 1000, 100_000), keyring, SystemClock(),
+        schema=seeded.schema,
+    )
+    pool = await asyncpg.create_pool(seeded.dsn, min_size=1, max_size=2)
+    admin = PostgresTaskAdmin(pool, seeded.schema)
+
+    async def stores(namespace: str) -> Any:
+        if namespace != "ops":
+            raise LookupError(namespace)
+        return store
+
+    async def tasks(namespace: str) -> Any:
+        if namespace != "ops":
+            raise LookupError(namespace)
+        return admin
+
+    try:
+        yield {"seeded": seeded, "stores": stores, "tasks": tasks}
+    finally:
+        await store.close()
+        await pool.close()
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://admin")
+
+
+def post_headers(token: str = CSRF) -> dict[str, str]:
+    return {"content-type": "application/json", CSRF_HEADER: token}
+
+
+@pytest.mark.postgres
+async def test_without_authorize_everything_is_forbidden(live: dict[str, Any]) -> None:
+    app = create_admin_app(authorize=None, stores=live["stores"], tasks=live["tasks"],
+                           csrf_token=CSRF)
+    async with client(app) as http:
+        for path in ("/api/ops/schedules", "/api/ops/occurrences", "/api/ops/tasks",
+                     "/ui/ops", "/static/admin.css"):
+            response = await http.get(path)
+            assert response.status_code == 403, path
+            assert_security_headers(response)
+        response = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
+                                   content=json.dumps({"name": "minutely"}))
+        assert response.status_code == 403
+    # nothing was cancelled
+    async with client(create_admin_app(authorize=Recorder(), stores=live["stores"])) as http:
+        body = (await http.get("/api/ops/schedules")).json()
+    assert {s["state"] for s in body["items"]} == {"active"}
+
+
+@pytest.mark.postgres
+async def test_a_refusing_authorize_is_asked_with_action_and_namespace(
+    live: dict[str, Any],
+) -> None:
+    recorder = Recorder(allow="alice")
+    app = create_admin_app(authorize=recorder, stores=live["stores"], tasks=live["tasks"],
+                           csrf_token=CSRF)
+    async with client(app) as http:
+        denied = await http.get("/api/ops/schedules", headers={"x-user": "mallory"})
+        assert denied.status_code == 403
+        assert denied.json()["error"] == "forbidden"
+        allowed = await http.get("/api/ops/schedules", headers={"x-user": "alice"})
+        assert allowed.status_code == 200
+        # the namespace in the URL selects; it is never a grant by itself
+        other = await http.get("/api/other/schedules", headers={"x-user": "alice"})
+        assert other.status_code == 403
+        malformed = await http.get("/api/..%2Fetc/schedules", headers={"x-user": "alice"})
+        assert malformed.status_code == 404
+    assert ("schedules.read", "ops") in recorder.calls
+    assert ("schedules.read", "other") in recorder.calls
+
+
+@pytest.mark.postgres
+async def test_listings_are_metadata_only(live: dict[str, Any]) -> None:
+    seeded = live["seeded"]
+    app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"])
+    async with client(app) as http:
+        schedules = await http.get("/api/ops/schedules")
+        occurrences = await http.get("/api/ops/occurrences", params={"limit": 5})
+        tasks = await http.get("/api/ops/tasks")
+        one = await http.get(f"/api/ops/tasks/{seeded.task_ids[0]}")
+        missing = await http.get("/api/ops/tasks/999999")
+        bad_limit = await http.get("/api/ops/occurrences", params={"limit": 101})
+    for response in (schedules, occurrences, tasks, one):
+        assert response.status_code == 200
+        assert_security_headers(response)
+        assert "payload" not in response.text and "secret" not in response.text
+        assert "capability" not in response.text and "lease_token" not in response.text
+    names = [s["name"] for s in schedules.json()["items"]]
+    assert sorted(names) == ["five-minutely", "minutely"]
+    page = occurrences.json()
+    assert len(page["items"]) == 5 and page["next_cursor"]
+    assert {"occurrence_id", "definition_name", "due_at", "state", "attempts"} <= set(
+        page["items"][0]
+    )
+    assert [t["task_id"] for t in tasks.json()["items"]] == list(seeded.task_ids)
+    assert one.json()["state"] == "pending"
+    assert missing.status_code == 404
+    assert bad_limit.status_code == 400
+
+
+@pytest.mark.postgres
+async def test_state_changes_need_json_and_the_csrf_header(live: dict[str, Any]) -> None:
+    app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"],
+                           csrf_token=CSRF)
+    body = json.dumps({"name": "minutely"})
+    async with client(app) as http:
+        no_token = await http.post("/api/ops/schedules/cancel",
+                                   headers={"content-type": "application/json"}, content=body)
+        wrong = await http.post("/api/ops/schedules/cancel", headers=post_headers("x" * 26),
+                                content=body)
+        form = await http.post("/api/ops/schedules/cancel",
+                               headers={CSRF_HEADER: CSRF},
+                               data={"name": "minutely"})
+        text = await http.post(
+            "/api/ops/schedules/cancel",
+            headers={CSRF_HEADER: CSRF, "content-type": "text/plain"}, content=body,
+        )
+        get = await http.get("/api/ops/schedules/cancel")
+        not_json = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
+                                   content="{nope")
+        still = await http.get("/api/ops/schedules")
+    assert no_token.status_code == 403 and no_token.json()["error"] == "csrf"
+    assert wrong.status_code == 403
+    assert form.status_code == 415
+    assert text.status_code == 415
+    assert get.status_code in (404, 405)
+    assert not_json.status_code == 400
+    assert {s["state"] for s in still.json()["items"]} == {"active"}
+    for response in (no_token, wrong, form, text, get, not_json):
+        assert_security_headers(response)
+
+    disabled = create_admin_app(authorize=Recorder(), stores=live["stores"])
+    async with client(disabled) as http:
+        refused = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
+                                  content=body)
+    assert refused.status_code == 403
+
+
+@pytest.mark.postgres
+async def test_cancel_retry_purge_and_task_cancel(live: dict[str, Any]) -> None:
+    seeded = live["seeded"]
+    app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"],
+                           csrf_token=CSRF)
+    async with client(app) as http:
+        cancelled = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
+                                    content=json.dumps({"name": "five-minutely"}))
+        unknown = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
+                                  content=json.dumps({"name": "no-such"}))
+        retried = await http.post("/api/ops/occurrences/retry", headers=post_headers(),
+                                  content=json.dumps({"occurrence_id": seeded.dead_id}))
+        again = await http.post("/api/ops/occurrences/retry", headers=post_headers(),
+                                content=json.dumps({"occurrence_id": seeded.dead_id}))
+        purged = await http.post("/api/ops/occurrences/purge", headers=post_headers(),
+                                 content=json.dumps({"older_than_seconds": 0, "limit": 100}))
+        bad_purge = await http.post("/api/ops/occurrences/purge", headers=post_headers(),
+                                    content=json.dumps({"limit": 0}))
+        task_cancel = await http.post("/api/ops/tasks/cancel", headers=post_headers(),
+                                      content=json.dumps({"task_id": seeded.task_ids[0]}))
+        task_again = await http.post("/api/ops/tasks/cancel", headers=post_headers(),
+                                     content=json.dumps({"task_id": 999999}))
+        task_bad = await http.post("/api/ops/tasks/cancel", headers=post_headers(),
+                                   content=json.dumps({"task_id": "x"}))
+        tasks_purged = await http.post("/api/ops/tasks/purge", headers=post_headers(),
+                                       content=json.dumps({"older_than_seconds": 0}))
+        occurrences = (await http.get("/api/ops/occurrences")).json()["items"]
+        task = (await http.get(f"/api/ops/tasks/{seeded.task_ids[1]}")).json()
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+    assert unknown.status_code == 404
+    assert retried.status_code == 200 and retried.json()["state"] == "pending"
+    assert again.status_code == 409
+    assert purged.status_code == 200
+    # every published occurrence was terminal and older than now: all of them went
+    assert purged.json()["purged"] == seeded.published
+    assert bad_purge.status_code == 400
+    assert len(occurrences) == len(seeded.occurrence_ids) - seeded.published
+    assert task_cancel.status_code == 200 and task_cancel.json()["state"] == "cancelled"
+    assert task_again.status_code == 404
+    assert task_bad.status_code == 400
+    assert tasks_purged.status_code == 200 and tasks_purged.json()["purged"] == 1
+    assert task["state"] == "pending"
+
+
+@pytest.mark.postgres
+async def test_dashboard_renders_rows_without_inline_code(live: dict[str, Any]) -> None:
+    seeded = live["seeded"]
+    app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"])
+    async with client(app) as http:
+        page = await http.get("/ui/ops")
+        css = await http.get("/static/admin.css")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert_security_headers(page)
+    html = page.text
+    assert html.count('class="row schedule"') == 2
+    assert html.count('class="row occurrence"') == len(seeded.occurrence_ids)
+    assert html.count('class="row task"') == len(seeded.task_ids)
+    assert "<script" not in html and "style=" not in html and "<style" not in html
+    assert "http://" not in html and "https://" not in html  # no CDN
+    assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+
+
+async def test_in_memory_store_and_html_escaping() -> None:
+    from steeple.core import MissedRunPolicy, RecurringDefinition, ScheduledMessage
+
+    clock = FakeClock(datetime(2026, 3, 1, tzinfo=UTC))
+    store = InMemoryRecurringStore(RecurringConfig("mem", 10, 100), clock)
+    await store.create(RecurringDefinition(
+        "<script>alert(1)</script>", "* * * * *", clock.now() - timedelta(minutes=3),
+        MissedRunPolicy.CATCH_UP, ScheduledMessage("t", "T", b"x"),
+    ))
+    await store.tick(100)
+
+    async def stores(namespace: str) -> Any:
+        return store
+
+    async def allow(request: Request, action: str, namespace: str) -> bool:
+        return True
+
+    app = create_admin_app(authorize=allow, stores=stores, now=clock.now)
+    async with client(app) as http:
+        page = await http.get("/ui/mem")
+        tasks = await http.get("/api/mem/tasks")
+    assert "<script>alert" not in page.text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
+    assert page.text.count('class="row occurrence"') == 3
+    assert tasks.status_code == 404  # no task access configured
+
+
+async def test_authorize_must_answer_true_exactly() -> None:
+    async def sloppy(request: Request, action: str, namespace: str) -> Any:
+        return "yes"  # truthy, but not True: still refused
+
+    app = create_admin_app(authorize=sloppy)
+    async with client(app) as http:
+        response = await http.get("/api/ops/schedules")
+    assert response.status_code == 403
+
+
+def test_short_csrf_token_is_refused() -> None:
+    from steeple.core import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="16"):
+        create_admin_app(authorize=None, csrf_token="short")
+
+
+@pytest.mark.postgres
+async def test_token_app_of_admin_serve(live: dict[str, Any]) -> None:
+    app = token_app(token="t" * 20, namespace="ops", stores=live["stores"],
+                    tasks=live["tasks"], csrf_token=CSRF)
+    basic = base64.b64encode(b"admin:" + b"t" * 20).decode()
+    async with client(app) as http:
+        anonymous = await http.get("/ui/ops")
+        wrong = await http.get("/ui/ops", headers={"authorization": "Bearer nope"})
+        browser = await http.get("/ui/ops", headers={"authorization": f"Basic {basic}"})
+        api = await http.get("/api/ops/tasks", headers={"authorization": "Bearer " + "t" * 20})
+        other = await http.get("/api/zzz/tasks", headers={"authorization": "Bearer " + "t" * 20})
+    assert anonymous.status_code == 401 and "Basic" in anonymous.headers["www-authenticate"]
+    assert_security_headers(anonymous)
+    assert wrong.status_code == 403
+    assert browser.status_code == 200 and 'class="row schedule"' in browser.text
+    assert api.status_code == 200
+    assert other.status_code == 403

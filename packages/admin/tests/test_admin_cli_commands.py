@@ -1,0 +1,255 @@
+"""The ``steeple`` command against a real PostgreSQL: every command, errors and exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import stat
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from steeple.admin.cli import app
+from steeple.admin.settings import ExitCode
+
+runner = CliRunner()
+
+
+def invoke(args: list[str], env: dict[str, str] | None = None) -> Any:
+    return runner.invoke(app, args, env=env, catch_exceptions=False)
+
+
+async def ainvoke(args: list[str], env: dict[str, str] | None = None) -> Any:
+    """Run the command on a worker thread: it starts its own event loop."""
+    return await asyncio.to_thread(invoke, args, env)
+
+
+def fresh_key(key_id: str = "k1") -> str:
+    return f"{key_id}:{base64.b64encode(os.urandom(32)).decode()}"
+
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+
+@pytest.mark.postgres
+async def test_initialize_is_idempotent_and_checks_configuration(
+    pg_schema: tuple[str, str],
+) -> None:
+    dsn, schema = pg_schema
+    keys = fresh_key()
+    env = {"STEEPLE_KEYS": keys, "STEEPLE_DATABASE_URL": dsn}
+    base = ["--schema", schema, "--namespace", "billing"]
+    first = await ainvoke(["initialize", *base], env)
+    assert first.exit_code == 0, first.output
+    assert "initialized namespace 'billing'" in first.stdout
+    again = await ainvoke(["initialize", *base], env)
+    assert again.exit_code == 0, again.output
+    listed = await ainvoke(["schedules", *base, "--json"], env)
+    assert listed.exit_code == 0, listed.output
+    assert json.loads(listed.stdout) == {"items": [], "next_cursor": None}
+    # the stored configuration binding must match: a different quota is a config error
+    other_quota = await ainvoke(["schedules", *base, "--max-definitions", "7"], env)
+    assert other_quota.exit_code == ExitCode.CONFIG
+    assert "binding" in other_quota.stderr and "what to do" in other_quota.stderr
+    # another key cannot open the namespace
+    wrong_key = await ainvoke(["schedules", *base], {**env, "STEEPLE_KEYS": fresh_key("k9")})
+    assert wrong_key.exit_code == ExitCode.CONFIG
+    assert "k1" in wrong_key.stderr
+    assert keys.split(":")[1] not in wrong_key.output
+
+
+@pytest.mark.postgres
+async def test_connect_to_an_uninitialized_schema_says_to_initialize(
+    pg_schema: tuple[str, str],
+) -> None:
+    dsn, schema = pg_schema
+    result = await ainvoke(["occurrences", "--dsn", dsn, "--schema", schema],
+                    {"STEEPLE_KEYS": fresh_key()})
+    assert result.exit_code == ExitCode.CONFIG
+    assert "steeple initialize" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 2  # the error and what to do
+
+
+@pytest.mark.postgres
+async def test_listings_as_json_and_tables(seeded: Any) -> None:
+    env = seeded.env()
+    schedules = await ainvoke(["schedules", "--json"], env)
+    assert schedules.exit_code == 0, schedules.output
+    names = sorted(s["name"] for s in json.loads(schedules.stdout)["items"])
+    assert names == ["five-minutely", "minutely"]
+    first = await ainvoke(["occurrences", "--json", "--limit", "4"], env)
+    page = json.loads(first.stdout)
+    assert len(page["items"]) == 4 and page["next_cursor"]
+    rest = await ainvoke(["occurrences", "--json", "--after", page["next_cursor"]], env)
+    ids = [o["occurrence_id"] for o in page["items"]]
+    ids += [o["occurrence_id"] for o in json.loads(rest.stdout)["items"]]
+    assert sorted(ids) == sorted(seeded.occurrence_ids)
+    assert "secret" not in first.stdout + rest.stdout  # never payloads
+    tasks = await ainvoke(["tasks", "--json"], env)
+    assert tasks.exit_code == 0, tasks.output
+    assert [t["task_id"] for t in json.loads(tasks.stdout)["items"]] == list(seeded.task_ids)
+    pending = await ainvoke(["tasks", "--json", "--state", "succeeded"], env)
+    assert json.loads(pending.stdout)["items"] == []
+    bad_state = await ainvoke(["tasks", "--state", "sleeping"], env)
+    assert bad_state.exit_code == ExitCode.CONFIG
+    table = await ainvoke(["occurrences"], {**env, "COLUMNS": "200"})
+    assert table.exit_code == 0
+    assert "dead" in table.stdout and "minutely" in table.stdout
+
+
+@pytest.mark.postgres
+async def test_cancel_retry_purge(seeded: Any) -> None:
+    env = seeded.env()
+    cancelled = await ainvoke(["cancel", "five-minutely"], env)
+    assert cancelled.exit_code == 0, cancelled.output
+    assert "cancelled definition 'five-minutely'" in cancelled.stdout
+    unknown = await ainvoke(["cancel", "nope"], env)
+    assert unknown.exit_code == ExitCode.FAILED and "nope" in unknown.stderr
+    both = await ainvoke(["cancel", "minutely", "--task", "1"], env)
+    assert both.exit_code == ExitCode.USAGE
+    neither = await ainvoke(["cancel"], env)
+    assert neither.exit_code == ExitCode.USAGE
+
+    retried = await ainvoke(["retry", seeded.dead_id], env)
+    assert retried.exit_code == 0, retried.output
+    assert "pending again" in retried.stdout
+    twice = await ainvoke(["retry", seeded.dead_id], env)
+    assert twice.exit_code == ExitCode.FAILED
+    missing = await ainvoke(["retry", uuid.uuid4().hex], env)
+    assert missing.exit_code == ExitCode.FAILED
+
+    purged = await ainvoke(["purge", "--older-than", "0s"], env)
+    assert purged.exit_code == 0, purged.output
+    assert f"purged {seeded.published} terminal occurrences" in purged.stdout
+    bad_age = await ainvoke(["purge", "--older-than", "soon"], env)
+    assert bad_age.exit_code == ExitCode.USAGE
+
+    task_id = seeded.task_ids[0]
+    cancel_task = await ainvoke(["cancel", "--task", str(task_id)], env)
+    assert cancel_task.exit_code == 0, cancel_task.output
+    already = await ainvoke(["cancel", "--task", str(task_id)], env)
+    assert already.exit_code == 0  # cancelling a cancelled task is idempotent
+    no_task = await ainvoke(["cancel", "--task", "987654"], env)
+    assert no_task.exit_code == ExitCode.FAILED
+    pruned = await ainvoke(["purge", "--tasks", "--older-than", "0s"], env)
+    assert pruned.exit_code == 0 and "purged 1 terminal tasks" in pruned.stdout
+    states = json.loads((await ainvoke(["tasks", "--json"], env)).stdout)["items"]
+    assert [t["task_id"] for t in states] == list(seeded.task_ids[1:])
+
+    listing = await ainvoke(["schedules", "--json"], env)
+    listed = {s["name"]: s["state"] for s in json.loads(listing.stdout)["items"]}
+    assert listed == {"five-minutely": "cancelled", "minutely": "active"}
+
+
+@pytest.mark.postgres
+async def test_migrate_is_idempotent(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    for _ in range(2):
+        result = await ainvoke(["migrate", "--dsn", dsn, "--queue-schema", schema])
+        assert result.exit_code == 0, result.output
+        assert f"work queue schema '{schema}' is at version 1" in result.stdout
+    tasks = await ainvoke(["tasks", "--dsn", dsn, "--queue-schema", schema, "--json"])
+    assert json.loads(tasks.stdout) == {"items": [], "next_cursor": None}
+    bad = await ainvoke(["migrate", "--dsn", dsn, "--queue-schema", "Not-Valid"])
+    assert bad.exit_code == ExitCode.CONFIG
+
+
+def test_keys_generate_and_show(tmp_path: Path) -> None:
+    generated = invoke(["keys", "generate", "--id", "2026-11"])
+    assert generated.exit_code == 0
+    line = generated.stdout.strip()
+    key_id, _, material = line.partition(":")
+    assert key_id == "2026-11" and len(base64.b64decode(material)) == 32
+    assert "secret" in generated.stderr
+    bad_id = invoke(["keys", "generate", "--id", "has space"])
+    assert bad_id.exit_code == ExitCode.USAGE
+
+    second = fresh_key("old")
+    shown = invoke(["keys", "show", "--json"], {"STEEPLE_KEYS": f"{line},{second}"})
+    assert shown.exit_code == 0
+    assert json.loads(shown.stdout) == {"primary": "2026-11", "key_ids": ["2026-11", "old"]}
+    assert material not in shown.output
+
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"# rotated 2026-11\n{line}\n{second}\n")
+    keys_file.chmod(0o644)
+    too_open = invoke(["keys", "show", "--keys-file", str(keys_file)])
+    assert too_open.exit_code == ExitCode.CONFIG and "chmod 600" in too_open.stderr
+    keys_file.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    from_file = invoke(["keys", "show", "--keys-file", str(keys_file)], {"COLUMNS": "120"})
+    assert from_file.exit_code == 0 and "primary" in from_file.stdout
+    assert "old" in from_file.stdout
+    missing_file = invoke(["keys", "show", "--keys-file", str(tmp_path / "none")])
+    assert missing_file.exit_code == ExitCode.CONFIG
+
+
+@pytest.mark.parametrize(
+    ("keys", "fragment"),
+    [
+        ("", "no storage keys"),
+        ("nocolon", "id:base64"),
+        ("k1:not-base64!!", "base64"),
+        ("k1:" + base64.b64encode(b"short").decode(), "32 bytes"),
+        (f"{fresh_key('a')},{fresh_key('a')}", "twice"),
+    ],
+)
+def test_bad_keys_are_configuration_errors(keys: str, fragment: str) -> None:
+    result = invoke(["keys", "show"], {"STEEPLE_KEYS": keys})
+    assert result.exit_code == ExitCode.CONFIG
+    assert fragment in result.stderr
+    assert result.stderr.startswith("steeple: error:")
+
+
+def test_usage_and_configuration_errors() -> None:
+    keys = {"STEEPLE_KEYS": fresh_key()}
+    no_dsn = invoke(["schedules"], keys)
+    assert no_dsn.exit_code == ExitCode.CONFIG and "STEEPLE_DATABASE_URL" in no_dsn.stderr
+    not_pg = invoke(["schedules", "--dsn", "mysql://u:hunter2@h/db"], keys)
+    assert not_pg.exit_code == ExitCode.CONFIG and "hunter2" not in not_pg.stderr
+    bad_limit = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db", "--limit", "0"])
+    assert bad_limit.exit_code == ExitCode.USAGE
+    unknown = invoke(["schedules", "--frobnicate"])
+    assert unknown.exit_code == ExitCode.USAGE
+    bad_lease = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db", "--lease", "1y"],
+                       keys)
+    assert bad_lease.exit_code == ExitCode.USAGE
+    bad_window = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db",
+                         "--delivery-window", "30d"], keys)
+    assert bad_window.exit_code == ExitCode.CONFIG and "7 days" in bad_window.stderr
+    bad_namespace = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db",
+                            "--namespace", "Bad Name"], keys)
+    assert bad_namespace.exit_code == ExitCode.CONFIG
+    demo_duration = invoke(["demo", "--duration", "600"])
+    assert demo_duration.exit_code == ExitCode.USAGE
+    worker_ref = invoke(["worker", "--app", "nocolon", "--dsn", "postgresql://x@h/db"], keys)
+    assert worker_ref.exit_code == ExitCode.USAGE
+    worker_missing = invoke(["worker", "--app", "no_such_module_x:app",
+                             "--dsn", "postgresql://x@h/db"], keys)
+    assert worker_missing.exit_code == ExitCode.CONFIG
+    serve_no_token = invoke(["admin", "serve", "--dsn", "postgresql://x@h/db"], keys)
+    assert serve_no_token.exit_code == ExitCode.CONFIG
+    assert "STEEPLE_ADMIN_TOKEN" in serve_no_token.stderr
+
+
+def test_unreachable_database_is_exit_4() -> None:
+    result = invoke(["schedules", "--dsn", "postgresql://postgres@127.0.0.1:1/test"],
+                    {"STEEPLE_KEYS": fresh_key()})
+    assert result.exit_code == ExitCode.UNAVAILABLE
+    assert "PostgreSQL" in result.stderr or "connect" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [[], ["demo"], ["initialize"], ["migrate"], ["worker"], ["schedules"], ["occurrences"],
+     ["tasks"], ["cancel"], ["retry"], ["purge"], ["keys"], ["keys", "generate"],
+     ["keys", "show"], ["admin"], ["admin", "serve"]],
+)
+def test_help_everywhere(command: list[str]) -> None:
+    result = invoke([*command, "--help"])
+    assert result.exit_code == 0
+    assert "Usage" in result.stdout

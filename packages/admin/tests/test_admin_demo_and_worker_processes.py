@@ -1,0 +1,225 @@
+"""Real processes: ``steeple demo`` (server and embedded default) and ``steeple worker``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+STEEPLE = [sys.executable, "-c", "from steeple.admin.cli import main; main()"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEEPLE_")}
+    env.update(extra)
+    env["COLUMNS"] = "120"
+    return env
+
+
+def _summary(stdout: str) -> dict[str, int]:
+    match = re.search(r"^summary: (.*)$", stdout, re.MULTILINE)
+    assert match, stdout
+    values = dict(item.split("=", 1) for item in match.group(1).split())
+    return {k: int(v.rstrip("s").split(".")[0]) for k, v in values.items()}
+
+
+async def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> Any:
+    return await asyncio.to_thread(
+        subprocess.run, [*STEEPLE, *args], env=env, cwd=cwd, capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )
+
+
+@pytest.mark.postgres
+async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path,
+                                drop_queue_schema: list[str]) -> None:
+    schema = f"demo_{uuid.uuid4().hex[:10]}"
+    drop_queue_schema.extend([schema, f"{schema}_queue"])
+    args = ["demo", "--dsn", pg_dsn, "--schema", schema, "--duration", "8",
+            "--data-dir", str(tmp_path / "demo")]
+    started = time.monotonic()
+    first = await _run(args, _env(), tmp_path, 60)
+    took = time.monotonic() - started
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert took < 55
+    counts = _summary(first.stdout)
+    assert counts["deliveries"] > 0
+    assert counts["tasks_done"] > 0
+    assert counts["relays"] == counts["deliveries"]
+    # 8 s at 60x is 8 minutes: the every-minute catch-up definition alone gives 5 missed
+    # minutes plus one per simulated minute.
+    assert counts["materialized"] >= 10
+    assert counts["simulated"] >= 420
+    assert "DEMO key" in first.stdout and "created recurring publications" in first.stdout
+    assert (tmp_path / "demo" / "demo.key").stat().st_mode & 0o077 == 0
+
+    # the data is kept: a second run reuses the key, the definitions and the clock
+    second = await _run(args[:-2] + ["--duration", "3", "--data-dir", str(tmp_path / "demo")],
+                        _env(), tmp_path, 60)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "kept from an earlier run" in second.stdout
+    assert "using the DEMO key" in second.stdout
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        definitions = await conn.fetchval(
+            f'SELECT count(*) FROM "{schema}".recurring_definitions'
+        )
+    finally:
+        await conn.close()
+    assert definitions == 3
+
+
+@pytest.mark.slow
+async def test_demo_on_the_embedded_default(tmp_path: Path) -> None:
+    """No DSN: the demo starts its own PostgreSQL (pgserver) in the data directory."""
+    pytest.importorskip("pgserver")
+    started = time.monotonic()
+    result = await _run(["demo", "--duration", "4"], _env(), tmp_path, 120)
+    took = time.monotonic() - started
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert took < 60
+    counts = _summary(result.stdout)
+    assert counts["deliveries"] > 0 and counts["tasks_done"] > 0
+    data = tmp_path / ".steeple" / "demo"
+    assert (data / "pgdata" / "PG_VERSION").exists()
+    assert (data / "journal.sqlite3").exists()
+    # the server was stopped when the demo ended
+    assert not (data / "pgdata" / "postmaster.pid").exists()
+    fresh = await _run(["demo", "--duration", "2", "--fresh"], _env(), tmp_path, 120)
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert "created the DEMO key" in fresh.stdout
+    assert "created recurring publications" in fresh.stdout
+
+
+async def _published(dsn: str, schema: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval(
+            f"SELECT count(*) FROM \"{schema}\".recurring_occurrences WHERE state = 'published'"
+        ))
+    finally:
+        await conn.close()
+
+
+WORKER_APP = '''
+import asyncio
+from pathlib import Path
+from steeple.admin import WorkerApp
+from steeple.postgres.queue import Task
+from steeple.testing import MemoryBroker
+
+DONE = Path(__file__).with_name("done.txt")
+BROKER = MemoryBroker()
+report = Task("write-report")
+
+async def write_report(ctx, args):
+    with DONE.open("a") as fh:
+        fh.write(f"{args['n']}\\n")
+
+def make():
+    return WorkerApp(broker=BROKER, tasks=[(report, write_report)], drain_timeout=5)
+'''
+
+
+@pytest.mark.postgres
+async def test_worker_runs_tasks_and_relay_and_stops_on_sigterm(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    from steeple.core import (
+        MissedRunPolicy,
+        RecurringConfig,
+        RecurringDefinition,
+        ScheduledMessage,
+        SystemClock,
+    )
+    from steeple.keyring import Keyring, StorageKey
+    from steeple.postgres import PostgresRecurringStore, queue
+
+    dsn, schema = pg_schema
+    key = StorageKey.generate("k1")
+    store = await PostgresRecurringStore.initialize(
+        dsn, RecurringConfig("default", 1000, 100_000), Keyring(key), SystemClock(),
+        schema=schema,
+    )
+    try:
+        await store.create(RecurringDefinition(
+            "minutely", "* * * * *", datetime.now(UTC) - timedelta(minutes=3),
+            MissedRunPolicy.CATCH_UP, ScheduledMessage("t", "T", b"{}"),
+        ))
+    finally:
+        await store.close()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await queue.install(conn, schema=schema)
+        for n in range(5):
+            await queue.enqueue(conn, queue.Task("write-report"), {"n": n}, schema=schema)
+    finally:
+        await conn.close()
+    (tmp_path / "myworker.py").write_text(textwrap.dedent(WORKER_APP))
+    env = _env(STEEPLE_KEYS=f"k1:{key.to_base64()}", STEEPLE_DATABASE_URL=dsn,
+               STEEPLE_SCHEMA=schema, STEEPLE_QUEUE_SCHEMA=schema)
+    proc = subprocess.Popen(
+        [*STEEPLE, "worker", "--app", "myworker:make"], env=env, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        done = tmp_path / "done.txt"
+        while time.monotonic() < deadline:
+            if done.exists() and len(done.read_text().split()) == 5 and await _published(
+                dsn, schema
+            ) >= 3:
+                break
+            await asyncio.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = await asyncio.to_thread(proc.communicate, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sorted(done.read_text().split()) == ["0", "1", "2", "3", "4"]
+    assert proc.returncode == 0, stderr
+    assert "SIGTERM received, stopping gracefully" in stderr
+    assert "steeple worker: stopped" in stderr
+    conn = await asyncpg.connect(dsn)
+    try:
+        states = await conn.fetch(f'SELECT DISTINCT state FROM "{schema}".tasks')
+    finally:
+        await conn.close()
+    assert [r["state"] for r in states] == ["succeeded"]
+    store = await PostgresRecurringStore.connect(
+        dsn, RecurringConfig("default", 1000, 100_000), Keyring(key), SystemClock(),
+        schema=schema,
+    )
+    try:
+        occurrences = (await store.occurrences(limit=100)).items
+    finally:
+        await store.close()
+    # the relay ran too: the three missed minutes were materialized and published
+    assert len(occurrences) >= 3
+    assert {o.state.value for o in occurrences} == {"published"}
+
+
+def test_keys_never_travel_as_arguments() -> None:
+    """There is no option that takes key material: only STEEPLE_KEYS or --keys-file."""
+    result = subprocess.run([*STEEPLE, "initialize", "--help"], capture_output=True, text=True,
+                            env=_env(), check=False, timeout=60)
+    assert result.returncode == 0
+    assert "--keys-file" in result.stdout
+    assert "--key " not in result.stdout and "--keys " not in result.stdout
+    material = base64.b64encode(os.urandom(32)).decode()
+    bad = subprocess.run([*STEEPLE, "initialize", "--keys", f"k1:{material}"],
+                         capture_output=True, text=True, env=_env(), check=False, timeout=60)
+    assert bad.returncode == 2

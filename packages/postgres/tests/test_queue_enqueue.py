@@ -1,0 +1,317 @@
+"""Producing work with each driver, in the caller's transaction, against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import attrs
+import psycopg
+import pytest
+
+from steeple.core.backoff import Backoff
+from steeple.postgres.queue import (
+    ArgsEncodingError,
+    EnqueueOptions,
+    QueueConfigurationError,
+    Task,
+    UnsupportedConnectionError,
+    enqueue,
+    enqueue_many,
+    enqueue_many_sync,
+    enqueue_sync,
+    install,
+    run_state,
+)
+
+
+@attrs.frozen
+class Email:
+    user_id: int
+    subject: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    name: str
+    pages: int = 1
+
+
+SEND = Task("send-email", Email)
+REPORT = Task("report", Report)
+PLAIN = Task("plain")
+
+
+@pytest.fixture
+async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    await install(conn, schema=schema)
+    try:
+        yield dsn, schema, conn
+    finally:
+        await conn.close()
+
+
+async def _count(conn: asyncpg.Connection, schema: str) -> int:
+    return int(await conn.fetchval(f'SELECT count(*) FROM "{schema}".tasks'))
+
+
+async def test_asyncpg_enqueue_commits_and_rolls_back_with_the_transaction(queue) -> None:
+    dsn, schema, check = queue
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f'CREATE TABLE "{schema}".app (v int)')
+        async with conn.transaction():
+            await conn.execute(f'INSERT INTO "{schema}".app VALUES (1)')
+            committed = await enqueue(conn, SEND, Email(1, "hi"), schema=schema)
+        tx = conn.transaction()
+        await tx.start()
+        await conn.execute(f'INSERT INTO "{schema}".app VALUES (2)')
+        await enqueue(conn, SEND, Email(2, "no"), schema=schema)
+        await tx.rollback()  # the application failed
+        assert await _count(check, schema) == 1
+        assert await check.fetchval(f'SELECT array_agg(v) FROM "{schema}".app') == [1]
+        state = await run_state(check, committed.id, schema=schema)
+        assert state.state.value == "pending"
+        assert state.task_name == "send-email"
+        args = await check.fetchval(
+            f'SELECT args FROM "{schema}".tasks WHERE id = $1', committed.id
+        )
+        assert SEND.decode(args) == Email(1, "hi")
+    finally:
+        await conn.close()
+
+
+async def test_psycopg_async_enqueue_commits_and_rolls_back(queue) -> None:
+    dsn, schema, check = queue
+    async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        await conn.execute(f'CREATE TABLE "{schema}".app (v int)')
+        await conn.commit()
+        await conn.execute(f'INSERT INTO "{schema}".app VALUES (1)')
+        done = await enqueue(conn, REPORT, Report("q1", 3), schema=schema)
+        await conn.commit()
+        await conn.execute(f'INSERT INTO "{schema}".app VALUES (2)')
+        await enqueue(conn, REPORT, Report("q2"), schema=schema)
+        await enqueue_many(conn, REPORT, [Report("a"), Report("b")], schema=schema)
+        await conn.rollback()
+    assert await _count(check, schema) == 1
+    assert await check.fetchval(f'SELECT array_agg(v) FROM "{schema}".app') == [1]
+    args = await check.fetchval(f'SELECT args FROM "{schema}".tasks WHERE id = $1', done.id)
+    assert REPORT.decode(args) == Report("q1", 3)
+
+
+async def test_psycopg_sync_enqueue_commits_and_rolls_back(queue) -> None:
+    dsn, schema, check = queue
+
+    def produce() -> int:
+        with psycopg.connect(dsn) as conn:
+            conn.execute(f'CREATE TABLE "{schema}".app (v int)')
+            conn.commit()
+            conn.execute(f'INSERT INTO "{schema}".app VALUES (1)')
+            kept = enqueue_sync(conn, PLAIN, {"k": [1, 2]}, schema=schema)
+            many = enqueue_many_sync(conn, PLAIN, [1, 2, 3], schema=schema)
+            assert len(many) == 3
+            conn.commit()
+            conn.execute(f'INSERT INTO "{schema}".app VALUES (2)')
+            enqueue_sync(conn, PLAIN, {"k": "lost"}, schema=schema)
+            enqueue_many_sync(conn, PLAIN, [4, 5], schema=schema)
+            conn.rollback()
+            return kept.id
+
+    kept_id = await asyncio.to_thread(produce)
+    assert await _count(check, schema) == 4
+    assert await check.fetchval(f'SELECT array_agg(v) FROM "{schema}".app') == [1]
+    args = await check.fetchval(f'SELECT args FROM "{schema}".tasks WHERE id = $1', kept_id)
+    assert PLAIN.decode(args) == {"k": [1, 2]}
+
+
+async def test_sync_and_async_functions_refuse_the_other_kind(queue) -> None:
+    dsn, schema, conn = queue
+    with pytest.raises(UnsupportedConnectionError):
+        await enqueue(object(), PLAIN, 1, schema=schema)
+    with pytest.raises(UnsupportedConnectionError):
+        enqueue_sync(conn, PLAIN, 1, schema=schema)
+    with psycopg.connect(dsn) as sync_conn, pytest.raises(UnsupportedConnectionError):
+        await enqueue(sync_conn, PLAIN, 1, schema=schema)
+    assert await _count(conn, schema) == 0
+
+
+async def test_options_are_snapshotted_onto_the_task(queue) -> None:
+    _dsn, schema, conn = queue
+    when = datetime.now(UTC) + timedelta(hours=1)
+    options = EnqueueOptions.at(
+        when,
+        priority=7,
+        lease_duration=timedelta(seconds=5),
+        max_attempts=9,
+        backoff=Backoff(initial=timedelta(seconds=2), maximum=timedelta(seconds=40), factor=3),
+    )
+    done = await enqueue(conn, PLAIN, "x", options, schema=schema)
+    row = await conn.fetchrow(f'SELECT * FROM "{schema}".tasks WHERE id = $1', done.id)
+    assert row["run_at"] == when
+    assert row["priority"] == 7
+    assert row["lease_duration"] == timedelta(seconds=5)
+    assert row["max_attempts"] == 9
+    assert (row["backoff_initial_us"], row["backoff_maximum_us"], row["backoff_factor"]) == (
+        2_000_000,
+        40_000_000,
+        3,
+    )
+    assert row["state"] == "pending"
+    assert row["attempts"] == 0
+    assert row["run_id"] is not None
+
+
+async def test_dedup_returns_the_live_task_and_allows_a_new_one_after_it_ends(queue) -> None:
+    _dsn, schema, conn = queue
+    options = EnqueueOptions.immediate(dedup_key="user-1")
+    first = await enqueue(conn, PLAIN, 1, options, schema=schema)
+    second = await enqueue(conn, PLAIN, 2, options, schema=schema)
+    assert not first.deduplicated
+    assert second.deduplicated
+    assert second.id == first.id
+    # another task name with the same key is independent
+    other = await enqueue(conn, REPORT, Report("r"), options, schema=schema)
+    assert not other.deduplicated
+    assert other.id != first.id
+    # once the first is terminal, the key is free again
+    await conn.execute(
+        f"UPDATE \"{schema}\".tasks SET state = 'succeeded', finished_at = now() WHERE id = $1",
+        first.id,
+    )
+    third = await enqueue(conn, PLAIN, 3, options, schema=schema)
+    assert not third.deduplicated
+    assert third.id != first.id
+    assert await _count(conn, schema) == 3
+
+
+async def test_concurrent_duplicate_enqueues_create_one_task(queue) -> None:
+    dsn, schema, check = queue
+    conns = [await asyncpg.connect(dsn) for _ in range(5)]
+    try:
+        options = EnqueueOptions.immediate(dedup_key="same")
+        results = await asyncio.gather(
+            *(enqueue(c, PLAIN, 1, options, schema=schema) for c in conns)
+        )
+        assert len({r.id for r in results}) == 1
+        assert sum(not r.deduplicated for r in results) == 1
+        assert await _count(check, schema) == 1
+    finally:
+        for c in conns:
+            await c.close()
+
+
+async def test_enqueue_many_is_one_statement_in_order_and_atomic(queue) -> None:
+    _dsn, schema, conn = queue
+    ids = await enqueue_many(conn, PLAIN, [{"n": i} for i in range(500)], schema=schema)
+    assert len(ids) == 500
+    assert ids == sorted(ids)
+    rows = await conn.fetch(f'SELECT id, args FROM "{schema}".tasks ORDER BY id')
+    assert [PLAIN.decode(r["args"])["n"] for r in rows] == list(range(500))
+    assert [r["id"] for r in rows] == ids
+    assert await enqueue_many(conn, PLAIN, [], schema=schema) == []
+    # one bad args value: nothing inserted
+    with pytest.raises(ArgsEncodingError):
+        await enqueue_many(conn, PLAIN, [1, math.nan], schema=schema)
+    with pytest.raises(QueueConfigurationError):
+        await enqueue_many(conn, PLAIN, [1], EnqueueOptions(dedup_key="k"), schema=schema)
+    assert await _count(conn, schema) == 500
+
+
+async def test_enqueue_sends_a_notification_on_commit_only(queue) -> None:
+    dsn, schema, conn = queue
+    listener = await asyncpg.connect(dsn)
+    got: asyncio.Queue[str] = asyncio.Queue()
+    try:
+        from steeple.postgres.queue._schema import notify_channel
+
+        await listener.add_listener(notify_channel(schema), lambda *a: got.put_nowait(a[2]))
+        tx = conn.transaction()
+        await tx.start()
+        await enqueue(conn, PLAIN, 1, schema=schema)
+        await asyncio.sleep(0.2)
+        assert got.empty()
+        await tx.rollback()
+        await asyncio.sleep(0.2)
+        assert got.empty()
+        await enqueue(conn, PLAIN, 2, schema=schema)
+        assert await asyncio.wait_for(got.get(), 5) == notify_channel(schema)
+    finally:
+        await listener.close()
+
+
+@pytest.mark.parametrize(
+    ("task", "args"),
+    [
+        (SEND, Report("wrong type")),
+        (SEND, {"user_id": 1, "subject": "dict is not Email"}),
+        (PLAIN, {"when": datetime.now(UTC)}),
+        (PLAIN, {"x": math.inf}),
+        (PLAIN, {1, 2}),
+        (PLAIN, "nul\x00byte"),
+        (PLAIN, "x" * (1024 * 1024 + 1)),
+        (Task("dates", Email), Email(1, datetime.now(UTC))),  # type: ignore[arg-type]
+    ],
+)
+async def test_unencodable_args_are_refused_and_nothing_is_stored(queue, task, args) -> None:
+    _dsn, schema, conn = queue
+    with pytest.raises(ArgsEncodingError) as err:
+        await enqueue(conn, task, args, schema=schema)
+    assert isinstance(err.value, ValueError)
+    assert await _count(conn, schema) == 0
+
+
+def test_decoding_errors_are_typed() -> None:
+    with pytest.raises(ArgsEncodingError, match="not JSON"):
+        PLAIN.decode("{nope")
+    with pytest.raises(ArgsEncodingError, match="not an object"):
+        SEND.decode("[1]")
+    with pytest.raises(ArgsEncodingError, match="do not fit"):
+        SEND.decode('{"user_id": 1}')
+    with pytest.raises(ArgsEncodingError, match="do not fit"):
+        REPORT.decode('{"name": "x", "extra": 1}')
+    assert SEND.decode(SEND.encode(Email(3, "é"))) == Email(3, "é")
+    assert REPORT.decode(REPORT.encode(Report("r", 2))) == Report("r", 2)
+
+
+def test_task_and_option_validation() -> None:
+    with pytest.raises(QueueConfigurationError):
+        Task("")
+    with pytest.raises(QueueConfigurationError):
+        Task("x" * 201)
+    with pytest.raises(QueueConfigurationError):
+        Task("bad\nname")
+    with pytest.raises(QueueConfigurationError):
+        Task("x", int)
+    with pytest.raises(QueueConfigurationError, match="timezone-aware"):
+        EnqueueOptions.at(datetime(2030, 1, 1))
+    with pytest.raises(QueueConfigurationError):
+        EnqueueOptions.at(None)  # type: ignore[arg-type]
+    with pytest.raises(QueueConfigurationError):
+        EnqueueOptions(priority=2**40)
+    with pytest.raises(QueueConfigurationError):
+        EnqueueOptions(priority=True)
+    with pytest.raises(QueueConfigurationError):
+        EnqueueOptions(lease_duration=timedelta(0))
+    with pytest.raises(QueueConfigurationError):
+        EnqueueOptions(max_attempts=0)
+    with pytest.raises(QueueConfigurationError):
+        EnqueueOptions(backoff="fast")  # type: ignore[arg-type]
+    with pytest.raises(QueueConfigurationError):
+        EnqueueOptions(dedup_key="")
+    options = EnqueueOptions.immediate(priority=3)
+    assert options.run_at is None
+    assert options.priority == 3
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        options.priority = 4  # type: ignore[misc]
+
+
+async def test_invalid_schema_is_refused_before_any_sql(queue) -> None:
+    _dsn, _schema, conn = queue
+    with pytest.raises(QueueConfigurationError):
+        await enqueue(conn, PLAIN, 1, schema="bad-schema")

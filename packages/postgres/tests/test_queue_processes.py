@@ -1,0 +1,275 @@
+"""Workers as real processes: SIGKILL recovery, SIGSTOP fencing, several workers at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from steeple.postgres.queue import (
+    EnqueueOptions,
+    JobContext,
+    Scheduler,
+    Task,
+    enqueue,
+    enqueue_many,
+    install,
+    run_state,
+)
+
+pytestmark = pytest.mark.slow
+
+PROC = Task("proc")
+
+WORKER_SCRIPT = """
+import asyncio, json, signal, sys
+import asyncpg, attrs
+from steeple.postgres.queue import Scheduler, Task
+
+async def main() -> None:
+    dsn, schema, worker_id = sys.argv[1:4]
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=10)
+    worker = Scheduler(pool, worker_id=worker_id, schema=schema, poll_interval=0.1,
+                       maintenance_interval=0.2, concurrency=8)
+
+    async def handler(ctx, args):
+        await pool.execute(
+            f'INSERT INTO "{schema}".executions (task_id, run_id, attempt, worker_id) '
+            "VALUES ($1, $2, $3, $4)", ctx.task_id, ctx.run_id, ctx.attempt, worker_id)
+        await asyncio.sleep(args.get("sleep", 0))
+        if ctx.attempt == 1:
+            await asyncio.sleep(args.get("sleep_first", 0))
+
+    worker.register(Task("proc"), handler)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print("ready", flush=True)
+    await worker.run_until_shutdown(stop, drain_timeout=5)
+    print("stats " + json.dumps(attrs.asdict(worker.stats)), flush=True)
+    await pool.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    await install(conn, schema=schema)
+    await conn.execute(
+        f'CREATE TABLE "{schema}".executions (task_id bigint, run_id uuid, attempt int, '
+        "worker_id text, UNIQUE (run_id, attempt))"
+    )
+    try:
+        yield dsn, schema, conn
+    finally:
+        await conn.close()
+
+
+class WorkerProcess:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    async def ready(self) -> None:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+        assert line.strip() == b"ready", line
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    async def stop(self) -> dict[str, int]:
+        self.signal(signal.SIGTERM)
+        assert self.proc.stdout is not None
+        out = await asyncio.wait_for(self.proc.stdout.read(), 30)
+        await self.proc.wait()
+        for line in out.decode().splitlines():
+            if line.startswith("stats "):
+                return dict(json.loads(line[6:]))
+        raise AssertionError(f"no stats from the worker: {out!r}")
+
+    async def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        await self.proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def worker_process(tmp_path: Path, dsn: str, schema: str, worker_id: str):
+    script = tmp_path / "queue_worker.py"
+    script.write_text(WORKER_SCRIPT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), dsn, schema, worker_id,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    worker = WorkerProcess(proc)
+    try:
+        await worker.ready()
+        yield worker
+    finally:
+        if proc.returncode is None:
+            # a stopped process must be continued before it can terminate cleanly
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
+            await worker.kill()
+
+
+async def wait_until(predicate: Callable[[], Any], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+def in_process_worker(dsn: str, schema: str, worker_id: str) -> tuple[Scheduler, list[Any]]:
+    ran: list[Any] = []
+    worker = Scheduler(
+        dsn, worker_id=worker_id, schema=schema, poll_interval=0.1, maintenance_interval=0.2
+    )
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran.append((ctx.task_id, ctx.attempt))
+
+    worker.register(PROC, handler)
+    return worker, ran
+
+
+async def _executions(conn: asyncpg.Connection, schema: str) -> list[tuple[int, int, str]]:
+    rows = await conn.fetch(
+        f'SELECT task_id, attempt, worker_id FROM "{schema}".executions ORDER BY task_id, attempt'
+    )
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+async def test_sigkilled_worker_mid_task_is_recovered_by_another(queue, tmp_path: Path) -> None:
+    dsn, schema, conn = queue
+    options = EnqueueOptions(lease_duration=timedelta(seconds=1))
+    ids = [
+        (await enqueue(conn, PROC, {"sleep_first": 60}, options, schema=schema)).id
+        for _ in range(5)
+    ]
+    async with worker_process(tmp_path, dsn, schema, "doomed") as doomed:
+        await wait_until(lambda: _count_execs(conn, schema, 5))
+        doomed.signal(signal.SIGKILL)
+        await doomed.proc.wait()
+    survivor, ran = in_process_worker(dsn, schema, "survivor")
+    stop = asyncio.Event()
+    task = asyncio.create_task(survivor.run_until_shutdown(stop))
+    try:
+        await wait_until(lambda: len(ran) == 5)
+        await wait_until(lambda: survivor.stats.succeeded == 5)
+    finally:
+        stop.set()
+        await task
+    assert sorted(ran) == [(i, 2) for i in ids]
+    assert survivor.stats.recovered == 5
+    for task_id in ids:
+        row = await run_state(conn, task_id, schema=schema)
+        assert (row.state.value, row.attempts, row.worker_id) == ("succeeded", 2, "survivor")
+        history = await conn.fetch(
+            f'SELECT attempt, outcome, worker_id FROM "{schema}".attempts '
+            "WHERE task_id = $1 ORDER BY attempt",
+            task_id,
+        )
+        assert [tuple(h) for h in history] == [
+            (1, "lease_expired", "doomed"),
+            (2, "succeeded", "survivor"),
+        ]
+
+
+async def _count_execs(conn: asyncpg.Connection, schema: str, n: int) -> bool:
+    return bool(await conn.fetchval(f'SELECT count(*) FROM "{schema}".executions') >= n)
+
+
+async def test_a_stopped_workers_late_completion_is_rejected(queue, tmp_path: Path) -> None:
+    dsn, schema, conn = queue
+    done = await enqueue(
+        conn,
+        PROC,
+        {"sleep_first": 1.0},
+        EnqueueOptions(lease_duration=timedelta(milliseconds=500)),
+        schema=schema,
+    )
+    async with worker_process(tmp_path, dsn, schema, "stale") as stale:
+        await wait_until(lambda: _count_execs(conn, schema, 1))
+        stale.signal(signal.SIGSTOP)
+        fresh, ran = in_process_worker(dsn, schema, "fresh")
+        stop = asyncio.Event()
+        task = asyncio.create_task(fresh.run_until_shutdown(stop))
+        try:
+            await wait_until(lambda: fresh.stats.succeeded == 1)
+        finally:
+            stop.set()
+            await task
+        stale.signal(signal.SIGCONT)
+        await asyncio.sleep(1.5)  # its handler finishes and tries to complete
+        stats = await stale.stop()
+    assert ran == [(done.id, 2)]
+    assert stats["rejected_completions"] == 1
+    assert stats["succeeded"] == 0
+    row = await run_state(conn, done.id, schema=schema)
+    assert (row.state.value, row.worker_id, row.attempts) == ("succeeded", "fresh", 2)
+    outcomes = await conn.fetch(
+        f'SELECT attempt, outcome, worker_id FROM "{schema}".attempts WHERE task_id = $1 '
+        "ORDER BY id",
+        done.id,
+    )
+    assert [tuple(o) for o in outcomes] == [
+        (1, "lease_expired", "stale"),
+        (2, "succeeded", "fresh"),
+    ]
+
+
+async def test_several_worker_processes_never_run_a_task_twice(queue, tmp_path: Path) -> None:
+    dsn, schema, conn = queue
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [
+            await stack.enter_async_context(worker_process(tmp_path, dsn, schema, f"p{i}"))
+            for i in range(3)
+        ]
+        ids: list[int] = []
+        for chunk in range(3):
+            ids += await enqueue_many(
+                conn,
+                PROC,
+                [{"sleep": 0.01}] * 100,
+                EnqueueOptions(lease_duration=timedelta(seconds=10)),
+                schema=schema,
+            )
+            del chunk
+        await wait_until(
+            lambda: _all_succeeded(conn, schema, len(ids)),
+            timeout=60,
+        )
+        stats = [await w.stop() for w in workers]
+    executions = await _executions(conn, schema)
+    assert len(executions) == 300
+    assert sorted(e[0] for e in executions) == sorted(ids)
+    assert {e[1] for e in executions} == {1}
+    assert sum(s["succeeded"] for s in stats) == 300
+    assert sum(s["rejected_completions"] for s in stats) == 0
+    assert len({e[2] for e in executions}) >= 2  # the work really was shared
+
+
+async def _all_succeeded(conn: asyncpg.Connection, schema: str, n: int) -> bool:
+    count = await conn.fetchval(
+        f"SELECT count(*) FROM \"{schema}\".tasks WHERE state = 'succeeded'"
+    )
+    return bool(count == n)

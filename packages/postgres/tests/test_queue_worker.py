@@ -1,0 +1,493 @@
+"""The worker in-process against a real PostgreSQL: running, retries, leases, cancel, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import pytest
+
+from steeple.core.backoff import Backoff
+from steeple.postgres.queue import (
+    EnqueueOptions,
+    Health,
+    JobContext,
+    JobError,
+    QueueConfigurationError,
+    QueueError,
+    Scheduler,
+    Task,
+    UnknownTaskError,
+    cancel,
+    enqueue,
+    enqueue_many,
+    install,
+    run_state,
+)
+
+PLAIN = Task("plain")
+OTHER = Task("other")
+
+
+@pytest.fixture
+async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    await install(conn, schema=schema)
+    try:
+        yield dsn, schema, conn
+    finally:
+        await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def running(worker: Scheduler, drain_timeout: float = 10.0) -> AsyncIterator[Scheduler]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=drain_timeout))
+    try:
+        await wait_until(lambda: worker.health() is not Health.STARTING or task.done())
+        if task.done():
+            task.result()
+        yield worker
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def wait_until(predicate: Callable[[], Any], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if isinstance(value, Awaitable):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+def worker_for(dsn: str, schema: str, **kw: Any) -> Scheduler:
+    kw.setdefault("poll_interval", 0.1)
+    kw.setdefault("maintenance_interval", 0.1)
+    return Scheduler(dsn, worker_id=kw.pop("worker_id", "w1"), schema=schema, **kw)
+
+
+async def _state(conn: asyncpg.Connection, schema: str, task_id: int) -> str:
+    return (await run_state(conn, task_id, schema=schema)).state.value
+
+
+async def test_runs_a_task_with_a_full_context_and_reports_health(queue) -> None:
+    dsn, schema, conn = queue
+    seen: list[JobContext] = []
+    done = await enqueue(conn, PLAIN, {"x": 1}, schema=schema)
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        assert args == {"x": 1}
+        seen.append(ctx)
+
+    worker.register(PLAIN, handler)
+    assert worker.health() is Health.STARTING
+    async with running(worker):
+        await wait_until(lambda: seen)
+        await wait_until(lambda: worker.stats.succeeded == 1)
+        assert worker.health() is Health.HEALTHY
+    assert worker.health() is Health.STOPPED
+    row = await conn.fetchrow(f'SELECT * FROM "{schema}".tasks WHERE id = $1', done.id)
+    assert row["state"] == "succeeded"
+    assert row["attempts"] == 1
+    assert row["lease_token"] is None
+    assert row["worker_id"] == "w1"
+    ctx = seen[0]
+    assert (ctx.task_id, ctx.task_name, ctx.attempt, ctx.worker_id) == (done.id, "plain", 1, "w1")
+    assert ctx.run_id == row["run_id"]
+    assert not ctx.lease_lost.is_set()
+    history = await conn.fetch(f'SELECT * FROM "{schema}".attempts WHERE task_id = $1', done.id)
+    assert [(h["attempt"], h["outcome"], h["worker_id"]) for h in history] == [
+        (1, "succeeded", "w1")
+    ]
+    assert "lease" not in repr(ctx).lower() or "lease_lost" not in repr(ctx)
+
+
+async def test_delayed_work_is_not_run_early(queue) -> None:
+    dsn, schema, conn = queue
+    ran_at: list[datetime] = []
+    due = datetime.now(UTC) + timedelta(seconds=1.5)
+    done = await enqueue(conn, PLAIN, 1, EnqueueOptions.at(due), schema=schema)
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran_at.append(await conn.fetchval("SELECT clock_timestamp()"))
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await asyncio.sleep(1.0)
+        assert ran_at == []
+        assert await _state(conn, schema, done.id) == "pending"
+        await wait_until(lambda: ran_at)
+    assert ran_at[0] >= due
+
+
+async def test_priority_order_then_fifo(queue) -> None:
+    dsn, schema, conn = queue
+    order: list[str] = []
+    for label, priority in [("a0", 0), ("b5", 5), ("c-1", -1), ("d10", 10), ("e5", 5), ("f0", 0)]:
+        await enqueue(conn, PLAIN, label, EnqueueOptions(priority=priority), schema=schema)
+    worker = worker_for(dsn, schema, concurrency=1)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        order.append(args)
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await wait_until(lambda: len(order) == 6)
+    assert order == ["d10", "b5", "e5", "a0", "f0", "c-1"]
+
+
+async def test_retries_follow_the_snapshotted_backoff_until_max_attempts(queue) -> None:
+    dsn, schema, conn = queue
+    times: list[float] = []
+    run_ids: set[Any] = set()
+    options = EnqueueOptions(
+        max_attempts=3,
+        backoff=Backoff(initial=timedelta(milliseconds=300), maximum=timedelta(seconds=5)),
+    )
+    done = await enqueue(conn, PLAIN, 1, options, schema=schema)
+    worker = worker_for(dsn, schema, poll_interval=0.05)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        times.append(time.monotonic())
+        run_ids.add(ctx.run_id)
+        assert ctx.attempt == len(times)
+        raise JobError.retry(f"flaky {ctx.attempt}")
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.failed == 1)
+    assert len(times) == 3
+    assert len(run_ids) == 1
+    assert times[1] - times[0] >= 0.28  # 300 ms
+    assert times[2] - times[1] >= 0.58  # 600 ms (factor 2)
+    row = await run_state(conn, done.id, schema=schema)
+    assert row.state.value == "failed"
+    assert row.attempts == 3
+    assert row.last_error is not None
+    assert "attempts exhausted (3/3)" in row.last_error
+    outcomes = await conn.fetch(
+        f'SELECT attempt, outcome FROM "{schema}".attempts WHERE task_id = $1 ORDER BY attempt',
+        done.id,
+    )
+    assert [(r[0], r[1]) for r in outcomes] == [(1, "retried"), (2, "retried"), (3, "failed")]
+    assert worker.stats.retried == 2
+
+
+async def test_retry_with_explicit_delay_then_success_keeps_the_run_id(queue) -> None:
+    dsn, schema, conn = queue
+    seen: list[tuple[int, Any, float]] = []
+    done = await enqueue(conn, PLAIN, 1, schema=schema)
+    worker = worker_for(dsn, schema, poll_interval=0.05)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        seen.append((ctx.attempt, ctx.run_id, time.monotonic()))
+        if ctx.attempt == 1:
+            raise JobError.retry("later", delay=timedelta(milliseconds=500))
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.succeeded == 1)
+    assert [s[0] for s in seen] == [1, 2]
+    assert seen[0][1] == seen[1][1]
+    assert seen[1][2] - seen[0][2] >= 0.45
+    assert await _state(conn, schema, done.id) == "succeeded"
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (JobError.permanent("bad input"), "JobError: bad input"),
+        (ValueError("boom"), "ValueError: boom"),
+    ],
+)
+async def test_permanent_errors_and_other_exceptions_are_terminal(queue, error, expected) -> None:
+    dsn, schema, conn = queue
+    calls = 0
+    done = await enqueue(conn, PLAIN, 1, EnqueueOptions(max_attempts=5), schema=schema)
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        nonlocal calls
+        calls += 1
+        raise error
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.failed == 1)
+    row = await run_state(conn, done.id, schema=schema)
+    assert (row.state.value, row.attempts, calls) == ("failed", 1, 1)
+    assert row.last_error == expected
+
+
+async def test_undecodable_stored_args_fail_the_task(queue) -> None:
+    dsn, schema, conn = queue
+    import attrs
+
+    from steeple.postgres.queue.tasks import Task as TaskDef
+
+    @attrs.frozen
+    class Args:
+        n: int
+
+    typed = TaskDef("typed", Args)
+    done = await enqueue(conn, Task("typed"), {"m": 1}, schema=schema)  # a producer's mistake
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Args) -> None:
+        raise AssertionError("must not run")
+
+    worker.register(typed, handler)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.failed == 1)
+    row = await run_state(conn, done.id, schema=schema)
+    assert row.state.value == "failed"
+    assert row.last_error is not None
+    assert row.last_error.startswith("ArgsEncodingError")
+
+
+async def test_long_handler_keeps_its_lease_by_renewal(queue) -> None:
+    dsn, schema, conn = queue
+    runs: list[int] = []
+    lease_lost: list[bool] = []
+    done = await enqueue(
+        conn, PLAIN, 1, EnqueueOptions(lease_duration=timedelta(milliseconds=600)), schema=schema
+    )
+    first = worker_for(dsn, schema, worker_id="w1")
+    second = worker_for(dsn, schema, worker_id="w2")
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        runs.append(ctx.attempt)
+        await asyncio.sleep(2.5)  # four leases long
+        lease_lost.append(ctx.lease_lost.is_set())
+
+    first.register(PLAIN, handler)
+    second.register(PLAIN, handler)
+    async with running(first), running(second):
+        await wait_until(lambda: first.stats.succeeded + second.stats.succeeded == 1)
+    assert runs == [1]
+    assert lease_lost == [False]
+    assert first.stats.recovered + second.stats.recovered == 0
+    row = await run_state(conn, done.id, schema=schema)
+    assert row.state.value == "succeeded"
+    assert row.attempts == 1
+
+
+async def test_cancel_pending_work_never_runs(queue) -> None:
+    dsn, schema, conn = queue
+    ran: list[Any] = []
+    doomed = await enqueue(conn, PLAIN, "doomed", schema=schema)
+    kept = await enqueue(conn, PLAIN, "kept", schema=schema)
+    assert (await cancel(conn, doomed.id, schema=schema)).value == "cancelled"
+    assert (await cancel(conn, doomed.id, schema=schema)).value == "cancelled"  # idempotent
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran.append(args)
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.succeeded == 1)
+        await asyncio.sleep(0.3)
+    assert ran == ["kept"]
+    assert await _state(conn, schema, kept.id) == "succeeded"
+    row = await run_state(conn, doomed.id, schema=schema)
+    assert row.state.value == "cancelled"
+    assert row.finished_at is not None
+    # a terminal task is left as it is
+    assert (await cancel(conn, kept.id, schema=schema)).value == "succeeded"
+
+
+async def test_cancel_running_work_fences_the_worker_and_signals_the_handler(queue) -> None:
+    dsn, schema, conn = queue
+    started = asyncio.Event()
+    signalled: list[tuple[bool, bool]] = []
+    done = await enqueue(
+        conn, PLAIN, 1, EnqueueOptions(lease_duration=timedelta(milliseconds=600)), schema=schema
+    )
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        started.set()
+        await asyncio.wait_for(ctx.cancelled.wait(), 10)
+        signalled.append((ctx.cancelled.is_set(), ctx.lease_lost.is_set()))
+        # returning normally: the completion must be rejected
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await asyncio.wait_for(started.wait(), 10)
+        assert (await cancel(conn, done.id, schema=schema)).value == "cancelled"
+        await wait_until(lambda: worker.stats.rejected_completions == 1)
+    assert signalled == [(True, True)]
+    row = await run_state(conn, done.id, schema=schema)
+    assert row.state.value == "cancelled"
+    outcomes = await conn.fetch(
+        f'SELECT outcome FROM "{schema}".attempts WHERE task_id = $1', done.id
+    )
+    assert outcomes == []  # the fenced completion recorded nothing
+
+
+async def test_graceful_drain_finishes_running_work(queue) -> None:
+    dsn, schema, conn = queue
+    started = asyncio.Event()
+    done = await enqueue(conn, PLAIN, 1, schema=schema)
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        started.set()
+        await asyncio.sleep(0.7)
+
+    worker.register(PLAIN, handler)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=10))
+    await asyncio.wait_for(started.wait(), 10)
+    stop.set()
+    await asyncio.wait_for(task, 15)
+    assert await _state(conn, schema, done.id) == "succeeded"
+
+
+async def test_hard_stop_after_the_drain_deadline_hands_work_back(queue) -> None:
+    dsn, schema, conn = queue
+    started = asyncio.Event()
+    done = await enqueue(conn, PLAIN, 1, schema=schema)
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    worker.register(PLAIN, handler)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=0.3))
+    await asyncio.wait_for(started.wait(), 10)
+    t0 = time.monotonic()
+    stop.set()
+    await asyncio.wait_for(task, 15)
+    assert time.monotonic() - t0 < 5
+    row = await run_state(conn, done.id, schema=schema)
+    assert (row.state.value, row.attempts) == ("pending", 0)
+    assert worker.stats.released == 1
+    outcomes = await conn.fetch(
+        f'SELECT outcome FROM "{schema}".attempts WHERE task_id = $1', done.id
+    )
+    assert [r[0] for r in outcomes] == ["released"]
+    # no pooled connection left idle in transaction
+    idle = await conn.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+        "AND datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    assert idle == 0
+
+
+async def test_unregistered_task_names_are_left_alone(queue) -> None:
+    dsn, schema, conn = queue
+    other = await enqueue(conn, OTHER, 1, schema=schema)
+    mine = await enqueue(conn, PLAIN, 1, schema=schema)
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        return None
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.succeeded == 1)
+    assert await _state(conn, schema, mine.id) == "succeeded"
+    assert await _state(conn, schema, other.id) == "pending"
+
+
+async def test_listener_death_falls_back_to_polling_and_relistens(queue) -> None:
+    dsn, schema, conn = queue
+    ran: list[Any] = []
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran.append(args)
+
+    worker_name = f"listener-{schema}"
+    worker = worker_for(dsn, schema, poll_interval=0.3, worker_id=worker_name)
+    worker.register(PLAIN, handler)
+
+    async def listener_pids() -> list[int]:
+        found = await conn.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1",
+            f"steeple-listener {worker_name}",
+        )
+        return [r[0] for r in found]
+
+    async with running(worker):
+        await wait_until(lambda: worker.health() is Health.HEALTHY)
+        pids = await listener_pids()
+        assert len(pids) == 1
+        for pid in pids:
+            await conn.execute("SELECT pg_terminate_backend($1)", pid)
+        await wait_until(lambda: worker.health() is Health.DEGRADED, timeout=5)
+        # work still gets done by polling while degraded
+        await enqueue(conn, PLAIN, "during", schema=schema)
+        await wait_until(lambda: "during" in ran)
+        # the listener comes back and wake-ups are immediate again
+        await wait_until(lambda: worker.health() is Health.HEALTHY, timeout=10)
+        t0 = time.monotonic()
+        await enqueue(conn, PLAIN, "after", schema=schema)
+        await wait_until(lambda: "after" in ran)
+        assert time.monotonic() - t0 < 0.25
+
+
+async def test_polling_alone_works_without_listen(queue) -> None:
+    dsn, schema, conn = queue
+    ran: list[Any] = []
+    worker = worker_for(dsn, schema, listen=False, poll_interval=0.05)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran.append(args)
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await enqueue_many(conn, PLAIN, list(range(20)), schema=schema)
+        await wait_until(lambda: len(ran) == 20)
+        assert worker.health() is Health.HEALTHY
+    assert sorted(ran) == list(range(20))
+
+
+async def test_registration_and_configuration_errors(queue) -> None:
+    dsn, schema, _conn = queue
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        return None
+
+    worker = worker_for(dsn, schema)
+    with pytest.raises(UnknownTaskError):
+        await worker.run_until_shutdown(asyncio.Event())
+    worker = worker_for(dsn, schema)
+    worker.register(PLAIN, handler)
+    with pytest.raises(UnknownTaskError):
+        worker.register(Task("plain"), handler)
+    stop = asyncio.Event()
+    stop.set()
+    await worker.run_until_shutdown(stop)
+    with pytest.raises(QueueError):
+        await worker.run_until_shutdown(stop)
+    with pytest.raises(QueueError):
+        worker.register(OTHER, handler)
+    for bad in [
+        {"worker_id": ""},
+        {"concurrency": 0},
+        {"batch_size": 0},
+        {"poll_interval": 0},
+        {"schema": "Bad"},
+    ]:
+        with pytest.raises(QueueConfigurationError):
+            Scheduler(dsn, **{"worker_id": "w", **bad})  # type: ignore[arg-type]
+    with pytest.raises(QueueConfigurationError):
+        Scheduler(42, worker_id="w")  # type: ignore[arg-type]

@@ -1,0 +1,48 @@
+"""The recurring-store conformance suite (steeple.testing) against PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import asyncpg
+from hypothesis import HealthCheck, settings
+
+from steeple.core.config import RecurringConfig
+from steeple.core.ports import Clock, RecurringStore
+from steeple.keyring import Keyring, StorageKey
+from steeple.postgres import PostgresRecurringStore
+from steeple.testing.conformance.recurring import run_recurring_conformance
+
+KEYRING = Keyring(StorageKey("conformance", os.urandom(32)))
+
+
+def test_postgres_store_conforms(pg_dsn: str) -> None:
+    schema = f"conf_{uuid.uuid4().hex[:10]}"
+
+    async def make_store(config: RecurringConfig, clock: Clock) -> RecurringStore:
+        return await PostgresRecurringStore.initialize(
+            pg_dsn, config, KEYRING, clock, schema=schema
+        )
+
+    try:
+        run_recurring_conformance(
+            make_store,
+            settings=settings(
+                max_examples=int(os.environ.get("STEEPLE_CONFORMANCE_EXAMPLES", "30")),
+                stateful_step_count=30,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            ),
+        )
+    finally:
+
+        async def drop() -> None:
+            conn = await asyncpg.connect(pg_dsn)
+            try:
+                await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            finally:
+                await conn.close()
+
+        asyncio.run(drop())

@@ -1,0 +1,381 @@
+"""Deployment of the recurring store: initialize/connect, durability, TLS, roles, grants."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from steeple.core import (
+    RecurringConfig,
+    RecurringConfigurationError,
+    RecurringNotFoundError,
+    RecurringStorageError,
+)
+from steeple.keyring import Keyring, StorageKey
+from steeple.postgres import PostgresRecurringStore, grant_runtime_role
+from steeple.postgres._durability import DurabilityProblem, check_transport
+from steeple.testing import FakeClock
+
+START = datetime(2031, 3, 4, 5, 6, 7, tzinfo=UTC)
+KEYRING = Keyring(StorageKey("k1", b"\x02" * 32))
+CONFIG = RecurringConfig("tenant-a", 10, 100)
+
+
+def with_user(dsn: str, user: str) -> str:
+    parts = urlsplit(dsn)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+
+
+def with_query(dsn: str, query: str) -> str:
+    parts = urlsplit(dsn)
+    joined = f"{parts.query}&{query}" if parts.query else query
+    return urlunsplit(parts._replace(query=joined))
+
+
+async def sql(dsn: str, statement: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def deployed(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str]]:
+    dsn, schema = pg_schema
+    store = await PostgresRecurringStore.initialize(
+        dsn, CONFIG, KEYRING, FakeClock(START), schema=schema
+    )
+    await store.close()
+    yield dsn, schema
+
+
+@pytest.fixture
+async def runtime_role(deployed: tuple[str, str]) -> AsyncIterator[str]:
+    """A login role with exactly the shipped grants."""
+    dsn, schema = deployed
+    role = f"steeple_rt_{uuid.uuid4().hex[:8]}"
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f'CREATE ROLE "{role}" LOGIN')
+        await grant_runtime_role(conn, role, schema)
+    finally:
+        await conn.close()
+    try:
+        yield role
+    finally:
+        conn = await asyncpg.connect(dsn)
+        try:
+            # end any session still open as the role, then drop it
+            await conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", role
+            )
+            await conn.execute(f'DROP OWNED BY "{role}"; DROP ROLE "{role}"')
+        finally:
+            await conn.close()
+
+
+async def test_concurrent_initializers_converge(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    await sql(dsn, f'DROP SCHEMA "{schema}"')  # initialize creates the schema itself
+    stores = await asyncio.gather(
+        *(
+            PostgresRecurringStore.initialize(
+                dsn, CONFIG, KEYRING, FakeClock(START), schema=schema
+            )
+            for _ in range(20)
+        )
+    )
+    try:
+        conn = await asyncpg.connect(dsn)
+        try:
+            count = await conn.fetchval(f'SELECT count(*) FROM "{schema}".recurring_namespaces')
+            versions = await conn.fetchval(
+                f'SELECT count(*) FROM "{schema}".recurring_schema_version'
+            )
+        finally:
+            await conn.close()
+        assert count == 1 and versions == 1
+        # every store works on the one namespace
+        await stores[0].create(_definition("one"))
+        assert [s.name for s in (await stores[19].schedules()).items] == ["one"]
+    finally:
+        await asyncio.gather(*(s.close() for s in stores))
+
+
+_INIT_SCRIPT = """
+import asyncio, sys
+from datetime import UTC, datetime
+from steeple.core import RecurringConfig
+from steeple.keyring import Keyring, StorageKey
+from steeple.postgres import PostgresRecurringStore
+from steeple.testing import FakeClock
+
+async def main(dsn, schema):
+    store = await PostgresRecurringStore.initialize(
+        dsn, RecurringConfig("tenant-a", 10, 100), Keyring(StorageKey("k1", b"\\x02" * 32)),
+        FakeClock(datetime(2031, 3, 4, 5, 6, 7, tzinfo=UTC)), schema=schema)
+    await store.close()
+    print("initialized")
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_initializers_in_separate_processes_converge(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    await sql(dsn, f'DROP SCHEMA "{schema}"')
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _INIT_SCRIPT, dsn, schema,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        for _ in range(3)
+    ]
+    outputs = await asyncio.gather(*(p.communicate() for p in procs))
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err.decode()
+        assert out.strip() == b"initialized"
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".recurring_namespaces') == 1
+    finally:
+        await conn.close()
+
+
+def _definition(name: str):  # type: ignore[no-untyped-def]
+    from steeple.core import MissedRunPolicy, RecurringDefinition, ScheduledMessage
+
+    return RecurringDefinition(
+        name, "0 9 * * *", START, MissedRunPolicy.CATCH_UP, ScheduledMessage("t", "m", b"p")
+    )
+
+
+async def test_reinitialize_with_other_config_or_keyring_fails(
+    deployed: tuple[str, str],
+) -> None:
+    dsn, schema = deployed
+    clock = FakeClock(START)
+    same = await PostgresRecurringStore.initialize(dsn, CONFIG, KEYRING, clock, schema=schema)
+    await same.close()
+    other = RecurringConfig("tenant-a", 11, 100)
+    with pytest.raises(RecurringConfigurationError):
+        await PostgresRecurringStore.initialize(dsn, other, KEYRING, clock, schema=schema)
+    with pytest.raises(RecurringConfigurationError):
+        await PostgresRecurringStore.connect(dsn, other, KEYRING, clock, schema=schema)
+    wrong_keys = Keyring(StorageKey("k1", b"\x03" * 32))
+    with pytest.raises(RecurringConfigurationError):
+        await PostgresRecurringStore.connect(dsn, CONFIG, wrong_keys, clock, schema=schema)
+
+
+async def test_connect_never_creates(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    clock = FakeClock(START)
+    with pytest.raises(RecurringStorageError, match="initialize"):
+        await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, clock, schema=schema)
+    conn = await asyncpg.connect(dsn)
+    try:
+        tables = await conn.fetchval(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = $1", schema
+        )
+    finally:
+        await conn.close()
+    assert tables == 0
+    store = await PostgresRecurringStore.initialize(dsn, CONFIG, KEYRING, clock, schema=schema)
+    await store.close()
+    with pytest.raises(RecurringNotFoundError):
+        await PostgresRecurringStore.connect(
+            dsn, RecurringConfig("tenant-b", 10, 100), KEYRING, clock, schema=schema
+        )
+
+
+async def test_schema_version_mismatch_refused(deployed: tuple[str, str]) -> None:
+    dsn, schema = deployed
+    await sql(dsn, f'UPDATE "{schema}".recurring_schema_version SET version = 99')
+    with pytest.raises(RecurringStorageError, match="version 99"):
+        await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, FakeClock(START), schema=schema)
+
+
+async def test_unlogged_table_refused(deployed: tuple[str, str]) -> None:
+    dsn, schema = deployed
+    await sql(dsn, f'ALTER TABLE "{schema}".recurring_occurrences SET UNLOGGED')
+    with pytest.raises(RecurringStorageError, match="unlogged"):
+        await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, FakeClock(START), schema=schema)
+    await sql(dsn, f'ALTER TABLE "{schema}".recurring_occurrences SET LOGGED')
+    store = await PostgresRecurringStore.connect(
+        dsn, CONFIG, KEYRING, FakeClock(START), schema=schema
+    )
+    await store.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("synchronous_commit=off", "synchronous_commit"),
+        ("default_transaction_read_only=on", "read-only"),
+    ],
+)
+async def test_session_settings_refused(
+    deployed: tuple[str, str], setting: str, named: str
+) -> None:
+    dsn, schema = deployed
+    with pytest.raises(RecurringStorageError, match=named):
+        await PostgresRecurringStore.connect(
+            with_query(dsn, setting), CONFIG, KEYRING, FakeClock(START), schema=schema
+        )
+
+
+async def test_role_synchronous_commit_off_refused(
+    deployed: tuple[str, str], runtime_role: str
+) -> None:
+    dsn, schema = deployed
+    role_dsn = with_user(dsn, runtime_role)
+    clock = FakeClock(START)
+    store = await PostgresRecurringStore.connect(role_dsn, CONFIG, KEYRING, clock, schema=schema)
+    await sql(dsn, f'ALTER ROLE "{runtime_role}" SET synchronous_commit = off')
+    try:
+        with pytest.raises(RecurringStorageError, match="synchronous_commit"):
+            await PostgresRecurringStore.connect(role_dsn, CONFIG, KEYRING, clock, schema=schema)
+        # A store already connected checks every new pooled connection too.
+        await sql(
+            dsn,
+            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            f"WHERE usename = '{runtime_role}'",
+        )
+        await asyncio.sleep(0.2)
+        with pytest.raises(RecurringStorageError):
+            await store.schedules()
+    finally:
+        await store.close()
+        await sql(dsn, f'ALTER ROLE "{runtime_role}" RESET synchronous_commit')
+
+
+async def test_restricted_runtime_role_works(
+    deployed: tuple[str, str], runtime_role: str
+) -> None:
+    from steeple.testing import MemoryBroker
+
+    dsn, schema = deployed
+    clock = FakeClock(START)
+    async with await PostgresRecurringStore.connect(
+        with_user(dsn, runtime_role), CONFIG, KEYRING, clock, schema=schema
+    ) as store:
+        assert store.warnings == []
+        await store.create(_definition("daily"))
+        from datetime import timedelta
+
+        clock.advance(timedelta(days=2))
+        assert (await store.tick(10)).materialized == 2
+        broker = MemoryBroker()
+        for lease in await store.claim(10):
+            await store.relay(lease, broker)
+        clock.advance(timedelta(seconds=1))
+        assert await store.purge_terminal(clock.now()) == 2
+        # and it cannot change the tables (no DDL)
+    conn = await asyncpg.connect(with_user(dsn, runtime_role))
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute(f'ALTER TABLE "{schema}".recurring_occurrences SET UNLOGGED')
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute(f'CREATE TABLE "{schema}".intruder (x int)')
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize(
+    ("table", "privilege"),
+    [
+        ("recurring_occurrences", "DELETE"),
+        ("recurring_namespaces", "UPDATE"),
+        ("recurring_definitions", "INSERT"),
+        ("recurring_schema_version", "SELECT"),
+    ],
+)
+async def test_missing_grant_named(
+    deployed: tuple[str, str], runtime_role: str, table: str, privilege: str
+) -> None:
+    dsn, schema = deployed
+    await sql(dsn, f'REVOKE {privilege} ON "{schema}".{table} FROM "{runtime_role}"')
+    with pytest.raises(RecurringStorageError) as info:
+        await PostgresRecurringStore.connect(
+            with_user(dsn, runtime_role), CONFIG, KEYRING, FakeClock(START), schema=schema
+        )
+    assert privilege in str(info.value) and table in str(info.value)
+
+
+async def test_missing_schema_usage_named(
+    deployed: tuple[str, str], runtime_role: str
+) -> None:
+    dsn, schema = deployed
+    await sql(dsn, f'REVOKE USAGE ON SCHEMA "{schema}" FROM "{runtime_role}"')
+    with pytest.raises(RecurringStorageError, match="USAGE"):
+        await PostgresRecurringStore.connect(
+            with_user(dsn, runtime_role), CONFIG, KEYRING, FakeClock(START), schema=schema
+        )
+
+
+async def test_excess_power_reported(
+    deployed: tuple[str, str], runtime_role: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dsn, schema = deployed
+    clock = FakeClock(START)
+    with caplog.at_level(logging.WARNING, logger="steeple.postgres.recurring"):
+        store = await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, clock, schema=schema)
+    await store.close()
+    assert any("superuser" in w for w in store.warnings)
+    assert any("superuser" in r.getMessage() for r in caplog.records)
+
+    await sql(dsn, f'GRANT CREATE ON SCHEMA "{schema}" TO "{runtime_role}"')
+    await sql(dsn, f'ALTER TABLE "{schema}".recurring_schema_version OWNER TO "{runtime_role}"')
+    store = await PostgresRecurringStore.connect(
+        with_user(dsn, runtime_role), CONFIG, KEYRING, clock, schema=schema
+    )
+    await store.close()
+    joined = " ".join(store.warnings)
+    assert "CREATE" in joined and "owns" in joined and "recurring_schema_version" in joined
+    await sql(dsn, f'ALTER TABLE "{schema}".recurring_schema_version OWNER TO CURRENT_USER')
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://app@db.example.com/prod",
+        "postgresql://app@db.example.com/prod?sslmode=require",
+        "postgresql://app@10.1.2.3:5432/prod?sslmode=prefer",
+        "postgresql://app@localhost,db.example.com/prod",
+    ],
+)
+async def test_remote_without_verified_tls_refused(dsn: str) -> None:
+    with pytest.raises(RecurringConfigurationError, match="verify-full"):
+        await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, FakeClock(START))
+    with pytest.raises(RecurringConfigurationError, match="verify-full"):
+        await PostgresRecurringStore.initialize(dsn, CONFIG, KEYRING, FakeClock(START))
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://app@127.0.0.1/db",
+        "postgresql://app@localhost:5433/db",
+        "postgresql://app@[::1]/db",
+        "postgresql:///db?host=/var/run/postgresql",
+        "postgresql://app@db.example.com/prod?sslmode=verify-full",
+        "postgresql://app@db.example.com/prod?sslmode=verify-ca",
+    ],
+)
+def test_loopback_socket_or_verified_tls_accepted(dsn: str) -> None:
+    check_transport(dsn)
+
+
+def test_non_uri_dsn_refused() -> None:
+    with pytest.raises(DurabilityProblem):
+        check_transport("host=db.example.com dbname=x")

@@ -1,0 +1,802 @@
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime, timedelta
+
+import attrs
+import pytest
+
+from steeple.core.config import RecurringConfig, RecurringDefinition
+from steeple.core.errors import (
+    AuthenticationFailedError,
+    BrokerTimeoutError,
+    RecurringCapacityError,
+    RecurringClockError,
+    RecurringConfigurationError,
+    RecurringConflictError,
+    RecurringInvalidStateError,
+    RecurringNotFoundError,
+    RecurringStorageError,
+    RelayAcknowledgementError,
+    RelayBrokerError,
+    RelayBrokerTimeoutError,
+    RelayLeaseLostError,
+)
+from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
+from steeple.core.messages import BrokerReceipt, ScheduledMessage
+from steeple.core.occurrences import OccurrenceState
+from steeple.core.policies import MissedRunPolicy
+from steeple.core.ports import RecurringStore
+from steeple.core.records import Lease, OccurrenceInfo
+from steeple.testing import DeterministicRandom, FakeClock, InMemoryRecurringStore, MemoryBroker
+
+START = datetime(2031, 5, 17, 3, 14, 15, 926000, tzinfo=UTC)
+MINUTE = timedelta(minutes=1)
+S = OccurrenceState
+
+
+def config(**overrides: object) -> RecurringConfig:
+    values: dict[str, object] = {
+        "namespace": "tests",
+        "max_definitions": 5,
+        "max_occurrences": 100,
+    }
+    values.update(overrides)
+    return RecurringConfig(**values)  # type: ignore[arg-type]
+
+
+def definition(
+    name: str = "every-minute",
+    cron: str = "* * * * *",
+    *,
+    back: timedelta = timedelta(minutes=10),
+    policy: MissedRunPolicy = MissedRunPolicy.CATCH_UP,
+    payload: bytes = b"payload",
+    first_after: datetime | None = None,
+) -> RecurringDefinition:
+    return RecurringDefinition(
+        name,
+        cron,
+        first_after if first_after is not None else START - back,
+        policy,
+        ScheduledMessage("reminders", "reminder.requested", payload, {"x-tenant": "t1"}),
+    )
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(START)
+
+
+@pytest.fixture
+def store(clock: FakeClock) -> InMemoryRecurringStore:
+    return InMemoryRecurringStore(config(), clock, random=DeterministicRandom(11))
+
+
+async def listed(store: InMemoryRecurringStore) -> list[OccurrenceInfo]:
+    page = await store.occurrences(limit=100)
+    return list(page.items)
+
+
+async def one_leased(store: InMemoryRecurringStore) -> Lease:
+    await store.create(definition(back=timedelta(minutes=1)))
+    assert (await store.tick(1)).materialized == 1
+    (lease,) = await store.claim(1)
+    return lease
+
+
+def key_of(store: InMemoryRecurringStore, broker: MemoryBroker) -> str:
+    return broker.keys_attempted[-1]
+
+
+# --- create -----------------------------------------------------------------------------------
+
+
+async def test_store_satisfies_the_port(store: InMemoryRecurringStore) -> None:
+    port: RecurringStore = store
+    assert port is store
+    assert "tests" in repr(store)
+
+
+async def test_create_returns_metadata_and_replays_identically(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    info = await store.create(definition())
+    assert info.name == "every-minute"
+    assert info.state == "active"
+    assert info.created_at == START
+    assert info.next_due_at == datetime(2031, 5, 17, 3, 5, tzinfo=UTC)
+    assert info.topic == "reminders"
+    clock.advance(timedelta(hours=1))
+    replay = await store.create(definition())
+    assert replay.created_at == START
+    # A differently spelled but identical calendar is the same definition.
+    same = attrs.evolve(definition(), cron="*/1 * * * *")
+    assert (await store.create(same)).created_at == START
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        definition(payload=b"other"),
+        definition(cron="*/5 * * * *"),
+        definition(policy=MissedRunPolicy.COALESCE),
+        definition(back=timedelta(minutes=11)),
+    ],
+)
+async def test_conflicting_reuse_of_a_name_is_refused(
+    store: InMemoryRecurringStore, changed: RecurringDefinition
+) -> None:
+    await store.create(definition())
+    with pytest.raises(RecurringConflictError):
+        await store.create(changed)
+    assert (await store.schedules()).items[0].next_due_at == datetime(
+        2031, 5, 17, 3, 5, tzinfo=UTC
+    )
+
+
+async def test_definition_quota_counts_cancelled_names(clock: FakeClock) -> None:
+    store = InMemoryRecurringStore(config(max_definitions=2), clock)
+    await store.create(definition("a"))
+    await store.create(definition("b"))
+    await store.cancel("a")
+    with pytest.raises(RecurringCapacityError):
+        await store.create(definition("c"))
+    # The cancelled name stays reserved: an identical replay returns it, cancelled.
+    replay = await store.create(definition("a"))
+    assert replay.state == "cancelled"
+    with pytest.raises(RecurringConflictError):
+        await store.create(definition("a", payload=b"new"))
+    assert [s.name for s in (await store.schedules()).items] == ["a", "b"]
+
+
+async def test_create_rejects_non_definitions(store: InMemoryRecurringStore) -> None:
+    with pytest.raises(RecurringConfigurationError):
+        await store.create("not a definition")  # type: ignore[arg-type]
+
+
+# --- tick ---------------------------------------------------------------------------------------
+
+
+async def test_catch_up_tick_emits_oldest_first_across_definitions(
+    store: InMemoryRecurringStore,
+) -> None:
+    await store.create(definition("b-minutes", back=timedelta(minutes=3)))
+    await store.create(definition("a-fives", "*/5 * * * *", back=timedelta(minutes=20)))
+    result = await store.tick(4)
+    assert result.materialized == 4
+    got = [(o.due_at.strftime("%H:%M"), o.definition_name) for o in await listed(store)]
+    assert got == [
+        ("02:55", "a-fives"),
+        ("03:00", "a-fives"),
+        ("03:05", "a-fives"),
+        ("03:10", "a-fives"),
+    ]
+    await store.create(definition("a-early", back=timedelta(minutes=3)))
+    result = await store.tick(4)
+    got = [(o.due_at.strftime("%H:%M"), o.definition_name) for o in await listed(store)][4:]
+    # Same due time: ordered by name.
+    assert got == [
+        ("03:12", "a-early"),
+        ("03:12", "b-minutes"),
+        ("03:13", "a-early"),
+        ("03:13", "b-minutes"),
+    ]
+    result = await store.tick(100)
+    assert result.materialized == 2
+    assert len(result.occurrence_ids) == 2
+    assert (await store.tick(100)).materialized == 0
+    for occ in await listed(store):
+        assert occ.state is S.PENDING
+        assert occ.created_at == START
+        assert occ.window_ends_at == START + timedelta(days=1)
+        assert len(occ.occurrence_id) == 32
+        int(occ.occurrence_id, 16)
+
+
+async def test_coalesce_emits_the_oldest_once_then_skips_past_now(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    await store.create(definition(policy=MissedRunPolicy.COALESCE))
+    assert (await store.tick(100)).materialized == 1
+    (occ,) = await listed(store)
+    assert occ.due_at == datetime(2031, 5, 17, 3, 5, tzinfo=UTC)
+    assert (await store.tick(100)).materialized == 0
+    info = (await store.schedules()).items[0]
+    assert info.next_due_at == datetime(2031, 5, 17, 3, 15, tzinfo=UTC)
+    clock.advance(timedelta(minutes=3))
+    assert (await store.tick(100)).materialized == 1
+    assert (await listed(store))[-1].due_at == datetime(2031, 5, 17, 3, 15, tzinfo=UTC)
+
+
+async def test_capacity_failure_rolls_back_the_whole_tick(clock: FakeClock) -> None:
+    store = InMemoryRecurringStore(config(max_occurrences=5), clock)
+    await store.create(definition("a", back=timedelta(minutes=4)))
+    await store.create(definition("b", back=timedelta(minutes=4)))
+    with pytest.raises(RecurringCapacityError, match="purge"):
+        await store.tick(6)
+    assert await listed(store) == []
+    assert [s.next_due_at for s in (await store.schedules()).items] == [
+        datetime(2031, 5, 17, 3, 11, tzinfo=UTC)
+    ] * 2
+    assert (await store.tick(5)).materialized == 5  # a smaller batch fits
+    with pytest.raises(RecurringCapacityError):
+        await store.tick(1)
+
+
+@pytest.mark.parametrize("budget", [0, 101, -1, True, 2.0])
+async def test_budgets_and_limits_outside_1_to_100_are_refused(
+    store: InMemoryRecurringStore, budget: object
+) -> None:
+    for call in (store.tick, store.claim):
+        with pytest.raises(RecurringConfigurationError):
+            await call(budget)  # type: ignore[arg-type]
+    with pytest.raises(RecurringConfigurationError):
+        await store.schedules(limit=budget)  # type: ignore[arg-type]
+    with pytest.raises(RecurringConfigurationError):
+        await store.occurrences(limit=budget)  # type: ignore[arg-type]
+    with pytest.raises(RecurringConfigurationError):
+        await store.purge_terminal(START, budget)  # type: ignore[arg-type]
+
+
+async def test_exhausted_calendar_stops(clock: FakeClock) -> None:
+    clock.set(datetime(2100, 12, 31, 23, 59, 30, tzinfo=UTC))
+    store = InMemoryRecurringStore(config(), clock)
+    await store.create(
+        definition("last", "59 23 31 12 *", first_after=datetime(2100, 1, 1, tzinfo=UTC))
+    )
+    result = await store.tick(10)
+    assert result.materialized == 1
+    assert result.exhausted == ("last",)
+    info = (await store.schedules()).items[0]
+    assert info.state == "exhausted"
+    assert info.next_due_at is None
+    clock.advance(timedelta(days=1))
+    assert (await store.tick(10)).materialized == 0
+
+
+# --- claim and relay ----------------------------------------------------------------------------
+
+
+async def test_claim_fences_with_fresh_capability_and_revision(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    first = await one_leased(store)
+    assert first.expires_at == START + timedelta(seconds=60)
+    assert first.revision == 1
+    assert len(first.capability) == 16
+    assert "capability" not in repr(first)
+    assert await store.claim(10) == []  # a live lease is not claimable
+    clock.advance(timedelta(seconds=60))  # the expiry instant itself is too late
+    (second,) = await store.claim(10)
+    assert second.occurrence_id == first.occurrence_id
+    assert second.revision == 2
+    assert second.capability != first.capability
+    broker = MemoryBroker()
+    with pytest.raises(RelayLeaseLostError):
+        await store.relay(first, broker)
+    assert broker.attempts == 0
+    receipt = await store.relay(second, broker)
+    assert receipt.idempotency_key == broker.keys()[0]
+    (occ,) = await listed(store)
+    assert occ.state is S.PUBLISHED
+    assert occ.attempts == 1
+
+
+async def test_forged_capability_or_revision_is_refused(store: InMemoryRecurringStore) -> None:
+    lease = await one_leased(store)
+    broker = MemoryBroker()
+    forged = [
+        attrs.evolve(lease, capability=bytes(16)),
+        attrs.evolve(lease, capability=lease.capability[:-1]),
+        attrs.evolve(lease, revision=lease.revision + 1),
+        attrs.evolve(lease, revision=lease.revision - 1),
+        attrs.evolve(lease, occurrence_id="f" * 32),
+    ]
+    for bad in forged:
+        with pytest.raises(RelayLeaseLostError):
+            await store.relay(bad, broker)
+    assert broker.attempts == 0
+    await store.relay(lease, broker)
+    with pytest.raises(RelayLeaseLostError):
+        await store.relay(lease, broker)  # published: the lease is spent
+    assert broker.attempts == 1
+
+
+async def test_lease_is_shortened_to_the_window_and_expired_work_is_classified(
+    clock: FakeClock,
+) -> None:
+    cfg = config(delivery_window=timedelta(seconds=120), lease_duration=timedelta(seconds=60))
+    store = InMemoryRecurringStore(cfg, clock)
+    await store.create(definition(back=timedelta(minutes=1)))
+    await store.tick(1)
+    clock.advance(timedelta(seconds=90))
+    (lease,) = await store.claim(1)
+    assert lease.expires_at == START + timedelta(seconds=120)
+    clock.advance(timedelta(seconds=30))
+    assert await store.claim(1) == []
+    (occ,) = await listed(store)
+    assert occ.state is S.EXPIRED
+    with pytest.raises(RelayLeaseLostError):
+        await store.relay(lease, MemoryBroker())
+
+
+async def test_relay_publishes_the_frozen_message_under_the_documented_key(
+    store: InMemoryRecurringStore,
+) -> None:
+    lease = await one_leased(store)
+    broker = MemoryBroker()
+    receipt = await store.relay(lease, broker)
+    ((message, key),) = broker.published
+    assert message == definition().message
+    assert key.startswith("stp1-")
+    assert receipt == BrokerReceipt("memory", key, location="0")
+    (occ,) = await listed(store)
+    # The id is the generation's hex, and the key is derived from it.
+    expected = idempotency_key(
+        purpose=PUBLISH_PURPOSE,
+        namespace="tests",
+        definition_name="every-minute",
+        due_at=occ.due_at,
+        generation=bytes.fromhex(occ.occurrence_id),
+    )
+    assert key == expected
+
+
+async def test_lost_acknowledgement_is_a_retry_that_the_key_deduplicates(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    lease = await one_leased(store)
+    broker = MemoryBroker()
+    broker.lose_ack_next()
+    with pytest.raises(RelayAcknowledgementError) as info:
+        await store.relay(lease, broker)
+    assert info.value.receipt.idempotency_key == broker.keys()[0]
+    (occ,) = await listed(store)
+    assert occ.state is S.RETRY_WAIT
+    assert occ.next_attempt_at == START + timedelta(seconds=1)
+    with pytest.raises(RelayLeaseLostError):
+        await store.relay(lease, broker)  # the failed lease cannot try again
+    assert await store.claim(1) == []  # not before the backoff
+    clock.advance(timedelta(seconds=1))
+    (again,) = await store.claim(1)
+    receipt = await store.relay(again, broker)
+    assert receipt.duplicate
+    assert broker.keys_attempted == [broker.keys()[0]] * 2
+    assert len(broker.published) == 1
+    (occ,) = await listed(store)
+    assert occ.state is S.PUBLISHED
+    assert occ.attempts == 2
+
+
+async def test_retryable_failures_back_off_then_die_after_ten_attempts(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    lease = await one_leased(store)
+    broker = MemoryBroker()
+    expected_delays = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    for attempt in range(1, 11):
+        broker.fail_next()
+        with pytest.raises(RelayBrokerError) as info:
+            await store.relay(lease, broker)
+        assert not info.value.permanent
+        assert not isinstance(info.value, RelayBrokerTimeoutError)
+        assert isinstance(info.value.__cause__, Exception)
+        (occ,) = await listed(store)
+        assert occ.attempts == attempt
+        if attempt < 10:
+            assert occ.state is S.RETRY_WAIT
+            delay = timedelta(seconds=expected_delays[attempt - 1])
+            assert occ.next_attempt_at == clock.now() + delay
+            clock.advance(delay)
+            (lease,) = await store.claim(1)
+        else:
+            assert occ.state is S.DEAD
+            assert occ.next_attempt_at is None
+    assert await store.claim(1) == []
+    assert len(set(broker.keys_attempted)) == 1
+
+
+async def test_permanent_failure_is_dead_at_once(store: InMemoryRecurringStore) -> None:
+    lease = await one_leased(store)
+    broker = MemoryBroker()
+    broker.fail_next(permanent=True)
+    with pytest.raises(RelayBrokerError) as info:
+        await store.relay(lease, broker)
+    assert info.value.permanent
+    (occ,) = await listed(store)
+    assert occ.state is S.DEAD
+
+
+async def test_too_large_for_the_broker_is_a_dead_letter(
+    store: InMemoryRecurringStore,
+) -> None:
+    lease = await one_leased(store)
+    with pytest.raises(RelayBrokerError) as info:
+        await store.relay(lease, MemoryBroker(max_payload=3))
+    assert info.value.permanent
+    assert (await listed(store))[0].state is S.DEAD
+
+
+async def test_broker_timeout_maps_to_relay_timeout(store: InMemoryRecurringStore) -> None:
+    lease = await one_leased(store)
+    broker = MemoryBroker()
+    broker.timeout_next(accept=True)
+    with pytest.raises(RelayBrokerTimeoutError) as info:
+        await store.relay(lease, broker)
+    assert isinstance(info.value, TimeoutError)
+    assert isinstance(info.value.__cause__, BrokerTimeoutError)
+    assert (await listed(store))[0].state is S.RETRY_WAIT
+
+
+async def test_relay_deadline_is_bounded_by_the_lease_and_ten_seconds(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    seen: list[float] = []
+
+    class Recording(MemoryBroker):
+        async def publish(
+            self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+        ) -> BrokerReceipt:
+            seen.append(timeout)
+            return await super().publish(message, idempotency_key=idempotency_key, timeout=timeout)
+
+    lease = await one_leased(store)
+    broker = Recording()
+    broker.fail_next()
+    with pytest.raises(RelayBrokerError):
+        await store.relay(lease, broker)
+    clock.advance(timedelta(seconds=1))
+    (lease,) = await store.claim(1)
+    clock.advance(timedelta(seconds=57))
+    await store.relay(lease, broker)
+    assert seen == [10.0, 3.0]
+
+
+async def test_window_end_makes_a_retry_dead(clock: FakeClock) -> None:
+    cfg = config(delivery_window=timedelta(seconds=10), lease_duration=timedelta(seconds=5))
+    store = InMemoryRecurringStore(cfg, clock)
+    await store.create(definition(back=timedelta(minutes=1)))
+    await store.tick(1)
+    broker = MemoryBroker()
+    # Failures at +0, +1 and +3 s back off 1, 2 and 4 s; at +7 s, 8 s would pass the window.
+    for _ in range(4):
+        (lease,) = await store.claim(1)
+        broker.fail_next()
+        with pytest.raises(RelayBrokerError):
+            await store.relay(lease, broker)
+        occ = (await listed(store))[0]
+        if occ.state is S.RETRY_WAIT:
+            assert occ.next_attempt_at is not None
+            clock.set(occ.next_attempt_at)
+    assert occ.state is S.DEAD
+    assert occ.attempts == 4
+    assert clock.now() == START + timedelta(seconds=7)
+
+
+async def test_a_lease_fenced_during_publication_cannot_acknowledge(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    lease = await one_leased(store)
+    newer: list[Lease] = []
+
+    class Slow(MemoryBroker):
+        async def publish(
+            self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+        ) -> BrokerReceipt:
+            # While this (stale) worker publishes, its lease lapses and another claims.
+            clock.advance(timedelta(seconds=61))
+            newer.extend(await store.claim(1))
+            return await super().publish(message, idempotency_key=idempotency_key, timeout=timeout)
+
+    broker = Slow()
+    with pytest.raises(RelayLeaseLostError, match="fenced"):
+        await store.relay(lease, broker)
+    (occ,) = await listed(store)
+    assert occ.state is S.LEASED
+    receipt = await store.relay(newer[0], MemoryBroker())
+    assert receipt.idempotency_key == broker.keys()[0]
+
+
+async def test_a_cancellation_cannot_recall_an_in_flight_publication(
+    store: InMemoryRecurringStore,
+) -> None:
+    lease = await one_leased(store)
+
+    class Racing(MemoryBroker):
+        async def publish(
+            self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+        ) -> BrokerReceipt:
+            await store.cancel("every-minute")
+            return await super().publish(message, idempotency_key=idempotency_key, timeout=timeout)
+
+    broker = Racing()
+    receipt = await store.relay(lease, broker)
+    assert not receipt.duplicate
+    assert len(broker.published) == 1
+    (occ,) = await listed(store)
+    assert occ.state is S.CANCELLED
+
+
+async def test_a_stale_lease_cannot_bury_the_new_holders_occurrence(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    lease = await one_leased(store)
+
+    class Failing(MemoryBroker):
+        async def publish(
+            self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+        ) -> BrokerReceipt:
+            clock.advance(timedelta(seconds=61))
+            await store.claim(1)
+            raise BrokerTimeoutError("slow")
+
+    with pytest.raises(RelayBrokerTimeoutError):
+        await store.relay(lease, Failing())
+    (occ,) = await listed(store)
+    assert occ.state is S.LEASED  # the new holder's lease, untouched
+
+
+# --- cancel, retry_failed -------------------------------------------------------------------
+
+
+async def test_cancel_is_permanent_and_erases_content(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    await store.create(definition(back=timedelta(minutes=5)))
+    await store.tick(100)
+    leases = await store.claim(2)
+    broker = MemoryBroker()
+    await store.relay(leases[0], broker)
+    broker.fail_next(permanent=True)
+    with pytest.raises(RelayBrokerError):
+        await store.relay(leases[1], broker)
+    await store.claim(1)  # one more leased
+    clock.advance(timedelta(seconds=5))
+    info = await store.cancel("every-minute")
+    assert info.state == "cancelled"
+    assert info.cancelled_at == START + timedelta(seconds=5)
+    assert info.next_due_at is None
+    states = [o.state for o in await listed(store)]
+    assert states == [S.PUBLISHED] + [S.CANCELLED] * 4
+    again = await store.cancel("every-minute")
+    assert again.cancelled_at == info.cancelled_at
+    clock.advance(timedelta(hours=1))
+    assert (await store.tick(100)).materialized == 0
+    assert await store.claim(100) == []
+    # Erased: no content remains on any cancelled occurrence.
+    assert all(
+        o.content is None
+        for o in store._occurrences.values()
+        if o.state in (S.CANCELLED, S.PUBLISHED)
+    )
+
+
+async def test_cancel_unknown_name(store: InMemoryRecurringStore) -> None:
+    with pytest.raises(RecurringNotFoundError):
+        await store.cancel("nobody")
+
+
+async def test_retry_failed_revives_only_dead_occurrences(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    lease = await one_leased(store)
+    broker = MemoryBroker()
+    with pytest.raises(RecurringInvalidStateError):
+        await store.retry_failed(lease.occurrence_id)  # leased
+    broker.fail_next(permanent=True)
+    with pytest.raises(RelayBrokerError):
+        await store.relay(lease, broker)
+    info = await store.retry_failed(lease.occurrence_id)
+    assert info.state is S.PENDING
+    assert info.attempts == 0
+    with pytest.raises(RecurringInvalidStateError):
+        await store.retry_failed(lease.occurrence_id)  # pending now
+    (lease,) = await store.claim(1)
+    await store.relay(lease, broker)
+    with pytest.raises(RecurringInvalidStateError, match="published"):
+        await store.retry_failed(lease.occurrence_id)
+    with pytest.raises(RecurringNotFoundError):
+        await store.retry_failed("0" * 32)
+    assert len(set(broker.keys_attempted)) == 1
+
+
+async def test_retry_failed_cannot_revive_expired_cancelled_or_purged(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    await store.create(definition("a", back=timedelta(minutes=2)))
+    await store.create(definition("b", back=timedelta(minutes=1)))
+    await store.tick(100)
+    broker = MemoryBroker()
+    for lease in await store.claim(100):
+        broker.fail_next(permanent=True)
+        with pytest.raises(RelayBrokerError):
+            await store.relay(lease, broker)
+    ids = {o.definition_name: o.occurrence_id for o in await listed(store)}
+    await store.cancel("b")
+    with pytest.raises(RecurringInvalidStateError, match="cancelled"):
+        await store.retry_failed(ids["b"])
+    clock.advance(timedelta(days=1))
+    with pytest.raises(RecurringInvalidStateError, match="expired"):
+        await store.retry_failed(ids["a"])
+    assert await store.purge_terminal(clock.now() + timedelta(seconds=1)) == 3
+    with pytest.raises(RecurringNotFoundError):
+        await store.retry_failed(ids["a"])
+
+
+# --- listings and purge -----------------------------------------------------------------------
+
+
+async def test_pages_have_exclusive_cursors_and_no_payloads(
+    store: InMemoryRecurringStore,
+) -> None:
+    for name in ("e", "a", "d", "c", "b"):
+        await store.create(definition(name, back=timedelta(minutes=2)))
+    names: list[str] = []
+    cursor = None
+    while True:
+        page = await store.schedules(after=cursor, limit=2)
+        assert len(page.items) <= 2
+        names.extend(s.name for s in page.items)
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    assert names == ["a", "b", "c", "d", "e"]
+    assert (await store.schedules(after="b", limit=100)).items[0].name == "c"
+    await store.tick(100)
+    seen: list[tuple[datetime, str]] = []
+    cursor = None
+    while True:
+        occ_page = await store.occurrences(after=cursor, limit=3)
+        seen.extend((o.due_at, o.occurrence_id) for o in occ_page.items)
+        if occ_page.next_cursor is None:
+            break
+        cursor = occ_page.next_cursor
+    assert len(seen) == 10
+    assert seen == sorted(seen)
+    assert len(set(seen)) == 10
+    for item in (await store.occurrences()).items:
+        assert not hasattr(item, "payload")
+        assert "payload" not in repr(item)
+
+
+async def test_invalid_cursors_are_refused(store: InMemoryRecurringStore) -> None:
+    for bad in ("garbage", "123.abc", "000000000000000.", 5):
+        with pytest.raises(RecurringConfigurationError):
+            await store.occurrences(after=bad)  # type: ignore[arg-type]
+    with pytest.raises(RecurringConfigurationError):
+        await store.schedules(after=5)  # type: ignore[arg-type]
+
+
+async def test_purge_removes_only_old_terminal_occurrences(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    await store.create(definition(back=timedelta(minutes=4)))
+    await store.tick(100)
+    broker = MemoryBroker()
+    first, second = await store.claim(2)
+    await store.relay(first, broker)  # published at START
+    clock.advance(timedelta(seconds=30))
+    await store.relay(second, broker)  # published at START + 30 s
+    assert await store.purge_terminal(START) == 0  # strictly older than the cutoff
+    assert await store.purge_terminal(START + timedelta(seconds=1)) == 1
+    assert await store.purge_terminal(clock.now() + timedelta(seconds=1), limit=1) == 1
+    states = sorted(o.state.value for o in await listed(store))
+    assert states == ["pending", "pending"]
+    assert await store.purge_terminal(clock.now() + timedelta(days=9)) == 0
+    with pytest.raises(ValueError, match="aware"):
+        await store.purge_terminal(datetime(2031, 1, 1))
+
+
+async def test_expired_occurrences_free_capacity_only_when_purged(clock: FakeClock) -> None:
+    cfg = config(max_occurrences=2, delivery_window=timedelta(minutes=2))
+    store = InMemoryRecurringStore(cfg, clock)
+    await store.create(definition(back=timedelta(minutes=2)))
+    assert (await store.tick(100)).materialized == 2
+    clock.advance(timedelta(minutes=3))
+    with pytest.raises(RecurringCapacityError):
+        await store.tick(1)
+    assert [o.state for o in await listed(store)] == [S.EXPIRED, S.EXPIRED]
+    # An expired occurrence's last update is its window's end, however late it was noticed.
+    window_end = START + timedelta(minutes=2)
+    assert await store.purge_terminal(window_end, limit=100) == 0
+    assert await store.purge_terminal(window_end + timedelta(milliseconds=1), limit=100) == 2
+    assert (await store.tick(2)).materialized == 2
+
+
+# --- time ---------------------------------------------------------------------------------------
+
+
+async def test_clock_regression_within_tolerance_adopts_recorded_time(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    await store.create(definition(back=timedelta(minutes=1)))
+    await store.tick(1)
+    clock.set(START - timedelta(seconds=4.9))
+    (lease,) = await store.claim(1)
+    assert lease.expires_at == START + timedelta(seconds=60)  # judged by recorded time
+    clock.set(START - timedelta(seconds=5))
+    await store.schedules()  # exactly the tolerance is still fine
+
+
+async def test_clock_regression_beyond_tolerance_fails(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    await store.create(definition())
+    clock.set(START - timedelta(seconds=5.1))
+    for call in (store.tick(1), store.claim(1), store.cancel("every-minute"), store.occurrences()):
+        with pytest.raises(RecurringClockError):
+            await call
+    clock.set(START)
+    assert (await store.schedules()).items[0].state == "active"
+
+
+async def test_closed_store_refuses_calls(clock: FakeClock) -> None:
+    async with InMemoryRecurringStore(config(), clock) as store:
+        await store.create(definition())
+    with pytest.raises(RecurringStorageError):
+        await store.tick(1)
+
+
+def test_config_must_be_a_recurring_config(clock: FakeClock) -> None:
+    with pytest.raises(RecurringConfigurationError):
+        InMemoryRecurringStore("tests", clock)  # type: ignore[arg-type]
+
+
+# --- sealing ------------------------------------------------------------------------------------
+
+
+class ToySealer:
+    """A context-binding toy sealer (tests only: XOR with a hash of the context)."""
+
+    primary_key_id = "toy"
+
+    def __init__(self) -> None:
+        self.sealed: list[tuple[str, str]] = []
+
+    def _pad(self, n: int, namespace: str, purpose: str, identity: str) -> bytes:
+        seed = f"{namespace}|{purpose}|{identity}".encode()
+        out = b""
+        counter = 0
+        while len(out) < n:
+            out += hashlib.sha256(seed + counter.to_bytes(4, "big")).digest()
+            counter += 1
+        return out[:n]
+
+    def seal(self, plaintext: bytes, *, namespace: str, purpose: str, identity: str) -> bytes:
+        self.sealed.append((purpose, identity))
+        tag = hashlib.sha256(f"{namespace}|{purpose}|{identity}".encode() + plaintext).digest()
+        pad = self._pad(len(plaintext), namespace, purpose, identity)
+        return tag + bytes(a ^ b for a, b in zip(plaintext, pad, strict=True))
+
+    def open(self, sealed: bytes, *, namespace: str, purpose: str, identity: str) -> bytes:
+        tag, body = sealed[:32], sealed[32:]
+        pad = self._pad(len(body), namespace, purpose, identity)
+        plain = bytes(a ^ b for a, b in zip(body, pad, strict=True))
+        context = f"{namespace}|{purpose}|{identity}".encode()
+        if hashlib.sha256(context + plain).digest() != tag:
+            raise AuthenticationFailedError("moved or tampered")
+        return plain
+
+
+async def test_sealed_content_round_trips_and_is_bound_to_its_identity(clock: FakeClock) -> None:
+    sealer = ToySealer()
+    store = InMemoryRecurringStore(config(), clock, sealer=sealer)
+    await store.create(definition(back=timedelta(minutes=2)))
+    # A replay opens the sealed definition to compare.
+    await store.create(definition(back=timedelta(minutes=2)))
+    with pytest.raises(RecurringConflictError):
+        await store.create(definition(payload=b"different"))
+    await store.tick(2)
+    first, second = await store.claim(2)
+    assert sealer.sealed[0] == ("definition", "every-minute")
+    assert {p for p, _ in sealer.sealed[1:]} == {"occurrence"}
+    broker = MemoryBroker()
+    await store.relay(first, broker)
+    assert broker.published[0][0] == definition().message
+    assert all(isinstance(o.content, bytes | None) for o in store._occurrences.values())
+    # Content moved onto another occurrence no longer opens.
+    occurrences = store._occurrences
+    occurrences[second.occurrence_id].content = occurrences[first.occurrence_id].content or b""
+    with pytest.raises(AuthenticationFailedError):
+        await store.relay(second, broker)
