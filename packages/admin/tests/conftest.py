@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
@@ -15,6 +16,7 @@ from steeple.core import (
     MissedRunPolicy,
     RecurringConfig,
     RecurringDefinition,
+    RecurringRelayError,
     ScheduledMessage,
     SystemClock,
 )
@@ -58,7 +60,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in list(os.environ):
         if name.startswith("STEEPLE_") and name != "STEEPLE_TEST_DSN":
             monkeypatch.delenv(name, raising=False)
-    yield
+    return
 
 
 async def seed_namespace(dsn: str, schema: str) -> Seeded:
@@ -90,10 +92,9 @@ async def seed_namespace(dsn: str, schema: str) -> Seeded:
         # The permanent failure must hit a "minutely" occurrence (tests cancel the other).
         leases.sort(key=lambda lease: names[lease.occurrence_id] != "minutely")
         for lease in leases:
-            try:
+            # the permanent failure raises, and the store records the occurrence as dead
+            with contextlib.suppress(RecurringRelayError):
                 await store.relay(lease, broker)
-            except Exception:  # the permanent failure: recorded as dead by the store
-                pass
         page = await store.occurrences(limit=100)
         dead = [o.occurrence_id for o in page.items if o.state.value == "dead"]
         assert len(dead) == 1, page.items
@@ -117,7 +118,7 @@ async def seed_namespace(dsn: str, schema: str) -> Seeded:
 @pytest.fixture
 async def seeded(pg_schema: tuple[str, str]) -> AsyncIterator[Seeded]:
     dsn, schema = pg_schema
-    yield await seed_namespace(dsn, schema)
+    return await seed_namespace(dsn, schema)
 
 
 @pytest.fixture

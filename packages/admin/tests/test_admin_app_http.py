@@ -142,12 +142,15 @@ async def test_listings_are_metadata_only(live: dict[str, Any]) -> None:
     for response in (schedules, occurrences, tasks, one):
         assert response.status_code == 200
         assert_security_headers(response)
-        assert "payload" not in response.text and "secret" not in response.text
-        assert "capability" not in response.text and "lease_token" not in response.text
+        assert "payload" not in response.text
+        assert "secret" not in response.text
+        assert "capability" not in response.text
+        assert "lease_token" not in response.text
     names = [s["name"] for s in schedules.json()["items"]]
     assert sorted(names) == ["five-minutely", "minutely"]
     page = occurrences.json()
-    assert len(page["items"]) == 5 and page["next_cursor"]
+    assert len(page["items"]) == 5
+    assert page["next_cursor"]
     assert {"occurrence_id", "definition_name", "due_at", "state", "attempts"} <= set(
         page["items"][0]
     )
@@ -178,7 +181,8 @@ async def test_state_changes_need_json_and_the_csrf_header(live: dict[str, Any])
         not_json = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
                                    content="{nope")
         still = await http.get("/api/ops/schedules")
-    assert no_token.status_code == 403 and no_token.json()["error"] == "csrf"
+    assert no_token.status_code == 403
+    assert no_token.json()["error"] == "csrf"
     assert wrong.status_code == 403
     assert form.status_code == 415
     assert text.status_code == 415
@@ -223,19 +227,23 @@ async def test_cancel_retry_purge_and_task_cancel(live: dict[str, Any]) -> None:
                                        content=json.dumps({"older_than_seconds": 0}))
         occurrences = (await http.get("/api/ops/occurrences")).json()["items"]
         task = (await http.get(f"/api/ops/tasks/{seeded.task_ids[1]}")).json()
-    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+    assert cancelled.status_code == 200
+    assert cancelled.json()["state"] == "cancelled"
     assert unknown.status_code == 404
-    assert retried.status_code == 200 and retried.json()["state"] == "pending"
+    assert retried.status_code == 200
+    assert retried.json()["state"] == "pending"
     assert again.status_code == 409
     assert purged.status_code == 200
     # every published occurrence was terminal and older than now: all of them went
     assert purged.json()["purged"] == seeded.published
     assert bad_purge.status_code == 400
     assert len(occurrences) == len(seeded.occurrence_ids) - seeded.published
-    assert task_cancel.status_code == 200 and task_cancel.json()["state"] == "cancelled"
+    assert task_cancel.status_code == 200
+    assert task_cancel.json()["state"] == "cancelled"
     assert task_again.status_code == 404
     assert task_bad.status_code == 400
-    assert tasks_purged.status_code == 200 and tasks_purged.json()["purged"] == 1
+    assert tasks_purged.status_code == 200
+    assert tasks_purged.json()["purged"] == 1
     assert task["state"] == "pending"
 
 
@@ -246,15 +254,20 @@ async def test_dashboard_renders_rows_without_inline_code(live: dict[str, Any]) 
     async with client(app) as http:
         page = await http.get("/ui/ops")
         css = await http.get("/static/admin.css")
-    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
     assert_security_headers(page)
     html = page.text
     assert html.count('class="row schedule"') == 2
     assert html.count('class="row occurrence"') == len(seeded.occurrence_ids)
     assert html.count('class="row task"') == len(seeded.task_ids)
-    assert "<script" not in html and "style=" not in html and "<style" not in html
-    assert "http://" not in html and "https://" not in html  # no CDN
-    assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+    assert "<script" not in html
+    assert "style=" not in html
+    assert "<style" not in html
+    assert "http://" not in html
+    assert "https://" not in html
+    assert css.status_code == 200
+    assert css.headers["content-type"].startswith("text/css")
 
 
 async def test_in_memory_store_and_html_escaping() -> None:
@@ -312,9 +325,11 @@ async def test_token_app_of_admin_serve(live: dict[str, Any]) -> None:
         browser = await http.get("/ui/ops", headers={"authorization": f"Basic {basic}"})
         api = await http.get("/api/ops/tasks", headers={"authorization": "Bearer " + "t" * 20})
         other = await http.get("/api/zzz/tasks", headers={"authorization": "Bearer " + "t" * 20})
-    assert anonymous.status_code == 401 and "Basic" in anonymous.headers["www-authenticate"]
+    assert anonymous.status_code == 401
+    assert "Basic" in anonymous.headers["www-authenticate"]
     assert_security_headers(anonymous)
     assert wrong.status_code == 403
-    assert browser.status_code == 200 and 'class="row schedule"' in browser.text
+    assert browser.status_code == 200
+    assert 'class="row schedule"' in browser.text
     assert api.status_code == 200
     assert other.status_code == 403

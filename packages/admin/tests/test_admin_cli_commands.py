@@ -55,7 +55,8 @@ async def test_initialize_is_idempotent_and_checks_configuration(
     # the stored configuration binding must match: a different quota is a config error
     other_quota = await ainvoke(["schedules", *base, "--max-definitions", "7"], env)
     assert other_quota.exit_code == ExitCode.CONFIG
-    assert "binding" in other_quota.stderr and "what to do" in other_quota.stderr
+    assert "binding" in other_quota.stderr
+    assert "what to do" in other_quota.stderr
     # another key cannot open the namespace
     wrong_key = await ainvoke(["schedules", *base], {**env, "STEEPLE_KEYS": fresh_key("k9")})
     assert wrong_key.exit_code == ExitCode.CONFIG
@@ -84,7 +85,8 @@ async def test_listings_as_json_and_tables(seeded: Any) -> None:
     assert names == ["five-minutely", "minutely"]
     first = await ainvoke(["occurrences", "--json", "--limit", "4"], env)
     page = json.loads(first.stdout)
-    assert len(page["items"]) == 4 and page["next_cursor"]
+    assert len(page["items"]) == 4
+    assert page["next_cursor"]
     rest = await ainvoke(["occurrences", "--json", "--after", page["next_cursor"]], env)
     ids = [o["occurrence_id"] for o in page["items"]]
     ids += [o["occurrence_id"] for o in json.loads(rest.stdout)["items"]]
@@ -99,7 +101,8 @@ async def test_listings_as_json_and_tables(seeded: Any) -> None:
     assert bad_state.exit_code == ExitCode.CONFIG
     table = await ainvoke(["occurrences"], {**env, "COLUMNS": "200"})
     assert table.exit_code == 0
-    assert "dead" in table.stdout and "minutely" in table.stdout
+    assert "dead" in table.stdout
+    assert "minutely" in table.stdout
 
 
 @pytest.mark.postgres
@@ -109,7 +112,8 @@ async def test_cancel_retry_purge(seeded: Any) -> None:
     assert cancelled.exit_code == 0, cancelled.output
     assert "cancelled definition 'five-minutely'" in cancelled.stdout
     unknown = await ainvoke(["cancel", "nope"], env)
-    assert unknown.exit_code == ExitCode.FAILED and "nope" in unknown.stderr
+    assert unknown.exit_code == ExitCode.FAILED
+    assert "nope" in unknown.stderr
     both = await ainvoke(["cancel", "minutely", "--task", "1"], env)
     assert both.exit_code == ExitCode.USAGE
     neither = await ainvoke(["cancel"], env)
@@ -137,7 +141,8 @@ async def test_cancel_retry_purge(seeded: Any) -> None:
     no_task = await ainvoke(["cancel", "--task", "987654"], env)
     assert no_task.exit_code == ExitCode.FAILED
     pruned = await ainvoke(["purge", "--tasks", "--older-than", "0s"], env)
-    assert pruned.exit_code == 0 and "purged 1 terminal tasks" in pruned.stdout
+    assert pruned.exit_code == 0
+    assert "purged 1 terminal tasks" in pruned.stdout
     states = json.loads((await ainvoke(["tasks", "--json"], env)).stdout)["items"]
     assert [t["task_id"] for t in states] == list(seeded.task_ids[1:])
 
@@ -164,7 +169,8 @@ def test_keys_generate_and_show(tmp_path: Path) -> None:
     assert generated.exit_code == 0
     line = generated.stdout.strip()
     key_id, _, material = line.partition(":")
-    assert key_id == "2026-11" and len(base64.b64decode(material)) == 32
+    assert key_id == "2026-11"
+    assert len(base64.b64decode(material)) == 32
     assert "secret" in generated.stderr
     bad_id = invoke(["keys", "generate", "--id", "has space"])
     assert bad_id.exit_code == ExitCode.USAGE
@@ -179,10 +185,12 @@ def test_keys_generate_and_show(tmp_path: Path) -> None:
     keys_file.write_text(f"# rotated 2026-11\n{line}\n{second}\n")
     keys_file.chmod(0o644)
     too_open = invoke(["keys", "show", "--keys-file", str(keys_file)])
-    assert too_open.exit_code == ExitCode.CONFIG and "chmod 600" in too_open.stderr
+    assert too_open.exit_code == ExitCode.CONFIG
+    assert "chmod 600" in too_open.stderr
     keys_file.chmod(stat.S_IRUSR | stat.S_IWUSR)
     from_file = invoke(["keys", "show", "--keys-file", str(keys_file)], {"COLUMNS": "120"})
-    assert from_file.exit_code == 0 and "primary" in from_file.stdout
+    assert from_file.exit_code == 0
+    assert "primary" in from_file.stdout
     assert "old" in from_file.stdout
     missing_file = invoke(["keys", "show", "--keys-file", str(tmp_path / "none")])
     assert missing_file.exit_code == ExitCode.CONFIG
@@ -208,9 +216,11 @@ def test_bad_keys_are_configuration_errors(keys: str, fragment: str) -> None:
 def test_usage_and_configuration_errors() -> None:
     keys = {"STEEPLE_KEYS": fresh_key()}
     no_dsn = invoke(["schedules"], keys)
-    assert no_dsn.exit_code == ExitCode.CONFIG and "STEEPLE_DATABASE_URL" in no_dsn.stderr
+    assert no_dsn.exit_code == ExitCode.CONFIG
+    assert "STEEPLE_DATABASE_URL" in no_dsn.stderr
     not_pg = invoke(["schedules", "--dsn", "mysql://u:hunter2@h/db"], keys)
-    assert not_pg.exit_code == ExitCode.CONFIG and "hunter2" not in not_pg.stderr
+    assert not_pg.exit_code == ExitCode.CONFIG
+    assert "hunter2" not in not_pg.stderr
     bad_limit = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db", "--limit", "0"])
     assert bad_limit.exit_code == ExitCode.USAGE
     unknown = invoke(["schedules", "--frobnicate"])
@@ -220,7 +230,8 @@ def test_usage_and_configuration_errors() -> None:
     assert bad_lease.exit_code == ExitCode.USAGE
     bad_window = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db",
                          "--delivery-window", "30d"], keys)
-    assert bad_window.exit_code == ExitCode.CONFIG and "7 days" in bad_window.stderr
+    assert bad_window.exit_code == ExitCode.CONFIG
+    assert "7 days" in bad_window.stderr
     bad_namespace = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db",
                             "--namespace", "Bad Name"], keys)
     assert bad_namespace.exit_code == ExitCode.CONFIG

@@ -63,11 +63,12 @@ async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path,
     # minutes plus one per simulated minute.
     assert counts["materialized"] >= 10
     assert counts["simulated"] >= 420
-    assert "DEMO key" in first.stdout and "created recurring publications" in first.stdout
+    assert "DEMO key" in first.stdout
+    assert "created recurring publications" in first.stdout
     assert (tmp_path / "demo" / "demo.key").stat().st_mode & 0o077 == 0
 
     # the data is kept: a second run reuses the key, the definitions and the clock
-    second = await _run(args[:-2] + ["--duration", "3", "--data-dir", str(tmp_path / "demo")],
+    second = await _run([*args[:-2], "--duration", "3", "--data-dir", str(tmp_path / "demo")],
                         _env(), tmp_path, 60)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "kept from an earlier run" in second.stdout
@@ -92,7 +93,8 @@ async def test_demo_on_the_embedded_default(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert took < 60
     counts = _summary(result.stdout)
-    assert counts["deliveries"] > 0 and counts["tasks_done"] > 0
+    assert counts["deliveries"] > 0
+    assert counts["tasks_done"] > 0
     data = tmp_path / ".steeple" / "demo"
     assert (data / "pgdata" / "PG_VERSION").exists()
     assert (data / "journal.sqlite3").exists()
@@ -171,13 +173,13 @@ async def test_worker_runs_tasks_and_relay_and_stops_on_sigterm(
     (tmp_path / "myworker.py").write_text(textwrap.dedent(WORKER_APP))
     env = _env(STEEPLE_KEYS=f"k1:{key.to_base64()}", STEEPLE_DATABASE_URL=dsn,
                STEEPLE_SCHEMA=schema, STEEPLE_QUEUE_SCHEMA=schema)
-    proc = subprocess.Popen(
-        [*STEEPLE, "worker", "--app", "myworker:make"], env=env, cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = await asyncio.create_subprocess_exec(
+        *STEEPLE, "worker", "--app", "myworker:make", env=env, cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
+    done = tmp_path / "done.txt"
     try:
         deadline = time.monotonic() + 30
-        done = tmp_path / "done.txt"
         while time.monotonic() < deadline:
             if done.exists() and len(done.read_text().split()) == 5 and await _published(
                 dsn, schema
@@ -185,10 +187,13 @@ async def test_worker_runs_tasks_and_relay_and_stops_on_sigterm(
                 break
             await asyncio.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        stdout, stderr = await asyncio.to_thread(proc.communicate, timeout=30)
+        async with asyncio.timeout(30):
+            _, raw_stderr = await proc.communicate()
     finally:
-        if proc.poll() is None:
+        if proc.returncode is None:
             proc.kill()
+            await proc.wait()
+    stderr = raw_stderr.decode()
     assert sorted(done.read_text().split()) == ["0", "1", "2", "3", "4"]
     assert proc.returncode == 0, stderr
     assert "SIGTERM received, stopping gracefully" in stderr
@@ -218,8 +223,60 @@ def test_keys_never_travel_as_arguments() -> None:
                             env=_env(), check=False, timeout=60)
     assert result.returncode == 0
     assert "--keys-file" in result.stdout
-    assert "--key " not in result.stdout and "--keys " not in result.stdout
+    assert "--key " not in result.stdout
+    assert "--keys " not in result.stdout
     material = base64.b64encode(os.urandom(32)).decode()
     bad = subprocess.run([*STEEPLE, "initialize", "--keys", f"k1:{material}"],
                          capture_output=True, text=True, env=_env(), check=False, timeout=60)
     assert bad.returncode == 2
+
+
+@pytest.mark.postgres
+async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Path) -> None:
+    import socket
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    token = "serve-token-0123456789"
+    env = {**seeded.env(), "STEEPLE_ADMIN_TOKEN": token,
+           "STEEPLE_ADMIN_CSRF_TOKEN": "csrf-token-0123456789"}
+    proc = await asyncio.create_subprocess_exec(
+        *STEEPLE, "admin", "serve", "--port", str(port), env=env, cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=5) as http:
+            for _ in range(150):
+                try:
+                    anonymous = await http.get("/ui/ops")
+                    break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.2)
+            else:
+                pytest.fail("admin serve did not start")
+            bearer = {"authorization": f"Bearer {token}"}
+            page = await http.get("/ui/ops", headers=bearer)
+            tasks = await http.get("/api/ops/tasks", headers=bearer)
+            cancel = await http.post(
+                "/api/ops/tasks/cancel", json={"task_id": seeded.task_ids[0]},
+                headers={**bearer, "X-Steeple-CSRF": "csrf-token-0123456789"},
+            )
+            forged = await http.post(
+                "/api/ops/tasks/cancel", json={"task_id": seeded.task_ids[1]}, headers=bearer,
+            )
+    finally:
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            await proc.communicate()
+    assert anonymous.status_code == 401
+    assert page.status_code == 200
+    assert page.text.count('class="row schedule"') == 2
+    assert page.headers["x-frame-options"] == "DENY"
+    assert "server" not in page.headers
+    assert [t["task_id"] for t in tasks.json()["items"]] == list(seeded.task_ids)
+    assert cancel.status_code == 200
+    assert forged.status_code == 403

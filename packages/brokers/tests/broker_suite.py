@@ -177,7 +177,7 @@ async def check_timeout(h: Harness) -> None:
         raise AssertionError("a stalled broker did not time out")
     finally:
         await h.heal()
-    assert time.monotonic() - started < 0.8 + 0.5
+    assert time.monotonic() - started < 0.8 + 1.0  # slack for a loaded machine
     await publish_retrying(broker, message(4), key)
     got = await h.drain()
     assert got == [(warm, message(3)), (key, message(4))]
@@ -247,7 +247,7 @@ async def check_exported_suite(h: Harness) -> None:
     await suite.check_too_large(size=8000)
     await h.stall()
     try:
-        await exported_timeout(broker, timeout=0.5, grace=0.5)
+        await exported_timeout(broker, timeout=0.5, grace=1.0)
     finally:
         await h.heal()
 

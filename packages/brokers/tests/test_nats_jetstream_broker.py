@@ -217,7 +217,7 @@ async def test_frozen_server_times_out_within_the_deadline(
                 await broker.publish(message(2), idempotency_key=new_key(), timeout=0.7)
         finally:
             private_nats.thaw()
-        assert loop.time() - started < 1.2
+        assert loop.time() - started < 0.7 + 1.0
     finally:
         await h.close()
         await h.proxy.close()

@@ -11,6 +11,7 @@ import re
 from datetime import UTC, date, datetime, timedelta
 from itertools import islice
 
+import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -70,7 +71,7 @@ REF_ITEM = re.compile(
 REF_FIRST = datetime(1970, 1, 1, tzinfo=UTC)
 REF_LAST = datetime(2100, 12, 31, 23, 59, tzinfo=UTC)
 
-Sets = tuple[set[int], set[int], set[int], set[int], set[int]]
+Sets = tuple[frozenset[int], frozenset[int], frozenset[int], frozenset[int], frozenset[int]]
 
 
 def ref_value(text: str, names: dict[str, int] | None) -> int | None:
@@ -126,7 +127,7 @@ def ref_parse(expression: str) -> Sets | None:
     sets = [ref_field(token, index) for index, token in enumerate(tokens)]
     if any(values is None for values in sets):
         return None
-    minutes, hours, days, months, weekdays = (values or set() for values in sets)
+    minutes, hours, days, months, weekdays = (frozenset(values or ()) for values in sets)
     return minutes, hours, days, months, weekdays
 
 
@@ -324,7 +325,7 @@ def noisy_expressions(draw: st.DrawFn) -> str:
 # --- properties --------------------------------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(valid_expressions())
 def test_valid_expressions_parse_to_the_reference_sets(expression: str) -> None:
     expected = ref_parse(expression)
@@ -345,12 +346,8 @@ def test_parser_accepts_exactly_what_the_reference_accepts(expression: str) -> N
     expected = ref_parse(expression)
     event("accepted" if expected is not None else "rejected")
     if expected is None:
-        try:
+        with pytest.raises(InvalidCronExpression):
             CronCalendar.parse(expression)
-        except InvalidCronExpression as error:
-            assert error.reason
-        else:
-            raise AssertionError(f"{expression!r} was accepted; the reference rejects it")
     else:
         calendar = CronCalendar.parse(expression)
         assert (
@@ -390,7 +387,7 @@ def test_next_instants_are_exactly_the_reference_fire_times(
         assert calendar.next_after(previous) is None
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(valid_expressions(), instants)
 def test_matches_agrees_with_the_reference(expression: str, instant: datetime) -> None:
     sets = ref_parse(expression)
@@ -401,7 +398,7 @@ def test_matches_agrees_with_the_reference(expression: str, instant: datetime) -
     assert calendar.matches(instant) == ref_matches(sets, instant)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(valid_expressions(), valid_expressions())
 def test_equal_sets_mean_equal_calendars(first: str, second: str) -> None:
     a, b = CronCalendar.parse(first), CronCalendar.parse(second)
@@ -411,7 +408,7 @@ def test_equal_sets_mean_equal_calendars(first: str, second: str) -> None:
         assert hash(a) == hash(b)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(valid_expressions(), instants)
 def test_iteration_agrees_with_repeated_next_after(expression: str, start: datetime) -> None:
     calendar = CronCalendar.parse(expression)

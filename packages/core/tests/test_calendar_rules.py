@@ -20,8 +20,10 @@ from steeple.core.errors import InvalidCronExpression
 FIELDS = ("minute", "hour", "day-of-month", "month", "weekday")
 
 
-def utc(*args: int) -> datetime:
-    return datetime(*args, tzinfo=UTC)  # type: ignore[misc]
+def utc(
+    year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0, us: int = 0
+) -> datetime:
+    return datetime(year, month, day, hour, minute, second, us, tzinfo=UTC)
 
 
 def rejected(expression: object) -> InvalidCronExpression:
@@ -30,22 +32,24 @@ def rejected(expression: object) -> InvalidCronExpression:
     return raised.value
 
 
-def field_sets(expression: str) -> tuple[frozenset[int], ...]:
+def field_sets(expression: str) -> tuple[set[int], ...]:
     calendar = CronCalendar.parse(expression)
-    return (
+    fields = (
         calendar.minutes,
         calendar.hours,
         calendar.days_of_month,
         calendar.months,
         calendar.weekdays,
     )
+    assert all(type(values) is frozenset for values in fields)
+    return tuple(set(values) for values in fields)
 
 
-ALL_MINUTES = frozenset(range(60))
-ALL_HOURS = frozenset(range(24))
-ALL_DAYS = frozenset(range(1, 32))
-ALL_MONTHS = frozenset(range(1, 13))
-ALL_WEEKDAYS = frozenset(range(1, 8))
+ALL_MINUTES = set(range(60))
+ALL_HOURS = set(range(24))
+ALL_DAYS = set(range(1, 32))
+ALL_MONTHS = set(range(1, 13))
+ALL_WEEKDAYS = set(range(1, 8))
 
 
 # --- tokens and separators --------------------------------------------------------------
@@ -582,9 +586,7 @@ def test_never_before_1970() -> None:
     far_east = datetime.min.replace(tzinfo=timezone(timedelta(hours=14)))
     assert every_minute.next_after(far_east) == FIRST_INSTANT
     assert CronCalendar.parse("0 0 1 * *").next_after(utc(1965, 5, 5)) == FIRST_INSTANT
-    assert CronCalendar.parse("0 6 * * Thu").next_after(utc(1969, 12, 31, 23)) == utc(
-        1970, 1, 1, 6
-    )
+    assert CronCalendar.parse("0 6 * * Thu").next_after(utc(1969, 12, 31, 23)) == utc(1970, 1, 1, 6)
     assert CronCalendar.parse("0 0 * * Mon").next_after(utc(1900, 1, 1)) == utc(1970, 1, 5)
     assert not every_minute.matches(utc(1969, 12, 31, 23, 59))
 
@@ -628,7 +630,7 @@ class _NoOffset(tzinfo):
 )
 def test_naive_datetimes_are_rejected(instant: datetime) -> None:
     calendar = CronCalendar.parse("* * * * *")
-    with pytest.raises(ValueError, match="naive datetime .* timezone-aware"):
+    with pytest.raises(ValueError, match=r"naive datetime .* timezone-aware"):
         calendar.next_after(instant)
     with pytest.raises(ValueError, match="naive"):
         calendar.iter_after(instant)  # at the call, not at the first next()
@@ -673,7 +675,7 @@ def test_fields_are_frozensets_and_expression_is_the_original_text() -> None:
     assert calendar.days_of_month == ALL_DAYS
     assert calendar.months == ALL_MONTHS
     assert calendar.weekdays == frozenset({2, 3, 4, 5, 6})
-    for values in field_sets("0 0 * * *"):
+    for values in (calendar.minutes, calendar.days_of_month, calendar.weekdays):
         assert type(values) is frozenset
 
 
@@ -685,7 +687,8 @@ def test_equality_and_hash_follow_the_normalized_sets() -> None:
     assert hash(a) == hash(b)
     assert a != c
     assert len({a, b, c}) == 2
-    assert a != "0 9 * * Mon-Fri"
+    text: object = "0 9 * * Mon-Fri"
+    assert a != text
 
 
 def test_repr_shows_the_expression() -> None:
@@ -703,18 +706,23 @@ def test_frozen() -> None:
 
 def test_pickle_round_trip() -> None:
     calendar = CronCalendar.parse("*/15 9-17 * * Mon-Fri")
-    copy = pickle.loads(pickle.dumps(calendar))  # noqa: S301 - our own bytes
+    copy = pickle.loads(pickle.dumps(calendar))
     assert copy == calendar
     assert copy.expression == calendar.expression
     assert copy.next_after(utc(2025, 6, 6, 17, 50)) == utc(2025, 6, 9, 9, 0)
 
 
 def test_direct_construction_validates_the_sets() -> None:
+    hours, days, months, weekdays = (
+        frozenset(values) for values in (ALL_HOURS, ALL_DAYS, ALL_MONTHS, ALL_WEEKDAYS)
+    )
     with pytest.raises(ValueError, match="minutes must be a non-empty frozenset"):
-        CronCalendar("", frozenset(), ALL_HOURS, ALL_DAYS, ALL_MONTHS, ALL_WEEKDAYS)
+        CronCalendar("", frozenset(), hours, days, months, weekdays)
+    with pytest.raises(ValueError, match="minutes must be a non-empty frozenset"):
+        CronCalendar("", {5}, hours, days, months, weekdays)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="weekdays values must be integers in 1-7"):
-        CronCalendar("", ALL_MINUTES, ALL_HOURS, ALL_DAYS, ALL_MONTHS, frozenset({0}))
-    built = CronCalendar("x", frozenset({5}), ALL_HOURS, ALL_DAYS, ALL_MONTHS, ALL_WEEKDAYS)
+        CronCalendar("", frozenset({5}), hours, days, months, frozenset({0}))
+    built = CronCalendar("x", frozenset({5}), hours, days, months, weekdays)
     assert built == CronCalendar.parse("5 * * * *")
 
 

@@ -56,7 +56,7 @@ async def deployed(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str]]
         dsn, CONFIG, KEYRING, FakeClock(START), schema=schema
     )
     await store.close()
-    yield dsn, schema
+    return dsn, schema
 
 
 @pytest.fixture
@@ -104,7 +104,8 @@ async def test_concurrent_initializers_converge(pg_schema: tuple[str, str]) -> N
             )
         finally:
             await conn.close()
-        assert count == 1 and versions == 1
+        assert count == 1
+        assert versions == 1
         # every store works on the one namespace
         await stores[0].create(_definition("one"))
         assert [s.name for s in (await stores[19].schedules()).items] == ["one"]
@@ -309,7 +310,8 @@ async def test_missing_grant_named(
         await PostgresRecurringStore.connect(
             with_user(dsn, runtime_role), CONFIG, KEYRING, FakeClock(START), schema=schema
         )
-    assert privilege in str(info.value) and table in str(info.value)
+    assert privilege in str(info.value)
+    assert table in str(info.value)
 
 
 async def test_missing_schema_usage_named(
@@ -341,7 +343,9 @@ async def test_excess_power_reported(
     )
     await store.close()
     joined = " ".join(store.warnings)
-    assert "CREATE" in joined and "owns" in joined and "recurring_schema_version" in joined
+    assert "CREATE" in joined
+    assert "owns" in joined
+    assert "recurring_schema_version" in joined
     await sql(dsn, f'ALTER TABLE "{schema}".recurring_schema_version OWNER TO CURRENT_USER')
 
 

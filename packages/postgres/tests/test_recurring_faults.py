@@ -4,6 +4,7 @@ encryption binding, clocks and key rotation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -177,10 +178,8 @@ async def test_cancelled_futures_leave_nothing_partial(
             relay = asyncio.create_task(store.relay(lease, broker))
             await asyncio.sleep(delay)
             relay.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, RelayLeaseLostError):
                 await relay
-            except (asyncio.CancelledError, RelayLeaseLostError):
-                pass
     await asyncio.sleep(0.1)
     assert await idle_in_transaction(dsn) == 0
     # every interrupted lease lapses and the work completes with one copy per key
@@ -247,7 +246,8 @@ async def test_instances_in_separate_processes_never_double_materialize(
     conn = await asyncpg.connect(dsn)
     try:
         distinct = await conn.fetchval(
-            f'SELECT count(DISTINCT (definition_name, due_at)) FROM "{schema}".recurring_occurrences'
+            "SELECT count(DISTINCT (definition_name, due_at)) "
+            f'FROM "{schema}".recurring_occurrences'
         )
     finally:
         await conn.close()
@@ -268,7 +268,8 @@ async def test_quota_under_concurrent_creates(
             await s.close()
     ok = [r for r in results if not isinstance(r, BaseException)]
     refused = [r for r in results if isinstance(r, RecurringCapacityError)]
-    assert len(ok) == 5 and len(refused) == 15
+    assert len(ok) == 5
+    assert len(refused) == 15
     dsn, schema = pg_schema
     assert await count_rows(dsn, schema, "recurring_definitions") == 5
 
@@ -425,8 +426,55 @@ async def test_killed_connection_is_a_typed_storage_error_then_recovers(
 
 def test_disk_full_maps_to_storage_error() -> None:
     error = _map_driver_error(asyncpg.DiskFullError("could not extend file"), "tick")
-    assert type(error) is RecurringStorageError and "53100" in str(error)
+    assert type(error) is RecurringStorageError
+    assert "53100" in str(error)
     deadline = _map_driver_error(asyncpg.QueryCanceledError("canceling statement"), "tick")
     assert isinstance(deadline, RecurringDeadlineError)
     lock = _map_driver_error(asyncpg.LockNotAvailableError("lock timeout"), "tick")
     assert isinstance(lock, RecurringDeadlineError)
+
+
+async def _slow_trigger(dsn: str, schema: str, table: str, seconds: float) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            f"""
+            CREATE FUNCTION "{schema}".slow_{table}() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN PERFORM pg_sleep({seconds}); RETURN NULL; END $$;
+            CREATE TRIGGER slow AFTER INSERT OR UPDATE ON "{schema}".{table}
+            FOR EACH STATEMENT EXECUTE FUNCTION "{schema}".slow_{table}();
+            """
+        )
+    finally:
+        await conn.close()
+
+
+async def test_statement_timeout_is_typed_and_stores_nothing(
+    store: PostgresRecurringStore, pg_schema: tuple[str, str]
+) -> None:
+    dsn, schema = pg_schema
+    await _slow_trigger(dsn, schema, "recurring_definitions", 6)
+    started = time.monotonic()
+    with pytest.raises(RecurringDeadlineError, match="statement_timeout"):
+        await store.create(every_minute("slow", 3))
+    assert time.monotonic() - started < 8
+    assert await count_rows(dsn, schema, "recurring_definitions") == 0
+    assert await idle_in_transaction(dsn) == 0
+
+
+async def test_call_deadline_of_ten_seconds(
+    store: PostgresRecurringStore, pg_schema: tuple[str, str]
+) -> None:
+    dsn, schema = pg_schema
+    await store.create(every_minute("m", 5))
+    # each statement stays under the 5 s statement_timeout; together they pass 10 s
+    await _slow_trigger(dsn, schema, "recurring_occurrences", 3.5)
+    await _slow_trigger(dsn, schema, "recurring_definitions", 3.5)
+    await _slow_trigger(dsn, schema, "recurring_namespaces", 3.5)
+    started = time.monotonic()
+    with pytest.raises(RecurringDeadlineError, match="10 s"):
+        await store.tick(100)
+    assert 9.5 <= time.monotonic() - started < 13
+    assert await count_rows(dsn, schema) == 0
+    await asyncio.sleep(0.2)
+    assert await idle_in_transaction(dsn) == 0

@@ -18,6 +18,7 @@ from steeple.core import (
     RecurringDefinition,
     RecurringInvalidStateError,
     RecurringNotFoundError,
+    RecurringStorageError,
     ScheduledMessage,
 )
 from steeple.core.errors import (
@@ -50,7 +51,11 @@ def definition(
     payload: bytes = b"hello",
 ) -> RecurringDefinition:
     return RecurringDefinition(
-        name, cron, first_after, policy, ScheduledMessage("reminders", "reminder.requested", payload)
+        name,
+        cron,
+        first_after,
+        policy,
+        ScheduledMessage("reminders", "reminder.requested", payload),
     )
 
 
@@ -76,7 +81,8 @@ async def states(store: PostgresRecurringStore) -> dict[str, OccurrenceState]:
 
 async def test_create_replay_and_conflict(store: PostgresRecurringStore, clock: FakeClock) -> None:
     first = await store.create(definition())
-    assert first.name == "daily" and first.state == "active"
+    assert first.name == "daily"
+    assert first.state == "active"
     assert first.next_due_at == datetime(2031, 3, 2, 9, 0, tzinfo=UTC)
     clock.advance(timedelta(minutes=1))
     again = await store.create(definition())
@@ -86,7 +92,8 @@ async def test_create_replay_and_conflict(store: PostgresRecurringStore, clock: 
     with pytest.raises(RecurringConflictError):
         await store.create(definition(cron="0 10 * * *"))
     page = await store.schedules()
-    assert [s.name for s in page.items] == ["daily"] and page.next_cursor is None
+    assert [s.name for s in page.items] == ["daily"]
+    assert page.next_cursor is None
 
 
 async def test_catch_up_oldest_first_and_budget(store: PostgresRecurringStore) -> None:
@@ -121,7 +128,8 @@ async def test_coalesce_emits_once(store: PostgresRecurringStore, clock: FakeClo
     [occ] = (await store.occurrences()).items
     assert occ.due_at == datetime(2031, 3, 4, 0, 10, tzinfo=UTC)  # the oldest outstanding
     [info] = (await store.schedules()).items
-    assert info.next_due_at is not None and info.next_due_at > START
+    assert info.next_due_at is not None
+    assert info.next_due_at > START
     clock.advance(timedelta(minutes=10))
     assert (await store.tick(100)).materialized == 1
 
@@ -210,7 +218,8 @@ async def test_lease_expiry_and_fencing(store: PostgresRecurringStore, clock: Fa
     [old] = await store.claim(10)
     clock.advance(timedelta(seconds=61))
     [new] = await store.claim(10)
-    assert new.occurrence_id == old.occurrence_id and new.revision == old.revision + 1
+    assert new.occurrence_id == old.occurrence_id
+    assert new.revision == old.revision + 1
     broker = MemoryBroker()
     with pytest.raises(RelayLeaseLostError):
         await store.relay(old, broker)
@@ -279,7 +288,8 @@ async def test_failures_back_off_and_die_after_ten(
     assert len(set(broker.keys_attempted)) == 1
     # an operator retry gives a fresh budget within the window
     revived = await store.retry_failed(occ.occurrence_id)
-    assert revived.state is OccurrenceState.PENDING and revived.attempts == 0
+    assert revived.state is OccurrenceState.PENDING
+    assert revived.attempts == 0
     [lease] = await store.claim(10)
     await store.relay(lease, broker)
     assert len(broker.published) == 1
@@ -301,7 +311,8 @@ async def test_permanent_failure_timeout_and_lost_ack(
         await store.relay(lease, broker)
     assert info.value.permanent
     [occ] = (await store.occurrences()).items
-    assert occ.state is OccurrenceState.DEAD and occ.last_error
+    assert occ.state is OccurrenceState.DEAD
+    assert occ.last_error
     await store.retry_failed(occ.occurrence_id)
 
     broker.timeout_next(1, accept=True)
@@ -339,7 +350,8 @@ async def test_cancel_is_permanent_and_inflight_publication_reported(
     assert receipt.idempotency_key
     assert set((await states(store)).values()) == {OccurrenceState.CANCELLED}
     info = await store.cancel("daily")
-    assert info.state == "cancelled" and info.cancelled_at is not None
+    assert info.state == "cancelled"
+    assert info.cancelled_at is not None
     assert (await store.tick(100)).materialized == 0
     with pytest.raises(RecurringNotFoundError):
         await store.cancel("missing")
@@ -364,7 +376,7 @@ async def test_window_expiry_classified_and_purge(
     assert await store.purge_terminal(clock.now()) == 1
     assert (await store.occurrences()).items == []
     with pytest.raises(RecurringConfigurationError):
-        await store.purge_terminal(datetime(2031, 1, 1), limit=1)  # naive  # noqa: DTZ001
+        await store.purge_terminal(datetime(2031, 1, 1), limit=1)  # naive
     with pytest.raises(RecurringConfigurationError):
         await store.purge_terminal(clock.now(), limit=101)
 
@@ -379,7 +391,7 @@ async def test_lease_shortened_to_window_end(
     ) as s:
         await s.create(definition("a", "0 3 4 3 *", first_after=START - timedelta(days=1)))
         await s.tick(1)
-        [first] = await s.claim(1)
+        [_first] = await s.claim(1)
         clock.advance(timedelta(seconds=70))
         [second] = await s.claim(1)
         assert second.expires_at == START + timedelta(seconds=100)
@@ -389,11 +401,13 @@ async def test_paging_and_limits(store: PostgresRecurringStore) -> None:
     for i in range(5):
         await store.create(definition(f"d{i}"))
     first = await store.schedules(limit=2)
-    assert [s.name for s in first.items] == ["d0", "d1"] and first.next_cursor == "d1"
+    assert [s.name for s in first.items] == ["d0", "d1"]
+    assert first.next_cursor == "d1"
     second = await store.schedules(after=first.next_cursor, limit=2)
     assert [s.name for s in second.items] == ["d2", "d3"]
     last = await store.schedules(after=second.next_cursor, limit=2)
-    assert [s.name for s in last.items] == ["d4"] and last.next_cursor is None
+    assert [s.name for s in last.items] == ["d4"]
+    assert last.next_cursor is None
     await store.tick(100)
     seen: list[str] = []
     cursor: str | None = None
@@ -411,3 +425,77 @@ async def test_paging_and_limits(store: PostgresRecurringStore) -> None:
             await store.tick(bad)
         with pytest.raises(RecurringConfigurationError):
             await store.claim(bad)
+
+
+class SteppingClock:
+    """Each reading is ``step`` later than the previous one (slow commits, in effect)."""
+
+    def __init__(self, start: datetime, step: timedelta) -> None:
+        self.at = start
+        self.step = step
+
+    def now(self) -> datetime:
+        self.at += self.step
+        return self.at
+
+
+async def test_leases_expired_at_commit_are_not_returned(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    cfg = config(lease_duration=timedelta(seconds=1), delivery_window=timedelta(minutes=10))
+    stepping = SteppingClock(START, timedelta(seconds=2))
+    async with await PostgresRecurringStore.initialize(
+        dsn, cfg, Keyring(KEY), stepping, schema=schema
+    ) as s:
+        await s.create(definition("m", "* * * * *", first_after=START - timedelta(minutes=3)))
+        assert (await s.tick(10)).materialized == 3
+        assert await s.claim(10) == []  # granted, but lapsed before the caller saw them
+        assert {o.state for o in (await s.occurrences()).items} == {OccurrenceState.LEASED}
+        stepping.step = timedelta(milliseconds=1)
+        leases = await s.claim(10)
+        assert len(leases) == 3
+        assert all(lease.revision == 2 for lease in leases)
+
+
+@pytest.mark.parametrize(("lease_s", "expected"), [(60, 10.0), (3, 3.0)])
+async def test_publication_bounded_by_lease_and_ten_seconds(
+    pg_schema: tuple[str, str], clock: FakeClock, lease_s: int, expected: float
+) -> None:
+    dsn, schema = pg_schema
+    cfg = config(lease_duration=timedelta(seconds=lease_s))
+    seen: list[float] = []
+
+    class Recording(MemoryBroker):
+        async def publish(self, message, *, idempotency_key, timeout):  # type: ignore[no-untyped-def]
+            seen.append(timeout)
+            return await super().publish(message, idempotency_key=idempotency_key,
+                                         timeout=timeout)
+
+    async with await PostgresRecurringStore.initialize(
+        dsn, cfg, Keyring(KEY), clock, schema=schema
+    ) as s:
+        await s.create(definition("a", "0 3 4 3 *", first_after=START - timedelta(days=1)))
+        await s.tick(1)
+        [lease] = await s.claim(1)
+        await s.relay(lease, Recording())
+    assert seen == [expected]
+
+
+async def test_close_closes_only_this_store_and_reprs_hide_secrets(
+    store: PostgresRecurringStore, pg_schema: tuple[str, str], clock: FakeClock
+) -> None:
+    dsn, schema = pg_schema
+    other = await PostgresRecurringStore.connect(dsn, config(), Keyring(KEY), clock, schema=schema)
+    await other.create(definition(payload=b"top secret payload"))
+    await other.close()
+    await other.close()  # idempotent
+    with pytest.raises(RecurringStorageError):
+        await other.schedules()
+    assert [s.name for s in (await store.schedules()).items] == ["daily"]
+    await store.tick(10)
+    [lease, *_] = await store.claim(10)
+    for text in (repr(store), repr(lease), repr(await store.occurrences()),
+                 repr(await store.schedules())):
+        assert "top secret" not in text
+        assert lease.capability.hex() not in text
+        assert repr(lease.capability) not in text
+        assert "k1" not in text or text is repr(store)

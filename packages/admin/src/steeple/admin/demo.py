@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -147,6 +148,20 @@ def _demo_keyring(data_dir: Path) -> tuple[Keyring, bool]:
     return Keyring(key), True
 
 
+class _SuperuserNote(logging.Filter):
+    """Hold back the store's superuser warning: the demo explains it in its own words."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "superuser" in record.getMessage():
+            self.seen = True
+            return False
+        return True
+
+
 def _load_high_water(data_dir: Path) -> datetime | None:
     try:
         raw = json.loads((data_dir / _CLOCK_FILE).read_text(encoding="utf-8"))
@@ -269,7 +284,18 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
         delivery_window=timedelta(days=1), lease_duration=timedelta(seconds=300),
     )
     target = Target(dsn, options.schema, settings)
-    store = await initialize_store(target, clock=clock, keyring=keyring)
+    quiet = _SuperuserNote()
+    logging.getLogger("steeple.postgres").addFilter(quiet)
+    try:
+        store = await initialize_store(target, clock=clock, keyring=keyring)
+    finally:
+        logging.getLogger("steeple.postgres").removeFilter(quiet)
+    if quiet.seen:
+        console.print(
+            "note: the demo connects as a superuser; production runs as a runtime role with "
+            "only the grants in grants.sql",
+            markup=False,
+        )
     summary = DemoSummary()
     try:
         created_names = await _ensure_definitions(store, clock.now())

@@ -64,7 +64,7 @@ class CliError(SteepleError):
 
 def redact_dsn(dsn: str) -> str:
     """Return ``dsn`` with any password replaced by ``***`` (safe to print)."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn)
+    return re.sub(r"(://[^:/@]*:)[^@]+@", r"\1***@", dsn)
 
 
 def resolve_dsn(dsn: str | None, *, required: bool = True) -> str | None:

@@ -353,6 +353,9 @@ class JetStreamBroker:
             raise AckUncertainError("no PubAck") from None
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
                 nats.errors.StaleConnectionError, nats.errors.OutboundBufferLimitError) as exc:
+            if self._nc is not None and self._nc.is_closed:
+                # The client gave up on this connection: the next publish connects afresh.
+                self._nc = self._js = None
             raise BrokerUnavailableError(
                 f"nats: connection unusable ({type(exc).__name__})"
             ) from None

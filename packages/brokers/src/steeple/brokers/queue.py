@@ -29,7 +29,9 @@ from steeple.brokers._common import (
     AckUncertainError,
     check_dedup_window,
     check_key,
+    check_size,
     check_timeout,
+    encoded_size,
     positive_duration,
     publish_guarded,
     redact_url,
@@ -38,7 +40,6 @@ from steeple.core import limits
 from steeple.core.errors import (
     BrokerConfigurationError,
     BrokerRejectedError,
-    BrokerTimeoutError,
     BrokerUnavailableError,
     ConfigurationError,
     MessageTooLargeError,
@@ -89,6 +90,7 @@ class WorkQueueBroker:
             always the idempotency key.
         dedup_retention: how long the ledger remembers a key (default 7 days).
         required_window: the delivery window the ledger must cover.
+        max_message_bytes: refuse larger messages for good.
         connect_timeout: seconds allowed to connect.
 
     Raises:
@@ -105,8 +107,14 @@ class WorkQueueBroker:
         options: EnqueueOptions | None = None,
         dedup_retention: timedelta = limits.MAX_DELIVERY_WINDOW,
         required_window: timedelta = limits.DEFAULT_DELIVERY_WINDOW,
+        max_message_bytes: int = 256 * 1024,
         connect_timeout: float = 5.0,
     ) -> None:
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or (
+            max_message_bytes < 1
+        ):
+            raise ConfigurationError("max_message_bytes must be a positive int")
+        self._max_bytes = max_message_bytes
         if not isinstance(dsn, str) or not dsn:
             raise ConfigurationError("dsn must be a non-empty str")
         if not isinstance(schema, str) or not _IDENT.match(schema):
@@ -210,6 +218,11 @@ class WorkQueueBroker:
         """
         key = check_key(idempotency_key)
         seconds = check_timeout(timeout)
+        # base64 grows the payload by a third in the task's JSON args.
+        check_size(
+            encoded_size(message, key) + len(message.payload) // 3 + 4, self._max_bytes,
+            "the work-queue adapter",
+        )
         name = self._task_name(message)
         return await publish_guarded(
             broker="work queue",
@@ -335,4 +348,3 @@ class WorkQueueBroker:
         return int(status.split()[-1])
 
 
-_ = BrokerTimeoutError  # re-raised by publish_guarded; listed in the docstrings above

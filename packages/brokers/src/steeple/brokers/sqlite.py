@@ -227,6 +227,7 @@ class SqliteJournalBroker:
                 passed (the write may still have committed: republish with the same key).
             BrokerUnavailableError: the file cannot be written.
             RelayAcknowledgementError: the write committed but its result was lost.
+            steeple.core.errors.KeyringError: the sealer refused (e.g. its budget is spent).
         """
         key = check_key(idempotency_key)
         seconds = check_timeout(timeout)

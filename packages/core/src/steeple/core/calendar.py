@@ -14,10 +14,9 @@ Pure: no clock, no randomness, no I/O.
 
 from __future__ import annotations
 
-import calendar as _stdlib_calendar
 import re
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, Final
 
@@ -34,16 +33,13 @@ LAST_INSTANT: Final = datetime(2100, 12, 31, 23, 59, tzinfo=UTC)
 #: Longer expressions are rejected before parsing (no legitimate one comes close).
 MAX_EXPRESSION_LENGTH: Final = 1000
 
-_FIRST_YEAR: Final = 1970
 _LAST_YEAR: Final = 2100
 _ONE_MINUTE: Final = timedelta(minutes=1)
 
 # Only ASCII space, tab, CR and LF separate fields (the crate's whitespace); anything else
 # outside this alphabet (NBSP, other Unicode spaces, NUL, non-ASCII digits...) is rejected.
-_SEPARATORS: Final = frozenset(" \t\r\n")
-_FIELD_CHARACTERS: Final = frozenset(
-    "0123456789*?,/-abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-)
+_TOKEN: Final = re.compile(r"[^ \t\r\n]+")
+_OUTSIDE_GRAMMAR: Final = re.compile(r"[^0-9A-Za-z*?,/\- \t\r\n]")
 
 _MONTH_NAMES: Final[dict[str, int]] = {
     "jan": 1, "january": 1,
@@ -114,35 +110,28 @@ def _describe_character(char: str) -> str:
 
 def _tokenize(expression: str) -> list[str]:
     """Split on runs of ASCII space/tab/CR/LF; reject any character outside the grammar."""
-    tokens: list[str] = []
-    start: int | None = None
-    for index, char in enumerate(expression):
-        if char in _SEPARATORS:
-            if start is not None:
-                tokens.append(expression[start:index])
-                start = None
-            continue
-        if start is None:
-            start = index
-        if char not in _FIELD_CHARACTERS:
-            position = len(tokens)
-            field = _FIELDS[position].name if position < len(_FIELDS) else None
-            if char == "@" and position == 0:
-                field = None
-                reason = "shorthands such as @daily are not supported; write the five fields"
-            elif char.isspace():
-                reason = (
-                    f"contains {_describe_character(char)}, a space that is not a field "
-                    "separator (only ASCII space, tab, CR and LF separate fields)"
-                )
-            else:
-                reason = f"contains the character {_describe_character(char)}, which is not allowed"
-                if char in "LWH#":
-                    reason += f" ({char!r} is not supported)"
-            raise InvalidCronExpression(expression, reason, field=field)
-    if start is not None:
-        tokens.append(expression[start:])
-    return tokens
+    outside = _OUTSIDE_GRAMMAR.search(expression)
+    if outside is None:
+        return _TOKEN.findall(expression)
+    char = outside.group()
+    # The field holding the character: how many tokens start before it.
+    position = len(_TOKEN.findall(expression, 0, outside.start()))
+    if outside.start() > 0 and expression[outside.start() - 1] not in " \t\r\n":
+        position -= 1  # the character continues the token before it
+    field = _FIELDS[position].name if position < len(_FIELDS) else None
+    if char == "@" and position == 0:
+        field = None
+        reason = "shorthands such as @daily are not supported; write the five fields"
+    elif char.isspace():
+        reason = (
+            f"contains {_describe_character(char)}, a space that is not a field "
+            "separator (only ASCII space, tab, CR and LF separate fields)"
+        )
+    else:
+        reason = f"contains the character {_describe_character(char)}, which is not allowed"
+        if char == "#":
+            reason += " ('#' is not supported)"
+    raise InvalidCronExpression(expression, reason, field=field)
 
 
 def _number(text: str, spec: _FieldSpec, what: str) -> int:
@@ -232,8 +221,18 @@ def _parse_field(token: str, spec: _FieldSpec) -> frozenset[int]:
     return frozenset(values)
 
 
+# Days per month in a common year, indexed by month; February gains a day in leap years.
+_MONTH_DAYS: Final = (0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+
+
+def _is_leap(year: int) -> bool:
+    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+
+
 def _days_in_month(year: int, month: int) -> int:
-    return _stdlib_calendar.monthrange(year, month)[1]
+    if month == 2 and _is_leap(year):
+        return 29
+    return _MONTH_DAYS[month]
 
 
 def _require_aware(instant: object) -> datetime:
@@ -247,7 +246,8 @@ def _require_aware(instant: object) -> datetime:
     return instant
 
 
-def _check_values(name: str, minimum: int, maximum: int) -> Any:
+def _check_values(name: str, minimum: int, maximum: int) -> Callable[[Any, Any, Any], None]:
+    # Direct construction (bypassing parse) must not build a calendar the search can't run.
     def check(_instance: object, _attribute: object, value: object) -> None:
         if not isinstance(value, frozenset) or not value:
             raise ValueError(f"{name} must be a non-empty frozenset")
@@ -300,8 +300,8 @@ class CronCalendar:
         # crate weekday w (1=Sunday) is Python weekday (w - 2) % 7 (Monday=0, Sunday=6).
         python_weekdays = {(w - 2) % 7 for w in self.weekdays}
         set_(self, "_weekday_mask", tuple(d in python_weekdays for d in range(7)))
-        longest = {m: 29 if m == 2 else _days_in_month(2001, m) for m in self.months}
-        can_fire = any(day <= longest[m] for m in self.months for day in self.days_of_month)
+        longest = max(29 if m == 2 else _MONTH_DAYS[m] for m in self.months)
+        can_fire = min(self.days_of_month) <= longest
         set_(self, "_can_fire", can_fire)
 
     @classmethod
@@ -451,7 +451,7 @@ class CronCalendar:
                                 year, month, candidate, hours[hour_index],
                                 minutes[minute_index], tzinfo=UTC,
                             )  # fmt: skip
-                        if False:
+                        if hour_index + 1 < len(hours):
                             return datetime(
                                 year, month, candidate, hours[hour_index + 1], minutes[0],
                                 tzinfo=UTC,

@@ -16,6 +16,10 @@ import attrs
 from steeple.postgres.queue._schema import notify_channel, validate_schema
 
 DURABLE = "(SELECT set_config('synchronous_commit', 'on', true)) AS durable"
+# Claims and renewals may commit asynchronously: losing one in a server crash leaves the
+# task pending (or its lease shorter), so it is claimed again under a NEW token and the old
+# holder is fenced out; at-least-once holds, and the pickup path saves a WAL flush.
+RELAXED = "(SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
 LIVE = "('pending', 'running')"
 TERMINAL = "('succeeded', 'failed', 'cancelled')"
 _TASK_COLUMNS = (
@@ -93,7 +97,7 @@ UPDATE {s}.tasks t
 SET state = 'running', attempts = t.attempts + 1, lease_token = gen_random_uuid(),
     lease_expires_at = clock_timestamp() + t.lease_duration, worker_id = $3,
     started_at = clock_timestamp(), updated_at = clock_timestamp()
-FROM picked
+FROM picked, {RELAXED}
 WHERE t.id = picked.id
 RETURNING t.id, t.task_name, t.args::text, t.attempts, t.max_attempts, t.run_id, t.lease_token,
           t.lease_duration, t.backoff_initial_us, t.backoff_maximum_us, t.backoff_factor,
@@ -102,7 +106,7 @@ RETURNING t.id, t.task_name, t.args::text, t.attempts, t.max_attempts, t.run_id,
         renew=f"""
 UPDATE {s}.tasks t
 SET lease_expires_at = clock_timestamp() + t.lease_duration
-FROM unnest($1::bigint[], $2::uuid[]) AS h(id, token)
+FROM {RELAXED}, unnest($1::bigint[], $2::uuid[]) AS h(id, token)
 WHERE t.id = h.id AND t.lease_token = h.token AND t.state = 'running'
 RETURNING t.id""",
         # $1 ids[], $2 tokens[], $3 worker id

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import time
 import uuid
@@ -143,6 +144,17 @@ def _seconds(value: float | timedelta, what: str, minimum: float = 0.001) -> flo
     return float(seconds)
 
 
+@functools.lru_cache(maxsize=256)
+def _backoff(initial_us: int, maximum_us: int, factor: int, jitter: float) -> Backoff:
+    # Most tasks share a handful of policies: build (and validate) each once.
+    return Backoff(
+        initial=timedelta(microseconds=initial_us),
+        maximum=timedelta(microseconds=maximum_us),
+        factor=factor,
+        jitter=jitter,
+    )
+
+
 def _error_text(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= _MAX_ERROR_TEXT else text[: _MAX_ERROR_TEXT - 3] + "..."
@@ -222,6 +234,7 @@ class Scheduler:
         self._maintenance = _seconds(maintenance_interval, "maintenance_interval")
         self._concurrency = concurrency
         self._batch = batch
+        self._min_claim = max(1, min(batch, concurrency) // 4)
         self._listen = listen
         self._clock: Clock = clock or SystemClock()
         self._random: RandomSource = random or SystemRandom()
@@ -350,7 +363,9 @@ class Scheduler:
         try:
             while not stop.is_set():
                 free = self._concurrency - len(self._running)
-                if free <= 0:
+                # Claim in worthwhile batches: while a quarter of a batch is not yet free
+                # and handlers are running, wait for more slots instead of claiming crumbs.
+                if free <= 0 or (self._running and free < self._min_claim):
                     self._slot_freed.clear()
                     await self._wait_either(self._slot_freed, stop_waiter, None)
                     continue
@@ -413,12 +428,7 @@ class Scheduler:
             token=token,
             args_text=args_text,
             lease=lease_s,
-            backoff=Backoff(
-                initial=timedelta(microseconds=b_init),
-                maximum=timedelta(microseconds=b_max),
-                factor=b_factor,
-                jitter=b_jitter,
-            ),
+            backoff=_backoff(b_init, b_max, b_factor, b_jitter),
             renew_at=now + lease_s / 3,
             expires_at=now + lease_s,
         )

@@ -102,15 +102,18 @@ def encode_definition(definition: RecurringDefinition) -> bytes:
     )
 
 
-def decode_definition_message(raw: bytes) -> ScheduledMessage:
-    """Return the message of a definition sealed with :func:`encode_definition`.
+def definition_message_plaintext(raw: bytes) -> bytes:
+    """Return the :func:`encode_message` plaintext of a definition's message.
 
     Raises:
         RecurringStorageError: the plaintext is not a definition document.
     """
     try:
         doc = json.loads(raw)
-        return decode_message(_canonical(doc["message"]))
+        message = doc["message"]
+        if not isinstance(message, dict):
+            raise TypeError("message is not an object")
+        return _canonical(message)
     except (ValueError, KeyError, TypeError) as exc:
         raise RecurringStorageError(f"stored definition is malformed ({exc})") from None
 

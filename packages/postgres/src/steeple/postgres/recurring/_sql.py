@@ -112,7 +112,10 @@ class Queries:
 
 _TEMPLATES: dict[str, str] = {
     "lock_namespace": (
-        "SELECT binding, binding_key_id, recorded_time, definition_count, occurrence_count"
+        # set_config(..., true) is SET LOCAL: this transaction commits durably whatever
+        # the session says, in the same round trip as the lock.
+        "SELECT set_config('synchronous_commit', 'on', true) AS synchronous_commit,"
+        " binding, binding_key_id, recorded_time, definition_count, occurrence_count"
         " FROM {schema}.recurring_namespaces WHERE namespace = $1 FOR UPDATE"
     ),
     "touch_namespace": (

@@ -9,6 +9,7 @@ one recorded time. Broker publication never happens inside a transaction.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import heapq
 import hmac
@@ -101,6 +102,12 @@ class _BindingSealer(Protocol):
     def open_binding(
         self, sealed: bytes, *, namespace: str, expected: Mapping[str, Any]
     ) -> object: ...
+
+
+@functools.lru_cache(maxsize=1024)
+def _calendar(expression: str) -> CronCalendar:
+    # Parsing is pure and the expressions of a namespace repeat on every tick.
+    return CronCalendar.parse(expression)
 
 
 def _capability_digest(capability: bytes) -> bytes:
@@ -522,7 +529,6 @@ class PostgresRecurringStore:
                 self._pool.acquire(timeout=_POOL_DEADLINE) as conn,
                 conn.transaction(),
             ):
-                await conn.execute("SET LOCAL synchronous_commit = on")
                 row = await conn.fetchrow(q.lock_namespace, namespace)
                 if row is None:
                     raise RecurringNotFoundError(
@@ -710,7 +716,7 @@ class PostgresRecurringStore:
                 r["name"]: _Planned(
                     name=r["name"],
                     sealed=bytes(r["sealed"]),
-                    calendar=CronCalendar.parse(r["cron"]),
+                    calendar=_calendar(r["cron"]),
                     policy=MissedRunPolicy(r["policy"]),
                     cursor=r["cursor_at"],
                     next_due=r["next_due_at"],
@@ -748,8 +754,7 @@ class PostgresRecurringStore:
             for name, _due in emitted:
                 if name not in messages:
                     opened = self._open(planned[name].sealed, PURPOSE_DEFINITION, name)
-                    message = _codec.decode_definition_message(opened)
-                    messages[name] = _codec.encode_message(message)
+                    messages[name] = _codec.definition_message_plaintext(opened)
                 occurrence_id = leases.occurrence_id_for(leases.new_generation(self._random))
                 ids.append(occurrence_id)
                 contents.append(self._seal(messages[name], PURPOSE_OCCURRENCE, occurrence_id))

@@ -596,6 +596,39 @@ class RecurringStoreConformance(RuleBasedStateMachine):
         self.broker.inject(fault)
         self.faults.append(fault)
 
+    @precondition(lambda self: any(o.state == "leased" for o in self.occurrences.values()))
+    @rule(limit=st.integers(1, 6))
+    def stall_past_lease(self, limit: int) -> None:
+        """Stall a worker past its leases: others reclaim, the stalled worker is fenced."""
+        held = {
+            o.occurrence_id: o.lease
+            for o in self.occurrences.values()
+            if o.state == "leased" and o.lease is not None
+        }
+        latest = max(lease.expires_at for lease in held.values())
+        if latest > self.clock.now():
+            self.clock.set(latest)
+        self._claim_and_check(limit)
+        for occurrence_id, lease in held.items():
+            occ = self.occurrences.get(occurrence_id)
+            if occ is not None and occ.lease is not None and occ.lease != lease:
+                self._relay(lease)  # the fenced worker wakes up: refused, nothing recorded
+
+    def _stale_leases(self) -> list[Lease]:
+        stale = []
+        for lease in self.leases:
+            occ = self.occurrences.get(lease.occurrence_id)
+            if occ is None or occ.lease != lease:
+                stale.append(lease)
+        return stale
+
+    @precondition(lambda self: bool(self._stale_leases()))
+    @rule(index=st.integers(0, 99))
+    def relay_stale_lease(self, index: int) -> None:
+        """Relay a lease that was fenced, spent or whose occurrence moved on: refused."""
+        stale = self._stale_leases()
+        self._relay(stale[index % len(stale)])
+
     @precondition(lambda self: bool(self.leases))
     @rule(index=st.integers(0, 99))
     def relay(self, index: int) -> None:

@@ -1,0 +1,484 @@
+"""Work-queue benchmark: steeple vs PgQueuer vs procrastinate vs raw SQL, in ONE run.
+
+Run:  .venv/bin/python benchmarks/bench_queue.py --dsn postgresql://postgres@127.0.0.1:5432/test
+
+Measured on the same PostgreSQL, one system at a time, each in its own schema:
+- bulk enqueue rate (tasks/s) of N no-op tasks (each system's bulk API);
+- processing rate (tasks/s) of those N no-op tasks by one worker process (this one);
+- pickup latency p50/p99 (ms) of single tasks on an idle queue: from just before the
+  enqueue call to the start of the handler, with the worker already waiting.
+
+The "limit" is the same insert -> claim -> complete lifecycle as raw SQL on the steeple
+schema with no Python in the loop: a server-side INSERT ... SELECT generate_series for
+enqueue, and a procedure that claims batches with steeple's claim statement and completes
+them, committing each batch. Its latency is a bare asyncpg client doing INSERT + NOTIFY,
+LISTEN wake-up and the claim. A peer that cannot run is reported in the table with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+
+SCHEMAS = {
+    "steeple": "bench_steeple",
+    "pgqueuer": "bench_pgqueuer",
+    "procrastinate": "bench_procrastinate",
+    "limit": "bench_limit",
+}
+CHUNK = 5000
+
+
+class Result:
+    def __init__(self) -> None:
+        self.enqueue: float | None = None
+        self.process: float | None = None
+        self.p50: float | None = None
+        self.p99: float | None = None
+        self.error: str | None = None
+
+
+async def reset_schema(dsn: str, schema: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await conn.execute(f'CREATE SCHEMA "{schema}"')
+    finally:
+        await conn.close()
+
+
+async def drop_schema(dsn: str, schema: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    p50 = statistics.median(ordered)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return p50 * 1000, p99 * 1000
+
+
+async def measure_latency(
+    samples: int, enqueue_one: Callable[[], Awaitable[Any]], started: asyncio.Queue[float]
+) -> tuple[float, float]:
+    """Enqueue one task at a time on an idle queue; latency = enqueue start -> handler start."""
+    latencies = []
+    for i in range(samples + 5):
+        await asyncio.sleep(0.02)  # idle: the worker is waiting, not mid-poll
+        t0 = time.perf_counter()
+        await enqueue_one()
+        t1 = await asyncio.wait_for(started.get(), 30)
+        if i >= 5:  # warm-up
+            latencies.append(t1 - t0)
+    return percentiles(latencies)
+
+
+# --- steeple --------------------------------------------------------------------------
+
+
+async def bench_steeple(dsn: str, n: int, samples: int) -> Result:
+    from steeple.postgres.queue import Scheduler, Task, enqueue, enqueue_many, install
+
+    schema = SCHEMAS["steeple"]
+    result = Result()
+    await reset_schema(dsn, schema)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await install(conn, schema=schema)
+        noop = Task("noop")
+        payloads = [{"i": i} for i in range(n)]
+        t0 = time.perf_counter()
+        for start in range(0, n, CHUNK):
+            await enqueue_many(conn, noop, payloads[start : start + CHUNK], schema=schema)
+        result.enqueue = n / (time.perf_counter() - t0)
+
+        done = asyncio.Event()
+        count = 0
+        started: asyncio.Queue[float] = asyncio.Queue()
+        latency_mode = False
+
+        async def handler(ctx: Any, args: Any) -> None:
+            nonlocal count
+            if latency_mode:
+                started.put_nowait(time.perf_counter())
+                return
+            count += 1
+            if count >= n:
+                done.set()
+
+        worker = Scheduler(
+            dsn, worker_id="bench", schema=schema, concurrency=200, batch_size=200,
+            poll_interval=1.0, maintenance_interval=5.0,
+        )  # fmt: skip
+        worker.register(noop, handler)
+        stop = asyncio.Event()
+        t0 = time.perf_counter()
+        run = asyncio.create_task(worker.run_until_shutdown(stop))
+        await asyncio.wait_for(done.wait(), 3600)
+        # wait until the completions are recorded, too
+        while worker.stats.succeeded < n:
+            await asyncio.sleep(0.001)
+        result.process = n / (time.perf_counter() - t0)
+        stuck = await conn.fetchval(
+            f"SELECT count(*) FROM \"{schema}\".tasks WHERE state <> 'succeeded'"
+        )
+        assert stuck == 0, f"{stuck} tasks not succeeded"
+
+        latency_mode = True
+        result.p50, result.p99 = await measure_latency(
+            samples, lambda: enqueue(conn, noop, {}, schema=schema), started
+        )
+        stop.set()
+        await run
+    finally:
+        await conn.close()
+        await drop_schema(dsn, schema)
+    return result
+
+
+# --- PgQueuer --------------------------------------------------------------------------
+
+
+async def bench_pgqueuer(dsn: str, n: int, samples: int) -> Result:
+    schema = SCHEMAS["pgqueuer"]
+    os.environ["PGQUEUER_SCHEMA"] = schema
+    from datetime import timedelta
+
+    from pgqueuer import AsyncpgDriver, Job, Queries, QueueManager
+    from pgqueuer.types import QueueExecutionMode
+
+    result = Result()
+    await reset_schema(dsn, schema)
+    conn = await asyncpg.connect(dsn)
+    try:
+        queries = Queries(AsyncpgDriver(conn))
+        await drop_schema(dsn, schema)  # PgQueuer creates its schema itself
+        await queries.install()
+        t0 = time.perf_counter()
+        for start in range(0, n, CHUNK):
+            m = min(CHUNK, n - start)
+            await queries.enqueue(["noop"] * m, [None] * m, [0] * m)
+        result.enqueue = n / (time.perf_counter() - t0)
+
+        worker_conn = await asyncpg.connect(dsn)
+        try:
+            qm = QueueManager(Queries(AsyncpgDriver(worker_conn)))
+            started: asyncio.Queue[float] = asyncio.Queue()
+            latency_mode = False
+
+            @qm.entrypoint("noop")
+            async def noop(job: Job) -> None:
+                if latency_mode:
+                    started.put_nowait(time.perf_counter())
+
+            t0 = time.perf_counter()
+            await qm.run(
+                mode=QueueExecutionMode.drain,
+                batch_size=100,
+                dequeue_timeout=timedelta(seconds=1),
+                log_aggregation_interval=timedelta(0),
+            )
+            result.process = n / (time.perf_counter() - t0)
+        finally:
+            await worker_conn.close()
+
+        worker_conn = await asyncpg.connect(dsn)
+        try:
+            qm = QueueManager(Queries(AsyncpgDriver(worker_conn)))
+            latency_mode = True
+
+            @qm.entrypoint("noop")
+            async def noop2(job: Job) -> None:
+                started.put_nowait(time.perf_counter())
+
+            run = asyncio.create_task(
+                qm.run(batch_size=10, dequeue_timeout=timedelta(seconds=30))
+            )
+            await asyncio.sleep(1.0)
+            result.p50, result.p99 = await measure_latency(
+                samples, lambda: queries.enqueue("noop", None), started
+            )
+            qm.shutdown.set()
+            await asyncio.wait_for(run, 30)
+        finally:
+            await worker_conn.close()
+    finally:
+        await conn.close()
+        await drop_schema(dsn, schema)
+    return result
+
+
+# --- procrastinate ---------------------------------------------------------------------
+
+
+async def bench_procrastinate(dsn: str, n: int, samples: int) -> Result:
+    import procrastinate
+
+    schema = SCHEMAS["procrastinate"]
+    result = Result()
+    await reset_schema(dsn, schema)
+    try:
+        app = procrastinate.App(
+            connector=procrastinate.PsycopgConnector(
+                conninfo=dsn, kwargs={"options": f"-c search_path={schema}"}
+            )
+        )
+        started: asyncio.Queue[float] = asyncio.Queue()
+        latency_mode = False
+
+        @app.task(name="noop")
+        async def noop(i: int = 0) -> None:
+            if latency_mode:
+                started.put_nowait(time.perf_counter())
+
+        async with app.open_async():
+            await app.schema_manager.apply_schema_async()
+            t0 = time.perf_counter()
+            for start in range(0, n, CHUNK):
+                m = min(CHUNK, n - start)
+                await noop.batch_defer_async(*({"i": start + k} for k in range(m)))
+            result.enqueue = n / (time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            await app.run_worker_async(
+                concurrency=100, wait=False, install_signal_handlers=False,
+                delete_jobs="always", listen_notify=False,
+            )  # fmt: skip
+            result.process = n / (time.perf_counter() - t0)
+
+            latency_mode = True
+            run = asyncio.create_task(
+                app.run_worker_async(
+                    concurrency=10, wait=True, install_signal_handlers=False,
+                    delete_jobs="always", listen_notify=True,
+                )  # fmt: skip
+            )
+            await asyncio.sleep(1.0)
+            result.p50, result.p99 = await measure_latency(
+                samples, lambda: noop.defer_async(i=0), started
+            )
+            run.cancel()
+            try:
+                await asyncio.wait_for(run, 30)
+            except (asyncio.CancelledError, TimeoutError):
+                pass
+    finally:
+        await drop_schema(dsn, schema)
+    return result
+
+
+# --- the SQL-only limit ----------------------------------------------------------------
+
+
+LIMIT_PROCEDURE = """
+CREATE PROCEDURE {s}.drain(batch int) LANGUAGE plpgsql AS $$
+DECLARE
+    claimed bigint[];
+    tokens uuid[];
+BEGIN
+    LOOP
+        WITH picked AS (
+            SELECT id FROM {s}.tasks
+            WHERE state = 'pending' AND run_at <= clock_timestamp() AND task_name = 'noop'
+            ORDER BY priority DESC, run_at, id
+            LIMIT batch
+            FOR NO KEY UPDATE SKIP LOCKED
+        ), upd AS (
+            UPDATE {s}.tasks t
+            SET state = 'running', attempts = t.attempts + 1, lease_token = gen_random_uuid(),
+                lease_expires_at = clock_timestamp() + t.lease_duration, worker_id = 'sql',
+                started_at = clock_timestamp(), updated_at = clock_timestamp()
+            FROM picked WHERE t.id = picked.id
+            RETURNING t.id, t.lease_token
+        )
+        SELECT array_agg(id), array_agg(lease_token) INTO claimed, tokens FROM upd;
+        EXIT WHEN claimed IS NULL;
+        COMMIT;
+        WITH done AS (
+            UPDATE {s}.tasks t
+            SET state = 'succeeded', finished_at = clock_timestamp(),
+                updated_at = clock_timestamp(), lease_token = NULL, lease_expires_at = NULL
+            FROM unnest(claimed, tokens) AS h(id, token)
+            WHERE t.id = h.id AND t.lease_token = h.token AND t.state = 'running'
+            RETURNING t.id, t.attempts, t.started_at, t.finished_at
+        )
+        INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, finished_at)
+        SELECT id, attempts, 'sql', 'succeeded', started_at, finished_at FROM done;
+        COMMIT;
+    END LOOP;
+END $$;
+"""
+
+
+async def bench_limit(dsn: str, n: int, samples: int) -> Result:
+    from steeple.postgres.queue import install
+    from steeple.postgres.queue._schema import notify_channel
+
+    schema = SCHEMAS["limit"]
+    s = f'"{schema}"'
+    result = Result()
+    await reset_schema(dsn, schema)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await install(conn, schema=schema)
+        await conn.execute(LIMIT_PROCEDURE.format(s=s))
+        insert = f"""
+            INSERT INTO {s}.tasks (task_name, args, max_attempts, lease_duration,
+                backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter)
+            SELECT 'noop', jsonb_build_object('i', g), 5, interval '60 s', 1000000,
+                   300000000, 2, 0
+            FROM generate_series($1::int, $2::int) AS g"""
+        t0 = time.perf_counter()
+        for start in range(0, n, CHUNK):
+            await conn.execute(insert, start, min(n, start + CHUNK) - 1)
+        result.enqueue = n / (time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        await conn.execute("CALL " + s + ".drain(200)")
+        result.process = n / (time.perf_counter() - t0)
+
+        # latency: a bare client (INSERT + NOTIFY, LISTEN wake-up, claim)
+        channel = notify_channel(schema)
+        listener = await asyncpg.connect(dsn)
+        wake = asyncio.Event()
+        await listener.add_listener(channel, lambda *_: wake.set())
+        started: asyncio.Queue[float] = asyncio.Queue()
+        claim = f"""
+            WITH picked AS (SELECT id FROM {s}.tasks WHERE state = 'pending'
+                ORDER BY priority DESC, run_at, id LIMIT 10 FOR NO KEY UPDATE SKIP LOCKED)
+            UPDATE {s}.tasks t SET state = 'running', lease_token = gen_random_uuid(),
+                lease_expires_at = clock_timestamp() + t.lease_duration
+            FROM picked WHERE t.id = picked.id RETURNING t.id"""
+        worker_conn = await asyncpg.connect(dsn)
+        stop = asyncio.Event()
+
+        async def loop() -> None:
+            while not stop.is_set():
+                await wake.wait()
+                wake.clear()
+                if await worker_conn.fetch(claim):
+                    started.put_nowait(time.perf_counter())
+
+        runner = asyncio.create_task(loop())
+        one = insert.replace("generate_series($1::int, $2::int)", "generate_series(1, 1)")
+        one_notify = f"WITH ins AS ({one} RETURNING id) SELECT pg_notify($1, '') FROM ins"
+        result.p50, result.p99 = await measure_latency(
+            samples, lambda: conn.execute(one_notify, channel), started
+        )
+        stop.set()
+        wake.set()
+        await runner
+        await listener.close()
+        await worker_conn.close()
+    finally:
+        await conn.close()
+        await drop_schema(dsn, schema)
+    return result
+
+
+# --- the table -------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None, inverse: bool = False) -> str:
+    if a is None or b is None or a == 0 or b == 0:
+        return "-"
+    return f"{(b / a if inverse else a / b):.2f}x"
+
+
+def print_table(results: dict[str, Result], n: int, samples: int) -> None:
+    names = ["steeple", "pgqueuer", "procrastinate", "limit"]
+    head = ["metric", "steeple", "PgQueuer", "procrastinate", "SQL limit", "steeple/PgQueuer",
+            "steeple/limit"]  # fmt: skip
+    rows = []
+    s, p, lim = results["steeple"], results["pgqueuer"], results["limit"]
+    rows.append(
+        [f"bulk enqueue (tasks/s, N={n:,})"]
+        + [fmt(results[k].enqueue) for k in names]
+        + [ratio(s.enqueue, p.enqueue), ratio(s.enqueue, lim.enqueue)]
+    )
+    rows.append(
+        ["processing (tasks/s, 1 worker)"]
+        + [fmt(results[k].process) for k in names]
+        + [ratio(s.process, p.process), ratio(s.process, lim.process)]
+    )
+    # for latency, lower is better: ratios are speed-ups (peer / steeple)
+    rows.append(
+        [f"idle pickup p50 (ms, {samples} tasks)"]
+        + [fmt(results[k].p50, 2) for k in names]
+        + [ratio(s.p50, p.p50, inverse=True), ratio(s.p50, lim.p50, inverse=True)]
+    )
+    rows.append(
+        ["idle pickup p99 (ms)"]
+        + [fmt(results[k].p99, 2) for k in names]
+        + [ratio(s.p99, p.p99, inverse=True), ratio(s.p99, lim.p99, inverse=True)]
+    )
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
+    print(line)
+    print("-" * len(line))
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
+    print(
+        "\nratios: throughput = steeple / peer (higher is better); latency = peer / steeple "
+        "(higher is better: how many times faster steeple picks up)"
+    )
+    for k in names:
+        if results[k].error:
+            print(f"{k}: could not run: {results[k].error}")
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dsn", default=os.environ.get("STEEPLE_TEST_DSN"), required=False)
+    parser.add_argument("--n", type=int, default=50_000, help="tasks for enqueue/processing")
+    parser.add_argument("--samples", type=int, default=200, help="latency samples")
+    parser.add_argument(
+        "--only", choices=["steeple", "pgqueuer", "procrastinate", "limit"], action="append"
+    )
+    args = parser.parse_args()
+    if not args.dsn:
+        parser.error("--dsn (or STEEPLE_TEST_DSN) is required")
+    benches = {
+        "limit": bench_limit,
+        "steeple": bench_steeple,
+        "pgqueuer": bench_pgqueuer,
+        "procrastinate": bench_procrastinate,
+    }
+    results: dict[str, Result] = {}
+    for name, bench in benches.items():
+        if args.only and name not in args.only:
+            results[name] = Result()
+            results[name].error = "skipped (--only)"
+            continue
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        try:
+            results[name] = await bench(args.dsn, args.n, args.samples)
+        except Exception as exc:  # a peer that cannot run is reported, not fatal
+            traceback.print_exc()
+            results[name] = Result()
+            results[name].error = f"{type(exc).__name__}: {exc}"
+    print_table(results, args.n, args.samples)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))

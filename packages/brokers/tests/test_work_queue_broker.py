@@ -1,0 +1,207 @@
+"""The work-queue broker against a real PostgreSQL (its own schema per test)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+import asyncpg
+import pytest
+
+from broker_suite import CHECKS, TcpProxy, lose_next_ack, message, new_key
+from steeple.brokers.queue import WorkQueueBroker, decode_task_args
+from steeple.core.errors import (
+    BrokerConfigurationError,
+    BrokerUnavailableError,
+    RelayAcknowledgementError,
+)
+from steeple.core.messages import ScheduledMessage
+from steeple.postgres.queue import JobContext, Scheduler, Task, cancel, install
+
+pytestmark = pytest.mark.postgres
+
+
+def _via(dsn: str, port: int) -> str:
+    parts = urlsplit(dsn)
+    user = f"{parts.username}@" if parts.username else ""
+    return f"{parts.scheme}://{user}127.0.0.1:{port}{parts.path}"
+
+
+class QueueHarness:
+    name = "queue"
+    broker_dedups = True
+    can_probe = True
+
+    def __init__(self, dsn: str, schema: str, proxy: TcpProxy) -> None:
+        self.dsn = dsn
+        self.schema = schema
+        self.proxy = proxy
+        self.brokers: list[WorkQueueBroker] = []
+
+    async def make_broker(self) -> WorkQueueBroker:
+        b = WorkQueueBroker(
+            _via(self.dsn, self.proxy.port), schema=self.schema, max_message_bytes=4096,
+            connect_timeout=2.0,
+        )
+        self.brokers.append(b)
+        return b
+
+    async def drain(self) -> list[tuple[str, ScheduledMessage]]:
+        # A SQL consumer: read pending tasks in order, then finish them (cancel is the
+        # public way to end a task without a worker; a Scheduler runs in its own test).
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            rows = await conn.fetch(
+                f'SELECT id, args::text AS args FROM "{self.schema}".tasks'
+                " WHERE state = 'pending' ORDER BY id"
+            )
+            out = []
+            for row in rows:
+                import json
+
+                out.append(decode_task_args(json.loads(row["args"])))
+                await cancel(conn, row["id"], schema=self.schema)
+            return out
+        finally:
+            await conn.close()
+
+    def too_large(self) -> ScheduledMessage:
+        return message(0, size=8000)
+
+    async def stall(self) -> None:
+        self.proxy.stall()
+
+    async def heal(self) -> None:
+        self.proxy.heal()
+
+    async def restart(self, broker: Any) -> Any:
+        self.proxy.reset_all()
+        return broker
+
+    def secrets_in_config(self) -> list[str]:
+        return []
+
+    async def close(self) -> None:
+        for b in self.brokers:
+            await b.close()
+
+
+@pytest.fixture
+async def queue_schema(pg_schema: tuple[str, str]) -> tuple[str, str]:
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    try:
+        await install(conn, schema=schema)
+    finally:
+        await conn.close()
+    await WorkQueueBroker(dsn, schema=schema).install()
+    return dsn, schema
+
+
+@pytest.fixture
+async def harness(queue_schema: tuple[str, str]) -> AsyncIterator[QueueHarness]:
+    dsn, schema = queue_schema
+    parts = urlsplit(dsn)
+    proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    await proxy.start()
+    h = QueueHarness(dsn, schema, proxy)
+    try:
+        yield h
+    finally:
+        await h.close()
+        await proxy.close()
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+async def test_work_queue_conformance(check: str, harness: QueueHarness) -> None:
+    await CHECKS[check](harness)
+
+
+async def test_replay_after_the_task_finished_is_still_a_duplicate(
+    harness: QueueHarness,
+) -> None:
+    """The queue's own dedup_key covers live tasks only; the ledger covers finished ones."""
+    broker = await harness.make_broker()
+    key = new_key()
+    first = await broker.publish(message(1), idempotency_key=key, timeout=5)
+    assert await harness.drain() == [(key, message(1))]  # the task is now terminal
+    again = await broker.publish(message(1), idempotency_key=key, timeout=5)
+    assert again.duplicate is True
+    assert again.location == first.location
+    assert await harness.drain() == []
+
+
+async def test_a_real_worker_runs_each_relayed_message_once(harness: QueueHarness) -> None:
+    broker = await harness.make_broker()
+    keys = [new_key() for _ in range(3)]
+    for i, key in enumerate(keys):
+        await broker.publish(message(i), idempotency_key=key, timeout=5)
+    lose_next_ack(broker)
+    with pytest.raises(RelayAcknowledgementError):
+        await broker.publish(message(0), idempotency_key=keys[0], timeout=5)
+    await broker.publish(message(1), idempotency_key=keys[1], timeout=5)
+
+    ran: list[str] = []
+    stop = asyncio.Event()
+
+    async def handle(ctx: JobContext, args: Any) -> None:
+        key, msg = decode_task_args(args)
+        assert msg.message_type == "reminder.requested"
+        ran.append(key)
+        if len(ran) >= 3:
+            stop.set()
+
+    worker = Scheduler(harness.dsn, worker_id="relay-check", schema=harness.schema,
+                       poll_interval=0.1, listen=False)
+    worker.register(Task("reminder.requested"), handle)
+    await asyncio.wait_for(worker.run_until_shutdown(stop, drain_timeout=5), 60)
+    assert sorted(ran) == sorted(keys)
+    # Republishing after the worker finished them changes nothing.
+    for i, key in enumerate(keys):
+        assert (await broker.publish(message(i), idempotency_key=key, timeout=5)).duplicate
+
+
+async def test_concurrent_relays_on_one_key_enqueue_one_task(harness: QueueHarness) -> None:
+    brokers = [WorkQueueBroker(harness.dsn, schema=harness.schema) for _ in range(5)]
+    key = new_key()
+    receipts = await asyncio.gather(
+        *(b.publish(message(1), idempotency_key=key, timeout=10) for b in brokers)
+    )
+    assert sum(not r.duplicate for r in receipts) == 1
+    assert len(await harness.drain()) == 1
+
+
+async def test_ledger_window_and_purge(harness: QueueHarness) -> None:
+    with pytest.raises(BrokerConfigurationError, match="dedup_retention"):
+        WorkQueueBroker(harness.dsn, schema=harness.schema, dedup_retention=timedelta(hours=1))
+    short = WorkQueueBroker(
+        harness.dsn, schema=harness.schema, dedup_retention=timedelta(milliseconds=200),
+        required_window=timedelta(milliseconds=200),
+    )
+    key = new_key()
+    await short.publish(message(1), idempotency_key=key, timeout=5)
+    assert await short.purge() == 0
+    await asyncio.sleep(0.3)
+    assert await short.purge() == 1
+    assert await short.lookup(key) is None
+
+
+async def test_missing_ledger_is_a_configuration_error(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    broker = WorkQueueBroker(dsn, schema=schema)
+    with pytest.raises(BrokerConfigurationError, match="install"):
+        await broker.publish(message(1), idempotency_key=new_key(), timeout=5)
+
+
+async def test_unreachable_database_is_unavailable() -> None:
+    from nats_support import free_port
+
+    broker = WorkQueueBroker(
+        f"postgresql://u:pw-secret@127.0.0.1:{free_port()}/x", connect_timeout=1
+    )
+    assert "pw-secret" not in repr(broker)
+    with pytest.raises(BrokerUnavailableError):
+        await broker.publish(message(1), idempotency_key=new_key(), timeout=3)

@@ -1,0 +1,179 @@
+"""RecurringRelay: the ready worker loop over the PostgreSQL store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from steeple.core import (
+    MissedRunPolicy,
+    OccurrenceState,
+    RecurringConfig,
+    RecurringConfigurationError,
+    RecurringDeadlineError,
+    RecurringDefinition,
+    ScheduledMessage,
+)
+from steeple.core.errors import UnknownKeyIdError
+from steeple.core.messages import BrokerReceipt
+from steeple.keyring import Keyring, StorageKey
+from steeple.postgres import PostgresRecurringStore, RecurringRelay
+from steeple.testing import FakeClock, MemoryBroker
+
+START = datetime(2031, 3, 4, 5, 6, 7, 250000, tzinfo=UTC)
+KEYRING = Keyring(StorageKey("k1", b"\x07" * 32))
+
+
+def every_minute(name: str, minutes_back: int) -> RecurringDefinition:
+    return RecurringDefinition(
+        name, "* * * * *", START - timedelta(minutes=minutes_back),
+        MissedRunPolicy.CATCH_UP, ScheduledMessage("t", "m", name.encode()),
+    )
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(START)
+
+
+@pytest.fixture
+async def store(
+    pg_schema: tuple[str, str], clock: FakeClock
+) -> AsyncIterator[PostgresRecurringStore]:
+    dsn, schema = pg_schema
+    s = await PostgresRecurringStore.initialize(
+        dsn, RecurringConfig("relay", 10, 60), KEYRING, clock, schema=schema
+    )
+    async with s:
+        yield s
+
+
+async def run_until(relay: RecurringRelay, done: Any, timeout: float = 30) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        async with asyncio.timeout(timeout):
+            while not done():  # noqa: ASYNC110 - polls an outside predicate
+                await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        async with asyncio.timeout(5):
+            await task
+
+
+async def test_loop_publishes_everything_once_and_stops(store: PostgresRecurringStore) -> None:
+    await store.create(every_minute("a", 30))
+    await store.create(every_minute("b", 20))
+    broker = MemoryBroker()
+    relay = RecurringRelay(store, broker, tick_budget=7, claim_limit=5, idle_interval=0.05)
+    await run_until(relay, lambda: len(broker.published) == 50)
+    assert relay.published == 50
+    assert relay.failed == 0
+    keys = [k for _, k in broker.published]
+    assert len(set(keys)) == 50
+    states = {o.state for o in (await store.occurrences(limit=100)).items}
+    assert states == {OccurrenceState.PUBLISHED}
+
+
+async def test_loop_relays_failures_later(store: PostgresRecurringStore, clock: FakeClock) -> None:
+    await store.create(every_minute("a", 3))
+    broker = MemoryBroker()
+    broker.fail_next(2)
+    relay = RecurringRelay(store, broker, idle_interval=0.02)
+
+    def advanced() -> bool:
+        clock.advance(timedelta(milliseconds=200))  # lets the 1 s backoff pass quickly
+        return len(broker.published) == 3
+
+    await run_until(relay, advanced)
+    assert relay.failed == 2
+    assert relay.published == 3
+
+
+class FlakyStore:
+    """The real store behind a proxy whose first calls fail with a storage deadline."""
+
+    def __init__(self, inner: PostgresRecurringStore, failures: int) -> None:
+        self.inner = inner
+        self.failures = failures
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name not in {"tick", "claim"}:
+            return attr
+
+        async def call(*args: Any, **kw: Any) -> Any:
+            if self.failures > 0:
+                self.failures -= 1
+                raise RecurringDeadlineError("injected: lock wait exceeded")
+            return await attr(*args, **kw)
+
+        return call
+
+
+async def test_storage_errors_back_off_then_recover(store: PostgresRecurringStore) -> None:
+    await store.create(every_minute("a", 2))
+    broker = MemoryBroker()
+    relay = RecurringRelay(FlakyStore(store, 3), broker, idle_interval=0.02)  # type: ignore[arg-type]
+    started = time.monotonic()
+    await run_until(relay, lambda: len(broker.published) == 2)
+    assert relay.storage_failures == 3
+    # 0.5 s, 1 s, 2 s doubling with up to 50 % jitter: at least 1.75 s in total
+    assert time.monotonic() - started >= 1.7
+
+
+async def test_keyring_trouble_stops_the_loop(
+    store: PostgresRecurringStore, pg_schema: tuple[str, str], clock: FakeClock
+) -> None:
+    dsn, schema = pg_schema
+    await store.create(every_minute("a", 2))
+    newer = Keyring(StorageKey("k2", b"\x08" * 32), StorageKey("k1", b"\x07" * 32))
+    cfg = RecurringConfig("relay", 10, 60)
+    async with await PostgresRecurringStore.connect(dsn, cfg, newer, clock, schema=schema) as s2:
+        await s2.schedules()  # re-seals the binding under k2
+    # the first store's keyring lacks k2: it fails closed, the loop stops
+    relay = RecurringRelay(store, MemoryBroker(), idle_interval=0.02)
+    with pytest.raises(RecurringConfigurationError) as info:
+        await asyncio.wait_for(relay.run(asyncio.Event()), 10)
+    assert isinstance(info.value.__cause__, UnknownKeyIdError)
+
+
+async def test_graceful_shutdown_finishes_the_current_relay(
+    store: PostgresRecurringStore,
+) -> None:
+    await store.create(every_minute("a", 10))
+    started = asyncio.Event()
+
+    class Slow(MemoryBroker):
+        async def publish(
+            self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+        ) -> BrokerReceipt:
+            started.set()
+            await asyncio.sleep(0.3)
+            return await super().publish(
+                message, idempotency_key=idempotency_key, timeout=timeout
+            )
+
+    broker = Slow()
+    stop = asyncio.Event()
+    relay = RecurringRelay(store, broker, idle_interval=0.02)
+    task = asyncio.create_task(relay.run(stop))
+    await started.wait()
+    stop.set()
+    async with asyncio.timeout(5):
+        await task
+    assert len(broker.published) == 1  # the in-flight one completed, no new one started
+    states = sorted(o.state.value for o in (await store.occurrences()).items)
+    assert states.count("published") == 1
+    assert states.count("leased") == 9
+
+
+def test_relay_arguments_validated() -> None:
+    for bad in ({"tick_budget": 0}, {"claim_limit": 101}, {"idle_interval": 0}):
+        with pytest.raises(RecurringConfigurationError):
+            RecurringRelay(None, MemoryBroker(), **bad)  # type: ignore[arg-type]

@@ -1,0 +1,450 @@
+"""A small asyncio TCP proxy that injects network faults between a client and PostgreSQL.
+
+There is no netem on the test machines, so connection faults are made here: every client
+connection accepted on ``127.0.0.1:<ephemeral>`` is relayed to the upstream server, and
+the proxy's mode can be switched at any time:
+
+- ``pass_through()``: forward everything (also resumes blackholed connections);
+- ``delay(seconds)``: every chunk, both ways, is delivered ``seconds`` late (one-way
+  latency, so a round trip takes ``2 * seconds`` more; chunks stay ordered and pipelined);
+- ``blackhole()``: stop forwarding both ways, keep every socket open (new connections
+  are accepted and then hang too); data waits in the kernel's buffers until the mode
+  changes, so the protocol is intact if the connection survives;
+- ``reset()``: abort every current connection with a TCP RST on both sides;
+- ``cut_after(n)``: one shot: after ``n`` more bytes are forwarded (either way), abort
+  that connection;
+- ``cut_after_commit()``: one shot: when a client sends a ``COMMIT`` (simple Query or
+  Parse message), forward it, close the server side gracefully (so the server does read
+  and run it) and abort the client side before any reply can reach it: an ambiguous
+  commit.
+
+The proxy records the pid of every backend that served a connection through it (from
+the server's BackendKeyData message): tests find exactly those sessions in
+``pg_stat_activity`` / ``pg_locks``, without touching other sessions on a shared server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator
+from urllib.parse import parse_qs, unquote, urlsplit
+
+__all__ = ["FaultProxy", "running_proxy"]
+
+_CHUNK = 65536
+_SSL_REQUEST = 80877103
+_GSSENC_REQUEST = 80877104
+_CANCEL_REQUEST = 80877102
+_COMMIT = re.compile(rb"\b(COMMIT|END)\b", re.IGNORECASE)
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """Close ``writer``'s socket with a TCP RST (SO_LINGER 0), dropping unsent data."""
+    transport = writer.transport
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+class _CommitWatcher:
+    """Splits the client's byte stream into PostgreSQL frontend messages, finds COMMIT.
+
+    Returns the offset just past the first COMMIT message in each fed chunk, if any.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._startup = True  # untyped startup-phase messages come first
+        self._consumed = 0  # stream offset of the start of _buffer
+        self.single_byte_replies = 0  # SSL/GSS requests the server answers with one byte
+
+    def feed(self, data: bytes) -> int | None:
+        base = self._consumed + len(self._buffer)
+        self._buffer += data
+        found: int | None = None
+        while True:
+            if self._startup:
+                if len(self._buffer) < 8:
+                    break
+                length, code = struct.unpack("!ii", self._buffer[:8])
+                if len(self._buffer) < length:
+                    break
+                # After an SSL/GSS request (refused: the DSN says sslmode=disable) another
+                # untyped startup message follows; after the startup message, typed ones.
+                if code in (_SSL_REQUEST, _GSSENC_REQUEST):
+                    self.single_byte_replies += 1
+                else:
+                    self._startup = code == _CANCEL_REQUEST
+                self._drop(length)
+                continue
+            if len(self._buffer) < 5:
+                break
+            kind = self._buffer[0:1]
+            (length,) = struct.unpack("!i", self._buffer[1:5])
+            if len(self._buffer) < 1 + length:
+                break
+            body = bytes(self._buffer[5 : 1 + length])
+            end = self._consumed + 1 + length
+            self._drop(1 + length)
+            if found is None and self._is_commit(kind, body):
+                found = end - base
+        return found
+
+    def _drop(self, n: int) -> None:
+        del self._buffer[:n]
+        self._consumed += n
+
+    @staticmethod
+    def _is_commit(kind: bytes, body: bytes) -> bool:
+        if kind == b"Q":
+            text = body.split(b"\x00", 1)[0]
+        elif kind == b"P":
+            parts = body.split(b"\x00", 2)
+            text = parts[1] if len(parts) > 1 else b""
+        else:
+            return False
+        stripped = text.strip().rstrip(b";").strip()
+        return bool(_COMMIT.fullmatch(stripped))
+
+
+class _BackendWatcher:
+    """Reads the server's stream until BackendKeyData ('K'), which carries the backend pid."""
+
+    def __init__(self, client: _CommitWatcher) -> None:
+        self._client = client
+        self._buffer = bytearray()
+        self._replies_seen = 0
+        self.pid: int | None = None
+
+    def feed(self, data: bytes) -> int | None:
+        if self.pid is not None:
+            return None
+        self._buffer += data
+        while True:
+            if self._replies_seen < self._client.single_byte_replies:
+                if not self._buffer:
+                    return None
+                del self._buffer[:1]
+                self._replies_seen += 1
+                continue
+            if len(self._buffer) < 5:
+                return None
+            kind = self._buffer[0:1]
+            (length,) = struct.unpack("!i", self._buffer[1:5])
+            if len(self._buffer) < 1 + length:
+                return None
+            if kind == b"K":
+                (self.pid,) = struct.unpack("!i", self._buffer[5:9])
+                self._buffer.clear()
+                return self.pid
+            del self._buffer[: 1 + length]
+
+
+class _Link:
+    """One relayed connection: the client's and the upstream's streams and two pumps."""
+
+    def __init__(
+        self,
+        proxy: FaultProxy,
+        client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> None:
+        self.proxy = proxy
+        self.client_reader, self.client_writer = client
+        self.up_reader, self.up_writer = upstream
+        self.watcher = _CommitWatcher()
+        self.backend = _BackendWatcher(self.watcher)
+        self.closed = asyncio.Event()
+        self.cut = False
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self.tasks = [
+            asyncio.create_task(self._pump(self.client_reader, self.up_writer, upstream=True)),
+            asyncio.create_task(self._pump(self.up_reader, self.client_writer, upstream=False)),
+        ]
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, upstream: bool
+    ) -> None:
+        proxy = self.proxy
+        # Delivery (the writer side) is a separate task so a delay adds latency without
+        # serializing chunks: each chunk is due `delay` after it was read.
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+        deliver = asyncio.create_task(self._deliver(queue, writer, upstream=upstream))
+        try:
+            while not self.cut:
+                await proxy._flowing.wait()
+                try:
+                    data = await reader.read(_CHUNK)
+                except (ConnectionError, OSError):
+                    data = b""
+                if self.cut:
+                    break
+                await proxy._flowing.wait()  # a chunk read just before a blackhole waits
+                if not data:
+                    queue.put_nowait(None)
+                    break
+                queue.put_nowait((time.monotonic() + proxy._delay, data))
+            await deliver
+        finally:
+            deliver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await deliver
+            self.close()
+
+    async def _deliver(
+        self,
+        queue: asyncio.Queue[tuple[float, bytes] | None],
+        writer: asyncio.StreamWriter,
+        *,
+        upstream: bool,
+    ) -> None:
+        proxy = self.proxy
+        while not self.cut:
+            item = await queue.get()
+            if item is None:
+                with contextlib.suppress(OSError, RuntimeError):
+                    writer.write_eof()
+                return
+            due, data = item
+            wait = due - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await proxy._flowing.wait()
+            if self.cut:
+                return
+            commit_end = self.watcher.feed(data) if upstream else None
+            if not upstream and (pid := self.backend.feed(data)) is not None:
+                proxy.backend_pids.add(pid)
+            if commit_end is not None and proxy._cut_commits > 0:
+                if proxy._skip_commits > 0:
+                    proxy._skip_commits -= 1
+                else:
+                    proxy._cut_commits -= 1
+                    self._cut_after_commit(data[:commit_end])
+                    return
+            if proxy._cut_budget is not None:
+                if len(data) >= proxy._cut_budget:
+                    head = data[: proxy._cut_budget]
+                    proxy._cut_budget = None
+                    proxy.cuts += 1
+                    with contextlib.suppress(OSError, RuntimeError):
+                        writer.write(head)
+                    self.abort()
+                    return
+                proxy._cut_budget -= len(data)
+            try:
+                writer.write(data)
+                await writer.drain()
+            except (ConnectionError, OSError, RuntimeError):
+                return
+
+    def _cut_after_commit(self, head: bytes) -> None:
+        """Send ``head`` (ending with COMMIT) upstream, then cut before any reply."""
+        self.cut = True
+        self.proxy.commits_cut += 1
+        # The client gets a reset now: no byte of the server's reply can reach it.
+        _abort(self.client_writer)
+        with contextlib.suppress(OSError, RuntimeError):
+            self.up_writer.write(head)
+            # A graceful close (FIN) after the data: the server reads the COMMIT, runs it,
+            # then finds the socket gone when it answers.
+            self.up_writer.close()
+        self._finish()
+
+    def abort(self) -> None:
+        """Reset both sides now."""
+        self.cut = True
+        _abort(self.client_writer)
+        _abort(self.up_writer)
+        self._finish()
+
+    def close(self) -> None:
+        """Close both sides (after a normal end of either stream)."""
+        for writer in (self.client_writer, self.up_writer):
+            with contextlib.suppress(OSError, RuntimeError):
+                writer.close()
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self.closed.is_set():
+            self.closed.set()
+            self.proxy._links.discard(self)
+        for task in self.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+
+
+class FaultProxy:
+    """A TCP proxy to ``upstream_host:upstream_port`` with runtime-switchable faults.
+
+    Attributes:
+        port: the local port it listens on (after :meth:`start`).
+        accepted: connections accepted so far.
+        commits_cut: COMMITs after which a connection was cut.
+        cuts: connections cut by :meth:`cut_after`.
+        backend_pids: pids of every PostgreSQL backend that served a connection through
+            this proxy (read from BackendKeyData), kept after the connection ends.
+    """
+
+    def __init__(
+        self,
+        upstream_host: str = "127.0.0.1",
+        upstream_port: int = 5432,
+        *,
+        database: str = "test",
+        user: str = "postgres",
+    ) -> None:
+        self.upstream_host = upstream_host
+        self.upstream_port = upstream_port
+        self.database = database
+        self.user = user
+        self.port = 0
+        self.accepted = 0
+        self.commits_cut = 0
+        self.cuts = 0
+        self.backend_pids: set[int] = set()
+        self._server: asyncio.Server | None = None
+        self._links: set[_Link] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._delay = 0.0
+        self._cut_budget: int | None = None
+        self._cut_commits = 0
+        self._skip_commits = 0
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop listening and reset every connection still open."""
+        if self._server is not None:
+            self._server.close()
+        self._flowing.set()
+        self.reset()
+        # Each handler ends once its link is closed; cancelling them would make asyncio's
+        # stream callback log the cancellation as an error.
+        if self._handlers:
+            await asyncio.wait(self._handlers, timeout=5)
+        if self._server is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await self._server.wait_closed()
+
+    @classmethod
+    def for_dsn(cls, dsn: str) -> FaultProxy:
+        """A proxy to the server, database and user of ``dsn`` (TCP or a Unix socket)."""
+        parts = urlsplit(dsn)
+        query = parse_qs(parts.query)
+        host = query.get("host", [parts.hostname or "127.0.0.1"])[0]
+        port = int(query.get("port", [parts.port or 5432])[0])
+        return cls(
+            host,
+            port,
+            database=unquote(parts.path.lstrip("/")) or "postgres",
+            user=unquote(parts.username or "postgres"),
+        )
+
+    def dsn(self, user: str | None = None, **params: str) -> str:
+        """A DSN that connects through the proxy (TLS off so COMMITs can be seen)."""
+        query = "&".join(f"{k}={v}" for k, v in {"sslmode": "disable", **params}.items())
+        return f"postgresql://{user or self.user}@127.0.0.1:{self.port}/{self.database}?{query}"
+
+    @property
+    def live_backend_pids(self) -> set[int]:
+        """Backend pids of the connections open through the proxy right now."""
+        return {link.backend.pid for link in self._links if link.backend.pid is not None}
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._links)
+
+    # --- modes -------------------------------------------------------------------------
+
+    def pass_through(self) -> None:
+        """Forward everything without delay; resume blackholed connections."""
+        self._delay = 0.0
+        self._flowing.set()
+
+    def delay(self, seconds: float) -> None:
+        """Deliver every chunk, both ways, ``seconds`` after it was read."""
+        self._delay = float(seconds)
+        self._flowing.set()
+
+    def blackhole(self) -> None:
+        """Stop forwarding both ways; sockets stay open and new ones are accepted."""
+        self._flowing.clear()
+
+    def reset(self) -> None:
+        """Abort every current connection (TCP RST to both sides)."""
+        for link in list(self._links):
+            link.abort()
+
+    def cut_after(self, n: int) -> None:
+        """Abort the connection that forwards the ``n``-th byte from now (one shot)."""
+        self._cut_budget = n
+
+    def cut_after_commit(self, count: int = 1, *, skip: int = 0) -> None:
+        """Let ``skip`` COMMITs through, then cut right after each of the next ``count``."""
+        self._cut_commits = count
+        self._skip_commits = skip
+
+    def disarm(self) -> None:
+        """Forget pending one-shot cuts."""
+        self._cut_budget = None
+        self._cut_commits = 0
+        self._skip_commits = 0
+
+    # --- relaying ----------------------------------------------------------------------
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self.accepted += 1
+        try:
+            try:
+                if self.upstream_host.startswith("/"):
+                    upstream = await asyncio.open_unix_connection(
+                        f"{self.upstream_host}/.s.PGSQL.{self.upstream_port}"
+                    )
+                else:
+                    upstream = await asyncio.open_connection(
+                        self.upstream_host, self.upstream_port
+                    )
+            except OSError:
+                _abort(writer)
+                return
+            link = _Link(self, (reader, writer), upstream)
+            self._links.add(link)
+            link.start()
+            await link.closed.wait()
+            await asyncio.gather(*link.tasks, return_exceptions=True)
+        except asyncio.CancelledError:
+            _abort(writer)
+            raise
+        finally:
+            self._handlers.discard(task)
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(dsn: str = "postgresql://postgres@127.0.0.1:5432/test") -> AsyncIterator[FaultProxy]:
+    """Start a :class:`FaultProxy` to the server of ``dsn``, yield it, stop it."""
+    proxy = FaultProxy.for_dsn(dsn)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
