@@ -10,9 +10,13 @@ the proxy's mode can be switched at any time:
 - ``blackhole()``: stop forwarding both ways, keep every socket open (new connections
   are accepted and then hang too); data waits in the kernel's buffers until the mode
   changes, so the protocol is intact if the connection survives;
+- ``blackhole_after(trigger)``: forward the client's chunk holding ``trigger`` (say a
+  statement's text), then blackhole: the server has run it, its reply is held;
 - ``reset()``: abort every current connection with a TCP RST on both sides;
 - ``cut_after(n)``: one shot: after ``n`` more bytes are forwarded (either way), abort
   that connection;
+- ``cut_before_commit()``: the same, but the COMMIT itself is dropped (the server rolls
+  back): the other outcome of an ambiguous commit;
 - ``cut_after_commit()``: one shot: when a client sends a ``COMMIT`` (simple Query or
   Parse message), forward it, close the server side gracefully (so the server does read
   and run it) and abort the client side before any reply can reach it: an ambiguous
@@ -229,7 +233,7 @@ class _Link:
                     proxy._skip_commits -= 1
                 else:
                     proxy._cut_commits -= 1
-                    self._cut_after_commit(data[:commit_end])
+                    self._cut_at_commit(data, commit_end)
                     return
             if proxy._cut_budget is not None:
                 if len(data) >= proxy._cut_budget:
@@ -246,18 +250,31 @@ class _Link:
                 await writer.drain()
             except (ConnectionError, OSError, RuntimeError):
                 return
+            trigger = proxy._blackhole_trigger
+            if upstream and trigger is not None and trigger in data:
+                # Forwarded, and from now on nothing else is: the server runs this
+                # statement and its reply is held.
+                proxy._blackhole_trigger = None
+                proxy._flowing.clear()
 
-    def _cut_after_commit(self, head: bytes) -> None:
-        """Send ``head`` (ending with COMMIT) upstream, then cut before any reply."""
+    def _cut_at_commit(self, data: bytes, commit_end: int) -> None:
+        """Cut the link at the COMMIT ending at ``data[commit_end]``.
+
+        With ``forward_commit`` the COMMIT (and what preceded it) reaches the server, which
+        runs it; otherwise the server never sees it and rolls back. Either way no byte of
+        the server's reply reaches the client.
+        """
         self.cut = True
         self.proxy.commits_cut += 1
-        # The client gets a reset now: no byte of the server's reply can reach it.
         _abort(self.client_writer)
-        with contextlib.suppress(OSError, RuntimeError):
-            self.up_writer.write(head)
-            # A graceful close (FIN) after the data: the server reads the COMMIT, runs it,
-            # then finds the socket gone when it answers.
-            self.up_writer.close()
+        if self.proxy._forward_commit:
+            with contextlib.suppress(OSError, RuntimeError):
+                self.up_writer.write(data[:commit_end])
+                # A graceful close (FIN) after the data: the server reads the COMMIT,
+                # runs it, then finds the socket gone when it answers.
+                self.up_writer.close()
+        else:
+            _abort(self.up_writer)
         self._finish()
 
     def abort(self) -> None:
@@ -320,6 +337,8 @@ class FaultProxy:
         self._cut_budget: int | None = None
         self._cut_commits = 0
         self._skip_commits = 0
+        self._blackhole_trigger: bytes | None = None
+        self._forward_commit = True
         self._handlers: set[asyncio.Task[None]] = set()
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -387,6 +406,10 @@ class FaultProxy:
         """Stop forwarding both ways; sockets stay open and new ones are accepted."""
         self._flowing.clear()
 
+    def blackhole_after(self, trigger: bytes) -> None:
+        """Blackhole right after forwarding a client chunk that contains ``trigger``."""
+        self._blackhole_trigger = trigger
+
     def reset(self) -> None:
         """Abort every current connection (TCP RST to both sides)."""
         for link in list(self._links):
@@ -400,12 +423,20 @@ class FaultProxy:
         """Let ``skip`` COMMITs through, then cut right after each of the next ``count``."""
         self._cut_commits = count
         self._skip_commits = skip
+        self._forward_commit = True
+
+    def cut_before_commit(self, count: int = 1, *, skip: int = 0) -> None:
+        """Like :meth:`cut_after_commit`, but the COMMIT never reaches the server."""
+        self._cut_commits = count
+        self._skip_commits = skip
+        self._forward_commit = False
 
     def disarm(self) -> None:
         """Forget pending one-shot cuts."""
         self._cut_budget = None
         self._cut_commits = 0
         self._skip_commits = 0
+        self._blackhole_trigger = None
 
     # --- relaying ----------------------------------------------------------------------
 

@@ -333,3 +333,63 @@ async def test_token_app_of_admin_serve(live: dict[str, Any]) -> None:
     assert 'class="row schedule"' in browser.text
     assert api.status_code == 200
     assert other.status_code == 403
+
+
+async def test_failures_keep_the_security_headers() -> None:
+    from steeple.core import RecurringStorageError, SteepleError
+
+    class Broken:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        async def tasks(self, **_: Any) -> Any:
+            raise self.error
+
+    async def allow(request: Request, action: str, namespace: str) -> bool:
+        return True
+
+    outcomes = {}
+    for label, error in (("steeple", SteepleError("queue schema is not installed")),
+                         ("storage", RecurringStorageError("database down")),
+                         ("bug", RuntimeError("boom: secret detail"))):
+        async def tasks(namespace: str, error: Exception = error) -> Any:
+            return Broken(error)
+
+        app = create_admin_app(authorize=allow, tasks=tasks)
+        async with client(app) as http:
+            outcomes[label] = (await http.get("/api/ops/tasks"), await http.get("/ui/ops"))
+    api, page = outcomes["steeple"]
+    assert api.status_code == 409
+    assert page.status_code == 200
+    assert "unavailable: queue schema is not installed" in page.text
+    api, page = outcomes["storage"]
+    assert api.status_code == 503
+    api, page = outcomes["bug"]
+    assert api.status_code == 500
+    assert page.status_code == 500
+    assert "secret detail" not in api.text
+    for api, page in outcomes.values():
+        assert_security_headers(api)
+        assert_security_headers(page)
+
+
+@pytest.mark.postgres
+async def test_dashboard_before_the_queue_is_migrated(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    try:
+        admin = PostgresTaskAdmin(pool, schema)  # nothing installed in this schema
+
+        async def tasks(namespace: str) -> Any:
+            return admin
+
+        app = create_admin_app(authorize=Recorder(), tasks=tasks)
+        async with client(app) as http:
+            api = await http.get("/api/ops/tasks")
+            page = await http.get("/ui/ops")
+    finally:
+        await pool.close()
+    assert api.status_code == 409
+    assert "steeple migrate" in api.json()["detail"]
+    assert page.status_code == 200
+    assert "unavailable" in page.text

@@ -65,6 +65,37 @@ async def test_initialize_is_idempotent_and_checks_configuration(
 
 
 @pytest.mark.postgres
+async def test_initialize_grants_a_runtime_role(pg_schema: tuple[str, str]) -> None:
+    import asyncpg
+
+    dsn, schema = pg_schema
+    role = f"rt_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(dsn)
+    await conn.execute(f'CREATE ROLE "{role}" NOLOGIN')
+    try:
+        env = {"STEEPLE_KEYS": fresh_key(), "STEEPLE_DATABASE_URL": dsn}
+        result = await ainvoke(["initialize", "--schema", schema, "--grant-to", role], env)
+        assert result.exit_code == 0, result.output
+        assert f"to role '{role}'" in result.stdout
+        allowed = await conn.fetchval(
+            "SELECT has_table_privilege($1, $2, 'SELECT')",
+            role, f'"{schema}".recurring_occurrences',
+        )
+        creates = await conn.fetchval("SELECT has_schema_privilege($1, $2, 'CREATE')",
+                                      role, schema)
+        missing = await ainvoke(["initialize", "--schema", schema, "--grant-to", "no_such_r0le"],
+                                env)
+    finally:
+        await conn.execute(f'DROP OWNED BY "{role}"')
+        await conn.execute(f'DROP ROLE "{role}"')
+        await conn.close()
+    assert allowed is True
+    assert creates is False
+    assert missing.exit_code == ExitCode.FAILED
+    assert "no_such_r0le" in missing.stderr
+
+
+@pytest.mark.postgres
 async def test_connect_to_an_uninitialized_schema_says_to_initialize(
     pg_schema: tuple[str, str],
 ) -> None:
@@ -152,6 +183,30 @@ async def test_cancel_retry_purge(seeded: Any) -> None:
 
 
 @pytest.mark.postgres
+async def test_keys_show_counts_sealed_records_per_key_id(seeded: Any) -> None:
+    env = seeded.env()
+    alone = await ainvoke(["keys", "show", "--json"], env)
+    assert alone.exit_code == 0, alone.output
+    (k1,) = json.loads(alone.stdout)["keys"]
+    assert k1["key_id"] == "k1"
+    assert k1["role"] == "primary"
+    # the binding, two definitions, and the occurrences that still hold content
+    assert k1["records"] >= 3
+    rotated = await ainvoke(["keys", "show", "--json"],
+                            {**env, "STEEPLE_KEYS": f"{fresh_key('k2')},{seeded.keys}"})
+    keys = {k["key_id"]: k for k in json.loads(rotated.stdout)["keys"]}
+    assert keys["k2"]["role"] == "primary"
+    assert keys["k2"]["records"] == 0
+    assert keys["k1"] == {"key_id": "k1", "role": "previous", "records": k1["records"]}
+    lost = await ainvoke(["keys", "show"], {**env, "STEEPLE_KEYS": fresh_key("k2"),
+                                            "COLUMNS": "160"})
+    assert lost.exit_code == 0
+    assert "NOT CONFIGURED" in lost.stdout
+    empty_schema = await ainvoke(["keys", "show", "--schema", "no_such_schema_x"], env)
+    assert empty_schema.exit_code == ExitCode.CONFIG
+
+
+@pytest.mark.postgres
 async def test_migrate_is_idempotent(pg_schema: tuple[str, str]) -> None:
     dsn, schema = pg_schema
     for _ in range(2):
@@ -178,7 +233,10 @@ def test_keys_generate_and_show(tmp_path: Path) -> None:
     second = fresh_key("old")
     shown = invoke(["keys", "show", "--json"], {"STEEPLE_KEYS": f"{line},{second}"})
     assert shown.exit_code == 0
-    assert json.loads(shown.stdout) == {"primary": "2026-11", "key_ids": ["2026-11", "old"]}
+    shown_json = json.loads(shown.stdout)
+    assert shown_json["primary"] == "2026-11"
+    assert shown_json["key_ids"] == ["2026-11", "old"]
+    assert [k["role"] for k in shown_json["keys"]] == ["primary", "previous"]
     assert material not in shown.output
 
     keys_file = tmp_path / "keys"

@@ -82,6 +82,30 @@ async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path,
         await conn.close()
     assert definitions == 3
 
+    # --fresh with a server drops the demo's own schemas and data directory, then starts
+    # over; SIGTERM (like the first Ctrl-C) ends the run early with its summary, exit 0.
+    third = await asyncio.create_subprocess_exec(
+        *STEEPLE, *args[:-4], "--duration", "50", "--fresh",
+        "--data-dir", str(tmp_path / "demo"), env=_env(), cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert third.stdout is not None
+        async with asyncio.timeout(60):
+            while b"created recurring publications" not in await third.stdout.readline():
+                pass
+        await asyncio.sleep(2)
+        third.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            rest, _ = await third.communicate()
+    finally:
+        if third.returncode is None:
+            third.kill()
+            await third.wait()
+    assert third.returncode == 0
+    early = _summary(rest.decode())
+    assert early["elapsed"] < 20
+
 
 @pytest.mark.slow
 async def test_demo_on_the_embedded_default(tmp_path: Path) -> None:
@@ -198,6 +222,9 @@ async def test_worker_runs_tasks_and_relay_and_stops_on_sigterm(
     assert proc.returncode == 0, stderr
     assert "SIGTERM received, stopping gracefully" in stderr
     assert "steeple worker: stopped" in stderr
+    relayed = re.search(r"relayed (\d+) occurrences", stderr)
+    assert relayed, stderr
+    assert int(relayed.group(1)) >= 3
     conn = await asyncpg.connect(dsn)
     try:
         states = await conn.fetch(f'SELECT DISTINCT state FROM "{schema}".tasks')

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
@@ -63,6 +64,9 @@ class Destination:
     async def make_broker(self) -> Any:
         raise NotImplementedError
 
+    def spec(self) -> dict[str, Any]:
+        raise NotImplementedError
+
     async def consume(self) -> list[tuple[str, ScheduledMessage]]:
         raise NotImplementedError
 
@@ -76,6 +80,9 @@ class SqliteDestination(Destination):
     def __init__(self, tmp: Path) -> None:
         self.path = tmp / "journal.db"
         self.brokers: list[SqliteJournalBroker] = []
+
+    def spec(self) -> dict[str, Any]:
+        return {"path": str(self.path)}
 
     async def make_broker(self) -> SqliteJournalBroker:
         b = SqliteJournalBroker(self.path, KEYRING)
@@ -104,6 +111,9 @@ class NatsDestination(Destination):
         tag = uuid.uuid4().hex[:10]
         self.url, self.stream, self.subject = url, f"JOURNEY_{tag}", f"journey.{tag}"
         self.brokers: list[JetStreamBroker] = []
+
+    def spec(self) -> dict[str, Any]:
+        return {"url": self.url, "stream": self.stream, "subject": self.subject}
 
     async def make_broker(self) -> JetStreamBroker:
         b = JetStreamBroker(self.url, stream=self.stream, subject=self.subject,
@@ -137,6 +147,9 @@ class RedisDestination(Destination):
     def __init__(self, url: str) -> None:
         self.url, self.stream = url, f"steeple-journey:{uuid.uuid4().hex[:10]}"
         self.brokers: list[RedisStreamBroker] = []
+
+    def spec(self) -> dict[str, Any]:
+        return {"url": self.url, "stream": self.stream}
 
     async def make_broker(self) -> RedisStreamBroker:
         b = RedisStreamBroker(self.url, stream=self.stream)
@@ -384,3 +397,62 @@ async def test_a_message_over_the_server_limit_is_a_dead_letter_not_endless_retr
         await broker.close()
         await store.close()
         server.kill()
+
+
+@pytest.mark.parametrize("destination", ["sqlite", "nats", "redis"], indirect=True)
+async def test_worker_killed_after_the_broker_accepted_then_a_new_worker_finishes(
+    destination: Destination, pg_schema: tuple[str, str]
+) -> None:
+    """Row 12 with real brokers: SIGKILL after the broker accepted, before the store knew."""
+    dsn, schema = pg_schema
+    namespace = f"kill-{destination.name}"
+    config = RecurringConfig(namespace, 100, 1000, lease_duration=timedelta(seconds=2))
+    clock = SystemClock()
+    message = ScheduledMessage("reminders", "reminder.requested", b"kill -9")
+    definition = RecurringDefinition(
+        "killed-v1", "* * * * *",
+        clock.now().replace(second=0, microsecond=0) - timedelta(minutes=3),
+        MissedRunPolicy.CATCH_UP, message,
+    )
+    store = await PostgresRecurringStore.initialize(dsn, config, KEYRING, clock, schema=schema)
+    try:
+        await store.create(definition)
+        assert (await store.tick(100)).materialized >= 3
+    finally:
+        await store.close()
+
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, str(Path(__file__).parent / "journey_worker.py"),
+        dsn, schema, namespace, destination.name, json.dumps(destination.spec()),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert worker.stdout is not None
+        async with asyncio.timeout(60):
+            while not (line := (await worker.stdout.readline()).decode()).startswith(
+                "accepted"
+            ):
+                assert line, "the worker exited before the broker accepted"
+    finally:
+        worker.kill()  # SIGKILL: the store never learns about the publication
+        await worker.wait()
+
+    store = await PostgresRecurringStore.connect(dsn, config, KEYRING, clock, schema=schema)
+    broker = await destination.make_broker()
+    relay = RecurringRelay(store, broker, idle_interval=0.2)
+    try:
+
+        async def all_published() -> bool:
+            await relay.run_once()
+            page = await store.occurrences(limit=100)
+            return all(o.state == OccurrenceState.PUBLISHED for o in page.items)
+
+        await _until(all_published, within=60)
+        occurrences = (await store.occurrences(limit=100)).items
+    finally:
+        await store.close()
+    # The killed worker's occurrence was attempted twice, under the same key.
+    assert max(o.attempts for o in occurrences) >= 2
+    delivered = await destination.consume()
+    keys = [k for k, _ in delivered]
+    assert len(keys) == len(set(keys)) == len(occurrences)

@@ -279,3 +279,27 @@ async def test_unreachable_server_is_unavailable_and_repr_hides_credentials() ->
     with pytest.raises((BrokerUnavailableError, BrokerTimeoutError)):
         await broker.publish(message(), idempotency_key=new_key(), timeout=2)
     await broker.close()
+
+
+async def test_durable_consumer_redelivers_after_ack_wait(nats_url: str) -> None:
+    stream, subject = _names()
+    try:
+        async with JetStreamBroker(
+            nats_url, stream=stream, subject=subject, manage_stream=True
+        ) as broker:
+            key = new_key()
+            await broker.publish(message(1), idempotency_key=key, timeout=5)
+        async with JetStreamConsumer(
+            nats_url, stream=stream, durable="slow", ack_wait=timedelta(seconds=1)
+        ) as c:
+            [first] = await c.fetch(10)
+            assert first.delivery_count == 1
+            await asyncio.sleep(1.3)
+            [again] = await c.fetch(10, wait=2)
+            assert again.idempotency_key == key
+            assert again.delivery_count == 2
+            assert await c.acknowledge(again.delivery_id)
+            assert await c.acknowledge("1.99") is False  # never handed out
+            assert await c.fetch(10, wait=1.5) == []
+    finally:
+        await _delete_stream(nats_url, stream)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -10,8 +11,11 @@ from typing import Any
 
 import aio_pika
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker_suite import CHECKS, TcpProxy, message, new_key, publish_retrying
+from steeple.brokers import Delivery
 from steeple.brokers.rabbitmq import (
     DedupingConsumer,
     MemorySeenStore,
@@ -231,3 +235,45 @@ async def test_unreachable_server_is_unavailable() -> None:
     with pytest.raises(BrokerUnavailableError):
         await b.publish(message(), idempotency_key=new_key(), timeout=2)
     await b.close()
+
+
+class _ListConsumer:
+    """A consumer over a fixed list of deliveries, recording acknowledgements."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.pending = [
+            Delivery(str(i), k, message(0)) for i, k in enumerate(keys)
+        ]
+        self.acked: list[str] = []
+
+    async def fetch(self, limit: int = 10) -> list[Delivery]:
+        batch, self.pending = self.pending[:limit], self.pending[limit:]
+        return batch
+
+    async def acknowledge(self, delivery_id: str) -> bool:
+        self.acked.append(delivery_id)
+        return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    keys=st.lists(st.sampled_from([f"k{i}" for i in range(8)]), max_size=40),
+    batch=st.integers(1, 7),
+)
+def test_deduping_consumer_hands_out_each_key_once_and_acks_everything(
+    keys: list[str], batch: int
+) -> None:
+    async def run() -> list[str]:
+        inner = _ListConsumer(keys)
+        dedup = DedupingConsumer(inner, MemorySeenStore(timedelta(days=1)))
+        handed: list[str] = []
+        while inner.pending:
+            for d in await dedup.fetch(batch):
+                handed.append(d.idempotency_key)
+                await dedup.acknowledge(d)
+        assert sorted(inner.acked, key=int) == [str(i) for i in range(len(keys))]
+        assert dedup.dropped == len(keys) - len(handed)
+        return handed
+
+    handed = asyncio.run(run())
+    assert handed == list(dict.fromkeys(keys))  # first occurrence of each key, in order

@@ -375,3 +375,20 @@ def test_repr_shows_no_secret(tmp_path: Path) -> None:
     j = SqliteJournalBroker(tmp_path / "j.db", Keyring(KEY))
     assert KEY.key.hex() not in repr(j)
     assert "j.db" in repr(j)
+
+
+async def test_two_journals_on_one_file_racing_on_one_key_store_one_row(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    journals = [SqliteJournalBroker(path, Keyring(KEY)) for _ in range(3)]
+    try:
+        key = new_key()
+        receipts = await asyncio.gather(
+            *(j.publish(message(1), idempotency_key=key, timeout=10) for j in journals
+              for _ in range(5))
+        )
+        assert sum(not r.duplicate for r in receipts) == 1
+        assert len({r.location for r in receipts}) == 1
+        assert await journals[0].pending() == 1
+    finally:
+        for j in journals:
+            await j.close()

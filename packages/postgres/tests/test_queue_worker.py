@@ -387,7 +387,8 @@ async def test_hard_stop_after_the_drain_deadline_hands_work_back(queue) -> None
     # no pooled connection left idle in transaction
     idle = await conn.fetchval(
         "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
-        "AND datname = current_database() AND pid <> pg_backend_pid()"
+        "AND datname = current_database() AND pid <> pg_backend_pid() AND query LIKE $1",
+        f'%"{schema}"%',
     )
     assert idle == 0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import html
 import json
+import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -86,6 +87,7 @@ SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 )
 """Headers set on every response, whatever route (or error) produced it."""
 
+_log = logging.getLogger("steeple.admin")
 _NAMESPACE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}\Z")
 _MAX_BODY = 16 * 1024
 
@@ -255,6 +257,11 @@ def create_admin_app(
                 return _json_error(503, "unavailable", "storage is unavailable; try again")
             except SteepleError as exc:
                 return _json_error(409, "refused", str(exc))
+            except Exception:
+                # Answered here (not by Starlette's outer error handler) so that even a
+                # failure carries the security headers; details go to the log only.
+                _log.exception("admin %s on namespace %r failed", action, namespace)
+                return _json_error(500, "internal", "internal error")
 
         return run
 
@@ -340,8 +347,16 @@ def create_admin_app(
             sections.append(_schedules_table(schedules))
             sections.append(_occurrences_table(occurrences))
         if tasks is not None:
-            records = (await (await tasks_of(namespace)).tasks(limit=100)).items
-            sections.append(_tasks_table(records))
+            try:
+                records = (await (await tasks_of(namespace)).tasks(limit=100)).items
+            except SteepleError as exc:
+                # e.g. the queue schema is not migrated: the rest of the page still helps.
+                sections.append(
+                    f"<section id=\"task\"><h2>Tasks</h2><p class=\"unavailable\">"
+                    f"unavailable: {html.escape(str(exc))}</p></section>"
+                )
+            else:
+                sections.append(_tasks_table(records))
         return HTMLResponse(_page(namespace, sections))
 
     async def stylesheet(request: Request, namespace: str) -> Response:

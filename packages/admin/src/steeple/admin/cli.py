@@ -204,6 +204,11 @@ def initialize(
     max_occurrences: MaxOccurrencesOpt = 100_000,
     delivery_window: WindowOpt = "1d",
     lease: LeaseOpt = "60s",
+    grant_to: Annotated[
+        str | None,
+        typer.Option("--grant-to", help="Also grant this runtime role exactly the privileges "
+                     "it needs (grants.sql)."),
+    ] = None,
 ) -> None:
     """Create the recurring store's schema and a namespace (deployment role; idempotent)."""
     target = _guard(lambda: _target(
@@ -214,12 +219,25 @@ def initialize(
     async def body() -> None:
         store = await initialize_store(target)
         await store.close()
+        if grant_to is not None:
+            import asyncpg
+
+            from steeple.postgres import grant_runtime_role
+
+            conn = await asyncpg.connect(target.dsn, timeout=10)
+            try:
+                await grant_runtime_role(conn, grant_to, schema)
+            finally:
+                await conn.close()
 
     _run(body, target)
     out.print(
         f"initialized namespace {namespace!r} in schema {schema!r} at {redact_dsn(target.dsn)}",
         markup=False,
     )
+    if grant_to is not None:
+        out.print(f"granted the runtime privileges on {schema!r} to role {grant_to!r}",
+                  markup=False)
 
 
 @app.command()
@@ -543,20 +561,83 @@ def keys_generate(
 @keys_app.command("show")
 def keys_show(
     keys_file: KeysFileOpt = None,
+    dsn: DsnOpt = None,
+    schema: SchemaOpt = "steeple",
+    namespace: NamespaceOpt = "default",
     as_json: JsonOpt = False,
 ) -> None:
-    """Show the configured key ids (the first seals), never the key material."""
+    """Show the configured key ids (the first seals), never the key material.
+
+    With --dsn (or STEEPLE_DATABASE_URL) it also counts the namespace's records sealed under
+    each key id: a previous key with none can be retired; an id in use but not configured
+    must be added back.
+    """
     keyring = _guard(lambda: load_keyring(keys_file))
     ids = list(keyring.key_ids)
+    chosen = _guard(lambda: resolve_dsn(dsn, required=False))
+    usage: dict[str, int] | None = None
+    if chosen is not None:
+        target = Target(chosen, schema, NamespaceSettings(namespace))
+
+        async def body() -> dict[str, int]:
+            return await sealed_key_usage(chosen, schema, namespace)
+
+        usage = _run(body, target)
+    rows = []
+    for key_id in dict.fromkeys([*ids, *(usage or {})]):
+        role = ("primary" if key_id == ids[0] else "previous") if key_id in ids else "missing"
+        rows.append({"key_id": key_id, "role": role,
+                     "records": None if usage is None else usage.get(key_id, 0)})
     if as_json:
-        _print_json({"primary": ids[0], "key_ids": ids})
+        _print_json({"primary": ids[0], "key_ids": ids, "keys": rows})
         return
     table = Table(title="storage keys")
     table.add_column("key id")
     table.add_column("role")
-    for index, key_id in enumerate(ids):
-        table.add_row(key_id, "primary (seals)" if index == 0 else "previous (opens only)")
+    if usage is not None:
+        table.add_column(f"records in {namespace}", justify="right")
+    for row in rows:
+        role = {
+            "primary": "primary (seals)",
+            "previous": "previous (opens only)",
+            "missing": "NOT CONFIGURED: add it back",
+        }[str(row["role"])]
+        cells = [str(row["key_id"]), role]
+        if usage is not None:
+            cells.append(str(row["records"]))
+        table.add_row(*cells)
     out.print(table)
+
+
+async def sealed_key_usage(dsn: str, schema: str, namespace: str) -> dict[str, int]:
+    """Count a namespace's sealed records (binding, definitions, occurrences) per key id.
+
+    Raises:
+        CliError: (config) the schema is not initialized; driver errors otherwise.
+    """
+    import asyncpg
+
+    quoted = '"' + schema.replace('"', '""') + '"'
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        if not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL",
+                                   f"{quoted}.recurring_namespaces"):
+            raise CliError(f"schema {schema!r} holds no recurring store", code=ExitCode.CONFIG,
+                           hint="run `steeple initialize` first, or check --schema")
+        rows = await conn.fetch(
+            f"""SELECT key_id, count(*) AS n FROM (
+                SELECT binding_key_id AS key_id FROM {quoted}.recurring_namespaces
+                 WHERE namespace = $1
+                UNION ALL SELECT key_id FROM {quoted}.recurring_definitions
+                 WHERE namespace = $1
+                UNION ALL SELECT key_id FROM {quoted}.recurring_occurrences
+                 WHERE namespace = $1 AND key_id IS NOT NULL
+            ) AS sealed GROUP BY key_id ORDER BY key_id""",
+            namespace,
+        )
+    finally:
+        await conn.close()
+    return {str(r["key_id"]): int(r["n"]) for r in rows}
 
 
 # --- worker -------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -285,11 +286,15 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
     )
     target = Target(dsn, options.schema, settings)
     quiet = _SuperuserNote()
-    logging.getLogger("steeple.postgres").addFilter(quiet)
+    # Logger filters see only records logged on that very logger, not on its children.
+    loggers = [logging.getLogger(n) for n in ("steeple.postgres", "steeple.postgres.recurring")]
+    for logger in loggers:
+        logger.addFilter(quiet)
     try:
         store = await initialize_store(target, clock=clock, keyring=keyring)
     finally:
-        logging.getLogger("steeple.postgres").removeFilter(quiet)
+        for logger in loggers:
+            logger.removeFilter(quiet)
     if quiet.seen:
         console.print(
             "note: the demo connects as a superuser; production runs as a runtime role with "
@@ -374,8 +379,23 @@ async def _work(
                 await sleep_until(stop, 0.2)
 
     async def timer() -> None:
-        await asyncio.sleep(options.duration)
+        await sleep_until(stop, options.duration)
         stop.set()
+
+    # The first Ctrl-C (or SIGTERM) ends the run early but gracefully, with the summary; the
+    # handlers are then removed, so a second Ctrl-C interrupts at once.
+    loop = asyncio.get_running_loop()
+    signals: list[signal.Signals] = []
+
+    def stop_early() -> None:
+        stop.set()
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signum, stop_early)
+            signals.append(signum)
 
     refresh = _progress(summary, clock, started, options.duration)
     with Live(refresh, console=console, refresh_per_second=4, transient=False) as live:
@@ -395,6 +415,8 @@ async def _work(
             group.create_task(consumer())
             group.create_task(queue.run(stop))
             group.create_task(painter())
+        for signum in signals:
+            loop.remove_signal_handler(signum)
         summary.elapsed = time.monotonic() - started
         summary.simulated = clock.now() - schedule_start
         live.update(_progress(summary, clock, started, options.duration))

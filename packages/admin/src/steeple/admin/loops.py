@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from steeple.core.errors import RecurringRelayError, RecurringStorageError
+from steeple.core.errors import RecurringClockError, RecurringRelayError, RecurringStorageError
 from steeple.core.ports import MessageBroker, RecurringStore
 
 __all__ = ["RelayCounters", "relay_forever", "sleep_until", "tick_forever"]
@@ -52,7 +52,7 @@ async def tick_forever(
     while not stop.is_set():
         try:
             result = await store.tick(budget)
-        except RecurringStorageError as exc:
+        except (RecurringStorageError, RecurringClockError) as exc:
             counters.storage_errors += 1
             _log.warning("tick failed, retrying: %s", exc)
             await sleep_until(stop, interval)
@@ -79,7 +79,7 @@ async def relay_forever(
     while not stop.is_set():
         try:
             leases = await store.claim(batch)
-        except RecurringStorageError as exc:
+        except (RecurringStorageError, RecurringClockError) as exc:
             counters.storage_errors += 1
             _log.warning("claim failed, retrying: %s", exc)
             await sleep_until(stop, interval)
@@ -92,7 +92,7 @@ async def relay_forever(
                 counters.relay_failures += 1
                 _log.info("relay of %s failed: %s", lease.occurrence_id, type(exc).__name__)
                 continue
-            except RecurringStorageError as exc:
+            except (RecurringStorageError, RecurringClockError) as exc:
                 counters.storage_errors += 1
                 _log.warning("relay of %s hit storage: %s", lease.occurrence_id, exc)
                 continue

@@ -75,6 +75,16 @@ class PostgresTaskAdmin:
         finally:
             await pool.close()
 
+    async def _fetch(self, sql: str, *args: Any) -> list[Any]:
+        import asyncpg
+
+        from steeple.postgres.queue import LIBRARY_SCHEMA_VERSION, SchemaVersionMismatchError
+
+        try:
+            return list(await self.pool.fetch(sql, *args))
+        except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
+            raise SchemaVersionMismatchError(self.schema, 0, LIBRARY_SCHEMA_VERSION) from None
+
     async def tasks(
         self, *, after: str | None = None, limit: int = 100, state: str | None = None
     ) -> Page[TaskRecord]:
@@ -91,7 +101,7 @@ class PostgresTaskAdmin:
             raise ConfigurationError(
                 f"state must be one of {', '.join(sorted(_STATES))}, not {state!r}"
             )
-        rows = await self.pool.fetch(
+        rows = await self._fetch(
             f"SELECT {_COLUMNS} FROM {self._quoted}.tasks"
             " WHERE id > $1 AND ($2::text IS NULL OR state = $2)"
             " ORDER BY id LIMIT $3",
@@ -105,14 +115,14 @@ class PostgresTaskAdmin:
 
     async def task(self, task_id: int) -> TaskRecord | None:
         """Return one task's metadata, or ``None``."""
-        row = await self.pool.fetchrow(
+        rows = await self._fetch(
             f"SELECT {_COLUMNS} FROM {self._quoted}.tasks WHERE id = $1", task_id
         )
-        return None if row is None else _record(row)
+        return _record(rows[0]) if rows else None
 
     async def counts(self) -> dict[str, int]:
         """Return how many tasks are in each state."""
-        rows = await self.pool.fetch(
+        rows = await self._fetch(
             f"SELECT state, count(*) AS n FROM {self._quoted}.tasks GROUP BY state"
         )
         return {str(r["state"]): int(r["n"]) for r in rows}

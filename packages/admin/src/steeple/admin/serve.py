@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import hmac
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -109,37 +108,33 @@ async def serve(
     from steeple.admin.queue_admin import PostgresTaskAdmin
 
     store = await connect_store(target, keyring=keyring)
-    exit_stack: list[Any] = []
+    resources = contextlib.AsyncExitStack()
+    opening = asyncio.Lock()
+    task_admin: TaskAdmin | None = None
 
     async def stores(namespace: str) -> RecurringStore:
         if namespace != target.namespace:
             raise LookupError(namespace)
         return store
 
-    task_admin: TaskAdmin | None = None
-
     async def tasks(namespace: str) -> TaskAdmin:
+        # Opened on first use, so the dashboard works before `steeple migrate` was run.
         nonlocal task_admin
         if namespace != target.namespace:
             raise LookupError(namespace)
-        if task_admin is None:
-            manager = PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema)
-            task_admin = await manager.__aenter__()
-            exit_stack.append(manager)
+        async with opening:
+            if task_admin is None:
+                task_admin = await resources.enter_async_context(
+                    PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema)
+                )
         return task_admin
 
     app = token_app(token=token, namespace=target.namespace, stores=stores, tasks=tasks,
                     csrf_token=csrf_token)
-
-    @asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        yield
-
     config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off",
                             server_header=False)
     try:
-        await uvicorn.Server(config).serve()
+        async with resources:
+            await uvicorn.Server(config).serve()
     finally:
-        for manager in reversed(exit_stack):
-            await manager.__aexit__(None, None, None)
         await store.close()

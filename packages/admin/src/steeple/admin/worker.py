@@ -1,7 +1,8 @@
 """``steeple worker --app module:object``: run an application's relay and task handlers.
 
 The object is a :class:`WorkerApp`, or a callable (sync or async, no arguments) returning
-one. A ``broker`` runs the recurring loops (tick, claim, relay) for the namespace; ``tasks``
+one. A ``broker`` runs :class:`steeple.postgres.RecurringRelay` (tick, claim, relay) for the
+namespace; ``tasks``
 run the work-queue worker. SIGINT / SIGTERM stop both gracefully: nothing new is claimed,
 in-flight work finishes (within ``drain_timeout``), then the process exits 0.
 """
@@ -20,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from steeple.admin.loops import RelayCounters, relay_forever, tick_forever
 from steeple.admin.settings import CliError, ExitCode
 from steeple.core.ports import MessageBroker
 
@@ -113,8 +113,8 @@ async def run_worker(
     *,
     log: Callable[[str], None] = print,
     stop: asyncio.Event | None = None,
-) -> RelayCounters:
-    """Run until ``stop`` is set or SIGINT / SIGTERM arrives; return the relay's counters.
+) -> None:
+    """Run until ``stop`` is set or SIGINT / SIGTERM arrives.
 
     Raises:
         CliError: the application object, the store or the queue is unusable.
@@ -129,7 +129,7 @@ async def run_worker(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signum, _stopper(stop, log, signum))
             installed.append(signum)
-    counters = RelayCounters()
+    relay: Any = None
     store = None
     scheduler = None
     try:
@@ -152,10 +152,11 @@ async def run_worker(
         log(f"steeple worker: running {' and '.join(parts)}; Ctrl-C or SIGTERM to stop")
         async with asyncio.TaskGroup() as group:
             if store is not None and worker_app.broker is not None:
-                group.create_task(tick_forever(store, stop, counters))
-                group.create_task(relay_forever(
-                    store, worker_app.broker, stop, counters, batch=worker_app.relay_batch
-                ))
+                from steeple.postgres import RecurringRelay
+
+                relay = RecurringRelay(store, worker_app.broker,
+                                       claim_limit=worker_app.relay_batch)
+                group.create_task(relay.run(stop))
             if scheduler is not None:
                 group.create_task(
                     scheduler.run_until_shutdown(stop, drain_timeout=worker_app.drain_timeout)
@@ -165,7 +166,9 @@ async def run_worker(
             loop.remove_signal_handler(signum)
         if store is not None:
             await store.close()
-    return counters
+    if relay is not None:
+        log(f"steeple worker: relayed {relay.published} occurrences "
+            f"({relay.failed} relay failures)")
 
 
 def _stopper(stop: asyncio.Event, log: Callable[[str], None], signum: int) -> Callable[[], None]:

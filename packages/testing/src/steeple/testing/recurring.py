@@ -10,7 +10,8 @@ several processes) is out of scope; everything else behaves as the PostgreSQL st
 - ``tick``: per-definition planning by :func:`steeple.core.policies.plan_tick`, merged
   oldest first across definitions (due time, then name), all-or-nothing on capacity.
 - ``claim``: pending, due ``retry_wait`` and expired ``leased`` occurrences, oldest first
-  (due time, then id), each with a fresh random capability and the next revision.
+  (due time, then definition name), each with a fresh random capability and the next
+  revision.
 - ``relay``: lease check (constant-time capability comparison), publication under the
   occurrence's stable idempotency key within ``min(remaining lease, 10 s)``, then the
   outcome recorded only if the lease still holds.
@@ -472,7 +473,9 @@ class InMemoryRecurringStore:
         )
 
     async def claim(self, limit: int) -> list[Lease]:
-        """Lease up to ``limit`` publishable occurrences, oldest first, fencing old holders.
+        """Lease up to ``limit`` publishable occurrences, fencing earlier holders.
+
+        Oldest due time first, then definition name.
 
         Publishable: pending, ``retry_wait`` whose next attempt is due, and ``leased``
         whose lease expired. Window-expired occurrences are classified as expired first.
@@ -501,7 +504,9 @@ class InMemoryRecurringStore:
                     and not is_live(occ.lease_expires_at, now)
                 )
             ),
-            key=lambda o: (o.due_at, o.occurrence_id),
+            # Oldest due first; (due, definition) identifies an occurrence, so the order is
+            # total and the same in every store.
+            key=lambda o: (o.due_at, o.definition_name),
         )
         leases: list[Lease] = []
         for occ in ready:
@@ -740,7 +745,8 @@ class InMemoryRecurringStore:
     async def purge_terminal(self, older_than: datetime, limit: int = 100) -> int:
         """Remove up to ``limit`` terminal occurrences last updated before ``older_than``.
 
-        Terminal: published, dead, expired, cancelled (oldest update first).
+        Terminal: published, dead, expired, cancelled; oldest update first, then due time,
+        then definition name.
 
         Returns:
             How many occurrences were removed.
@@ -762,7 +768,7 @@ class InMemoryRecurringStore:
                 for o in self._occurrences.values()
                 if o.state in TERMINAL_STATES and o.updated_at < cutoff
             ),
-            key=lambda o: (o.updated_at, o.occurrence_id),
+            key=lambda o: (o.updated_at, o.due_at, o.definition_name),
         )[:limit]
         for occ in doomed:
             assert transition(occ.state, _E.PURGE) is PURGED

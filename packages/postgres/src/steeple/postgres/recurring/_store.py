@@ -20,6 +20,7 @@ from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
 import asyncpg
 import attrs
+from asyncpg.transaction import Transaction
 
 from steeple.core import leases, limits
 from steeple.core.calendar import CronCalendar
@@ -80,6 +81,7 @@ PURPOSE_BINDING = "binding"
 _CALL_DEADLINE = limits.CALL_DEADLINE.total_seconds()
 _POOL_DEADLINE = limits.POOL_DEADLINE.total_seconds()
 _PUBLISH_DEADLINE = limits.PUBLISH_DEADLINE.total_seconds()
+_RELEASE_DEADLINE = 1.0
 _MS = str(int(limits.POOL_DEADLINE / timedelta(milliseconds=1)))
 
 SERVER_SETTINGS: Mapping[str, str] = {
@@ -188,6 +190,25 @@ def _map_driver_error(exc: BaseException, what: str) -> RecurringStorageError:
             f"{what}: PostgreSQL failed (SQLSTATE {state}, {type(exc).__name__})"
         )
     return RecurringStorageError(f"{what}: the database connection failed ({type(exc).__name__})")
+
+
+async def _rollback(conn: AnyConnection, transaction: Transaction) -> bool:
+    """Roll back after an answered failure; return whether the connection is reusable."""
+    if conn.is_closed():
+        return False
+    try:
+        async with asyncio.timeout(_RELEASE_DEADLINE):
+            if conn.is_in_transaction():
+                await transaction.rollback()
+    except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+        return False
+    return True
+
+
+async def _no_reset(conn: asyncpg.Connection[asyncpg.Record]) -> None:
+    # Sessions are never changed (settings are transaction-local, no session locks or
+    # LISTEN), so the pool's per-release reset round trip is not needed.
+    del conn
 
 
 def _problem(exc: DurabilityProblem) -> RecurringError:
@@ -428,6 +449,7 @@ class PostgresRecurringStore:
                     max_inactive_connection_lifetime=60.0,
                     server_settings=dict(SERVER_SETTINGS),
                     init=_check_new_connection,
+                    reset=_no_reset,
                 )
         except RecurringError:
             raise
@@ -521,50 +543,67 @@ class PostgresRecurringStore:
     async def _run(self, what: str, body: Callable[[_Tx], Awaitable[T]]) -> T:
         if self._closed:
             raise RecurringStorageError(f"{what}: the store is closed")
-        q = self._queries
-        namespace = self._config.namespace
+        deadline = asyncio.get_running_loop().time() + _CALL_DEADLINE
         try:
-            async with (
-                asyncio.timeout(_CALL_DEADLINE),
-                self._pool.acquire(timeout=_POOL_DEADLINE) as conn,
-                conn.transaction(),
-            ):
-                row = await conn.fetchrow(q.lock_namespace, namespace)
-                if row is None:
-                    raise RecurringNotFoundError(
-                        f"namespace {namespace!r} no longer exists in schema {self._schema!r}"
-                    )
-                # The clock is read only now, after the lock wait, so time spent queued
-                # behind other instances is never judged as earlier.
-                now = leases.adopt_time(row["recorded_time"], self._clock.now())
-                self._check_binding(conn, row)
-                if row["binding_key_id"] != self._sealer.primary_key_id:
-                    # First operation after a rotation: re-seal under the current primary
-                    # so the initial key is no longer needed for the binding.
-                    await conn.execute(
-                        q.reseal_binding,
-                        namespace,
-                        _seal_binding(self._sealer, self._config),
-                        self._sealer.primary_key_id,
-                    )
-                tx = _Tx(conn, now, row["definition_count"], row["occurrence_count"])
-                result = await body(tx)
-                await conn.execute(
-                    q.touch_namespace,
-                    namespace,
-                    tx.now,
-                    tx.definition_delta,
-                    tx.occurrence_delta,
-                )
-            return result
+            async with asyncio.timeout_at(deadline):
+                conn = await self._pool.acquire(timeout=_POOL_DEADLINE)
+        except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+            raise _map_driver_error(exc, what) from exc
+        healthy = False
+        transaction = conn.transaction()
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    result = await self._transaction(conn, transaction, body)
+                healthy = True
+                return result
+            except (RecurringError, RecurringRelayError, KeyringError, asyncpg.PostgresError):
+                # The server answered, so the link is alive: roll back over it (bounded).
+                healthy = await _rollback(conn, transaction)
+                raise
         except (RecurringError, RecurringRelayError, KeyringError):
             raise
         except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
             raise _map_driver_error(exc, what) from exc
+        finally:
+            if not healthy:
+                # A deadline, a cancellation or a broken link: never wait for a ROLLBACK
+                # over it. Closing the socket ends the server's transaction (or, if the
+                # link is blackholed, idle_in_transaction_session_timeout does).
+                conn.terminate()
+            await self._pool.release(conn, timeout=_RELEASE_DEADLINE)
 
-    def _check_binding(self, conn: AnyConnection, row: asyncpg.Record) -> None:
-        del conn
+    async def _transaction(
+        self, conn: AnyConnection, transaction: Transaction, body: Callable[[_Tx], Awaitable[T]]
+    ) -> T:
+        q = self._queries
+        namespace = self._config.namespace
+        await transaction.start()
+        row = await conn.fetchrow(q.lock_namespace, namespace)
+        if row is None:
+            raise RecurringNotFoundError(
+                f"namespace {namespace!r} no longer exists in schema {self._schema!r}"
+            )
+        # The clock is read only now, after the lock wait, so time spent queued behind
+        # other instances is never judged as earlier.
+        now = leases.adopt_time(row["recorded_time"], self._clock.now())
         _verify_binding(self._sealer, self._config, bytes(row["binding"]))
+        if row["binding_key_id"] != self._sealer.primary_key_id:
+            # First operation after a rotation: re-seal under the current primary so the
+            # initial key is no longer needed for the binding.
+            await conn.execute(
+                q.reseal_binding,
+                namespace,
+                _seal_binding(self._sealer, self._config),
+                self._sealer.primary_key_id,
+            )
+        tx = _Tx(conn, now, row["definition_count"], row["occurrence_count"])
+        result = await body(tx)
+        await conn.execute(
+            q.touch_namespace, namespace, tx.now, tx.definition_delta, tx.occurrence_delta
+        )
+        await transaction.commit()
+        return result
 
     def _open(self, sealed: bytes, purpose: str, identity: str) -> bytes:
         return self._sealer.open(

@@ -28,8 +28,9 @@ The factory is awaited inside an :class:`asyncio.Runner` the machine owns, once 
 example, with a fresh namespace each time; ``close`` (the store's ``close()`` by default)
 runs at the end of each example in the same runner.
 
-Contract details the suite pins down (the reference store behaves so): ticks take the
-oldest due times first across definitions (due time, then name); every call except
+Contract details the suite pins down (the reference store behaves so): ticks and claims
+take the oldest due times first (due time, then definition name); purges take the oldest
+last update first (then due time, then name); every call except
 ``schedules`` adopts and records the shared time; ``claim``, ``occurrences``,
 ``purge_terminal``, ``cancel`` and ``retry_failed`` classify window-expired work first,
 and an expired occurrence's last update (what purge cutoffs compare) is its window end;
@@ -236,6 +237,14 @@ class RecurringStoreConformance(RuleBasedStateMachine):
             if occ.state in LIVE and occ.window_ends_at <= now:
                 self._move(occ, "expired", occ.window_ends_at)
         return now
+
+    def _ordered_ids(self) -> list[str]:
+        """Occurrence ids by (due, definition): independent of the store's random ids."""
+        return sorted(self.occurrences, key=lambda i: self._order(self.occurrences[i]))
+
+    @staticmethod
+    def _order(occ: _Occurrence) -> tuple[datetime, str]:
+        return (occ.due_at, occ.name)
 
     @staticmethod
     def _move(occ: _Occurrence, state: str, now: datetime) -> None:
@@ -513,11 +522,12 @@ class RecurringStoreConformance(RuleBasedStateMachine):
         assert len(new_ids) == len(chosen) == len(result.occurrence_ids)
         assert not new_ids & set(self.occurrences), "a new occurrence reused an existing id"
         listed = self._list_occurrences()
-        pairs = {(listed[i].definition_name, listed[i].due_at): i for i in new_ids}
-        assert set(pairs) == {(name, due) for due, name in chosen}, (
+        pairs = {(listed[i].due_at, listed[i].definition_name): i for i in new_ids}
+        assert set(pairs) == set(chosen), (
             "the tick materialized other due times than the oldest outstanding ones"
         )
-        for (name, due), occurrence_id in pairs.items():
+        # In (due, name) order, so the model never depends on the store's random ids.
+        for (due, name), occurrence_id in sorted(pairs.items()):
             assert (name, due) not in self.materialized, f"{name} at {due} materialized twice"
             self.materialized.add((name, due))
             self.occurrences[occurrence_id] = _Occurrence(
@@ -554,14 +564,14 @@ class RecurringStoreConformance(RuleBasedStateMachine):
 
     def _claim_and_check(self, limit: int) -> None:
         now = self._now()
-        ready = {
+        ready = [
             o.occurrence_id
-            for o in self.occurrences.values()
+            for o in sorted(self.occurrences.values(), key=self._order)
             if o.state == "pending"
             or (o.state == "retry_wait" and o.next_attempt_at is not None
                 and o.next_attempt_at <= now)
             or (o.state == "leased" and o.lease is not None and o.lease.expires_at <= now)
-        }
+        ]
         outcome = self._try(self._store.claim(limit))
         assert outcome.error is None, f"claim failed: {outcome.error!r}"
         leases: list[Lease] = outcome.value
@@ -571,8 +581,11 @@ class RecurringStoreConformance(RuleBasedStateMachine):
         )
         ids = [lease.occurrence_id for lease in leases]
         assert len(set(ids)) == len(ids), "one claim leased an occurrence twice"
-        assert set(ids) <= ready, "claim leased an occurrence that was not publishable"
-        for lease in leases:
+        assert set(ids) == set(ready[:limit]), (
+            "claim did not lease the oldest publishable occurrences (due time, then name)"
+        )
+        # Model order, whatever order the store returned them in.
+        for lease in sorted(leases, key=lambda x: self._order(self.occurrences[x.occurrence_id])):
             occ = self.occurrences[lease.occurrence_id]
             expected = min(now + self._config.lease_duration, occ.window_ends_at)
             assert lease.expires_at == expected, (
@@ -705,8 +718,8 @@ class RecurringStoreConformance(RuleBasedStateMachine):
     def retry_failed(self, index: int) -> None:
         """Retry an occurrence: only dead ones come back, with a fresh attempt budget."""
         now = self._now()
-        dead = sorted(i for i, o in self.occurrences.items() if o.state == "dead")
-        ids = dead if dead and index < 60 else sorted(self.occurrences)
+        dead = [i for i in self._ordered_ids() if self.occurrences[i].state == "dead"]
+        ids = dead if dead and index < 60 else self._ordered_ids()
         if index % 10 == 9 or not ids:
             outcome = self._try(self._store.retry_failed("0" * 32))
             assert isinstance(outcome.error, RecurringNotFoundError), (
@@ -735,11 +748,13 @@ class RecurringStoreConformance(RuleBasedStateMachine):
         """Purge terminal occurrences last updated before a cutoff, at most ``limit``."""
         now = self._now()
         cutoff = now - age
-        eligible = {
+        eligible = [
             o.occurrence_id
-            for o in self.occurrences.values()
+            for o in sorted(
+                self.occurrences.values(), key=lambda o: (o.updated_at, *self._order(o))
+            )
             if o.state in TERMINAL and o.updated_at < cutoff
-        }
+        ]
         outcome = self._try(self._store.purge_terminal(cutoff, limit))
         assert outcome.error is None, f"purge_terminal failed: {outcome.error!r}"
         assert outcome.value == min(limit, len(eligible)), (
@@ -747,7 +762,9 @@ class RecurringStoreConformance(RuleBasedStateMachine):
         )
         listed = self._list_occurrences()
         removed = set(self.occurrences) - set(listed)
-        assert removed <= eligible, "purge removed an occurrence that was not eligible"
+        assert removed == set(eligible[:limit]), (
+            "purge did not remove the oldest eligible occurrences (last update, due, name)"
+        )
         assert len(removed) == outcome.value
         for occurrence_id in removed:
             del self.occurrences[occurrence_id]
