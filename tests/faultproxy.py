@@ -10,8 +10,9 @@ the proxy's mode can be switched at any time:
 - ``blackhole()``: stop forwarding both ways, keep every socket open (new connections
   are accepted and then hang too); data waits in the kernel's buffers until the mode
   changes, so the protocol is intact if the connection survives;
-- ``blackhole_after(trigger)``: forward the client's chunk holding ``trigger`` (say a
-  statement's text), then blackhole: the server has run it, its reply is held;
+- ``blackhole_after(trigger, at_reply=False)``: forward the client's chunk holding
+  ``trigger`` (say a statement's text), then blackhole (or, ``at_reply``, blackhole
+  when the server next goes idle inside the transaction, holding that answer);
 - ``reset()``: abort every current connection with a TCP RST on both sides;
 - ``cut_after(n)``: one shot: after ``n`` more bytes are forwarded (either way), abort
   that connection;
@@ -44,6 +45,8 @@ _CHUNK = 65536
 _SSL_REQUEST = 80877103
 _GSSENC_REQUEST = 80877104
 _CANCEL_REQUEST = 80877102
+# ReadyForQuery with status 'T': the backend is idle inside a transaction block.
+_READY_IN_TRANSACTION = b"Z\x00\x00\x00\x05T"
 _COMMIT = re.compile(rb"\b(COMMIT|END)\b", re.IGNORECASE)
 
 
@@ -225,6 +228,14 @@ class _Link:
             await proxy._flowing.wait()
             if self.cut:
                 return
+            if not upstream and proxy._awaiting_ready and _READY_IN_TRANSACTION in data:
+                # The server finished and went idle inside the transaction: hold its
+                # answer and everything after it.
+                proxy._awaiting_ready = False
+                proxy._flowing.clear()
+                await proxy._flowing.wait()
+                if self.cut:
+                    return
             commit_end = self.watcher.feed(data) if upstream else None
             if not upstream and (pid := self.backend.feed(data)) is not None:
                 proxy.backend_pids.add(pid)
@@ -252,10 +263,13 @@ class _Link:
                 return
             trigger = proxy._blackhole_trigger
             if upstream and trigger is not None and trigger in data:
-                # Forwarded, and from now on nothing else is: the server runs this
-                # statement and its reply is held.
                 proxy._blackhole_trigger = None
-                proxy._flowing.clear()
+                if proxy._blackhole_at_reply:
+                    proxy._awaiting_ready = True
+                else:
+                    # Forwarded, and from now on nothing else is: the server runs this
+                    # statement and its reply is held.
+                    proxy._flowing.clear()
 
     def _cut_at_commit(self, data: bytes, commit_end: int) -> None:
         """Cut the link at the COMMIT ending at ``data[commit_end]``.
@@ -338,6 +352,8 @@ class FaultProxy:
         self._cut_commits = 0
         self._skip_commits = 0
         self._blackhole_trigger: bytes | None = None
+        self._blackhole_at_reply = False
+        self._awaiting_ready = False
         self._forward_commit = True
         self._handlers: set[asyncio.Task[None]] = set()
 
@@ -406,9 +422,16 @@ class FaultProxy:
         """Stop forwarding both ways; sockets stay open and new ones are accepted."""
         self._flowing.clear()
 
-    def blackhole_after(self, trigger: bytes) -> None:
-        """Blackhole right after forwarding a client chunk that contains ``trigger``."""
+    def blackhole_after(self, trigger: bytes, *, at_reply: bool = False) -> None:
+        """Blackhole right after forwarding a client chunk that contains ``trigger``.
+
+        With ``at_reply``, blackhole later instead: when the server next reports it is idle
+        inside a transaction (ReadyForQuery 'T'), holding that answer. Without it, the
+        server may be left mid-way through an extended-protocol exchange (after a Flush,
+        before a Sync), where it counts as active and no server timeout applies.
+        """
         self._blackhole_trigger = trigger
+        self._blackhole_at_reply = at_reply
 
     def reset(self) -> None:
         """Abort every current connection (TCP RST to both sides)."""
@@ -437,6 +460,7 @@ class FaultProxy:
         self._cut_commits = 0
         self._skip_commits = 0
         self._blackhole_trigger = None
+        self._awaiting_ready = False
 
     # --- relaying ----------------------------------------------------------------------
 
@@ -471,7 +495,9 @@ class FaultProxy:
 
 
 @contextlib.asynccontextmanager
-async def running_proxy(dsn: str = "postgresql://postgres@127.0.0.1:5432/test") -> AsyncIterator[FaultProxy]:
+async def running_proxy(
+    dsn: str = "postgresql://postgres@127.0.0.1:5432/test",
+) -> AsyncIterator[FaultProxy]:
     """Start a :class:`FaultProxy` to the server of ``dsn``, yield it, stop it."""
     proxy = FaultProxy.for_dsn(dsn)
     await proxy.start()

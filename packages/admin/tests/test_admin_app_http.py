@@ -393,3 +393,43 @@ async def test_dashboard_before_the_queue_is_migrated(pg_schema: tuple[str, str]
     assert "steeple migrate" in api.json()["detail"]
     assert page.status_code == 200
     assert "unavailable" in page.text
+
+
+@pytest.mark.postgres
+async def test_dashboard_actions_post_what_the_buttons_carry(live: dict[str, Any]) -> None:
+    import html as html_module
+    import re
+
+    seeded = live["seeded"]
+    app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"],
+                           csrf_token=CSRF)
+    async with client(app) as http:
+        page = await http.get("/ui/ops")
+        script = await http.get("/static/admin.js")
+        buttons = re.findall(
+            r'<button type="button" class="act" data-action="([^"]+)" data-body="([^"]+)"',
+            page.text,
+        )
+        # what admin.js does on a click: POST ../api/{ns}/{action} with the page's token
+        token = re.search(r'<meta name="steeple-csrf" content="([^"]+)">', page.text)
+        assert token
+        retry = [(a, html_module.unescape(b)) for a, b in buttons if a == "occurrences/retry"]
+        assert len(retry) == 1
+        clicked = await http.post(
+            f"/api/ops/{retry[0][0]}", content=retry[0][1],
+            headers={"content-type": "application/json", CSRF_HEADER: token.group(1)},
+        )
+        after = await http.get("/ui/ops")
+    assert page.status_code == 200
+    assert '<script src="../static/admin.js" defer></script>' in page.text
+    assert "<script>" not in page.text  # nothing inline
+    actions = [a for a, _ in buttons]
+    assert actions.count("schedules/cancel") == 2
+    assert actions.count("tasks/cancel") == len(seeded.task_ids)
+    assert script.status_code == 200
+    assert script.headers["content-type"].startswith("text/javascript")
+    assert "X-Steeple-CSRF" in script.text
+    assert_security_headers(script)
+    assert clicked.status_code == 200
+    assert json.loads(retry[0][1]) == {"occurrence_id": seeded.dead_id}
+    assert "occurrences/retry" not in after.text  # no dead occurrence is left to retry

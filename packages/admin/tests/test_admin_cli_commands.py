@@ -207,6 +207,24 @@ async def test_keys_show_counts_sealed_records_per_key_id(seeded: Any) -> None:
 
 
 @pytest.mark.postgres
+async def test_worker_on_an_unmigrated_queue_says_to_migrate(
+    pg_schema: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dsn, schema = pg_schema
+    (tmp_path / "unmigrated_app.py").write_text(
+        "from steeple.admin import WorkerApp\n"
+        "from steeple.postgres.queue import Task\n"
+        "async def handle(ctx, args):\n    pass\n"
+        "app = WorkerApp(tasks=[(Task('t'), handle)])\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    result = await ainvoke(["worker", "--app", "unmigrated_app:app", "--dsn", dsn,
+                            "--queue-schema", schema], {"STEEPLE_KEYS": fresh_key()})
+    assert result.exit_code == ExitCode.CONFIG, result.output
+    assert "steeple migrate" in result.stderr
+
+
+@pytest.mark.postgres
 async def test_migrate_is_idempotent(pg_schema: tuple[str, str]) -> None:
     dsn, schema = pg_schema
     for _ in range(2):

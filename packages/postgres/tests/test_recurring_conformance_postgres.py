@@ -30,7 +30,7 @@ def test_postgres_store_conforms(pg_dsn: str) -> None:
         run_recurring_conformance(
             make_store,
             settings=settings(
-                max_examples=int(os.environ.get("STEEPLE_CONFORMANCE_EXAMPLES", "30")),
+                max_examples=int(os.environ.get("STEEPLE_CONFORMANCE_EXAMPLES", "40")),
                 stateful_step_count=30,
                 deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

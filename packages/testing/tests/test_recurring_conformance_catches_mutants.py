@@ -21,7 +21,7 @@ from steeple.testing import InMemoryRecurringStore
 from steeple.testing.conformance.recurring import run_recurring_conformance
 
 HUNT = settings(
-    max_examples=400,
+    max_examples=600,
     stateful_step_count=40,
     deadline=None,
     phases=[Phase.generate],

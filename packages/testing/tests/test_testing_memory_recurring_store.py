@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from datetime import UTC, datetime, timedelta
 
@@ -800,3 +801,43 @@ async def test_sealed_content_round_trips_and_is_bound_to_its_identity(clock: Fa
     occurrences[second.occurrence_id].content = occurrences[first.occurrence_id].content or b""
     with pytest.raises(AuthenticationFailedError):
         await store.relay(second, broker)
+
+
+async def test_an_unexpected_broker_exception_is_a_retryable_relay_error(
+    store: InMemoryRecurringStore,
+) -> None:
+    lease = await one_leased(store)
+
+    class Buggy(MemoryBroker):
+        async def publish(
+            self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+        ) -> BrokerReceipt:
+            raise ConnectionResetError("driver error escaped the adapter")
+
+    with pytest.raises(RelayBrokerError) as info:
+        await store.relay(lease, Buggy())
+    assert not info.value.permanent
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+    (occ,) = await listed(store)
+    assert occ.state is S.RETRY_WAIT
+    assert occ.last_error == "ConnectionResetError"
+
+
+async def test_a_hung_broker_is_cut_off_at_the_relay_deadline(
+    store: InMemoryRecurringStore, clock: FakeClock
+) -> None:
+    await store.create(definition(back=timedelta(minutes=1)))
+    await store.tick(1)
+    (lease,) = await store.claim(1)
+    clock.advance(timedelta(seconds=59, milliseconds=950))  # 50 ms of lease left
+
+    class Hung(MemoryBroker):
+        async def publish(
+            self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+        ) -> BrokerReceipt:
+            await asyncio.sleep(30)  # ignores its timeout
+            raise AssertionError("unreachable")
+
+    with pytest.raises(RelayBrokerTimeoutError):
+        await store.relay(lease, Hung())
+    assert (await listed(store))[0].state is S.RETRY_WAIT

@@ -136,6 +136,9 @@ def classify(exc: BaseException, target: Target | None = None) -> CliError:
 
     Configuration and key problems exit 3, unreachable services 4, refused operations 1.
     """
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        # A TaskGroup (worker, demo) wraps the failure that stopped it: report that one.
+        exc = exc.exceptions[0]
     if isinstance(exc, CliError):
         return exc
     where = f" ({redact_dsn(target.dsn)}, schema {target.schema!r})" if target else ""

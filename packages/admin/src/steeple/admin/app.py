@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from importlib import resources
 from typing import Any
 
+import attrs
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -340,12 +341,13 @@ def create_admin_app(
 
     async def dashboard(request: Request, namespace: str) -> Response:
         sections: list[str] = []
+        actions = csrf_token is not None
         if stores is not None:
             store = await store_of(namespace)
             schedules = (await store.schedules(limit=100)).items
             occurrences = (await store.occurrences(limit=100)).items
-            sections.append(_schedules_table(schedules))
-            sections.append(_occurrences_table(occurrences))
+            sections.append(_schedules_table(schedules, actions))
+            sections.append(_occurrences_table(occurrences, actions))
         if tasks is not None:
             try:
                 records = (await (await tasks_of(namespace)).tasks(limit=100)).items
@@ -356,12 +358,16 @@ def create_admin_app(
                     f"unavailable: {html.escape(str(exc))}</p></section>"
                 )
             else:
-                sections.append(_tasks_table(records))
-        return HTMLResponse(_page(namespace, sections))
+                sections.append(_tasks_table(records, actions))
+        return HTMLResponse(_page(namespace, sections, csrf_token))
 
     async def stylesheet(request: Request, namespace: str) -> Response:
         css = resources.files("steeple.admin").joinpath("static/admin.css").read_text("utf-8")
         return Response(css, media_type="text/css")
+
+    async def script(request: Request, namespace: str) -> Response:
+        js = resources.files("steeple.admin").joinpath("static/admin.js").read_text("utf-8")
+        return Response(js, media_type="text/javascript")
 
     routes = [
         Route("/api/{namespace}/schedules", endpoint("schedules.read", list_schedules)),
@@ -380,6 +386,7 @@ def create_admin_app(
               endpoint("tasks.purge", purge_tasks), methods=["POST"]),
         Route("/ui/{namespace}", endpoint("dashboard.read", dashboard)),
         Route("/static/admin.css", endpoint("static.read", stylesheet)),
+        Route("/static/admin.js", endpoint("static.read", script)),
     ]
     app = Starlette(routes=routes)
     app.add_middleware(_SecurityHeaders)
@@ -417,7 +424,25 @@ def _purge_args(body: dict[str, Any], now: datetime) -> tuple[datetime, int]:
 # --- HTML (escaped text only; no inline script or style: the CSP forbids them) ------------
 
 
+@attrs.frozen
+class _Button:
+    """An operator action in a dashboard row (wired by the app's own admin.js)."""
+
+    action: str
+    body: dict[str, Any]
+    label: str
+    confirm: str
+
+
 def _cell(value: object) -> str:
+    if isinstance(value, _Button):
+        return (
+            "<td><button type=\"button\" class=\"act\" "
+            f"data-action=\"{html.escape(value.action)}\" "
+            f"data-body=\"{html.escape(json.dumps(value.body))}\" "
+            f"data-confirm=\"{html.escape(value.confirm)}\">{html.escape(value.label)}</button>"
+            "</td>"
+        )
     if value is None:
         return "<td class=\"none\">-</td>"
     if isinstance(value, datetime):
@@ -440,39 +465,66 @@ def _table(title: str, kind: str, headings: Sequence[str], rows: list[list[objec
     )
 
 
-def _schedules_table(items: Sequence[ScheduleInfo]) -> str:
-    return _table(
-        "Recurring publications", "schedule",
+def _with_actions(
+    headings: list[str], rows: list[list[object]], buttons: list[_Button | None], enabled: bool
+) -> tuple[list[str], list[list[object]]]:
+    if not enabled:
+        return headings, rows
+    return [*headings, "action"], [[*row, button] for row, button in zip(rows, buttons,
+                                                                           strict=True)]
+
+
+def _schedules_table(items: Sequence[ScheduleInfo], actions: bool = False) -> str:
+    headings, rows = _with_actions(
         ["name", "cron", "policy", "state", "topic", "next due"],
         [[s.name, s.cron, s.policy.value, s.state, s.topic, s.next_due_at] for s in items],
+        [_Button("schedules/cancel", {"name": s.name}, "cancel",
+                 f"Cancel {s.name} for good? Its name stays reserved.")
+         if s.state == "active" else None for s in items],
+        actions,
     )
+    return _table("Recurring publications", "schedule", headings, rows)
 
 
-def _occurrences_table(items: Sequence[OccurrenceInfo]) -> str:
-    return _table(
-        "Occurrences", "occurrence",
+def _occurrences_table(items: Sequence[OccurrenceInfo], actions: bool = False) -> str:
+    headings, rows = _with_actions(
         ["id", "definition", "due", "state", "attempts", "last error"],
         [[o.occurrence_id, o.definition_name, o.due_at, o.state.value, o.attempts, o.last_error]
          for o in items],
+        [_Button("occurrences/retry", {"occurrence_id": o.occurrence_id}, "retry",
+                 f"Retry dead occurrence {o.occurrence_id}?")
+         if o.state.value == "dead" else None for o in items],
+        actions,
     )
+    return _table("Occurrences", "occurrence", headings, rows)
 
 
-def _tasks_table(items: Sequence[TaskRecord]) -> str:
-    return _table(
-        "Tasks", "task",
+def _tasks_table(items: Sequence[TaskRecord], actions: bool = False) -> str:
+    headings, rows = _with_actions(
         ["id", "name", "state", "attempts", "run at", "last error"],
         [[t.task_id, t.name, t.state, f"{t.attempts}/{t.max_attempts}", t.run_at, t.last_error]
          for t in items],
+        [_Button("tasks/cancel", {"task_id": t.task_id}, "cancel", f"Cancel task {t.task_id}?")
+         if t.state in ("pending", "running") else None for t in items],
+        actions,
     )
+    return _table("Tasks", "task", headings, rows)
 
 
-def _page(namespace: str, sections: list[str]) -> str:
+def _page(namespace: str, sections: list[str], csrf_token: str | None) -> str:
     ns = html.escape(namespace)
+    # With state changes enabled, the page carries the CSRF token for its own script (the
+    # synchronizer-token pattern); other origins cannot read the page, so cannot learn it.
+    script = "" if csrf_token is None else (
+        f"<meta name=\"steeple-csrf\" content=\"{html.escape(csrf_token)}\">"
+        "<script src=\"../static/admin.js\" defer></script>"
+    )
     return (
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>steeple · {ns}</title>"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-        "<link rel=\"stylesheet\" href=\"../static/admin.css\"></head><body>"
+        f"<link rel=\"stylesheet\" href=\"../static/admin.css\">{script}</head>"
+        f"<body data-namespace=\"{ns}\">"
         f"<header><h1>steeple</h1><p>namespace <strong>{ns}</strong></p></header><main>"
         + "".join(sections)
         + "</main></body></html>"

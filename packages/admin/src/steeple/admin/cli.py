@@ -750,6 +750,10 @@ def demo(
     speed: Annotated[
         float, typer.Option("--speed", help="Clock speed-up for recurring schedules (1-600).")
     ] = 60.0,
+    lose_every: Annotated[
+        int, typer.Option("--lose-ack-every", help="Lose the broker acknowledgement of every "
+                          "n-th publication, to show deduplication (0: never).")
+    ] = 7,
 ) -> None:
     """Run both products end to end on the embedded default, with live progress.
 
@@ -761,12 +765,14 @@ def demo(
 
     if not 1 <= duration <= 55:
         raise _fail(CliError("--duration must be between 1 and 55 seconds", code=ExitCode.USAGE))
+    if lose_every < 0:
+        raise _fail(CliError("--lose-ack-every must be 0 or more", code=ExitCode.USAGE))
     if not 1 <= speed <= 600:
         raise _fail(CliError("--speed must be between 1 and 600", code=ExitCode.USAGE))
     chosen = _guard(lambda: resolve_dsn(dsn, required=False))
     options = DemoOptions(
         dsn=chosen, schema=schema, namespace=namespace, data_dir=data_dir.absolute(),
-        fresh=fresh, duration=duration, speed=speed,
+        fresh=fresh, duration=duration, speed=speed, lose_every=lose_every,
     )
     _run(lambda: run_demo(options, out))
 

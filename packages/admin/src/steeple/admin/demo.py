@@ -33,9 +33,10 @@ from steeple.admin.embedded import EmbeddedPostgres
 from steeple.admin.loops import RelayCounters, relay_forever, sleep_until, tick_forever
 from steeple.admin.settings import CliError, ExitCode, NamespaceSettings, redact_dsn
 from steeple.core.config import RecurringDefinition
-from steeple.core.errors import BrokerError
-from steeple.core.messages import ScheduledMessage
+from steeple.core.errors import BrokerError, RelayAcknowledgementError
+from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.policies import MissedRunPolicy
+from steeple.core.ports import MessageBroker
 
 if TYPE_CHECKING:
     from steeple.keyring import Keyring
@@ -97,6 +98,8 @@ class DemoOptions:
     fresh: bool = False
     duration: float = 20.0
     speed: float = 60.0
+    lose_every: int = 7
+    """Drop the broker's acknowledgement of every n-th publication (0: never)."""
 
 
 @attrs.define
@@ -106,6 +109,7 @@ class DemoSummary:
     recurring: RelayCounters = attrs.field(factory=RelayCounters)
     deliveries: int = 0
     redeliveries: int = 0
+    lost_acks: int = 0
     tasks_enqueued: int = 0
     tasks_materialized: int = 0
     tasks_done: int = 0
@@ -122,7 +126,8 @@ class DemoSummary:
         return (
             f"summary: ticks={r.ticks} materialized={r.materialized} "
             f"claims={r.claims} relays={r.relays} duplicates={r.duplicates} "
-            f"relay_failures={r.relay_failures} deliveries={self.deliveries} "
+            f"relay_failures={r.relay_failures} lost_acks={self.lost_acks} "
+            f"deliveries={self.deliveries} "
             f"tasks_enqueued={self.tasks_enqueued + self.tasks_materialized} "
             f"tasks_done={self.tasks_done} "
             f"tasks_retried={self.tasks_retried} tasks_failed={self.tasks_failed} "
@@ -215,7 +220,7 @@ def _progress(summary: DemoSummary, clock: AcceleratedClock, started: float,
     table.add_row("ticks", f"{r.ticks} (materialized {r.materialized} occurrences)")
     table.add_row("claims", str(r.claims))
     table.add_row("relays", f"{r.relays} ({r.duplicates} duplicates, "
-                  f"{r.relay_failures} failures)")
+                  f"{r.relay_failures} failures, {summary.lost_acks} acknowledgements lost)")
     table.add_row("deliveries", f"{summary.deliveries} consumed from the SQLite journal")
     table.add_row("tasks", f"{summary.tasks_done} done, {summary.tasks_retried} retried, "
                   f"{summary.tasks_failed} failed of {summary.tasks_enqueued} enqueued "
@@ -314,7 +319,8 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
             required_window=settings.delivery_window, clock=SystemClock(),
         )
         async with journal:
-            await _work(options, dsn, target, store, journal, clock, summary, console)
+            broker = _LosingAcknowledgements(journal, options.lose_every, summary)
+            await _work(options, dsn, target, store, journal, broker, clock, summary, console)
             summary.purged = await store.purge_terminal(clock.now() - timedelta(hours=2), 100)
             with contextlib.suppress(BrokerError):
                 await journal.purge()
@@ -329,6 +335,36 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
             hint="run again with --fresh; if it persists, see the PostgreSQL log in the data dir",
         )
     return summary
+
+
+class _LosingAcknowledgements:
+    """Wrap the journal and lose the acknowledgement of every n-th publication, on purpose.
+
+    The message IS stored; the relay only hears "acknowledgement uncertain", records a retry,
+    and republishes later under the same idempotency key, which the journal recognises as a
+    duplicate: consumers still see each occurrence once.
+    """
+
+    def __init__(self, journal: MessageBroker, every: int, summary: DemoSummary) -> None:
+        self._journal = journal
+        self._every = every
+        self._summary = summary
+        self._seen = 0
+        self._lost: set[str] = set()
+
+    async def publish(
+        self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+    ) -> BrokerReceipt:
+        receipt = await self._journal.publish(
+            message, idempotency_key=idempotency_key, timeout=timeout
+        )
+        if self._every and idempotency_key not in self._lost:
+            self._seen += 1
+            if self._seen % self._every == 0:
+                self._lost.add(idempotency_key)
+                self._summary.lost_acks += 1
+                raise RelayAcknowledgementError(receipt, "the demo dropped its acknowledgement")
+        return receipt
 
 
 async def _ensure_definitions(store: Any, now: datetime) -> list[str]:
@@ -354,6 +390,7 @@ async def _work(
     target: Target,
     store: Any,
     journal: Any,
+    broker: MessageBroker,
     clock: AcceleratedClock,
     summary: DemoSummary,
     console: Console,
@@ -365,18 +402,32 @@ async def _work(
     schedule_start = clock.now()
     queue = await demo_tasks.prepare(dsn, target.queue_schema, summary, options.duration)
 
+    relayed = asyncio.Event()
+
+    async def relay() -> None:
+        try:
+            await relay_forever(store, broker, stop, summary.recurring, batch=50, interval=0.2)
+        finally:
+            relayed.set()
+
     async def consumer() -> None:
+        # Runs until the relay has stopped and the journal is drained, so every message
+        # published in this run is also consumed in it.
+        seen: set[str] = set()
         while True:
             deliveries = await journal.fetch(100)
             for delivery in deliveries:
-                summary.deliveries += 1
-                summary.redeliveries += int(delivery.delivery_count > 1)
-                summary.by_topic[delivery.message.topic] += 1
+                if delivery.idempotency_key in seen:
+                    summary.redeliveries += 1  # consumers deduplicate on the key
+                else:
+                    seen.add(delivery.idempotency_key)
+                    summary.deliveries += 1
+                    summary.by_topic[delivery.message.topic] += 1
                 await journal.acknowledge(delivery.delivery_id)
-            if stop.is_set() and not deliveries:
+            if relayed.is_set() and not deliveries:
                 return
             if not deliveries:
-                await sleep_until(stop, 0.2)
+                await sleep_until(relayed, 0.2)
 
     async def timer() -> None:
         await sleep_until(stop, options.duration)
@@ -409,9 +460,7 @@ async def _work(
         async with asyncio.TaskGroup() as group:
             group.create_task(timer())
             group.create_task(tick_forever(store, stop, summary.recurring, interval=0.2))
-            group.create_task(
-                relay_forever(store, journal, stop, summary.recurring, batch=50, interval=0.2)
-            )
+            group.create_task(relay())
             group.create_task(consumer())
             group.create_task(queue.run(stop))
             group.create_task(painter())
@@ -434,7 +483,8 @@ def _print_summary(summary: DemoSummary, console: Console) -> None:
         ("leases claimed", r.claims),
         ("relayed to the SQLite journal", r.relays),
         ("  of which duplicates (deduplicated)", r.duplicates),
-        ("relay failures (will retry)", r.relay_failures),
+        ("relay failures (retried with backoff)", r.relay_failures),
+        ("  of which acknowledgements lost on purpose", summary.lost_acks),
         ("deliveries consumed", summary.deliveries),
         ("tasks enqueued", summary.tasks_enqueued),
         ("tasks from the recurring job", summary.tasks_materialized),

@@ -565,7 +565,8 @@ class InMemoryRecurringStore:
                 lost; recorded as a retryable failure (the retry is deduplicated by the
                 same key); ``.receipt`` is the broker's.
             RelayBrokerTimeoutError: the broker timed out (it may have accepted).
-            RelayBrokerError: the broker failed; ``.permanent`` tells whether the
+            RelayBrokerError: the broker failed (or raised something other than a
+                ``BrokerError``, treated as retryable); ``.permanent`` tells whether the
                 occurrence is now dead.
             RecurringClockError: the clock trails the recorded time by more than 5 s.
             RecurringStorageError: the store is closed, or sealed content cannot be opened.
@@ -618,6 +619,14 @@ class InMemoryRecurringStore:
             self._after_failure(lease, permanent=False, error="TimeoutError")
             raise RelayBrokerTimeoutError(
                 f"broker did not answer within {timeout:.3f} s"
+            ) from exc
+        except Exception as exc:
+            # An adapter that let a driver error escape: retryable, and translated here so
+            # that nothing but relay errors crosses this boundary.
+            self._after_failure(lease, permanent=False, error=type(exc).__name__)
+            raise RelayBrokerError(
+                f"broker failed publishing occurrence {lease.occurrence_id!r}: "
+                f"{type(exc).__name__}"
             ) from exc
         current = self._occurrences.get(lease.occurrence_id)
         if current is not None and self._holds(current, lease):

@@ -99,22 +99,25 @@ async def schema_version(conn: Any, schema: str) -> int:
     Raises:
         QueueConfigurationError: invalid schema name.
     """
+    from steeple.postgres.queue import _driver
+
     quoted = validate_schema(schema)
-    exists = await conn.fetchval(
-        "SELECT to_regclass($1) IS NOT NULL", f"{quoted}.schema_migrations"
+    ((exists,),) = await _driver.fetch(
+        conn, "SELECT to_regclass($1) IS NOT NULL", f"{quoted}.schema_migrations"
     )
     if not exists:
         return 0
-    return int(
-        await conn.fetchval(f"SELECT coalesce(max(version), 0) FROM {quoted}.schema_migrations")
+    ((version,),) = await _driver.fetch(
+        conn, f"SELECT coalesce(max(version), 0) FROM {quoted}.schema_migrations"
     )
+    return int(version)
 
 
 async def check_schema(conn: Any, schema: str = DEFAULT_SCHEMA) -> None:
     """Fail unless the database holds exactly this library's queue schema version.
 
     Args:
-        conn: an asyncpg connection or pool.
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
         schema: the queue's PostgreSQL schema.
 
     Raises:

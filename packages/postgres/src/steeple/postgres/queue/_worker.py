@@ -36,12 +36,14 @@ from steeple.core.entropy import SystemRandom
 from steeple.core.ports import Clock, RandomSource
 from steeple.core.tasks import TaskEvent, TaskState, retry_decision, transition
 from steeple.postgres.queue import _metrics
+from steeple.postgres.queue._db import DB_ERRORS, WorkerDb, check_durable, open_db
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
 from steeple.postgres.queue._sql import queue_sql
 from steeple.postgres.queue.errors import (
     JobError,
     QueueConfigurationError,
     QueueError,
+    QueueUnavailableError,
     UnknownTaskError,
 )
 from steeple.postgres.queue.tasks import Task
@@ -53,7 +55,7 @@ A = TypeVar("A")
 Handler = Callable[["JobContext", A], Awaitable[object]]
 """An async handler: ``async def handle(ctx: JobContext, args) -> None``."""
 
-_DB_ERRORS: Final = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+_LISTEN_ERRORS: Final[tuple[type[BaseException], ...]] = (*DB_ERRORS, ConnectionError)
 _MAX_ERROR_TEXT: Final = 2000
 _FLUSH_BATCH: Final = 1000
 
@@ -170,24 +172,12 @@ async def _wait(event: asyncio.Event, timeout: float) -> bool:
     return event.is_set()
 
 
-async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
-    """Wait until any of ``events`` is set, at most ``timeout`` seconds."""
-    if any(e.is_set() for e in events):
-        return
-    waiters = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()
-
-
 class Scheduler:
     """A worker running registered handlers for due tasks of one queue schema.
 
     Args:
-        pool_or_dsn: an asyncpg pool (the caller owns it), or a DSN (the worker opens and
-            closes its own pool).
+        pool_or_dsn: an asyncpg pool or a psycopg_pool ``AsyncConnectionPool`` (the
+            caller owns it), or a DSN (the worker opens and closes its own asyncpg pool).
         worker_id: this worker's name, recorded on claimed tasks (1-200 chars).
         schema: the queue's PostgreSQL schema.
         poll_interval: seconds (or timedelta) between polls when no NOTIFY arrives.
@@ -195,6 +185,11 @@ class Scheduler:
         batch_size: the most tasks claimed per query (default: ``concurrency``).
         maintenance_interval: seconds between expired-lease recovery and job materialization.
         listen: use LISTEN/NOTIFY wake-ups (polling alone when False).
+        query_timeout: seconds any one worker query may take before it is abandoned (the
+            worker then reports degraded and retries; a lease it could not renew lapses).
+        require_durable: refuse to start on a server or schema that could lose
+            acknowledged commits (fsync, full_page_writes or synchronous_commit off,
+            unlogged tables, a read-only standby).
         clock: the clock for retry decisions (default: system clock).
         random: randomness for backoff jitter (default: the OS).
 
@@ -204,7 +199,7 @@ class Scheduler:
 
     def __init__(
         self,
-        pool_or_dsn: asyncpg.Pool | str,
+        pool_or_dsn: Any,
         *,
         worker_id: str,
         schema: str = DEFAULT_SCHEMA,
@@ -213,6 +208,8 @@ class Scheduler:
         batch_size: int | None = None,
         maintenance_interval: float | timedelta = 1.0,
         listen: bool = True,
+        query_timeout: float | timedelta = 30.0,
+        require_durable: bool = True,
         clock: Clock | None = None,
         random: RandomSource | None = None,
     ) -> None:
@@ -224,8 +221,11 @@ class Scheduler:
         batch = concurrency if batch_size is None else batch_size
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 1000:
             raise QueueConfigurationError("batch_size must be an int of 1..1000")
-        if not isinstance(pool_or_dsn, str | asyncpg.Pool):
-            raise QueueConfigurationError("pool_or_dsn must be an asyncpg Pool or a DSN string")
+        if not isinstance(pool_or_dsn, str) and open_db(pool_or_dsn) is None:
+            raise QueueConfigurationError(
+                "pool_or_dsn must be an asyncpg Pool, a psycopg_pool AsyncConnectionPool "
+                "or a DSN string"
+            )
         self._source = pool_or_dsn
         self.worker_id = worker_id
         self.schema = schema
@@ -236,6 +236,8 @@ class Scheduler:
         self._batch = batch
         self._min_claim = max(1, min(batch, concurrency) // 4)
         self._listen = listen
+        self._timeout = _seconds(query_timeout, "query_timeout", minimum=0.1)
+        self._require_durable = require_durable
         self._clock: Clock = clock or SystemClock()
         self._random: RandomSource = random or SystemRandom()
         self._registry: dict[str, _Registration[Any]] = {}
@@ -243,7 +245,7 @@ class Scheduler:
         self._started = False
         self._db_ok = True
         self._listener_ok = not listen
-        self._pool: asyncpg.Pool | None = None
+        self._db: WorkerDb | None = None
         self._running: dict[int, _Claimed] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._completions: list[_Claimed] = []
@@ -291,6 +293,9 @@ class Scheduler:
 
         Raises:
             SchemaVersionMismatchError: the queue schema is missing or another version.
+            UnfitDatabaseError: the server or schema could lose acknowledged work.
+            QueueUnavailableError: the database failed or was unreachable at start-up.
+            QueueConfigurationError: a pool too small for the worker.
             UnknownTaskError: no handler is registered.
             QueueError: called twice.
         """
@@ -302,13 +307,23 @@ class Scheduler:
         drain = _seconds(drain_timeout, "drain_timeout", minimum=0.0)
         owned = isinstance(self._source, str)
         try:
-            if isinstance(self._source, str):
-                self._pool = await asyncpg.create_pool(
-                    self._source, min_size=2, max_size=8, max_inactive_connection_lifetime=60
-                )
-            else:
-                self._pool = self._source
-            await check_schema(self._pool, self.schema)
+            try:
+                if isinstance(self._source, str):
+                    async with asyncio.timeout(self._timeout):
+                        pool = await asyncpg.create_pool(
+                            self._source,
+                            min_size=2,
+                            max_size=8,
+                            max_inactive_connection_lifetime=60,
+                        )
+                    self._db = open_db(pool)
+                else:
+                    self._db = open_db(self._source)
+                await self._check_fit(self._require_db())
+            except DB_ERRORS as exc:
+                raise QueueUnavailableError(
+                    f"the worker could not start: {type(exc).__name__}: {exc}"
+                ) from exc
             self._health = Health.HEALTHY
             async with asyncio.TaskGroup() as services:
                 if self._listen:
@@ -326,8 +341,23 @@ class Scheduler:
                     self._flush_wake.set()
         finally:
             self._health = Health.STOPPED
-            if owned and self._pool is not None:
-                await self._pool.close()
+            if owned and self._db is not None:
+                await self._db.close()
+
+    async def _check_fit(self, db: WorkerDb) -> None:
+        needed = 3 if self._listen else 2  # listener + claims + completions
+        if db.max_size() < needed:
+            raise QueueConfigurationError(
+                f"the pool must allow at least {needed} connections (claims, completions"
+                + (", the listener)" if self._listen else ")")
+            )
+
+        async def check(conn: Any) -> None:
+            await check_schema(conn, self.schema)
+            if self._require_durable:
+                await check_durable(conn, self.schema, ("tasks", "attempts", "jobs"))
+
+        await db.with_connection(check, timeout=self._timeout)
 
     async def _drain(self, timeout: float) -> None:
         if self._running and not await _wait(self._idle, timeout):
@@ -336,27 +366,31 @@ class Scheduler:
                 task.cancel()
 
     async def _release_unfinished(self) -> None:
-        pool = self._require_pool()
+        pool = self._require_db()
         for claimed in self._to_release:
             try:
                 await pool.fetch(
-                    self._sql.release, claimed.ctx.task_id, claimed.token, self.worker_id
+                    self._sql.release,
+                    claimed.ctx.task_id,
+                    claimed.token,
+                    self.worker_id,
+                    timeout=self._timeout,
                 )
                 self.stats.released += 1
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 # The lease will expire and maintenance elsewhere recovers the task.
                 _log.warning("could not release task %s: %s", claimed.ctx.task_id, exc)
         self._to_release.clear()
 
-    def _require_pool(self) -> asyncpg.Pool:
-        if self._pool is None:
+    def _require_db(self) -> WorkerDb:
+        if self._db is None:
             raise QueueError("the worker is not running")
-        return self._pool
+        return self._db
 
     # --- claiming ------------------------------------------------------------------------
 
     async def _claim_until(self, stop: asyncio.Event, handlers: asyncio.TaskGroup) -> None:
-        pool = self._require_pool()
+        pool = self._require_db()
         names = list(self._registry)
         inst = _metrics.instruments()
         stop_waiter = asyncio.ensure_future(stop.wait())
@@ -372,10 +406,14 @@ class Scheduler:
                 self._wake.clear()
                 try:
                     rows = await pool.fetch(
-                        self._sql.claim, names, min(free, self._batch), self.worker_id
+                        self._sql.claim,
+                        names,
+                        min(free, self._batch),
+                        self.worker_id,
+                        timeout=self._timeout,
                     )
                     self._db_ok = True
-                except _DB_ERRORS as exc:
+                except DB_ERRORS as exc:
                     self._db_ok = False
                     _log.warning("claim failed (%s); retrying after the poll interval", exc)
                     await self._wait_either(self._wake, stop_waiter, self._poll)
@@ -477,7 +515,7 @@ class Scheduler:
     async def _finish_failed(
         self, claimed: _Claimed, exc: BaseException, retryable: bool, delay: timedelta | None
     ) -> None:
-        pool = self._require_pool()
+        pool = self._require_db()
         ctx = claimed.ctx
         inst = _metrics.instruments()
         attributes = {"task": ctx.task_name}
@@ -495,15 +533,26 @@ class Scheduler:
         try:
             if retry_after is not None:
                 rows = await pool.fetch(
-                    self._sql.retry, ctx.task_id, claimed.token, retry_after, text, self.worker_id
+                    self._sql.retry,
+                    ctx.task_id,
+                    claimed.token,
+                    retry_after,
+                    text,
+                    self.worker_id,
+                    timeout=self._timeout,
                 )
                 outcome = _AFTER_RETRY
             else:
                 rows = await pool.fetch(
-                    self._sql.fail, ctx.task_id, claimed.token, text, self.worker_id
+                    self._sql.fail,
+                    ctx.task_id,
+                    claimed.token,
+                    text,
+                    self.worker_id,
+                    timeout=self._timeout,
                 )
                 outcome = _AFTER_FAILURE
-        except _DB_ERRORS as exc2:
+        except DB_ERRORS as exc2:
             # Nothing recorded: the lease expires and the task is recovered and rerun.
             self._db_ok = False
             _log.warning("could not record the failure of task %s: %s", ctx.task_id, exc2)
@@ -530,7 +579,7 @@ class Scheduler:
     # --- background loops ----------------------------------------------------------------
 
     async def _flush_forever(self) -> None:
-        pool = self._require_pool()
+        pool = self._require_db()
         inst = _metrics.instruments()
         while True:
             await self._flush_wake.wait()
@@ -544,9 +593,10 @@ class Scheduler:
                         [c.ctx.task_id for c in batch],
                         [c.token for c in batch],
                         self.worker_id,
+                        timeout=self._timeout,
                     )
                     self._db_ok = True
-                except _DB_ERRORS as exc:
+                except DB_ERRORS as exc:
                     self._db_ok = False
                     _log.warning("could not record %d completions: %s", len(batch), exc)
                     self._completions[:0] = batch
@@ -568,7 +618,7 @@ class Scheduler:
                 return
 
     async def _renew_forever(self) -> None:
-        pool = self._require_pool()
+        pool = self._require_db()
         while not self._closing.is_set():
             leases = [c.lease for c in self._running.values()]
             tick = min(0.5, max(0.02, min(leases) / 6)) if leases else min(0.5, self._poll)
@@ -578,12 +628,17 @@ class Scheduler:
             due = [c for c in self._running.values() if not c.lost and now >= c.renew_at]
             if not due:
                 continue
+            # A renewal slower than half a lease is as good as lost: give up and retry.
+            deadline = max(0.1, min(self._timeout, min(c.lease for c in due) / 2))
             try:
                 rows = await pool.fetch(
-                    self._sql.renew, [c.ctx.task_id for c in due], [c.token for c in due]
+                    self._sql.renew,
+                    [c.ctx.task_id for c in due],
+                    [c.token for c in due],
+                    timeout=deadline,
                 )
                 self._db_ok = True
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 self._db_ok = False
                 _log.warning("lease renewal failed: %s", exc)
                 for claimed in due:
@@ -598,8 +653,10 @@ class Scheduler:
                     claimed.expires_at = now + claimed.lease
             if lost:
                 cancelled: set[int] = set()
-                with contextlib.suppress(*_DB_ERRORS):
-                    states = await pool.fetch(self._sql.lost_states, [c.ctx.task_id for c in lost])
+                with contextlib.suppress(*DB_ERRORS):
+                    states = await pool.fetch(
+                        self._sql.lost_states, [c.ctx.task_id for c in lost], timeout=self._timeout
+                    )
                     cancelled = {r[0] for r in states if r[1] == TaskState.CANCELLED.value}
                 for claimed in lost:
                     self._lose(claimed, cancelled=claimed.ctx.task_id in cancelled)
@@ -614,63 +671,49 @@ class Scheduler:
     async def _maintain_forever(self) -> None:
         from steeple.postgres.queue.jobs import materialize_due
 
-        pool = self._require_pool()
+        pool = self._require_db()
         inst = _metrics.instruments()
         while True:
             try:
-                rows = await pool.fetch(self._sql.recover_expired, 100)
+                rows = await pool.fetch(self._sql.recover_expired, 100, timeout=self._timeout)
                 if rows:
                     self.stats.recovered += len(rows)
                     inst.recovered.add(len(rows))
                     self._wake.set()
-                async with pool.acquire() as conn:
-                    made = await materialize_due(
+                made = await pool.with_connection(
+                    lambda conn: materialize_due(
                         conn, schema=self.schema, clock=self._clock, limit=100
-                    )
+                    ),
+                    timeout=self._timeout,
+                )
                 if made:
                     self.stats.materialized += made
                     self._wake.set()
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 self._db_ok = False
                 _log.warning("maintenance failed: %s", exc)
             if await _wait(self._closing, self._maintenance):
                 return
 
     async def _listen_forever(self) -> None:
-        pool = self._require_pool()
-        channel = self._sql.channel
+        db = self._require_db()
 
-        def on_notify(*_: object) -> None:
+        def on_notify() -> None:
             self._wake.set()
 
         while not self._closing.is_set():
-            lost = asyncio.Event()
             try:
-                async with pool.acquire() as conn:
-                    conn.add_termination_listener(lambda _c, lost=lost: lost.set())
-                    # Named so operators (and tests) can tell the listener apart.
-                    await conn.execute(
-                        "SELECT set_config('application_name', $1, false)",
-                        f"steeple-listener {self.worker_id}"[:63],
-                    )
-                    await conn.add_listener(channel, on_notify)
-                    self._listener_ok = True
-                    self._wake.set()  # anything enqueued while we were not listening
-                    try:
-                        while not self._closing.is_set() and not lost.is_set():
-                            await _wait_any((self._closing, lost), 5.0)
-                            if not self._closing.is_set() and not lost.is_set():
-                                # A cheap probe: a silently dead socket fails here.
-                                async with asyncio.timeout(5.0):
-                                    await conn.execute("SELECT 1")
-                    finally:
-                        self._listener_ok = False
-                        if not conn.is_closed():
-                            with contextlib.suppress(*_DB_ERRORS):
-                                await conn.remove_listener(channel, on_notify)
-            except _DB_ERRORS as exc:
-                self._listener_ok = False
+                self._listener_ok = True
+                await db.listen(
+                    self._sql.channel,
+                    on_notify,
+                    f"steeple-listener {self.worker_id}",
+                    self._closing,
+                )
+            except _LISTEN_ERRORS as exc:
                 _log.warning("wake-up listener lost (%s); polling until it reconnects", exc)
+            finally:
+                self._listener_ok = False
             if self._closing.is_set():
                 return
             await _wait(self._closing, min(self._poll, 1.0))

@@ -14,8 +14,10 @@ __all__ = [
     "LeaseLostError",
     "QueueConfigurationError",
     "QueueError",
+    "QueueUnavailableError",
     "SchemaVersionMismatchError",
     "TaskNotFoundError",
+    "UnfitDatabaseError",
     "UnknownTaskError",
     "UnsupportedConnectionError",
 ]
@@ -52,6 +54,22 @@ class SchemaVersionMismatchError(QueueError):
         self.schema = schema
         self.database_version = database_version
         self.library_version = library_version
+
+
+class QueueUnavailableError(QueueError, ConnectionError):
+    """The database could not be reached, or failed, while the worker was starting."""
+
+
+class UnfitDatabaseError(QueueError):
+    """The server or schema could lose acknowledged work, or cannot be written to.
+
+    Attributes:
+        setting: what is at fault (``fsync``, ``synchronous_commit``, ``relpersistence``...).
+    """
+
+    def __init__(self, message: str, *, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 class TaskNotFoundError(QueueError, LookupError):

@@ -335,7 +335,8 @@ async def materialize_due(
     together; jobs locked by another worker are skipped.
 
     Args:
-        conn: an asyncpg connection (not in a transaction).
+        conn: an asyncpg connection or a psycopg ``AsyncConnection`` (not in a
+            transaction).
         schema: the queue's PostgreSQL schema.
         clock: the clock deciding what is due (system clock by default).
         limit: the most jobs handled in this call.
@@ -346,9 +347,10 @@ async def materialize_due(
     s = validate_schema(schema)
     created = 0
     async with conn.transaction():
-        await conn.execute("SET LOCAL synchronous_commit = on")
+        await _driver.fetch(conn, "SELECT set_config('synchronous_commit', 'on', true)")
         now = (clock or SystemClock()).now()
-        jobs = await conn.fetch(
+        due_jobs = await _driver.fetch(
+            conn,
             f"""SELECT id, cron, cursor_at, args::text, priority, max_attempts, lease_duration,
                        backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter,
                        task_name
@@ -360,30 +362,31 @@ async def materialize_due(
             now,
             limit,
         )
-        for job in jobs:
-            plan = plan_tick(
-                MissedRunPolicy.RUN_ONCE, CronCalendar.parse(job["cron"]), job["cursor_at"], now, 1
-            )
+        for (job_id, cron, cursor_at, args, priority, max_attempts, lease,
+             b_init, b_max, b_factor, b_jitter, task_name) in due_jobs:  # fmt: skip
+            plan = plan_tick(MissedRunPolicy.RUN_ONCE, CronCalendar.parse(cron), cursor_at, now, 1)
             for due in plan.due:
-                inserted = await conn.fetch(
+                inserted = await _driver.fetch(
+                    conn,
                     f"""INSERT INTO {s}.tasks (task_name, args, priority, run_at, max_attempts,
                         lease_duration, backoff_initial_us, backoff_maximum_us, backoff_factor,
                         backoff_jitter, job_id, scheduled_for)
-                    VALUES ($1, $2::jsonb, $3, $4, $5, $6, $7, $8, $9, $10, $11, $4)
+                    VALUES ($1, $2::text::jsonb, $3, $4, $5, $6::interval, $7, $8, $9, $10,
+                            $11, $4)
                     ON CONFLICT (job_id, scheduled_for) WHERE job_id IS NOT NULL DO NOTHING
                     RETURNING id""",
-                    job["task_name"], job["args"], job["priority"], due, job["max_attempts"],
-                    job["lease_duration"], job["backoff_initial_us"], job["backoff_maximum_us"],
-                    job["backoff_factor"], job["backoff_jitter"], job["id"],
+                    task_name, args, priority, due, max_attempts, lease, b_init, b_max,
+                    b_factor, b_jitter, job_id,
                 )  # fmt: skip
                 created += len(inserted)
-            await conn.execute(
+            await _driver.fetch(
+                conn,
                 f"""UPDATE {s}.jobs SET cursor_at = coalesce($2, cursor_at), next_run_at = $3,
                     updated_at = clock_timestamp() WHERE id = $1""",
-                job["id"],
+                job_id,
                 plan.cursor,
                 plan.next_due,
             )
         if created:
-            await conn.execute("SELECT pg_notify($1, '')", notify_channel(schema))
+            await _driver.fetch(conn, "SELECT pg_notify($1, '')", notify_channel(schema))
     return created

@@ -182,7 +182,9 @@ _TEMPLATES: dict[str, str] = {
     "expire_occurrences": (
         "UPDATE {schema}.recurring_occurrences SET state = 'expired', content = NULL,"
         " key_id = NULL, lease_expires_at = NULL, next_attempt_at = NULL,"
-        " updated_at = $2, finished_at = $2"
+        # An expired occurrence's last update is the end of its window (the instant it
+        # expired), whenever it is classified.
+        " updated_at = window_ends_at, finished_at = window_ends_at"
         f" WHERE namespace = $1 AND state IN {_in(EXPIRABLE)} AND window_ends_at <= $2"
     ),
     "claimable": (
@@ -191,7 +193,7 @@ _TEMPLATES: dict[str, str] = {
         " state = 'pending'"
         " OR (state = 'retry_wait' AND next_attempt_at <= $2)"
         " OR (state = 'leased' AND lease_expires_at <= $2))"
-        " ORDER BY due_at, id LIMIT $3"
+        " ORDER BY due_at, definition_name, id LIMIT $3"
     ),
     "lease_occurrences": (
         "UPDATE {schema}.recurring_occurrences AS o SET state = 'leased',"
@@ -246,6 +248,6 @@ _TEMPLATES: dict[str, str] = {
         "DELETE FROM {schema}.recurring_occurrences WHERE namespace = $1 AND id IN ("
         " SELECT id FROM {schema}.recurring_occurrences"
         f" WHERE namespace = $1 AND state IN {_in(PURGEABLE)} AND finished_at < $2"
-        " ORDER BY finished_at, id LIMIT $3)"
+        " ORDER BY finished_at, due_at, definition_name, id LIMIT $3)"
     ),
 }

@@ -603,11 +603,11 @@ class RecurringStoreConformance(RuleBasedStateMachine):
     # --- relays and broker faults ---------------------------------------------------------------
 
     @precondition(lambda self: len(self.faults) < 3)
-    @rule(fault=st.sampled_from(list(BrokerFault)))
-    def inject_broker_fault(self, fault: BrokerFault) -> None:
-        """Make the broker's next publish fail, time out or lose its acknowledgement."""
-        self.broker.inject(fault)
-        self.faults.append(fault)
+    @rule(faults=st.lists(st.sampled_from(list(BrokerFault)), min_size=1, max_size=3))
+    def inject_broker_faults(self, faults: list[BrokerFault]) -> None:
+        """Make the broker's next publishes fail, time out or lose their acknowledgement."""
+        self.broker.inject(*faults)
+        self.faults.extend(faults)
 
     @precondition(lambda self: any(o.state == "leased" for o in self.occurrences.values()))
     @rule(limit=st.integers(1, 6))
@@ -626,6 +626,19 @@ class RecurringStoreConformance(RuleBasedStateMachine):
             occ = self.occurrences.get(occurrence_id)
             if occ is not None and occ.lease is not None and occ.lease != lease:
                 self._relay(lease)  # the fenced worker wakes up: refused, nothing recorded
+
+    @precondition(lambda self: any(o.state == "retry_wait" for o in self.occurrences.values()))
+    @rule(limit=st.integers(1, 6))
+    def wait_for_backoff_and_retry(self, limit: int) -> None:
+        """Wait until the first retry is due, then claim and relay again (same key)."""
+        due = min(
+            o.next_attempt_at
+            for o in self.occurrences.values()
+            if o.state == "retry_wait" and o.next_attempt_at is not None
+        )
+        if due > self.clock.now():
+            self.clock.set(due)
+        self._claim_and_relay(limit)
 
     def _stale_leases(self) -> list[Lease]:
         stale = []
@@ -713,6 +726,12 @@ class RecurringStoreConformance(RuleBasedStateMachine):
             occ.next_attempt_at = retry_at
 
     # --- operator actions -----------------------------------------------------------------------
+
+    @precondition(lambda self: any(o.state == "dead" for o in self.occurrences.values()))
+    @rule(index=st.integers(0, 59))
+    def retry_dead_letter(self, index: int) -> None:
+        """Retry a dead occurrence: pending again with a fresh attempt budget."""
+        self.retry_failed(index)
 
     @rule(index=st.integers(0, 99))
     def retry_failed(self, index: int) -> None:

@@ -1,0 +1,232 @@
+"""The worker's view of a connection pool: asyncpg (the default) or psycopg_pool.
+
+The worker needs four things from a pool: run one statement, run a function on one
+connection (materialization, checks), keep one connection LISTENing, and know its size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, Protocol, TypeVar
+
+import asyncpg
+
+from steeple.postgres.queue import _driver
+from steeple.postgres.queue.errors import UnfitDatabaseError
+
+__all__ = ["DB_ERRORS", "WorkerDb", "check_durable", "open_db"]
+
+T = TypeVar("T")
+
+
+def _db_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        OSError,
+        TimeoutError,
+    ]
+    try:
+        import psycopg
+        import psycopg_pool
+    except ImportError:  # psycopg is an optional extra
+        return tuple(errors)
+    errors += [psycopg.Error, psycopg_pool.PoolTimeout]
+    return tuple(errors)
+
+
+DB_ERRORS: Final = _db_errors()
+"""What a broken, slow or refusing database raises through either driver."""
+
+
+class WorkerDb(Protocol):
+    """A pool as the worker uses it."""
+
+    def max_size(self) -> int:
+        """Return the most connections the pool opens."""
+        ...
+
+    async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        """Run one statement (``$n`` placeholders) and return its rows as tuples."""
+        ...
+
+    async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
+        """Run ``fn(conn)`` on one pooled connection within ``timeout`` seconds."""
+        ...
+
+    async def listen(
+        self, channel: str, on_notify: Callable[[], None], name: str, stop: asyncio.Event
+    ) -> None:
+        """LISTEN on a dedicated connection until ``stop`` is set; raise when it dies."""
+        ...
+
+    async def close(self) -> None:
+        """Close the pool (only called for pools the worker opened)."""
+        ...
+
+
+class _AsyncpgDb:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    def max_size(self) -> int:
+        return int(self._pool.get_max_size())
+
+    async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in await self._pool.fetch(sql, *args, timeout=timeout)]
+
+    async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
+        async with asyncio.timeout(timeout), self._pool.acquire() as conn:
+            return await fn(conn)
+
+    async def listen(
+        self, channel: str, on_notify: Callable[[], None], name: str, stop: asyncio.Event
+    ) -> None:
+        lost = asyncio.Event()
+
+        def notified(*_: object) -> None:
+            on_notify()
+
+        async with self._pool.acquire() as conn:
+            conn.add_termination_listener(lambda _c: lost.set())
+            # Named so operators (and tests) can tell the listener apart.
+            await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
+            await conn.add_listener(channel, notified)
+            on_notify()  # anything enqueued while nobody was listening
+            try:
+                while not stop.is_set() and not lost.is_set():
+                    await _wait_any((stop, lost), 5.0)
+                    if not stop.is_set() and not lost.is_set():
+                        # A cheap probe: a silently dead socket fails here.
+                        async with asyncio.timeout(5.0):
+                            await conn.execute("SELECT 1")
+            finally:
+                if not conn.is_closed():
+                    with contextlib.suppress(*DB_ERRORS):
+                        await conn.remove_listener(channel, notified)
+        if lost.is_set() and not stop.is_set():
+            raise ConnectionError("the listener connection was closed")
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+
+class _PsycopgDb:
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    def max_size(self) -> int:
+        return int(self._pool.max_size)
+
+    async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        async with asyncio.timeout(timeout), self._pool.connection() as conn:
+            return await _driver.fetch(conn, sql, *args)
+
+    async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
+        async with asyncio.timeout(timeout), self._pool.connection() as conn:
+            return await fn(conn)
+
+    async def listen(
+        self, channel: str, on_notify: Callable[[], None], name: str, stop: asyncio.Event
+    ) -> None:
+        import psycopg
+
+        kwargs = dict(self._pool.kwargs or {})
+        kwargs["autocommit"] = True
+        kwargs["application_name"] = name[:63]
+        # A dedicated connection: a pooled one would be reset (and unlistened) on return.
+        async with await psycopg.AsyncConnection.connect(self._pool.conninfo, **kwargs) as conn:
+            await conn.execute(f'LISTEN "{channel}"')
+            on_notify()
+            while not stop.is_set():
+                async for _ in conn.notifies(timeout=1.0):
+                    on_notify()
+                if not stop.is_set():
+                    async with asyncio.timeout(5.0):
+                        await conn.execute("SELECT 1")
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+
+def open_db(pool: Any) -> WorkerDb | None:
+    """Wrap an asyncpg or psycopg_pool pool; ``None`` for anything else."""
+    if isinstance(pool, asyncpg.Pool):
+        return _AsyncpgDb(pool)
+    try:
+        import psycopg_pool
+    except ImportError:
+        return None
+    if isinstance(pool, psycopg_pool.AsyncConnectionPool):
+        return _PsycopgDb(pool)
+    return None
+
+
+async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    if any(e.is_set() for e in events):
+        return
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+_DURABLE_SYNC_COMMIT: Final = frozenset({"on", "local", "remote_write", "remote_apply"})
+
+
+async def check_durable(conn: Any, schema: str, tables: tuple[str, ...]) -> None:
+    """Refuse a server, session or schema that could lose acknowledged work.
+
+    Raises:
+        UnfitDatabaseError: ``fsync`` or ``full_page_writes`` off, ``synchronous_commit``
+            off, a standby or read-only default, or an unlogged/temporary/missing table.
+    """
+    ((fsync, fpw, sync_commit, recovery, read_only),) = await _driver.fetch(
+        conn,
+        "SELECT current_setting('fsync'), current_setting('full_page_writes'),"
+        " current_setting('synchronous_commit'), pg_is_in_recovery(),"
+        " current_setting('default_transaction_read_only')",
+    )
+    if fsync != "on":
+        raise UnfitDatabaseError("the server runs with fsync=off", setting="fsync")
+    if fpw != "on":
+        raise UnfitDatabaseError(
+            "the server runs with full_page_writes=off", setting="full_page_writes"
+        )
+    if sync_commit not in _DURABLE_SYNC_COMMIT:
+        raise UnfitDatabaseError(
+            f"synchronous_commit is {sync_commit!r} for this role/session; acknowledged "
+            "commits could be lost on a crash",
+            setting="synchronous_commit",
+        )
+    if recovery:
+        raise UnfitDatabaseError(
+            "the server is a standby (in recovery); point the worker at the primary",
+            setting="pg_is_in_recovery",
+        )
+    if read_only == "on":
+        raise UnfitDatabaseError(
+            "default_transaction_read_only is on", setting="default_transaction_read_only"
+        )
+    rows = await _driver.fetch(
+        conn,
+        "SELECT c.relname::text, c.relpersistence::text FROM pg_catalog.pg_class c"
+        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = $1 AND c.relname = ANY($2::text[]) AND c.relkind IN ('r', 'p')",
+        schema,
+        list(tables),
+    )
+    found = dict(rows)
+    for table in tables:
+        if table not in found:
+            raise UnfitDatabaseError(f"table {schema}.{table} is missing", setting="missing_table")
+        if found[table] != "p":
+            raise UnfitDatabaseError(
+                f"table {schema}.{table} is unlogged or temporary: it would come back empty "
+                "after a crash",
+                setting="relpersistence",
+            )
