@@ -214,3 +214,66 @@ async def test_killed_listener_falls_back_to_polling_then_relistens(
         await asyncio.wait_for(running, 20)
     assert sorted(ran) == ["listening", "polled", "relistened"]
     await faultprobe.wait_for_clean(dsn, fault_proxy.backend_pids)
+
+
+async def test_blackholed_worker_degrades_stops_in_time_and_loses_nothing(
+    queue: tuple[str, str, asyncpg.Connection], fault_proxy: FaultProxy
+) -> None:
+    dsn, schema, conn = queue
+    ran: list[Any] = []
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran.append(args)
+
+    query_timeout, drain = 1.5, 0.5
+    first = Scheduler(
+        fault_proxy.dsn(),
+        worker_id="fault-blackhole-1",
+        schema=schema,
+        poll_interval=0.2,
+        maintenance_interval=0.5,
+        query_timeout=query_timeout,
+    )
+    first.register(WORK, handler)
+    stop = asyncio.Event()
+    running = await run_worker(first, stop)
+    try:
+        await enqueue(conn, WORK, "before", schema=schema)
+        await wait_until(lambda: "before" in ran)
+        fault_proxy.blackhole()
+        during = await enqueue(conn, WORK, "during", schema=schema)
+        # the worker notices: its queries hit their deadline
+        await wait_until(lambda: first.health() is Health.DEGRADED, timeout=3 * query_timeout)
+        # and it stops within its deadlines while the network is still gone
+        started = time.monotonic()
+        stop.set()
+        done, _ = await asyncio.wait({running}, timeout=4 * query_timeout + drain + 2)
+        assert done, f"run_until_shutdown hung on a blackholed network ({first.stats})"
+        running.result()
+        assert time.monotonic() - started <= 4 * query_timeout + drain + 2
+    finally:
+        fault_proxy.pass_through()
+        stop.set()
+        await asyncio.wait_for(running, 20)
+    # nothing the first worker held is left behind once the network returns
+    await faultprobe.wait_for_clean(dsn, fault_proxy.backend_pids)
+    second = Scheduler(
+        fault_proxy.dsn(),
+        worker_id="fault-blackhole-2",
+        schema=schema,
+        poll_interval=0.2,
+        maintenance_interval=0.5,
+        query_timeout=query_timeout,
+    )
+    second.register(WORK, handler)
+    stop = asyncio.Event()
+    running = await run_worker(second, stop)
+    try:
+        await wait_until(lambda: "during" in ran, timeout=10)
+        await wait_until(lambda: second.stats.succeeded + first.stats.succeeded >= 2, timeout=10)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 20)
+    assert sorted(ran) == ["before", "during"]
+    run = await run_state(conn, during.id, schema=schema)
+    assert run.state.value == "succeeded"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 from datetime import UTC, datetime, timedelta
@@ -124,10 +123,16 @@ async def test_sigkilled_worker_is_replaced_and_nothing_is_lost(
         assert all(len(p) == 1 for p in by_key.values())
         conn = await asyncpg.connect(dsn)
         try:
-            idle = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
-                "'steeple-recurring' AND state LIKE 'idle in transaction%'"
-            )
+            for _ in range(20):  # wait out the brief between-statement state
+                idle = await conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                    "'steeple-recurring' AND state LIKE 'idle in transaction%' "
+                    "AND position($1 in query) > 0",
+                    f'"{schema}"',
+                )
+                if idle == 0:
+                    break
+                await asyncio.sleep(0.05)
         finally:
             await conn.close()
         assert idle == 0

@@ -106,8 +106,10 @@ def _coalesce_as_catch_up(policy: MissedRunPolicy, *args: Any) -> Any:
         # Coalescing definitions catch up every missed due time.
         ("plan_tick", _coalesce_as_catch_up),
         # Leased occurrences are neither cancelled nor expired.
-        ("_LIVE_STATES", frozenset({OccurrenceState.PENDING, OccurrenceState.RETRY_WAIT,
-                                     OccurrenceState.DEAD})),
+        (
+            "_LIVE_STATES",
+            frozenset({OccurrenceState.PENDING, OccurrenceState.RETRY_WAIT, OccurrenceState.DEAD}),
+        ),
         # Pending work is purged as if it were terminal.
         ("TERMINAL_STATES", frozenset(OccurrenceState)),
         # The local clock is trusted blindly: no adoption, no clock errors.

@@ -131,9 +131,7 @@ async def test_conflicting_reuse_of_a_name_is_refused(
     await store.create(definition())
     with pytest.raises(RecurringConflictError):
         await store.create(changed)
-    assert (await store.schedules()).items[0].next_due_at == datetime(
-        2031, 5, 17, 3, 5, tzinfo=UTC
-    )
+    assert (await store.schedules()).items[0].next_due_at == datetime(2031, 5, 17, 3, 5, tzinfo=UTC)
 
 
 async def test_definition_quota_counts_cancelled_names(clock: FakeClock) -> None:

@@ -154,9 +154,7 @@ class MemoryBroker:
                 async with asyncio.timeout(timeout):
                     await asyncio.sleep(self.delay)
             except TimeoutError:
-                raise BrokerTimeoutError(
-                    f"no answer within {timeout} s", timeout=timeout
-                ) from None
+                raise BrokerTimeoutError(f"no answer within {timeout} s", timeout=timeout) from None
         if fault is BrokerFault.UNAVAILABLE:
             raise BrokerUnavailableError("injected: broker unavailable")
         if fault is BrokerFault.REJECTED:

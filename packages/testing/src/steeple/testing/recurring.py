@@ -531,9 +531,7 @@ class InMemoryRecurringStore:
         presented = lease.capability if isinstance(lease.capability, bytes) else b""
         return capability_matches(occ.capability, presented)
 
-    def _record_failure(
-        self, occ: _Occurrence, now: datetime, permanent: bool, error: str
-    ) -> None:
+    def _record_failure(self, occ: _Occurrence, now: datetime, permanent: bool, error: str) -> None:
         decision = after_publish_failure(
             occ.attempts, now, occ.window_ends_at, permanent, draw=self._random.random()
         )
@@ -617,16 +615,13 @@ class InMemoryRecurringStore:
         except TimeoutError as exc:
             # The broker ignored its own deadline: treated as a broker timeout.
             self._after_failure(lease, permanent=False, error="TimeoutError")
-            raise RelayBrokerTimeoutError(
-                f"broker did not answer within {timeout:.3f} s"
-            ) from exc
+            raise RelayBrokerTimeoutError(f"broker did not answer within {timeout:.3f} s") from exc
         except Exception as exc:
             # An adapter that let a driver error escape: retryable, and translated here so
             # that nothing but relay errors crosses this boundary.
             self._after_failure(lease, permanent=False, error=type(exc).__name__)
             raise RelayBrokerError(
-                f"broker failed publishing occurrence {lease.occurrence_id!r}: "
-                f"{type(exc).__name__}"
+                f"broker failed publishing occurrence {lease.occurrence_id!r}: {type(exc).__name__}"
             ) from exc
         current = self._occurrences.get(lease.occurrence_id)
         if current is not None and self._holds(current, lease):
@@ -716,9 +711,7 @@ class InMemoryRecurringStore:
         items = [self._schedule_info(self._definitions[n]) for n in page]
         return Page(items=items, next_cursor=page[-1] if len(names) > limit else None)
 
-    async def occurrences(
-        self, after: str | None = None, limit: int = 100
-    ) -> Page[OccurrenceInfo]:
+    async def occurrences(self, after: str | None = None, limit: int = 100) -> Page[OccurrenceInfo]:
         """List occurrences' metadata by (due time, id), after the exclusive cursor.
 
         Window-expired occurrences are classified (and their content erased) first.

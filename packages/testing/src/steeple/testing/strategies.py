@@ -131,9 +131,7 @@ def recurring_definitions(
 def recurring_configs(draw: st.DrawFn) -> RecurringConfig:
     """Return valid namespace configurations (window >= two leases, <= 7 days)."""
     lease = timedelta(seconds=draw(st.integers(1, 300)))
-    window = timedelta(
-        seconds=draw(st.integers(2 * lease // timedelta(seconds=1), 7 * 24 * 3600))
-    )
+    window = timedelta(seconds=draw(st.integers(2 * lease // timedelta(seconds=1), 7 * 24 * 3600)))
     return RecurringConfig(
         draw(st.from_regex(r"[a-z0-9][a-z0-9._-]{0,20}", fullmatch=True)),
         draw(st.integers(1, limits.MAX_DEFINITIONS)),

@@ -59,9 +59,7 @@ def fresh_key() -> str:
 
 def _message(topic: str, size: int | None = None) -> ScheduledMessage:
     payload = os.urandom(8).hex().encode() if size is None else os.urandom(size)
-    return ScheduledMessage(
-        topic, "conformance.check", payload, {"x-steeple-check": "conformance"}
-    )
+    return ScheduledMessage(topic, "conformance.check", payload, {"x-steeple-check": "conformance"})
 
 
 def _copies(delivered: list[tuple[bytes, str]], key: str) -> list[bytes]:
@@ -202,8 +200,7 @@ async def check_timeout(
         error = exc
     except BrokerError as exc:
         raise AssertionError(
-            f"a publish that could not finish raised {type(exc).__name__}, "
-            "not BrokerTimeoutError"
+            f"a publish that could not finish raised {type(exc).__name__}, not BrokerTimeoutError"
         ) from exc
     elapsed = time.monotonic() - started
     if error is None:

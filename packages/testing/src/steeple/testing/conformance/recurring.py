@@ -568,8 +568,11 @@ class RecurringStoreConformance(RuleBasedStateMachine):
             o.occurrence_id
             for o in sorted(self.occurrences.values(), key=self._order)
             if o.state == "pending"
-            or (o.state == "retry_wait" and o.next_attempt_at is not None
-                and o.next_attempt_at <= now)
+            or (
+                o.state == "retry_wait"
+                and o.next_attempt_at is not None
+                and o.next_attempt_at <= now
+            )
             or (o.state == "leased" and o.lease is not None and o.lease.expires_at <= now)
         ]
         outcome = self._try(self._store.claim(limit))
@@ -759,8 +762,9 @@ class RecurringStoreConformance(RuleBasedStateMachine):
         assert outcome.value.attempts == 0
 
     @rule(
-        age=st.sampled_from([timedelta(seconds=-1), timedelta(0), timedelta(minutes=1),
-                             timedelta(hours=1)]),
+        age=st.sampled_from(
+            [timedelta(seconds=-1), timedelta(0), timedelta(minutes=1), timedelta(hours=1)]
+        ),
         limit=st.integers(1, 5),
     )
     def purge(self, age: timedelta, limit: int) -> None:
@@ -791,11 +795,18 @@ class RecurringStoreConformance(RuleBasedStateMachine):
     # --- time -------------------------------------------------------------------------------------
 
     @rule(
-        delta=st.sampled_from([
-            timedelta(seconds=1), timedelta(seconds=4), timedelta(seconds=29),
-            timedelta(seconds=61), timedelta(minutes=5), timedelta(minutes=17),
-            timedelta(hours=1), timedelta(days=1, seconds=1),
-        ])
+        delta=st.sampled_from(
+            [
+                timedelta(seconds=1),
+                timedelta(seconds=4),
+                timedelta(seconds=29),
+                timedelta(seconds=61),
+                timedelta(minutes=5),
+                timedelta(minutes=17),
+                timedelta(hours=1),
+                timedelta(days=1, seconds=1),
+            ]
+        )
     )
     def advance_clock(self, delta: timedelta) -> None:
         """Let time pass."""
@@ -903,8 +914,10 @@ def recurring_conformance_machine(
     return type(
         "BoundRecurringStoreConformance",
         (RecurringStoreConformance,),
-        {"make_store": staticmethod(make_store), "close_store": staticmethod(close) if close
-         else None},
+        {
+            "make_store": staticmethod(make_store),
+            "close_store": staticmethod(close) if close else None,
+        },
     )
 
 
