@@ -129,6 +129,9 @@ class QueueMachine(RuleBasedStateMachine):
         if accepted:
             task.state = "failed" if permanent else "pending"
             task.due = True
+            if not permanent:  # due again now: behind everything already waiting
+                task.seq = self.seq
+                self.seq += 1
             task.old_tokens.append(token)
             task.token = None
 

@@ -167,6 +167,7 @@ WITH done AS (
 )
 SELECT id FROM done""",
         # $1 limit. Exhausted attempts fail for good so a task that kills workers stops.
+        # A recovered task keeps its run_at: it has waited longest and goes first again.
         recover_expired=f"""
 WITH expired AS (
     SELECT id FROM {s}.tasks
@@ -178,7 +179,7 @@ WITH expired AS (
     UPDATE {s}.tasks t
     SET state = CASE WHEN t.attempts >= t.max_attempts THEN 'failed' ELSE 'pending' END,
         finished_at = CASE WHEN t.attempts >= t.max_attempts THEN clock_timestamp() END,
-        last_error = 'lease expired', run_at = clock_timestamp(), lease_token = NULL,
+        last_error = 'lease expired', lease_token = NULL,
         lease_expires_at = NULL, updated_at = clock_timestamp()
     FROM {DURABLE}, expired
     WHERE t.id = expired.id AND t.lease_expires_at < clock_timestamp()
