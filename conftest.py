@@ -109,14 +109,17 @@ def amqp_url() -> str:
 
 
 @pytest.fixture
-def private_pg(tmp_path: Path) -> Iterator[Any]:
+def private_pg() -> Iterator[Any]:
     """A private PostgreSQL cluster (pgserver) that a test may stop, restart or kill."""
     try:
         import pgserver
     except ImportError:
         _unavailable("pgserver (private PostgreSQL clusters)")
         return
-    server = pgserver.get_server(tmp_path / "pgdata", cleanup_mode="delete")
+    # Not tmp_path: pytest prunes old basetemp folders, which another pytest session on the
+    # same machine could do while this cluster still runs in one.
+    root = Path(tempfile.mkdtemp(prefix="steeple-private-pg-"))
+    server = pgserver.get_server(root / "pgdata", cleanup_mode="delete")
     try:
         yield server
     finally:

@@ -73,7 +73,7 @@ async def drop_schema(dsn: str, schema: str) -> None:
 def percentiles(samples: list[float]) -> tuple[float, float]:
     ordered = sorted(samples)
     p50 = statistics.median(ordered)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
     return p50 * 1000, p99 * 1000
 
 
@@ -121,9 +121,14 @@ async def bench_steeple(dsn: str, n: int, samples: int) -> Result:
 
         def make_worker() -> Scheduler:
             worker = Scheduler(
-                dsn, worker_id="bench", schema=schema, concurrency=200, batch_size=200,
-                poll_interval=1.0, maintenance_interval=5.0,
-            )  # fmt: skip
+                dsn,
+                worker_id="bench",
+                schema=schema,
+                concurrency=200,
+                batch_size=200,
+                poll_interval=1.0,
+                maintenance_interval=5.0,
+            )
             worker.register(noop, handler)
             return worker
 
@@ -150,7 +155,7 @@ async def bench_steeple(dsn: str, n: int, samples: int) -> Result:
         run = asyncio.create_task(worker.run_until_shutdown(stop))
         await asyncio.wait_for(done.wait(), 3600)
         # wait until the completions are recorded, too
-        while worker.stats.succeeded < n:
+        while worker.stats.succeeded < n:  # noqa: ASYNC110 (a counter, polled)
             await asyncio.sleep(0.001)
         result.process = n / (time.perf_counter() - t0)
         stop.set()
@@ -192,9 +197,7 @@ async def bench_pgqueuer(dsn: str, n: int, samples: int) -> Result:
             async def timed(job: Job) -> None:
                 started.put_nowait(time.perf_counter())
 
-            run = asyncio.create_task(
-                qm.run(batch_size=10, dequeue_timeout=timedelta(seconds=30))
-            )
+            run = asyncio.create_task(qm.run(batch_size=10, dequeue_timeout=timedelta(seconds=30)))
             await asyncio.sleep(1.0)
             result.p50, result.p99 = await measure_latency(
                 samples, lambda: queries.enqueue("noop", None), started
@@ -265,9 +268,12 @@ async def bench_procrastinate(dsn: str, n: int, samples: int) -> Result:
             await app.schema_manager.apply_schema_async()
             run = asyncio.create_task(
                 app.run_worker_async(
-                    concurrency=10, wait=True, install_signal_handlers=False,
-                    delete_jobs="always", listen_notify=True,
-                )  # fmt: skip
+                    concurrency=10,
+                    wait=True,
+                    install_signal_handlers=False,
+                    delete_jobs="always",
+                    listen_notify=True,
+                )
             )
             await asyncio.sleep(1.0)
             result.p50, result.p99 = await measure_latency(
@@ -286,9 +292,13 @@ async def bench_procrastinate(dsn: str, n: int, samples: int) -> Result:
 
             t0 = time.perf_counter()
             await app.run_worker_async(
-                concurrency=PROCRASTINATE_CONCURRENCY, wait=False, install_signal_handlers=False,
-                delete_jobs="always", listen_notify=False, fetch_job_polling_interval=0.01,
-            )  # fmt: skip
+                concurrency=PROCRASTINATE_CONCURRENCY,
+                wait=False,
+                install_signal_handlers=False,
+                delete_jobs="always",
+                listen_notify=False,
+                fetch_job_polling_interval=0.01,
+            )
             result.process = n / (time.perf_counter() - t0)
     finally:
         await drop_schema(dsn, schema)
@@ -431,8 +441,15 @@ def ratio(a: float | None, b: float | None, inverse: bool = False) -> str:
 
 def print_table(results: dict[str, Result], n: int, samples: int) -> None:
     names = ["steeple", "pgqueuer", "procrastinate", "limit"]
-    head = ["metric", "steeple", "PgQueuer", "procrastinate", "SQL limit", "steeple/PgQueuer",
-            "steeple/limit"]  # fmt: skip
+    head = [
+        "metric",
+        "steeple",
+        "PgQueuer",
+        "procrastinate",
+        "SQL limit",
+        "steeple/PgQueuer",
+        "steeple/limit",
+    ]
     rows = []
     s, p, lim = results["steeple"], results["pgqueuer"], results["limit"]
     rows.append(
@@ -467,8 +484,10 @@ def print_table(results: dict[str, Result], n: int, samples: int) -> None:
         "(higher is better: how many times faster steeple picks up)"
     )
     if results["procrastinate"].process is not None and n > PROCRASTINATE_MAX_N:
-        print(f"procrastinate: enqueue/processing measured on N={PROCRASTINATE_MAX_N:,} "
-              "(its rate is far lower; the full N would take many minutes)")
+        print(
+            f"procrastinate: enqueue/processing measured on N={PROCRASTINATE_MAX_N:,} "
+            "(its rate is far lower; the full N would take many minutes)"
+        )
     for k in names:
         if results[k].error:
             print(f"{k}: could not run: {results[k].error}")
@@ -483,8 +502,26 @@ async def main() -> int:
         "--only", choices=["steeple", "pgqueuer", "procrastinate", "limit"], action="append"
     )
     args = parser.parse_args()
+    server = None
     if not args.dsn:
-        parser.error("--dsn (or STEEPLE_TEST_DSN) is required")
+        # No server named: a private PostgreSQL (pgserver), as the test suite does.
+        import tempfile
+
+        import pgserver
+
+        print("no --dsn: starting a private PostgreSQL (pgserver)", file=sys.stderr)
+        server = pgserver.get_server(
+            tempfile.mkdtemp(prefix="steeple-bench-"), cleanup_mode="delete"
+        )
+        args.dsn = server.get_uri()
+    try:
+        return await run_all(args)
+    finally:
+        if server is not None:
+            server.cleanup()
+
+
+async def run_all(args: argparse.Namespace) -> int:
     benches = {
         "limit": bench_limit,
         "steeple": bench_steeple,

@@ -62,13 +62,15 @@ async def _raw_baselines(dsn: str, schema: str, rounds: int, payload: bytes) -> 
         inserts: list[float] = []
         for r in range(rounds):
             ids = [f"{r:06d}{i:026d}" for i in range(100)]
+            # as many distinct bytes as the sealed contents (payload + envelope + JSON)
+            contents = [os.urandom(len(payload) + 120) for _ in ids]
             started = time.perf_counter()
             async with conn.transaction():
                 await conn.execute("SET LOCAL synchronous_commit = on")
                 await conn.execute(
-                    f'INSERT INTO "{schema}".raw_rows SELECT u.id, $1, $2, \'pending\', $3, $2 '
-                    "FROM unnest($4::text[]) AS u(id)",
-                    "definition", NOW, payload, ids,
+                    f'INSERT INTO "{schema}".raw_rows SELECT u.id, $1, $2, \'pending\', '
+                    "u.content, $2 FROM unnest($3::text[], $4::bytea[]) AS u(id, content)",
+                    "definition", NOW, ids, contents,
                 )
             inserts.append(time.perf_counter() - started)
         updates: list[float] = []

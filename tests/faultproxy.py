@@ -7,21 +7,26 @@ the proxy's mode can be switched at any time:
 - ``pass_through()``: forward everything (also resumes blackholed connections);
 - ``delay(seconds)``: every chunk, both ways, is delivered ``seconds`` late (one-way
   latency, so a round trip takes ``2 * seconds`` more; chunks stay ordered and pipelined);
+- ``delay_close(seconds)``: an end of stream (FIN) arrives ``seconds`` after the data
+  before it (a terminated backend's last message, then a while later the close);
 - ``blackhole()``: stop forwarding both ways, keep every socket open (new connections
   are accepted and then hang too); data waits in the kernel's buffers until the mode
   changes, so the protocol is intact if the connection survives;
 - ``blackhole_after(trigger, at_reply=False)``: forward the client's chunk holding
   ``trigger`` (say a statement's text), then blackhole (or, ``at_reply``, blackhole
   when the server next goes idle inside the transaction, holding that answer);
+- ``cut_reply_after(trigger)``: one shot: the connection that executes a statement
+  holding ``trigger`` is cut at the server's answer to it, which is dropped (an
+  ambiguous autocommit);
 - ``reset()``: abort every current connection with a TCP RST on both sides;
 - ``cut_after(n)``: one shot: after ``n`` more bytes are forwarded (either way), abort
   that connection;
-- ``cut_before_commit()``: the same, but the COMMIT itself is dropped (the server rolls
-  back): the other outcome of an ambiguous commit;
-- ``cut_after_commit()``: one shot: when a client sends a ``COMMIT`` (simple Query or
-  Parse message), forward it, close the server side gracefully (so the server does read
-  and run it) and abort the client side before any reply can reach it: an ambiguous
-  commit.
+- ``cut_after_commit(count=1, skip=0)``: one shot: when a client sends a ``COMMIT``
+  (simple Query or Parse message), forward it, close the server side gracefully (so the
+  server does read and run it) and abort the client side before any reply can reach
+  it: an ambiguous commit whose transaction did commit;
+- ``cut_before_commit(count=1, skip=0)``: the same, but the COMMIT itself is dropped
+  (the server rolls back): the other outcome of an ambiguous commit.
 
 The proxy records the pid of every backend that served a connection through it (from
 the server's BackendKeyData message): tests find exactly those sessions in
@@ -45,8 +50,9 @@ _CHUNK = 65536
 _SSL_REQUEST = 80877103
 _GSSENC_REQUEST = 80877104
 _CANCEL_REQUEST = 80877102
-# ReadyForQuery with status 'T': the backend is idle inside a transaction block.
-_READY_IN_TRANSACTION = b"Z\x00\x00\x00\x05T"
+# ReadyForQuery (any status), and with status 'T': idle inside a transaction block.
+_READY = b"Z\x00\x00\x00\x05"
+_READY_IN_TRANSACTION = _READY + b"T"
 _COMMIT = re.compile(rb"\b(COMMIT|END)\b", re.IGNORECASE)
 
 
@@ -71,6 +77,9 @@ class _CommitWatcher:
         self._startup = True  # untyped startup-phase messages come first
         self._consumed = 0  # stream offset of the start of _buffer
         self.single_byte_replies = 0  # SSL/GSS requests the server answers with one byte
+        self.watch_text: bytes | None = None  # statements whose execution is watched
+        self._watched: set[bytes] = set()  # their prepared-statement names
+        self.watched_bound = False  # a Bind of a watched statement went by
 
     def feed(self, data: bytes) -> int | None:
         base = self._consumed + len(self._buffer)
@@ -93,7 +102,7 @@ class _CommitWatcher:
                 continue
             if len(self._buffer) < 5:
                 break
-            kind = self._buffer[0:1]
+            kind = bytes(self._buffer[0:1])
             (length,) = struct.unpack("!i", self._buffer[1:5])
             if len(self._buffer) < 1 + length:
                 break
@@ -102,11 +111,24 @@ class _CommitWatcher:
             self._drop(1 + length)
             if found is None and self._is_commit(kind, body):
                 found = end - base
+            self._watch(kind, body)
         return found
 
     def _drop(self, n: int) -> None:
         del self._buffer[:n]
         self._consumed += n
+
+    def _watch(self, kind: bytes, body: bytes) -> None:
+        if kind == b"P" and self.watch_text is not None:
+            name, _, rest = body.partition(b"\x00")
+            if self.watch_text in rest.split(b"\x00", 1)[0]:
+                self._watched.add(name)
+        elif kind == b"Q" and self.watch_text is not None and self.watch_text in body:
+            self.watched_bound = True
+        elif kind == b"B":
+            statement = body.split(b"\x00", 2)[1]
+            if statement in self._watched:
+                self.watched_bound = True
 
     @staticmethod
     def _is_commit(kind: bytes, body: bytes) -> bool:
@@ -170,7 +192,12 @@ class _Link:
         self.backend = _BackendWatcher(self.watcher)
         self.closed = asyncio.Event()
         self.cut = False
+        self.reply_cut_armed = False
         self.tasks: list[asyncio.Task[None]] = []
+
+    def is_cut(self) -> bool:
+        """Whether the link was cut (read afresh after every await)."""
+        return self.cut
 
     def start(self) -> None:
         self.tasks = [
@@ -193,7 +220,7 @@ class _Link:
                     data = await reader.read(_CHUNK)
                 except (ConnectionError, OSError):
                     data = b""
-                if self.cut:
+                if self.is_cut():
                     break
                 await proxy._flowing.wait()  # a chunk read just before a blackhole waits
                 if not data:
@@ -218,6 +245,9 @@ class _Link:
         while not self.cut:
             item = await queue.get()
             if item is None:
+                if proxy._eof_delay:
+                    # The peer's close travels slower than its last words.
+                    await asyncio.sleep(proxy._eof_delay)
                 with contextlib.suppress(OSError, RuntimeError):
                     writer.write_eof()
                 return
@@ -226,7 +256,14 @@ class _Link:
             if wait > 0:
                 await asyncio.sleep(wait)
             await proxy._flowing.wait()
-            if self.cut:
+            if self.is_cut():
+                return
+            if not upstream and self.reply_cut_armed and _READY in data:
+                # The statement ran (and, outside a transaction block, committed); its
+                # answer never arrives.
+                proxy.replies_cut += 1
+                proxy._reply_trigger = None
+                self.abort()
                 return
             if not upstream and proxy._awaiting_ready and _READY_IN_TRANSACTION in data:
                 # The server finished and went idle inside the transaction: hold its
@@ -234,9 +271,14 @@ class _Link:
                 proxy._awaiting_ready = False
                 proxy._flowing.clear()
                 await proxy._flowing.wait()
-                if self.cut:
+                if self.is_cut():
                     return
+            if upstream:
+                self.watcher.watch_text = proxy._reply_trigger
             commit_end = self.watcher.feed(data) if upstream else None
+            if upstream and self.watcher.watched_bound and proxy._reply_trigger is not None:
+                self.watcher.watched_bound = False
+                self.reply_cut_armed = True
             if not upstream and (pid := self.backend.feed(data)) is not None:
                 proxy.backend_pids.add(pid)
             if commit_end is not None and proxy._cut_commits > 0:
@@ -322,6 +364,7 @@ class FaultProxy:
         accepted: connections accepted so far.
         commits_cut: COMMITs after which a connection was cut.
         cuts: connections cut by :meth:`cut_after`.
+        replies_cut: connections cut by :meth:`cut_reply_after`.
         backend_pids: pids of every PostgreSQL backend that served a connection through
             this proxy (read from BackendKeyData), kept after the connection ends.
     """
@@ -348,12 +391,15 @@ class FaultProxy:
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._delay = 0.0
+        self._eof_delay = 0.0
         self._cut_budget: int | None = None
         self._cut_commits = 0
         self._skip_commits = 0
         self._blackhole_trigger: bytes | None = None
         self._blackhole_at_reply = False
         self._awaiting_ready = False
+        self._reply_trigger: bytes | None = None
+        self.replies_cut = 0
         self._forward_commit = True
         self._handlers: set[asyncio.Task[None]] = set()
 
@@ -418,6 +464,14 @@ class FaultProxy:
         self._delay = float(seconds)
         self._flowing.set()
 
+    def delay_close(self, seconds: float) -> None:
+        """Deliver an end of stream (FIN) ``seconds`` after the data before it.
+
+        A client then sees, say, a terminated backend's FATAL message on a connection that
+        still looks open for that long.
+        """
+        self._eof_delay = float(seconds)
+
     def blackhole(self) -> None:
         """Stop forwarding both ways; sockets stay open and new ones are accepted."""
         self._flowing.clear()
@@ -432,6 +486,16 @@ class FaultProxy:
         """
         self._blackhole_trigger = trigger
         self._blackhole_at_reply = at_reply
+
+    def cut_reply_after(self, trigger: bytes) -> None:
+        """Cut the connection that next executes a statement whose text contains
+        ``trigger``, at the server's complete answer to it, which is dropped (one shot).
+
+        The statement is recognized by its simple Query, or by the Bind of a statement
+        whose Parse (seen after this call) held the text. Outside a transaction block the
+        server has run and committed it; the client only sees the link die.
+        """
+        self._reply_trigger = trigger
 
     def reset(self) -> None:
         """Abort every current connection (TCP RST to both sides)."""
@@ -461,6 +525,7 @@ class FaultProxy:
         self._skip_commits = 0
         self._blackhole_trigger = None
         self._awaiting_ready = False
+        self._reply_trigger = None
 
     # --- relaying ----------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ direct DSN.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,7 +34,7 @@ from steeple.postgres.queue import (
 
 pytestmark = [pytest.mark.postgres]
 
-WORK = Task("fault.work")
+WORK: Task[Any] = Task("fault.work")
 
 
 @pytest.fixture
@@ -165,6 +166,46 @@ async def test_worker_recovers_and_each_task_completes_once(
     await faultprobe.wait_for_clean(dsn, fault_proxy.backend_pids)
 
 
+async def test_worker_survives_connections_that_die_slowly(
+    queue: tuple[str, str, asyncpg.Connection], fault_proxy: FaultProxy
+) -> None:
+    """Terminated backends whose close arrives after their FATAL message: the idle worker
+    meets connections that are dead but still look open, and must carry on."""
+    dsn, schema, conn = queue
+    ran: list[Any] = []
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran.append(args)
+
+    worker = Scheduler(
+        fault_proxy.dsn(),
+        worker_id="fault-slow-close",
+        schema=schema,
+        poll_interval=0.05,
+        maintenance_interval=0.1,
+    )
+    worker.register(WORK, handler)
+    stop = asyncio.Event()
+    running = await run_worker(worker, stop)
+    try:
+        await enqueue(conn, WORK, "before", schema=schema)
+        await wait_until(lambda: "before" in ran)
+        fault_proxy.delay_close(0.5)
+        assert await faultprobe.terminate(dsn, fault_proxy.live_backend_pids) >= 2
+        await asyncio.sleep(1.0)  # polls and maintenance run into the dying connections
+        assert not running.done(), running.exception()
+        fault_proxy.delay_close(0)
+        await enqueue(conn, WORK, "after", schema=schema)
+        await wait_until(lambda: "after" in ran or running.done(), timeout=10)
+        assert not running.done(), running.exception()
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running, 20)
+    assert ran == ["before", "after"]
+    await faultprobe.wait_for_clean(dsn, fault_proxy.backend_pids)
+
+
 async def test_killed_listener_falls_back_to_polling_then_relistens(
     queue: tuple[str, str, asyncpg.Connection], fault_proxy: FaultProxy
 ) -> None:
@@ -277,3 +318,49 @@ async def test_blackholed_worker_degrades_stops_in_time_and_loses_nothing(
     assert sorted(ran) == ["before", "during"]
     run = await run_state(conn, during.id, schema=schema)
     assert run.state.value == "succeeded"
+
+
+async def test_lost_answer_to_a_completion_still_completes_once(
+    queue: tuple[str, str, asyncpg.Connection], fault_proxy: FaultProxy
+) -> None:
+    """The completion commits but its answer is lost: the worker retries it, is told the
+    task is no longer its own, and the task stays succeeded, run once."""
+    dsn, schema, conn = queue
+    executions: list[int] = []
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        executions.append(ctx.task_id)
+
+    # the completion statement's text travels in its first Parse on a connection
+    fault_proxy.cut_reply_after(b"'succeeded', started_at, finished_at FROM done")
+    worker = Scheduler(
+        fault_proxy.dsn(),
+        worker_id="fault-lost-answer",
+        schema=schema,
+        poll_interval=0.1,
+        maintenance_interval=0.2,
+    )
+    worker.register(WORK, handler)
+    task = await enqueue(conn, WORK, "once", schema=schema)
+    stop = asyncio.Event()
+    running = await run_worker(worker, stop)
+    try:
+        await wait_until(lambda: fault_proxy.replies_cut == 1, timeout=10)
+        # the retried completion is answered; give maintenance a few rounds too
+        await wait_until(
+            lambda: worker.stats.succeeded + worker.stats.rejected_completions >= 1, timeout=10
+        )
+        await asyncio.sleep(0.5)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 20)
+    assert executions == [task.id]
+    # the retried completion either records it or finds it recorded by the lost one
+    assert worker.stats.succeeded + worker.stats.rejected_completions == 1
+    run = await run_state(conn, task.id, schema=schema)
+    assert (run.state.value, run.attempts) == ("succeeded", 1)
+    outcomes = await conn.fetch(
+        f'SELECT outcome FROM "{schema}".attempts WHERE task_id = $1', task.id
+    )
+    assert [r["outcome"] for r in outcomes] == ["succeeded"]
+    await faultprobe.wait_for_clean(dsn, fault_proxy.backend_pids)

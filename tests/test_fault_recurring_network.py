@@ -31,6 +31,7 @@ from steeple.core import (
     ScheduledMessage,
 )
 from steeple.core.errors import RelayLeaseLostError
+from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore, grant_runtime_role
 from steeple.postgres.recurring import SERVER_SETTINGS
@@ -92,6 +93,39 @@ class Net:
     async def clean(self, timeout: float = 5.0) -> None:
         """No backend that served the proxy holds a lock or idles in a transaction."""
         await faultprobe.wait_for_clean(self.dsn, self.proxy.backend_pids, timeout)
+
+    async def drain_and_check(self, broker: MemoryBroker) -> None:
+        """The checker: heal the network, let every lease lapse, publish everything.
+
+        Then every occurrence is published, under the one key derived from its identity,
+        exactly one copy per key reached the broker, no publish attempt ever used another
+        key, and nothing is left held.
+        """
+        self.proxy.pass_through()
+        self.clock.advance(CONFIG.lease_duration + timedelta(seconds=1))
+        while leases := await self.store.claim(100):
+            for lease in leases:
+                await self.store.relay(lease, broker)
+        rows = await self.rows(
+            "SELECT id, definition_name, due_at, state FROM {s}.recurring_occurrences"
+        )
+        assert {r["state"] for r in rows} <= {"published"}
+        expected = {
+            idempotency_key(
+                purpose=PUBLISH_PURPOSE,
+                namespace=CONFIG.namespace,
+                definition_name=r["definition_name"],
+                due_at=r["due_at"],
+                generation=bytes.fromhex(r["id"]),
+            )
+            for r in rows
+        }
+        keys = [key for _, key in broker.published]
+        assert len(keys) == len(set(keys)) == len(rows)
+        assert set(keys) == expected
+        assert set(broker.keys_attempted) == expected
+        await self.counters_match()
+        await self.clean()
 
 
 @pytest.fixture
@@ -208,6 +242,51 @@ async def test_blackholed_new_connections_time_out_typed(net: Net) -> None:
 
 
 @pytest.mark.parametrize("commit", ["forwarded", "withheld"])
+async def test_ambiguous_commit_on_initialize_converges(
+    pg_schema: tuple[str, str], fault_proxy: FaultProxy, commit: str
+) -> None:
+    dsn, schema = pg_schema
+    clock = FakeClock(START)
+    if commit == "forwarded":
+        fault_proxy.cut_after_commit()
+    else:
+        fault_proxy.cut_before_commit()
+    first, _ = await bounded(
+        PostgresRecurringStore.initialize(
+            fault_proxy.dsn(), CONFIG, KEYRING, clock, schema=schema
+        )
+    )
+    assert fault_proxy.commits_cut == 1
+    assert isinstance(first, RecurringStorageError), first
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        installed = await conn.fetchval(
+            "SELECT to_regclass($1) IS NOT NULL", f'"{schema}".recurring_namespaces'
+        )
+        namespaces = (
+            await conn.fetchval(f'SELECT count(*) FROM "{schema}".recurring_namespaces')
+            if installed
+            else 0
+        )
+    finally:
+        await conn.close()
+    # the schema and the namespace come together or not at all
+    assert (installed, namespaces) in ((True, 1), (False, 0))
+    if commit == "withheld":
+        assert not installed
+    # initializing again converges, and the store works
+    store = await PostgresRecurringStore.initialize(
+        fault_proxy.dsn(), CONFIG, KEYRING, clock, schema=schema
+    )
+    try:
+        assert (await store.create(every_minute("m", 2))).name == "m"
+        assert (await store.tick(10)).materialized == 2
+    finally:
+        await store.close()
+    await faultprobe.wait_for_clean(dsn, fault_proxy.backend_pids)
+
+
+@pytest.mark.parametrize("commit", ["forwarded", "withheld"])
 async def test_ambiguous_commit_on_create_rereads_and_converges(net: Net, commit: str) -> None:
     definition = every_minute("m", 3)
     if commit == "forwarded":
@@ -257,6 +336,7 @@ async def test_ambiguous_commit_on_tick_is_all_or_nothing(net: Net, commit: str)
     )
     assert distinct == 60
     assert await net.counters_match() == (2, 60)
+    await net.drain_and_check(MemoryBroker())
 
 
 async def test_ambiguous_commit_of_a_relay_outcome_converges_on_one_copy(net: Net) -> None:
@@ -284,6 +364,7 @@ async def test_ambiguous_commit_of_a_relay_outcome_converges_on_one_copy(net: Ne
     assert occ.state is OccurrenceState.PUBLISHED
     assert len(broker.published) == 1
     assert len(set(broker.keys_attempted)) == 1
+    await net.drain_and_check(broker)
 
 
 # --- reset and pg_terminate_backend mid-operation (rows 3, 4) ---------------------------------
@@ -305,6 +386,7 @@ async def test_reset_mid_tick_is_typed_then_recovers(net: Net) -> None:
     if occurrences == 0:
         assert (await net.store.tick(50)).materialized == 50
     assert await net.counters_match() == (1, 50)
+    await net.drain_and_check(MemoryBroker())
 
 
 async def test_terminated_backend_mid_claim_is_typed_then_recovers(net: Net) -> None:
@@ -324,6 +406,7 @@ async def test_terminated_backend_mid_claim_is_typed_then_recovers(net: Net) -> 
     assert leased == 0  # the claim died before its commit: nothing leased
     leases = await net.store.claim(20)
     assert len(leases) == 20
+    await net.drain_and_check(MemoryBroker())
 
 
 async def test_reset_between_publish_and_record_republishes_with_same_key(net: Net) -> None:
@@ -353,7 +436,7 @@ async def test_reset_between_publish_and_record_republishes_with_same_key(net: N
     assert occ.state is OccurrenceState.PUBLISHED
     assert len(broker.published) == 1
     assert len(set(broker.keys_attempted)) == 1
-    await net.clean()
+    await net.drain_and_check(broker)
 
 
 # --- slow network (row 6) ----------------------------------------------------------------------
@@ -384,7 +467,24 @@ async def test_slow_network_completes_and_fences_a_stale_lease(net: Net) -> None
     net.proxy.pass_through()
     states = sorted(o.state.value for o in (await store.occurrences()).items)
     assert states == ["pending", "published"]
+    await net.drain_and_check(broker)
+
+
+async def test_very_slow_network_meets_the_deadline_all_or_nothing(net: Net) -> None:
+    await net.store.create(every_minute("m", 50))
+    net.proxy.delay(1.0)  # 2 s per round trip: a tick cannot finish in its 10 s
+    outcome, elapsed = await bounded(net.store.tick(50))
+    assert isinstance(outcome, RecurringDeadlineError), outcome
+    assert elapsed <= 12.0, elapsed
+    net.proxy.pass_through()
     await net.clean()
+    # the deadline may have passed with the COMMIT in flight: re-read, whole or nothing
+    _, occurrences = await net.counters_match()
+    assert occurrences in (0, 50)
+    while (await net.store.tick(50)).materialized:
+        pass
+    assert await net.counters_match() == (1, 50)
+    await net.drain_and_check(MemoryBroker())
 
 
 # --- connection limit lower than the pool (row 7) ----------------------------------------------

@@ -230,7 +230,7 @@ async def test_enqueue_sends_a_notification_on_commit_only(queue) -> None:
     try:
         from steeple.postgres.queue._schema import notify_channel
 
-        await listener.add_listener(notify_channel(schema), lambda *a: got.put_nowait(a[2]))
+        await listener.add_listener(notify_channel(schema), lambda *a: got.put_nowait(a[3]))
         tx = conn.transaction()
         await tx.start()
         await enqueue(conn, PLAIN, 1, schema=schema)
@@ -240,7 +240,14 @@ async def test_enqueue_sends_a_notification_on_commit_only(queue) -> None:
         await asyncio.sleep(0.2)
         assert got.empty()
         await enqueue(conn, PLAIN, 2, schema=schema)
-        assert await asyncio.wait_for(got.get(), 5) == notify_channel(schema)
+        assert await asyncio.wait_for(got.get(), 5) == ""  # due now
+        due = datetime.now(UTC) + timedelta(minutes=5)
+        await enqueue(conn, PLAIN, 3, EnqueueOptions.at(due), schema=schema)
+        assert float(await asyncio.wait_for(got.get(), 5)) == pytest.approx(due.timestamp())
+        await enqueue_many(conn, PLAIN, [4, 5], EnqueueOptions.at(due), schema=schema)
+        assert float(await asyncio.wait_for(got.get(), 5)) == pytest.approx(due.timestamp())
+        await asyncio.sleep(0.2)
+        assert got.empty()  # one notification per statement
     finally:
         await listener.close()
 

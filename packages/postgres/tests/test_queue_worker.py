@@ -134,6 +134,24 @@ async def test_delayed_work_is_not_run_early(queue) -> None:
     assert ran_at[0] >= due
 
 
+async def test_delayed_work_wakes_a_listening_worker_on_time_without_polling(queue) -> None:
+    dsn, schema, conn = queue
+    ran_at: list[datetime] = []
+    worker = worker_for(dsn, schema, poll_interval=30)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran_at.append(await conn.fetchval("SELECT clock_timestamp()"))
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await wait_until(lambda: worker.health() is Health.HEALTHY)
+        await asyncio.sleep(0.3)  # the listener is up
+        due = datetime.now(UTC) + timedelta(seconds=1)
+        await enqueue(conn, PLAIN, 1, EnqueueOptions.at(due), schema=schema)
+        await wait_until(lambda: ran_at, timeout=5)
+    assert due <= ran_at[0] < due + timedelta(milliseconds=700)
+
+
 async def test_priority_order_then_fifo(queue) -> None:
     dsn, schema, conn = queue
     order: list[str] = []
@@ -159,7 +177,7 @@ async def test_retries_follow_the_snapshotted_backoff_until_max_attempts(queue) 
         backoff=Backoff(initial=timedelta(milliseconds=300), maximum=timedelta(seconds=5)),
     )
     done = await enqueue(conn, PLAIN, 1, options, schema=schema)
-    worker = worker_for(dsn, schema, poll_interval=0.05)
+    worker = worker_for(dsn, schema, poll_interval=30)  # retries wake on local timers
 
     async def handler(ctx: JobContext, args: Any) -> None:
         times.append(time.monotonic())
@@ -191,7 +209,7 @@ async def test_retry_with_explicit_delay_then_success_keeps_the_run_id(queue) ->
     dsn, schema, conn = queue
     seen: list[tuple[int, Any, float]] = []
     done = await enqueue(conn, PLAIN, 1, schema=schema)
-    worker = worker_for(dsn, schema, poll_interval=0.05)
+    worker = worker_for(dsn, schema, poll_interval=30)
 
     async def handler(ctx: JobContext, args: Any) -> None:
         seen.append((ctx.attempt, ctx.run_id, time.monotonic()))

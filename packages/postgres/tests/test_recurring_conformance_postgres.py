@@ -7,6 +7,7 @@ import os
 import uuid
 
 import asyncpg
+import pytest
 from hypothesis import HealthCheck, settings
 
 from steeple.core.config import RecurringConfig
@@ -14,6 +15,8 @@ from steeple.core.ports import Clock, RecurringStore
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
 from steeple.testing.conformance.recurring import run_recurring_conformance
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 KEYRING = Keyring(StorageKey("conformance", os.urandom(32)))
 

@@ -24,6 +24,8 @@ from steeple.postgres import PostgresRecurringStore, grant_runtime_role
 from steeple.postgres._durability import DurabilityProblem, check_transport
 from steeple.testing import FakeClock
 
+pytestmark = pytest.mark.postgres
+
 START = datetime(2031, 3, 4, 5, 6, 7, tzinfo=UTC)
 KEYRING = Keyring(StorageKey("k1", b"\x02" * 32))
 CONFIG = RecurringConfig("tenant-a", 10, 100)
@@ -383,3 +385,23 @@ def test_loopback_socket_or_verified_tls_accepted(dsn: str) -> None:
 def test_non_uri_dsn_refused() -> None:
     with pytest.raises(DurabilityProblem):
         check_transport("host=db.example.com dbname=x")
+
+
+async def test_every_transaction_commits_synchronously(deployed: tuple[str, str]) -> None:
+    """The control-row lock that opens every transaction also sets synchronous_commit on
+    locally, whatever the session says."""
+    from steeple.postgres._durability import quote_ident
+    from steeple.postgres.recurring._sql import Queries
+
+    dsn, schema = deployed
+    q = Queries.for_schema(quote_ident(schema))
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("SET synchronous_commit = off")
+        async with conn.transaction():
+            row = await conn.fetchrow(q.lock_namespace, CONFIG.namespace)
+            assert row is not None
+            assert await conn.fetchval("SHOW synchronous_commit") == "on"
+        assert await conn.fetchval("SHOW synchronous_commit") == "off"  # local only
+    finally:
+        await conn.close()

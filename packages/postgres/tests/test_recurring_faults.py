@@ -33,6 +33,8 @@ from steeple.postgres import PostgresRecurringStore
 from steeple.postgres.recurring._store import _map_driver_error
 from steeple.testing import FakeClock, MemoryBroker
 
+pytestmark = pytest.mark.postgres
+
 START = datetime(2031, 3, 4, 5, 6, 7, 250000, tzinfo=UTC)
 K1 = StorageKey("k1", b"\x04" * 32)
 K2 = StorageKey("k2", b"\x05" * 32)
@@ -79,6 +81,30 @@ async def store(
     s = await open_store(pg_schema, clock)
     async with s:
         yield s
+
+
+def backend_pids(store: PostgresRecurringStore) -> list[int]:
+    """Server pids of this store's pooled connections (only ever kill our own)."""
+    pool = store._pool  # test-only peek at the private pool
+    return [
+        h._con.get_server_pid()
+        for h in pool._holders  # type: ignore[attr-defined]
+        if h._con is not None and not h._con.is_closed()
+    ]
+
+
+async def terminate(dsn: str, pids: list[int]) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(
+            await conn.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE pid = ANY($1::int[])",
+                pids,
+            )
+        )
+    finally:
+        await conn.close()
 
 
 async def count_rows(dsn: str, schema: str, table: str = "recurring_occurrences") -> int:
@@ -414,14 +440,7 @@ async def test_killed_connection_is_a_typed_storage_error_then_recovers(
     dsn, _ = pg_schema
     await store.create(every_minute("m", 3))
     await asyncio.gather(*(store.schedules() for _ in range(4)))  # fill the pool
-    conn = await asyncpg.connect(dsn)
-    try:
-        killed = await conn.fetchval(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE application_name = 'steeple-recurring' AND pid <> pg_backend_pid()"
-        )
-    finally:
-        await conn.close()
+    killed = await terminate(dsn, backend_pids(store))
     assert killed >= 1
     await asyncio.sleep(0.1)
     outcomes = []
@@ -487,3 +506,30 @@ async def test_call_deadline_of_ten_seconds(
     assert await count_rows(dsn, schema) == 0
     await asyncio.sleep(0.2)
     assert await idle_in_transaction(dsn, schema) == 0
+
+
+async def test_backend_terminated_between_relay_transactions_recovers(
+    store: PostgresRecurringStore, pg_schema: tuple[str, str], clock: FakeClock
+) -> None:
+    dsn, _ = pg_schema
+    await store.create(every_minute("m", 1))
+    await store.tick(10)
+    [lease] = await store.claim(1)
+    accepted = MemoryBroker()
+
+    class KillingBroker(MemoryBroker):
+        async def publish(self, message, *, idempotency_key, timeout):  # type: ignore[no-untyped-def]
+            receipt = await accepted.publish(
+                message, idempotency_key=idempotency_key, timeout=timeout
+            )
+            self.killed = await terminate(dsn, backend_pids(store))
+            return receipt
+
+    # The pool notices the dead connection and records the outcome on a fresh one.
+    broker = KillingBroker()
+    receipt = await store.relay(lease, broker)
+    assert broker.killed >= 1
+    assert not receipt.duplicate
+    [occ] = (await store.occurrences()).items
+    assert occ.state is OccurrenceState.PUBLISHED
+    assert len(accepted.published) == 1

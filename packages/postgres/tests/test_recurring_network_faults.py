@@ -27,6 +27,8 @@ from steeple.postgres import PostgresRecurringStore
 from steeple.postgres.recurring import SERVER_SETTINGS
 from steeple.testing import FakeClock
 
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
 START = datetime(2031, 3, 4, 5, 6, 7, tzinfo=UTC)
 KEYRING = Keyring(StorageKey("k1", b"\x09" * 32))
 CONFIG = RecurringConfig("net", 10, 100)
@@ -38,6 +40,10 @@ class Proxy:
     def __init__(self, host: str, port: int) -> None:
         self.target = (host, port)
         self.blackhole = False
+        self.cut_after: bytes | None = None
+        """Forward a client chunk containing these bytes, then cut the connection."""
+        self.cuts = 0
+        self.muted = False
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -45,12 +51,29 @@ class Proxy:
         self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
         return int(self.server.sockets[0].getsockname()[1])
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        upstream: bool = False,
+        other: asyncio.StreamWriter | None = None,
+    ) -> None:
         try:
             while data := await reader.read(65536):
-                if not self.blackhole:
+                cutting = upstream and self.cut_after is not None and self.cut_after in data
+                if cutting:
+                    self.muted = True  # the server's answer to this will be lost
+                if not self.blackhole and (upstream or not self.muted):
                     writer.write(data)
                     await writer.drain()
+                if upstream and self.cut_after is not None and self.cut_after in data:
+                    self.cut_after = None
+                    self.cuts += 1
+                    await asyncio.sleep(0.2)  # the server commits; its answer is lost
+                    if other is not None:
+                        other.close()
+                    self.muted = False
+                    break
         except (ConnectionError, OSError):
             pass
         finally:
@@ -59,7 +82,7 @@ class Proxy:
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection(*self.target)
         for task in (
-            asyncio.create_task(self._pipe(reader, up_writer)),
+            asyncio.create_task(self._pipe(reader, up_writer, True, writer)),
             asyncio.create_task(self._pipe(up_reader, writer)),
         ):
             self.tasks.add(task)
@@ -160,4 +183,34 @@ async def test_frozen_holder_of_the_control_row_is_ended_by_the_server(
             await frozen.execute("COMMIT")  # its late work is refused
     finally:
         await frozen.close(timeout=5)
+        await store.close()
+
+
+async def test_ambiguous_commit_is_reported_and_rereading_finds_it(
+    proxied: tuple[str, str, Proxy],
+) -> None:
+    """The link is cut right after COMMIT is forwarded: the caller gets a typed storage
+    error, and re-reading (never assuming failure) shows the work was committed."""
+    via, schema, proxy = proxied
+    store = await PostgresRecurringStore.initialize(
+        via, CONFIG, KEYRING, FakeClock(START), schema=schema
+    )
+    try:
+        first = await store.create(definition("a"))
+        proxy.cut_after = b"COMMIT"
+        with pytest.raises(RecurringStorageError):
+            await store.create(definition("b"))
+        assert proxy.cuts == 1
+        names = None
+        for _ in range(20):
+            try:
+                names = [s.name for s in (await store.schedules()).items]
+                break
+            except RecurringStorageError:
+                await asyncio.sleep(0.1)
+        assert names == ["a", "b"]  # it was committed after all
+        again = await store.create(definition("b"))  # the safe retry replays it
+        assert again.name == "b"
+        assert again.created_at == first.created_at
+    finally:
         await store.close()

@@ -25,6 +25,8 @@ from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore, RecurringRelay
 from steeple.testing import FakeClock, MemoryBroker
 
+pytestmark = pytest.mark.postgres
+
 START = datetime(2031, 3, 4, 5, 6, 7, 250000, tzinfo=UTC)
 KEYRING = Keyring(StorageKey("k1", b"\x07" * 32))
 

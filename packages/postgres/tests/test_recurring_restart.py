@@ -23,6 +23,8 @@ from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
 from steeple.testing import FakeClock, MemoryBroker
 
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
 START = datetime(2031, 3, 4, 5, 6, 7, 250000, tzinfo=UTC)
 KEYRING = Keyring(StorageKey("k1", b"\x06" * 32))
 CONFIG = RecurringConfig("restart", max_definitions=10, max_occurrences=1000)

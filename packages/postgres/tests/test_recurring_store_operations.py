@@ -32,6 +32,8 @@ from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
 from steeple.testing import FakeClock, MemoryBroker
 
+pytestmark = pytest.mark.postgres
+
 START = datetime(2031, 3, 4, 5, 6, 7, 123000, tzinfo=UTC)
 KEY = StorageKey("k1", b"\x01" * 32)
 
@@ -419,6 +421,9 @@ async def test_paging_and_limits(store: PostgresRecurringStore) -> None:
         if cursor is None:
             break
     assert len(seen) == len(set(seen)) == 10
+    for cursor in ("garbage", "12.x", 5):
+        with pytest.raises(RecurringConfigurationError):
+            await store.occurrences(after=cursor, limit=3)  # type: ignore[arg-type]
     for bad in (0, 101, True):
         with pytest.raises(RecurringConfigurationError):
             await store.schedules(limit=bad)

@@ -27,6 +27,8 @@ from steeple.core import (
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
 
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
 KEY = StorageKey("k1", b"\x0a" * 32)
 CONFIG = RecurringConfig("workers", 10, 1000, lease_duration=timedelta(seconds=1),
                          delivery_window=timedelta(hours=1))
@@ -113,13 +115,14 @@ async def test_sigkilled_worker_is_replaced_and_nothing_is_lost(
         assert successor.returncode == 0, err.decode()
 
         page = await store.occurrences(limit=100)
-        assert len(page.items) == 40
+        # 40 were due at the start; a minute boundary during the test adds one per definition
+        assert len(page.items) in (40, 42)
         assert {o.state for o in page.items} == {OccurrenceState.PUBLISHED}
         lines = [json.loads(x) for x in journal.read_text().splitlines()]
         by_key: dict[str, set[str]] = {}
         for key, payload in lines:
             by_key.setdefault(key, set()).add(payload)
-        assert len(by_key) == 40  # one key per occurrence, each delivered at least once
+        assert len(by_key) == len(page.items)  # one key per occurrence, each delivered
         assert all(len(p) == 1 for p in by_key.values())
         conn = await asyncpg.connect(dsn)
         try:

@@ -25,6 +25,8 @@ def _db_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [
         asyncpg.PostgresError,
         asyncpg.InterfaceError,
+        # A connection left mid-protocol (e.g. by a cut network) reports this.
+        asyncpg.exceptions.InternalClientError,
         OSError,
         TimeoutError,
     ]
@@ -57,9 +59,12 @@ class WorkerDb(Protocol):
         ...
 
     async def listen(
-        self, channel: str, on_notify: Callable[[], None], name: str, stop: asyncio.Event
+        self, channel: str, on_notify: Callable[[str], None], name: str, stop: asyncio.Event
     ) -> None:
-        """LISTEN on a dedicated connection until ``stop`` is set; raise when it dies."""
+        """LISTEN on a dedicated connection until ``stop`` is set; raise when it dies.
+
+        ``on_notify`` receives each payload ("" once right after LISTEN succeeds).
+        """
         ...
 
     async def close(self) -> None:
@@ -75,26 +80,47 @@ class _AsyncpgDb:
         return int(self._pool.get_max_size())
 
     async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
-        return [tuple(r) for r in await self._pool.fetch(sql, *args, timeout=timeout)]
+        async with self._pool.acquire(timeout=timeout) as conn:
+            try:
+                return [tuple(r) for r in await conn.fetch(sql, *args, timeout=timeout)]
+            except BaseException as exc:
+                _discard_if_unsure(conn, exc)
+                raise
 
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
-        async with asyncio.timeout(timeout), self._pool.acquire() as conn:
-            return await fn(conn)
+        async with self._pool.acquire(timeout=timeout) as conn:
+            work = asyncio.ensure_future(fn(conn))
+            try:
+                done, _ = await asyncio.wait({work}, timeout=timeout)
+                if not done:
+                    # Cancelling alone is not enough: a ROLLBACK on the way out would wait
+                    # on the same dead socket. Closing the connection fails all its I/O.
+                    conn.terminate()
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wait_for(work, 1.0)
+                    raise TimeoutError(f"no answer within {timeout} s")
+                return work.result()
+            except BaseException as exc:
+                if not work.done():
+                    conn.terminate()
+                    work.cancel()
+                _discard_if_unsure(conn, exc)
+                raise
 
     async def listen(
-        self, channel: str, on_notify: Callable[[], None], name: str, stop: asyncio.Event
+        self, channel: str, on_notify: Callable[[str], None], name: str, stop: asyncio.Event
     ) -> None:
         lost = asyncio.Event()
 
-        def notified(*_: object) -> None:
-            on_notify()
+        def notified(_conn: object, _pid: int, _channel: str, payload: object) -> None:
+            on_notify(payload if isinstance(payload, str) else "")
 
         async with self._pool.acquire() as conn:
             conn.add_termination_listener(lambda _c: lost.set())
             # Named so operators (and tests) can tell the listener apart.
             await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
             await conn.add_listener(channel, notified)
-            on_notify()  # anything enqueued while nobody was listening
+            on_notify("")  # anything enqueued while nobody was listening
             try:
                 while not stop.is_set() and not lost.is_set():
                     await _wait_any((stop, lost), 5.0)
@@ -104,13 +130,37 @@ class _AsyncpgDb:
                             await conn.execute("SELECT 1")
             finally:
                 if not conn.is_closed():
-                    with contextlib.suppress(*DB_ERRORS):
-                        await conn.remove_listener(channel, notified)
+                    try:
+                        async with asyncio.timeout(2.0):
+                            await conn.remove_listener(channel, notified)
+                    except (*DB_ERRORS, asyncio.CancelledError):
+                        # Unreachable (or we are being cancelled): never pool it again.
+                        conn.terminate()
+                        raise
         if lost.is_set() and not stop.is_set():
             raise ConnectionError("the listener connection was closed")
 
     async def close(self) -> None:
-        await self._pool.close()
+        try:
+            async with asyncio.timeout(5.0):
+                await self._pool.close()
+        except TimeoutError:
+            # Graceful close waits on every socket; a dead network must not hang shutdown.
+            self._pool.terminate()
+
+
+def _discard_if_unsure(conn: Any, exc: BaseException) -> None:
+    """Close a pooled connection whose protocol state is unknown after ``exc``.
+
+    A server-reported error leaves the connection in sync. A timed-out or cancelled
+    statement may still be running, and a cut connection may be mid-message: handing
+    either back to the pool would poison the next user.
+    """
+    in_sync = isinstance(exc, asyncpg.PostgresError) and not isinstance(
+        exc, asyncpg.exceptions.QueryCanceledError
+    )
+    if not in_sync and not conn.is_closed():
+        conn.terminate()
 
 
 class _PsycopgDb:
@@ -129,7 +179,7 @@ class _PsycopgDb:
             return await fn(conn)
 
     async def listen(
-        self, channel: str, on_notify: Callable[[], None], name: str, stop: asyncio.Event
+        self, channel: str, on_notify: Callable[[str], None], name: str, stop: asyncio.Event
     ) -> None:
         import psycopg
 
@@ -139,10 +189,10 @@ class _PsycopgDb:
         # A dedicated connection: a pooled one would be reset (and unlistened) on return.
         async with await psycopg.AsyncConnection.connect(self._pool.conninfo, **kwargs) as conn:
             await conn.execute(f'LISTEN "{channel}"')
-            on_notify()
+            on_notify("")
             while not stop.is_set():
-                async for _ in conn.notifies(timeout=1.0):
-                    on_notify()
+                async for note in conn.notifies(timeout=1.0):
+                    on_notify(note.payload)
                 if not stop.is_set():
                     async with asyncio.timeout(5.0):
                         await conn.execute("SELECT 1")

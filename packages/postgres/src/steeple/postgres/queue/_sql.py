@@ -22,6 +22,11 @@ DURABLE = "(SELECT set_config('synchronous_commit', 'on', true)) AS durable"
 RELAXED = "(SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
 LIVE = "('pending', 'running')"
 TERMINAL = "('succeeded', 'failed', 'cancelled')"
+# The NOTIFY payload: empty for work due now, else its due time in epoch seconds, so
+# listening workers can wake exactly then instead of at their next poll.
+_DUE_PAYLOAD = (
+    "CASE WHEN {run_at} > clock_timestamp() THEN extract(epoch FROM {run_at})::text ELSE '' END"
+)
 _TASK_COLUMNS = (
     "task_name, args, priority, run_at, max_attempts, lease_duration, "
     "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter"
@@ -69,7 +74,7 @@ SELECT $1, $2::text::jsonb, $3, coalesce($4::timestamptz, clock_timestamp()), $5
        $7, $8, $9, $10, $11
 FROM {DURABLE}
 ON CONFLICT (task_name, dedup_key) WHERE dedup_key IS NOT NULL AND state IN {LIVE} DO NOTHING
-RETURNING id, pg_notify($12, '')::text""",
+RETURNING id, pg_notify($12, {_DUE_PAYLOAD.format(run_at="run_at")})::text""",
         # $1 name, $2 args[], $3.. as above but no dedup; $11 channel
         enqueue_many=f"""
 WITH ins AS (
@@ -80,7 +85,9 @@ WITH ins AS (
     ORDER BY u.n
     RETURNING id
 )
-SELECT array_agg(id ORDER BY id), (SELECT pg_notify($11, ''))::text FROM ins""",
+SELECT array_agg(id ORDER BY id),
+       (SELECT pg_notify($11, {_DUE_PAYLOAD.format(run_at="$4::timestamptz")}))::text
+FROM ins""",
         find_duplicate=f"""
 SELECT id FROM {s}.tasks
 WHERE task_name = $1 AND dedup_key = $2 AND state IN {LIVE}""",

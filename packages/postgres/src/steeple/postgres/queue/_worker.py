@@ -57,6 +57,7 @@ Handler = Callable[["JobContext", A], Awaitable[object]]
 
 _LISTEN_ERRORS: Final[tuple[type[BaseException], ...]] = (*DB_ERRORS, ConnectionError)
 _MAX_ERROR_TEXT: Final = 2000
+_MAX_TIMERS: Final = 1000
 _FLUSH_BATCH: Final = 1000
 
 # The SQL encodes these transitions; deriving the names from core's table keeps them honest.
@@ -256,6 +257,7 @@ class Scheduler:
         self._idle = asyncio.Event()
         self._closing = asyncio.Event()
         self._hard_stop = False
+        self._timers: dict[int, asyncio.TimerHandle] = {}
         self.stats = WorkerStats()
 
     def __repr__(self) -> str:
@@ -339,6 +341,9 @@ class Scheduler:
                 finally:
                     self._closing.set()
                     self._flush_wake.set()
+                    for timer in self._timers.values():
+                        timer.cancel()
+                    self._timers.clear()
         finally:
             self._health = Health.STOPPED
             if owned and self._db is not None:
@@ -560,6 +565,8 @@ class Scheduler:
         if not rows:
             self._fenced(claimed)
         elif outcome is TaskState.PENDING:
+            if retry_after is not None:
+                self._wake_at(retry_after.total_seconds())
             self.stats.retried += 1
             inst.retried.add(1, attributes)
         else:
@@ -695,11 +702,38 @@ class Scheduler:
             if await _wait(self._closing, self._maintenance):
                 return
 
+    def _wake_at(self, delay: float) -> None:
+        """Wake the claim loop after ``delay`` seconds (a delayed task or a retry comes due)."""
+        if delay <= 0:
+            self._wake.set()
+            return
+        loop = asyncio.get_running_loop()
+        # One timer per 10 ms slot, a bounded number: beyond that, polling covers it.
+        slot = round((loop.time() + delay) * 100)
+        if slot in self._timers or len(self._timers) >= _MAX_TIMERS:
+            return
+
+        def fire() -> None:
+            self._timers.pop(slot, None)
+            self._wake.set()
+
+        # A few ms late rather than early: the database's clock decides what is due.
+        self._timers[slot] = loop.call_at(slot / 100 + 0.005, fire)
+
+    def _on_notify(self, payload: str) -> None:
+        if not payload:
+            self._wake.set()
+            return
+        try:
+            due = float(payload)
+        except ValueError:
+            self._wake.set()
+            return
+        self._wake_at(due - time.time())
+
     async def _listen_forever(self) -> None:
         db = self._require_db()
-
-        def on_notify() -> None:
-            self._wake.set()
+        on_notify = self._on_notify
 
         while not self._closing.is_set():
             try:

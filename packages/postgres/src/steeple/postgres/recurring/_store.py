@@ -9,6 +9,7 @@ one recorded time. Broker publication never happens inside a transaction.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import heapq
@@ -82,6 +83,23 @@ _CALL_DEADLINE = limits.CALL_DEADLINE.total_seconds()
 _POOL_DEADLINE = limits.POOL_DEADLINE.total_seconds()
 _PUBLISH_DEADLINE = limits.PUBLISH_DEADLINE.total_seconds()
 _RELEASE_DEADLINE = 1.0
+_DRIVER_ERRORS = (
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,
+)
+"""What the driver and the network raise; mapped to typed storage errors at the boundary."""
+_LINK_ERRORS = (
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,
+)
+"""Errors of a connection that is gone (as opposed to a server that answered)."""
+_ANSWERED = (RecurringError, RecurringRelayError, KeyringError, asyncpg.PostgresError)
+"""Failures after which the link may still be alive (a PostgresConnectionError is not)."""
 _MS = str(int(limits.POOL_DEADLINE / timedelta(milliseconds=1)))
 
 SERVER_SETTINGS: Mapping[str, str] = {
@@ -127,6 +145,10 @@ def _affected(status: str) -> int:
 def _short_error(exc: BaseException) -> str:
     text = str(exc).replace("\n", " ")
     return f"{type(exc).__name__}: {text[:200]}"
+
+
+class _StaleConnection(Exception):
+    """Internal: the pooled connection was dead before the transaction began."""
 
 
 @attrs.define
@@ -194,13 +216,13 @@ def _map_driver_error(exc: BaseException, what: str) -> RecurringStorageError:
 
 async def _rollback(conn: AnyConnection, transaction: Transaction) -> bool:
     """Roll back after an answered failure; return whether the connection is reusable."""
-    if conn.is_closed():
-        return False
     try:
+        if conn.is_closed():
+            return False
         async with asyncio.timeout(_RELEASE_DEADLINE):
             if conn.is_in_transaction():
                 await transaction.rollback()
-    except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+    except _DRIVER_ERRORS:
         return False
     return True
 
@@ -276,6 +298,44 @@ def _verify_binding(sealer: Sealer, config: RecurringConfig, sealed: bytes) -> N
             f"namespace {namespace!r} was initialized with a different configuration; "
             "supply the configuration it was initialized with"
         )
+
+
+async def _install(
+    conn: AnyConnection, schema: str, config: RecurringConfig, keyring: Sealer, clock: Clock
+) -> None:
+    """Create the schema (once) and the namespace (once), serialized by an advisory lock."""
+    quoted = quote_ident(schema)
+    queries = Queries.for_schema(quoted)
+    transaction = conn.transaction()
+    await transaction.start()
+    await conn.execute("SET LOCAL synchronous_commit = on")
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+        f"steeple.recurring.initialize:{schema}",
+    )
+    installed = await conn.fetchval(
+        "SELECT to_regclass($1) IS NOT NULL", f"{quoted}.recurring_schema_version"
+    )
+    if not installed:
+        await conn.execute(package_sql("schema.sql").replace("{schema}", quoted))
+    version = await conn.fetchval(queries.read_version)
+    if version != SCHEMA_VERSION:
+        raise RecurringStorageError(
+            f"schema {schema!r} holds recurring schema version {version}; "
+            f"this library uses version {SCHEMA_VERSION}"
+        )
+    row = await conn.fetchrow(queries.read_namespace + " FOR UPDATE", config.namespace)
+    if row is not None:
+        _verify_binding(keyring, config, bytes(row["binding"]))
+    else:
+        await conn.execute(
+            queries.insert_namespace,
+            config.namespace,
+            _seal_binding(keyring, config),
+            keyring.primary_key_id,
+            clock.now(),
+        )
+    await transaction.commit()
 
 
 async def grant_runtime_role(
@@ -355,8 +415,6 @@ class PostgresRecurringStore:
             check_transport(dsn)
         except DurabilityProblem as exc:
             raise _problem(exc) from None
-        quoted = quote_ident(schema)
-        queries = Queries.for_schema(quoted)
         try:
             async with asyncio.timeout(_CALL_DEADLINE):
                 conn = await asyncpg.connect(
@@ -364,45 +422,18 @@ class PostgresRecurringStore:
                 )
                 try:
                     await check_server_durability(conn)
-                    async with conn.transaction():
-                        await conn.execute("SET LOCAL synchronous_commit = on")
-                        await conn.execute(
-                            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-                            f"steeple.recurring.initialize:{schema}",
-                        )
-                        installed = await conn.fetchval(
-                            "SELECT to_regclass($1) IS NOT NULL",
-                            f"{quoted}.recurring_schema_version",
-                        )
-                        if not installed:
-                            ddl = package_sql("schema.sql").replace("{schema}", quoted)
-                            await conn.execute(ddl)
-                        version = await conn.fetchval(queries.read_version)
-                        if version != SCHEMA_VERSION:
-                            raise RecurringStorageError(
-                                f"schema {schema!r} holds recurring schema version {version}; "
-                                f"this library uses version {SCHEMA_VERSION}"
-                            )
-                        row = await conn.fetchrow(
-                            queries.read_namespace + " FOR UPDATE", config.namespace
-                        )
-                        if row is not None:
-                            _verify_binding(keyring, config, bytes(row["binding"]))
-                        else:
-                            await conn.execute(
-                                queries.insert_namespace,
-                                config.namespace,
-                                _seal_binding(keyring, config),
-                                keyring.primary_key_id,
-                                clock.now(),
-                            )
-                finally:
-                    await conn.close(timeout=_POOL_DEADLINE)
+                    await _install(conn, schema, config, keyring, clock)
+                except BaseException:
+                    # Never wait on a ROLLBACK over a link that may be dead: closing the
+                    # socket ends the server's transaction.
+                    conn.terminate()
+                    raise
+                await conn.close(timeout=_POOL_DEADLINE)
         except DurabilityProblem as exc:
             raise _problem(exc) from None
         except (RecurringError, KeyringError):
             raise
-        except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+        except _DRIVER_ERRORS as exc:
             raise _map_driver_error(exc, "initialize") from exc
         return await cls.connect(dsn, config, keyring, clock, schema=schema, random=random)
 
@@ -453,7 +484,7 @@ class PostgresRecurringStore:
                 )
         except RecurringError:
             raise
-        except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+        except _DRIVER_ERRORS as exc:
             raise _map_driver_error(exc, "connect") from exc
         store = cls(
             pool=pool,
@@ -493,7 +524,7 @@ class PostgresRecurringStore:
             raise _problem(exc) from None
         except (RecurringError, KeyringError):
             raise
-        except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+        except _DRIVER_ERRORS as exc:
             raise _map_driver_error(exc, "connect") from exc
         if row is None:
             raise RecurringNotFoundError(
@@ -545,9 +576,24 @@ class PostgresRecurringStore:
             raise RecurringStorageError(f"{what}: the store is closed")
         deadline = asyncio.get_running_loop().time() + _CALL_DEADLINE
         try:
+            return await self._attempt(what, body, deadline)
+        except _StaleConnection:
+            # A pooled connection died while idle (server restart, terminated backend);
+            # nothing was sent but BEGIN, so one more attempt on a fresh one is safe.
+            pass
+        try:
+            return await self._attempt(what, body, deadline)
+        except _StaleConnection as stale:
+            cause = stale.__cause__ or stale
+            raise _map_driver_error(cause, what) from cause
+
+    async def _attempt(
+        self, what: str, body: Callable[[_Tx], Awaitable[T]], deadline: float
+    ) -> T:
+        try:
             async with asyncio.timeout_at(deadline):
                 conn = await self._pool.acquire(timeout=_POOL_DEADLINE)
-        except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+        except _DRIVER_ERRORS as exc:
             raise _map_driver_error(exc, what) from exc
         healthy = False
         transaction = conn.transaction()
@@ -557,20 +603,23 @@ class PostgresRecurringStore:
                     result = await self._transaction(conn, transaction, body)
                 healthy = True
                 return result
-            except (RecurringError, RecurringRelayError, KeyringError, asyncpg.PostgresError):
-                # The server answered, so the link is alive: roll back over it (bounded).
-                healthy = await _rollback(conn, transaction)
+            except _ANSWERED as exc:
+                if not isinstance(exc, asyncpg.PostgresConnectionError):
+                    # The server answered, so the link is alive: roll back over it (bounded).
+                    healthy = await _rollback(conn, transaction)
                 raise
-        except (RecurringError, RecurringRelayError, KeyringError):
+        except (RecurringError, RecurringRelayError, KeyringError, _StaleConnection):
             raise
-        except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+        except _DRIVER_ERRORS as exc:
             raise _map_driver_error(exc, what) from exc
         finally:
             if not healthy:
                 # A deadline, a cancellation or a broken link: never wait for a ROLLBACK
                 # over it. Closing the socket ends the server's transaction (or, if the
-                # link is blackholed, idle_in_transaction_session_timeout does).
-                conn.terminate()
+                # link is blackholed, idle_in_transaction_session_timeout does). A link
+                # that broke by itself was already handed back to the pool by asyncpg.
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    conn.terminate()
             await self._pool.release(conn, timeout=_RELEASE_DEADLINE)
 
     async def _transaction(
@@ -578,7 +627,10 @@ class PostgresRecurringStore:
     ) -> T:
         q = self._queries
         namespace = self._config.namespace
-        await transaction.start()
+        try:
+            await transaction.start()
+        except _LINK_ERRORS as exc:
+            raise _StaleConnection() from exc
         row = await conn.fetchrow(q.lock_namespace, namespace)
         if row is None:
             raise RecurringNotFoundError(

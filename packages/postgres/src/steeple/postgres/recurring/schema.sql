@@ -63,14 +63,26 @@ CREATE TABLE IF NOT EXISTS {schema}.recurring_occurrences (
     updated_at       timestamptz NOT NULL,
     finished_at      timestamptz,
     PRIMARY KEY (namespace, id),
-    UNIQUE (namespace, definition_name, due_at),
-    FOREIGN KEY (namespace, definition_name)
-        REFERENCES {schema}.recurring_definitions (namespace, name)
+    -- A due instant of a definition is materialized at most once, ever (until purged).
+    -- No foreign key to the definitions: they are never deleted, every insert comes from
+    -- a definition read under the same control-row lock, and a per-row RI check would
+    -- triple the cost of materializing a tick.
+    UNIQUE (namespace, definition_name, due_at)
 );
 
+-- claim: publishable work in (due time, definition, id) order
 CREATE INDEX IF NOT EXISTS recurring_occurrences_claimable
-    ON {schema}.recurring_occurrences (namespace, due_at, id)
+    ON {schema}.recurring_occurrences (namespace, due_at, definition_name, id)
     WHERE state IN ('pending', 'leased', 'retry_wait');
+
+-- classification of window-expired work (claim, listing, purge, cancel, retry)
+CREATE INDEX IF NOT EXISTS recurring_occurrences_live_windows
+    ON {schema}.recurring_occurrences (namespace, window_ends_at)
+    WHERE state IN ('pending', 'leased', 'retry_wait', 'dead');
+
+-- listing pages in (due time, id) order with an exclusive cursor
+CREATE INDEX IF NOT EXISTS recurring_occurrences_listing
+    ON {schema}.recurring_occurrences (namespace, due_at, id);
 
 CREATE INDEX IF NOT EXISTS recurring_occurrences_finished
     ON {schema}.recurring_occurrences (namespace, finished_at, id)
