@@ -21,6 +21,8 @@ the proxy's mode can be switched at any time:
 - ``reset()``: abort every current connection with a TCP RST on both sides;
 - ``cut_after(n)``: one shot: after ``n`` more bytes are forwarded (either way), abort
   that connection;
+- ``cut_at_client_chunk(n)``: one shot: drop the ``n``-th client chunk from now and
+  reset its connection (``n=2``: past a transaction's BEGIN, at its first statement);
 - ``cut_after_commit(count=1, skip=0)``: one shot: when a client sends a ``COMMIT``
   (simple Query or Parse message), forward it, close the server side gracefully (so the
   server does read and run it) and abort the client side before any reply can reach
@@ -273,6 +275,13 @@ class _Link:
                 await proxy._flowing.wait()
                 if self.is_cut():
                     return
+            if upstream and proxy._cut_chunk is not None:
+                proxy._cut_chunk -= 1
+                if proxy._cut_chunk <= 0:
+                    proxy._cut_chunk = None
+                    proxy.cuts += 1
+                    self.abort()  # this chunk never reaches the server
+                    return
             if upstream:
                 self.watcher.watch_text = proxy._reply_trigger
             commit_end = self.watcher.feed(data) if upstream else None
@@ -363,7 +372,7 @@ class FaultProxy:
         port: the local port it listens on (after :meth:`start`).
         accepted: connections accepted so far.
         commits_cut: COMMITs after which a connection was cut.
-        cuts: connections cut by :meth:`cut_after`.
+        cuts: connections cut by :meth:`cut_after` or :meth:`cut_at_client_chunk`.
         replies_cut: connections cut by :meth:`cut_reply_after`.
         backend_pids: pids of every PostgreSQL backend that served a connection through
             this proxy (read from BackendKeyData), kept after the connection ends.
@@ -392,6 +401,7 @@ class FaultProxy:
         self._flowing.set()
         self._delay = 0.0
         self._eof_delay = 0.0
+        self._cut_chunk: int | None = None
         self._cut_budget: int | None = None
         self._cut_commits = 0
         self._skip_commits = 0
@@ -506,6 +516,12 @@ class FaultProxy:
         """Abort the connection that forwards the ``n``-th byte from now (one shot)."""
         self._cut_budget = n
 
+    def cut_at_client_chunk(self, n: int) -> None:
+        """Reset the connection that sends the ``n``-th client chunk from now, which is
+        dropped (one shot). ``n=2`` lets a transaction's BEGIN through and cuts it at its
+        first statement."""
+        self._cut_chunk = n
+
     def cut_after_commit(self, count: int = 1, *, skip: int = 0) -> None:
         """Let ``skip`` COMMITs through, then cut right after each of the next ``count``."""
         self._cut_commits = count
@@ -520,6 +536,7 @@ class FaultProxy:
 
     def disarm(self) -> None:
         """Forget pending one-shot cuts."""
+        self._cut_chunk = None
         self._cut_budget = None
         self._cut_commits = 0
         self._skip_commits = 0

@@ -409,6 +409,26 @@ async def test_terminated_backend_mid_claim_is_typed_then_recovers(net: Net) -> 
     await net.drain_and_check(MemoryBroker())
 
 
+async def test_pooled_connections_killed_while_idle_are_typed_then_replaced(net: Net) -> None:
+    """Backends terminated while the pool holds them idle, their close slower than their
+    FATAL message: calls fail typed (or retry onto a fresh connection), never untyped."""
+    await net.store.create(every_minute("m", 3))
+    await asyncio.gather(*(net.store.schedules() for _ in range(4)))  # fill the pool
+    net.proxy.delay_close(0.5)
+    assert await faultprobe.terminate(net.dsn, net.proxy.live_backend_pids) >= 1
+    await asyncio.sleep(0.05)  # the FATAL messages arrive; the sockets still look open
+    outcomes: list[Any] = []
+    for _ in range(6):
+        result, _ = await bounded(net.store.create(every_minute("m", 3)))
+        outcomes.append(result)
+    for result in outcomes:
+        assert isinstance(result, RecurringStorageError) or result.name == "m", repr(result)
+    assert not isinstance(outcomes[-1], BaseException), outcomes
+    net.proxy.delay_close(0)
+    assert await net.counters_match() == (1, 0)
+    await net.clean()
+
+
 async def test_reset_between_publish_and_record_republishes_with_same_key(net: Net) -> None:
     await net.store.create(every_minute("m", 1))
     await net.store.tick(10)
@@ -421,7 +441,9 @@ async def test_reset_between_publish_and_record_republishes_with_same_key(net: N
                 message, idempotency_key=idempotency_key, timeout=timeout
             )
             if self.attempts == 1:
-                proxy.cut_after(0)  # the next byte on the wire, the outcome's BEGIN, cuts
+                # the outcome's transaction gets its BEGIN through and dies at its first
+                # statement (a BEGIN that fails is retried on a fresh connection)
+                proxy.cut_at_client_chunk(2)
             return receipt
 
     broker = CuttingBroker()

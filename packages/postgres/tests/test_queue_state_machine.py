@@ -75,9 +75,19 @@ class QueueMachine(RuleBasedStateMachine):
         self.model[done.id] = ModelTask(seq=self.seq, priority=priority, due=not delayed)
         self.seq += 1
 
+    def server_time(self) -> float:
+        ((now,),) = self.run("SELECT extract(epoch FROM clock_timestamp())::double precision")
+        return float(now)
+
+    @rule(limit=st.integers(1, 3))
+    def late_claim_does_nothing(self, limit: int) -> None:
+        # delivered after its sender gave up (a held network): it must not take effect
+        rows = self.run(self.sql.claim, ["m"], limit, "w", self.server_time() - 0.001)
+        assert rows == []
+
     @rule(limit=st.integers(1, 3))
     def claim(self, limit: int) -> None:
-        rows = self.run(self.sql.claim, ["m"], limit, "w")
+        rows = self.run(self.sql.claim, ["m"], limit, "w", self.server_time() + 60)
         due = sorted(
             (t.priority * -1, t.seq, i)
             for i, t in self.model.items()

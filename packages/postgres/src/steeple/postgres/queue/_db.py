@@ -43,6 +43,9 @@ DB_ERRORS: Final = _db_errors()
 """What a broken, slow or refusing database raises through either driver."""
 
 
+_UNLISTEN_ERRORS: Final[tuple[type[BaseException], ...]] = (*DB_ERRORS, asyncio.CancelledError)
+
+
 class WorkerDb(Protocol):
     """A pool as the worker uses it."""
 
@@ -133,7 +136,7 @@ class _AsyncpgDb:
                     try:
                         async with asyncio.timeout(2.0):
                             await conn.remove_listener(channel, notified)
-                    except (*DB_ERRORS, asyncio.CancelledError):
+                    except _UNLISTEN_ERRORS:
                         # Unreachable (or we are being cancelled): never pool it again.
                         conn.terminate()
                         raise

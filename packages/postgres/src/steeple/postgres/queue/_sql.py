@@ -2,9 +2,12 @@
 
 Each statement that must be durable calls ``set_config('synchronous_commit', 'on', true)``
 inside itself: a session or role with ``synchronous_commit=off`` would otherwise lose
-acknowledged commits on a crash, and doing it in-statement costs no round trip. Every lease
-comparison uses ``clock_timestamp()``: ``now()`` is the transaction start, stale after a lock
-wait.
+acknowledged commits on a crash, and doing it in-statement costs no round trip. A lease token
+is present exactly while a task runs (a CHECK constraint), so fenced statements match on
+``id`` and ``lease_token`` alone and never mention ``state = 'running'``: with statistics
+taken while nothing ran, that predicate lures the planner onto the expired-lease index and a
+scan of every running row. Every lease comparison uses ``clock_timestamp()``: ``now()``
+is the transaction start, stale after a lock wait.
 """
 
 from __future__ import annotations
@@ -91,11 +94,14 @@ FROM ins""",
         find_duplicate=f"""
 SELECT id FROM {s}.tasks
 WHERE task_name = $1 AND dedup_key = $2 AND state IN {LIVE}""",
-        # $1 names[], $2 limit, $3 worker id
+        # $1 names[], $2 limit, $3 worker id, $4 the claimer's give-up time (epoch s, in
+        # server time): a claim delivered after its sender gave up (held by a dead or
+        # blackholed network) must not take effect, or it would strand tasks for a lease.
         claim=f"""
 WITH picked AS (
     SELECT id FROM {s}.tasks
     WHERE state = 'pending' AND run_at <= clock_timestamp() AND task_name = ANY($1::text[])
+      AND clock_timestamp() < to_timestamp($4::double precision)
     ORDER BY priority DESC, run_at, id
     LIMIT $2
     FOR NO KEY UPDATE SKIP LOCKED
@@ -114,7 +120,7 @@ RETURNING t.id, t.task_name, t.args::text, t.attempts, t.max_attempts, t.run_id,
 UPDATE {s}.tasks t
 SET lease_expires_at = clock_timestamp() + t.lease_duration
 FROM {RELAXED}, unnest($1::bigint[], $2::uuid[]) AS h(id, token)
-WHERE t.id = h.id AND t.lease_token = h.token AND t.state = 'running'
+WHERE t.id = h.id AND t.lease_token = h.token
 RETURNING t.id""",
         # $1 ids[], $2 tokens[], $3 worker id
         complete=f"""
@@ -123,7 +129,7 @@ WITH done AS (
     SET state = 'succeeded', finished_at = clock_timestamp(), updated_at = clock_timestamp(),
         lease_token = NULL, lease_expires_at = NULL
     FROM {DURABLE}, unnest($1::bigint[], $2::uuid[]) AS h(id, token)
-    WHERE t.id = h.id AND t.lease_token = h.token AND t.state = 'running'
+    WHERE t.id = h.id AND t.lease_token = h.token
     RETURNING t.id, t.attempts, t.started_at, t.finished_at
 ), history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, finished_at)
@@ -137,7 +143,7 @@ WITH done AS (
     SET state = 'pending', run_at = clock_timestamp() + $3::interval, lease_token = NULL,
         lease_expires_at = NULL, worker_id = NULL, last_error = $4, updated_at = clock_timestamp()
     FROM {DURABLE}
-    WHERE t.id = $1 AND t.lease_token = $2 AND t.state = 'running'
+    WHERE t.id = $1 AND t.lease_token = $2
     RETURNING t.id, t.attempts, t.started_at
 ), history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
@@ -151,7 +157,7 @@ WITH done AS (
     SET state = 'failed', finished_at = clock_timestamp(), lease_token = NULL,
         lease_expires_at = NULL, last_error = $3, updated_at = clock_timestamp()
     FROM {DURABLE}
-    WHERE t.id = $1 AND t.lease_token = $2 AND t.state = 'running'
+    WHERE t.id = $1 AND t.lease_token = $2
     RETURNING t.id, t.attempts, t.started_at
 ), history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
@@ -166,7 +172,7 @@ WITH done AS (
         lease_token = NULL, lease_expires_at = NULL, worker_id = NULL,
         updated_at = clock_timestamp()
     FROM {DURABLE}
-    WHERE t.id = $1 AND t.lease_token = $2 AND t.state = 'running'
+    WHERE t.id = $1 AND t.lease_token = $2
     RETURNING t.id, t.attempts, t.started_at
 ), history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at)

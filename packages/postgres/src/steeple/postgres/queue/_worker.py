@@ -35,7 +35,7 @@ from steeple.core.clock import SystemClock
 from steeple.core.entropy import SystemRandom
 from steeple.core.ports import Clock, RandomSource
 from steeple.core.tasks import TaskEvent, TaskState, retry_decision, transition
-from steeple.postgres.queue import _metrics
+from steeple.postgres.queue import _driver, _metrics
 from steeple.postgres.queue._db import DB_ERRORS, WorkerDb, check_durable, open_db
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
 from steeple.postgres.queue._sql import queue_sql
@@ -258,6 +258,7 @@ class Scheduler:
         self._closing = asyncio.Event()
         self._hard_stop = False
         self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._clock_offset = 0.0  # server clock minus local clock, measured at start
         self.stats = WorkerStats()
 
     def __repr__(self) -> str:
@@ -361,6 +362,14 @@ class Scheduler:
             await check_schema(conn, self.schema)
             if self._require_durable:
                 await check_durable(conn, self.schema, ("tasks", "attempts", "jobs"))
+            # Claims carry a give-up time in the server's clock; estimate the offset
+            # (to within a round trip) so host clock skew cannot void every claim.
+            before = time.time()
+            ((server,),) = await _driver.fetch(
+                conn, "SELECT extract(epoch FROM clock_timestamp())::double precision"
+            )
+            after = time.time()
+            self._clock_offset = float(server) - (before + after) / 2
 
         await db.with_connection(check, timeout=self._timeout)
 
@@ -415,6 +424,7 @@ class Scheduler:
                         names,
                         min(free, self._batch),
                         self.worker_id,
+                        time.time() + self._clock_offset + self._timeout,
                         timeout=self._timeout,
                     )
                     self._db_ok = True
