@@ -409,6 +409,26 @@ async def test_terminated_backend_mid_claim_is_typed_then_recovers(net: Net) -> 
     await net.drain_and_check(MemoryBroker())
 
 
+async def test_terminated_backend_mid_relay_is_typed_then_relays_once(net: Net) -> None:
+    await net.store.create(every_minute("m", 1))
+    await net.store.tick(10)
+    [lease] = await net.store.claim(1)
+    broker = MemoryBroker()
+    net.proxy.delay(0.05)  # the live-lease check takes about six round trips
+    task = asyncio.create_task(net.store.relay(lease, broker))
+    await asyncio.sleep(0.25)
+    assert await faultprobe.terminate(net.dsn, net.proxy.live_backend_pids) >= 1
+    outcome, _ = await bounded(task)
+    assert isinstance(outcome, RecurringStorageError), outcome
+    assert broker.attempts == 0  # it died before publishing
+    net.proxy.pass_through()
+    await net.clean()
+    # the lease is still live and still this worker's: the retry publishes, once
+    receipt = await net.store.relay(lease, broker)
+    assert not receipt.duplicate
+    await net.drain_and_check(broker)
+
+
 async def test_pooled_connections_killed_while_idle_are_typed_then_replaced(net: Net) -> None:
     """Backends terminated while the pool holds them idle, their close slower than their
     FATAL message: calls fail typed (or retry onto a fresh connection), never untyped."""

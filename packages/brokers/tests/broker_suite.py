@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, Self, TypeVar
 
+import asyncpg
+
+from steeple.brokers import Delivery
+from steeple.brokers.queue import decode_task_args
 from steeple.core.errors import (
     BrokerError,
     BrokerTimeoutError,
@@ -36,6 +41,7 @@ from steeple.core.errors import (
 )
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.ports import MessageBroker
+from steeple.postgres.queue import cancel
 
 
 class Harness(Protocol):
@@ -262,6 +268,97 @@ CHECKS: dict[str, Callable[[Harness], Awaitable[None]]] = {
     "reconnect_after_restart": check_reconnect_after_restart,
     "bad_arguments": check_bad_arguments,
 }
+
+
+# --- pieces the adapters' harnesses share ------------------------------------------------
+
+
+async def drain_deliveries(
+    fetch: Callable[[], Awaitable[list[Delivery]]],
+    acknowledge: Callable[[Delivery], Awaitable[bool]],
+) -> list[tuple[str, ScheduledMessage]]:
+    """Fetch until nothing comes, acknowledging each delivery; ``(key, message)`` in order."""
+    out: list[tuple[str, ScheduledMessage]] = []
+    while batch := await fetch():
+        for d in batch:
+            out.append((d.idempotency_key, d.message))
+            assert await acknowledge(d)
+    return out
+
+
+async def take_pending_tasks(dsn: str, schema: str) -> list[tuple[str, ScheduledMessage]]:
+    """A SQL consumer of the work queue: read pending tasks in order, then finish them.
+
+    ``cancel`` is the public way to end a task without a worker.
+    """
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            f'SELECT id, args::text AS args FROM "{schema}".tasks'
+            " WHERE state = 'pending' ORDER BY id"
+        )
+        out = []
+        for row in rows:
+            out.append(decode_task_args(json.loads(row["args"])))
+            await cancel(conn, row["id"], schema=schema)
+        return out
+    finally:
+        await conn.close()
+
+
+_BrokerT = TypeVar("_BrokerT")
+
+
+async def start_kept(brokers: list[Any], broker: _BrokerT) -> _BrokerT:
+    """Keep ``broker`` in ``brokers`` (closed at teardown), then start it."""
+    brokers.append(broker)
+    await broker.start()  # type: ignore[attr-defined]
+    return broker
+
+
+class ProxiedHarness:
+    """The parts of a :class:`Harness` whose broker is reached through a :class:`TcpProxy`.
+
+    Subclasses append every broker they make to ``brokers``; :meth:`close` closes them.
+    """
+
+    def __init__(self, proxy: TcpProxy) -> None:
+        self.proxy = proxy
+        self.brokers: list[Any] = []
+
+    def too_large(self) -> ScheduledMessage:
+        return message(0, size=8000)
+
+    async def stall(self) -> None:
+        self.proxy.stall()
+
+    async def heal(self) -> None:
+        self.proxy.heal()
+
+    async def restart(self, broker: Any) -> Any:
+        self.proxy.reset_all()  # a shared server must not be restarted
+        return broker
+
+    async def close(self) -> None:
+        for b in self.brokers:
+            await b.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(host: str, port: int) -> AsyncIterator[TcpProxy]:
+    """A started :class:`TcpProxy` to ``host:port``, closed on exit."""
+    proxy = TcpProxy(host, port)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.close()
 
 
 # --- a TCP proxy for real network faults --------------------------------------------------

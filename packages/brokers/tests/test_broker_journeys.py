@@ -14,7 +14,7 @@ import asyncio
 import json
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,9 +25,9 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 
-from broker_suite import lose_next_ack
+from broker_suite import drain_deliveries, lose_next_ack, start_kept, take_pending_tasks
 from steeple.brokers.nats import JetStreamBroker, JetStreamConsumer
-from steeple.brokers.queue import WorkQueueBroker, decode_task_args
+from steeple.brokers.queue import WorkQueueBroker
 from steeple.brokers.rabbitmq import (
     DedupingConsumer,
     MemorySeenStore,
@@ -46,9 +46,10 @@ from steeple.core.errors import (
 from steeple.core.messages import ScheduledMessage
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
+from steeple.core.records import OccurrenceInfo
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore, RecurringRelay
-from steeple.postgres.queue import cancel, install
+from steeple.postgres.queue import install
 
 pytestmark = [pytest.mark.postgres, pytest.mark.broker, pytest.mark.slow]
 
@@ -60,6 +61,8 @@ class Destination:
 
     name: str
     broker_dedups: bool = True
+    brokers: list[Any]
+    """Every broker ``make_broker`` built; :meth:`close` closes them."""
 
     async def make_broker(self) -> Any:
         raise NotImplementedError
@@ -71,7 +74,8 @@ class Destination:
         raise NotImplementedError
 
     async def close(self) -> None:
-        return None
+        for b in self.brokers:
+            await b.close()
 
 
 class SqliteDestination(Destination):
@@ -86,22 +90,13 @@ class SqliteDestination(Destination):
 
     async def make_broker(self) -> SqliteJournalBroker:
         b = SqliteJournalBroker(self.path, KEYRING)
-        self.brokers.append(b)
-        await b.start()
-        return b
+        return await start_kept(self.brokers, b)
 
     async def consume(self) -> list[tuple[str, ScheduledMessage]]:
         async with SqliteJournalBroker(self.path, KEYRING) as consumer:
-            out = []
-            while batch := await consumer.fetch(100):
-                for d in batch:
-                    out.append((d.idempotency_key, d.message))
-                    assert await consumer.acknowledge(d.delivery_id)
-            return out
-
-    async def close(self) -> None:
-        for b in self.brokers:
-            await b.close()
+            return await drain_deliveries(
+                lambda: consumer.fetch(100), lambda d: consumer.acknowledge(d.delivery_id)
+            )
 
 
 class NatsDestination(Destination):
@@ -118,22 +113,16 @@ class NatsDestination(Destination):
     async def make_broker(self) -> JetStreamBroker:
         b = JetStreamBroker(self.url, stream=self.stream, subject=self.subject,
                             manage_stream=True)
-        self.brokers.append(b)
-        await b.start()
-        return b
+        return await start_kept(self.brokers, b)
 
     async def consume(self) -> list[tuple[str, ScheduledMessage]]:
         async with JetStreamConsumer(self.url, stream=self.stream, durable="journey") as c:
-            out = []
-            while batch := await c.fetch(100, wait=0.5):
-                for d in batch:
-                    out.append((d.idempotency_key, d.message))
-                    assert await c.acknowledge(d.delivery_id)
-            return out
+            return await drain_deliveries(
+                lambda: c.fetch(100, wait=0.5), lambda d: c.acknowledge(d.delivery_id)
+            )
 
     async def close(self) -> None:
-        for b in self.brokers:
-            await b.close()
+        await super().close()
         nc = await nats.connect(self.url)
         try:
             await nc.jetstream().delete_stream(self.stream)
@@ -153,22 +142,16 @@ class RedisDestination(Destination):
 
     async def make_broker(self) -> RedisStreamBroker:
         b = RedisStreamBroker(self.url, stream=self.stream)
-        self.brokers.append(b)
-        await b.start()
-        return b
+        return await start_kept(self.brokers, b)
 
     async def consume(self) -> list[tuple[str, ScheduledMessage]]:
         async with RedisStreamConsumer(self.url, stream=self.stream, group="journey") as c:
-            out = []
-            while batch := await c.fetch(100):
-                for d in batch:
-                    out.append((d.idempotency_key, d.message))
-                    assert await c.acknowledge(d.delivery_id)
-            return out
+            return await drain_deliveries(
+                lambda: c.fetch(100), lambda d: c.acknowledge(d.delivery_id)
+            )
 
     async def close(self) -> None:
-        for b in self.brokers:
-            await b.close()
+        await super().close()
         client = aioredis.Redis.from_url(self.url)
         try:
             keys = [k async for k in client.scan_iter(match=f"{self.stream}*")]
@@ -192,27 +175,20 @@ class RabbitDestination(Destination):
         async with conn:
             await (await conn.channel()).declare_queue(self.queue, durable=True)
         b = RabbitMQBroker(self.url, routing_key=self.queue)
-        self.brokers.append(b)
-        await b.start()
-        return b
+        return await start_kept(self.brokers, b)
 
     async def consume(self) -> list[tuple[str, ScheduledMessage]]:
         raw = RabbitMQConsumer(self.url, queue=self.queue)
         consumer = DedupingConsumer(raw, MemorySeenStore(timedelta(days=1)))
         try:
-            out = []
-            while batch := await consumer.fetch(100):
-                for d in batch:
-                    out.append((d.idempotency_key, d.message))
-                    assert await consumer.acknowledge(d)
+            out = await drain_deliveries(lambda: consumer.fetch(100), consumer.acknowledge)
             self.dropped = consumer.dropped
             return out
         finally:
             await raw.close()
 
     async def close(self) -> None:
-        for b in self.brokers:
-            await b.close()
+        await super().close()
         conn = await aio_pika.connect(self.url)
         async with conn:
             await (await conn.channel()).queue_delete(self.queue)
@@ -238,23 +214,7 @@ class QueueDestination(Destination):
         return b
 
     async def consume(self) -> list[tuple[str, ScheduledMessage]]:
-        conn = await asyncpg.connect(self.dsn)
-        try:
-            rows = await conn.fetch(
-                f'SELECT id, args::text AS args FROM "{self.schema}".tasks'
-                " WHERE state = 'pending' ORDER BY id"
-            )
-            out = []
-            for row in rows:
-                out.append(decode_task_args(json.loads(row["args"])))
-                await cancel(conn, row["id"], schema=self.schema)
-            return out
-        finally:
-            await conn.close()
-
-    async def close(self) -> None:
-        for b in self.brokers:
-            await b.close()
+        return await take_pending_tasks(self.dsn, self.schema)
 
 
 @pytest.fixture
@@ -293,6 +253,26 @@ async def _until(predicate: Callable[[], Awaitable[bool]], within: float) -> Non
         assert loop.time() < deadline, "the journey did not finish in time"
         await asyncio.sleep(0.2)
 
+
+
+async def _relay_until_published(
+    destination: Destination, dsn: str, schema: str, config: RecurringConfig, clock: SystemClock
+) -> Sequence[OccurrenceInfo]:
+    """A new worker: fresh store and broker connections, a relay loop run until done."""
+    store = await PostgresRecurringStore.connect(dsn, config, KEYRING, clock, schema=schema)
+    broker = await destination.make_broker()
+    relay = RecurringRelay(store, broker, idle_interval=0.2)
+    try:
+
+        async def all_published() -> bool:
+            await relay.run_once()
+            page = await store.occurrences(limit=100)
+            return all(o.state == OccurrenceState.PUBLISHED for o in page.items)
+
+        await _until(all_published, within=60)
+        return (await store.occurrences(limit=100)).items
+    finally:
+        await store.close()
 
 @pytest.mark.parametrize(
     "destination", ["sqlite", "nats", "redis", "rabbitmq", "queue"], indirect=True
@@ -337,21 +317,8 @@ async def test_journey_with_a_lost_ack_and_a_worker_restart(
     finally:
         await store.close()
     # The worker "restarts": new store connection, new broker connection, new relay loop.
-    store = await PostgresRecurringStore.connect(dsn, config, KEYRING, clock, schema=schema)
-    broker = await destination.make_broker()
-    relay = RecurringRelay(store, broker, idle_interval=0.2)
-    try:
-
-        async def all_published() -> bool:
-            await relay.run_once()
-            page = await store.occurrences(limit=100)
-            return all(o.state == OccurrenceState.PUBLISHED for o in page.items)
-
-        # Abandoned leases run out after 2 s; the lost one waits out its retry backoff.
-        await _until(all_published, within=60)
-        occurrences = (await store.occurrences(limit=100)).items
-    finally:
-        await store.close()
+    # Abandoned leases run out after 2 s; the lost one waits out its retry backoff.
+    occurrences = await _relay_until_published(destination, dsn, schema, config, clock)
 
     delivered = await destination.consume()
     keys = [k for k, _ in delivered]
@@ -437,20 +404,7 @@ async def test_worker_killed_after_the_broker_accepted_then_a_new_worker_finishe
         worker.kill()  # SIGKILL: the store never learns about the publication
         await worker.wait()
 
-    store = await PostgresRecurringStore.connect(dsn, config, KEYRING, clock, schema=schema)
-    broker = await destination.make_broker()
-    relay = RecurringRelay(store, broker, idle_interval=0.2)
-    try:
-
-        async def all_published() -> bool:
-            await relay.run_once()
-            page = await store.occurrences(limit=100)
-            return all(o.state == OccurrenceState.PUBLISHED for o in page.items)
-
-        await _until(all_published, within=60)
-        occurrences = (await store.occurrences(limit=100)).items
-    finally:
-        await store.close()
+    occurrences = await _relay_until_published(destination, dsn, schema, config, clock)
     # The killed worker's occurrence was attempted twice, under the same key.
     assert max(o.attempts for o in occurrences) >= 2
     delivered = await destination.consume()

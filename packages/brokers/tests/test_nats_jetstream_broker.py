@@ -14,7 +14,18 @@ import nats.js.errors
 import pytest
 from nats.js.api import StreamConfig
 
-from broker_suite import CHECKS, TcpProxy, eventually, message, new_key, publish_retrying
+from broker_suite import (
+    CHECKS,
+    ProxiedHarness,
+    TcpProxy,
+    drain_deliveries,
+    eventually,
+    message,
+    new_key,
+    publish_retrying,
+    running_proxy,
+    start_kept,
+)
 from nats_support import PrivateNats
 from steeple.brokers.nats import JetStreamBroker, JetStreamConsumer
 from steeple.core.errors import (
@@ -44,7 +55,7 @@ async def _delete_stream(url: str, stream: str) -> None:
         await nc.close()
 
 
-class NatsHarness:
+class NatsHarness(ProxiedHarness):
     name = "nats"
     broker_dedups = True
     can_probe = True
@@ -53,12 +64,11 @@ class NatsHarness:
         self, url: str, proxy: TcpProxy, *, server: PrivateNats | None = None,
         max_message_bytes: int | None = 4096,
     ) -> None:
+        super().__init__(proxy)
         self.url = url
-        self.proxy = proxy
         self.server = server
         self.stream, self.subject = _names()
         self.max_bytes = max_message_bytes
-        self.brokers: list[JetStreamBroker] = []
         self.consumer: JetStreamConsumer | None = None
 
     async def make_broker(self) -> JetStreamBroker:
@@ -66,46 +76,31 @@ class NatsHarness:
             self.proxy.url("nats"), stream=self.stream, subject=self.subject,
             manage_stream=True, max_message_bytes=self.max_bytes,
         )
-        self.brokers.append(b)
-        await b.start()
-        return b
+        return await start_kept(self.brokers, b)
 
     async def drain(self) -> list[tuple[str, ScheduledMessage]]:
         if self.consumer is None:
             self.consumer = JetStreamConsumer(
                 self.url, stream=self.stream, durable="verify", ack_wait=timedelta(seconds=30)
             )
-        out = []
-        while batch := await self.consumer.fetch(100, wait=0.5):
-            for d in batch:
-                out.append((d.idempotency_key, d.message))
-                assert await self.consumer.acknowledge(d.delivery_id)
-        return out
-
-    def too_large(self) -> ScheduledMessage:
-        return message(0, size=8000)
-
-    async def stall(self) -> None:
-        self.proxy.stall()
-
-    async def heal(self) -> None:
-        self.proxy.heal()
+        consumer = self.consumer
+        return await drain_deliveries(
+            lambda: consumer.fetch(100, wait=0.5), lambda d: consumer.acknowledge(d.delivery_id)
+        )
 
     async def restart(self, broker: Any) -> Any:
         if self.server is None:
-            self.proxy.reset_all()  # the shared server must not be restarted
-        else:
-            self.server.kill()
-            self.server.start()
-            self.proxy.reset_all()
+            return await super().restart(broker)
+        self.server.kill()
+        self.server.start()
+        self.proxy.reset_all()
         return broker
 
     def secrets_in_config(self) -> list[str]:
         return []
 
     async def close(self) -> None:
-        for b in self.brokers:
-            await b.close()
+        await super().close()
         if self.consumer is not None:
             await self.consumer.close()
         if self.server is None or self.server.proc is not None:
@@ -114,12 +109,8 @@ class NatsHarness:
 
 @pytest.fixture
 async def proxy_to_shared(nats_url: str) -> AsyncIterator[TcpProxy]:
-    proxy = TcpProxy("127.0.0.1", 4222)
-    await proxy.start()
-    try:
+    async with running_proxy("127.0.0.1", 4222) as proxy:
         yield proxy
-    finally:
-        await proxy.close()
 
 
 @pytest.fixture
@@ -136,23 +127,16 @@ def private_nats(tmp_path: Path) -> Iterator[PrivateNats]:
 
 @pytest.fixture
 async def private_proxy(private_nats: PrivateNats) -> AsyncIterator[TcpProxy]:
-    proxy = TcpProxy("127.0.0.1", private_nats.port)
-    await proxy.start()
-    try:
+    async with running_proxy("127.0.0.1", private_nats.port) as proxy:
         yield proxy
-    finally:
-        await proxy.close()
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
 async def test_nats_conformance_on_the_shared_server(
     check: str, nats_url: str, proxy_to_shared: TcpProxy
 ) -> None:
-    h = NatsHarness(nats_url, proxy_to_shared)
-    try:
+    async with NatsHarness(nats_url, proxy_to_shared) as h:
         await CHECKS[check](h)
-    finally:
-        await h.close()
 
 
 @pytest.mark.parametrize("check", ["reconnect_after_restart", "too_large", "lost_ack"])
@@ -161,11 +145,10 @@ async def test_nats_conformance_on_a_private_server(
 ) -> None:
     # No adapter-side limit: "too large" is the server's own max_payload (4096 here), and
     # "restart" is a real SIGKILL and restart of the server process.
-    h = NatsHarness(private_nats.url, private_proxy, server=private_nats, max_message_bytes=None)
-    try:
+    async with NatsHarness(
+        private_nats.url, private_proxy, server=private_nats, max_message_bytes=None
+    ) as h:
         await CHECKS[check](h)
-    finally:
-        await h.close()
 
 
 async def test_server_killed_between_publish_and_puback_then_republish_is_a_duplicate(

@@ -7,14 +7,23 @@ import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import aio_pika
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_suite import CHECKS, TcpProxy, message, new_key, publish_retrying
+from broker_suite import (
+    CHECKS,
+    ProxiedHarness,
+    TcpProxy,
+    drain_deliveries,
+    message,
+    new_key,
+    publish_retrying,
+    running_proxy,
+    start_kept,
+)
 from steeple.brokers import Delivery
 from steeple.brokers.rabbitmq import (
     DedupingConsumer,
@@ -35,16 +44,15 @@ from steeple.core.messages import ScheduledMessage
 pytestmark = pytest.mark.broker
 
 
-class RabbitHarness:
+class RabbitHarness(ProxiedHarness):
     name = "rabbitmq"
     broker_dedups = False  # RabbitMQ cannot: the consumer deduplicates (DedupingConsumer)
     can_probe = False
 
     def __init__(self, url: str, proxy: TcpProxy) -> None:
+        super().__init__(proxy)
         self.url = url
-        self.proxy = proxy
         self.queue = f"steeple-test-{uuid.uuid4().hex[:12]}"
-        self.brokers: list[RabbitMQBroker] = []
         self.consumer = RabbitMQConsumer(url, queue=self.queue)
         self.deduping = DedupingConsumer(self.consumer, MemorySeenStore(timedelta(days=1)))
 
@@ -59,39 +67,21 @@ class RabbitHarness:
             self.proxy.url("amqp", "guest:guest@", "/"), routing_key=self.queue,
             max_message_bytes=4096,
         )
-        self.brokers.append(b)
-        await b.start()
-        return b
+        return await start_kept(self.brokers, b)
 
     async def drain(self) -> list[tuple[str, ScheduledMessage]]:
-        out = []
-        while batch := await self.deduping.fetch(100):
-            for d in batch:
-                out.append((d.idempotency_key, d.message))
-                assert await self.deduping.acknowledge(d)
+        out = await drain_deliveries(
+            lambda: self.deduping.fetch(100), self.deduping.acknowledge
+        )
         # Copies dropped by the consumer-side dedup were acknowledged too.
         assert await self.consumer.fetch(1) == []
         return out
-
-    def too_large(self) -> ScheduledMessage:
-        return message(0, size=8000)
-
-    async def stall(self) -> None:
-        self.proxy.stall()
-
-    async def heal(self) -> None:
-        self.proxy.heal()
-
-    async def restart(self, broker: Any) -> Any:
-        self.proxy.reset_all()  # the shared RabbitMQ must not be restarted
-        return broker
 
     def secrets_in_config(self) -> list[str]:
         return ["guest:guest"]
 
     async def close(self) -> None:
-        for b in self.brokers:
-            await b.close()
+        await super().close()
         await self.consumer.close()
         conn = await aio_pika.connect(self.url)
         async with conn:
@@ -101,15 +91,9 @@ class RabbitHarness:
 
 @pytest.fixture
 async def harness(amqp_url: str) -> AsyncIterator[RabbitHarness]:
-    proxy = TcpProxy("127.0.0.1", 5672)
-    await proxy.start()
-    h = RabbitHarness(amqp_url, proxy)
-    await h.setup()
-    try:
+    async with running_proxy("127.0.0.1", 5672) as proxy, RabbitHarness(amqp_url, proxy) as h:
+        await h.setup()
         yield h
-    finally:
-        await h.close()
-        await proxy.close()
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))

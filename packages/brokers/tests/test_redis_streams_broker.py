@@ -12,7 +12,16 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from broker_suite import CHECKS, TcpProxy, message, new_key
+from broker_suite import (
+    CHECKS,
+    ProxiedHarness,
+    TcpProxy,
+    drain_deliveries,
+    message,
+    new_key,
+    running_proxy,
+    start_kept,
+)
 from steeple.brokers.redis import RedisStreamBroker, RedisStreamConsumer
 from steeple.core.errors import (
     BrokerConfigurationError,
@@ -34,16 +43,15 @@ async def _cleanup(url: str, stream: str) -> None:
         await client.aclose()
 
 
-class RedisHarness:
+class RedisHarness(ProxiedHarness):
     name = "redis"
     broker_dedups = True
     can_probe = True
 
     def __init__(self, url: str, proxy: TcpProxy) -> None:
+        super().__init__(proxy)
         self.url = url
-        self.proxy = proxy
         self.stream = f"steeple-test:{uuid.uuid4().hex[:12]}"
-        self.brokers: list[RedisStreamBroker] = []
         self.consumer: RedisStreamConsumer | None = None
 
     async def make_broker(self) -> RedisStreamBroker:
@@ -51,39 +59,21 @@ class RedisHarness:
             self.proxy.url("redis", "default:s3cr3t-pw@", "/0"),
             stream=self.stream, max_message_bytes=4096,
         )
-        self.brokers.append(b)
-        await b.start()
-        return b
+        return await start_kept(self.brokers, b)
 
     async def drain(self) -> list[tuple[str, ScheduledMessage]]:
         if self.consumer is None:
             self.consumer = RedisStreamConsumer(self.url, stream=self.stream, group="verify")
-        out = []
-        while batch := await self.consumer.fetch(100):
-            for d in batch:
-                out.append((d.idempotency_key, d.message))
-                assert await self.consumer.acknowledge(d.delivery_id)
-        return out
-
-    def too_large(self) -> ScheduledMessage:
-        return message(0, size=8000)
-
-    async def stall(self) -> None:
-        self.proxy.stall()
-
-    async def heal(self) -> None:
-        self.proxy.heal()
-
-    async def restart(self, broker: Any) -> Any:
-        self.proxy.reset_all()  # the shared Redis must not be restarted
-        return broker
+        consumer = self.consumer
+        return await drain_deliveries(
+            lambda: consumer.fetch(100), lambda d: consumer.acknowledge(d.delivery_id)
+        )
 
     def secrets_in_config(self) -> list[str]:
         return ["s3cr3t-pw"]
 
     async def close(self) -> None:
-        for b in self.brokers:
-            await b.close()
+        await super().close()
         if self.consumer is not None:
             await self.consumer.close()
         await _cleanup(self.url, self.stream)
@@ -96,21 +86,14 @@ def _text(reply: dict[Any, Any], name: str) -> str:
 
 @pytest.fixture
 async def proxy(redis_url: str) -> AsyncIterator[TcpProxy]:
-    p = TcpProxy("127.0.0.1", 6379)
-    await p.start()
-    try:
+    async with running_proxy("127.0.0.1", 6379) as p:
         yield p
-    finally:
-        await p.close()
 
 
 @pytest.fixture
 async def harness(redis_url: str, proxy: TcpProxy) -> AsyncIterator[RedisHarness]:
-    h = RedisHarness(redis_url, proxy)
-    try:
+    async with RedisHarness(redis_url, proxy) as h:
         yield h
-    finally:
-        await h.close()
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from broker_suite import CHECKS, message, new_key
+from broker_suite import CHECKS, drain_deliveries, message, new_key
 from steeple.brokers import Delivery
 from steeple.brokers.sqlite import SqliteJournalBroker
 from steeple.core.errors import (
@@ -70,12 +70,9 @@ class SqliteHarness:
 
     async def drain(self) -> list[tuple[str, ScheduledMessage]]:
         consumer = self.brokers[-1] if self.brokers else await self.make_broker()
-        out: list[tuple[str, ScheduledMessage]] = []
-        while batch := await consumer.fetch(100):
-            for d in batch:
-                out.append((d.idempotency_key, d.message))
-                assert await consumer.acknowledge(d.delivery_id)
-        return out
+        return await drain_deliveries(
+            lambda: consumer.fetch(100), lambda d: consumer.acknowledge(d.delivery_id)
+        )
 
     def too_large(self) -> ScheduledMessage:
         return message(0, size=8000)

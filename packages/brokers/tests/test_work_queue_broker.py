@@ -11,7 +11,16 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
-from broker_suite import CHECKS, TcpProxy, lose_next_ack, message, new_key
+from broker_suite import (
+    CHECKS,
+    ProxiedHarness,
+    TcpProxy,
+    lose_next_ack,
+    message,
+    new_key,
+    running_proxy,
+    take_pending_tasks,
+)
 from steeple.brokers.queue import WorkQueueBroker, decode_task_args
 from steeple.core.errors import (
     BrokerConfigurationError,
@@ -19,7 +28,7 @@ from steeple.core.errors import (
     RelayAcknowledgementError,
 )
 from steeple.core.messages import ScheduledMessage
-from steeple.postgres.queue import JobContext, Scheduler, Task, cancel, install
+from steeple.postgres.queue import JobContext, Scheduler, Task, install
 
 pytestmark = pytest.mark.postgres
 
@@ -30,16 +39,15 @@ def _via(dsn: str, port: int) -> str:
     return f"{parts.scheme}://{user}127.0.0.1:{port}{parts.path}"
 
 
-class QueueHarness:
+class QueueHarness(ProxiedHarness):
     name = "queue"
     broker_dedups = True
     can_probe = True
 
     def __init__(self, dsn: str, schema: str, proxy: TcpProxy) -> None:
+        super().__init__(proxy)
         self.dsn = dsn
         self.schema = schema
-        self.proxy = proxy
-        self.brokers: list[WorkQueueBroker] = []
 
     async def make_broker(self) -> WorkQueueBroker:
         b = WorkQueueBroker(
@@ -50,43 +58,12 @@ class QueueHarness:
         return b
 
     async def drain(self) -> list[tuple[str, ScheduledMessage]]:
-        # A SQL consumer: read pending tasks in order, then finish them (cancel is the
-        # public way to end a task without a worker; a Scheduler runs in its own test).
-        conn = await asyncpg.connect(self.dsn)
-        try:
-            rows = await conn.fetch(
-                f'SELECT id, args::text AS args FROM "{self.schema}".tasks'
-                " WHERE state = 'pending' ORDER BY id"
-            )
-            out = []
-            for row in rows:
-                import json
-
-                out.append(decode_task_args(json.loads(row["args"])))
-                await cancel(conn, row["id"], schema=self.schema)
-            return out
-        finally:
-            await conn.close()
-
-    def too_large(self) -> ScheduledMessage:
-        return message(0, size=8000)
-
-    async def stall(self) -> None:
-        self.proxy.stall()
-
-    async def heal(self) -> None:
-        self.proxy.heal()
-
-    async def restart(self, broker: Any) -> Any:
-        self.proxy.reset_all()
-        return broker
+        # A Scheduler consumes in its own test.
+        return await take_pending_tasks(self.dsn, self.schema)
 
     def secrets_in_config(self) -> list[str]:
         return []
 
-    async def close(self) -> None:
-        for b in self.brokers:
-            await b.close()
 
 
 @pytest.fixture
@@ -105,14 +82,9 @@ async def queue_schema(pg_schema: tuple[str, str]) -> tuple[str, str]:
 async def harness(queue_schema: tuple[str, str]) -> AsyncIterator[QueueHarness]:
     dsn, schema = queue_schema
     parts = urlsplit(dsn)
-    proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
-    await proxy.start()
-    h = QueueHarness(dsn, schema, proxy)
-    try:
+    host, port = parts.hostname or "127.0.0.1", parts.port or 5432
+    async with running_proxy(host, port) as proxy, QueueHarness(dsn, schema, proxy) as h:
         yield h
-    finally:
-        await h.close()
-        await proxy.close()
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))

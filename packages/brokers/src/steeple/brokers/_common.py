@@ -11,7 +11,8 @@ import json
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import attrs
@@ -34,6 +35,7 @@ __all__ = [
     "HEADER_KEY",
     "HEADER_TOPIC",
     "HEADER_TYPE",
+    "AsyncLifecycle",
     "Delivery",
     "check_dedup_window",
     "check_key",
@@ -208,6 +210,37 @@ def header_map(message: ScheduledMessage, key: str) -> Mapping[str, str]:
     if message.headers:
         out[HEADER_HEADERS] = encode_headers(message)
     return out
+
+
+class _Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+class _Startable(_Closable, Protocol):
+    async def start(self) -> None: ...
+
+
+_StartableT = TypeVar("_StartableT", bound=_Startable)
+
+
+class AsyncLifecycle:
+    """Mixin: ``async with obj`` awaits ``obj.start()`` on entry and ``obj.close()`` on exit.
+
+    The class provides ``start`` and ``close`` itself; one that has nothing to start
+    overrides ``__aenter__``.
+    """
+
+    async def __aenter__(self: _StartableT) -> _StartableT:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self: _Closable,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
 
 
 class AckUncertainError(Exception):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import timedelta
-from types import TracebackType
 from typing import Any
 
 import nats
@@ -32,6 +31,7 @@ from steeple.brokers._common import (
     HEADER_TOPIC,
     HEADER_TYPE,
     AckUncertainError,
+    AsyncLifecycle,
     Delivery,
     check_dedup_window,
     check_key,
@@ -106,7 +106,7 @@ async def _connect(url: str, timeout: float, name: str) -> NatsClient:
         ) from None
 
 
-class JetStreamBroker:
+class JetStreamBroker(AsyncLifecycle):
     """Publishes into a JetStream stream with ``Nats-Msg-Id`` deduplication.
 
     Args:
@@ -268,18 +268,6 @@ class JetStreamBroker:
         except (nats.errors.TimeoutError, TimeoutError):
             raise BrokerTimeoutError(f"nats: {what} timed out") from None
 
-    async def __aenter__(self) -> JetStreamBroker:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     async def close(self) -> None:
         """Close the connection. Idempotent."""
         self._closed = True
@@ -388,7 +376,7 @@ class JetStreamBroker:
         return BrokerReceipt("nats", key, duplicate=True, location=f"{self._stream}:{raw.seq}")
 
 
-class JetStreamConsumer:
+class JetStreamConsumer(AsyncLifecycle):
     """A durable pull consumer on a stream, for verification and simple workers.
 
     Args:
@@ -450,13 +438,6 @@ class JetStreamConsumer:
                 f"nats: cannot bind consumer {self._durable!r}: {type(exc).__name__}"
             ) from None
         self._nc = nc
-
-    async def __aenter__(self) -> JetStreamConsumer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Close the connection (the durable consumer stays on the server)."""

@@ -20,13 +20,13 @@ import base64
 import re
 from collections.abc import Callable
 from datetime import timedelta
-from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import asyncpg
 
 from steeple.brokers._common import (
     AckUncertainError,
+    AsyncLifecycle,
     check_dedup_window,
     check_key,
     check_size,
@@ -78,7 +78,7 @@ def decode_task_args(args: Any) -> tuple[str, ScheduledMessage]:
         raise ConfigurationError(f"not a relayed message: {type(exc).__name__}") from None
 
 
-class WorkQueueBroker:
+class WorkQueueBroker(AsyncLifecycle):
     """Publishes each message as one task of steeple's work queue, deduplicated by key.
 
     Args:
@@ -138,16 +138,9 @@ class WorkQueueBroker:
     def __repr__(self) -> str:
         return f"WorkQueueBroker(dsn={redact_url(self._dsn)!r}, schema={self._schema!r})"
 
-    async def __aenter__(self) -> WorkQueueBroker:
+    async def __aenter__(self) -> Self:
+        # Nothing to open ahead: each publication connects on its own.
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Refuse further publications and close any connection still open."""

@@ -27,7 +27,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Protocol
 
 import aio_pika
@@ -40,6 +39,7 @@ from steeple.brokers._common import (
     HEADER_TOPIC,
     HEADER_TYPE,
     AckUncertainError,
+    AsyncLifecycle,
     Delivery,
     check_key,
     check_size,
@@ -101,7 +101,7 @@ async def _close_quietly(connection: Any, grace: float = _CLOSE_GRACE) -> None:
             await connection.close()
 
 
-class RabbitMQBroker:
+class RabbitMQBroker(AsyncLifecycle):
     """Publishes persistent, mandatory messages with publisher confirms.
 
     Args:
@@ -213,18 +213,6 @@ class RabbitMQBroker:
         for connection in stale:
             await _close_quietly(connection, grace=_STALE_GRACE)
 
-    async def __aenter__(self) -> RabbitMQBroker:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     async def close(self) -> None:
         """Close the connection. Idempotent."""
         self._closed = True
@@ -319,7 +307,7 @@ class RabbitMQBroker:
         )
 
 
-class RabbitMQConsumer:
+class RabbitMQConsumer(AsyncLifecycle):
     """Reads a queue with explicit acknowledgements (``basic.get``).
 
     Unacknowledged messages go back to the queue when this consumer's channel closes
@@ -364,13 +352,6 @@ class RabbitMQConsumer:
                 f"rabbitmq: queue {self._queue_name!r} does not exist"
             ) from None
         self._connection = connection
-
-    async def __aenter__(self) -> RabbitMQConsumer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Close the connection; unacknowledged messages return to the queue."""

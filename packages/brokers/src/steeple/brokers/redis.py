@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from types import TracebackType
 from typing import Any
 
 import attrs
@@ -28,6 +27,7 @@ import redis.exceptions as rexc
 
 from steeple.brokers._common import (
     AckUncertainError,
+    AsyncLifecycle,
     Delivery,
     check_dedup_window,
     check_key,
@@ -104,7 +104,7 @@ def _map_response_error(exc: rexc.ResponseError) -> BrokerError:
     return BrokerRejectedError(f"redis: the server refused the publication: {text[:200]}")
 
 
-class RedisStreamBroker:
+class RedisStreamBroker(AsyncLifecycle):
     """Publishes into a Redis stream with an atomic dedup marker per idempotency key.
 
     Args:
@@ -281,18 +281,6 @@ class RedisStreamBroker:
         self._report = report
         return report
 
-    async def __aenter__(self) -> RedisStreamBroker:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     async def close(self) -> None:
         """Close every connection. Idempotent."""
         self._closed = True
@@ -375,7 +363,7 @@ class RedisStreamBroker:
         return BrokerReceipt("redis", key, duplicate=True, location=text)
 
 
-class RedisStreamConsumer:
+class RedisStreamConsumer(AsyncLifecycle):
     """A consumer-group reader (``XREADGROUP``/``XACK``, ``XAUTOCLAIM`` for redelivery).
 
     Args:
@@ -433,13 +421,6 @@ class RedisStreamConsumer:
             await client.aclose()
             raise BrokerUnavailableError(f"redis: {type(exc).__name__}") from None
         self._client = client
-
-    async def __aenter__(self) -> RedisStreamConsumer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Close the connection."""

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from types import TracebackType
 from typing import TypeVar
 
 from steeple.brokers._common import (
+    AsyncLifecycle,
     Delivery,
     check_dedup_window,
     check_key,
@@ -99,7 +99,7 @@ def _map_sqlite_error(exc: sqlite3.Error, what: str) -> BrokerError:
     return BrokerUnavailableError(f"sqlite journal: {what} failed: {exc}")
 
 
-class SqliteJournalBroker:
+class SqliteJournalBroker(AsyncLifecycle):
     """A durable, deduplicating message journal in one SQLite file; also its consumer.
 
     Args:
@@ -188,18 +188,6 @@ class SqliteJournalBroker:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="steeple-j")
         await self._run(self._open_sync)
-
-    async def __aenter__(self) -> SqliteJournalBroker:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Close the connection and its thread. Idempotent."""

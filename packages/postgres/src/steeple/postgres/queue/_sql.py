@@ -95,26 +95,9 @@ FROM ins""",
 SELECT id FROM {s}.tasks
 WHERE task_name = $1 AND dedup_key = $2 AND state IN {LIVE}""",
         # $1 names[], $2 limit, $3 worker id, $4 the claimer's give-up time (epoch s, in
-        # server time): a claim delivered after its sender gave up (held by a dead or
-        # blackholed network) must not take effect, or it would strand tasks for a lease.
-        claim=f"""
-WITH picked AS (
-    SELECT id FROM {s}.tasks
-    WHERE state = 'pending' AND run_at <= clock_timestamp() AND task_name = ANY($1::text[])
-      AND clock_timestamp() < to_timestamp($4::double precision)
-    ORDER BY priority DESC, run_at, id
-    LIMIT $2
-    FOR NO KEY UPDATE SKIP LOCKED
-)
-UPDATE {s}.tasks t
-SET state = 'running', attempts = t.attempts + 1, lease_token = gen_random_uuid(),
-    lease_expires_at = clock_timestamp() + t.lease_duration, worker_id = $3,
-    started_at = clock_timestamp(), updated_at = clock_timestamp()
-FROM picked, {RELAXED}
-WHERE t.id = picked.id
-RETURNING t.id, t.task_name, t.args::text, t.attempts, t.max_attempts, t.run_id, t.lease_token,
-          t.lease_duration, t.backoff_initial_us, t.backoff_maximum_us, t.backoff_factor,
-          t.backoff_jitter, t.run_at, t.started_at, t.scheduled_for""",
+        # server time). The statement lives in a function (migration 0002) that pins the
+        # planner to the ordered claim index and ignores claims delivered too late.
+        claim=f"SELECT * FROM {s}.claim($1::text[], $2::integer, $3::text, $4::double precision)",
         # $1 ids[], $2 tokens[]
         renew=f"""
 UPDATE {s}.tasks t
