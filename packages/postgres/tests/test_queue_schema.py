@@ -28,7 +28,10 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
         assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
         await check_schema(conn, schema)
         rows = await conn.fetch(f'SELECT version, name FROM "{schema}".schema_migrations')
-        assert [(r["version"], r["name"]) for r in rows] == [(1, "0001_create_queue_tables")]
+        assert [(r["version"], r["name"]) for r in rows] == [
+            (1, "0001_create_queue_tables"),
+            (2, "0002_claim_function"),
+        ]
         tables = {
             r["tablename"]
             for r in await conn.fetch(
@@ -73,7 +76,7 @@ async def test_concurrent_installs_apply_once(pg_schema: tuple[str, str]) -> Non
         results = await asyncio.gather(*(install(c, schema=schema) for c in conns))
         assert results == [LIBRARY_SCHEMA_VERSION] * 6
         count = await conns[0].fetchval(f'SELECT count(*) FROM "{schema}".schema_migrations')
-        assert count == 1
+        assert count == LIBRARY_SCHEMA_VERSION
     finally:
         for c in conns:
             await c.close()
@@ -120,20 +123,22 @@ async def test_mismatched_versions_raise_typed_errors(pg_schema: tuple[str, str]
         await conn.close()
 
 
-async def test_older_database_is_reported_as_older(pg_schema: tuple[str, str]) -> None:
+async def test_an_older_database_is_reported_and_install_migrates_it_forward(
+    pg_schema: tuple[str, str],
+) -> None:
     dsn, schema = pg_schema
     conn = await asyncpg.connect(dsn)
     try:
         await install(conn, schema=schema)
-        from steeple.postgres.queue import _schema
-
-        old = _schema.LIBRARY_SCHEMA_VERSION
-        try:
-            _schema.LIBRARY_SCHEMA_VERSION = old + 1  # type: ignore[misc]
-            with pytest.raises(SchemaVersionMismatchError, match="older"):
-                await _schema.check_schema(conn, schema)
-        finally:
-            _schema.LIBRARY_SCHEMA_VERSION = old  # type: ignore[misc]
+        # make it a version-1 database: the claim function (migration 2) is not there yet
+        await conn.execute(f'DROP FUNCTION "{schema}".claim')
+        await conn.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version = 2')
+        with pytest.raises(SchemaVersionMismatchError, match="older") as err:
+            await check_schema(conn, schema)
+        assert err.value.database_version == 1
+        assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
+        await check_schema(conn, schema)
+        assert await conn.fetchval("SELECT to_regproc($1) IS NOT NULL", f'"{schema}".claim')
     finally:
         await conn.close()
 

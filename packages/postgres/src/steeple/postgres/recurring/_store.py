@@ -108,6 +108,13 @@ SERVER_SETTINGS: Mapping[str, str] = {
     # A worker frozen inside a transaction (SIGSTOP, a blocked loop) must not hold the
     # namespace's control row forever: the server ends such a session.
     "idle_in_transaction_session_timeout": str(3 * int(_MS)),
+    # A client that goes silent mid-statement (Parse/Flush sent, nothing more) leaves the
+    # backend "active", so neither timeout above fires; only TCP notices, after ~2 h by
+    # default. Keepalives and a user timeout bound that to well under a minute.
+    "tcp_keepalives_idle": "10",
+    "tcp_keepalives_interval": "5",
+    "tcp_keepalives_count": "3",
+    "tcp_user_timeout": "30000",
     "application_name": "steeple-recurring",
 }
 """Session settings of every connection the store opens (5 s statement and lock waits)."""
