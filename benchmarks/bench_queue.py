@@ -315,23 +315,11 @@ DECLARE
     tokens uuid[];
 BEGIN
     LOOP
-        -- the same durability as steeple: claims commit asynchronously, completions durably
-        SET LOCAL synchronous_commit = off;
-        WITH picked AS (
-            SELECT id FROM {s}.tasks
-            WHERE state = 'pending' AND run_at <= clock_timestamp() AND task_name = 'noop'
-            ORDER BY priority DESC, run_at, id
-            LIMIT batch
-            FOR NO KEY UPDATE SKIP LOCKED
-        ), upd AS (
-            UPDATE {s}.tasks t
-            SET state = 'running', attempts = t.attempts + 1, lease_token = gen_random_uuid(),
-                lease_expires_at = clock_timestamp() + t.lease_duration, worker_id = 'sql',
-                started_at = clock_timestamp(), updated_at = clock_timestamp()
-            FROM picked WHERE t.id = picked.id
-            RETURNING t.id, t.lease_token
-        )
-        SELECT array_agg(id), array_agg(lease_token) INTO claimed, tokens FROM upd;
+        -- steeple's own claim function (it commits the claim asynchronously, as steeple's
+        -- worker does); the completion below commits durably
+        SELECT array_agg(c.id), array_agg(c.lease_token) INTO claimed, tokens
+        FROM {s}.claim(ARRAY['noop'], batch, 'sql',
+                       extract(epoch FROM clock_timestamp())::double precision + 60) AS c;
         EXIT WHEN claimed IS NULL;
         COMMIT;
         SET LOCAL synchronous_commit = on;
@@ -340,7 +328,7 @@ BEGIN
             SET state = 'succeeded', finished_at = clock_timestamp(),
                 updated_at = clock_timestamp(), lease_token = NULL, lease_expires_at = NULL
             FROM unnest(claimed, tokens) AS h(id, token)
-            WHERE t.id = h.id AND t.lease_token = h.token AND t.state = 'running'
+            WHERE t.id = h.id AND t.lease_token = h.token
             RETURNING t.id, t.attempts, t.started_at, t.finished_at
         )
         INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, finished_at)
@@ -390,14 +378,11 @@ async def bench_limit(dsn: str, n: int, samples: int) -> Result:
         wake = asyncio.Event()
         await listener.add_listener(channel, lambda *_: wake.set())
         started: asyncio.Queue[float] = asyncio.Queue()
-        claim = f"""
-            WITH picked AS (SELECT id FROM {s}.tasks WHERE state = 'pending'
-                ORDER BY priority DESC, run_at, id LIMIT 10 FOR NO KEY UPDATE SKIP LOCKED)
-            UPDATE {s}.tasks t SET state = 'running', lease_token = gen_random_uuid(),
-                lease_expires_at = clock_timestamp() + t.lease_duration
-            FROM picked WHERE t.id = picked.id RETURNING t.id"""
+        claim = (
+            f"SELECT id FROM {s}.claim(ARRAY['noop'], 10, 'sql', "
+            "extract(epoch FROM clock_timestamp())::double precision + 60)"
+        )
         worker_conn = await asyncpg.connect(dsn)
-        await worker_conn.execute("SET synchronous_commit = off")  # claims, as steeple's
         stop = asyncio.Event()
 
         async def loop() -> None:

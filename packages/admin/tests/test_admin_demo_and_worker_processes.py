@@ -36,6 +36,28 @@ def _summary(stdout: str) -> dict[str, int]:
     return {k: int(v.rstrip("s").split(".")[0]) for k, v in values.items()}
 
 
+async def _spawn(args: list[str], env: dict[str, str], cwd: Path) -> asyncio.subprocess.Process:
+    """Start ``steeple ARGS`` with its output piped."""
+    return await asyncio.create_subprocess_exec(
+        *STEEPLE, *args, env=env, cwd=cwd,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def _stop(proc: asyncio.subprocess.Process, sig: int = signal.SIGTERM) -> tuple[bytes, bytes]:
+    """Send ``sig`` and collect the output of a process that must exit within 30 s."""
+    proc.send_signal(sig)
+    async with asyncio.timeout(30):
+        return await proc.communicate()
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """Kill a process a failed test left running."""
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
 async def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> Any:
     return await asyncio.to_thread(
         subprocess.run, [*STEEPLE, *args], env=env, cwd=cwd, capture_output=True, text=True,
@@ -89,10 +111,9 @@ async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path,
 
     # --fresh with a server drops the demo's own schemas and data directory, then starts
     # over; SIGTERM (like the first Ctrl-C) ends the run early with its summary, exit 0.
-    third = await asyncio.create_subprocess_exec(
-        *STEEPLE, *args[:-4], "--duration", "50", "--fresh",
-        "--data-dir", str(tmp_path / "demo"), env=_env(), cwd=tmp_path,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    third = await _spawn(
+        [*args[:-4], "--duration", "50", "--fresh", "--data-dir", str(tmp_path / "demo")],
+        _env(), tmp_path,
     )
     try:
         assert third.stdout is not None
@@ -100,13 +121,9 @@ async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path,
             while b"created recurring publications" not in await third.stdout.readline():
                 pass
         await asyncio.sleep(2)
-        third.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(30):
-            rest, _ = await third.communicate()
+        rest, _ = await _stop(third)
     finally:
-        if third.returncode is None:
-            third.kill()
-            await third.wait()
+        await _reap(third)
     assert third.returncode == 0
     early = _summary(rest.decode())
     assert early["elapsed"] < 20
@@ -202,10 +219,7 @@ async def test_worker_runs_tasks_and_relay_and_stops_on_sigterm(
     (tmp_path / "myworker.py").write_text(textwrap.dedent(WORKER_APP))
     env = _env(STEEPLE_KEYS=f"k1:{key.to_base64()}", STEEPLE_DATABASE_URL=dsn,
                STEEPLE_SCHEMA=schema, STEEPLE_QUEUE_SCHEMA=schema)
-    proc = await asyncio.create_subprocess_exec(
-        *STEEPLE, "worker", "--app", "myworker:make", env=env, cwd=tmp_path,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await _spawn(["worker", "--app", "myworker:make"], env, tmp_path)
     done = tmp_path / "done.txt"
     try:
         deadline = time.monotonic() + 30
@@ -215,13 +229,9 @@ async def test_worker_runs_tasks_and_relay_and_stops_on_sigterm(
             ) >= 3:
                 break
             await asyncio.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(30):
-            _, raw_stderr = await proc.communicate()
+        _, raw_stderr = await _stop(proc)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _reap(proc)
     stderr = raw_stderr.decode()
     assert sorted(done.read_text().split()) == ["0", "1", "2", "3", "4"]
     assert proc.returncode == 0, stderr
@@ -275,10 +285,7 @@ async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Pa
     token = "serve-token-0123456789"
     env = {**seeded.env(), "STEEPLE_ADMIN_TOKEN": token,
            "STEEPLE_ADMIN_CSRF_TOKEN": "csrf-token-0123456789"}
-    proc = await asyncio.create_subprocess_exec(
-        *STEEPLE, "admin", "serve", "--port", str(port), env=env, cwd=tmp_path,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await _spawn(["admin", "serve", "--port", str(port)], env, tmp_path)
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=5) as http:
@@ -301,9 +308,7 @@ async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Pa
                 "/api/ops/tasks/cancel", json={"task_id": seeded.task_ids[1]}, headers=bearer,
             )
     finally:
-        proc.send_signal(signal.SIGINT)
-        async with asyncio.timeout(30):
-            await proc.communicate()
+        await _stop(proc, signal.SIGINT)
     assert anonymous.status_code == 401
     assert page.status_code == 200
     assert page.text.count('class="row schedule"') == 2

@@ -28,10 +28,8 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
         assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
         await check_schema(conn, schema)
         rows = await conn.fetch(f'SELECT version, name FROM "{schema}".schema_migrations')
-        assert [(r["version"], r["name"]) for r in rows] == [
-            (1, "0001_create_queue_tables"),
-            (2, "0002_claim_function"),
-        ]
+        assert [(r["version"], r["name"]) for r in rows] == [(1, "0001_create_queue_tables")]
+        assert await conn.fetchval("SELECT to_regproc($1) IS NOT NULL", f'"{schema}".claim')
         tables = {
             r["tablename"]
             for r in await conn.fetch(
@@ -124,21 +122,33 @@ async def test_mismatched_versions_raise_typed_errors(pg_schema: tuple[str, str]
 
 
 async def test_an_older_database_is_reported_and_install_migrates_it_forward(
-    pg_schema: tuple[str, str],
+    pg_schema: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from steeple.postgres.queue import _schema
+
     dsn, schema = pg_schema
     conn = await asyncpg.connect(dsn)
     try:
         await install(conn, schema=schema)
-        # make it a version-1 database: the claim function (migration 2) is not there yet
-        await conn.execute(f'DROP FUNCTION "{schema}".claim')
-        await conn.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version = 2')
+        # A library one version ahead, shipping a second (forward-only) migration.
+        migrations = (*_schema._MIGRATIONS, (2, "0002_test_only"))
+        monkeypatch.setattr(_schema, "_MIGRATIONS", migrations)
+        monkeypatch.setattr(_schema, "LIBRARY_SCHEMA_VERSION", 2)
+        monkeypatch.setattr(
+            _schema,
+            "_migration_sql",
+            lambda name, quoted: f"CREATE TABLE {quoted}.added_by_v2 (x int)",
+        )
         with pytest.raises(SchemaVersionMismatchError, match="older") as err:
-            await check_schema(conn, schema)
-        assert err.value.database_version == 1
-        assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
-        await check_schema(conn, schema)
-        assert await conn.fetchval("SELECT to_regproc($1) IS NOT NULL", f'"{schema}".claim')
+            await _schema.check_schema(conn, schema)
+        assert (err.value.database_version, err.value.library_version) == (1, 2)
+        assert await _schema.install(conn, schema=schema) == 2
+        await _schema.check_schema(conn, schema)
+        assert await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f'"{schema}".added_by_v2')
+        versions = await conn.fetch(
+            f'SELECT version FROM "{schema}".schema_migrations ORDER BY version'
+        )
+        assert [r[0] for r in versions] == [1, 2]
     finally:
         await conn.close()
 

@@ -18,6 +18,7 @@ from steeple.postgres.queue import (
     Health,
     JobContext,
     JobError,
+    LeaseLostError,
     QueueConfigurationError,
     QueueError,
     Scheduler,
@@ -340,8 +341,11 @@ async def test_cancel_running_work_fences_the_worker_and_signals_the_handler(que
 
     async def handler(ctx: JobContext, args: Any) -> None:
         started.set()
+        ctx.check_lease()  # still ours
         await asyncio.wait_for(ctx.cancelled.wait(), 10)
         signalled.append((ctx.cancelled.is_set(), ctx.lease_lost.is_set()))
+        with pytest.raises(LeaseLostError, match="cancelled"):
+            ctx.check_lease()
         # returning normally: the completion must be rejected
 
     worker.register(PLAIN, handler)
@@ -510,3 +514,37 @@ async def test_registration_and_configuration_errors(queue) -> None:
             Scheduler(dsn, **{"worker_id": "w", **bad})  # type: ignore[arg-type]
     with pytest.raises(QueueConfigurationError):
         Scheduler(42, worker_id="w")  # type: ignore[arg-type]
+
+
+async def test_a_lease_taken_over_signals_the_handler_and_rejects_its_outcome(queue) -> None:
+    dsn, schema, conn = queue
+    started = asyncio.Event()
+    seen: list[tuple[bool, bool, str]] = []
+    done = await enqueue(
+        conn, PLAIN, 1, EnqueueOptions(lease_duration=timedelta(milliseconds=600)), schema=schema
+    )
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        started.set()
+        await asyncio.wait_for(ctx.lease_lost.wait(), 10)
+        with pytest.raises(LeaseLostError) as err:
+            ctx.check_lease()
+        seen.append((ctx.lease_lost.is_set(), ctx.cancelled.is_set(), str(err.value)))
+        raise JobError.retry("too late to matter")
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await asyncio.wait_for(started.wait(), 10)
+        # another holder takes the task over (as a re-claim after expiry would): new token
+        await conn.execute(
+            f'UPDATE "{schema}".tasks SET lease_token = gen_random_uuid(), worker_id = $2 '
+            "WHERE id = $1",
+            done.id,
+            "usurper",
+        )
+        await wait_until(lambda: worker.stats.rejected_completions == 1)
+    assert seen == [(True, False, f"task {done.id}, attempt 1: lease lost")]
+    row = await run_state(conn, done.id, schema=schema)
+    assert (row.state.value, row.worker_id, row.attempts) == ("running", "usurper", 1)
+    assert worker.stats.retried == 0

@@ -73,18 +73,7 @@ async def initialize_store(
     Raises:
         CliError: classified failures (see :func:`classify`).
     """
-    from steeple.postgres import PostgresRecurringStore
-
-    try:
-        return await PostgresRecurringStore.initialize(
-            target.dsn,
-            target.settings.config(),
-            keyring or target.keyring(),
-            clock or SystemClock(),
-            schema=target.schema,
-        )
-    except Exception as exc:
-        raise classify(exc, target) from exc
+    return await _open_store(target, clock, keyring, initialize=True)
 
 
 async def connect_store(
@@ -95,10 +84,17 @@ async def connect_store(
     Raises:
         CliError: classified failures (see :func:`classify`).
     """
+    return await _open_store(target, clock, keyring, initialize=False)
+
+
+async def _open_store(
+    target: Target, clock: Clock | None, keyring: Keyring | None, *, initialize: bool
+) -> PostgresRecurringStore:
     from steeple.postgres import PostgresRecurringStore
 
+    opener = PostgresRecurringStore.initialize if initialize else PostgresRecurringStore.connect
     try:
-        return await PostgresRecurringStore.connect(
+        return await opener(
             target.dsn,
             target.settings.config(),
             keyring or target.keyring(),

@@ -9,16 +9,19 @@ Errors are one line on stderr, followed by what to do.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import logging
 import os
 import secrets
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
+import attrs
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -38,11 +41,14 @@ from steeple.admin.settings import (
 )
 
 if TYPE_CHECKING:
-    from steeple.admin.tasks import TaskRecord
+    from steeple.admin.queue_admin import PostgresTaskAdmin
+    from steeple.core.records import Page
+    from steeple.postgres import PostgresRecurringStore
 
 __all__ = ["app", "main"]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 _EXIT_CODES_HELP = (
     "Exit codes: 0 ok, 1 refused or failed, 2 usage, 3 configuration, 4 unavailable."
@@ -124,6 +130,26 @@ AfterOpt = Annotated[
     str | None, typer.Option("--after", help="Exclusive cursor from a previous page.")
 ]
 
+# (name, option, default) of the options that say where a command works, in --help order.
+_PLACE_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
+    ("dsn", DsnOpt, None),
+    ("schema", SchemaOpt, "steeple"),
+    ("namespace", NamespaceOpt, "default"),
+)
+_LISTING_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
+    ("as_json", JsonOpt, False),
+    ("limit", LimitOpt, 100),
+    ("after", AfterOpt, None),
+)
+_QUEUE_OPTIONS: tuple[tuple[str, Any, Any], ...] = (("queue_schema", QueueSchemaOpt, None),)
+_STORE_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
+    ("keys_file", KeysFileOpt, None),
+    ("max_definitions", MaxDefinitionsOpt, 1000),
+    ("max_occurrences", MaxOccurrencesOpt, 100_000),
+    ("delivery_window", WindowOpt, "1d"),
+    ("lease", LeaseOpt, "60s"),
+)
+
 
 def _target(
     dsn: str | None,
@@ -149,6 +175,90 @@ def _target(
     return Target(resolved, schema, settings, keys_file, queue_schema)
 
 
+@attrs.frozen
+class _Where:
+    """The shared options of one command invocation (see :func:`_where_options`)."""
+
+    dsn: str | None
+    schema: str
+    namespace: str
+    queue_schema: str | None = None
+    keys_file: Path | None = None
+    max_definitions: int = 1000
+    max_occurrences: int = 100_000
+    delivery_window: str = "1d"
+    lease: str = "60s"
+
+    def target(self) -> Target:
+        """Build the command's target; a bad option ends the command with its exit code."""
+        return _guard(lambda: _target(
+            self.dsn, self.schema, self.namespace, self.keys_file,
+            queue_schema=self.queue_schema, max_definitions=self.max_definitions,
+            max_occurrences=self.max_occurrences, delivery_window=self.delivery_window,
+            lease=self.lease,
+        ))
+
+
+@attrs.frozen
+class _Listing:
+    """The paging options of a listing command (see :func:`_listing_options`)."""
+
+    as_json: bool = False
+    limit: int = 100
+    after: str | None = None
+
+
+def _where_options(
+    *, queue: bool = False, store: bool = True
+) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """Give a command the shared options in place of its ``where: _Where`` parameter.
+
+    The options are ``--dsn --schema --namespace``, then ``--queue-schema`` (``queue``),
+    then the keys and namespace settings (``store``).
+    """
+    bundle = (*_PLACE_OPTIONS, *(_QUEUE_OPTIONS if queue else ()),
+              *(_STORE_OPTIONS if store else ()))
+    return _expand_options("where", bundle, _Where)
+
+
+def _listing_options() -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """Give a command ``--json --limit --after`` in place of its ``listing: _Listing``."""
+    return _expand_options("listing", _LISTING_OPTIONS, _Listing)
+
+
+def _expand_options(
+    placeholder: str, bundle: tuple[tuple[str, Any, Any], ...], build: Callable[..., Any]
+) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """Replace the ``placeholder`` parameter by the ``bundle`` options, in its place.
+
+    typer reads the rewritten signature, so every command lists the options in the same
+    order with the same help; the command receives ``build(**options)`` as ``placeholder``.
+    """
+    names = [name for name, _, _ in bundle]
+
+    def decorate(command: Callable[..., R]) -> Callable[..., R]:
+        params: list[inspect.Parameter] = []
+        for param in inspect.signature(command, eval_str=True).parameters.values():
+            if param.name == placeholder:
+                params.extend(
+                    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                      default=default, annotation=option)
+                    for name, option, default in bundle
+                )
+            else:
+                params.append(param.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD))
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> R:
+            kwargs[placeholder] = build(**{name: kwargs.pop(name) for name in names})
+            return command(**kwargs)
+
+        wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate
+
+
 def _fail(error: CliError) -> typer.Exit:
     err.print(f"steeple: error: {error}", markup=False)
     if error.hint:
@@ -171,6 +281,31 @@ def _run(body: Callable[[], Coroutine[Any, Any, T]], target: Target | None = Non
         raise _fail(classify(exc, target)) from None
 
 
+def _on_store(target: Target, op: Callable[[PostgresRecurringStore], Awaitable[T]]) -> T:
+    """Connect to the target's recurring store, run ``op`` on it, close it (as :func:`_run`)."""
+
+    async def body() -> T:
+        store = await connect_store(target)
+        try:
+            return await op(store)
+        finally:
+            await store.close()
+
+    return _run(body, target)
+
+
+def _on_queue(target: Target, op: Callable[[PostgresTaskAdmin], Awaitable[T]]) -> T:
+    """Open the target's work queue, run ``op`` on it, close it (as :func:`_run`)."""
+
+    async def body() -> T:
+        from steeple.admin.queue_admin import PostgresTaskAdmin
+
+        async with PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema) as admin:
+            return await op(admin)
+
+    return _run(body, target)
+
+
 def _guard(fn: Callable[[], T]) -> T:
     try:
         return fn()
@@ -191,19 +326,36 @@ def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
+def _print_page(
+    page: Page[T],
+    *,
+    as_json: bool,
+    to_json: Callable[[T], Any],
+    title: str,
+    columns: Iterable[str],
+    row: Callable[[T], Sequence[str]],
+) -> None:
+    """Print one page of a listing as JSON or as a table, with the next page's cursor."""
+    if as_json:
+        _print_json({"items": [to_json(i) for i in page.items], "next_cursor": page.next_cursor})
+        return
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    for item in page.items:
+        table.add_row(*row(item))
+    out.print(table)
+    if page.next_cursor:
+        out.print(f"more: --after {page.next_cursor}", markup=False)
+
+
 # --- deployment --------------------------------------------------------------------------------
 
 
 @app.command()
+@_where_options()
 def initialize(
-    dsn: DsnOpt = None,
-    schema: SchemaOpt = "steeple",
-    namespace: NamespaceOpt = "default",
-    keys_file: KeysFileOpt = None,
-    max_definitions: MaxDefinitionsOpt = 1000,
-    max_occurrences: MaxOccurrencesOpt = 100_000,
-    delivery_window: WindowOpt = "1d",
-    lease: LeaseOpt = "60s",
+    where: _Where,
     grant_to: Annotated[
         str | None,
         typer.Option("--grant-to", help="Also grant this runtime role exactly the privileges "
@@ -211,10 +363,7 @@ def initialize(
     ] = None,
 ) -> None:
     """Create the recurring store's schema and a namespace (deployment role; idempotent)."""
-    target = _guard(lambda: _target(
-        dsn, schema, namespace, keys_file, max_definitions=max_definitions,
-        max_occurrences=max_occurrences, delivery_window=delivery_window, lease=lease,
-    ))
+    target = where.target()
 
     async def body() -> None:
         store = await initialize_store(target)
@@ -226,29 +375,26 @@ def initialize(
 
             conn = await asyncpg.connect(target.dsn, timeout=10)
             try:
-                await grant_runtime_role(conn, grant_to, schema)
+                await grant_runtime_role(conn, grant_to, where.schema)
             finally:
                 await conn.close()
 
     _run(body, target)
     out.print(
-        f"initialized namespace {namespace!r} in schema {schema!r} at {redact_dsn(target.dsn)}",
+        f"initialized namespace {where.namespace!r} in schema {where.schema!r} at "
+        f"{redact_dsn(target.dsn)}",
         markup=False,
     )
     if grant_to is not None:
-        out.print(f"granted the runtime privileges on {schema!r} to role {grant_to!r}",
+        out.print(f"granted the runtime privileges on {where.schema!r} to role {grant_to!r}",
                   markup=False)
 
 
 @app.command()
-def migrate(
-    dsn: DsnOpt = None,
-    schema: SchemaOpt = "steeple",
-    namespace: NamespaceOpt = "default",
-    queue_schema: QueueSchemaOpt = None,
-) -> None:
+@_where_options(queue=True, store=False)
+def migrate(where: _Where) -> None:
     """Install or upgrade the work queue's tables (idempotent, forward-only)."""
-    target = _guard(lambda: _target(dsn, schema, namespace, None, queue_schema=queue_schema))
+    target = where.target()
 
     async def body() -> int:
         import asyncpg
@@ -271,135 +417,74 @@ def migrate(
 
 
 @app.command()
-def schedules(
-    dsn: DsnOpt = None,
-    schema: SchemaOpt = "steeple",
-    namespace: NamespaceOpt = "default",
-    keys_file: KeysFileOpt = None,
-    max_definitions: MaxDefinitionsOpt = 1000,
-    max_occurrences: MaxOccurrencesOpt = 100_000,
-    delivery_window: WindowOpt = "1d",
-    lease: LeaseOpt = "60s",
-    as_json: JsonOpt = False,
-    limit: LimitOpt = 100,
-    after: AfterOpt = None,
-) -> None:
+@_where_options()
+@_listing_options()
+def schedules(where: _Where, listing: _Listing) -> None:
     """List recurring definitions (metadata only)."""
-    _check_limit(limit)
-    target = _guard(lambda: _target(
-        dsn, schema, namespace, keys_file, max_definitions=max_definitions,
-        max_occurrences=max_occurrences, delivery_window=delivery_window, lease=lease,
-    ))
-
-    async def body() -> Any:
-        store = await connect_store(target)
-        try:
-            return await store.schedules(after=after, limit=limit)
-        finally:
-            await store.close()
-
-    page = _run(body, target)
-    if as_json:
-        _print_json({"items": [schedule_json(s) for s in page.items],
-                     "next_cursor": page.next_cursor})
-        return
-    table = Table(title=f"schedules in {namespace}")
-    for column in ("name", "cron", "policy", "state", "topic", "next due (UTC)"):
-        table.add_column(column)
-    for s in page.items:
-        table.add_row(s.name, s.cron, s.policy.value, s.state, s.topic, _when(s.next_due_at))
-    out.print(table)
-    if page.next_cursor:
-        out.print(f"more: --after {page.next_cursor}", markup=False)
+    _check_limit(listing.limit)
+    target = where.target()
+    page = _on_store(
+        target, lambda store: store.schedules(after=listing.after, limit=listing.limit)
+    )
+    _print_page(
+        page, as_json=listing.as_json, to_json=schedule_json,
+        title=f"schedules in {where.namespace}",
+        columns=("name", "cron", "policy", "state", "topic", "next due (UTC)"),
+        row=lambda s: (s.name, s.cron, s.policy.value, s.state, s.topic, _when(s.next_due_at)),
+    )
 
 
 @app.command()
-def occurrences(
-    dsn: DsnOpt = None,
-    schema: SchemaOpt = "steeple",
-    namespace: NamespaceOpt = "default",
-    keys_file: KeysFileOpt = None,
-    max_definitions: MaxDefinitionsOpt = 1000,
-    max_occurrences: MaxOccurrencesOpt = 100_000,
-    delivery_window: WindowOpt = "1d",
-    lease: LeaseOpt = "60s",
-    as_json: JsonOpt = False,
-    limit: LimitOpt = 100,
-    after: AfterOpt = None,
-) -> None:
+@_where_options()
+@_listing_options()
+def occurrences(where: _Where, listing: _Listing) -> None:
     """List occurrences (metadata only: never payloads or lease credentials)."""
-    _check_limit(limit)
-    target = _guard(lambda: _target(
-        dsn, schema, namespace, keys_file, max_definitions=max_definitions,
-        max_occurrences=max_occurrences, delivery_window=delivery_window, lease=lease,
-    ))
-
-    async def body() -> Any:
-        store = await connect_store(target)
-        try:
-            return await store.occurrences(after=after, limit=limit)
-        finally:
-            await store.close()
-
-    page = _run(body, target)
-    if as_json:
-        _print_json({"items": [occurrence_json(o) for o in page.items],
-                     "next_cursor": page.next_cursor})
-        return
-    table = Table(title=f"occurrences in {namespace}")
-    for column in ("id", "definition", "due (UTC)", "state", "attempts", "last error"):
-        table.add_column(column)
-    for o in page.items:
-        table.add_row(o.occurrence_id, o.definition_name, _when(o.due_at), o.state.value,
-                      str(o.attempts), o.last_error or "")
-    out.print(table)
-    if page.next_cursor:
-        out.print(f"more: --after {page.next_cursor}", markup=False)
+    _check_limit(listing.limit)
+    target = where.target()
+    page = _on_store(
+        target, lambda store: store.occurrences(after=listing.after, limit=listing.limit)
+    )
+    _print_page(
+        page, as_json=listing.as_json, to_json=occurrence_json,
+        title=f"occurrences in {where.namespace}",
+        columns=("id", "definition", "due (UTC)", "state", "attempts", "last error"),
+        row=lambda o: (o.occurrence_id, o.definition_name, _when(o.due_at), o.state.value,
+                       str(o.attempts), o.last_error or ""),
+    )
 
 
 @app.command()
+@_where_options(queue=True, store=False)
+@_listing_options()
 def tasks(
-    dsn: DsnOpt = None,
-    schema: SchemaOpt = "steeple",
-    namespace: NamespaceOpt = "default",
-    queue_schema: QueueSchemaOpt = None,
+    where: _Where,
     state: Annotated[
         str | None, typer.Option("--state", help="Only tasks in this state.")
     ] = None,
-    as_json: JsonOpt = False,
-    limit: LimitOpt = 100,
-    after: AfterOpt = None,
+    *,
+    listing: _Listing,
 ) -> None:
     """List work-queue tasks (metadata only: never arguments or lease tokens)."""
-    _check_limit(limit)
-    target = _guard(lambda: _target(dsn, schema, namespace, None, queue_schema=queue_schema))
-
-    async def body() -> Any:
-        from steeple.admin.queue_admin import PostgresTaskAdmin
-
-        async with PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema) as admin:
-            return await admin.tasks(after=after, limit=limit, state=state)
-
-    page = _run(body, target)
-    records: list[TaskRecord] = list(page.items)
-    if as_json:
-        _print_json({"items": [t.to_json() for t in records], "next_cursor": page.next_cursor})
-        return
-    table = Table(title=f"tasks in {target.queue_schema}")
-    for column in ("id", "name", "state", "attempts", "run at (UTC)", "last error"):
-        table.add_column(column)
-    for t in records:
-        table.add_row(str(t.task_id), t.name, t.state, f"{t.attempts}/{t.max_attempts}",
-                      _when(t.run_at), t.last_error or "")
-    out.print(table)
-    if page.next_cursor:
-        out.print(f"more: --after {page.next_cursor}", markup=False)
+    _check_limit(listing.limit)
+    target = where.target()
+    page = _on_queue(
+        target,
+        lambda admin: admin.tasks(after=listing.after, limit=listing.limit, state=state),
+    )
+    _print_page(
+        page, as_json=listing.as_json, to_json=lambda t: t.to_json(),
+        title=f"tasks in {target.queue_schema}",
+        columns=("id", "name", "state", "attempts", "run at (UTC)", "last error"),
+        row=lambda t: (str(t.task_id), t.name, t.state, f"{t.attempts}/{t.max_attempts}",
+                       _when(t.run_at), t.last_error or ""),
+    )
 
 
 # --- operator actions --------------------------------------------------------------------------
 
 
 @app.command()
+@_where_options(queue=True)
 def cancel(
     name: Annotated[
         str | None, typer.Argument(help="Name of the recurring definition to cancel.")
@@ -407,35 +492,17 @@ def cancel(
     task: Annotated[
         int | None, typer.Option("--task", help="Cancel this work-queue task id instead.")
     ] = None,
-    dsn: DsnOpt = None,
-    schema: SchemaOpt = "steeple",
-    namespace: NamespaceOpt = "default",
-    queue_schema: QueueSchemaOpt = None,
-    keys_file: KeysFileOpt = None,
-    max_definitions: MaxDefinitionsOpt = 1000,
-    max_occurrences: MaxOccurrencesOpt = 100_000,
-    delivery_window: WindowOpt = "1d",
-    lease: LeaseOpt = "60s",
+    *,
+    where: _Where,
 ) -> None:
     """Cancel a recurring definition for good (NAME), or a task (--task ID)."""
     if (name is None) == (task is None):
         raise _fail(CliError("give either a definition NAME or --task ID", code=ExitCode.USAGE,
                              hint="steeple cancel NAME  |  steeple cancel --task 42"))
-    target = _guard(lambda: _target(
-        dsn, schema, namespace, keys_file, queue_schema=queue_schema,
-        max_definitions=max_definitions, max_occurrences=max_occurrences,
-        delivery_window=delivery_window, lease=lease,
-    ))
+    target = where.target()
     if task is not None:
         task_id = task
-
-        async def cancel_task() -> str | None:
-            from steeple.admin.queue_admin import PostgresTaskAdmin
-
-            async with PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema) as admin:
-                return await admin.cancel(task_id)
-
-        state = _run(cancel_task, target)
+        state = _on_queue(target, lambda admin: admin.cancel(task_id))
         if state is None:
             raise _fail(CliError(f"there is no task {task_id}", code=ExitCode.FAILED,
                                  hint="see `steeple tasks`"))
@@ -446,48 +513,24 @@ def cancel(
         return
     definition = name
     assert definition is not None
-
-    async def cancel_schedule() -> Any:
-        store = await connect_store(target)
-        try:
-            return await store.cancel(definition)
-        finally:
-            await store.close()
-
-    info = _run(cancel_schedule, target)
+    info = _on_store(target, lambda store: store.cancel(definition))
     out.print(f"cancelled definition {info.name!r} (state {info.state})", markup=False)
 
 
 @app.command()
+@_where_options()
 def retry(
     occurrence_id: Annotated[str, typer.Argument(help="Id of a dead occurrence.")],
-    dsn: DsnOpt = None,
-    schema: SchemaOpt = "steeple",
-    namespace: NamespaceOpt = "default",
-    keys_file: KeysFileOpt = None,
-    max_definitions: MaxDefinitionsOpt = 1000,
-    max_occurrences: MaxOccurrencesOpt = 100_000,
-    delivery_window: WindowOpt = "1d",
-    lease: LeaseOpt = "60s",
+    where: _Where,
 ) -> None:
     """Give a dead occurrence a fresh attempt budget (inside its delivery window)."""
-    target = _guard(lambda: _target(
-        dsn, schema, namespace, keys_file, max_definitions=max_definitions,
-        max_occurrences=max_occurrences, delivery_window=delivery_window, lease=lease,
-    ))
-
-    async def body() -> Any:
-        store = await connect_store(target)
-        try:
-            return await store.retry_failed(occurrence_id)
-        finally:
-            await store.close()
-
-    info = _run(body, target)
+    target = where.target()
+    info = _on_store(target, lambda store: store.retry_failed(occurrence_id))
     out.print(f"occurrence {info.occurrence_id} is {info.state.value} again", markup=False)
 
 
 @app.command()
+@_where_options(queue=True)
 def purge(
     older_than: Annotated[
         str, typer.Option("--older-than", help="Only records finished before this age (7d).")
@@ -496,39 +539,18 @@ def purge(
     include_tasks: Annotated[
         bool, typer.Option("--tasks", help="Prune terminal work-queue tasks instead.")
     ] = False,
-    dsn: DsnOpt = None,
-    schema: SchemaOpt = "steeple",
-    namespace: NamespaceOpt = "default",
-    queue_schema: QueueSchemaOpt = None,
-    keys_file: KeysFileOpt = None,
-    max_definitions: MaxDefinitionsOpt = 1000,
-    max_occurrences: MaxOccurrencesOpt = 100_000,
-    delivery_window: WindowOpt = "1d",
-    lease: LeaseOpt = "60s",
+    *,
+    where: _Where,
 ) -> None:
     """Remove terminal occurrences (or tasks with --tasks) older than --older-than."""
     _check_limit(limit)
     age = _guard(lambda: parse_duration(older_than, what="--older-than"))
-    target = _guard(lambda: _target(
-        dsn, schema, namespace, keys_file, queue_schema=queue_schema,
-        max_definitions=max_definitions, max_occurrences=max_occurrences,
-        delivery_window=delivery_window, lease=lease,
-    ))
+    target = where.target()
     cutoff = datetime.now(UTC) - age
-
-    async def body() -> int:
-        if include_tasks:
-            from steeple.admin.queue_admin import PostgresTaskAdmin
-
-            async with PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema) as admin:
-                return await admin.prune(cutoff, limit)
-        store = await connect_store(target)
-        try:
-            return await store.purge_terminal(cutoff, limit)
-        finally:
-            await store.close()
-
-    removed = _run(body, target)
+    if include_tasks:
+        removed = _on_queue(target, lambda admin: admin.prune(cutoff, limit))
+    else:
+        removed = _on_store(target, lambda store: store.purge_terminal(cutoff, limit))
     what = "tasks" if include_tasks else "occurrences"
     out.print(f"purged {removed} terminal {what} older than {older_than}", markup=False)
 
@@ -644,19 +666,12 @@ async def sealed_key_usage(dsn: str, schema: str, namespace: str) -> dict[str, i
 
 
 @app.command()
+@_where_options(queue=True)
 def worker(
     app_ref: Annotated[
         str, typer.Option("--app", help="module:object giving a steeple.admin.WorkerApp.")
     ],
-    dsn: DsnOpt = None,
-    schema: SchemaOpt = "steeple",
-    namespace: NamespaceOpt = "default",
-    queue_schema: QueueSchemaOpt = None,
-    keys_file: KeysFileOpt = None,
-    max_definitions: MaxDefinitionsOpt = 1000,
-    max_occurrences: MaxOccurrencesOpt = 100_000,
-    delivery_window: WindowOpt = "1d",
-    lease: LeaseOpt = "60s",
+    where: _Where,
 ) -> None:
     """Run the recurring relay and/or the task worker of your application until stopped.
 
@@ -664,11 +679,7 @@ def worker(
     """
     from steeple.admin.worker import load_worker_app, run_worker
 
-    target = _guard(lambda: _target(
-        dsn, schema, namespace, keys_file, queue_schema=queue_schema,
-        max_definitions=max_definitions, max_occurrences=max_occurrences,
-        delivery_window=delivery_window, lease=lease,
-    ))
+    target = where.target()
     spec = _guard(lambda: load_worker_app(app_ref))
 
     async def body() -> None:
@@ -682,16 +693,9 @@ def worker(
 
 
 @admin_app.command("serve")
+@_where_options(queue=True)
 def admin_serve(
-    dsn: DsnOpt = None,
-    schema: SchemaOpt = "steeple",
-    namespace: NamespaceOpt = "default",
-    queue_schema: QueueSchemaOpt = None,
-    keys_file: KeysFileOpt = None,
-    max_definitions: MaxDefinitionsOpt = 1000,
-    max_occurrences: MaxOccurrencesOpt = 100_000,
-    delivery_window: WindowOpt = "1d",
-    lease: LeaseOpt = "60s",
+    where: _Where,
     host: Annotated[str, typer.Option("--host", help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8520,
 ) -> None:
@@ -703,11 +707,7 @@ def admin_serve(
     """
     from steeple.admin.serve import serve
 
-    target = _guard(lambda: _target(
-        dsn, schema, namespace, keys_file, queue_schema=queue_schema,
-        max_definitions=max_definitions, max_occurrences=max_occurrences,
-        delivery_window=delivery_window, lease=lease,
-    ))
+    target = where.target()
     token = os.environ.get("STEEPLE_ADMIN_TOKEN", "")
     if len(token) < 16:
         raise _fail(CliError(
@@ -721,7 +721,7 @@ def admin_serve(
                              code=ExitCode.CONFIG))
     keyring = _guard(target.keyring)
     err.print(
-        f"steeple admin: http://{host}:{port}/ui/{namespace} "
+        f"steeple admin: http://{host}:{port}/ui/{where.namespace} "
         f"(state changes {'enabled' if csrf else 'disabled: set STEEPLE_ADMIN_CSRF_TOKEN'})",
         markup=False,
     )

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import attrs
 
@@ -15,6 +16,8 @@ from steeple.core.ports import MessageBroker, RecurringStore
 __all__ = ["RelayCounters", "relay_forever", "sleep_until", "tick_forever"]
 
 _log = logging.getLogger("steeple.admin")
+
+T = TypeVar("T")
 
 
 @attrs.define
@@ -37,6 +40,23 @@ async def sleep_until(stop: asyncio.Event, seconds: float) -> None:
             await stop.wait()
 
 
+async def _or_back_off(
+    op: Callable[[], Awaitable[T]],
+    what: str,
+    stop: asyncio.Event,
+    counters: RelayCounters,
+    interval: float,
+) -> T | None:
+    """Run ``op``; on a storage or clock error count and log it, wait ``interval``, give None."""
+    try:
+        return await op()
+    except (RecurringStorageError, RecurringClockError) as exc:
+        counters.storage_errors += 1
+        _log.warning("%s failed, retrying: %s", what, exc)
+        await sleep_until(stop, interval)
+        return None
+
+
 async def tick_forever(
     store: RecurringStore,
     stop: asyncio.Event,
@@ -50,12 +70,8 @@ async def tick_forever(
     Storage errors are counted and retried after ``interval``; anything else propagates.
     """
     while not stop.is_set():
-        try:
-            result = await store.tick(budget)
-        except (RecurringStorageError, RecurringClockError) as exc:
-            counters.storage_errors += 1
-            _log.warning("tick failed, retrying: %s", exc)
-            await sleep_until(stop, interval)
+        result = await _or_back_off(lambda: store.tick(budget), "tick", stop, counters, interval)
+        if result is None:
             continue
         counters.ticks += 1
         counters.materialized += result.materialized
@@ -77,12 +93,8 @@ async def relay_forever(
     A failed relay is recorded by the store (retry with backoff, or dead); the loop goes on.
     """
     while not stop.is_set():
-        try:
-            leases = await store.claim(batch)
-        except (RecurringStorageError, RecurringClockError) as exc:
-            counters.storage_errors += 1
-            _log.warning("claim failed, retrying: %s", exc)
-            await sleep_until(stop, interval)
+        leases = await _or_back_off(lambda: store.claim(batch), "claim", stop, counters, interval)
+        if leases is None:
             continue
         counters.claims += len(leases)
         for lease in leases:

@@ -95,7 +95,7 @@ FROM ins""",
 SELECT id FROM {s}.tasks
 WHERE task_name = $1 AND dedup_key = $2 AND state IN {LIVE}""",
         # $1 names[], $2 limit, $3 worker id, $4 the claimer's give-up time (epoch s, in
-        # server time). The statement lives in a function (migration 0002) that pins the
+        # server time). The statement lives in a function (see the migration) that pins the
         # planner to the ordered claim index and ignores claims delivered too late.
         claim=f"SELECT * FROM {s}.claim($1::text[], $2::integer, $3::text, $4::double precision)",
         # $1 ids[], $2 tokens[]

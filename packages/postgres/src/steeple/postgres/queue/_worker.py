@@ -41,6 +41,7 @@ from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validat
 from steeple.postgres.queue._sql import queue_sql
 from steeple.postgres.queue.errors import (
     JobError,
+    LeaseLostError,
     QueueConfigurationError,
     QueueError,
     QueueUnavailableError,
@@ -105,6 +106,17 @@ class JobContext:
     scheduled_for: datetime | None = None
     lease_lost: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
     cancelled: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
+
+    def check_lease(self) -> None:
+        """Raise if this worker no longer holds the task: call it before each side effect.
+
+        Raises:
+            LeaseLostError: the lease expired, another worker re-claimed the task, or it was
+                cancelled (whatever the handler does next will not be recorded).
+        """
+        if self.lease_lost.is_set():
+            why = "cancelled" if self.cancelled.is_set() else "lease lost"
+            raise LeaseLostError(f"task {self.task_id}, attempt {self.attempt}: {why}")
 
 
 @attrs.define(eq=False)
