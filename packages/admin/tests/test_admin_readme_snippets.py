@@ -14,7 +14,7 @@ import pytest
 
 HERE = Path(__file__).parent
 SNIPPETS = HERE / "readme_snippets"
-README = HERE.parent / "README.md"
+README = HERE.parents[2] / "README.md"  # the top-level README holds the tours
 
 
 def readme_snippets() -> dict[str, str]:
