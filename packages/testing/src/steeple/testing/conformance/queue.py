@@ -1,0 +1,393 @@
+"""The work-queue conformance suite: a hypothesis state machine any queue storage can run.
+
+:class:`QueueConformance` drives the queue under test (through a small
+:class:`QueueDriver` adapter) with random sequences of the task lifecycle's operations --
+enqueue (immediate or delayed, with a priority), claim, a late claim whose sender already
+gave up, renew, complete, retry, permanent failure, cancel, lease expiry plus recovery,
+prune -- beside an independent model written from the contract (plain dicts; it shares
+no code with any implementation). After every step the stored tasks must equal the model:
+
+- a claim takes exactly the due pending tasks, highest priority first, then oldest due
+  (a retried task is due again *now*, behind everything already waiting), and counts an
+  attempt;
+- only the current lease token renews, completes, retries or fails a running task; stale
+  (earlier leases of the same task) and forged tokens change nothing;
+- a claim delivered after its sender's give-up time takes nothing;
+- cancel reports the prior state and changes only pending or running work, fencing out
+  the running lease;
+- an expired lease is recovered to pending, or to failed once attempts are exhausted;
+- prune removes exactly the terminal tasks, and the attempt history never outlives them.
+
+A queue opts in with an adapter::
+
+    async def make_driver() -> QueueDriver:
+        return MyDriver(await connect(), schema)  # empty queue, once per example
+
+    def test_conformance() -> None:  # a plain (sync) test: the suite owns its loop
+        run_queue_conformance(make_driver)
+
+The factory is awaited inside an :class:`asyncio.Runner` the machine owns, once per
+example; it must return a driver over an EMPTY queue. ``driver.close()`` runs at the end
+of each example in the same runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import attrs
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "MAX_ATTEMPTS",
+    "ClaimedTask",
+    "MakeDriver",
+    "QueueConformance",
+    "QueueDriver",
+    "StoredTask",
+    "queue_conformance_machine",
+    "run_queue_conformance",
+]
+
+T = TypeVar("T")
+
+MAX_ATTEMPTS = 2
+"""Every task the suite enqueues allows this many attempts (so exhaustion is reached)."""
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+DEFAULT_SETTINGS = settings(
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+"""What :func:`run_queue_conformance` uses unless told otherwise."""
+
+
+@attrs.frozen
+class ClaimedTask:
+    """One task a claim returned: its id, the attempt number it now runs and its lease."""
+
+    task_id: int
+    attempt: int
+    token: Hashable = attrs.field(repr=False)
+
+
+@attrs.frozen
+class StoredTask:
+    """What the suite compares of a stored task."""
+
+    state: str
+    attempts: int
+    has_lease: bool
+    finished: bool
+
+
+class QueueDriver(Protocol):
+    """The queue under test, as the conformance machine drives it.
+
+    States are the lifecycle's names: ``pending``, ``running``, ``succeeded``, ``failed``,
+    ``cancelled``. Lease tokens are opaque to the suite (compared with ``==`` only).
+    """
+
+    async def enqueue(self, *, priority: int, delayed: bool, max_attempts: int) -> int:
+        """Create a task due now (or, if ``delayed``, an hour from now); return its id."""
+        ...
+
+    async def claim(self, limit: int) -> list[ClaimedTask]:
+        """Claim up to ``limit`` due tasks for a worker that waits a minute for the answer."""
+        ...
+
+    async def late_claim(self, limit: int) -> list[ClaimedTask]:
+        """Deliver a claim whose sender's give-up time has already passed."""
+        ...
+
+    def forge_token(self) -> Hashable:
+        """Return a token of the right type that no claim ever issued."""
+        ...
+
+    async def renew(self, task_id: int, token: Hashable) -> bool:
+        """Extend the lease; ``True`` if it was extended."""
+        ...
+
+    async def complete(self, task_id: int, token: Hashable) -> bool:
+        """Record success; ``True`` if it was recorded."""
+        ...
+
+    async def retry(self, task_id: int, token: Hashable) -> bool:
+        """Record a retryable failure due again immediately; ``True`` if recorded."""
+        ...
+
+    async def fail(self, task_id: int, token: Hashable) -> bool:
+        """Record a permanent failure; ``True`` if recorded."""
+        ...
+
+    async def cancel(self, task_id: int) -> tuple[str, bool]:
+        """Cancel; return the state before and whether anything changed."""
+        ...
+
+    async def expire_lease(self, task_id: int) -> None:
+        """Make the running task's lease lapse now (as if its worker died)."""
+        ...
+
+    async def recover_expired(self) -> list[tuple[int, str]]:
+        """Recover every expired lease; return ``(task id, new state)`` pairs."""
+        ...
+
+    async def prune(self) -> int:
+        """Delete every terminal task (and its history); return how many."""
+        ...
+
+    async def tasks(self) -> dict[int, StoredTask]:
+        """Return every stored task by id."""
+        ...
+
+    async def orphan_history(self) -> int:
+        """Count attempt-history entries whose task no longer exists (0 if none kept)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the driver's resources (end of one example)."""
+        ...
+
+
+MakeDriver = Callable[[], Awaitable[QueueDriver]]
+"""Builds a driver over an empty queue (awaited inside the machine's runner)."""
+
+
+@attrs.define
+class _ModelTask:
+    seq: int
+    priority: int
+    due: bool
+    state: str = "pending"
+    attempts: int = 0
+    token: Hashable | None = None
+    old_tokens: list[Hashable] = attrs.field(factory=list)
+
+
+class QueueConformance(RuleBasedStateMachine):
+    """The queue under test beside an independent model; bind a driver factory first.
+
+    Use :func:`queue_conformance_machine` (or :func:`run_queue_conformance`); this base
+    class has none.
+    """
+
+    make_driver: ClassVar[MakeDriver | None] = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        factory = type(self).make_driver
+        if factory is None:
+            raise TypeError("bind a driver factory with queue_conformance_machine()")
+        self.runner = asyncio.Runner()
+        self.model: dict[int, _ModelTask] = {}
+        self.seq = 0
+        self.driver: QueueDriver = self._run(_awaitable(factory()))
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.runner.run(coro)
+
+    def teardown(self) -> None:
+        """Close the driver and the runner."""
+        try:
+            self._run(_awaitable(self.driver.close()))
+        finally:
+            self.runner.close()
+
+    def _ids_in(self, *states: str) -> list[int]:
+        return sorted(i for i, t in self.model.items() if t.state in states)
+
+    def _pick(self, data: st.DataObject) -> int:
+        # Mostly a running task: the accepted paths are the ones a wrong model or wrong SQL
+        # gets wrong in interesting ways (order after a retry, exhaustion, fencing).
+        running = self._ids_in("running")
+        if running and data.draw(st.integers(0, 2)) < 2:
+            return data.draw(st.sampled_from(running))
+        return data.draw(st.sampled_from(sorted(self.model)))
+
+    def _token(self, task: _ModelTask, data: st.DataObject) -> tuple[Hashable, bool]:
+        choice = data.draw(st.sampled_from(["current", "current", "old", "forged"]))
+        if choice == "current" and task.token is not None:
+            return task.token, True
+        if choice == "old" and task.old_tokens:
+            return data.draw(st.sampled_from(task.old_tokens)), False
+        return self.driver.forge_token(), False
+
+    def _end_lease(self, task: _ModelTask) -> None:
+        if task.token is not None:
+            task.old_tokens.append(task.token)
+        task.token = None
+
+    # --- rules ---------------------------------------------------------------------------
+
+    # Mostly equal priorities: ties are where due-time order (and a retry's place) shows.
+    @rule(priority=st.sampled_from((0, 0, 0, 1, -1, 2, -2)), delayed=st.booleans())
+    def enqueue(self, priority: int, delayed: bool) -> None:
+        task_id = self._run(
+            self.driver.enqueue(priority=priority, delayed=delayed, max_attempts=MAX_ATTEMPTS)
+        )
+        assert task_id not in self.model, f"task id {task_id} reused"
+        self.model[task_id] = _ModelTask(seq=self.seq, priority=priority, due=not delayed)
+        self.seq += 1
+
+    @rule(limit=st.integers(1, 3))
+    def late_claim_does_nothing(self, limit: int) -> None:
+        # Delivered after its sender gave up (a held network): it must not take effect.
+        assert self._run(self.driver.late_claim(limit)) == []
+
+    @rule(limit=st.integers(1, 3))
+    def claim(self, limit: int) -> None:
+        claimed = self._run(self.driver.claim(limit))
+        due = sorted(
+            (-t.priority, t.seq, i)
+            for i, t in self.model.items()
+            if t.state == "pending" and t.due
+        )
+        expected = [i for _p, _s, i in due[:limit]]
+        assert sorted(c.task_id for c in claimed) == sorted(expected)
+        for c in claimed:
+            task = self.model[c.task_id]
+            task.state = "running"
+            task.attempts += 1
+            assert c.attempt == task.attempts
+            assert c.token not in task.old_tokens, "a lease token was reused"
+            task.token = c.token
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def complete(self, data: st.DataObject) -> None:
+        task_id = self._pick(data)
+        task = self.model[task_id]
+        token, current = self._token(task, data)
+        accepted = current and task.state == "running"
+        assert self._run(self.driver.complete(task_id, token)) == accepted
+        if accepted:
+            task.state = "succeeded"
+            self._end_lease(task)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), permanent=st.booleans())
+    def fail(self, data: st.DataObject, permanent: bool) -> None:
+        task_id = self._pick(data)
+        task = self.model[task_id]
+        token, current = self._token(task, data)
+        call = self.driver.fail if permanent else self.driver.retry
+        accepted = current and task.state == "running"
+        assert self._run(call(task_id, token)) == accepted
+        if accepted:
+            task.state = "failed" if permanent else "pending"
+            task.due = True
+            if not permanent:  # due again now: behind everything already waiting
+                task.seq = self.seq
+                self.seq += 1
+            self._end_lease(task)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def renew(self, data: st.DataObject) -> None:
+        task_id = self._pick(data)
+        task = self.model[task_id]
+        token, current = self._token(task, data)
+        renewed = self._run(self.driver.renew(task_id, token))
+        assert renewed == (current and task.state == "running")
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        task_id = self._pick(data)
+        task = self.model[task_id]
+        before, changed = self._run(self.driver.cancel(task_id))
+        assert before == task.state
+        assert changed == (task.state in ("pending", "running"))
+        if changed:
+            self._end_lease(task)
+            task.state = "cancelled"
+
+    @precondition(lambda self: any(t.state == "running" for t in self.model.values()))
+    @rule(data=st.data())
+    def lease_expires(self, data: st.DataObject) -> None:
+        task_id = data.draw(st.sampled_from(self._ids_in("running")))
+        self._run(self.driver.expire_lease(task_id))
+        recovered = self._run(self.driver.recover_expired())
+        task = self.model[task_id]
+        self._end_lease(task)
+        task.state = "failed" if task.attempts >= MAX_ATTEMPTS else "pending"
+        task.due = True
+        assert recovered == [(task_id, task.state)]
+
+    @rule()
+    def prune(self) -> None:
+        count = self._run(self.driver.prune())
+        terminal = self._ids_in(*TERMINAL)
+        assert count == len(terminal)
+        for task_id in terminal:
+            del self.model[task_id]
+
+    # --- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def stored_tasks_match_the_model(self) -> None:
+        actual = self._run(self.driver.tasks())
+        expected = {
+            i: StoredTask(
+                state=t.state,
+                attempts=t.attempts,
+                has_lease=t.state == "running",
+                finished=t.state in TERMINAL,
+            )
+            for i, t in self.model.items()
+        }
+        assert actual == expected
+
+    @invariant()
+    def history_belongs_to_live_tasks(self) -> None:
+        assert self._run(self.driver.orphan_history()) == 0
+
+
+async def _awaitable(value: Awaitable[T]) -> T:
+    return await value
+
+
+def queue_conformance_machine(make_driver: MakeDriver) -> type[QueueConformance]:
+    """Return a :class:`QueueConformance` subclass bound to a driver factory.
+
+    Args:
+        make_driver: ``async () -> QueueDriver`` over an empty queue; called once per
+            example inside the machine's own event loop.
+    """
+
+    class Bound(QueueConformance):
+        pass
+
+    Bound.make_driver = make_driver
+    Bound.__name__ = Bound.__qualname__ = "QueueConformance"
+    return Bound
+
+
+def run_queue_conformance(make_driver: MakeDriver, *, settings: settings | None = None) -> None:
+    """Run the queue conformance state machine against a driver factory.
+
+    Call it from a synchronous test or a worker thread (the machine owns its event loop).
+
+    Args:
+        make_driver: ``async () -> QueueDriver`` over an empty queue; called once per example.
+        settings: hypothesis settings; :data:`DEFAULT_SETTINGS` by default.
+
+    Raises:
+        AssertionError: the queue broke the contract (hypothesis shows the shortest
+            sequence of steps that does).
+    """
+    machine = queue_conformance_machine(make_driver)
+    run_state_machine_as_test(machine, settings=settings or DEFAULT_SETTINGS)
