@@ -9,6 +9,7 @@ connections were all terminated.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import signal
 import sqlite3
 import sys
@@ -25,8 +26,10 @@ from steeple.core import (
     MissedRunPolicy,
     OccurrenceState,
     RecurringConfig,
+    RecurringDeadlineError,
     RecurringDefinition,
     RecurringInvalidStateError,
+    RecurringStorageError,
     ScheduledMessage,
     SystemClock,
 )
@@ -182,7 +185,7 @@ async def main():
         dsn, config, keyring, SystemClock(), schema=schema)
     async with store, journal:
         [lease] = await store.claim(1)
-        if point == "after-claim":
+        if point == "claimed":
             hold("claimed")
         try:
             receipt = await store.relay(lease, SlowBroker(journal))
@@ -211,7 +214,7 @@ def process_state(pid: int) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("point", ["after-claim", "accepted"])
+@pytest.mark.parametrize("point", ["claimed", "accepted"])
 async def test_sigstopped_worker_late_acknowledgement_is_rejected(
     pg_schema: tuple[str, str], tmp_path: Path, point: str
 ) -> None:
@@ -240,7 +243,9 @@ async def test_sigstopped_worker_late_acknowledgement_is_rejected(
         )
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
-        assert line.decode().strip() == point, (line, (await proc.communicate())[1].decode())
+        if line.decode().strip() != point:
+            proc.kill()
+            raise AssertionError((line, (await proc.communicate())[1].decode()))
         proc.send_signal(signal.SIGSTOP)
         for _ in range(100):
             if process_state(proc.pid) == "T":
@@ -267,7 +272,12 @@ async def test_sigstopped_worker_late_acknowledgement_is_rejected(
 
         gate.touch()
         proc.send_signal(signal.SIGCONT)
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+        except TimeoutError:
+            proc.kill()
+            out, err = await proc.communicate()
+            raise AssertionError(f"the worker hung: {out.decode()} {err.decode()}") from None
         assert proc.returncode == 0, err.decode()
         assert out.decode().split()[-1] == "RelayLeaseLostError", out.decode()
 
@@ -434,7 +444,8 @@ async def test_two_operators_retry_one_dead_letter(
             revived = [r for r in results if not isinstance(r, BaseException)]
             refused = [r for r in results if isinstance(r, BaseException)]
             assert len(revived) == 1, results
-            assert len(refused) == 1 and isinstance(refused[0], RecurringInvalidStateError)
+            assert len(refused) == 1
+            assert isinstance(refused[0], RecurringInvalidStateError)
             assert revived[0].state is OccurrenceState.PENDING
             assert revived[0].attempts == 0
             row = (await occurrence_rows(dsn, schema))[occurrence_id]
@@ -633,4 +644,111 @@ async def test_ten_tickers_on_one_namespace_never_materialize_twice(
     )
     assert sorted((r["definition_name"], r["n"]) for r in coalesced) == [("k0", 2), ("k1", 2)]
     assert await counters_match(dsn, schema) == 5 * 65 + 4
+    assert await idle_in_transaction(dsn, schema) == 0
+
+
+# --- the pool after its idle connections were all terminated ---------------------------
+
+_SUITE_TESTS = str(Path(__file__).resolve().parents[3] / "tests")
+
+
+@pytest.fixture
+async def fault_proxy(pg_dsn: str) -> AsyncIterator[Any]:
+    """The suite's fault-injecting TCP proxy (tests/faultproxy.py) to the test server."""
+    if _SUITE_TESTS not in sys.path:
+        sys.path.insert(0, _SUITE_TESTS)
+    proxy = importlib.import_module("faultproxy").FaultProxy.for_dsn(pg_dsn)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+async def test_all_idle_connections_terminated_next_calls_succeed(
+    pg_schema: tuple[str, str], clock: FakeClock, fault_proxy: Any
+) -> None:
+    """Every pooled backend terminated while idle; their sockets look open a while longer
+    (the FIN trails the FATAL message). The first dead connection found expires the whole
+    pool, so the very next two calls both succeed instead of meeting the other corpses."""
+    dsn, schema = pg_schema
+    await (
+        await PostgresRecurringStore.initialize(dsn, cfg(), Keyring(KEY), clock, schema=schema)
+    ).close()
+    store = await PostgresRecurringStore.connect(
+        fault_proxy.dsn(), cfg(), Keyring(KEY), clock, schema=schema
+    )
+    async with store:
+        await store.create(every_minute("m", START - timedelta(minutes=2)))
+        await asyncio.gather(*(store.schedules() for _ in range(4)))  # four open connections
+        assert len(fault_proxy.live_backend_pids) == 4
+        fault_proxy.delay_close(1.0)
+        [killed] = await sql(
+            dsn,
+            schema,
+            "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity"
+            " WHERE pid = ANY($1::int[])",
+            list(fault_proxy.live_backend_pids),
+        )
+        assert killed["n"] == 4
+        await asyncio.sleep(0.1)  # the FATAL messages arrive; the sockets still look open
+        assert [s.name for s in (await store.schedules()).items] == ["m"]
+        assert (await store.tick(10)).materialized == 2
+        fault_proxy.delay_close(0)
+    assert await counters_match(dsn, schema) == 2
+
+
+async def test_connection_lost_mid_transaction_expires_the_pool(
+    pg_schema: tuple[str, str], clock: FakeClock
+) -> None:
+    """A backend terminated inside a transaction expires the pool (its siblings are
+    replaced on their next use); an error the server answered, over a live link, does not."""
+    dsn, schema = pg_schema
+    async with await PostgresRecurringStore.initialize(
+        dsn, cfg(), Keyring(KEY), clock, schema=schema
+    ) as store:
+        await store.create(every_minute("m", START - timedelta(minutes=2)))
+        await asyncio.gather(*(store.schedules() for _ in range(4)))
+        pool = store._pool  # test-only peek at the private pool's generation
+        generation = pool._generation  # type: ignore[attr-defined]
+        fn = (
+            "CREATE OR REPLACE FUNCTION {s}.trap() RETURNS trigger LANGUAGE plpgsql AS $$"
+            " BEGIN %s; RETURN NULL; END $$"
+        )
+        await sql(dsn, schema, fn % "RAISE EXCEPTION 'refused by a trigger'")
+        await sql(
+            dsn, schema,
+            "CREATE TRIGGER trap AFTER INSERT ON {s}.recurring_occurrences"
+            " FOR EACH STATEMENT EXECUTE FUNCTION {s}.trap()",
+        )
+        # an error the server answered: the link is healthy, the pool is kept
+        with pytest.raises(RecurringStorageError, match="P0001"):
+            await store.tick(10)
+        assert pool._generation == generation  # type: ignore[attr-defined]
+        await sql(dsn, schema, fn % "PERFORM pg_sleep(6)")
+        # now terminate the backend while it sleeps inside the tick's transaction
+        tick = asyncio.create_task(store.tick(10))
+        pids: list[int] = []
+        for _ in range(100):
+            rows = await sql(
+                dsn, schema,
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'steeple-recurring'"
+                " AND state = 'active' AND position('INSERT INTO' in query) > 0"
+                " AND position($1 in query) > 0",
+                f'"{schema}"',
+            )
+            pids = [r["pid"] for r in rows]
+            if pids:
+                break
+            await asyncio.sleep(0.02)
+        assert len(pids) == 1
+        await sql(dsn, schema, "SELECT pg_terminate_backend($1)", pids[0])
+        with pytest.raises(RecurringStorageError) as info:
+            await tick
+        assert not isinstance(info.value, RecurringDeadlineError)
+        assert pool._generation == generation + 1  # type: ignore[attr-defined]
+        await sql(dsn, schema, "DROP TRIGGER trap ON {s}.recurring_occurrences")
+        assert (await store.tick(10)).materialized == 2
+        assert [s.name for s in (await store.schedules()).items] == ["m"]
+    assert await counters_match(dsn, schema) == 2
     assert await idle_in_transaction(dsn, schema) == 0

@@ -16,7 +16,14 @@ import asyncpg
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue.errors import UnfitDatabaseError
 
-__all__ = ["DB_ERRORS", "WorkerDb", "check_durable", "open_db"]
+__all__ = [
+    "DB_ERRORS",
+    "KEEPALIVE_SETTINGS",
+    "SERVER_SETTINGS",
+    "WorkerDb",
+    "check_durable",
+    "open_db",
+]
 
 T = TypeVar("T")
 
@@ -42,6 +49,30 @@ def _db_errors() -> tuple[type[BaseException], ...]:
 DB_ERRORS: Final = _db_errors()
 """What a broken, slow or refusing database raises through either driver."""
 
+
+KEEPALIVE_SETTINGS: Final[dict[str, str]] = {
+    # A client that goes silent mid-statement (a cut or blackholed network) leaves its
+    # backend "active" holding row locks, and no statement or idle timeout fires; only TCP
+    # notices, after ~2 h by default. Keepalives and a user timeout bound that to well
+    # under a minute, so a vanished worker's locks (and a held LISTEN) are released.
+    "tcp_keepalives_idle": "10",
+    "tcp_keepalives_interval": "5",
+    "tcp_keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+"""Server-side TCP keepalive settings for every queue connection."""
+
+SERVER_SETTINGS: Final[dict[str, str]] = {
+    **KEEPALIVE_SETTINGS,
+    "application_name": "steeple-queue",
+}
+"""``server_settings`` of the pools the worker opens itself."""
+
+# Applied to listener connections, which may come from a caller's pool (session-level:
+# asyncpg's reset on release and a psycopg connection's close undo them).
+_SET_KEEPALIVES: Final = "SELECT " + ", ".join(
+    f"set_config('{name}', '{value}', false)" for name, value in KEEPALIVE_SETTINGS.items()
+)
 
 _UNLISTEN_ERRORS: Final[tuple[type[BaseException], ...]] = (*DB_ERRORS, asyncio.CancelledError)
 
@@ -122,6 +153,7 @@ class _AsyncpgDb:
             conn.add_termination_listener(lambda _c: lost.set())
             # Named so operators (and tests) can tell the listener apart.
             await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
+            await conn.execute(_SET_KEEPALIVES)
             await conn.add_listener(channel, notified)
             on_notify("")  # anything enqueued while nobody was listening
             try:
@@ -132,7 +164,7 @@ class _AsyncpgDb:
                         async with asyncio.timeout(5.0):
                             await conn.execute("SELECT 1")
             finally:
-                if not conn.is_closed():
+                if not _is_closed(conn):
                     try:
                         async with asyncio.timeout(2.0):
                             await conn.remove_listener(channel, notified)
@@ -162,8 +194,21 @@ def _discard_if_unsure(conn: Any, exc: BaseException) -> None:
     in_sync = isinstance(exc, asyncpg.PostgresError) and not isinstance(
         exc, asyncpg.exceptions.QueryCanceledError
     )
-    if not in_sync and not conn.is_closed():
+    if not in_sync and not _is_closed(conn):
         conn.terminate()
+
+
+def _is_closed(conn: Any) -> bool:
+    """Whether ``conn`` is closed, or no longer ours to use (already back in the pool).
+
+    asyncpg's pool proxy raises ``InterfaceError`` on any call once it was released (a
+    pool closed or terminated under us does that): such a connection is not ours to
+    unlisten or terminate, and the error must not replace the one being handled.
+    """
+    try:
+        return bool(conn.is_closed())
+    except asyncpg.InterfaceError:
+        return True
 
 
 class _PsycopgDb:
@@ -191,6 +236,7 @@ class _PsycopgDb:
         kwargs["application_name"] = name[:63]
         # A dedicated connection: a pooled one would be reset (and unlistened) on return.
         async with await psycopg.AsyncConnection.connect(self._pool.conninfo, **kwargs) as conn:
+            await conn.execute(_SET_KEEPALIVES)
             await conn.execute(f'LISTEN "{channel}"')
             on_notify("")
             while not stop.is_set():

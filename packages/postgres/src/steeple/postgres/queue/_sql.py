@@ -48,6 +48,7 @@ class QueueSql:
     claim: str
     renew: str
     complete: str
+    completed_by: str
     retry: str
     fail: str
     release: str
@@ -119,6 +120,14 @@ WITH done AS (
     SELECT id, attempts, $3, 'succeeded', started_at, finished_at FROM done
 )
 SELECT id FROM done""",
+        # $1 ids[], $2 attempts[], $3 claim start times[], $4 worker id: which of these
+        # claims did complete (their token is gone; no later claim keeps attempt and start)
+        completed_by=f"""
+SELECT t.id FROM {s}.tasks t
+JOIN unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, attempt, started_at)
+  ON t.id = h.id
+WHERE t.state = 'succeeded' AND t.attempts = h.attempt AND t.started_at = h.started_at
+  AND t.worker_id = $4""",
         # $1 id, $2 token, $3 delay interval, $4 error, $5 worker id
         retry=f"""
 WITH done AS (

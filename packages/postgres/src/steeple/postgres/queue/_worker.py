@@ -36,7 +36,13 @@ from steeple.core.entropy import SystemRandom
 from steeple.core.ports import Clock, RandomSource
 from steeple.core.tasks import TaskEvent, TaskState, retry_decision, transition
 from steeple.postgres.queue import _driver, _metrics
-from steeple.postgres.queue._db import DB_ERRORS, WorkerDb, check_durable, open_db
+from steeple.postgres.queue._db import (
+    DB_ERRORS,
+    SERVER_SETTINGS,
+    WorkerDb,
+    check_durable,
+    open_db,
+)
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
 from steeple.postgres.queue._sql import queue_sql
 from steeple.postgres.queue.errors import (
@@ -128,7 +134,12 @@ class _Claimed:
     backoff: Backoff
     renew_at: float
     expires_at: float
+    # When this claim started (server time): with the attempt number it identifies the
+    # claim after completion cleared the token (see _confirm_completed).
+    started_at: datetime
     lost: bool = False
+    # A completion write for it failed with an unknown outcome (it may have committed).
+    unsure: bool = False
 
 
 @attrs.define
@@ -142,6 +153,7 @@ class WorkerStats:
     released: int = 0
     recovered: int = 0
     rejected_completions: int = 0
+    confirmed_completions: int = 0
     lease_lost: int = 0
     materialized: int = 0
 
@@ -330,6 +342,7 @@ class Scheduler:
                             min_size=2,
                             max_size=8,
                             max_inactive_connection_lifetime=60,
+                            server_settings=dict(SERVER_SETTINGS),
                         )
                     self._db = open_db(pool)
                 else:
@@ -496,6 +509,7 @@ class Scheduler:
             backoff=_backoff(b_init, b_max, b_factor, b_jitter),
             renew_at=now + lease_s / 3,
             expires_at=now + lease_s,
+            started_at=started_at,
         )
         attributes = {"task": name}
         inst.claimed.add(1, attributes)
@@ -628,6 +642,8 @@ class Scheduler:
                 except DB_ERRORS as exc:
                     self._db_ok = False
                     _log.warning("could not record %d completions: %s", len(batch), exc)
+                    for claimed in batch:
+                        claimed.unsure = True
                     self._completions[:0] = batch
                     if self._closing.is_set():
                         # Shutting down: the leases expire and the tasks are rerun elsewhere.
@@ -636,15 +652,49 @@ class Scheduler:
                     await asyncio.sleep(min(self._poll, 1.0))
                     continue
                 done = {r[0] for r in rows}
+                missed = [c for c in batch if c.ctx.task_id not in done]
+                confirmed = await self._confirm_completed([c for c in missed if c.unsure])
                 for claimed in batch:
                     if claimed.ctx.task_id in done:
                         self.stats.succeeded += 1
+                    elif claimed.ctx.task_id in confirmed:
+                        self.stats.succeeded += 1
+                        self.stats.confirmed_completions += 1
                     else:
                         self._fenced(claimed)
+                done |= confirmed
                 if done:
                     inst.succeeded.add(len(done), {"task": batch[0].ctx.task_name})
             if self._closing.is_set() and not self._completions:
                 return
+
+    async def _confirm_completed(self, unsure: list[_Claimed]) -> set[int]:
+        """Return the ids among ``unsure`` whose earlier completion write did commit.
+
+        A completion retried after an ambiguous failure (the connection cut after COMMIT was
+        sent) finds its token already cleared -- by itself. It is told apart from a fenced
+        one by the claim's identity: still succeeded, with this attempt number and this
+        claim's start time (any later claim changes both), so it is not a rejection.
+        """
+        if not unsure:
+            return set()
+        try:
+            rows = await self._require_db().fetch(
+                self._sql.completed_by,
+                [c.ctx.task_id for c in unsure],
+                [c.ctx.attempt for c in unsure],
+                [c.started_at for c in unsure],
+                self.worker_id,
+                timeout=self._timeout,
+            )
+        except DB_ERRORS as exc:
+            # Still unknown: report them as rejected (the handler may not assume success).
+            _log.warning("could not confirm %d completions: %s", len(unsure), exc)
+            return set()
+        confirmed = {r[0] for r in rows}
+        for task_id in sorted(confirmed):
+            _log.info("task %s: an earlier completion write had committed", task_id)
+        return confirmed
 
     async def _renew_forever(self) -> None:
         pool = self._require_db()

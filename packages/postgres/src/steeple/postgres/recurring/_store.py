@@ -98,6 +98,13 @@ _LINK_ERRORS = (
     OSError,
 )
 """Errors of a connection that is gone (as opposed to a server that answered)."""
+_SERVER_GONE = (
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.CannotConnectNowError,
+)
+"""Answers meaning the server ended (or is ending) the session: the link is dead too."""
 _ANSWERED = (RecurringError, RecurringRelayError, KeyringError, asyncpg.PostgresError)
 """Failures after which the link may still be alive (a PostgresConnectionError is not)."""
 _MS = str(int(limits.POOL_DEADLINE / timedelta(milliseconds=1)))
@@ -582,17 +589,30 @@ class PostgresRecurringStore:
         if self._closed:
             raise RecurringStorageError(f"{what}: the store is closed")
         deadline = asyncio.get_running_loop().time() + _CALL_DEADLINE
-        try:
-            return await self._attempt(what, body, deadline)
-        except _StaleConnection:
-            # A pooled connection died while idle (server restart, terminated backend);
-            # nothing was sent but BEGIN, so one more attempt on a fresh one is safe.
-            pass
-        try:
-            return await self._attempt(what, body, deadline)
-        except _StaleConnection as stale:
-            cause = stale.__cause__ or stale
-            raise _map_driver_error(cause, what) from cause
+        for retry in (False, True):
+            try:
+                return await self._attempt(what, body, deadline)
+            except _StaleConnection as stale:
+                # A pooled connection died while idle (server restart, terminated
+                # backend); nothing was sent but BEGIN, so one more attempt on a fresh
+                # one is safe.
+                await self._forget_connections()
+                if retry:
+                    cause = stale.__cause__ or stale
+                    raise _map_driver_error(cause, what) from cause
+            except RecurringStorageError as exc:
+                if isinstance(exc.__cause__, _LINK_ERRORS + _SERVER_GONE):
+                    await self._forget_connections()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _forget_connections(self) -> None:
+        # Whatever killed one pooled connection (a restart, an administrator terminating
+        # backends) has usually killed its idle siblings too, and their sockets can still
+        # look open. Expiring the pool makes each one reconnect on its next acquire
+        # instead of failing the next calls one corpse at a time.
+        # (It only bumps the pool's generation: nothing here waits on the network.)
+        await self._pool.expire_connections()
 
     async def _attempt(
         self, what: str, body: Callable[[_Tx], Awaitable[T]], deadline: float

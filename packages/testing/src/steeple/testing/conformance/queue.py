@@ -42,6 +42,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -232,9 +233,18 @@ class QueueConformance(RuleBasedStateMachine):
 
     # --- rules ---------------------------------------------------------------------------
 
-    # Mostly equal priorities: ties are where due-time order (and a retry's place) shows.
-    @rule(priority=st.sampled_from((0, 0, 0, 1, -1, 2, -2)), delayed=st.booleans())
+    @initialize(priorities=st.lists(st.sampled_from((0, 0, 1, -1)), min_size=2, max_size=6))
+    def some_due_work(self, priorities: list[int]) -> None:
+        """Start with a line of due work: ordering, retries and exhaustion need company."""
+        for priority in priorities:
+            self.enqueue(priority, False)
+
+    @rule(
+        priority=st.sampled_from((0, 0, 0, 1, -1, 2, -2)),
+        delayed=st.sampled_from((False, False, True)),
+    )
     def enqueue(self, priority: int, delayed: bool) -> None:
+        """Enqueue one task, due now or in an hour; mostly equal priorities (ties show order)."""
         task_id = self._run(
             self.driver.enqueue(priority=priority, delayed=delayed, max_attempts=MAX_ATTEMPTS)
         )
@@ -244,16 +254,15 @@ class QueueConformance(RuleBasedStateMachine):
 
     @rule(limit=st.integers(1, 3))
     def late_claim_does_nothing(self, limit: int) -> None:
-        # Delivered after its sender gave up (a held network): it must not take effect.
+        """Deliver a claim after its sender gave up (a held network): it takes nothing."""
         assert self._run(self.driver.late_claim(limit)) == []
 
     @rule(limit=st.integers(1, 3))
     def claim(self, limit: int) -> None:
+        """Claim the due pending tasks, highest priority first, then longest waiting."""
         claimed = self._run(self.driver.claim(limit))
         due = sorted(
-            (-t.priority, t.seq, i)
-            for i, t in self.model.items()
-            if t.state == "pending" and t.due
+            (-t.priority, t.seq, i) for i, t in self.model.items() if t.state == "pending" and t.due
         )
         expected = [i for _p, _s, i in due[:limit]]
         assert sorted(c.task_id for c in claimed) == sorted(expected)
@@ -268,6 +277,7 @@ class QueueConformance(RuleBasedStateMachine):
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def complete(self, data: st.DataObject) -> None:
+        """Complete with the current, a stale or a forged token: only the current one counts."""
         task_id = self._pick(data)
         task = self.model[task_id]
         token, current = self._token(task, data)
@@ -278,8 +288,9 @@ class QueueConformance(RuleBasedStateMachine):
             self._end_lease(task)
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), permanent=st.booleans())
+    @rule(data=st.data(), permanent=st.sampled_from((False, False, True)))
     def fail(self, data: st.DataObject, permanent: bool) -> None:
+        """Retry (due again now, behind the waiting) or fail for good, token-fenced."""
         task_id = self._pick(data)
         task = self.model[task_id]
         token, current = self._token(task, data)
@@ -297,6 +308,7 @@ class QueueConformance(RuleBasedStateMachine):
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def renew(self, data: st.DataObject) -> None:
+        """Renew with the current, a stale or a forged token: only the current one renews."""
         task_id = self._pick(data)
         task = self.model[task_id]
         token, current = self._token(task, data)
@@ -306,6 +318,7 @@ class QueueConformance(RuleBasedStateMachine):
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
+        """Cancel: reports the prior state; changes (and fences) only live work."""
         task_id = self._pick(data)
         task = self.model[task_id]
         before, changed = self._run(self.driver.cancel(task_id))
@@ -318,6 +331,7 @@ class QueueConformance(RuleBasedStateMachine):
     @precondition(lambda self: any(t.state == "running" for t in self.model.values()))
     @rule(data=st.data())
     def lease_expires(self, data: st.DataObject) -> None:
+        """Let a running task's lease lapse; recovery requeues or fails it."""
         task_id = data.draw(st.sampled_from(self._ids_in("running")))
         self._run(self.driver.expire_lease(task_id))
         recovered = self._run(self.driver.recover_expired())
@@ -329,6 +343,7 @@ class QueueConformance(RuleBasedStateMachine):
 
     @rule()
     def prune(self) -> None:
+        """Prune every terminal task."""
         count = self._run(self.driver.prune())
         terminal = self._ids_in(*TERMINAL)
         assert count == len(terminal)
@@ -339,6 +354,7 @@ class QueueConformance(RuleBasedStateMachine):
 
     @invariant()
     def stored_tasks_match_the_model(self) -> None:
+        """Every stored task has the model's state, attempts, lease and finish."""
         actual = self._run(self.driver.tasks())
         expected = {
             i: StoredTask(
@@ -353,6 +369,7 @@ class QueueConformance(RuleBasedStateMachine):
 
     @invariant()
     def history_belongs_to_live_tasks(self) -> None:
+        """No attempt history outlives its task."""
         assert self._run(self.driver.orphan_history()) == 0
 
 
