@@ -20,7 +20,12 @@ from steeple.postgres.queue import (
     install,
     run_state,
 )
-from steeple.postgres.queue._db import KEEPALIVE_SETTINGS, _discard_if_unsure, open_db
+from steeple.postgres.queue._db import (
+    KEEPALIVE_SETTINGS,
+    _discard_if_unsure,
+    _terminate,
+    open_db,
+)
 
 pytestmark = pytest.mark.postgres
 
@@ -107,6 +112,7 @@ async def test_discarding_a_released_connection_keeps_the_original_error(queue) 
         # Called from an `except CancelledError` path, it must neither raise nor close
         # a connection that now belongs to someone else.
         _discard_if_unsure(proxy, asyncio.CancelledError())
+        _terminate(proxy)
         async with pool.acquire() as again:
             assert await again.fetchval("SELECT 1") == 1
     finally:

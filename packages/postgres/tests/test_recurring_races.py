@@ -214,13 +214,15 @@ def process_state(pid: int) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["new-holder-first", "stale-first"])
 @pytest.mark.parametrize("point", ["claimed", "accepted"])
 async def test_sigstopped_worker_late_acknowledgement_is_rejected(
-    pg_schema: tuple[str, str], tmp_path: Path, point: str
+    pg_schema: tuple[str, str], tmp_path: Path, point: str, order: str
 ) -> None:
     """Stopped after its claim, or after the broker accepted but before the database
-    acknowledgement; another instance re-claims and publishes meanwhile; on SIGCONT the
-    stale worker is fenced out and the journal holds one copy under one key."""
+    acknowledgement; past its lease another instance re-claims (and publishes before or
+    after the SIGCONT). The stale worker is fenced out (RelayLeaseLostError), finalizes
+    nothing, and the journal holds one copy under the occurrence's one key."""
     dsn, schema = pg_schema
     keyring = Keyring(KEY)
     config = cfg(lease_duration=timedelta(seconds=1), delivery_window=timedelta(hours=1))
@@ -267,8 +269,9 @@ async def test_sigstopped_worker_late_acknowledgement_is_rejected(
             await asyncio.sleep(0.05)
         [lease] = fresh
         assert lease.revision == 2
-        receipt = await store.relay(lease, journal)
-        assert receipt.duplicate is (point == "accepted")
+        if order == "new-holder-first":
+            receipt = await store.relay(lease, journal)
+            assert receipt.duplicate is (point == "accepted")
 
         gate.touch()
         proc.send_signal(signal.SIGCONT)
@@ -282,9 +285,23 @@ async def test_sigstopped_worker_late_acknowledgement_is_rejected(
         assert out.decode().split()[-1] == "RelayLeaseLostError", out.decode()
 
         [row] = await sql(dsn, schema, "SELECT * FROM {s}.recurring_occurrences")
+        # the stale worker finalized nothing: not the new holder's lease, not its outcome
+        assert row["lease_revision"] == 2
+        if order == "stale-first":
+            assert row["state"] == "leased"
+            # The new holder finishes (re-claiming if its one-second lease lapsed meanwhile).
+            for _ in range(20):
+                try:
+                    receipt = await store.relay(lease, journal)
+                    break
+                except RelayLeaseLostError:
+                    while not (again := await store.claim(1)):
+                        await asyncio.sleep(0.05)
+                    [lease] = again
+            assert receipt.duplicate is (point == "accepted")
+            [row] = await sql(dsn, schema, "SELECT * FROM {s}.recurring_occurrences")
         assert row["state"] == "published"
         assert row["content"] is None
-        assert row["lease_revision"] == 2  # the stale worker changed nothing
         # The checker: one copy in the broker, under the key derived from the occurrence.
         assert journal_rows(journal_path) == [(expected_key(row), 0)]
         assert await idle_in_transaction(dsn, schema) == 0
@@ -343,6 +360,31 @@ async def test_cancel_while_publication_is_in_flight_keeps_it_cancelled(
     assert await idle_in_transaction(dsn, schema) == 0
 
 
+async def test_cancel_while_a_failing_publication_is_in_flight_records_no_retry(
+    store: PostgresRecurringStore, pg_schema: tuple[str, str], clock: FakeClock
+) -> None:
+    dsn, schema = pg_schema
+    await store.create(every_minute("d", START - timedelta(minutes=1)))
+    await store.tick(10)
+    [lease] = await store.claim(1)
+    broker = GatedBroker()
+    broker.inner.fail_next()
+    relay = asyncio.create_task(store.relay(lease, broker))
+    await asyncio.wait_for(broker.entered.wait(), 10)
+    async with await connect(pg_schema, clock) as operator:
+        await operator.cancel("d")
+    broker.release.set()
+    with pytest.raises(RelayBrokerError, match="cancelled meanwhile") as info:
+        await asyncio.wait_for(relay, 10)
+    assert not info.value.permanent
+    [row] = (await occurrence_rows(dsn, schema)).values()
+    assert (row["state"], row["content"]) == ("cancelled", None)  # no retry_wait, no dead
+    clock.advance(timedelta(minutes=10))
+    assert [i for i in await store.claim(10) if i.occurrence_id == lease.occurrence_id] == []
+    with pytest.raises(RecurringInvalidStateError):
+        await store.retry_failed(lease.occurrence_id)
+
+
 async def test_cancel_before_the_final_check_publishes_nothing(
     store: PostgresRecurringStore, clock: FakeClock, pg_schema: tuple[str, str]
 ) -> None:
@@ -364,7 +406,6 @@ async def test_cancel_racing_the_outcome_transaction(
     takes the control row first, the relay returns its receipt without error, the state is
     published or cancelled (never anything else), content is erased, one copy per key."""
     dsn, schema = pg_schema
-    outcomes: set[str] = set()
     async with await connect(pg_schema, clock) as operator:
         for i in range(8):
             name = f"d{i}"
@@ -384,9 +425,71 @@ async def test_cancel_racing_the_outcome_transaction(
             assert row["content"] is None
             assert receipt.idempotency_key == expected_key(row)
             assert broker.inner.keys() == [expected_key(row)]
-            outcomes.add(row["state"])
     assert await store.claim(10) == []
     assert await counters_match(dsn, schema) == 8
+    assert await idle_in_transaction(dsn, schema) == 0
+
+
+async def lock_waiters(dsn: str, schema: str) -> int:
+    """This test's store sessions waiting on a lock (the namespace's control row)."""
+    [row] = await sql(
+        dsn,
+        schema,
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE application_name ="
+        " 'steeple-recurring' AND wait_event_type = 'Lock' AND position($1 in query) > 0",
+        f'"{schema}"',
+    )
+    return int(row["n"])
+
+
+async def wait_for_waiters(dsn: str, schema: str, n: int) -> None:
+    for _ in range(250):
+        if await lock_waiters(dsn, schema) >= n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{n} sessions never queued on the control row")
+
+
+@pytest.mark.parametrize("first", ["outcome", "cancel"])
+async def test_cancel_and_relay_outcome_queued_in_either_order(
+    store: PostgresRecurringStore, pg_schema: tuple[str, str], clock: FakeClock, first: str
+) -> None:
+    """Both orders, made exact by queueing the two transactions behind a held control
+    row: outcome first leaves it published, cancel first leaves it cancelled; the relay
+    returns its receipt either way and the content is erased."""
+    dsn, schema = pg_schema
+    await store.create(every_minute("d", START - timedelta(minutes=1)))
+    await store.tick(10)
+    [lease] = await store.claim(1)
+    broker = GatedBroker()
+    relay = asyncio.create_task(store.relay(lease, broker))
+    await asyncio.wait_for(broker.entered.wait(), 10)
+    async with await connect(pg_schema, clock) as operator:
+        holder = await asyncpg.connect(dsn)
+        try:
+            tr = holder.transaction()
+            await tr.start()
+            await holder.execute(
+                f'SELECT 1 FROM "{schema}".recurring_namespaces FOR UPDATE'
+            )
+            cancel: asyncio.Task[Any] | None = None
+            for step in (first, "cancel" if first == "outcome" else "outcome"):
+                if step == "cancel":
+                    cancel = asyncio.create_task(operator.cancel("d"))
+                else:
+                    broker.release.set()  # the relay's outcome transaction queues
+                await wait_for_waiters(dsn, schema, 1 if step == first else 2)
+            await tr.rollback()
+        finally:
+            await holder.close()
+        assert cancel is not None
+        receipt, info = await asyncio.wait_for(asyncio.gather(relay, cancel), 10)
+    assert info.state == "cancelled"
+    [row] = (await occurrence_rows(dsn, schema)).values()
+    assert row["state"] == ("published" if first == "outcome" else "cancelled")
+    assert row["content"] is None
+    assert receipt.idempotency_key == expected_key(row)
+    assert broker.inner.keys() == [expected_key(row)]
     assert await idle_in_transaction(dsn, schema) == 0
 
 
@@ -515,6 +618,44 @@ async def test_clock_jump_catch_up_is_bounded_and_oldest_first(
     states = {r["id"]: r["state"] for r in (await occurrence_rows(dsn, schema)).values()}
     assert all(states[i] == "expired" for i in hour_rows)
     assert {states[lease.occurrence_id] for lease in leases} == {"leased"}
+
+
+async def test_clock_jump_across_a_namespace_is_oldest_first(
+    store: PostgresRecurringStore, pg_schema: tuple[str, str], clock: FakeClock
+) -> None:
+    """A day's jump over three definitions: each tick of 100 takes exactly the next 100
+    outstanding instants by (due time, name); the coalescing one contributes one."""
+    dsn, schema = pg_schema
+    await store.create(every_minute("c1", START))
+    await store.create(
+        RecurringDefinition(
+            "c2", "*/2 * * * *", START, MissedRunPolicy.CATCH_UP,
+            ScheduledMessage("races", "race.run", b"p"),
+        )
+    )
+    await store.create(every_minute("co", START, MissedRunPolicy.COALESCE))
+    clock.advance(timedelta(days=1))
+    first = START.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    minutes = [first + timedelta(minutes=i) for i in range(1440)]
+    expected = sorted(
+        [(d, "c1") for d in minutes]
+        + [(d, "c2") for d in minutes if d.minute % 2 == 0]
+        + [(first, "co")]
+    )
+    taken: list[tuple[datetime, str]] = []
+    while (result := await store.tick(100)).materialized > 0:
+        assert result.materialized == min(100, len(expected) - len(taken))
+        rows = await sql(
+            dsn, schema,
+            "SELECT due_at, definition_name FROM {s}.recurring_occurrences"
+            " WHERE id = ANY($1::text[])",
+            list(result.occurrence_ids),
+        )
+        batch = sorted((r["due_at"], r["definition_name"]) for r in rows)
+        assert batch == expected[len(taken):len(taken) + len(batch)]
+        taken.extend(batch)
+    assert taken == expected
+    assert await counters_match(dsn, schema) == 1440 + 720 + 1
 
 
 async def test_clock_jump_coalesce_emits_one(

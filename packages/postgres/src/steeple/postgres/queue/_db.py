@@ -129,14 +129,14 @@ class _AsyncpgDb:
                 if not done:
                     # Cancelling alone is not enough: a ROLLBACK on the way out would wait
                     # on the same dead socket. Closing the connection fails all its I/O.
-                    conn.terminate()
+                    _terminate(conn)
                     with contextlib.suppress(BaseException):
                         await asyncio.wait_for(work, 1.0)
                     raise TimeoutError(f"no answer within {timeout} s")
                 return work.result()
             except BaseException as exc:
                 if not work.done():
-                    conn.terminate()
+                    _terminate(conn)
                     work.cancel()
                 _discard_if_unsure(conn, exc)
                 raise
@@ -170,7 +170,7 @@ class _AsyncpgDb:
                             await conn.remove_listener(channel, notified)
                     except _UNLISTEN_ERRORS:
                         # Unreachable (or we are being cancelled): never pool it again.
-                        conn.terminate()
+                        _terminate(conn)
                         raise
         if lost.is_set() and not stop.is_set():
             raise ConnectionError("the listener connection was closed")
@@ -195,6 +195,12 @@ def _discard_if_unsure(conn: Any, exc: BaseException) -> None:
         exc, asyncpg.exceptions.QueryCanceledError
     )
     if not in_sync and not _is_closed(conn):
+        _terminate(conn)
+
+
+def _terminate(conn: Any) -> None:
+    """Close ``conn`` at once, unless it was already released to the pool (not ours)."""
+    with contextlib.suppress(asyncpg.InterfaceError):
         conn.terminate()
 
 

@@ -1,4 +1,5 @@
-"""Conformance suites: a recurring-store state machine and broker checks.
+"""Conformance suites: recurring-store and work-queue state machines, broker checks.
 
-Import the submodules (:mod:`.recurring`, :mod:`.brokers`); they need hypothesis.
+Import the submodules (:mod:`.recurring`, :mod:`.queue`, :mod:`.brokers`); they need
+hypothesis.
 """

@@ -5,7 +5,10 @@
 enqueue (immediate or delayed, with a priority), claim, a late claim whose sender already
 gave up, renew, complete, retry, permanent failure, cancel, lease expiry plus recovery,
 prune -- beside an independent model written from the contract (plain dicts; it shares
-no code with any implementation). After every step the stored tasks must equal the model:
+no code with any implementation). Each example starts with two to six due tasks of mostly
+equal priority, and operations favour running tasks and their current token, so orderings,
+retries, exhaustion and fencing are reached often. After every step the stored tasks must
+equal the model:
 
 - a claim takes exactly the due pending tasks, highest priority first, then oldest due
   (a retried task is due again *now*, behind everything already waiting), and counts an
