@@ -2,8 +2,8 @@
 
 RELIABILITY.md rows 13 (a SIGSTOPped relay worker's late acknowledgement), 18 (cancel
 racing relay completion; two operators retrying one dead letter), 19 (ten tickers on one
-namespace), 37 (the clock jumps an hour and a day) and the pool's recovery after its idle
-connections were all terminated.
+namespace), 37 (the clock jumps an hour and a day) and the pool's recovery after its
+connections died (every idle one terminated at once; one lost mid-transaction).
 """
 
 from __future__ import annotations
@@ -295,7 +295,9 @@ async def test_sigstopped_worker_late_acknowledgement_is_rejected(
                     receipt = await store.relay(lease, journal)
                     break
                 except RelayLeaseLostError:
-                    while not (again := await store.claim(1)):
+                    for _ in range(100):
+                        if again := await store.claim(1):
+                            break
                         await asyncio.sleep(0.05)
                     [lease] = again
             assert receipt.duplicate is (point == "accepted")
@@ -735,6 +737,39 @@ async def test_clock_jump_classifies_expired_windows_and_erases_content(
         await store.relay(by_id[leases[2].occurrence_id], broker)
     assert len(broker.published) == 1
     assert await counters_match(dsn, schema) == 6
+
+
+@pytest.mark.parametrize("classified", [False, True])
+async def test_clock_jumps_past_the_window_while_a_publication_is_in_flight(
+    store: PostgresRecurringStore, pg_schema: tuple[str, str], clock: FakeClock,
+    classified: bool,
+) -> None:
+    """The broker accepts, then the clock jumps a day (past the window) before the
+    outcome is recorded. Unclassified, the accepted publication is recorded; classified
+    expired first (by a listing), the stale lease cannot record it: a typed
+    RelayLeaseLostError. Either way one copy, content erased, a terminal state."""
+    dsn, schema = pg_schema
+    await store.create(every_minute("d", START - timedelta(minutes=1)))
+    await store.tick(10)
+    [lease] = await store.claim(1)
+    broker = GatedBroker()
+    relay = asyncio.create_task(store.relay(lease, broker))
+    await asyncio.wait_for(broker.entered.wait(), 10)
+    clock.advance(timedelta(days=1, minutes=1))
+    if classified:
+        [listed] = (await store.occurrences()).items
+        assert listed.state is OccurrenceState.EXPIRED
+    broker.release.set()
+    if classified:
+        with pytest.raises(RelayLeaseLostError, match="expired"):
+            await asyncio.wait_for(relay, 10)
+    else:
+        await asyncio.wait_for(relay, 10)
+    [row] = (await occurrence_rows(dsn, schema)).values()
+    assert row["state"] == ("expired" if classified else "published")
+    assert row["content"] is None
+    assert broker.inner.keys() == [expected_key(row)]
+    assert await store.claim(10) == []
 
 
 # --- row 19: ten concurrent tickers --------------------------------------------------------
