@@ -2,7 +2,7 @@
 
 ``faultproxy`` sits next to this file; test directories have no ``__init__.py`` and run
 with ``--import-mode=importlib``, so this directory is put on ``sys.path`` for the tests
-to ``import faultproxy`` (and ``faultprobe``) directly.
+to ``import faultproxy`` (and ``faultprobe``, ``recurring_fault_support``) directly.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ import pytest
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+# The queue's test helpers (``queue_support``) serve the queue fault tests here as well.
+_QUEUE_TESTS = str(Path(__file__).resolve().parent.parent / "packages" / "postgres" / "tests")
+if _QUEUE_TESTS not in sys.path:
+    sys.path.append(_QUEUE_TESTS)
 
 from faultproxy import FaultProxy  # noqa: E402
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +20,7 @@ import asyncpg
 import pytest
 
 import faultprobe
+import queue_support
 from faultproxy import FaultProxy
 from steeple.postgres.queue import (
     EnqueueOptions,
@@ -28,7 +30,6 @@ from steeple.postgres.queue import (
     Task,
     enqueue,
     enqueue_many,
-    install,
     run_state,
 )
 
@@ -40,25 +41,11 @@ WORK: Task[Any] = Task("fault.work")
 @pytest.fixture
 async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
     dsn, schema = pg_schema
-    conn = await asyncpg.connect(dsn, timeout=10)
-    await install(conn, schema=schema)
-    try:
+    async with queue_support.installed_queue(dsn, schema, connect_timeout=10) as conn:
         yield dsn, schema, conn
-    finally:
-        await conn.close()
 
 
-async def wait_until(predicate: Callable[[], Any], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if isinstance(value, Awaitable):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
+wait_until = functools.partial(queue_support.wait_until, timeout=15.0)
 
 
 async def listener_pids(dsn: str, proxy: FaultProxy, worker_id: str) -> list[int]:

@@ -9,7 +9,6 @@ backends is left idle in a transaction or holding a lock.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 
 import faultprobe
 from faultproxy import FaultProxy
+from recurring_fault_support import store_behind_proxy
 from steeple.core import (
     MissedRunPolicy,
     OccurrenceState,
@@ -74,20 +74,10 @@ class World:
 async def world(pg_schema: tuple[str, str], fault_proxy: FaultProxy) -> AsyncIterator[World]:
     dsn, schema = pg_schema
     clock = FakeClock(START)
-    deployer = await PostgresRecurringStore.initialize(dsn, CONFIG, KEYRING, clock, schema=schema)
-    await deployer.close()
-    store = await PostgresRecurringStore.connect(
-        fault_proxy.dsn(), CONFIG, KEYRING, clock, schema=schema
-    )
-    # a little latency spreads the cancellations over the transaction's awaits
-    fault_proxy.delay(0.002)
-    try:
+    async with store_behind_proxy(dsn, schema, fault_proxy, CONFIG, KEYRING, clock) as store:
+        # a little latency spreads the cancellations over the transaction's awaits
+        fault_proxy.delay(0.002)
         yield World(dsn, schema, fault_proxy, clock, store)
-    finally:
-        fault_proxy.pass_through()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(10):
-                await store.close()
 
 
 async def cancel_after(coro: Any, delay: float) -> Any:

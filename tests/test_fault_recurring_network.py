@@ -8,7 +8,6 @@ the backends that served the proxy's connections.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ import pytest
 
 import faultprobe
 from faultproxy import FaultProxy
+from recurring_fault_support import store_behind_proxy
 from steeple.core import (
     MissedRunPolicy,
     OccurrenceState,
@@ -132,19 +132,8 @@ class Net:
 async def net(pg_schema: tuple[str, str], fault_proxy: FaultProxy) -> AsyncIterator[Net]:
     dsn, schema = pg_schema
     clock = FakeClock(START)
-    deployer = await PostgresRecurringStore.initialize(dsn, CONFIG, KEYRING, clock, schema=schema)
-    await deployer.close()
-    store = await PostgresRecurringStore.connect(
-        fault_proxy.dsn(), CONFIG, KEYRING, clock, schema=schema
-    )
-    try:
+    async with store_behind_proxy(dsn, schema, fault_proxy, CONFIG, KEYRING, clock) as store:
         yield Net(dsn, schema, fault_proxy, clock, store)
-    finally:
-        fault_proxy.pass_through()
-        fault_proxy.disarm()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(10):
-                await store.close()
 
 
 async def bounded(awaitable: Any, bound: float = BOUND) -> tuple[Any, float]:

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import pytest
 
 import steeple.postgres.queue._worker as worker_module
+from queue_support import wait_until
 from steeple.postgres.queue import (
     JobContext,
     Scheduler,
     Task,
     cancel,
     enqueue,
-    install,
     run_state,
 )
 from steeple.postgres.queue._db import (
@@ -30,30 +28,6 @@ from steeple.postgres.queue._db import (
 pytestmark = pytest.mark.postgres
 
 PLAIN = Task("plain")
-
-
-@pytest.fixture
-async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
-    dsn, schema = pg_schema
-    conn = await asyncpg.connect(dsn)
-    await install(conn, schema=schema)
-    try:
-        yield dsn, schema, conn
-    finally:
-        await conn.close()
-
-
-async def wait_until(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 async def test_pools_the_worker_opens_carry_tcp_keepalives(queue) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -24,7 +23,6 @@ from steeple.postgres.queue import (
     enqueue_many,
     enqueue_many_sync,
     enqueue_sync,
-    install,
     run_state,
 )
 
@@ -44,17 +42,6 @@ class Report:
 SEND = Task("send-email", Email)
 REPORT = Task("report", Report)
 PLAIN = Task("plain")
-
-
-@pytest.fixture
-async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
-    dsn, schema = pg_schema
-    conn = await asyncpg.connect(dsn)
-    await install(conn, schema=schema)
-    try:
-        yield dsn, schema, conn
-    finally:
-        await conn.close()
 
 
 async def _count(conn: asyncpg.Connection, schema: str) -> int:

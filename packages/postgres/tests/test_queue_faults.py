@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
 import pytest
 
+from queue_support import wait_until
 from steeple.postgres.queue import (
     EnqueueOptions,
     Health,
@@ -21,35 +21,10 @@ from steeple.postgres.queue import (
     UnfitDatabaseError,
     enqueue,
     enqueue_many,
-    install,
     run_state,
 )
 
 PLAIN = Task("plain")
-
-
-@pytest.fixture
-async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
-    dsn, schema = pg_schema
-    conn = await asyncpg.connect(dsn)
-    await install(conn, schema=schema)
-    try:
-        yield dsn, schema, conn
-    finally:
-        await conn.close()
-
-
-async def wait_until(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 async def test_terminated_worker_connections_degrade_then_recover(queue) -> None:

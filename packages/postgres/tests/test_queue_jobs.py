@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,7 +19,6 @@ from steeple.postgres.queue import (
     QueueConfigurationError,
     Scheduler,
     Task,
-    install,
     jobs,
     run_state,
 )
@@ -29,17 +27,6 @@ from steeple.testing import FakeClock
 REPORT = Task("report")
 # An odd start, in the real past so materialized tasks are due at once in database time.
 START = datetime(2026, 3, 4, 5, 6, 7, 890_000, tzinfo=UTC)
-
-
-@pytest.fixture
-async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
-    dsn, schema = pg_schema
-    conn = await asyncpg.connect(dsn)
-    await install(conn, schema=schema)
-    try:
-        yield dsn, schema, conn
-    finally:
-        await conn.close()
 
 
 async def _tasks(conn: asyncpg.Connection, schema: str) -> list[asyncpg.Record]:

@@ -6,7 +6,6 @@ import asyncio
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator
 from datetime import timedelta
 
 import asyncpg
@@ -20,23 +19,11 @@ from steeple.postgres.queue import (
     cancel,
     enqueue,
     enqueue_many,
-    install,
     prune_terminal,
     run_state,
 )
 
 PLAIN = Task("plain")
-
-
-@pytest.fixture
-async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
-    dsn, schema = pg_schema
-    conn = await asyncpg.connect(dsn)
-    await install(conn, schema=schema)
-    try:
-        yield dsn, schema, conn
-    finally:
-        await conn.close()
 
 
 async def test_run_state_reports_without_args_or_credentials(queue) -> None:

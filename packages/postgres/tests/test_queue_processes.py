@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import signal
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+import queue_support
 from steeple.postgres.queue import (
     EnqueueOptions,
     JobContext,
@@ -23,7 +23,6 @@ from steeple.postgres.queue import (
     Task,
     enqueue,
     enqueue_many,
-    install,
     run_state,
 )
 
@@ -63,18 +62,16 @@ asyncio.run(main())
 
 
 @pytest.fixture
-async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
-    dsn, schema = pg_schema
-    conn = await asyncpg.connect(dsn)
-    await install(conn, schema=schema)
+async def queue(
+    queue: tuple[str, str, asyncpg.Connection],
+) -> tuple[str, str, asyncpg.Connection]:
+    """The shared ``queue`` (conftest.py) with a table the worker script logs executions to."""
+    _dsn, schema, conn = queue
     await conn.execute(
         f'CREATE TABLE "{schema}".executions (task_id bigint, run_id uuid, attempt int, '
         "worker_id text, UNIQUE (run_id, attempt))"
     )
-    try:
-        yield dsn, schema, conn
-    finally:
-        await conn.close()
+    return queue
 
 
 class WorkerProcess:
@@ -125,17 +122,7 @@ async def worker_process(tmp_path: Path, dsn: str, schema: str, worker_id: str):
             await worker.kill()
 
 
-async def wait_until(predicate: Callable[[], Any], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
+wait_until = functools.partial(queue_support.wait_until, interval=0.05)
 
 
 def in_process_worker(dsn: str, schema: str, worker_id: str) -> tuple[Scheduler, list[Any]]:

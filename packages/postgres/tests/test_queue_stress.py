@@ -25,14 +25,13 @@ import random
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 
 import asyncpg
 import pytest
 
-from steeple.postgres.queue import EnqueueOptions, Task, enqueue_many, install
+from steeple.postgres.queue import EnqueueOptions, Task, enqueue_many
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -74,20 +73,16 @@ asyncio.run(main())
 
 @pytest.fixture
 async def stress_queue(
-    pg_schema: tuple[str, str],
-) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
-    dsn, schema = pg_schema
-    conn = await asyncpg.connect(dsn)
-    await install(conn, schema=schema)
+    queue: tuple[str, str, asyncpg.Connection],
+) -> tuple[str, str, asyncpg.Connection]:
+    """The shared ``queue`` (conftest.py) with the execution log the workers write."""
+    _dsn, schema, conn = queue
     # No unique constraint: the checker, not the database, must find duplicates.
     await conn.execute(
         f'CREATE TABLE "{schema}".executions (task_id bigint NOT NULL, run_id uuid NOT NULL, '
         "attempt int NOT NULL, worker_id text NOT NULL)"
     )
-    try:
-        yield dsn, schema, conn
-    finally:
-        await conn.close()
+    return queue
 
 
 class Fleet:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
 import pytest
 
+import queue_support
 from steeple.core.backoff import Backoff
 from steeple.postgres.queue import (
     EnqueueOptions,
@@ -27,23 +29,11 @@ from steeple.postgres.queue import (
     cancel,
     enqueue,
     enqueue_many,
-    install,
     run_state,
 )
 
 PLAIN = Task("plain")
 OTHER = Task("other")
-
-
-@pytest.fixture
-async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
-    dsn, schema = pg_schema
-    conn = await asyncpg.connect(dsn)
-    await install(conn, schema=schema)
-    try:
-        yield dsn, schema, conn
-    finally:
-        await conn.close()
 
 
 @contextlib.asynccontextmanager
@@ -60,17 +50,7 @@ async def running(worker: Scheduler, drain_timeout: float = 10.0) -> AsyncIterat
         await asyncio.wait_for(task, 30)
 
 
-async def wait_until(predicate: Callable[[], Any], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if isinstance(value, Awaitable):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
+wait_until = functools.partial(queue_support.wait_until, timeout=15.0)
 
 
 def worker_for(dsn: str, schema: str, **kw: Any) -> Scheduler:

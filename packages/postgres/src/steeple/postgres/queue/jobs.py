@@ -107,6 +107,17 @@ def _calendar(cron: str, now: datetime) -> tuple[CronCalendar, datetime]:
     return calendar, following
 
 
+def _declaration(
+    name: str, schema: str, cron: str, clock: Clock | None
+) -> tuple[str, datetime, datetime]:
+    """Check a declared job's name, schema and calendar; the quoted schema, now, first run."""
+    _check_name(name, "job name")
+    s = validate_schema(schema)
+    now = (clock or SystemClock()).now()
+    _, following = _calendar(cron, now)
+    return s, now, following
+
+
 def _template(options: EnqueueOptions | None) -> EnqueueOptions:
     options = options or _DEFAULT_OPTIONS
     if options.run_at is not None or options.dedup_key is not None:
@@ -151,10 +162,7 @@ async def create(
         QueueConfigurationError: a bad name, a calendar that never fires, run_at/dedup_key.
         ArgsEncodingError: args that cannot be encoded.
     """
-    _check_name(name, "job name")
-    s = validate_schema(schema)
-    now = (clock or SystemClock()).now()
-    _, following = _calendar(cron, now)
+    s, now, following = _declaration(name, schema, cron, clock)
     rows = await _driver.fetch(
         conn,
         f"""INSERT INTO {s}.jobs (name, {_TEMPLATE}, cursor_at, next_run_at)
@@ -190,10 +198,7 @@ async def ensure_job(
         QueueConfigurationError: a bad name, a calendar that never fires, run_at/dedup_key.
         ArgsEncodingError: args that cannot be encoded.
     """
-    _check_name(name, "job name")
-    s = validate_schema(schema)
-    now = (clock or SystemClock()).now()
-    _, following = _calendar(cron, now)
+    s, now, following = _declaration(name, schema, cron, clock)
     rows = await _driver.fetch(
         conn,
         f"""INSERT INTO {s}.jobs AS j (name, {_TEMPLATE}, cursor_at, next_run_at)

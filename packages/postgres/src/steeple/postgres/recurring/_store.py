@@ -281,6 +281,18 @@ def _check_inputs(config: object, keyring: object, clock: object) -> None:
         raise RecurringConfigurationError("clock must implement the Clock protocol")
 
 
+def _check_open_args(
+    dsn: str, config: object, keyring: object, clock: object, schema: object
+) -> None:
+    # What initialize and connect both check before touching the network.
+    _check_inputs(config, keyring, clock)
+    _check_schema_name(schema)
+    try:
+        check_transport(dsn)
+    except DurabilityProblem as exc:
+        raise _problem(exc) from None
+
+
 def _seal_binding(sealer: Sealer, config: RecurringConfig) -> bytes:
     if isinstance(sealer, _BindingSealer):
         return sealer.seal_binding(config.fingerprint(), namespace=config.namespace)
@@ -423,12 +435,7 @@ class PostgresRecurringStore:
                 schema version.
             RecurringDeadlineError: a deadline passed.
         """
-        _check_inputs(config, keyring, clock)
-        _check_schema_name(schema)
-        try:
-            check_transport(dsn)
-        except DurabilityProblem as exc:
-            raise _problem(exc) from None
+        _check_open_args(dsn, config, keyring, clock, schema)
         try:
             async with asyncio.timeout(_CALL_DEADLINE):
                 conn = await asyncpg.connect(
@@ -478,12 +485,7 @@ class PostgresRecurringStore:
             RecurringDeadlineError: a deadline passed.
             RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
-        _check_inputs(config, keyring, clock)
-        _check_schema_name(schema)
-        try:
-            check_transport(dsn)
-        except DurabilityProblem as exc:
-            raise _problem(exc) from None
+        _check_open_args(dsn, config, keyring, clock, schema)
         try:
             async with asyncio.timeout(_CALL_DEADLINE):
                 pool = await asyncpg.create_pool(
