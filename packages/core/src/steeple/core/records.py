@@ -27,7 +27,7 @@ class Lease:
     occurrence_id: str
     expires_at: datetime
     revision: int
-    capability: bytes = attrs.field(eq=True)
+    capability: bytes
 
     def __repr__(self) -> str:
         return (
