@@ -48,8 +48,9 @@ def bootstrap() -> Path:
         rc = _run(_bin(VENV, "python"), "-m", "pip", "install", "-q", f"uv=={UV_VERSION}")
         if rc:
             sys.exit(rc)
-    rc = _run(uv, "sync", "--frozen", "--all-packages", "--all-extras",
-              "--python", _bin(VENV, "python"))
+    rc = _run(
+        uv, "sync", "--frozen", "--all-packages", "--all-extras", "--python", _bin(VENV, "python")
+    )
     if rc:
         sys.exit(rc)
     return uv
@@ -64,12 +65,33 @@ def core_only(uv: Path) -> int:
         if rc:
             return rc
     env["VIRTUAL_ENV"] = str(CORE_VENV)
-    rc = _run(uv, "pip", "install", "-q", "-e", "packages/core", "-e", "packages/testing",
-              "pytest", "pytest-asyncio", "pytest-timeout", "hypothesis", env=env)
+    rc = _run(
+        uv,
+        "pip",
+        "install",
+        "-q",
+        "-e",
+        "packages/core",
+        "-e",
+        "packages/testing",
+        "pytest",
+        "pytest-asyncio",
+        "pytest-timeout",
+        "hypothesis",
+        env=env,
+    )
     if rc:
         return rc
-    return _run(_bin(CORE_VENV, "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                "packages/core/tests", env=env)
+    return _run(
+        _bin(CORE_VENV, "python"),
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "packages/core/tests",
+        env=env,
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -18,7 +18,11 @@ PACKAGES = ["core", "keyring", "postgres", "brokers", "testing", "admin"]
 
 def _sync(session: nox.Session) -> None:
     session.run_install(
-        "uv", "sync", "--frozen", "--all-packages", "--all-extras",
+        "uv",
+        "sync",
+        "--frozen",
+        "--all-packages",
+        "--all-extras",
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
     )
 
@@ -44,8 +48,16 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def core(session: nox.Session) -> None:
     """Core's tests in an environment with no driver installed."""
-    session.install("-e", "packages/core", "-e", "packages/testing",
-                    "pytest", "pytest-asyncio", "pytest-timeout", "hypothesis")
+    session.install(
+        "-e",
+        "packages/core",
+        "-e",
+        "packages/testing",
+        "pytest",
+        "pytest-asyncio",
+        "pytest-timeout",
+        "hypothesis",
+    )
     session.run("pytest", "-p", "no:cacheprovider", "packages/core/tests", *session.posargs)
 
 

@@ -40,19 +40,22 @@ def _dsn() -> tuple[str, object | None]:
         return dsn, None
     import pgserver  # type: ignore[import-untyped]
 
-    server = pgserver.get_server(Path(tempfile.mkdtemp(prefix="steeple-bench-")),
-                                 cleanup_mode="delete")
+    server = pgserver.get_server(
+        Path(tempfile.mkdtemp(prefix="steeple-bench-")), cleanup_mode="delete"
+    )
     return server.get_uri(), server
 
 
 def _ms(samples: list[float]) -> str:
-    return f"{statistics.median(samples) * 1000:8.2f} ms (p90 " \
-           f"{sorted(samples)[int(len(samples) * 0.9) - 1] * 1000:.2f})"
+    return (
+        f"{statistics.median(samples) * 1000:8.2f} ms (p90 "
+        f"{sorted(samples)[int(len(samples) * 0.9) - 1] * 1000:.2f})"
+    )
 
 
-async def _raw_baselines(dsn: str, schema: str, rounds: int, payload: bytes) -> tuple[
-    list[float], list[float]
-]:
+async def _raw_baselines(
+    dsn: str, schema: str, rounds: int, payload: bytes
+) -> tuple[list[float], list[float]]:
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute(
@@ -68,9 +71,12 @@ async def _raw_baselines(dsn: str, schema: str, rounds: int, payload: bytes) -> 
             async with conn.transaction():
                 await conn.execute("SET LOCAL synchronous_commit = on")
                 await conn.execute(
-                    f'INSERT INTO "{schema}".raw_rows SELECT u.id, $1, $2, \'pending\', '
+                    f"INSERT INTO \"{schema}\".raw_rows SELECT u.id, $1, $2, 'pending', "
                     "u.content, $2 FROM unnest($3::text[], $4::bytea[]) AS u(id, content)",
-                    "definition", NOW, ids, contents,
+                    "definition",
+                    NOW,
+                    ids,
+                    contents,
                 )
             inserts.append(time.perf_counter() - started)
         updates: list[float] = []
@@ -80,7 +86,8 @@ async def _raw_baselines(dsn: str, schema: str, rounds: int, payload: bytes) -> 
                 async with conn.transaction():
                     await conn.execute(
                         f'UPDATE "{schema}".raw_rows SET state = $1 WHERE id = $2',
-                        state, f"{r:06d}{0:026d}",
+                        state,
+                        f"{r:06d}{0:026d}",
                     )
             updates.append(time.perf_counter() - started)
         return inserts, updates
@@ -101,8 +108,11 @@ async def main(ticks: int, relays: int) -> None:
         for i in range(100):
             await store.create(
                 RecurringDefinition(
-                    f"def-{i:03d}", "* * * * *", NOW - timedelta(days=2),
-                    MissedRunPolicy.CATCH_UP, ScheduledMessage("bench", "tick", payload),
+                    f"def-{i:03d}",
+                    "* * * * *",
+                    NOW - timedelta(days=2),
+                    MissedRunPolicy.CATCH_UP,
+                    ScheduledMessage("bench", "tick", payload),
                 )
             )
         for _ in range(3):  # warm the pool and the plans

@@ -42,7 +42,8 @@ async def sessions(dsn: str, pids: Iterable[int]) -> dict[int, str]:
 async def idle_in_transaction(dsn: str, pids: Iterable[int]) -> list[int]:
     """Pids among ``pids`` whose session sits idle inside a transaction."""
     return sorted(
-        pid for pid, state in (await sessions(dsn, pids)).items()
+        pid
+        for pid, state in (await sessions(dsn, pids)).items()
         if state.startswith("idle in transaction")
     )
 

@@ -558,9 +558,7 @@ class FaultProxy:
                         f"{self.upstream_host}/.s.PGSQL.{self.upstream_port}"
                     )
                 else:
-                    upstream = await asyncio.open_connection(
-                        self.upstream_host, self.upstream_port
-                    )
+                    upstream = await asyncio.open_connection(self.upstream_host, self.upstream_port)
             except OSError:
                 _abort(writer)
                 return

@@ -29,9 +29,7 @@ async def store_behind_proxy(
     """
     deployer = await PostgresRecurringStore.initialize(dsn, config, keyring, clock, schema=schema)
     await deployer.close()
-    store = await PostgresRecurringStore.connect(
-        proxy.dsn(), config, keyring, clock, schema=schema
-    )
+    store = await PostgresRecurringStore.connect(proxy.dsn(), config, keyring, clock, schema=schema)
     try:
         yield store
     finally:

@@ -42,11 +42,19 @@ DELAYS = [0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.08, 0.12, 0.2, 0.
 
 class World:
     def __init__(
-        self, dsn: str, schema: str, proxy: FaultProxy, clock: FakeClock,
+        self,
+        dsn: str,
+        schema: str,
+        proxy: FaultProxy,
+        clock: FakeClock,
         store: PostgresRecurringStore,
     ) -> None:
         self.dsn, self.schema, self.proxy, self.clock, self.store = (
-            dsn, schema, proxy, clock, store
+            dsn,
+            schema,
+            proxy,
+            clock,
+            store,
         )
 
     async def counts(self) -> dict[str, int]:

@@ -241,9 +241,7 @@ async def test_ambiguous_commit_on_initialize_converges(
     else:
         fault_proxy.cut_before_commit()
     first, _ = await bounded(
-        PostgresRecurringStore.initialize(
-            fault_proxy.dsn(), CONFIG, KEYRING, clock, schema=schema
-        )
+        PostgresRecurringStore.initialize(fault_proxy.dsn(), CONFIG, KEYRING, clock, schema=schema)
     )
     assert fault_proxy.commits_cut == 1
     assert isinstance(first, RecurringStorageError), first

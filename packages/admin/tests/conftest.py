@@ -79,16 +79,22 @@ async def seed_namespace(dsn: str, schema: str) -> Seeded:
             ("minutely", "* * * * *", MissedRunPolicy.CATCH_UP),
             ("five-minutely", "*/5 * * * *", MissedRunPolicy.COALESCE),
         ):
-            await store.create(RecurringDefinition(
-                name, cron, now - timedelta(minutes=10), policy,
-                ScheduledMessage("ops.events", "Tick", b'{"secret":"payload"}', {"h": "v"}),
-            ))
+            await store.create(
+                RecurringDefinition(
+                    name,
+                    cron,
+                    now - timedelta(minutes=10),
+                    policy,
+                    ScheduledMessage("ops.events", "Tick", b'{"secret":"payload"}', {"h": "v"}),
+                )
+            )
         await store.tick(100)
         broker = MemoryBroker()
         broker.fail_next(1, permanent=True)
         leases = await store.claim(100)
-        names = {o.occurrence_id: o.definition_name
-                 for o in (await store.occurrences(limit=100)).items}
+        names = {
+            o.occurrence_id: o.definition_name for o in (await store.occurrences(limit=100)).items
+        }
         # The permanent failure must hit a "minutely" occurrence (tests cancel the other).
         leases.sort(key=lambda lease: names[lease.occurrence_id] != "minutely")
         for lease in leases:
@@ -107,8 +113,9 @@ async def seed_namespace(dsn: str, schema: str) -> Seeded:
         task: queue.Task[Any] = queue.Task("send-report")
         task_ids = []
         for n in range(3):
-            enqueued = await queue.enqueue(conn, task, {"n": n}, queue.EnqueueOptions.immediate(),
-                                           schema=schema)
+            enqueued = await queue.enqueue(
+                conn, task, {"n": n}, queue.EnqueueOptions.immediate(), schema=schema
+            )
             task_ids.append(enqueued.id)
     finally:
         await conn.close()

@@ -56,7 +56,10 @@ async def live(seeded: Any) -> AsyncIterator[dict[str, Any]]:
     key_id, _, material = seeded.keys.partition(":")
     keyring = Keyring(StorageKey.from_base64(key_id, material))
     store = await PostgresRecurringStore.connect(
-        seeded.dsn, RecurringConfig("ops", 1000, 100_000), keyring, SystemClock(),
+        seeded.dsn,
+        RecurringConfig("ops", 1000, 100_000),
+        keyring,
+        SystemClock(),
         schema=seeded.schema,
     )
     pool = await asyncpg.create_pool(seeded.dsn, min_size=1, max_size=2)
@@ -89,16 +92,25 @@ def post_headers(token: str = CSRF) -> dict[str, str]:
 
 @pytest.mark.postgres
 async def test_without_authorize_everything_is_forbidden(live: dict[str, Any]) -> None:
-    app = create_admin_app(authorize=None, stores=live["stores"], tasks=live["tasks"],
-                           csrf_token=CSRF)
+    app = create_admin_app(
+        authorize=None, stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
     async with client(app) as http:
-        for path in ("/api/ops/schedules", "/api/ops/occurrences", "/api/ops/tasks",
-                     "/ui/ops", "/static/admin.css"):
+        for path in (
+            "/api/ops/schedules",
+            "/api/ops/occurrences",
+            "/api/ops/tasks",
+            "/ui/ops",
+            "/static/admin.css",
+        ):
             response = await http.get(path)
             assert response.status_code == 403, path
             assert_security_headers(response)
-        response = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
-                                   content=json.dumps({"name": "minutely"}))
+        response = await http.post(
+            "/api/ops/schedules/cancel",
+            headers=post_headers(),
+            content=json.dumps({"name": "minutely"}),
+        )
         assert response.status_code == 403
     # nothing was cancelled
     async with client(create_admin_app(authorize=Recorder(), stores=live["stores"])) as http:
@@ -111,8 +123,9 @@ async def test_a_refusing_authorize_is_asked_with_action_and_namespace(
     live: dict[str, Any],
 ) -> None:
     recorder = Recorder(allow="alice")
-    app = create_admin_app(authorize=recorder, stores=live["stores"], tasks=live["tasks"],
-                           csrf_token=CSRF)
+    app = create_admin_app(
+        authorize=recorder, stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
     async with client(app) as http:
         denied = await http.get("/api/ops/schedules", headers={"x-user": "mallory"})
         assert denied.status_code == 403
@@ -162,24 +175,29 @@ async def test_listings_are_metadata_only(live: dict[str, Any]) -> None:
 
 @pytest.mark.postgres
 async def test_state_changes_need_json_and_the_csrf_header(live: dict[str, Any]) -> None:
-    app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"],
-                           csrf_token=CSRF)
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
     body = json.dumps({"name": "minutely"})
     async with client(app) as http:
-        no_token = await http.post("/api/ops/schedules/cancel",
-                                   headers={"content-type": "application/json"}, content=body)
-        wrong = await http.post("/api/ops/schedules/cancel", headers=post_headers("x" * 26),
-                                content=body)
-        form = await http.post("/api/ops/schedules/cancel",
-                               headers={CSRF_HEADER: CSRF},
-                               data={"name": "minutely"})
+        no_token = await http.post(
+            "/api/ops/schedules/cancel", headers={"content-type": "application/json"}, content=body
+        )
+        wrong = await http.post(
+            "/api/ops/schedules/cancel", headers=post_headers("x" * 26), content=body
+        )
+        form = await http.post(
+            "/api/ops/schedules/cancel", headers={CSRF_HEADER: CSRF}, data={"name": "minutely"}
+        )
         text = await http.post(
             "/api/ops/schedules/cancel",
-            headers={CSRF_HEADER: CSRF, "content-type": "text/plain"}, content=body,
+            headers={CSRF_HEADER: CSRF, "content-type": "text/plain"},
+            content=body,
         )
         get = await http.get("/api/ops/schedules/cancel")
-        not_json = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
-                                   content="{nope")
+        not_json = await http.post(
+            "/api/ops/schedules/cancel", headers=post_headers(), content="{nope"
+        )
         still = await http.get("/api/ops/schedules")
     assert no_token.status_code == 403
     assert no_token.json()["error"] == "csrf"
@@ -194,37 +212,61 @@ async def test_state_changes_need_json_and_the_csrf_header(live: dict[str, Any])
 
     disabled = create_admin_app(authorize=Recorder(), stores=live["stores"])
     async with client(disabled) as http:
-        refused = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
-                                  content=body)
+        refused = await http.post("/api/ops/schedules/cancel", headers=post_headers(), content=body)
     assert refused.status_code == 403
 
 
 @pytest.mark.postgres
 async def test_cancel_retry_purge_and_task_cancel(live: dict[str, Any]) -> None:
     seeded = live["seeded"]
-    app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"],
-                           csrf_token=CSRF)
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
     async with client(app) as http:
-        cancelled = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
-                                    content=json.dumps({"name": "five-minutely"}))
-        unknown = await http.post("/api/ops/schedules/cancel", headers=post_headers(),
-                                  content=json.dumps({"name": "no-such"}))
-        retried = await http.post("/api/ops/occurrences/retry", headers=post_headers(),
-                                  content=json.dumps({"occurrence_id": seeded.dead_id}))
-        again = await http.post("/api/ops/occurrences/retry", headers=post_headers(),
-                                content=json.dumps({"occurrence_id": seeded.dead_id}))
-        purged = await http.post("/api/ops/occurrences/purge", headers=post_headers(),
-                                 content=json.dumps({"older_than_seconds": 0, "limit": 100}))
-        bad_purge = await http.post("/api/ops/occurrences/purge", headers=post_headers(),
-                                    content=json.dumps({"limit": 0}))
-        task_cancel = await http.post("/api/ops/tasks/cancel", headers=post_headers(),
-                                      content=json.dumps({"task_id": seeded.task_ids[0]}))
-        task_again = await http.post("/api/ops/tasks/cancel", headers=post_headers(),
-                                     content=json.dumps({"task_id": 999999}))
-        task_bad = await http.post("/api/ops/tasks/cancel", headers=post_headers(),
-                                   content=json.dumps({"task_id": "x"}))
-        tasks_purged = await http.post("/api/ops/tasks/purge", headers=post_headers(),
-                                       content=json.dumps({"older_than_seconds": 0}))
+        cancelled = await http.post(
+            "/api/ops/schedules/cancel",
+            headers=post_headers(),
+            content=json.dumps({"name": "five-minutely"}),
+        )
+        unknown = await http.post(
+            "/api/ops/schedules/cancel",
+            headers=post_headers(),
+            content=json.dumps({"name": "no-such"}),
+        )
+        retried = await http.post(
+            "/api/ops/occurrences/retry",
+            headers=post_headers(),
+            content=json.dumps({"occurrence_id": seeded.dead_id}),
+        )
+        again = await http.post(
+            "/api/ops/occurrences/retry",
+            headers=post_headers(),
+            content=json.dumps({"occurrence_id": seeded.dead_id}),
+        )
+        purged = await http.post(
+            "/api/ops/occurrences/purge",
+            headers=post_headers(),
+            content=json.dumps({"older_than_seconds": 0, "limit": 100}),
+        )
+        bad_purge = await http.post(
+            "/api/ops/occurrences/purge", headers=post_headers(), content=json.dumps({"limit": 0})
+        )
+        task_cancel = await http.post(
+            "/api/ops/tasks/cancel",
+            headers=post_headers(),
+            content=json.dumps({"task_id": seeded.task_ids[0]}),
+        )
+        task_again = await http.post(
+            "/api/ops/tasks/cancel", headers=post_headers(), content=json.dumps({"task_id": 999999})
+        )
+        task_bad = await http.post(
+            "/api/ops/tasks/cancel", headers=post_headers(), content=json.dumps({"task_id": "x"})
+        )
+        tasks_purged = await http.post(
+            "/api/ops/tasks/purge",
+            headers=post_headers(),
+            content=json.dumps({"older_than_seconds": 0}),
+        )
         occurrences = (await http.get("/api/ops/occurrences")).json()["items"]
         task = (await http.get(f"/api/ops/tasks/{seeded.task_ids[1]}")).json()
     assert cancelled.status_code == 200
@@ -275,10 +317,15 @@ async def test_in_memory_store_and_html_escaping() -> None:
 
     clock = FakeClock(datetime(2026, 3, 1, tzinfo=UTC))
     store = InMemoryRecurringStore(RecurringConfig("mem", 10, 100), clock)
-    await store.create(RecurringDefinition(
-        "<script>alert(1)</script>", "* * * * *", clock.now() - timedelta(minutes=3),
-        MissedRunPolicy.CATCH_UP, ScheduledMessage("t", "T", b"x"),
-    ))
+    await store.create(
+        RecurringDefinition(
+            "<script>alert(1)</script>",
+            "* * * * *",
+            clock.now() - timedelta(minutes=3),
+            MissedRunPolicy.CATCH_UP,
+            ScheduledMessage("t", "T", b"x"),
+        )
+    )
     await store.tick(100)
 
     async def stores(namespace: str) -> Any:
@@ -316,8 +363,9 @@ def test_short_csrf_token_is_refused() -> None:
 
 @pytest.mark.postgres
 async def test_token_app_of_admin_serve(live: dict[str, Any]) -> None:
-    app = token_app(token="t" * 20, namespace="ops", stores=live["stores"],
-                    tasks=live["tasks"], csrf_token=CSRF)
+    app = token_app(
+        token="t" * 20, namespace="ops", stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
     basic = base64.b64encode(b"admin:" + b"t" * 20).decode()
     async with client(app) as http:
         anonymous = await http.get("/ui/ops")
@@ -349,9 +397,12 @@ async def test_failures_keep_the_security_headers() -> None:
         return True
 
     outcomes = {}
-    for label, error in (("steeple", SteepleError("queue schema is not installed")),
-                         ("storage", RecurringStorageError("database down")),
-                         ("bug", RuntimeError("boom: secret detail"))):
+    for label, error in (
+        ("steeple", SteepleError("queue schema is not installed")),
+        ("storage", RecurringStorageError("database down")),
+        ("bug", RuntimeError("boom: secret detail")),
+    ):
+
         async def tasks(namespace: str, error: Exception = error) -> Any:
             return Broken(error)
 
@@ -401,8 +452,9 @@ async def test_dashboard_actions_post_what_the_buttons_carry(live: dict[str, Any
     import re
 
     seeded = live["seeded"]
-    app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"],
-                           csrf_token=CSRF)
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
     async with client(app) as http:
         page = await http.get("/ui/ops")
         script = await http.get("/static/admin.js")
@@ -416,7 +468,8 @@ async def test_dashboard_actions_post_what_the_buttons_carry(live: dict[str, Any
         retry = [(a, html_module.unescape(b)) for a, b in buttons if a == "occurrences/retry"]
         assert len(retry) == 1
         clicked = await http.post(
-            f"/api/ops/{retry[0][0]}", content=retry[0][1],
+            f"/api/ops/{retry[0][0]}",
+            content=retry[0][1],
             headers={"content-type": "application/json", CSRF_HEADER: token.group(1)},
         )
         after = await http.get("/ui/ops")

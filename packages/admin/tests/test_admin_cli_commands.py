@@ -79,12 +79,13 @@ async def test_initialize_grants_a_runtime_role(pg_schema: tuple[str, str]) -> N
         assert f"to role '{role}'" in result.stdout
         allowed = await conn.fetchval(
             "SELECT has_table_privilege($1, $2, 'SELECT')",
-            role, f'"{schema}".recurring_occurrences',
+            role,
+            f'"{schema}".recurring_occurrences',
         )
-        creates = await conn.fetchval("SELECT has_schema_privilege($1, $2, 'CREATE')",
-                                      role, schema)
-        missing = await ainvoke(["initialize", "--schema", schema, "--grant-to", "no_such_r0le"],
-                                env)
+        creates = await conn.fetchval("SELECT has_schema_privilege($1, $2, 'CREATE')", role, schema)
+        missing = await ainvoke(
+            ["initialize", "--schema", schema, "--grant-to", "no_such_r0le"], env
+        )
     finally:
         await conn.execute(f'DROP OWNED BY "{role}"')
         await conn.execute(f'DROP ROLE "{role}"')
@@ -100,8 +101,9 @@ async def test_connect_to_an_uninitialized_schema_says_to_initialize(
     pg_schema: tuple[str, str],
 ) -> None:
     dsn, schema = pg_schema
-    result = await ainvoke(["occurrences", "--dsn", dsn, "--schema", schema],
-                    {"STEEPLE_KEYS": fresh_key()})
+    result = await ainvoke(
+        ["occurrences", "--dsn", dsn, "--schema", schema], {"STEEPLE_KEYS": fresh_key()}
+    )
     assert result.exit_code == ExitCode.CONFIG
     assert "steeple initialize" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 2  # the error and what to do
@@ -192,14 +194,16 @@ async def test_keys_show_counts_sealed_records_per_key_id(seeded: Any) -> None:
     assert k1["role"] == "primary"
     # the binding, two definitions, and the occurrences that still hold content
     assert k1["records"] >= 3
-    rotated = await ainvoke(["keys", "show", "--json"],
-                            {**env, "STEEPLE_KEYS": f"{fresh_key('k2')},{seeded.keys}"})
+    rotated = await ainvoke(
+        ["keys", "show", "--json"], {**env, "STEEPLE_KEYS": f"{fresh_key('k2')},{seeded.keys}"}
+    )
     keys = {k["key_id"]: k for k in json.loads(rotated.stdout)["keys"]}
     assert keys["k2"]["role"] == "primary"
     assert keys["k2"]["records"] == 0
     assert keys["k1"] == {"key_id": "k1", "role": "previous", "records": k1["records"]}
-    lost = await ainvoke(["keys", "show"], {**env, "STEEPLE_KEYS": fresh_key("k2"),
-                                            "COLUMNS": "160"})
+    lost = await ainvoke(
+        ["keys", "show"], {**env, "STEEPLE_KEYS": fresh_key("k2"), "COLUMNS": "160"}
+    )
     assert lost.exit_code == 0
     assert "NOT CONFIGURED" in lost.stdout
     empty_schema = await ainvoke(["keys", "show", "--schema", "no_such_schema_x"], env)
@@ -218,8 +222,10 @@ async def test_worker_on_an_unmigrated_queue_says_to_migrate(
         "app = WorkerApp(tasks=[(Task('t'), handle)])\n"
     )
     monkeypatch.chdir(tmp_path)
-    result = await ainvoke(["worker", "--app", "unmigrated_app:app", "--dsn", dsn,
-                            "--queue-schema", schema], {"STEEPLE_KEYS": fresh_key()})
+    result = await ainvoke(
+        ["worker", "--app", "unmigrated_app:app", "--dsn", dsn, "--queue-schema", schema],
+        {"STEEPLE_KEYS": fresh_key()},
+    )
     assert result.exit_code == ExitCode.CONFIG, result.output
     assert "steeple migrate" in result.stderr
 
@@ -301,22 +307,24 @@ def test_usage_and_configuration_errors() -> None:
     assert bad_limit.exit_code == ExitCode.USAGE
     unknown = invoke(["schedules", "--frobnicate"])
     assert unknown.exit_code == ExitCode.USAGE
-    bad_lease = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db", "--lease", "1y"],
-                       keys)
+    bad_lease = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db", "--lease", "1y"], keys)
     assert bad_lease.exit_code == ExitCode.USAGE
-    bad_window = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db",
-                         "--delivery-window", "30d"], keys)
+    bad_window = invoke(
+        ["schedules", "--dsn", "postgresql://x@127.0.0.1/db", "--delivery-window", "30d"], keys
+    )
     assert bad_window.exit_code == ExitCode.CONFIG
     assert "7 days" in bad_window.stderr
-    bad_namespace = invoke(["schedules", "--dsn", "postgresql://x@127.0.0.1/db",
-                            "--namespace", "Bad Name"], keys)
+    bad_namespace = invoke(
+        ["schedules", "--dsn", "postgresql://x@127.0.0.1/db", "--namespace", "Bad Name"], keys
+    )
     assert bad_namespace.exit_code == ExitCode.CONFIG
     demo_duration = invoke(["demo", "--duration", "600"])
     assert demo_duration.exit_code == ExitCode.USAGE
     worker_ref = invoke(["worker", "--app", "nocolon", "--dsn", "postgresql://x@h/db"], keys)
     assert worker_ref.exit_code == ExitCode.USAGE
-    worker_missing = invoke(["worker", "--app", "no_such_module_x:app",
-                             "--dsn", "postgresql://x@h/db"], keys)
+    worker_missing = invoke(
+        ["worker", "--app", "no_such_module_x:app", "--dsn", "postgresql://x@h/db"], keys
+    )
     assert worker_missing.exit_code == ExitCode.CONFIG
     serve_no_token = invoke(["admin", "serve", "--dsn", "postgresql://x@h/db"], keys)
     assert serve_no_token.exit_code == ExitCode.CONFIG
@@ -324,17 +332,34 @@ def test_usage_and_configuration_errors() -> None:
 
 
 def test_unreachable_database_is_exit_4() -> None:
-    result = invoke(["schedules", "--dsn", "postgresql://postgres@127.0.0.1:1/test"],
-                    {"STEEPLE_KEYS": fresh_key()})
+    result = invoke(
+        ["schedules", "--dsn", "postgresql://postgres@127.0.0.1:1/test"],
+        {"STEEPLE_KEYS": fresh_key()},
+    )
     assert result.exit_code == ExitCode.UNAVAILABLE
     assert "PostgreSQL" in result.stderr or "connect" in result.stderr
 
 
 @pytest.mark.parametrize(
     "command",
-    [[], ["demo"], ["initialize"], ["migrate"], ["worker"], ["schedules"], ["occurrences"],
-     ["tasks"], ["cancel"], ["retry"], ["purge"], ["keys"], ["keys", "generate"],
-     ["keys", "show"], ["admin"], ["admin", "serve"]],
+    [
+        [],
+        ["demo"],
+        ["initialize"],
+        ["migrate"],
+        ["worker"],
+        ["schedules"],
+        ["occurrences"],
+        ["tasks"],
+        ["cancel"],
+        ["retry"],
+        ["purge"],
+        ["keys"],
+        ["keys", "generate"],
+        ["keys", "show"],
+        ["admin"],
+        ["admin", "serve"],
+    ],
 )
 def test_help_everywhere(command: list[str]) -> None:
     result = invoke([*command, "--help"])

@@ -35,8 +35,10 @@ def test_accelerated_clock_scales_elapsed_time() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.floats(min_value=-50, max_value=50, allow_nan=False), max_size=40),
-       st.floats(min_value=0.5, max_value=600))
+@given(
+    st.lists(st.floats(min_value=-50, max_value=50, allow_nan=False), max_size=40),
+    st.floats(min_value=0.5, max_value=600),
+)
 def test_accelerated_clock_never_goes_backwards(steps: list[float], speed: float) -> None:
     mono = Monotonic()
     clock = AcceleratedClock(START, speed, monotonic=mono)
@@ -58,8 +60,16 @@ def test_accelerated_clock_refuses_bad_input() -> None:
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("90", 90), ("30s", 30), ("5m", 300), ("2h", 7200), ("7d", 604800), ("1h30m", 5400),
-     ("250ms", 0.25), ("0s", 0)],
+    [
+        ("90", 90),
+        ("30s", 30),
+        ("5m", 300),
+        ("2h", 7200),
+        ("7d", 604800),
+        ("1h30m", 5400),
+        ("250ms", 0.25),
+        ("0s", 0),
+    ],
 )
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text, what="x") == timedelta(seconds=seconds)
@@ -93,8 +103,10 @@ async def test_worker_app_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert isinstance(await _resolve(load_worker_app("apps_for_test:ready")), WorkerApp)
     assert isinstance(await _resolve(load_worker_app("apps_for_test:factory")), WorkerApp)
-    for reference, code in (("apps_for_test:missing", ExitCode.CONFIG),
-                            ("apps_for_test", ExitCode.USAGE)):
+    for reference, code in (
+        ("apps_for_test:missing", ExitCode.CONFIG),
+        ("apps_for_test", ExitCode.USAGE),
+    ):
         with pytest.raises(CliError) as caught:
             load_worker_app(reference)
         assert caught.value.code == code

@@ -50,8 +50,8 @@ def decode_png(data: bytes) -> tuple[int, int, list[bytes], int]:
     pos, idat = 8, b""
     width = height = bpp = 0
     while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + length]
         if kind == b"IHDR":
             width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", body)
             assert depth == 8
@@ -68,7 +68,7 @@ def decode_png(data: bytes) -> tuple[int, int, list[bytes], int]:
     for y in range(height):
         start = y * (stride + 1)
         kind = raw[start]
-        line = bytearray(raw[start + 1:start + 1 + stride])
+        line = bytearray(raw[start + 1 : start + 1 + stride])
         for i in range(stride):
             left = line[i - bpp] if i >= bpp else 0
             up = previous[i]
@@ -107,10 +107,15 @@ def served() -> Iterator[str]:
 
     async def seed() -> None:
         for name in ("invoices", "digest"):
-            await store.create(RecurringDefinition(
-                name, "* * * * *", clock.now() - timedelta(minutes=OCCURRENCES // 2 + 1),
-                MissedRunPolicy.CATCH_UP, ScheduledMessage("billing", "Run", b"{}"),
-            ))
+            await store.create(
+                RecurringDefinition(
+                    name,
+                    "* * * * *",
+                    clock.now() - timedelta(minutes=OCCURRENCES // 2 + 1),
+                    MissedRunPolicy.CATCH_UP,
+                    ScheduledMessage("billing", "Run", b"{}"),
+                )
+            )
         await store.tick(OCCURRENCES)
 
     asyncio.run(seed())
@@ -142,22 +147,33 @@ def served() -> Iterator[str]:
 
 def test_dashboard_screenshot_shows_the_rows(served: str) -> None:
     browser = _chromium()
-    common = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-              "--no-first-run", "--disable-dev-shm-usage"]
+    common = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         profile = ["--user-data-dir=" + tmp]
         dom = subprocess.run(
             [browser, *common, *profile, "--dump-dom", served],
-            capture_output=True, text=True, timeout=90, check=False,
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
         )
         assert dom.returncode == 0, dom.stderr[-2000:]
         assert dom.stdout.count('class="row schedule"') == 2
         assert dom.stdout.count('class="row occurrence"') == OCCURRENCES
         shot = Path(tmp) / "dashboard.png"
         result = subprocess.run(
-            [browser, *common, *profile, "--window-size=1200,900",
-             f"--screenshot={shot}", served],
-            capture_output=True, text=True, timeout=90, check=False,
+            [browser, *common, *profile, "--window-size=1200,900", f"--screenshot={shot}", served],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
         )
         assert result.returncode == 0, result.stderr[-2000:]
         width, height, rows, bpp = decode_png(shot.read_bytes())

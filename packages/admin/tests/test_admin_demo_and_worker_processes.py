@@ -39,8 +39,12 @@ def _summary(stdout: str) -> dict[str, int]:
 async def _spawn(args: list[str], env: dict[str, str], cwd: Path) -> asyncio.subprocess.Process:
     """Start ``steeple ARGS`` with its output piped."""
     return await asyncio.create_subprocess_exec(
-        *STEEPLE, *args, env=env, cwd=cwd,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        *STEEPLE,
+        *args,
+        env=env,
+        cwd=cwd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
 
 
@@ -60,18 +64,32 @@ async def _reap(proc: asyncio.subprocess.Process) -> None:
 
 async def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> Any:
     return await asyncio.to_thread(
-        subprocess.run, [*STEEPLE, *args], env=env, cwd=cwd, capture_output=True, text=True,
-        timeout=timeout, check=False,
+        subprocess.run,
+        [*STEEPLE, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
 @pytest.mark.postgres
-async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path,
-                                drop_queue_schema: list[str]) -> None:
+async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str]) -> None:
     schema = f"demo_{uuid.uuid4().hex[:10]}"
     drop_queue_schema.extend([schema, f"{schema}_queue"])
-    args = ["demo", "--dsn", pg_dsn, "--schema", schema, "--duration", "8",
-            "--data-dir", str(tmp_path / "demo")]
+    args = [
+        "demo",
+        "--dsn",
+        pg_dsn,
+        "--schema",
+        schema,
+        "--duration",
+        "8",
+        "--data-dir",
+        str(tmp_path / "demo"),
+    ]
     started = time.monotonic()
     first = await _run(args, _env(), tmp_path, 60)
     took = time.monotonic() - started
@@ -95,16 +113,15 @@ async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path,
     assert (tmp_path / "demo" / "demo.key").stat().st_mode & 0o077 == 0
 
     # the data is kept: a second run reuses the key, the definitions and the clock
-    second = await _run([*args[:-2], "--duration", "3", "--data-dir", str(tmp_path / "demo")],
-                        _env(), tmp_path, 60)
+    second = await _run(
+        [*args[:-2], "--duration", "3", "--data-dir", str(tmp_path / "demo")], _env(), tmp_path, 60
+    )
     assert second.returncode == 0, second.stdout + second.stderr
     assert "kept from an earlier run" in second.stdout
     assert "using the DEMO key" in second.stdout
     conn = await asyncpg.connect(pg_dsn)
     try:
-        definitions = await conn.fetchval(
-            f'SELECT count(*) FROM "{schema}".recurring_definitions'
-        )
+        definitions = await conn.fetchval(f'SELECT count(*) FROM "{schema}".recurring_definitions')
     finally:
         await conn.close()
     assert definitions == 3
@@ -113,7 +130,8 @@ async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path,
     # over; SIGTERM (like the first Ctrl-C) ends the run early with its summary, exit 0.
     third = await _spawn(
         [*args[:-4], "--duration", "50", "--fresh", "--data-dir", str(tmp_path / "demo")],
-        _env(), tmp_path,
+        _env(),
+        tmp_path,
     )
     try:
         assert third.stdout is not None
@@ -155,14 +173,16 @@ async def test_demo_on_the_embedded_default(tmp_path: Path) -> None:
 async def _published(dsn: str, schema: str) -> int:
     conn = await asyncpg.connect(dsn)
     try:
-        return int(await conn.fetchval(
-            f"SELECT count(*) FROM \"{schema}\".recurring_occurrences WHERE state = 'published'"
-        ))
+        return int(
+            await conn.fetchval(
+                f"SELECT count(*) FROM \"{schema}\".recurring_occurrences WHERE state = 'published'"
+            )
+        )
     finally:
         await conn.close()
 
 
-WORKER_APP = '''
+WORKER_APP = """
 import asyncio
 from pathlib import Path
 from steeple.admin import WorkerApp
@@ -179,7 +199,7 @@ async def write_report(ctx, args):
 
 def make():
     return WorkerApp(broker=BROKER, tasks=[(report, write_report)], drain_timeout=5)
-'''
+"""
 
 
 @pytest.mark.postgres
@@ -199,14 +219,22 @@ async def test_worker_runs_tasks_and_relay_and_stops_on_sigterm(
     dsn, schema = pg_schema
     key = StorageKey.generate("k1")
     store = await PostgresRecurringStore.initialize(
-        dsn, RecurringConfig("default", 1000, 100_000), Keyring(key), SystemClock(),
+        dsn,
+        RecurringConfig("default", 1000, 100_000),
+        Keyring(key),
+        SystemClock(),
         schema=schema,
     )
     try:
-        await store.create(RecurringDefinition(
-            "minutely", "* * * * *", datetime.now(UTC) - timedelta(minutes=3),
-            MissedRunPolicy.CATCH_UP, ScheduledMessage("t", "T", b"{}"),
-        ))
+        await store.create(
+            RecurringDefinition(
+                "minutely",
+                "* * * * *",
+                datetime.now(UTC) - timedelta(minutes=3),
+                MissedRunPolicy.CATCH_UP,
+                ScheduledMessage("t", "T", b"{}"),
+            )
+        )
     finally:
         await store.close()
     conn = await asyncpg.connect(dsn)
@@ -217,16 +245,22 @@ async def test_worker_runs_tasks_and_relay_and_stops_on_sigterm(
     finally:
         await conn.close()
     (tmp_path / "myworker.py").write_text(textwrap.dedent(WORKER_APP))
-    env = _env(STEEPLE_KEYS=f"k1:{key.to_base64()}", STEEPLE_DATABASE_URL=dsn,
-               STEEPLE_SCHEMA=schema, STEEPLE_QUEUE_SCHEMA=schema)
+    env = _env(
+        STEEPLE_KEYS=f"k1:{key.to_base64()}",
+        STEEPLE_DATABASE_URL=dsn,
+        STEEPLE_SCHEMA=schema,
+        STEEPLE_QUEUE_SCHEMA=schema,
+    )
     proc = await _spawn(["worker", "--app", "myworker:make"], env, tmp_path)
     done = tmp_path / "done.txt"
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if done.exists() and len(done.read_text().split()) == 5 and await _published(
-                dsn, schema
-            ) >= 3:
+            if (
+                done.exists()
+                and len(done.read_text().split()) == 5
+                and await _published(dsn, schema) >= 3
+            ):
                 break
             await asyncio.sleep(0.2)
         _, raw_stderr = await _stop(proc)
@@ -247,7 +281,10 @@ async def test_worker_runs_tasks_and_relay_and_stops_on_sigterm(
         await conn.close()
     assert [r["state"] for r in states] == ["succeeded"]
     store = await PostgresRecurringStore.connect(
-        dsn, RecurringConfig("default", 1000, 100_000), Keyring(key), SystemClock(),
+        dsn,
+        RecurringConfig("default", 1000, 100_000),
+        Keyring(key),
+        SystemClock(),
         schema=schema,
     )
     try:
@@ -261,15 +298,27 @@ async def test_worker_runs_tasks_and_relay_and_stops_on_sigterm(
 
 def test_keys_never_travel_as_arguments() -> None:
     """There is no option that takes key material: only STEEPLE_KEYS or --keys-file."""
-    result = subprocess.run([*STEEPLE, "initialize", "--help"], capture_output=True, text=True,
-                            env=_env(), check=False, timeout=60)
+    result = subprocess.run(
+        [*STEEPLE, "initialize", "--help"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        check=False,
+        timeout=60,
+    )
     assert result.returncode == 0
     assert "--keys-file" in result.stdout
     assert "--key " not in result.stdout
     assert "--keys " not in result.stdout
     material = base64.b64encode(os.urandom(32)).decode()
-    bad = subprocess.run([*STEEPLE, "initialize", "--keys", f"k1:{material}"],
-                         capture_output=True, text=True, env=_env(), check=False, timeout=60)
+    bad = subprocess.run(
+        [*STEEPLE, "initialize", "--keys", f"k1:{material}"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        check=False,
+        timeout=60,
+    )
     assert bad.returncode == 2
 
 
@@ -283,8 +332,11 @@ async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Pa
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     token = "serve-token-0123456789"
-    env = {**seeded.env(), "STEEPLE_ADMIN_TOKEN": token,
-           "STEEPLE_ADMIN_CSRF_TOKEN": "csrf-token-0123456789"}
+    env = {
+        **seeded.env(),
+        "STEEPLE_ADMIN_TOKEN": token,
+        "STEEPLE_ADMIN_CSRF_TOKEN": "csrf-token-0123456789",
+    }
     proc = await _spawn(["admin", "serve", "--port", str(port)], env, tmp_path)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -301,11 +353,14 @@ async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Pa
             page = await http.get("/ui/ops", headers=bearer)
             tasks = await http.get("/api/ops/tasks", headers=bearer)
             cancel = await http.post(
-                "/api/ops/tasks/cancel", json={"task_id": seeded.task_ids[0]},
+                "/api/ops/tasks/cancel",
+                json={"task_id": seeded.task_ids[0]},
                 headers={**bearer, "X-Steeple-CSRF": "csrf-token-0123456789"},
             )
             forged = await http.post(
-                "/api/ops/tasks/cancel", json={"task_id": seeded.task_ids[1]}, headers=bearer,
+                "/api/ops/tasks/cancel",
+                json={"task_id": seeded.task_ids[1]},
+                headers=bearer,
             )
     finally:
         await _stop(proc, signal.SIGINT)

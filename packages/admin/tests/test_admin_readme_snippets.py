@@ -33,8 +33,13 @@ def test_readme_holds_every_snippet_verbatim() -> None:
 
 async def _run(name: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return await asyncio.to_thread(
-        subprocess.run, [sys.executable, str(SNIPPETS / name)], env=env, capture_output=True,
-        text=True, timeout=120, check=False,
+        subprocess.run,
+        [sys.executable, str(SNIPPETS / name)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
@@ -47,21 +52,21 @@ def _env(**extra: str) -> dict[str, str]:
 @pytest.mark.postgres
 async def test_recurring_tour_runs(pg_schema: tuple[str, str]) -> None:
     dsn, schema = pg_schema
-    result = await _run("recurring_tour.py",
-                        _env(STEEPLE_DATABASE_URL=dsn, STEEPLE_SCHEMA=schema))
+    result = await _run("recurring_tour.py", _env(STEEPLE_DATABASE_URL=dsn, STEEPLE_SCHEMA=schema))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "materialized 3"
     assert sum(line.startswith("published stp1-") for line in lines) == 3
-    assert lines.count("billing b'{\"batch\": \"eu\"}'") == 3
+    assert lines.count('billing b\'{"batch": "eu"}\'') == 3
     assert lines[-1] == "['published', 'published', 'published']"
 
 
 @pytest.mark.postgres
 async def test_queue_tour_runs(pg_schema: tuple[str, str]) -> None:
     dsn, schema = pg_schema
-    result = await _run("queue_tour.py",
-                        _env(STEEPLE_DATABASE_URL=dsn, STEEPLE_QUEUE_SCHEMA=schema))
+    result = await _run(
+        "queue_tour.py", _env(STEEPLE_DATABASE_URL=dsn, STEEPLE_QUEUE_SCHEMA=schema)
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     sent = sorted(line.split()[2] for line in lines if line.startswith("sent to"))

@@ -150,9 +150,7 @@ async def check_lost_ack(h: Harness) -> None:
     broker = await h.make_broker()
     key = new_key()
     lose_next_ack(broker)
-    expected: type[BaseException] = (
-        RelayAcknowledgementError if h.can_probe else BrokerTimeoutError
-    )
+    expected: type[BaseException] = RelayAcknowledgementError if h.can_probe else BrokerTimeoutError
     caught: BaseException | None = None
     try:
         await broker.publish(message(2), idempotency_key=key, timeout=3.0)

@@ -32,8 +32,9 @@ def build(kind: str, spec: dict[str, Any]) -> Any:
     if kind == "nats":
         from steeple.brokers.nats import JetStreamBroker
 
-        return JetStreamBroker(spec["url"], stream=spec["stream"], subject=spec["subject"],
-                               manage_stream=True)
+        return JetStreamBroker(
+            spec["url"], stream=spec["stream"], subject=spec["subject"], manage_stream=True
+        )
     if kind == "redis":
         from steeple.brokers.redis import RedisStreamBroker
 
@@ -43,8 +44,7 @@ def build(kind: str, spec: dict[str, Any]) -> Any:
 
 async def main(dsn: str, schema: str, namespace: str, kind: str, spec: dict[str, Any]) -> None:
     config = RecurringConfig(namespace, 100, 1000, lease_duration=timedelta(seconds=2))
-    store = await PostgresRecurringStore.connect(dsn, config, KEYRING, SystemClock(),
-                                                 schema=schema)
+    store = await PostgresRecurringStore.connect(dsn, config, KEYRING, SystemClock(), schema=schema)
     broker = build(kind, spec)
     original = broker._transmit
 

@@ -111,8 +111,7 @@ class NatsDestination(Destination):
         return {"url": self.url, "stream": self.stream, "subject": self.subject}
 
     async def make_broker(self) -> JetStreamBroker:
-        b = JetStreamBroker(self.url, stream=self.stream, subject=self.subject,
-                            manage_stream=True)
+        b = JetStreamBroker(self.url, stream=self.stream, subject=self.subject, manage_stream=True)
         return await start_kept(self.brokers, b)
 
     async def consume(self) -> list[tuple[str, ScheduledMessage]]:
@@ -254,7 +253,6 @@ async def _until(predicate: Callable[[], Awaitable[bool]], within: float) -> Non
         await asyncio.sleep(0.2)
 
 
-
 async def _relay_until_published(
     destination: Destination, dsn: str, schema: str, config: RecurringConfig, clock: SystemClock
 ) -> Sequence[OccurrenceInfo]:
@@ -273,6 +271,7 @@ async def _relay_until_published(
         return (await store.occurrences(limit=100)).items
     finally:
         await store.close()
+
 
 @pytest.mark.parametrize(
     "destination", ["sqlite", "nats", "redis", "rabbitmq", "queue"], indirect=True
@@ -343,9 +342,11 @@ async def test_a_message_over_the_server_limit_is_a_dead_letter_not_endless_retr
     clock = SystemClock()
     big = ScheduledMessage("reminders", "reminder.requested", b"x" * 2000)
     definition = RecurringDefinition(
-        "big-v1", "* * * * *",
+        "big-v1",
+        "* * * * *",
         clock.now().replace(second=0, microsecond=0) - timedelta(minutes=1),
-        MissedRunPolicy.CATCH_UP, big,
+        MissedRunPolicy.CATCH_UP,
+        big,
     )
     store = await PostgresRecurringStore.initialize(dsn, config, KEYRING, clock, schema=schema)
     broker = JetStreamBroker(server.url, stream="BIG", subject="big.one", manage_stream=True)
@@ -377,9 +378,11 @@ async def test_worker_killed_after_the_broker_accepted_then_a_new_worker_finishe
     clock = SystemClock()
     message = ScheduledMessage("reminders", "reminder.requested", b"kill -9")
     definition = RecurringDefinition(
-        "killed-v1", "* * * * *",
+        "killed-v1",
+        "* * * * *",
         clock.now().replace(second=0, microsecond=0) - timedelta(minutes=3),
-        MissedRunPolicy.CATCH_UP, message,
+        MissedRunPolicy.CATCH_UP,
+        message,
     )
     store = await PostgresRecurringStore.initialize(dsn, config, KEYRING, clock, schema=schema)
     try:
@@ -389,16 +392,19 @@ async def test_worker_killed_after_the_broker_accepted_then_a_new_worker_finishe
         await store.close()
 
     worker = await asyncio.create_subprocess_exec(
-        sys.executable, str(Path(__file__).parent / "journey_worker.py"),
-        dsn, schema, namespace, destination.name, json.dumps(destination.spec()),
+        sys.executable,
+        str(Path(__file__).parent / "journey_worker.py"),
+        dsn,
+        schema,
+        namespace,
+        destination.name,
+        json.dumps(destination.spec()),
         stdout=asyncio.subprocess.PIPE,
     )
     try:
         assert worker.stdout is not None
         async with asyncio.timeout(60):
-            while not (line := (await worker.stdout.readline()).decode()).startswith(
-                "accepted"
-            ):
+            while not (line := (await worker.stdout.readline()).decode()).startswith("accepted"):
                 assert line, "the worker exited before the broker accepted"
     finally:
         worker.kill()  # SIGKILL: the store never learns about the publication

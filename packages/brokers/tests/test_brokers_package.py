@@ -130,6 +130,10 @@ async def test_guarded_publish_timeout_and_unreachable_probe() -> None:
 
     with pytest.raises(BrokerTimeoutError, match="nothing was sent"):
         await publish_guarded(
-            broker="x", key="k", timeout=0.1, transmit=transmit, probe=nothing,
+            broker="x",
+            key="k",
+            timeout=0.1,
+            transmit=transmit,
+            probe=nothing,
             prepare=slow_prepare,
         )

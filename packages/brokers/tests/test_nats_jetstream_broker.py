@@ -61,7 +61,11 @@ class NatsHarness(ProxiedHarness):
     can_probe = True
 
     def __init__(
-        self, url: str, proxy: TcpProxy, *, server: PrivateNats | None = None,
+        self,
+        url: str,
+        proxy: TcpProxy,
+        *,
+        server: PrivateNats | None = None,
         max_message_bytes: int | None = 4096,
     ) -> None:
         super().__init__(proxy)
@@ -73,8 +77,11 @@ class NatsHarness(ProxiedHarness):
 
     async def make_broker(self) -> JetStreamBroker:
         b = JetStreamBroker(
-            self.proxy.url("nats"), stream=self.stream, subject=self.subject,
-            manage_stream=True, max_message_bytes=self.max_bytes,
+            self.proxy.url("nats"),
+            stream=self.stream,
+            subject=self.subject,
+            manage_stream=True,
+            max_message_bytes=self.max_bytes,
         )
         return await start_kept(self.brokers, b)
 
@@ -221,7 +228,10 @@ async def test_short_duplicate_window_is_refused_or_raised(nats_url: str) -> Non
         assert "0:02:00" in str(info.value)
         await strict.close()
         managed = JetStreamBroker(
-            nats_url, stream=stream, subject=subject, manage_stream=True,
+            nats_url,
+            stream=stream,
+            subject=subject,
+            manage_stream=True,
             required_window=timedelta(days=2),
         )
         async with managed:

@@ -64,15 +64,14 @@ class RabbitHarness(ProxiedHarness):
 
     async def make_broker(self) -> RabbitMQBroker:
         b = RabbitMQBroker(
-            self.proxy.url("amqp", "guest:guest@", "/"), routing_key=self.queue,
+            self.proxy.url("amqp", "guest:guest@", "/"),
+            routing_key=self.queue,
             max_message_bytes=4096,
         )
         return await start_kept(self.brokers, b)
 
     async def drain(self) -> list[tuple[str, ScheduledMessage]]:
-        out = await drain_deliveries(
-            lambda: self.deduping.fetch(100), self.deduping.acknowledge
-        )
+        out = await drain_deliveries(lambda: self.deduping.fetch(100), self.deduping.acknowledge)
         # Copies dropped by the consumer-side dedup were acknowledged too.
         assert await self.consumer.fetch(1) == []
         return out
@@ -225,9 +224,7 @@ class _ListConsumer:
     """A consumer over a fixed list of deliveries, recording acknowledgements."""
 
     def __init__(self, keys: list[str]) -> None:
-        self.pending = [
-            Delivery(str(i), k, message(0)) for i, k in enumerate(keys)
-        ]
+        self.pending = [Delivery(str(i), k, message(0)) for i, k in enumerate(keys)]
         self.acked: list[str] = []
 
     async def fetch(self, limit: int = 10) -> list[Delivery]:

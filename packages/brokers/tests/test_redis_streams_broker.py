@@ -57,7 +57,8 @@ class RedisHarness(ProxiedHarness):
     async def make_broker(self) -> RedisStreamBroker:
         b = RedisStreamBroker(
             self.proxy.url("redis", "default:s3cr3t-pw@", "/0"),
-            stream=self.stream, max_message_bytes=4096,
+            stream=self.stream,
+            max_message_bytes=4096,
         )
         return await start_kept(self.brokers, b)
 
@@ -148,7 +149,9 @@ async def test_persistence_is_checked_and_reported(
 def test_ttl_shorter_than_the_delivery_window_is_refused() -> None:
     with pytest.raises(BrokerConfigurationError, match="dedup_ttl"):
         RedisStreamBroker(
-            "redis://127.0.0.1/0", stream="s", dedup_ttl=timedelta(hours=1),
+            "redis://127.0.0.1/0",
+            stream="s",
+            dedup_ttl=timedelta(hours=1),
             required_window=timedelta(days=1),
         )
 
@@ -175,7 +178,9 @@ async def test_after_the_marker_expires_the_key_is_forgotten(
 ) -> None:
     # The documented end of the promise: past dedup_ttl a republication is a new entry.
     broker = RedisStreamBroker(
-        harness.url, stream=harness.stream, dedup_ttl=timedelta(milliseconds=300),
+        harness.url,
+        stream=harness.stream,
+        dedup_ttl=timedelta(milliseconds=300),
         required_window=timedelta(milliseconds=300),
     )
     harness.brokers.append(broker)
@@ -188,9 +193,7 @@ async def test_after_the_marker_expires_the_key_is_forgotten(
 
 
 async def test_concurrent_relays_on_one_key_store_one_entry(harness: RedisHarness) -> None:
-    brokers = [
-        RedisStreamBroker(harness.url, stream=harness.stream) for _ in range(4)
-    ]
+    brokers = [RedisStreamBroker(harness.url, stream=harness.stream) for _ in range(4)]
     harness.brokers.extend(brokers)
     key = new_key()
     receipts = await asyncio.gather(
@@ -208,7 +211,10 @@ async def test_consumer_redelivers_after_the_visibility_timeout(
     key = new_key()
     await broker.publish(message(1), idempotency_key=key, timeout=5)
     async with RedisStreamConsumer(
-        harness.url, stream=harness.stream, group="workers", consumer="a",
+        harness.url,
+        stream=harness.stream,
+        group="workers",
+        consumer="a",
         visibility_timeout=timedelta(milliseconds=200),
     ) as a:
         [first] = await a.fetch(10)

@@ -154,8 +154,10 @@ async def test_content_is_bound_to_the_key_and_the_journal_key(tmp_path: Path) -
             await j.fetch(10)
     # Content moved to another key's row fails too (identity = idempotency key).
     conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("INSERT INTO steeple_journal (idempotency_key, sealed, published_at, visible_at)"
-                 " SELECT 'k-2', sealed, 0, 0 FROM steeple_journal WHERE idempotency_key='k-1'")
+    conn.execute(
+        "INSERT INTO steeple_journal (idempotency_key, sealed, published_at, visible_at)"
+        " SELECT 'k-2', sealed, 0, 0 FROM steeple_journal WHERE idempotency_key='k-1'"
+    )
     conn.execute("UPDATE steeple_journal SET acknowledged_at = 1 WHERE idempotency_key='k-1'")
     conn.close()
     async with SqliteJournalBroker(path, Keyring(KEY)) as j:
@@ -190,7 +192,10 @@ async def test_dedup_lasts_for_the_retention_then_purge_forgets(tmp_path: Path) 
     clock = StepClock()
     retention = timedelta(days=1)
     async with SqliteJournalBroker(
-        tmp_path / "j.db", Keyring(KEY), clock=clock, dedup_retention=retention,
+        tmp_path / "j.db",
+        Keyring(KEY),
+        clock=clock,
+        dedup_retention=retention,
         required_window=retention,
     ) as j:
         acked, unacked = new_key(), new_key()
@@ -212,7 +217,9 @@ async def test_dedup_lasts_for_the_retention_then_purge_forgets(tmp_path: Path) 
 def test_retention_shorter_than_the_delivery_window_is_refused(tmp_path: Path) -> None:
     with pytest.raises(BrokerConfigurationError, match="shorter than the delivery window"):
         SqliteJournalBroker(
-            tmp_path / "j.db", Keyring(KEY), dedup_retention=timedelta(hours=23),
+            tmp_path / "j.db",
+            Keyring(KEY),
+            dedup_retention=timedelta(hours=23),
             required_window=timedelta(days=1),
         )
     with pytest.raises(ConfigurationError):
@@ -355,9 +362,7 @@ async def test_kill_dash_nine_mid_write_loses_nothing_acknowledged(tmp_path: Pat
 async def test_cancelled_publish_leaves_the_connection_clean(
     journal: SqliteJournalBroker,
 ) -> None:
-    task = asyncio.create_task(
-        journal.publish(message(1), idempotency_key="cancelled", timeout=5)
-    )
+    task = asyncio.create_task(journal.publish(message(1), idempotency_key="cancelled", timeout=5))
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -380,8 +385,11 @@ async def test_two_journals_on_one_file_racing_on_one_key_store_one_row(tmp_path
     try:
         key = new_key()
         receipts = await asyncio.gather(
-            *(j.publish(message(1), idempotency_key=key, timeout=10) for j in journals
-              for _ in range(5))
+            *(
+                j.publish(message(1), idempotency_key=key, timeout=10)
+                for j in journals
+                for _ in range(5)
+            )
         )
         assert sum(not r.duplicate for r in receipts) == 1
         assert len({r.location for r in receipts}) == 1

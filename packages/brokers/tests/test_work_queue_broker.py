@@ -51,7 +51,9 @@ class QueueHarness(ProxiedHarness):
 
     async def make_broker(self) -> WorkQueueBroker:
         b = WorkQueueBroker(
-            _via(self.dsn, self.proxy.port), schema=self.schema, max_message_bytes=4096,
+            _via(self.dsn, self.proxy.port),
+            schema=self.schema,
+            max_message_bytes=4096,
             connect_timeout=2.0,
         )
         self.brokers.append(b)
@@ -63,7 +65,6 @@ class QueueHarness(ProxiedHarness):
 
     def secrets_in_config(self) -> list[str]:
         return []
-
 
 
 @pytest.fixture
@@ -126,8 +127,9 @@ async def test_a_real_worker_runs_each_relayed_message_once(harness: QueueHarnes
         if len(ran) >= 3:
             stop.set()
 
-    worker = Scheduler(harness.dsn, worker_id="relay-check", schema=harness.schema,
-                       poll_interval=0.1, listen=False)
+    worker = Scheduler(
+        harness.dsn, worker_id="relay-check", schema=harness.schema, poll_interval=0.1, listen=False
+    )
     worker.register(Task("reminder.requested"), handle)
     await asyncio.wait_for(worker.run_until_shutdown(stop, drain_timeout=5), 60)
     assert sorted(ran) == sorted(keys)
@@ -150,7 +152,9 @@ async def test_ledger_window_and_purge(harness: QueueHarness) -> None:
     with pytest.raises(BrokerConfigurationError, match="dedup_retention"):
         WorkQueueBroker(harness.dsn, schema=harness.schema, dedup_retention=timedelta(hours=1))
     short = WorkQueueBroker(
-        harness.dsn, schema=harness.schema, dedup_retention=timedelta(milliseconds=200),
+        harness.dsn,
+        schema=harness.schema,
+        dedup_retention=timedelta(milliseconds=200),
         required_window=timedelta(milliseconds=200),
     )
     key = new_key()

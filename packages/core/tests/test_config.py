@@ -30,9 +30,7 @@ def test_defaults() -> None:
     assert config.lease_duration == timedelta(seconds=60)
 
 
-@pytest.mark.parametrize(
-    "namespace", ["a", "tenant-a", "t.e_s-t", "0abc", "a" * 63, "x9"]
-)
+@pytest.mark.parametrize("namespace", ["a", "tenant-a", "t.e_s-t", "0abc", "a" * 63, "x9"])
 def test_good_namespaces(namespace: str) -> None:
     assert RecurringConfig(namespace, 1, 1).namespace == namespace
 

@@ -19,19 +19,55 @@ SOURCES = sorted(CORE.rglob("*.py"))
 ALLOWED_THIRD_PARTY = {"attrs", "attr"}
 FORBIDDEN = {
     # drivers, clients, crypto
-    "asyncpg", "psycopg", "psycopg2", "psycopg_pool", "cryptography", "nats", "redis",
-    "aio_pika", "aiormq", "aiosqlite", "pgserver", "httpx", "opentelemetry", "starlette",
-    "uvicorn", "typer", "rich", "hypothesis", "pytest",
+    "asyncpg",
+    "psycopg",
+    "psycopg2",
+    "psycopg_pool",
+    "cryptography",
+    "nats",
+    "redis",
+    "aio_pika",
+    "aiormq",
+    "aiosqlite",
+    "pgserver",
+    "httpx",
+    "opentelemetry",
+    "starlette",
+    "uvicorn",
+    "typer",
+    "rich",
+    "hypothesis",
+    "pytest",
     # stdlib I/O and concurrency the domain must not touch
-    "sqlite3", "socket", "ssl", "asyncio", "selectors", "select", "subprocess",
-    "multiprocessing", "threading", "http", "urllib", "shutil", "tempfile", "logging",
+    "sqlite3",
+    "socket",
+    "ssl",
+    "asyncio",
+    "selectors",
+    "select",
+    "subprocess",
+    "multiprocessing",
+    "threading",
+    "http",
+    "urllib",
+    "shutil",
+    "tempfile",
+    "logging",
 }
 # Modules that read the wall clock or the OS's randomness: only the two adapters may.
 TIME_AND_ENTROPY_MODULES = {"time", "random", "secrets", "uuid"}
 ADAPTERS = {"clock.py", "entropy.py"}
 WALL_CLOCK_CALLS = {"now", "utcnow", "today", "fromtimestamp", "utcfromtimestamp"}
-FORBIDDEN_ATTRIBUTES = {"urandom", "getrandom", "uuid4", "uuid1", "time_ns", "monotonic",
-                        "perf_counter", "getrandbits"}
+FORBIDDEN_ATTRIBUTES = {
+    "urandom",
+    "getrandom",
+    "uuid4",
+    "uuid1",
+    "time_ns",
+    "monotonic",
+    "perf_counter",
+    "getrandbits",
+}
 
 
 def _imports(tree: ast.AST) -> list[tuple[str, int]]:
@@ -49,8 +85,15 @@ def _imports(tree: ast.AST) -> list[tuple[str, int]]:
 
 def test_sources_found() -> None:
     names = {p.name for p in SOURCES}
-    assert {"calendar.py", "occurrences.py", "tasks.py", "policies.py", "leases.py",
-            "clock.py", "entropy.py"} <= names
+    assert {
+        "calendar.py",
+        "occurrences.py",
+        "tasks.py",
+        "policies.py",
+        "leases.py",
+        "clock.py",
+        "entropy.py",
+    } <= names
 
 
 def import_violations(tree: ast.AST, filename: str) -> list[tuple[str, int, str]]:
@@ -114,16 +157,31 @@ def test_the_scanners_catch_offenders() -> None:
     )
     flagged = {m for m, _, _ in import_violations(offender, "policies.py")}
     assert flagged == {
-        "asyncpg", "time", "sqlite3", "psycopg", "croniter", "steeple.postgres", "secrets",
+        "asyncpg",
+        "time",
+        "sqlite3",
+        "psycopg",
+        "croniter",
+        "steeple.postgres",
+        "secrets",
         "uuid",
     }
     # clock.py may import time; it may not import drivers.
     assert {m for m, _, _ in import_violations(offender, "clock.py")} == flagged - {
-        "time", "secrets", "uuid",
+        "time",
+        "secrets",
+        "uuid",
     }
     calls = {name for name, _ in clock_violations(offender)}
-    assert calls == {"datetime.now", "time.time", "urandom", "os.urandom", "date.today",
-                     "token_bytes", "uuid4"}
+    assert calls == {
+        "datetime.now",
+        "time.time",
+        "urandom",
+        "os.urandom",
+        "date.today",
+        "token_bytes",
+        "uuid4",
+    }
     clean = ast.parse("from datetime import datetime\ndef f(clock):\n    return clock.now()\n")
     assert clock_violations(clean) == []
     assert import_violations(clean, "leases.py") == []
@@ -141,19 +199,32 @@ def test_importing_core_loads_no_driver() -> None:
     )
     loaded = set(json.loads(out.stdout))
     drivers = {
-        "asyncpg", "psycopg", "psycopg_pool", "cryptography", "nats", "redis", "aio_pika",
-        "aiosqlite", "sqlite3", "_sqlite3", "socket", "_socket", "ssl", "asyncio", "croniter",
-        "pgserver", "httpx", "opentelemetry", "hypothesis",
+        "asyncpg",
+        "psycopg",
+        "psycopg_pool",
+        "cryptography",
+        "nats",
+        "redis",
+        "aio_pika",
+        "aiosqlite",
+        "sqlite3",
+        "_sqlite3",
+        "socket",
+        "_socket",
+        "ssl",
+        "asyncio",
+        "croniter",
+        "pgserver",
+        "httpx",
+        "opentelemetry",
+        "hypothesis",
     }
     assert loaded & drivers == set()
     assert "steeple.core" in loaded
 
 
 def test_core_has_no_side_effects_at_import() -> None:
-    code = (
-        "import threading, steeple.core\n"
-        "print(threading.active_count())\n"
-    )
+    code = "import threading, steeple.core\nprint(threading.active_count())\n"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
@@ -162,17 +233,34 @@ def test_core_has_no_side_effects_at_import() -> None:
 
 CONTRACT = {
     "steeple.core.occurrences": [
-        "OccurrenceEvent", "OccurrenceState", "PURGED", "OCCURRENCE_TRANSITIONS", "transition",
-        "TERMINAL_STATES", "CLAIMABLE_STATES",
+        "OccurrenceEvent",
+        "OccurrenceState",
+        "PURGED",
+        "OCCURRENCE_TRANSITIONS",
+        "transition",
+        "TERMINAL_STATES",
+        "CLAIMABLE_STATES",
     ],
     "steeple.core.tasks": [
-        "TaskEvent", "TaskState", "TASK_TRANSITIONS", "transition", "retry_decision",
-        "RetryDecision", "TERMINAL_TASK_STATES",
+        "TaskEvent",
+        "TaskState",
+        "TASK_TRANSITIONS",
+        "transition",
+        "retry_decision",
+        "RetryDecision",
+        "TERMINAL_TASK_STATES",
     ],
     "steeple.core.policies": ["MissedRunPolicy", "TickPlan", "plan_tick", "validate_budget"],
     "steeple.core.leases": [
-        "window_end", "lease_expiry", "is_live", "capability_matches", "CAPABILITY_BYTES",
-        "GENERATION_BYTES", "adopt_time", "FailureDecision", "after_publish_failure",
+        "window_end",
+        "lease_expiry",
+        "is_live",
+        "capability_matches",
+        "CAPABILITY_BYTES",
+        "GENERATION_BYTES",
+        "adopt_time",
+        "FailureDecision",
+        "after_publish_failure",
     ],
 }
 

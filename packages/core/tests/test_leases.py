@@ -338,7 +338,10 @@ def test_is_claimable_model(
     lease_at = None if lease_left is None else T0 + lease_left
     wait_at = None if wait_left is None else T0 + wait_left
     got = is_claimable(
-        state, T0, window_ends_at=T0 + window_left, lease_expires_at=lease_at,
+        state,
+        T0,
+        window_ends_at=T0 + window_left,
+        lease_expires_at=lease_at,
         next_attempt_at=wait_at,
     )
     open_window = window_left > timedelta(0)
@@ -356,13 +359,15 @@ def test_is_claimable_model(
 def test_is_claimable_boundaries() -> None:
     end = T0 + timedelta(hours=1)
     assert is_claimable(OccurrenceState.LEASED, T0, window_ends_at=end, lease_expires_at=T0)
-    assert not is_claimable(
-        OccurrenceState.LEASED, T0, window_ends_at=end, lease_expires_at=T0 + S
-    )
+    assert not is_claimable(OccurrenceState.LEASED, T0, window_ends_at=end, lease_expires_at=T0 + S)
     assert is_claimable(OccurrenceState.RETRY_WAIT, T0, window_ends_at=end, next_attempt_at=T0)
     assert not is_claimable(OccurrenceState.PENDING, T0, window_ends_at=T0)
-    for state in (OccurrenceState.PUBLISHED, OccurrenceState.DEAD, OccurrenceState.EXPIRED,
-                  OccurrenceState.CANCELLED):
+    for state in (
+        OccurrenceState.PUBLISHED,
+        OccurrenceState.DEAD,
+        OccurrenceState.EXPIRED,
+        OccurrenceState.CANCELLED,
+    ):
         assert not is_claimable(state, T0, window_ends_at=end)
     with pytest.raises(ValueError, match="timezone-aware"):
         is_claimable(OccurrenceState.PENDING, datetime(2033, 1, 1), window_ends_at=end)

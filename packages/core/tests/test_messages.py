@@ -16,8 +16,11 @@ KIB16 = 16 * 1024
 
 
 def _msg(**overrides: object) -> ScheduledMessage:
-    args: dict[str, object] = {"topic": "billing.daily", "message_type": "invoice.due",
-                               "payload": b"{}"}
+    args: dict[str, object] = {
+        "topic": "billing.daily",
+        "message_type": "invoice.due",
+        "payload": b"{}",
+    }
     args.update(overrides)
     return ScheduledMessage(**args)  # type: ignore[arg-type]
 

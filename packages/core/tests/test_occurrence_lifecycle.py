@@ -88,8 +88,15 @@ def test_enums_are_exactly_the_contract() -> None:
     assert [s.value for s in OccurrenceState] == ALL_STATE_NAMES
     assert [e.value for e in OccurrenceEvent] == ALL_EVENT_NAMES
     assert {e.name for e in OccurrenceEvent} == {
-        "CLAIM", "PUBLISHED", "PUBLISH_FAILED_RETRYABLE", "PUBLISH_FAILED_FINAL",
-        "LEASE_EXPIRED", "WINDOW_EXPIRED", "CANCEL", "OPERATOR_RETRY", "PURGE",
+        "CLAIM",
+        "PUBLISHED",
+        "PUBLISH_FAILED_RETRYABLE",
+        "PUBLISH_FAILED_FINAL",
+        "LEASE_EXPIRED",
+        "WINDOW_EXPIRED",
+        "CANCEL",
+        "OPERATOR_RETRY",
+        "PURGE",
     }
 
 
@@ -174,9 +181,7 @@ def test_terminal_and_claimable_sets() -> None:
     assert {s.value for s in TERMINAL_STATES} == {"published", "dead", "expired", "cancelled"}
     assert {s.value for s in CLAIMABLE_STATES} == {"pending", "retry_wait", "leased"}
     # Terminal states are exactly those a PURGE row leaves from.
-    assert {
-        s for s in OccurrenceState if (s.value, "purge") in EXPECTED
-    } == TERMINAL_STATES
+    assert {s for s in OccurrenceState if (s.value, "purge") in EXPECTED} == TERMINAL_STATES
     # Claimable states are exactly those with a CLAIM row.
     assert {s for s in OccurrenceState if (s.value, "claim") in EXPECTED} == CLAIMABLE_STATES
     # No automatic event (anything but an operator retry or purge) leaves a terminal state

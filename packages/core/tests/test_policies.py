@@ -86,19 +86,41 @@ def specs(draw: st.DrawFn) -> Spec:
         return Spec(f"{_csv(ms)} {_csv(hs)} * * *", frozenset(ms), frozenset(hs))
     if kind == "monthly":
         ds = _pick(draw, 1, 31, 3)
-        return Spec(f"{m} {h} {_csv(ds)} * *", frozenset({m}), frozenset({h}),
-                    days=frozenset(ds), max_gap=SPARSE_GAP)
+        return Spec(
+            f"{m} {h} {_csv(ds)} * *",
+            frozenset({m}),
+            frozenset({h}),
+            days=frozenset(ds),
+            max_gap=SPARSE_GAP,
+        )
     if kind == "weekly":
         ws = _pick(draw, 1, 7, 3)
-        return Spec(f"{m} {h} * * {_csv(ws)}", frozenset({m}), frozenset({h}),
-                    weekdays=frozenset(ws), max_gap=SPARSE_GAP)
+        return Spec(
+            f"{m} {h} * * {_csv(ws)}",
+            frozenset({m}),
+            frozenset({h}),
+            weekdays=frozenset(ws),
+            max_gap=SPARSE_GAP,
+        )
     if kind == "yearly":  # includes dates that never exist (Feb 30) and leap days
         d, mon = draw(st.integers(1, 31)), draw(st.integers(1, 12))
-        return Spec(f"{m} {h} {d} {mon} *", frozenset({m}), frozenset({h}),
-                    days=frozenset({d}), months=frozenset({mon}), max_gap=SPARSE_GAP)
+        return Spec(
+            f"{m} {h} {d} {mon} *",
+            frozenset({m}),
+            frozenset({h}),
+            days=frozenset({d}),
+            months=frozenset({mon}),
+            max_gap=SPARSE_GAP,
+        )
     d, w = draw(st.integers(1, 31)), draw(st.integers(1, 7))
-    return Spec(f"{m} {h} {d} * {w}", frozenset({m}), frozenset({h}),
-                days=frozenset({d}), weekdays=frozenset({w}), max_gap=SPARSE_GAP)
+    return Spec(
+        f"{m} {h} {d} * {w}",
+        frozenset({m}),
+        frozenset({h}),
+        days=frozenset({d}),
+        weekdays=frozenset({w}),
+        max_gap=SPARSE_GAP,
+    )
 
 
 def brute_iter(spec: Spec, after: datetime) -> Iterator[datetime]:
@@ -138,13 +160,15 @@ def check_tail(plan: TickPlan, spec: Spec, expected_cursor: datetime) -> None:
 
 
 def test_brute_force_enumerator_sanity() -> None:
-    friday13 = Spec("0 0 13 * 6", frozenset({0}), frozenset({0}), days=frozenset({13}),
-                    weekdays=frozenset({6}))
+    friday13 = Spec(
+        "0 0 13 * 6", frozenset({0}), frozenset({0}), days=frozenset({13}), weekdays=frozenset({6})
+    )
     assert brute_next(friday13, datetime(2026, 1, 1, tzinfo=UTC)) == datetime(
         2026, 2, 13, tzinfo=UTC
     )
-    feb30 = Spec("0 0 30 2 *", frozenset({0}), frozenset({0}), days=frozenset({30}),
-                 months=frozenset({2}))
+    feb30 = Spec(
+        "0 0 30 2 *", frozenset({0}), frozenset({0}), days=frozenset({30}), months=frozenset({2})
+    )
     assert brute_next(feb30, datetime(2090, 1, 1, tzinfo=UTC)) is None
     assert CronCalendar.parse(friday13.expression).next_after(
         datetime(2026, 1, 1, tzinfo=UTC)

@@ -51,10 +51,19 @@ def _check(state: TaskState, event: TaskEvent) -> None:
 
 def test_enums_are_exactly_the_contract() -> None:
     assert [s.value for s in TaskState] == [
-        "pending", "running", "succeeded", "failed", "cancelled",
+        "pending",
+        "running",
+        "succeeded",
+        "failed",
+        "cancelled",
     ]
     assert [e.name for e in TaskEvent] == [
-        "CLAIM", "SUCCEED", "FAIL_RETRYABLE", "FAIL_PERMANENT", "LEASE_EXPIRED", "CANCEL",
+        "CLAIM",
+        "SUCCEED",
+        "FAIL_RETRYABLE",
+        "FAIL_PERMANENT",
+        "LEASE_EXPIRED",
+        "CANCEL",
     ]
 
 

@@ -91,9 +91,7 @@ async def test_concurrent_initializers_converge(pg_schema: tuple[str, str]) -> N
     await sql(dsn, f'DROP SCHEMA "{schema}"')  # initialize creates the schema itself
     stores = await asyncio.gather(
         *(
-            PostgresRecurringStore.initialize(
-                dsn, CONFIG, KEYRING, FakeClock(START), schema=schema
-            )
+            PostgresRecurringStore.initialize(dsn, CONFIG, KEYRING, FakeClock(START), schema=schema)
             for _ in range(20)
         )
     )
@@ -139,8 +137,13 @@ async def test_initializers_in_separate_processes_converge(pg_schema: tuple[str,
     await sql(dsn, f'DROP SCHEMA "{schema}"')
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _INIT_SCRIPT, dsn, schema,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-c",
+            _INIT_SCRIPT,
+            dsn,
+            schema,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         for _ in range(3)
     ]
@@ -187,9 +190,7 @@ async def test_connect_never_creates(pg_schema: tuple[str, str]) -> None:
         await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, clock, schema=schema)
     conn = await asyncpg.connect(dsn)
     try:
-        tables = await conn.fetchval(
-            "SELECT count(*) FROM pg_tables WHERE schemaname = $1", schema
-        )
+        tables = await conn.fetchval("SELECT count(*) FROM pg_tables WHERE schemaname = $1", schema)
     finally:
         await conn.close()
     assert tables == 0
@@ -262,9 +263,7 @@ async def test_role_synchronous_commit_off_refused(
         await sql(dsn, f'ALTER ROLE "{runtime_role}" RESET synchronous_commit')
 
 
-async def test_restricted_runtime_role_works(
-    deployed: tuple[str, str], runtime_role: str
-) -> None:
+async def test_restricted_runtime_role_works(deployed: tuple[str, str], runtime_role: str) -> None:
     from steeple.testing import MemoryBroker
 
     dsn, schema = deployed
@@ -316,9 +315,7 @@ async def test_missing_grant_named(
     assert table in str(info.value)
 
 
-async def test_missing_schema_usage_named(
-    deployed: tuple[str, str], runtime_role: str
-) -> None:
+async def test_missing_schema_usage_named(deployed: tuple[str, str], runtime_role: str) -> None:
     dsn, schema = deployed
     await sql(dsn, f'REVOKE USAGE ON SCHEMA "{schema}" FROM "{runtime_role}"')
     with pytest.raises(RecurringStorageError, match="USAGE"):

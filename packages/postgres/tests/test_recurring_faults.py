@@ -265,8 +265,13 @@ async def test_instances_in_separate_processes_never_double_materialize(
         await store.create(every_minute(f"d{i}", 100))
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _TICKER, dsn, schema,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-c",
+            _TICKER,
+            dsn,
+            schema,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         for _ in range(2)
     ]
@@ -289,9 +294,7 @@ async def test_instances_in_separate_processes_never_double_materialize(
     assert distinct == 300 == await count_rows(dsn, schema)
 
 
-async def test_quota_under_concurrent_creates(
-    pg_schema: tuple[str, str], clock: FakeClock
-) -> None:
+async def test_quota_under_concurrent_creates(pg_schema: tuple[str, str], clock: FakeClock) -> None:
     stores = [await open_store(pg_schema, clock, max_definitions=5) for _ in range(4)]
     try:
         results = await asyncio.gather(
@@ -347,19 +350,29 @@ async def test_content_moved_between_rows_fails_authentication(
         conn = await asyncpg.connect(dsn)
         try:
             t = f'"{schema}".recurring_occurrences'
-            ids_a = [r["id"] for r in await conn.fetch(
-                f"SELECT id FROM {t} WHERE namespace = 'ns-a' ORDER BY due_at")]
-            ids_b = [r["id"] for r in await conn.fetch(
-                f"SELECT id FROM {t} WHERE namespace = 'ns-b' ORDER BY due_at")]
+            ids_a = [
+                r["id"]
+                for r in await conn.fetch(
+                    f"SELECT id FROM {t} WHERE namespace = 'ns-a' ORDER BY due_at"
+                )
+            ]
+            ids_b = [
+                r["id"]
+                for r in await conn.fetch(
+                    f"SELECT id FROM {t} WHERE namespace = 'ns-b' ORDER BY due_at"
+                )
+            ]
             # namespace b's first occurrence gets namespace a's ciphertext
             await conn.execute(
                 f"UPDATE {t} SET content = (SELECT content FROM {t} WHERE id = $1) WHERE id = $2",
-                ids_a[0], ids_b[0],
+                ids_a[0],
+                ids_b[0],
             )
             # within namespace a, two occurrences swap ciphertexts
             await conn.execute(
                 f"UPDATE {t} SET content = (SELECT content FROM {t} WHERE id = $1) WHERE id = $2",
-                ids_a[0], ids_a[1],
+                ids_a[0],
+                ids_a[1],
             )
             # a definition moved across namespaces cannot be ticked
             d = f'"{schema}".recurring_definitions'

@@ -114,7 +114,10 @@ async def proxied(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, P
 
 def definition(name: str) -> RecurringDefinition:
     return RecurringDefinition(
-        name, "* * * * *", START - timedelta(minutes=5), MissedRunPolicy.CATCH_UP,
+        name,
+        "* * * * *",
+        START - timedelta(minutes=5),
+        MissedRunPolicy.CATCH_UP,
         ScheduledMessage("t", "m", b"p"),
     )
 

@@ -84,9 +84,7 @@ async def store(
 async def connect(pg_schema: tuple[str, str], clock: Any, **kw: object) -> PostgresRecurringStore:
     """Another instance on the same namespace: its own pool, its own connections."""
     dsn, schema = pg_schema
-    return await PostgresRecurringStore.connect(
-        dsn, cfg(**kw), Keyring(KEY), clock, schema=schema
-    )
+    return await PostgresRecurringStore.connect(dsn, cfg(**kw), Keyring(KEY), clock, schema=schema)
 
 
 async def sql(dsn: str, schema: str, query: str, *args: object) -> list[asyncpg.Record]:
@@ -239,9 +237,16 @@ async def test_sigstopped_worker_late_acknowledgement_is_rejected(
         await store.create(every_minute("m", now - timedelta(minutes=10), MissedRunPolicy.COALESCE))
         assert (await store.tick(10)).materialized == 1
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _STOPPABLE_WORKER, dsn, schema, str(journal_path),
-            str(gate), point,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-c",
+            _STOPPABLE_WORKER,
+            dsn,
+            schema,
+            str(journal_path),
+            str(gate),
+            point,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
@@ -471,9 +476,7 @@ async def test_cancel_and_relay_outcome_queued_in_either_order(
         try:
             tr = holder.transaction()
             await tr.start()
-            await holder.execute(
-                f'SELECT 1 FROM "{schema}".recurring_namespaces FOR UPDATE'
-            )
+            await holder.execute(f'SELECT 1 FROM "{schema}".recurring_namespaces FOR UPDATE')
             cancel: asyncio.Task[Any] | None = None
             for step in (first, "cancel" if first == "outcome" else "outcome"):
                 if step == "cancel":
@@ -502,7 +505,10 @@ async def dead_letter(store: PostgresRecurringStore, name: str) -> str:
     # Fires once a year (03:00 on 4 March): exactly one occurrence, whatever the clock does.
     await store.create(
         RecurringDefinition(
-            name, "0 3 4 3 *", START - timedelta(days=1), MissedRunPolicy.CATCH_UP,
+            name,
+            "0 3 4 3 *",
+            START - timedelta(days=1),
+            MissedRunPolicy.CATCH_UP,
             ScheduledMessage("races", "race.run", b"dead"),
         )
     )
@@ -631,7 +637,10 @@ async def test_clock_jump_across_a_namespace_is_oldest_first(
     await store.create(every_minute("c1", START))
     await store.create(
         RecurringDefinition(
-            "c2", "*/2 * * * *", START, MissedRunPolicy.CATCH_UP,
+            "c2",
+            "*/2 * * * *",
+            START,
+            MissedRunPolicy.CATCH_UP,
             ScheduledMessage("races", "race.run", b"p"),
         )
     )
@@ -648,13 +657,14 @@ async def test_clock_jump_across_a_namespace_is_oldest_first(
     while (result := await store.tick(100)).materialized > 0:
         assert result.materialized == min(100, len(expected) - len(taken))
         rows = await sql(
-            dsn, schema,
+            dsn,
+            schema,
             "SELECT due_at, definition_name FROM {s}.recurring_occurrences"
             " WHERE id = ANY($1::text[])",
             list(result.occurrence_ids),
         )
         batch = sorted((r["due_at"], r["definition_name"]) for r in rows)
-        assert batch == expected[len(taken):len(taken) + len(batch)]
+        assert batch == expected[len(taken) : len(taken) + len(batch)]
         taken.extend(batch)
     assert taken == expected
     assert await counters_match(dsn, schema) == 1440 + 720 + 1
@@ -698,7 +708,12 @@ async def test_clock_jump_classifies_expired_windows_and_erases_content(
     await store.cancel("gone")
     before = await occurrence_rows(dsn, schema)
     assert sorted(r["state"] for r in before.values()) == [
-        "cancelled", "dead", "leased", "pending", "published", "retry_wait"
+        "cancelled",
+        "dead",
+        "leased",
+        "pending",
+        "published",
+        "retry_wait",
     ]
     # An hour: inside every window, nothing expires.
     clock.advance(timedelta(hours=1))
@@ -714,7 +729,12 @@ async def test_clock_jump_classifies_expired_windows_and_erases_content(
     elif entry == "occurrences":
         page = await store.occurrences()
         assert sorted(o.state.value for o in page.items) == [
-            "cancelled", "expired", "expired", "expired", "expired", "published"
+            "cancelled",
+            "expired",
+            "expired",
+            "expired",
+            "expired",
+            "published",
         ]
     else:
         assert await store.purge_terminal(START - timedelta(days=1)) == 0
@@ -741,7 +761,9 @@ async def test_clock_jump_classifies_expired_windows_and_erases_content(
 
 @pytest.mark.parametrize("classified", [False, True])
 async def test_clock_jumps_past_the_window_while_a_publication_is_in_flight(
-    store: PostgresRecurringStore, pg_schema: tuple[str, str], clock: FakeClock,
+    store: PostgresRecurringStore,
+    pg_schema: tuple[str, str],
+    clock: FakeClock,
     classified: bool,
 ) -> None:
     """The broker accepts, then the clock jumps a day (past the window) before the
@@ -794,9 +816,7 @@ async def test_ten_tickers_on_one_namespace_never_materialize_twice(
         return total
 
     try:
-        totals = await asyncio.gather(
-            *(tick_until_idle(s, 3 + i) for i, s in enumerate(tickers))
-        )
+        totals = await asyncio.gather(*(tick_until_idle(s, 3 + i) for i, s in enumerate(tickers)))
         assert sum(totals) == 5 * 60 + 2
         assert sum(1 for t in totals if t > 0) >= 2  # they really interleaved
         clock.advance(timedelta(minutes=5))
@@ -893,7 +913,8 @@ async def test_connection_lost_mid_transaction_expires_the_pool(
         )
         await sql(dsn, schema, fn % "RAISE EXCEPTION 'refused by a trigger'")
         await sql(
-            dsn, schema,
+            dsn,
+            schema,
             "CREATE TRIGGER trap AFTER INSERT ON {s}.recurring_occurrences"
             " FOR EACH STATEMENT EXECUTE FUNCTION {s}.trap()",
         )
@@ -907,7 +928,8 @@ async def test_connection_lost_mid_transaction_expires_the_pool(
         pids: list[int] = []
         for _ in range(100):
             rows = await sql(
-                dsn, schema,
+                dsn,
+                schema,
                 "SELECT pid FROM pg_stat_activity WHERE application_name = 'steeple-recurring'"
                 " AND state = 'active' AND position('INSERT INTO' in query) > 0"
                 " AND position($1 in query) > 0",

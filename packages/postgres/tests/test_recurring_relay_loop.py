@@ -33,8 +33,11 @@ KEYRING = Keyring(StorageKey("k1", b"\x07" * 32))
 
 def every_minute(name: str, minutes_back: int) -> RecurringDefinition:
     return RecurringDefinition(
-        name, "* * * * *", START - timedelta(minutes=minutes_back),
-        MissedRunPolicy.CATCH_UP, ScheduledMessage("t", "m", name.encode()),
+        name,
+        "* * * * *",
+        START - timedelta(minutes=minutes_back),
+        MissedRunPolicy.CATCH_UP,
+        ScheduledMessage("t", "m", name.encode()),
     )
 
 
@@ -157,9 +160,7 @@ async def test_graceful_shutdown_finishes_the_current_relay(
         ) -> BrokerReceipt:
             started.set()
             await asyncio.sleep(0.3)
-            return await super().publish(
-                message, idempotency_key=idempotency_key, timeout=timeout
-            )
+            return await super().publish(message, idempotency_key=idempotency_key, timeout=timeout)
 
     broker = Slow()
     stop = asyncio.Event()

@@ -65,8 +65,11 @@ async def test_restart_mid_work_survives_and_reclaims_with_same_key(private_pg: 
     try:
         await store.create(
             RecurringDefinition(
-                "minutely", "* * * * *", START - timedelta(minutes=50),
-                MissedRunPolicy.CATCH_UP, ScheduledMessage("t", "m", b"payload"),
+                "minutely",
+                "* * * * *",
+                START - timedelta(minutes=50),
+                MissedRunPolicy.CATCH_UP,
+                ScheduledMessage("t", "m", b"payload"),
             )
         )
         assert (await store.tick(20)).materialized == 20

@@ -122,8 +122,12 @@ async def test_catch_up_oldest_first_and_budget(store: PostgresRecurringStore) -
 
 async def test_coalesce_emits_once(store: PostgresRecurringStore, clock: FakeClock) -> None:
     await store.create(
-        definition("co", "*/5 * * * *", first_after=START - timedelta(hours=5),
-                   policy=MissedRunPolicy.COALESCE)
+        definition(
+            "co",
+            "*/5 * * * *",
+            first_after=START - timedelta(hours=5),
+            policy=MissedRunPolicy.COALESCE,
+        )
     )
     assert (await store.tick(100)).materialized == 1
     assert (await store.tick(100)).materialized == 0
@@ -249,8 +253,7 @@ async def test_stale_holder_cannot_record_after_publishing(
             if not hasattr(self, "new"):
                 clock.advance(timedelta(seconds=61))
                 self.new = (await store.claim(10))[0]
-            return await super().publish(message, idempotency_key=idempotency_key,
-                                         timeout=timeout)
+            return await super().publish(message, idempotency_key=idempotency_key, timeout=timeout)
 
     broker = Reclaiming()
     with pytest.raises(RelayLeaseLostError):
@@ -345,8 +348,7 @@ async def test_cancel_is_permanent_and_inflight_publication_reported(
     class CancellingBroker(MemoryBroker):
         async def publish(self, message, *, idempotency_key, timeout):  # type: ignore[no-untyped-def]
             await store.cancel("daily")
-            return await super().publish(message, idempotency_key=idempotency_key,
-                                         timeout=timeout)
+            return await super().publish(message, idempotency_key=idempotency_key, timeout=timeout)
 
     receipt = await store.relay(lease, CancellingBroker())
     assert receipt.idempotency_key
@@ -384,9 +386,7 @@ async def test_window_expiry_classified_and_purge(
         await store.purge_terminal(clock.now(), limit=101)
 
 
-async def test_lease_shortened_to_window_end(
-    pg_schema: tuple[str, str], clock: FakeClock
-) -> None:
+async def test_lease_shortened_to_window_end(pg_schema: tuple[str, str], clock: FakeClock) -> None:
     dsn, schema = pg_schema
     cfg = config(delivery_window=timedelta(seconds=100), lease_duration=timedelta(seconds=40))
     async with await PostgresRecurringStore.initialize(
@@ -473,8 +473,7 @@ async def test_publication_bounded_by_lease_and_ten_seconds(
     class Recording(MemoryBroker):
         async def publish(self, message, *, idempotency_key, timeout):  # type: ignore[no-untyped-def]
             seen.append(timeout)
-            return await super().publish(message, idempotency_key=idempotency_key,
-                                         timeout=timeout)
+            return await super().publish(message, idempotency_key=idempotency_key, timeout=timeout)
 
     async with await PostgresRecurringStore.initialize(
         dsn, cfg, Keyring(KEY), clock, schema=schema
@@ -499,8 +498,12 @@ async def test_close_closes_only_this_store_and_reprs_hide_secrets(
     assert [s.name for s in (await store.schedules()).items] == ["daily"]
     await store.tick(10)
     [lease, *_] = await store.claim(10)
-    for text in (repr(store), repr(lease), repr(await store.occurrences()),
-                 repr(await store.schedules())):
+    for text in (
+        repr(store),
+        repr(lease),
+        repr(await store.occurrences()),
+        repr(await store.schedules()),
+    ):
         assert "top secret" not in text
         assert lease.capability.hex() not in text
         assert repr(lease.capability) not in text

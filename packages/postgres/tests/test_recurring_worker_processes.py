@@ -30,8 +30,9 @@ from steeple.postgres import PostgresRecurringStore
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 KEY = StorageKey("k1", b"\x0a" * 32)
-CONFIG = RecurringConfig("workers", 10, 1000, lease_duration=timedelta(seconds=1),
-                         delivery_window=timedelta(hours=1))
+CONFIG = RecurringConfig(
+    "workers", 10, 1000, lease_duration=timedelta(seconds=1), delivery_window=timedelta(hours=1)
+)
 
 _WORKER = """
 import asyncio, json, os, sys
@@ -70,8 +71,15 @@ asyncio.run(main(*sys.argv[1:]))
 
 async def spawn(dsn: str, schema: str, journal: Path, seconds: float) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _WORKER, dsn, schema, str(journal), str(seconds),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-c",
+        _WORKER,
+        dsn,
+        schema,
+        str(journal),
+        str(seconds),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 30)
@@ -94,7 +102,10 @@ async def test_sigkilled_worker_is_replaced_and_nothing_is_lost(
         for name in ("a", "b"):
             await store.create(
                 RecurringDefinition(
-                    name, "* * * * *", now - timedelta(minutes=20), MissedRunPolicy.CATCH_UP,
+                    name,
+                    "* * * * *",
+                    now - timedelta(minutes=20),
+                    MissedRunPolicy.CATCH_UP,
                     ScheduledMessage("t", "m", name.encode()),
                 )
             )
@@ -154,8 +165,9 @@ async def test_connection_limit_below_the_pool_is_typed_back_pressure(
 
     dsn, schema = pg_schema
     clock = FakeClock(datetime(2031, 3, 4, 5, 6, 7, tzinfo=UTC))
-    await (await PostgresRecurringStore.initialize(
-        dsn, CONFIG, Keyring(KEY), clock, schema=schema)).close()
+    await (
+        await PostgresRecurringStore.initialize(dsn, CONFIG, Keyring(KEY), clock, schema=schema)
+    ).close()
     role = f"steeple_lim_{uuid.uuid4().hex[:8]}"
     conn = await asyncpg.connect(dsn)
     await conn.execute(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 1')

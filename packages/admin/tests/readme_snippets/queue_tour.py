@@ -27,13 +27,20 @@ async def main() -> None:
 
     # Enqueue inside your own transaction: the task exists only if your data commits.
     async with conn.transaction():
-        first = await queue.enqueue(conn, send_email, {"to": "ada@example.com"},
-                                    EnqueueOptions.immediate(), schema=schema)
-        await queue.enqueue(conn, send_email, {"to": "flaky@example.com"},
-                            EnqueueOptions.immediate(max_attempts=3), schema=schema)
+        first = await queue.enqueue(
+            conn, send_email, {"to": "ada@example.com"}, EnqueueOptions.immediate(), schema=schema
+        )
+        await queue.enqueue(
+            conn,
+            send_email,
+            {"to": "flaky@example.com"},
+            EnqueueOptions.immediate(max_attempts=3),
+            schema=schema,
+        )
     soon = await conn.fetchval("SELECT clock_timestamp() + interval '1 second'")
-    await queue.enqueue(conn, send_email, {"to": "later@example.com"},
-                        EnqueueOptions.at(soon), schema=schema)
+    await queue.enqueue(
+        conn, send_email, {"to": "later@example.com"}, EnqueueOptions.at(soon), schema=schema
+    )
 
     worker = Scheduler(dsn, worker_id="tour-1", schema=schema, poll_interval=0.2)
     worker.register(send_email, handle_send_email)

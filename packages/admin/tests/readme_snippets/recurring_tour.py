@@ -31,13 +31,15 @@ async def main() -> None:
     )
     async with store:
         # An immutable definition: every minute, catching up missed minutes.
-        await store.create(RecurringDefinition(
-            name="nightly-invoices",
-            cron="* * * * *",
-            first_after=datetime.now(UTC) - timedelta(minutes=3),
-            policy=MissedRunPolicy.CATCH_UP,
-            message=ScheduledMessage("billing", "InvoiceRun", b'{"batch": "eu"}'),
-        ))
+        await store.create(
+            RecurringDefinition(
+                name="nightly-invoices",
+                cron="* * * * *",
+                first_after=datetime.now(UTC) - timedelta(minutes=3),
+                policy=MissedRunPolicy.CATCH_UP,
+                message=ScheduledMessage("billing", "InvoiceRun", b'{"batch": "eu"}'),
+            )
+        )
 
         ticked = await store.tick(budget=100)  # materialize due occurrences
         print("materialized", ticked.materialized)  # the three missed minutes

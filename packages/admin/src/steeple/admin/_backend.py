@@ -151,8 +151,10 @@ def classify(exc: BaseException, target: Target | None = None) -> CliError:
     if isinstance(exc, ConfigurationError):
         hint = None
         if "binding" in str(exc):
-            hint = ("pass the keys and the --max-definitions / --max-occurrences / "
-                    "--delivery-window / --lease the namespace was initialized with")
+            hint = (
+                "pass the keys and the --max-definitions / --max-occurrences / "
+                "--delivery-window / --lease the namespace was initialized with"
+            )
         return CliError(str(exc), code=ExitCode.CONFIG, hint=hint)
     name = type(exc).__name__
     if name == "SchemaVersionMismatchError":

@@ -107,9 +107,7 @@ class _SecurityHeaders:
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [
-                    (k, v) for k, v in message.get("headers", []) if k.lower() not in names
-                ]
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() not in names]
                 headers.extend(SECURITY_HEADERS)
                 message = {**message, "headers": headers}
             await send(message)
@@ -303,7 +301,7 @@ def create_admin_app(
         body = await json_body(request)
         name = body.get("name")
         if not isinstance(name, str) or not name:
-            raise _Refusal(400, "bad_request", "give the schedule's name as {\"name\": ...}")
+            raise _Refusal(400, "bad_request", 'give the schedule\'s name as {"name": ...}')
         info = await (await store_of(namespace)).cancel(name)
         return JSONResponse(schedule_json(info))
 
@@ -311,7 +309,7 @@ def create_admin_app(
         body = await json_body(request)
         occurrence_id = body.get("occurrence_id")
         if not isinstance(occurrence_id, str) or not occurrence_id:
-            raise _Refusal(400, "bad_request", "give {\"occurrence_id\": ...}")
+            raise _Refusal(400, "bad_request", 'give {"occurrence_id": ...}')
         info = await (await store_of(namespace)).retry_failed(occurrence_id)
         return JSONResponse(occurrence_json(info))
 
@@ -354,7 +352,7 @@ def create_admin_app(
             except SteepleError as exc:
                 # e.g. the queue schema is not migrated: the rest of the page still helps.
                 sections.append(
-                    f"<section id=\"task\"><h2>Tasks</h2><p class=\"unavailable\">"
+                    f'<section id="task"><h2>Tasks</h2><p class="unavailable">'
                     f"unavailable: {html.escape(str(exc))}</p></section>"
                 )
             else:
@@ -374,16 +372,27 @@ def create_admin_app(
         Route("/api/{namespace}/occurrences", endpoint("occurrences.read", list_occurrences)),
         Route("/api/{namespace}/tasks", endpoint("tasks.read", list_tasks)),
         Route("/api/{namespace}/tasks/{task_id}", endpoint("tasks.read", show_task)),
-        Route("/api/{namespace}/schedules/cancel",
-              endpoint("schedules.cancel", cancel_schedule), methods=["POST"]),
-        Route("/api/{namespace}/occurrences/retry",
-              endpoint("occurrences.retry", retry_occurrence), methods=["POST"]),
-        Route("/api/{namespace}/occurrences/purge",
-              endpoint("occurrences.purge", purge_occurrences), methods=["POST"]),
-        Route("/api/{namespace}/tasks/cancel",
-              endpoint("tasks.cancel", cancel_task), methods=["POST"]),
-        Route("/api/{namespace}/tasks/purge",
-              endpoint("tasks.purge", purge_tasks), methods=["POST"]),
+        Route(
+            "/api/{namespace}/schedules/cancel",
+            endpoint("schedules.cancel", cancel_schedule),
+            methods=["POST"],
+        ),
+        Route(
+            "/api/{namespace}/occurrences/retry",
+            endpoint("occurrences.retry", retry_occurrence),
+            methods=["POST"],
+        ),
+        Route(
+            "/api/{namespace}/occurrences/purge",
+            endpoint("occurrences.purge", purge_occurrences),
+            methods=["POST"],
+        ),
+        Route(
+            "/api/{namespace}/tasks/cancel", endpoint("tasks.cancel", cancel_task), methods=["POST"]
+        ),
+        Route(
+            "/api/{namespace}/tasks/purge", endpoint("tasks.purge", purge_tasks), methods=["POST"]
+        ),
         Route("/ui/{namespace}", endpoint("dashboard.read", dashboard)),
         Route("/static/admin.css", endpoint("static.read", stylesheet)),
         Route("/static/admin.js", endpoint("static.read", script)),
@@ -437,14 +446,14 @@ class _Button:
 def _cell(value: object) -> str:
     if isinstance(value, _Button):
         return (
-            "<td><button type=\"button\" class=\"act\" "
-            f"data-action=\"{html.escape(value.action)}\" "
-            f"data-body=\"{html.escape(json.dumps(value.body))}\" "
-            f"data-confirm=\"{html.escape(value.confirm)}\">{html.escape(value.label)}</button>"
+            '<td><button type="button" class="act" '
+            f'data-action="{html.escape(value.action)}" '
+            f'data-body="{html.escape(json.dumps(value.body))}" '
+            f'data-confirm="{html.escape(value.confirm)}">{html.escape(value.label)}</button>'
             "</td>"
         )
     if value is None:
-        return "<td class=\"none\">-</td>"
+        return '<td class="none">-</td>'
     if isinstance(value, datetime):
         value = value.strftime("%Y-%m-%d %H:%M:%S")
     return f"<td>{html.escape(str(value))}</td>"
@@ -454,12 +463,12 @@ def _table(title: str, kind: str, headings: Sequence[str], rows: list[list[objec
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headings)
     if rows:
         body = "".join(
-            f"<tr class=\"row {kind}\">" + "".join(_cell(v) for v in row) + "</tr>" for row in rows
+            f'<tr class="row {kind}">' + "".join(_cell(v) for v in row) + "</tr>" for row in rows
         )
     else:
-        body = f"<tr><td class=\"empty\" colspan=\"{len(headings)}\">none</td></tr>"
+        body = f'<tr><td class="empty" colspan="{len(headings)}">none</td></tr>'
     return (
-        f"<section id=\"{kind}\"><h2>{html.escape(title)} <span class=\"count\">"
+        f'<section id="{kind}"><h2>{html.escape(title)} <span class="count">'
         f"{len(rows)}</span></h2><table><thead><tr>{head}</tr></thead>"
         f"<tbody>{body}</tbody></table></section>"
     )
@@ -470,17 +479,26 @@ def _with_actions(
 ) -> tuple[list[str], list[list[object]]]:
     if not enabled:
         return headings, rows
-    return [*headings, "action"], [[*row, button] for row, button in zip(rows, buttons,
-                                                                           strict=True)]
+    return [*headings, "action"], [
+        [*row, button] for row, button in zip(rows, buttons, strict=True)
+    ]
 
 
 def _schedules_table(items: Sequence[ScheduleInfo], actions: bool = False) -> str:
     headings, rows = _with_actions(
         ["name", "cron", "policy", "state", "topic", "next due"],
         [[s.name, s.cron, s.policy.value, s.state, s.topic, s.next_due_at] for s in items],
-        [_Button("schedules/cancel", {"name": s.name}, "cancel",
-                 f"Cancel {s.name} for good? Its name stays reserved.")
-         if s.state == "active" else None for s in items],
+        [
+            _Button(
+                "schedules/cancel",
+                {"name": s.name},
+                "cancel",
+                f"Cancel {s.name} for good? Its name stays reserved.",
+            )
+            if s.state == "active"
+            else None
+            for s in items
+        ],
         actions,
     )
     return _table("Recurring publications", "schedule", headings, rows)
@@ -489,11 +507,21 @@ def _schedules_table(items: Sequence[ScheduleInfo], actions: bool = False) -> st
 def _occurrences_table(items: Sequence[OccurrenceInfo], actions: bool = False) -> str:
     headings, rows = _with_actions(
         ["id", "definition", "due", "state", "attempts", "last error"],
-        [[o.occurrence_id, o.definition_name, o.due_at, o.state.value, o.attempts, o.last_error]
-         for o in items],
-        [_Button("occurrences/retry", {"occurrence_id": o.occurrence_id}, "retry",
-                 f"Retry dead occurrence {o.occurrence_id}?")
-         if o.state.value == "dead" else None for o in items],
+        [
+            [o.occurrence_id, o.definition_name, o.due_at, o.state.value, o.attempts, o.last_error]
+            for o in items
+        ],
+        [
+            _Button(
+                "occurrences/retry",
+                {"occurrence_id": o.occurrence_id},
+                "retry",
+                f"Retry dead occurrence {o.occurrence_id}?",
+            )
+            if o.state.value == "dead"
+            else None
+            for o in items
+        ],
         actions,
     )
     return _table("Occurrences", "occurrence", headings, rows)
@@ -502,10 +530,16 @@ def _occurrences_table(items: Sequence[OccurrenceInfo], actions: bool = False) -
 def _tasks_table(items: Sequence[TaskRecord], actions: bool = False) -> str:
     headings, rows = _with_actions(
         ["id", "name", "state", "attempts", "run at", "last error"],
-        [[t.task_id, t.name, t.state, f"{t.attempts}/{t.max_attempts}", t.run_at, t.last_error]
-         for t in items],
-        [_Button("tasks/cancel", {"task_id": t.task_id}, "cancel", f"Cancel task {t.task_id}?")
-         if t.state in ("pending", "running") else None for t in items],
+        [
+            [t.task_id, t.name, t.state, f"{t.attempts}/{t.max_attempts}", t.run_at, t.last_error]
+            for t in items
+        ],
+        [
+            _Button("tasks/cancel", {"task_id": t.task_id}, "cancel", f"Cancel task {t.task_id}?")
+            if t.state in ("pending", "running")
+            else None
+            for t in items
+        ],
         actions,
     )
     return _table("Tasks", "task", headings, rows)
@@ -515,16 +549,20 @@ def _page(namespace: str, sections: list[str], csrf_token: str | None) -> str:
     ns = html.escape(namespace)
     # With state changes enabled, the page carries the CSRF token for its own script (the
     # synchronizer-token pattern); other origins cannot read the page, so cannot learn it.
-    script = "" if csrf_token is None else (
-        f"<meta name=\"steeple-csrf\" content=\"{html.escape(csrf_token)}\">"
-        "<script src=\"../static/admin.js\" defer></script>"
+    script = (
+        ""
+        if csrf_token is None
+        else (
+            f'<meta name="steeple-csrf" content="{html.escape(csrf_token)}">'
+            '<script src="../static/admin.js" defer></script>'
+        )
     )
     return (
-        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         f"<title>steeple · {ns}</title>"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-        f"<link rel=\"stylesheet\" href=\"../static/admin.css\">{script}</head>"
-        f"<body data-namespace=\"{ns}\">"
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f'<link rel="stylesheet" href="../static/admin.css">{script}</head>'
+        f'<body data-namespace="{ns}">'
         f"<header><h1>steeple</h1><p>namespace <strong>{ns}</strong></p></header><main>"
         + "".join(sections)
         + "</main></body></html>"

@@ -50,9 +50,7 @@ __all__ = ["app", "main"]
 T = TypeVar("T")
 R = TypeVar("R")
 
-_EXIT_CODES_HELP = (
-    "Exit codes: 0 ok, 1 refused or failed, 2 usage, 3 configuration, 4 unavailable."
-)
+_EXIT_CODES_HELP = "Exit codes: 0 ok, 1 refused or failed, 2 usage, 3 configuration, 4 unavailable."
 
 app = typer.Typer(
     name="steeple",
@@ -77,7 +75,10 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 DsnOpt = Annotated[
     str | None,
     typer.Option(
-        "--dsn", envvar=DSN_ENV, show_envvar=True, show_default=False,
+        "--dsn",
+        envvar=DSN_ENV,
+        show_envvar=True,
+        show_default=False,
         help="PostgreSQL URL (postgresql://user@host:5432/db).",
     ),
 ]
@@ -92,37 +93,53 @@ NamespaceOpt = Annotated[
 QueueSchemaOpt = Annotated[
     str | None,
     typer.Option(
-        "--queue-schema", envvar="STEEPLE_QUEUE_SCHEMA", show_default=False,
+        "--queue-schema",
+        envvar="STEEPLE_QUEUE_SCHEMA",
+        show_default=False,
         help="Schema of the work queue (default: <schema>_queue).",
     ),
 ]
 KeysFileOpt = Annotated[
     Path | None,
     typer.Option(
-        "--keys-file", envvar="STEEPLE_KEYS_FILE", show_default=False,
+        "--keys-file",
+        envvar="STEEPLE_KEYS_FILE",
+        show_default=False,
         help=f"File of storage keys (id:base64, one per line; first = primary). "
         f"Default: the {KEYS_ENV} environment variable.",
     ),
 ]
 MaxDefinitionsOpt = Annotated[
     int,
-    typer.Option("--max-definitions", envvar="STEEPLE_MAX_DEFINITIONS",
-                 help="Namespace quota of definitions (must match initialization)."),
+    typer.Option(
+        "--max-definitions",
+        envvar="STEEPLE_MAX_DEFINITIONS",
+        help="Namespace quota of definitions (must match initialization).",
+    ),
 ]
 MaxOccurrencesOpt = Annotated[
     int,
-    typer.Option("--max-occurrences", envvar="STEEPLE_MAX_OCCURRENCES",
-                 help="Namespace quota of occurrences (must match initialization)."),
+    typer.Option(
+        "--max-occurrences",
+        envvar="STEEPLE_MAX_OCCURRENCES",
+        help="Namespace quota of occurrences (must match initialization).",
+    ),
 ]
 WindowOpt = Annotated[
     str,
-    typer.Option("--delivery-window", envvar="STEEPLE_DELIVERY_WINDOW",
-                 help="Delivery window, e.g. 1d (must match initialization)."),
+    typer.Option(
+        "--delivery-window",
+        envvar="STEEPLE_DELIVERY_WINDOW",
+        help="Delivery window, e.g. 1d (must match initialization).",
+    ),
 ]
 LeaseOpt = Annotated[
     str,
-    typer.Option("--lease", envvar="STEEPLE_LEASE",
-                 help="Lease duration, e.g. 60s (must match initialization)."),
+    typer.Option(
+        "--lease",
+        envvar="STEEPLE_LEASE",
+        help="Lease duration, e.g. 60s (must match initialization).",
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 LimitOpt = Annotated[int, typer.Option("--limit", help="Rows per page (1-100).")]
@@ -191,12 +208,19 @@ class _Where:
 
     def target(self) -> Target:
         """Build the command's target; a bad option ends the command with its exit code."""
-        return _guard(lambda: _target(
-            self.dsn, self.schema, self.namespace, self.keys_file,
-            queue_schema=self.queue_schema, max_definitions=self.max_definitions,
-            max_occurrences=self.max_occurrences, delivery_window=self.delivery_window,
-            lease=self.lease,
-        ))
+        return _guard(
+            lambda: _target(
+                self.dsn,
+                self.schema,
+                self.namespace,
+                self.keys_file,
+                queue_schema=self.queue_schema,
+                max_definitions=self.max_definitions,
+                max_occurrences=self.max_occurrences,
+                delivery_window=self.delivery_window,
+                lease=self.lease,
+            )
+        )
 
 
 @attrs.frozen
@@ -216,8 +240,11 @@ def _where_options(
     The options are ``--dsn --schema --namespace``, then ``--queue-schema`` (``queue``),
     then the keys and namespace settings (``store``).
     """
-    bundle = (*_PLACE_OPTIONS, *(_QUEUE_OPTIONS if queue else ()),
-              *(_STORE_OPTIONS if store else ()))
+    bundle = (
+        *_PLACE_OPTIONS,
+        *(_QUEUE_OPTIONS if queue else ()),
+        *(_STORE_OPTIONS if store else ()),
+    )
     return _expand_options("where", bundle, _Where)
 
 
@@ -241,8 +268,12 @@ def _expand_options(
         for param in inspect.signature(command, eval_str=True).parameters.values():
             if param.name == placeholder:
                 params.extend(
-                    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                      default=default, annotation=option)
+                    inspect.Parameter(
+                        name,
+                        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                        default=default,
+                        annotation=option,
+                    )
                     for name, option, default in bundle
                 )
             else:
@@ -358,8 +389,10 @@ def initialize(
     where: _Where,
     grant_to: Annotated[
         str | None,
-        typer.Option("--grant-to", help="Also grant this runtime role exactly the privileges "
-                     "it needs (grants.sql)."),
+        typer.Option(
+            "--grant-to",
+            help="Also grant this runtime role exactly the privileges it needs (grants.sql).",
+        ),
     ] = None,
 ) -> None:
     """Create the recurring store's schema and a namespace (deployment role; idempotent)."""
@@ -386,8 +419,9 @@ def initialize(
         markup=False,
     )
     if grant_to is not None:
-        out.print(f"granted the runtime privileges on {where.schema!r} to role {grant_to!r}",
-                  markup=False)
+        out.print(
+            f"granted the runtime privileges on {where.schema!r} to role {grant_to!r}", markup=False
+        )
 
 
 @app.command()
@@ -408,9 +442,7 @@ def migrate(where: _Where) -> None:
             await conn.close()
 
     version = _run(body, target)
-    out.print(
-        f"work queue schema {target.queue_schema!r} is at version {version}", markup=False
-    )
+    out.print(f"work queue schema {target.queue_schema!r} is at version {version}", markup=False)
 
 
 # --- inspection --------------------------------------------------------------------------------
@@ -427,7 +459,9 @@ def schedules(where: _Where, listing: _Listing) -> None:
         target, lambda store: store.schedules(after=listing.after, limit=listing.limit)
     )
     _print_page(
-        page, as_json=listing.as_json, to_json=schedule_json,
+        page,
+        as_json=listing.as_json,
+        to_json=schedule_json,
         title=f"schedules in {where.namespace}",
         columns=("name", "cron", "policy", "state", "topic", "next due (UTC)"),
         row=lambda s: (s.name, s.cron, s.policy.value, s.state, s.topic, _when(s.next_due_at)),
@@ -445,11 +479,19 @@ def occurrences(where: _Where, listing: _Listing) -> None:
         target, lambda store: store.occurrences(after=listing.after, limit=listing.limit)
     )
     _print_page(
-        page, as_json=listing.as_json, to_json=occurrence_json,
+        page,
+        as_json=listing.as_json,
+        to_json=occurrence_json,
         title=f"occurrences in {where.namespace}",
         columns=("id", "definition", "due (UTC)", "state", "attempts", "last error"),
-        row=lambda o: (o.occurrence_id, o.definition_name, _when(o.due_at), o.state.value,
-                       str(o.attempts), o.last_error or ""),
+        row=lambda o: (
+            o.occurrence_id,
+            o.definition_name,
+            _when(o.due_at),
+            o.state.value,
+            str(o.attempts),
+            o.last_error or "",
+        ),
     )
 
 
@@ -458,9 +500,7 @@ def occurrences(where: _Where, listing: _Listing) -> None:
 @_listing_options()
 def tasks(
     where: _Where,
-    state: Annotated[
-        str | None, typer.Option("--state", help="Only tasks in this state.")
-    ] = None,
+    state: Annotated[str | None, typer.Option("--state", help="Only tasks in this state.")] = None,
     *,
     listing: _Listing,
 ) -> None:
@@ -472,11 +512,19 @@ def tasks(
         lambda admin: admin.tasks(after=listing.after, limit=listing.limit, state=state),
     )
     _print_page(
-        page, as_json=listing.as_json, to_json=lambda t: t.to_json(),
+        page,
+        as_json=listing.as_json,
+        to_json=lambda t: t.to_json(),
         title=f"tasks in {target.queue_schema}",
         columns=("id", "name", "state", "attempts", "run at (UTC)", "last error"),
-        row=lambda t: (str(t.task_id), t.name, t.state, f"{t.attempts}/{t.max_attempts}",
-                       _when(t.run_at), t.last_error or ""),
+        row=lambda t: (
+            str(t.task_id),
+            t.name,
+            t.state,
+            f"{t.attempts}/{t.max_attempts}",
+            _when(t.run_at),
+            t.last_error or "",
+        ),
     )
 
 
@@ -497,18 +545,27 @@ def cancel(
 ) -> None:
     """Cancel a recurring definition for good (NAME), or a task (--task ID)."""
     if (name is None) == (task is None):
-        raise _fail(CliError("give either a definition NAME or --task ID", code=ExitCode.USAGE,
-                             hint="steeple cancel NAME  |  steeple cancel --task 42"))
+        raise _fail(
+            CliError(
+                "give either a definition NAME or --task ID",
+                code=ExitCode.USAGE,
+                hint="steeple cancel NAME  |  steeple cancel --task 42",
+            )
+        )
     target = where.target()
     if task is not None:
         task_id = task
         state = _on_queue(target, lambda admin: admin.cancel(task_id))
         if state is None:
-            raise _fail(CliError(f"there is no task {task_id}", code=ExitCode.FAILED,
-                                 hint="see `steeple tasks`"))
+            raise _fail(
+                CliError(
+                    f"there is no task {task_id}", code=ExitCode.FAILED, hint="see `steeple tasks`"
+                )
+            )
         if state != "cancelled":
-            raise _fail(CliError(f"task {task_id} already finished ({state})",
-                                 code=ExitCode.FAILED))
+            raise _fail(
+                CliError(f"task {task_id} already finished ({state})", code=ExitCode.FAILED)
+            )
         out.print(f"cancelled task {task_id}")
         return
     definition = name
@@ -608,8 +665,13 @@ def keys_show(
     rows = []
     for key_id in dict.fromkeys([*ids, *(usage or {})]):
         role = ("primary" if key_id == ids[0] else "previous") if key_id in ids else "missing"
-        rows.append({"key_id": key_id, "role": role,
-                     "records": None if usage is None else usage.get(key_id, 0)})
+        rows.append(
+            {
+                "key_id": key_id,
+                "role": role,
+                "records": None if usage is None else usage.get(key_id, 0),
+            }
+        )
     if as_json:
         _print_json({"primary": ids[0], "key_ids": ids, "keys": rows})
         return
@@ -642,10 +704,14 @@ async def sealed_key_usage(dsn: str, schema: str, namespace: str) -> dict[str, i
     quoted = '"' + schema.replace('"', '""') + '"'
     conn = await asyncpg.connect(dsn, timeout=10)
     try:
-        if not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL",
-                                   f"{quoted}.recurring_namespaces"):
-            raise CliError(f"schema {schema!r} holds no recurring store", code=ExitCode.CONFIG,
-                           hint="run `steeple initialize` first, or check --schema")
+        if not await conn.fetchval(
+            "SELECT to_regclass($1) IS NOT NULL", f"{quoted}.recurring_namespaces"
+        ):
+            raise CliError(
+                f"schema {schema!r} holds no recurring store",
+                code=ExitCode.CONFIG,
+                hint="run `steeple initialize` first, or check --schema",
+            )
         rows = await conn.fetch(
             f"""SELECT key_id, count(*) AS n FROM (
                 SELECT binding_key_id AS key_id FROM {quoted}.recurring_namespaces
@@ -710,23 +776,27 @@ def admin_serve(
     target = where.target()
     token = os.environ.get("STEEPLE_ADMIN_TOKEN", "")
     if len(token) < 16:
-        raise _fail(CliError(
-            "STEEPLE_ADMIN_TOKEN is not set (or shorter than 16 characters)",
-            code=ExitCode.CONFIG,
-            hint=f"export STEEPLE_ADMIN_TOKEN={secrets.token_urlsafe(24)}",
-        ))
+        raise _fail(
+            CliError(
+                "STEEPLE_ADMIN_TOKEN is not set (or shorter than 16 characters)",
+                code=ExitCode.CONFIG,
+                hint=f"export STEEPLE_ADMIN_TOKEN={secrets.token_urlsafe(24)}",
+            )
+        )
     csrf = os.environ.get("STEEPLE_ADMIN_CSRF_TOKEN") or None
     if csrf is not None and len(csrf) < 16:
-        raise _fail(CliError("STEEPLE_ADMIN_CSRF_TOKEN must be at least 16 characters",
-                             code=ExitCode.CONFIG))
+        raise _fail(
+            CliError(
+                "STEEPLE_ADMIN_CSRF_TOKEN must be at least 16 characters", code=ExitCode.CONFIG
+            )
+        )
     keyring = _guard(target.keyring)
     err.print(
         f"steeple admin: http://{host}:{port}/ui/{where.namespace} "
         f"(state changes {'enabled' if csrf else 'disabled: set STEEPLE_ADMIN_CSRF_TOKEN'})",
         markup=False,
     )
-    _run(lambda: serve(target, keyring, token=token, csrf_token=csrf, host=host, port=port),
-         target)
+    _run(lambda: serve(target, keyring, token=token, csrf_token=csrf, host=host, port=port), target)
 
 
 # --- demo ---------------------------------------------------------------------------------------
@@ -738,21 +808,27 @@ def demo(
     schema: SchemaOpt = "steeple_demo",
     namespace: NamespaceOpt = "demo",
     data_dir: Annotated[
-        Path, typer.Option("--data-dir", help="Where the demo keeps its PostgreSQL cluster, "
-                           "key and journal (kept between runs).")
+        Path,
+        typer.Option(
+            "--data-dir",
+            help="Where the demo keeps its PostgreSQL cluster, "
+            "key and journal (kept between runs).",
+        ),
     ] = Path(".steeple/demo"),
     fresh: Annotated[
         bool, typer.Option("--fresh", help="Delete the data directory first.")
     ] = False,
-    duration: Annotated[
-        float, typer.Option("--duration", help="Seconds to run (1-55).")
-    ] = 20.0,
+    duration: Annotated[float, typer.Option("--duration", help="Seconds to run (1-55).")] = 20.0,
     speed: Annotated[
         float, typer.Option("--speed", help="Clock speed-up for recurring schedules (1-600).")
     ] = 60.0,
     lose_every: Annotated[
-        int, typer.Option("--lose-ack-every", help="Lose the broker acknowledgement of every "
-                          "n-th publication, to show deduplication (0: never).")
+        int,
+        typer.Option(
+            "--lose-ack-every",
+            help="Lose the broker acknowledgement of every "
+            "n-th publication, to show deduplication (0: never).",
+        ),
     ] = 7,
 ) -> None:
     """Run both products end to end on the embedded default, with live progress.
@@ -771,8 +847,14 @@ def demo(
         raise _fail(CliError("--speed must be between 1 and 600", code=ExitCode.USAGE))
     chosen = _guard(lambda: resolve_dsn(dsn, required=False))
     options = DemoOptions(
-        dsn=chosen, schema=schema, namespace=namespace, data_dir=data_dir.absolute(),
-        fresh=fresh, duration=duration, speed=speed, lose_every=lose_every,
+        dsn=chosen,
+        schema=schema,
+        namespace=namespace,
+        data_dir=data_dir.absolute(),
+        fresh=fresh,
+        duration=duration,
+        speed=speed,
+        lose_every=lose_every,
     )
     _run(lambda: run_demo(options, out))
 
@@ -782,4 +864,3 @@ def main() -> None:
     # Library warnings (e.g. a superuser runtime role) go to stderr as one line each.
     logging.basicConfig(level=logging.WARNING, format="steeple: warning: %(message)s")
     app()
-

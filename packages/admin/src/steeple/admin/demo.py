@@ -190,15 +190,23 @@ def _definitions(start: datetime) -> list[RecurringDefinition]:
 
     return [
         RecurringDefinition(
-            "heartbeat", "* * * * *", start - timedelta(minutes=5), MissedRunPolicy.CATCH_UP,
+            "heartbeat",
+            "* * * * *",
+            start - timedelta(minutes=5),
+            MissedRunPolicy.CATCH_UP,
             message("demo.heartbeat", "Heartbeat", {"service": "billing"}),
         ),
         RecurringDefinition(
-            "digest", "*/5 * * * *", start - timedelta(minutes=30), MissedRunPolicy.COALESCE,
+            "digest",
+            "*/5 * * * *",
+            start - timedelta(minutes=30),
+            MissedRunPolicy.COALESCE,
             message("demo.digest", "DigestDue", {"list": "weekly-news"}),
         ),
         RecurringDefinition(
-            "cache-refresh", "*/2 * * * *", start - timedelta(minutes=1),
+            "cache-refresh",
+            "*/2 * * * *",
+            start - timedelta(minutes=1),
             MissedRunPolicy.COALESCE,
             message("demo.cache", "RefreshCache", {"cache": "prices"}),
         ),
@@ -208,8 +216,9 @@ def _definitions(start: datetime) -> list[RecurringDefinition]:
 # --- the run -----------------------------------------------------------------------------------
 
 
-def _progress(summary: DemoSummary, clock: AcceleratedClock, started: float,
-              duration: float) -> Panel:
+def _progress(
+    summary: DemoSummary, clock: AcceleratedClock, started: float, duration: float
+) -> Panel:
     table = Table.grid(padding=(0, 2))
     table.add_column(justify="right", style="bold")
     table.add_column()
@@ -219,12 +228,18 @@ def _progress(summary: DemoSummary, clock: AcceleratedClock, started: float,
     r = summary.recurring
     table.add_row("ticks", f"{r.ticks} (materialized {r.materialized} occurrences)")
     table.add_row("claims", str(r.claims))
-    table.add_row("relays", f"{r.relays} ({r.duplicates} duplicates, "
-                  f"{r.relay_failures} failures, {summary.lost_acks} acknowledgements lost)")
+    table.add_row(
+        "relays",
+        f"{r.relays} ({r.duplicates} duplicates, "
+        f"{r.relay_failures} failures, {summary.lost_acks} acknowledgements lost)",
+    )
     table.add_row("deliveries", f"{summary.deliveries} consumed from the SQLite journal")
-    table.add_row("tasks", f"{summary.tasks_done} done, {summary.tasks_retried} retried, "
-                  f"{summary.tasks_failed} failed of {summary.tasks_enqueued} enqueued "
-                  f"+ {summary.tasks_materialized} from the recurring job")
+    table.add_row(
+        "tasks",
+        f"{summary.tasks_done} done, {summary.tasks_retried} retried, "
+        f"{summary.tasks_failed} failed of {summary.tasks_enqueued} enqueued "
+        f"+ {summary.tasks_materialized} from the recurring job",
+    )
     return Panel(table, title="steeple demo", border_style="cyan")
 
 
@@ -241,8 +256,7 @@ async def run_demo(options: DemoOptions, console: Console) -> DemoSummary:
     embedded: EmbeddedPostgres | None = None
     if options.dsn is None:
         embedded = EmbeddedPostgres(data_dir, reset=options.fresh)
-        console.print(f"starting the embedded PostgreSQL in {embedded.pgdata} ...",
-                      markup=False)
+        console.print(f"starting the embedded PostgreSQL in {embedded.pgdata} ...", markup=False)
         dsn = await asyncio.to_thread(embedded.start)
     else:
         dsn = options.dsn
@@ -286,8 +300,11 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
     start = max(wall, saved + timedelta(milliseconds=1)) if saved else wall
     clock = AcceleratedClock(start, options.speed)
     settings = NamespaceSettings(
-        options.namespace, max_definitions=100, max_occurrences=100_000,
-        delivery_window=timedelta(days=1), lease_duration=timedelta(seconds=300),
+        options.namespace,
+        max_definitions=100,
+        max_occurrences=100_000,
+        delivery_window=timedelta(days=1),
+        lease_duration=timedelta(seconds=300),
     )
     target = Target(dsn, options.schema, settings)
     quiet = _SuperuserNote()
@@ -310,13 +327,17 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
     try:
         created_names = await _ensure_definitions(store, clock.now())
         if created_names:
-            console.print(f"created recurring publications: {', '.join(created_names)}",
-                          markup=False)
+            console.print(
+                f"created recurring publications: {', '.join(created_names)}", markup=False
+            )
         else:
             console.print("recurring publications kept from an earlier run", markup=False)
         journal = SqliteJournalBroker(
-            data_dir / _JOURNAL_FILE, keyring, namespace=options.namespace,
-            required_window=settings.delivery_window, clock=SystemClock(),
+            data_dir / _JOURNAL_FILE,
+            keyring,
+            namespace=options.namespace,
+            required_window=settings.delivery_window,
+            clock=SystemClock(),
         )
         async with journal:
             broker = _LosingAcknowledgements(journal, options.lose_every, summary)

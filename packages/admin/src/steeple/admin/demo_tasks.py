@@ -65,15 +65,21 @@ async def prepare(dsn: str, schema: str, summary: DemoSummary, duration: float) 
             now = await conn.fetchval("SELECT clock_timestamp()")
             async with conn.transaction():
                 for user in range(1, _EMAILS + 1):
-                    await queue.enqueue(conn, welcome, {"user": user},
-                                        EnqueueOptions.immediate(), schema=schema)
+                    await queue.enqueue(
+                        conn, welcome, {"user": user}, EnqueueOptions.immediate(), schema=schema
+                    )
                 for n, delay in enumerate(_DELAYED, start=1):
                     await queue.enqueue(
-                        conn, resize, {"image": f"photo-{n}.jpg"},
-                        EnqueueOptions.at(now + timedelta(seconds=delay * duration)), schema=schema,
+                        conn,
+                        resize,
+                        {"image": f"photo-{n}.jpg"},
+                        EnqueueOptions.at(now + timedelta(seconds=delay * duration)),
+                        schema=schema,
                     )
                 await queue.enqueue(
-                    conn, flaky, {"feed": "prices"},
+                    conn,
+                    flaky,
+                    {"feed": "prices"},
                     EnqueueOptions.immediate(
                         max_attempts=3,
                         backoff=Backoff(timedelta(milliseconds=500), timedelta(seconds=2)),
@@ -83,8 +89,13 @@ async def prepare(dsn: str, schema: str, summary: DemoSummary, duration: float) 
             # The recurring job's first due minute is placed in the past (a clock one minute
             # behind), so its first occurrence materializes as soon as the worker starts.
             await queue.jobs.ensure_job(
-                conn, "refresh-exchange-rates", rates, "* * * * *", {"base": "EUR"},
-                schema=schema, clock=_MinuteBehind(),
+                conn,
+                "refresh-exchange-rates",
+                rates,
+                "* * * * *",
+                {"base": "EUR"},
+                schema=schema,
+                clock=_MinuteBehind(),
             )
         summary.tasks_enqueued += _EMAILS + len(_DELAYED) + 1
     except BaseException:
@@ -109,8 +120,12 @@ async def prepare(dsn: str, schema: str, summary: DemoSummary, duration: float) 
         summary.tasks_done += 1
 
     scheduler = queue.Scheduler(
-        pool, worker_id="steeple-demo", schema=schema, poll_interval=0.25,
-        maintenance_interval=0.5, concurrency=8,
+        pool,
+        worker_id="steeple-demo",
+        schema=schema,
+        poll_interval=0.25,
+        maintenance_interval=0.5,
+        concurrency=8,
     )
     scheduler.register(welcome, send_welcome)
     scheduler.register(resize, resize_image)

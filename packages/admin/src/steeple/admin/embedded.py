@@ -92,8 +92,11 @@ class EmbeddedPostgres:
         try:
             from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
 
-            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.pgdata,
-                   user="pgserver" if _is_root() else None)
+            pg_ctl(
+                ["-w", "-m", "fast", "stop"],
+                pgdata=self.pgdata,
+                user="pgserver" if _is_root() else None,
+            )
         except (OSError, subprocess.SubprocessError, ImportError):
             pass  # nothing running (a stale pid file): removing the files is enough
 

@@ -48,19 +48,23 @@ class _Challenge:
         if scope["type"] == "http":
             headers = dict(scope.get("headers", []))
             if b"authorization" not in headers:
-                await send({
-                    "type": "http.response.start",
-                    "status": 401,
-                    "headers": [
-                        (b"www-authenticate", b'Basic realm="steeple admin", charset="UTF-8"'),
-                        (b"content-type", b"application/json"),
-                        *SECURITY_HEADERS,
-                    ],
-                })
-                await send({
-                    "type": "http.response.body",
-                    "body": b'{"error":"unauthorized","detail":"sign in with the admin token"}',
-                })
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"www-authenticate", b'Basic realm="steeple admin", charset="UTF-8"'),
+                            (b"content-type", b"application/json"),
+                            *SECURITY_HEADERS,
+                        ],
+                    }
+                )
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b'{"error":"unauthorized","detail":"sign in with the admin token"}',
+                    }
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -82,9 +86,7 @@ def token_app(
             return False
         return action == "static.read" or requested == namespace
 
-    inner = create_admin_app(
-        authorize=authorize, stores=stores, tasks=tasks, csrf_token=csrf_token
-    )
+    inner = create_admin_app(authorize=authorize, stores=stores, tasks=tasks, csrf_token=csrf_token)
     return _Challenge(inner)
 
 
@@ -129,10 +131,12 @@ async def serve(
                 )
         return task_admin
 
-    app = token_app(token=token, namespace=target.namespace, stores=stores, tasks=tasks,
-                    csrf_token=csrf_token)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off",
-                            server_header=False)
+    app = token_app(
+        token=token, namespace=target.namespace, stores=stores, tasks=tasks, csrf_token=csrf_token
+    )
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", lifespan="off", server_header=False
+    )
     try:
         async with resources:
             await uvicorn.Server(config).serve()

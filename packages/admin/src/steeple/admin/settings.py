@@ -134,9 +134,7 @@ def parse_keys(text: str, *, source: str) -> Keyring:
         raise CliError(f"{source}: {exc}", code=ExitCode.CONFIG) from None
 
 
-def load_keyring(
-    keys_file: Path | None, *, environ: Mapping[str, str] | None = None
-) -> Keyring:
+def load_keyring(keys_file: Path | None, *, environ: Mapping[str, str] | None = None) -> Keyring:
     """Build the keyring from ``--keys-file`` or ``STEEPLE_KEYS`` (the file wins).
 
     Raises:

@@ -139,7 +139,9 @@ async def run_worker(
             from steeple.postgres.queue import Scheduler
 
             scheduler = Scheduler(
-                target.dsn, worker_id=worker_app.worker_id, schema=target.queue_schema,
+                target.dsn,
+                worker_id=worker_app.worker_id,
+                schema=target.queue_schema,
                 concurrency=worker_app.concurrency,
             )
             for task, handler in worker_app.tasks:
@@ -154,8 +156,7 @@ async def run_worker(
             if store is not None and worker_app.broker is not None:
                 from steeple.postgres import RecurringRelay
 
-                relay = RecurringRelay(store, worker_app.broker,
-                                       claim_limit=worker_app.relay_batch)
+                relay = RecurringRelay(store, worker_app.broker, claim_limit=worker_app.relay_batch)
                 group.create_task(relay.run(stop))
             if scheduler is not None:
                 group.create_task(
@@ -167,8 +168,9 @@ async def run_worker(
         if store is not None:
             await store.close()
     if relay is not None:
-        log(f"steeple worker: relayed {relay.published} occurrences "
-            f"({relay.failed} relay failures)")
+        log(
+            f"steeple worker: relayed {relay.published} occurrences ({relay.failed} relay failures)"
+        )
 
 
 def _stopper(stop: asyncio.Event, log: Callable[[str], None], signum: int) -> Callable[[], None]:

@@ -249,7 +249,9 @@ class JetStreamBroker(AsyncLifecycle):
             )
             window = timedelta(seconds=info.config.duplicate_window or 0)
             check_dedup_window(
-                window, self._required, broker=f"nats stream {self._stream!r}",
+                window,
+                self._required,
+                broker=f"nats stream {self._stream!r}",
                 what="duplicate_window after the update",
                 fix="The server did not keep the new window.",
             )
@@ -262,9 +264,7 @@ class JetStreamBroker(AsyncLifecycle):
         try:
             return await awaitable
         except nats.js.errors.APIError as exc:
-            raise BrokerConfigurationError(
-                f"nats: {what} was refused: {exc.description}"
-            ) from None
+            raise BrokerConfigurationError(f"nats: {what} was refused: {exc.description}") from None
         except (nats.errors.TimeoutError, TimeoutError):
             raise BrokerTimeoutError(f"nats: {what} timed out") from None
 
@@ -323,7 +323,10 @@ class JetStreamBroker(AsyncLifecycle):
             # The caller's deadline (asyncio.timeout) bounds this; the client's own
             # request timeout is only a backstop.
             ack = await js.publish(
-                self._subject, message.payload, timeout=60, stream=self._stream,
+                self._subject,
+                message.payload,
+                timeout=60,
+                stream=self._stream,
                 headers=headers,
             )
         except nats.errors.MaxPayloadError:
@@ -339,8 +342,12 @@ class JetStreamBroker(AsyncLifecycle):
             ) from None
         except nats.errors.TimeoutError:
             raise AckUncertainError("no PubAck") from None
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
-                nats.errors.StaleConnectionError, nats.errors.OutboundBufferLimitError) as exc:
+        except (
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.StaleConnectionError,
+            nats.errors.OutboundBufferLimitError,
+        ) as exc:
             if self._nc is not None and self._nc.is_closed:
                 # The client gave up on this connection: the next publish connects afresh.
                 self._nc = self._js = None
@@ -472,8 +479,7 @@ class JetStreamConsumer(AsyncLifecycle):
                 decode_headers(headers.get(HEADER_HEADERS)),
             )
             out.append(
-                Delivery(delivery_id, headers.get(MSG_ID_HEADER, ""), message,
-                         meta.num_delivered)
+                Delivery(delivery_id, headers.get(MSG_ID_HEADER, ""), message, meta.num_delivered)
             )
         return out
 

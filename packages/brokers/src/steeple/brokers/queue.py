@@ -71,7 +71,9 @@ def decode_task_args(args: Any) -> tuple[str, ScheduledMessage]:
     """
     try:
         return args["idempotency_key"], ScheduledMessage(
-            args["topic"], args["message_type"], base64.b64decode(args["payload_b64"]),
+            args["topic"],
+            args["message_type"],
+            base64.b64decode(args["payload_b64"]),
             args["headers"],
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -110,8 +112,10 @@ class WorkQueueBroker(AsyncLifecycle):
         max_message_bytes: int = 256 * 1024,
         connect_timeout: float = 5.0,
     ) -> None:
-        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or (
-            max_message_bytes < 1
+        if (
+            isinstance(max_message_bytes, bool)
+            or not isinstance(max_message_bytes, int)
+            or (max_message_bytes < 1)
         ):
             raise ConfigurationError("max_message_bytes must be a positive int")
         self._max_bytes = max_message_bytes
@@ -127,8 +131,10 @@ class WorkQueueBroker(AsyncLifecycle):
             raise ConfigurationError("options must not carry a dedup_key (the key is used)")
         self._retention = positive_duration(dedup_retention, "dedup_retention")
         check_dedup_window(
-            self._retention, positive_duration(required_window, "required_window"),
-            broker="work queue", what="dedup_retention",
+            self._retention,
+            positive_duration(required_window, "required_window"),
+            broker="work queue",
+            what="dedup_retention",
             fix="Pass a dedup_retention at least as long as the delivery window.",
         )
         self._connect_timeout = check_timeout(connect_timeout)
@@ -213,7 +219,8 @@ class WorkQueueBroker(AsyncLifecycle):
         seconds = check_timeout(timeout)
         # base64 grows the payload by a third in the task's JSON args.
         check_size(
-            encoded_size(message, key) + len(message.payload) // 3 + 4, self._max_bytes,
+            encoded_size(message, key) + len(message.payload) // 3 + 4,
+            self._max_bytes,
             "the work-queue adapter",
         )
         name = self._task_name(message)
@@ -237,7 +244,8 @@ class WorkQueueBroker(AsyncLifecycle):
                     f'INSERT INTO "{self._schema}".broker_dedup (idempotency_key, task_name)'
                     " VALUES ($1, $2) ON CONFLICT (idempotency_key) DO NOTHING"
                     " RETURNING true",
-                    key, name,
+                    key,
+                    name,
                 )
                 if not new:
                     task_id = await conn.fetchval(
@@ -247,13 +255,17 @@ class WorkQueueBroker(AsyncLifecycle):
                     )
                     await tx.rollback()
                     return BrokerReceipt(
-                        "queue", key, duplicate=True,
+                        "queue",
+                        key,
+                        duplicate=True,
                         location=None if task_id is None else str(task_id),
                     )
                 options = EnqueueOptions(
-                    run_at=self._options.run_at, priority=self._options.priority,
+                    run_at=self._options.run_at,
+                    priority=self._options.priority,
                     lease_duration=self._options.lease_duration,
-                    max_attempts=self._options.max_attempts, backoff=self._options.backoff,
+                    max_attempts=self._options.max_attempts,
+                    backoff=self._options.backoff,
                     dedup_key=key,
                 )
                 enqueued = await enqueue(
@@ -262,7 +274,8 @@ class WorkQueueBroker(AsyncLifecycle):
                 await conn.execute(
                     f'UPDATE "{self._schema}".broker_dedup SET task_id = $2'
                     " WHERE idempotency_key = $1",
-                    key, enqueued.id,
+                    key,
+                    enqueued.id,
                 )
                 committing = True
                 await tx.commit()
@@ -317,7 +330,9 @@ class WorkQueueBroker(AsyncLifecycle):
             return None
         task_id = row["task_id"]
         return BrokerReceipt(
-            "queue", idempotency_key, duplicate=True,
+            "queue",
+            idempotency_key,
+            duplicate=True,
             location=None if task_id is None else str(task_id),
         )
 
@@ -339,5 +354,3 @@ class WorkQueueBroker(AsyncLifecycle):
         finally:
             await self._release(conn)
         return int(status.split()[-1])
-
-

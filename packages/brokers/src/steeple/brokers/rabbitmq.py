@@ -130,8 +130,10 @@ class RabbitMQBroker(AsyncLifecycle):
             raise ConfigurationError("exchange must be a str")
         if routing_key is not None and (not isinstance(routing_key, str) or len(routing_key) > 255):
             raise ConfigurationError("routing_key must be a str of at most 255 characters")
-        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or (
-            max_message_bytes < 1
+        if (
+            isinstance(max_message_bytes, bool)
+            or not isinstance(max_message_bytes, int)
+            or (max_message_bytes < 1)
         ):
             raise ConfigurationError("max_message_bytes must be a positive int")
         self._url = url
@@ -180,9 +182,7 @@ class RabbitMQBroker(AsyncLifecycle):
             await self._drop()
             connection = await _connect(self._url, self._connect_timeout, "steeple-publisher")
             try:
-                channel = await connection.channel(
-                    publisher_confirms=True, on_return_raises=True
-                )
+                channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
                 if self._exchange_name:
                     exchange = await channel.get_exchange(self._exchange_name, ensure=True)
                 else:
@@ -519,9 +519,11 @@ class SqliteSeenStore:
         now = self._now()
 
         def run() -> bool:
-            row = self._open().execute(
-                "SELECT 1 FROM steeple_seen WHERE key = ? AND expires_at > ?", (key, now)
-            ).fetchone()
+            row = (
+                self._open()
+                .execute("SELECT 1 FROM steeple_seen WHERE key = ? AND expires_at > ?", (key, now))
+                .fetchone()
+            )
             return row is not None
 
         async with self._lock:

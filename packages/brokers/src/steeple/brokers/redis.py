@@ -144,13 +144,18 @@ class RedisStreamBroker(AsyncLifecycle):
         self._ttl = positive_duration(dedup_ttl, "dedup_ttl")
         required = positive_duration(required_window, "required_window")
         check_dedup_window(
-            self._ttl, required, broker="redis", what="dedup_ttl",
+            self._ttl,
+            required,
+            broker="redis",
+            what="dedup_ttl",
             fix="Pass a dedup_ttl at least as long as the delivery window.",
         )
         self._prefix = dedup_prefix if dedup_prefix is not None else f"{stream}:dedup:"
         self._strict = bool(strict)
-        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or (
-            max_message_bytes < 1
+        if (
+            isinstance(max_message_bytes, bool)
+            or not isinstance(max_message_bytes, int)
+            or (max_message_bytes < 1)
         ):
             raise ConfigurationError("max_message_bytes must be a positive int")
         self._max_bytes = max_message_bytes
@@ -275,7 +280,9 @@ class RedisStreamBroker(AsyncLifecycle):
         for warning in warnings:
             _log.warning("redis dedup promise is not durable: %s", warning)
         report = PersistenceReport(
-            values["appendonly"], values["appendfsync"], values["maxmemory-policy"],
+            values["appendonly"],
+            values["appendfsync"],
+            values["maxmemory-policy"],
             tuple(warnings),
         )
         self._report = report
@@ -320,11 +327,16 @@ class RedisStreamBroker(AsyncLifecycle):
         ttl_ms = int(self._ttl.total_seconds() * 1000)
         fields: list[str | bytes | int] = [
             ttl_ms,
-            "key", key,
-            "topic", message.topic,
-            "type", message.message_type,
-            "headers", encode_headers(message),
-            "payload", message.payload,
+            "key",
+            key,
+            "topic",
+            message.topic,
+            "type",
+            message.message_type,
+            "headers",
+            encode_headers(message),
+            "payload",
+            message.payload,
         ]
         try:
             duplicate, entry_id = await self._script(
@@ -443,9 +455,12 @@ class RedisStreamConsumer(AsyncLifecycle):
         assert client is not None
         try:
             autoclaimed: Any = await client.xautoclaim(
-                self._stream, self._group, self._consumer,
+                self._stream,
+                self._group,
+                self._consumer,
                 min_idle_time=int(self._visibility.total_seconds() * 1000),
-                start_id="0-0", count=limit,
+                start_id="0-0",
+                count=limit,
             )
             claimed = autoclaimed[1]
             entries: list[tuple[Any, Any, int]] = []
@@ -459,7 +474,9 @@ class RedisStreamConsumer(AsyncLifecycle):
                 entries.append((entry_id, fields, count))
             if len(entries) < limit:
                 read: Any = await client.xreadgroup(
-                    self._group, self._consumer, {self._stream: ">"},
+                    self._group,
+                    self._consumer,
+                    {self._stream: ">"},
                     count=limit - len(entries),
                     block=int(wait * 1000) if wait > 0 else None,
                 )
@@ -471,7 +488,9 @@ class RedisStreamConsumer(AsyncLifecycle):
         for entry_id, fields, count in entries:
             f = {k.decode(): v for k, v in fields.items()}
             message = ScheduledMessage(
-                f["topic"].decode(), f["type"].decode(), f["payload"],
+                f["topic"].decode(),
+                f["type"].decode(),
+                f["payload"],
                 decode_headers(f.get("headers")),
             )
             out.append(Delivery(entry_id.decode(), f["key"].decode(), message, count))

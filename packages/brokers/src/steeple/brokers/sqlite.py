@@ -145,8 +145,10 @@ class SqliteJournalBroker(AsyncLifecycle):
             fix="Pass a dedup_retention at least as long as the delivery window.",
         )
         self._busy = positive_duration(busy_timeout, "busy_timeout")
-        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or (
-            max_message_bytes < 1
+        if (
+            isinstance(max_message_bytes, bool)
+            or not isinstance(max_message_bytes, int)
+            or (max_message_bytes < 1)
         ):
             raise ConfigurationError("max_message_bytes must be a positive int")
         self._max_bytes = max_message_bytes
@@ -221,7 +223,9 @@ class SqliteJournalBroker(AsyncLifecycle):
         seconds = check_timeout(timeout)
         check_size(encoded_size(message, key), self._max_bytes, "the sqlite journal")
         sealed = self._sealer.seal(
-            _serialize(message), namespace=self._namespace, purpose=JOURNAL_PURPOSE,
+            _serialize(message),
+            namespace=self._namespace,
+            purpose=JOURNAL_PURPOSE,
             identity=key,
         )
         return await publish_guarded(

@@ -41,9 +41,7 @@ class RecurringConfig:
     namespace: str = attrs.field(converter=_namespace)
     max_definitions: int = attrs.field()
     max_occurrences: int = attrs.field()
-    delivery_window: timedelta = attrs.field(
-        default=limits.DEFAULT_DELIVERY_WINDOW, kw_only=True
-    )
+    delivery_window: timedelta = attrs.field(default=limits.DEFAULT_DELIVERY_WINDOW, kw_only=True)
     lease_duration: timedelta = attrs.field(default=limits.DEFAULT_LEASE, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
@@ -130,8 +128,12 @@ class RecurringDefinition:
 
     @name.validator
     def _check_name(self, _: object, value: str) -> None:
-        text(value, "definition name", max_len=limits.MAX_NAME_LENGTH,
-             error=RecurringConfigurationError)
+        text(
+            value,
+            "definition name",
+            max_len=limits.MAX_NAME_LENGTH,
+            error=RecurringConfigurationError,
+        )
 
     @message.validator
     def _check_message(self, _: object, value: object) -> None:

@@ -27,8 +27,12 @@ def _freeze_headers(value: Mapping[str, str] | None) -> Mapping[str, str]:
         )
     out: dict[str, str] = {}
     for k, v in value.items():
-        text(k, "header name", max_len=limits.MAX_HEADER_NAME_LENGTH,
-             error=RecurringConfigurationError)
+        text(
+            k,
+            "header name",
+            max_len=limits.MAX_HEADER_NAME_LENGTH,
+            error=RecurringConfigurationError,
+        )
         if not isinstance(v, str):
             raise RecurringConfigurationError(f"header {k!r} must have a str value")
         if len(v) > limits.MAX_HEADER_VALUE_LENGTH:
@@ -78,8 +82,12 @@ class ScheduledMessage:
 
     @message_type.validator
     def _check_type(self, _: object, value: str) -> None:
-        text(value, "message_type", max_len=limits.MAX_TOPIC_LENGTH,
-             error=RecurringConfigurationError)
+        text(
+            value,
+            "message_type",
+            max_len=limits.MAX_TOPIC_LENGTH,
+            error=RecurringConfigurationError,
+        )
 
     def __repr__(self) -> str:
         # Payloads and headers may hold personal data: never shown.

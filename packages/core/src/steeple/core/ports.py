@@ -95,15 +95,11 @@ class RecurringStore(Protocol):
         """Give a dead occurrence a fresh operator attempt budget inside its window."""
         ...
 
-    async def schedules(
-        self, after: str | None = None, limit: int = 100
-    ) -> Page[ScheduleInfo]:
+    async def schedules(self, after: str | None = None, limit: int = 100) -> Page[ScheduleInfo]:
         """List definitions' metadata after the exclusive cursor."""
         ...
 
-    async def occurrences(
-        self, after: str | None = None, limit: int = 100
-    ) -> Page[OccurrenceInfo]:
+    async def occurrences(self, after: str | None = None, limit: int = 100) -> Page[OccurrenceInfo]:
         """List occurrences' metadata after the exclusive cursor."""
         ...
 

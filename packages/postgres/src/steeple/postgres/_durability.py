@@ -69,9 +69,7 @@ def _is_loopback(host: str) -> bool:
 def _dsn_hosts(dsn: str) -> tuple[list[str], dict[str, list[str]]]:
     parts = urlsplit(dsn)
     if parts.scheme not in {"postgres", "postgresql"}:
-        raise DurabilityProblem(
-            "the DSN must be a postgresql:// URI", setting="dsn"
-        )
+        raise DurabilityProblem("the DSN must be a postgresql:// URI", setting="dsn")
     query = parse_qs(parts.query)
     netloc = parts.netloc.rpartition("@")[2]
     hosts: list[str] = []
@@ -129,12 +127,14 @@ async def check_server_durability(conn: AnyConnection) -> None:
     if row["fsync"] != "on":
         raise DurabilityProblem(
             "PostgreSQL runs with fsync=off, so a crash can lose or corrupt committed work; "
-            "set fsync=on", setting="fsync",
+            "set fsync=on",
+            setting="fsync",
         )
     if row["full_page_writes"] != "on":
         raise DurabilityProblem(
             "PostgreSQL runs with full_page_writes=off, so a crash can corrupt pages; set "
-            "full_page_writes=on", setting="full_page_writes",
+            "full_page_writes=on",
+            setting="full_page_writes",
         )
     if row["synchronous_commit"] not in _DURABLE_SYNC_COMMIT:
         raise DurabilityProblem(
@@ -146,7 +146,8 @@ async def check_server_durability(conn: AnyConnection) -> None:
     if row["in_recovery"]:
         raise DurabilityProblem(
             "PostgreSQL is a standby in recovery (pg_is_in_recovery() is true); connect to "
-            "the writable primary", setting="pg_is_in_recovery",
+            "the writable primary",
+            setting="pg_is_in_recovery",
         )
     if row["default_ro"] != "off" or row["tx_ro"] != "off":
         raise DurabilityProblem(
@@ -156,9 +157,7 @@ async def check_server_durability(conn: AnyConnection) -> None:
         )
 
 
-async def check_tables_permanent(
-    conn: AnyConnection, schema: str, tables: Sequence[str]
-) -> None:
+async def check_tables_permanent(conn: AnyConnection, schema: str, tables: Sequence[str]) -> None:
     """Require every table to exist in ``schema`` and be permanent (not unlogged or temp).
 
     Raises:
@@ -237,8 +236,7 @@ async def check_privileges(
     warnings: list[str] = []
     if role["rolsuper"]:
         warnings.append(
-            f"runtime role {name!r} is a superuser; use a role with only the grants in "
-            "grants.sql"
+            f"runtime role {name!r} is a superuser; use a role with only the grants in grants.sql"
         )
     owned = await conn.fetch(
         "SELECT c.relname FROM pg_catalog.pg_class c"

@@ -364,9 +364,7 @@ async def _install(
     await transaction.commit()
 
 
-async def grant_runtime_role(
-    conn: asyncpg.Connection, role: str, schema: str = "steeple"
-) -> None:
+async def grant_runtime_role(conn: asyncpg.Connection, role: str, schema: str = "steeple") -> None:
     """Grant ``role`` exactly the runtime privileges of ``recurring/grants.sql``.
 
     Run it as the deployment role (the tables' owner) after ``initialize``.
@@ -616,9 +614,7 @@ class PostgresRecurringStore:
         # (It only bumps the pool's generation: nothing here waits on the network.)
         await self._pool.expire_connections()
 
-    async def _attempt(
-        self, what: str, body: Callable[[_Tx], Awaitable[T]], deadline: float
-    ) -> T:
+    async def _attempt(self, what: str, body: Callable[[_Tx], Awaitable[T]], deadline: float) -> T:
         try:
             async with asyncio.timeout_at(deadline):
                 conn = await self._pool.acquire(timeout=_POOL_DEADLINE)
@@ -787,9 +783,7 @@ class PostgresRecurringStore:
 
         return await self._run("cancel", body)
 
-    async def schedules(
-        self, after: str | None = None, limit: int = 100
-    ) -> Page[ScheduleInfo]:
+    async def schedules(self, after: str | None = None, limit: int = 100) -> Page[ScheduleInfo]:
         """List definitions' metadata by name, after the exclusive cursor ``after``.
 
         Raises:
@@ -802,9 +796,7 @@ class PostgresRecurringStore:
         q = self._queries
 
         async def body(tx: _Tx) -> Page[ScheduleInfo]:
-            rows = await tx.conn.fetch(
-                q.list_definitions, self._config.namespace, after, limit + 1
-            )
+            rows = await tx.conn.fetch(q.list_definitions, self._config.namespace, after, limit + 1)
             items = [_codec.schedule_info(r) for r in rows[:limit]]
             more = len(rows) > limit
             return Page(items=items, next_cursor=items[-1].name if more else None)
@@ -855,9 +847,7 @@ class PostgresRecurringStore:
                 p.changed = True
                 if plan.due:
                     emitted.append((name, plan.due[0]))
-                p.cursor = plan.cursor if plan.cursor is not None else max(
-                    (p.cursor, *plan.due)
-                )
+                p.cursor = plan.cursor if plan.cursor is not None else max((p.cursor, *plan.due))
                 p.exhausted = plan.exhausted
                 p.next_due = plan.next_due
                 if p.next_due is not None and p.next_due <= tx.now and plan.due:
@@ -1068,8 +1058,8 @@ class PostgresRecurringStore:
         except (BrokerError, RelayBrokerError) as exc:
             permanent = bool(getattr(exc, "permanent", False))
             decision = await self._record_failure(lease, exc, permanent=permanent)
-            error_type = RelayBrokerTimeoutError if isinstance(exc, TimeoutError) else (
-                RelayBrokerError
+            error_type = (
+                RelayBrokerTimeoutError if isinstance(exc, TimeoutError) else (RelayBrokerError)
             )
             raise error_type(
                 f"publication of occurrence {occurrence_id} failed ({type(exc).__name__}); "
@@ -1078,8 +1068,8 @@ class PostgresRecurringStore:
             ) from exc
         except (TimeoutError, ConnectionError) as exc:
             decision = await self._record_failure(lease, exc, permanent=False)
-            error_type = RelayBrokerTimeoutError if isinstance(exc, TimeoutError) else (
-                RelayBrokerError
+            error_type = (
+                RelayBrokerTimeoutError if isinstance(exc, TimeoutError) else (RelayBrokerError)
             )
             raise error_type(
                 f"publication of occurrence {occurrence_id} did not complete within "
@@ -1110,9 +1100,7 @@ class PostgresRecurringStore:
         await self._run("relay", finish)
         return receipt
 
-    async def _record_failure(
-        self, lease: Lease, exc: BaseException, *, permanent: bool
-    ) -> str:
+    async def _record_failure(self, lease: Lease, exc: BaseException, *, permanent: bool) -> str:
         """Record a failed publication (fenced); return a description of what follows."""
         q = self._queries
         namespace = self._config.namespace
@@ -1197,9 +1185,7 @@ class PostgresRecurringStore:
 
         return await self._run("retry_failed", body)
 
-    async def occurrences(
-        self, after: str | None = None, limit: int = 100
-    ) -> Page[OccurrenceInfo]:
+    async def occurrences(self, after: str | None = None, limit: int = 100) -> Page[OccurrenceInfo]:
         """List occurrences' metadata by (due time, id), after the exclusive cursor ``after``.
 
         Expired work is classified (and its content erased) first. No payloads, no lease
