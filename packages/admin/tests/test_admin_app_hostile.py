@@ -305,6 +305,7 @@ class Harness:
               (SELECT count(*) FROM "{s}".tasks),
               (SELECT string_agg(id || '/' || state, ',' ORDER BY id) FROM "{s}".tasks)"""
         )
+        assert row is not None
         return tuple(row)
 
     async def check(self, case: Case) -> None:
