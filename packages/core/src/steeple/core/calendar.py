@@ -420,9 +420,7 @@ class CronCalendar:
             yield current
             current = self._first_at_or_after(current + _ONE_MINUTE)
 
-    def _first_at_or_after(
-        self, start: datetime, last_year: int = _LAST_YEAR
-    ) -> datetime | None:
+    def _first_at_or_after(self, start: datetime, last_year: int = _LAST_YEAR) -> datetime | None:
         """Return the first fire time at or after ``start``, a whole UTC minute.
 
         ``last_year`` ends the search after that year. ``steeple.core.zoned`` reads the
