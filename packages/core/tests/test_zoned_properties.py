@@ -33,6 +33,7 @@ REF_FIRST = datetime(1970, 1, 1, tzinfo=UTC)
 REF_LAST = datetime(2100, 12, 31, 23, 59, tzinfo=UTC)
 MINUTE = timedelta(minutes=1)
 SECOND = timedelta(seconds=1)
+HOUR = timedelta(hours=1)
 
 Sets = tuple[frozenset[int], frozenset[int], frozenset[int], frozenset[int], frozenset[int]]
 FULL: Sets = (
@@ -315,6 +316,9 @@ def test_every_named_transition_agrees_with_the_reference(name: str, year: int) 
                 got.append(current)
                 current = calendar.next_after(current)
             assert got == ref_fires(ref_sets, zone, start, end), (expression, name, transition)
+            assert all(calendar.matches(instant) for instant in got)
+            for instant in ref_whole_minute_instants(zone, transition - HOUR, transition + HOUR):
+                assert calendar.matches(instant) == (instant in got), (expression, instant)
 
 
 @settings(max_examples=300, deadline=None)

@@ -47,6 +47,11 @@ def test_berlin_time_in_the_spring_gap_runs_once_at_the_end_of_the_gap() -> None
     got = fires("30 2 * * *", "Europe/Berlin", utc(2024, 3, 30, 12), 2)
     assert got == [utc(2024, 3, 31, 1), utc(2024, 4, 1, 0, 30)]
     assert local(got, "Europe/Berlin") == ["2024-03-31 03:00+0200", "2024-04-01 02:30+0200"]
+    calendar = ZonedCalendar.parse("30 2 * * *", "Europe/Berlin")
+    assert calendar.matches(utc(2024, 3, 31, 1))  # 03:00 CEST: the end of the gap
+    assert not calendar.matches(utc(2024, 3, 31, 1, 30))  # 03:30 CEST
+    assert not calendar.matches(utc(2024, 3, 30, 1))  # 02:00 CET the day before
+    assert not calendar.matches(datetime(2024, 3, 31, 1, 0, 1, tzinfo=UTC))
 
 
 def test_berlin_several_times_in_the_gap_run_once_together() -> None:
