@@ -65,6 +65,7 @@ SHORTHANDS: Final[dict[str, str]] = {
 }
 
 _ONE_MINUTE: Final = timedelta(minutes=1)
+_ONE_SECOND: Final = timedelta(seconds=1)
 _EPSILON: Final = timedelta(microseconds=1)
 # A wall time in 2101 can still be an instant of 2100 (offsets reach +14 h).
 _WALL_LAST_YEAR: Final = 2101
@@ -312,12 +313,15 @@ class ZonedCalendar:
         """Return the first instant in ``(low, high]`` whose offset differs from ``low``'s.
 
         Called only where the zone's offset changes once in that interval (a gap or a
-        fold found by the caller); a bisection to the microsecond (transitions fall on
-        whole seconds, so it lands exactly on one).
+        fold found by the caller). The tz database records transitions in whole seconds,
+        so the bisection runs over whole seconds (about 12 steps for an hour).
         """
         first = self._offset(low)
-        while high - low > _EPSILON:
-            middle = low + (high - low) // 2
+        low = low.replace(microsecond=0)  # same offset: no transition inside a second
+        if high.microsecond:
+            high = high.replace(microsecond=0) + _ONE_SECOND
+        while high - low > _ONE_SECOND:
+            middle = low + timedelta(seconds=(high - low) // _ONE_SECOND // 2)
             if self._offset(middle) == first:
                 low = middle
             else:
