@@ -7,6 +7,8 @@ tests in ``test_zoned_properties.py`` check the same rules against a brute-force
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta, timezone
 from itertools import islice, pairwise
 from pathlib import Path
@@ -424,7 +426,7 @@ def test_a_missing_tz_database_is_named(monkeypatch: pytest.MonkeyPatch) -> None
         def __new__(cls, key: str) -> NoDatabase:
             raise ZoneInfoNotFoundError(key)
 
-    monkeypatch.setattr("steeple.core.zoned.ZoneInfo", NoDatabase)
+    monkeypatch.setattr("zoneinfo.ZoneInfo", NoDatabase)
     with pytest.raises(InvalidTimeZoneError, match="no IANA time zone database is installed"):
         ZonedCalendar.parse("@daily", "Europe/Berlin")
     # UTC needs no database.
@@ -437,3 +439,30 @@ def test_a_missing_tz_database_is_named(monkeypatch: pytest.MonkeyPatch) -> None
 def test_bad_expressions_raise_the_cron_error(expression: object) -> None:
     with pytest.raises(InvalidCronExpression):
         ZonedCalendar.parse(expression, "Europe/Berlin")  # type: ignore[arg-type]
+
+
+def test_the_readme_example_runs() -> None:
+    """The README's "How the work queue's jobs use it" snippet is executed as written."""
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    text = readme.read_text()
+    section = text[text.index("### How the work queue's jobs use it") :]
+    snippet = section[section.index("```python") + len("```python") : section.index("```\n\n")]
+    assert "plan_tick" in snippet
+    exec(compile(snippet, str(readme), "exec"), {})
+
+
+def test_importing_core_does_not_load_zoneinfo() -> None:
+    """zoneinfo (and the sysconfig it loads) come only when a zone name is parsed."""
+    script = (
+        "import sys\n"
+        "import steeple.core\n"
+        "from steeple.core import ZonedCalendar\n"
+        "ZonedCalendar.parse('@daily')\n"
+        "print('zoneinfo' in sys.modules)\n"
+        "ZonedCalendar.parse('@daily', 'Europe/Berlin')\n"
+        "print('zoneinfo' in sys.modules)\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert completed.stdout.split() == ["False", "True"]

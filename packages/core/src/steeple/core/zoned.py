@@ -39,13 +39,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
-from typing import Final
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from typing import TYPE_CHECKING, Final
 
 import attrs
 
 from steeple.core.calendar import FIRST_INSTANT, LAST_INSTANT, CronCalendar, _require_aware
 from steeple.core.errors import InvalidCronExpression, InvalidTimeZoneError
+
+if TYPE_CHECKING:
+    from zoneinfo import ZoneInfo
 
 __all__ = ["DEFAULT_ZONE", "MAX_ZONE_NAME_LENGTH", "SHORTHANDS", "ZonedCalendar"]
 
@@ -92,8 +94,14 @@ def _expand_shorthand(expression: str) -> str:
 
 def _load_zone(zone: object) -> tuple[str, tzinfo]:
     """Return the zone's IANA name and its tzinfo (``datetime.UTC`` for UTC itself)."""
-    if zone is None or (isinstance(zone, timezone) and zone == UTC):
+    if zone is None or (isinstance(zone, str) and zone == DEFAULT_ZONE):
         return DEFAULT_ZONE, UTC
+    if isinstance(zone, timezone) and zone == UTC:
+        return DEFAULT_ZONE, UTC
+    # Imported only past UTC: zoneinfo loads sysconfig, and UTC-only users (the recurring
+    # publications, jobs without a zone) never need it.
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
     if isinstance(zone, ZoneInfo):
         if zone.key is None:
             raise InvalidTimeZoneError(
@@ -115,8 +123,6 @@ def _load_zone(zone: object) -> tuple[str, tzinfo]:
             "not an IANA time zone name (ASCII letters, digits, '_', '-', '+', "
             "components separated by '/', e.g. 'Europe/Berlin')",
         )
-    if zone == DEFAULT_ZONE:
-        return DEFAULT_ZONE, UTC
     try:
         return zone, ZoneInfo(zone)
     except (ZoneInfoNotFoundError, ValueError, OSError):
