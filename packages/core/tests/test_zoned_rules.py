@@ -466,3 +466,12 @@ def test_importing_core_does_not_load_zoneinfo() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     )
     assert completed.stdout.split() == ["False", "True"]
+
+
+def test_direct_construction_checks_types() -> None:
+    calendar = CronCalendar.parse("0 0 * * *")
+    assert ZonedCalendar("0 0 * * *", calendar, "UTC", UTC) == ZonedCalendar.parse("@daily")
+    with pytest.raises(TypeError):
+        ZonedCalendar("0 0 * * *", "0 0 * * *", "UTC", UTC)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ZonedCalendar("0 0 * * *", calendar, "UTC", "UTC")  # type: ignore[arg-type]

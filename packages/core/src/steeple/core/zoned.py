@@ -173,10 +173,12 @@ class ZonedCalendar:
             names times of day (fired once each, see the module docstring).
     """
 
-    expression: str = attrs.field(eq=False)
-    calendar: CronCalendar
-    zone: str
-    _tz: tzinfo = attrs.field(eq=False)
+    # Type checks so that direct construction (bypassing parse) cannot build a calendar
+    # the search would fail on.
+    expression: str = attrs.field(eq=False, validator=attrs.validators.instance_of(str))
+    calendar: CronCalendar = attrs.field(validator=attrs.validators.instance_of(CronCalendar))
+    zone: str = attrs.field(validator=attrs.validators.instance_of(str))
+    _tz: tzinfo = attrs.field(eq=False, validator=attrs.validators.instance_of(tzinfo))  # type: ignore[type-abstract]
     interval: bool = attrs.field(init=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
