@@ -16,6 +16,7 @@ from steeple.core.errors import (
     BrokerUnavailableError,
     ConfigurationError,
     InvalidCronExpression,
+    InvalidTimeZoneError,
     InvalidTransitionError,
     KeyringConfigurationError,
     KeyringError,
@@ -83,6 +84,7 @@ from steeple.core.tasks import (
     TaskState,
     retry_decision,
 )
+from steeple.core.zoned import ZonedCalendar
 
 __all__ = [
     "CAPABILITY_BYTES",
@@ -108,6 +110,7 @@ __all__ = [
     "DueCalendar",
     "FailureDecision",
     "InvalidCronExpression",
+    "InvalidTimeZoneError",
     "InvalidTransitionError",
     "KeyringConfigurationError",
     "KeyringError",
@@ -153,6 +156,7 @@ __all__ = [
     "TickPlan",
     "TickResult",
     "UnknownKeyIdError",
+    "ZonedCalendar",
     "adopt_time",
     "after_publish_failure",
     "capability_matches",

@@ -420,13 +420,18 @@ class CronCalendar:
             yield current
             current = self._first_at_or_after(current + _ONE_MINUTE)
 
-    def _first_at_or_after(self, start: datetime) -> datetime | None:
-        """Return the first fire time at or after ``start``, a whole UTC minute."""
+    def _first_at_or_after(self, start: datetime, last_year: int = _LAST_YEAR) -> datetime | None:
+        """Return the first fire time at or after ``start``, a whole UTC minute.
+
+        ``last_year`` ends the search after that year. ``steeple.core.zoned`` reads the
+        result as a wall-clock time and searches into 2101 (a wall time there can still be
+        an instant of 2100 in zones east of UTC).
+        """
         minutes, hours = self._minute_list, self._hour_list
         days, months, weekday_mask = self._day_list, self._month_list, self._weekday_mask
         year, month, day = start.year, start.month, start.day
         hour, minute = start.hour, start.minute
-        while year <= _LAST_YEAR:
+        while year <= last_year:
             month_index = bisect_left(months, month)
             if month_index == len(months):
                 year, month, day, hour, minute = year + 1, 1, 1, 0, 0

@@ -311,3 +311,24 @@ class BrokerConfigurationError(BrokerRejectedError, ConfigurationError):
 
 
 __all__ += ["BrokerConfigurationError"]
+
+
+# --- time zones (appended by core's zoned calendar) ---------------------------------------
+
+
+class InvalidTimeZoneError(ConfigurationError):
+    """A time zone that the zoned calendar (``steeple.core.zoned``) cannot use.
+
+    Attributes:
+        zone: the rejected name, or ``<type>`` for a value of the wrong type (truncated).
+        reason: why it was rejected.
+    """
+
+    def __init__(self, zone: str, reason: str) -> None:
+        shown = zone if len(zone) <= 80 else zone[:77] + "..."
+        super().__init__(f"invalid time zone {shown!r}: {reason}")
+        self.zone = shown
+        self.reason = reason
+
+
+__all__ += ["InvalidTimeZoneError"]
