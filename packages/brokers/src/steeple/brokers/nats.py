@@ -365,10 +365,9 @@ class JetStreamBroker(AsyncLifecycle):
             ConfigurationError: a bad key or timeout, or not a ScheduledMessage.
             BrokerConfigurationError: the stream is missing or its window too short.
             MessageTooLargeError: over the server's max_payload or the stream's
-                max_msg_size (permanent), checked before sending.
-            BrokerRejectedError: headers over 64 KiB, or a value NATS cannot carry
-                unchanged, refused before sending; or the stream refused the message
-                (permanent).
+                max_msg_size, or headers over 64 KiB (permanent), checked before sending.
+            BrokerRejectedError: a header value NATS cannot carry unchanged, refused before
+                sending; or the stream refused the message (permanent).
             BrokerUnavailableError: the server is unreachable or no stream listens.
             BrokerTimeoutError: no PubAck in time; the stream may hold the message.
             RelayAcknowledgementError: the PubAck was lost but the stream holds the key.
@@ -380,7 +379,7 @@ class JetStreamBroker(AsyncLifecycle):
         # the header block plus the payload, byte for byte.
         block = header_block(headers)
         if len(block) > MAX_HEADER_BYTES:
-            raise BrokerRejectedError(
+            raise MessageTooLargeError(
                 f"nats: the message's headers are {len(block)} bytes on the wire; JetStream "
                 f"accepts at most {MAX_HEADER_BYTES} (64 KiB): shorten the headers",
                 size=len(block),
