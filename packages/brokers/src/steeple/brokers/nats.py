@@ -180,7 +180,9 @@ class JetStreamBroker(AsyncLifecycle):
     Args:
         url: the server URL (credentials in it are never shown).
         stream: the stream name.
-        subject: the subject to publish on (must be bound to ``stream``).
+        subject: the subject to publish on (must be bound to ``stream``): a concrete
+            subject of non-empty dot-separated tokens, without whitespace or wildcards,
+            at most 1024 bytes.
         required_window: the delivery window the stream's ``duplicate_window`` must cover.
         manage_stream: create the stream if missing and raise a short window to
             ``required_window`` (file storage); otherwise only check.
