@@ -151,8 +151,7 @@ def check_utf8_length(value: object, limit: int, what: str, broker: str, rule: s
     raw = wire_text(value, what, broker)
     if len(raw) > limit:
         raise BrokerRejectedError(
-            f"{broker}: {what} is {len(raw)} bytes in UTF-8; {rule} allows at most {limit} "
-            "bytes, so the message can never be sent",
+            f"{broker}: {what} is {len(raw)} bytes in UTF-8; {rule} allows at most {limit} bytes",
             size=len(raw),
             limit=limit,
         )
