@@ -12,7 +12,10 @@ __all__ = ["DEFAULT_SCHEMA", "LIBRARY_SCHEMA_VERSION", "check_schema", "install"
 
 DEFAULT_SCHEMA: Final = "steeple_queue"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-_MIGRATIONS: Final[tuple[tuple[int, str], ...]] = ((1, "0001_create_queue_tables"),)
+_MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
+    (1, "0001_create_queue_tables"),
+    (2, "0002_due_work_survives_clock_steps"),
+)
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""
 
