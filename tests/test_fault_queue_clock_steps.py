@@ -346,3 +346,65 @@ async def test_claims_survive_steps_of_the_servers_clock(
         assert worker.stats.refused_claims >= 3  # +31 s, +10 min and +1 h, at least
     finally:
         await conn.close()
+
+
+@pytest.mark.timeout(300)
+async def test_work_due_before_the_servers_clock_steps_back_stays_due(
+    stepped_server: tuple[str, SteppedClock],
+) -> None:
+    """Immediate work, work scheduled in the past and recurring occurrences were due when
+    created: a step back of the server's clock must not make them wait it out. Delayed work
+    is judged by the server's clock, so it waits."""
+    dsn, clock = stepped_server
+    schema = "due_stays_due"
+    conn = await asyncpg.connect(dsn, timeout=30)
+    try:
+        await install(conn, schema=schema)
+        server_now = await conn.fetchval("SELECT clock_timestamp()")
+        await jobs.create(
+            conn, "every-minute", HOURLY, "* * * * *", {}, schema=schema,
+            clock=FakeClock(server_now - timedelta(minutes=2)),
+        )  # fmt: skip
+        assert await jobs.materialize_due(conn, schema=schema) == 1
+        due = [
+            (await enqueue(conn, PROBE, {"kind": "now"}, schema=schema)).id,
+            (
+                await enqueue(
+                    conn,
+                    PROBE,
+                    {"kind": "past"},
+                    EnqueueOptions.at(server_now - timedelta(minutes=1)),
+                    schema=schema,
+                )
+            ).id,
+            *[
+                r["id"]
+                for r in await conn.fetch(
+                    f'SELECT id FROM "{schema}".tasks WHERE task_name = $1', HOURLY.name
+                )
+            ],
+        ]
+        later = await enqueue(
+            conn, PROBE, {"kind": "delayed"}, EnqueueOptions.after(timedelta(seconds=2)),
+            schema=schema,
+        )  # fmt: skip
+        clock.set(-3600)
+        worker = Scheduler(
+            dsn, worker_id="stepped-back", schema=schema, poll_interval=0.2,
+            maintenance_interval=0.2, query_timeout=5,
+        )  # fmt: skip
+        register_all(worker)
+        async with running(worker):
+            await queue_support.wait_until(
+                lambda: succeeded(conn, schema, due), timeout=SETTLE_TIMEOUT
+            )
+            state = await conn.fetchval(
+                f'SELECT state FROM "{schema}".tasks WHERE id = $1', later.id
+            )
+            assert state == "pending"  # due in 2 s of the old time: an hour away now
+            clock.set(0)
+            await queue_support.wait_until(
+                lambda: succeeded(conn, schema, [later.id]), timeout=SETTLE_TIMEOUT
+            )
+    finally:
+        await conn.close()
