@@ -6,7 +6,11 @@ import importlib.resources
 import re
 from typing import Any, Final
 
-from steeple.postgres.queue.errors import QueueConfigurationError, SchemaVersionMismatchError
+from steeple.postgres.queue.errors import (
+    QueueConfigurationError,
+    QueueTypeError,
+    SchemaVersionMismatchError,
+)
 
 __all__ = ["DEFAULT_SCHEMA", "LIBRARY_SCHEMA_VERSION", "check_schema", "install"]
 
@@ -25,8 +29,11 @@ def validate_schema(schema: str) -> str:
 
     Raises:
         QueueConfigurationError: not a lowercase identifier of 1-63 characters.
+        QueueTypeError: not a str.
     """
-    if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
+    if not isinstance(schema, str):
+        raise QueueTypeError(f"schema must be a str, not {type(schema).__name__}")
+    if not _SCHEMA_NAME.fullmatch(schema):
         raise QueueConfigurationError(
             f"schema must be a lowercase identifier ([a-z_][a-z0-9_]*, at most 63 chars), "
             f"got {schema!r}"

@@ -64,13 +64,19 @@ class QueueSql:
     prune: str
 
 
-@functools.lru_cache(maxsize=64)
 def queue_sql(schema: str) -> QueueSql:
-    """Build (once) the statements for ``schema``.
+    """Return the statements for ``schema`` (built once per schema).
 
     Raises:
         QueueConfigurationError: invalid schema name.
+        QueueTypeError: a schema that is not a str.
     """
+    validate_schema(schema)  # before the cache: an unhashable schema is a typed error too
+    return _queue_sql(schema)
+
+
+@functools.lru_cache(maxsize=64)
+def _queue_sql(schema: str) -> QueueSql:
     s = validate_schema(schema)
     return QueueSql(
         schema=schema,

@@ -394,7 +394,7 @@ class Scheduler:
             UnfitDatabaseError: the server or schema could lose acknowledged work.
             QueueUnavailableError: the database failed or was unreachable at start-up.
             QueueConfigurationError: a pool too small for the worker; a ``drain_timeout``
-                that is NaN, infinite, negative or over a day.
+                that is NaN, infinite, negative or over a day; a DSN that cannot be parsed.
             QueueTypeError: ``stop`` is not an ``asyncio.Event``, or a wrong-typed
                 ``drain_timeout``.
             UnknownTaskError: no handler is registered.

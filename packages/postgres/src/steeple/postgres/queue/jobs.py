@@ -18,7 +18,7 @@ Times come from the database server's clock, the one that also judges when tasks
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar, cast
 
 import attrs
@@ -130,7 +130,10 @@ async def _now(conn: Any, clock: Clock | None) -> datetime:
         now = clock.now()
         if not isinstance(now, datetime) or now.tzinfo is None or now.utcoffset() is None:
             raise QueueTypeError("clock.now() must return an aware datetime")
-        return now
+        try:
+            return now.astimezone(UTC)
+        except OverflowError:
+            raise QueueConfigurationError("clock.now() is out of range in UTC") from None
     ((now,),) = await _driver.fetch(conn, "SELECT clock_timestamp()")
     return cast(datetime, now)
 
@@ -195,7 +198,9 @@ async def create(
     Raises:
         JobExistsError: a job with that name exists.
         InvalidCronExpression: a malformed cron expression.
-        QueueConfigurationError: a bad name, a calendar that never fires, run_at/dedup_key.
+        QueueConfigurationError: a bad name or schema, a calendar that never fires, options
+            with run_at, delay or dedup_key, a clock reading out of range.
+        QueueTypeError: a task, options or clock of the wrong type.
         ArgsEncodingError: args that cannot be encoded.
     """
     s, now, following = await _declaration(conn, name, schema, cron, clock)
@@ -232,7 +237,9 @@ async def ensure_job(
 
     Raises:
         InvalidCronExpression: a malformed cron expression.
-        QueueConfigurationError: a bad name, a calendar that never fires, run_at/dedup_key.
+        QueueConfigurationError: a bad name or schema, a calendar that never fires, options
+            with run_at, delay or dedup_key, a clock reading out of range.
+        QueueTypeError: a task, options or clock of the wrong type.
         ArgsEncodingError: args that cannot be encoded.
     """
     s, now, following = await _declaration(conn, name, schema, cron, clock)
@@ -270,6 +277,8 @@ async def get(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
 
     Raises:
         JobNotFoundError: no such job.
+        QueueConfigurationError: a malformed name (no job can have it) or schema.
+        QueueTypeError: a name that is not a str.
     """
     s = validate_schema(schema)
     _check_name(name, "job name")
@@ -284,6 +293,8 @@ async def pause(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInf
 
     Raises:
         JobNotFoundError: no such job.
+        QueueConfigurationError: a malformed name (no job can have it) or schema.
+        QueueTypeError: a name that is not a str.
     """
     s = validate_schema(schema)
     _check_name(name, "job name")
@@ -335,7 +346,8 @@ async def resume(
 
     Raises:
         JobNotFoundError: no such job.
-        QueueConfigurationError: its calendar never fires again.
+        QueueConfigurationError: its calendar never fires again; a malformed name or schema.
+        QueueTypeError: a name or clock of the wrong type.
     """
     return await _restart(conn, name, schema, clock, None)
 
@@ -355,7 +367,8 @@ async def reschedule(
     Raises:
         JobNotFoundError: no such job.
         InvalidCronExpression: a malformed cron expression.
-        QueueConfigurationError: a calendar that never fires.
+        QueueConfigurationError: a calendar that never fires; a malformed name or schema.
+        QueueTypeError: a name or clock of the wrong type.
     """
     return await _restart(conn, name, schema, clock, cron)
 
@@ -365,6 +378,8 @@ async def delete(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> None:
 
     Raises:
         JobNotFoundError: no such job.
+        QueueConfigurationError: a malformed name (no job can have it) or schema.
+        QueueTypeError: a name that is not a str.
     """
     s = validate_schema(schema)
     _check_name(name, "job name")
@@ -392,6 +407,11 @@ async def materialize_due(
 
     Returns:
         How many tasks were created.
+
+    Raises:
+        QueueConfigurationError: ``limit`` outside 1..10000, an invalid schema name, a
+            clock reading out of range.
+        QueueTypeError: a clock of the wrong type.
     """
     s = validate_schema(schema)
     _check_clock(clock)

@@ -51,8 +51,10 @@ class Task(Generic[A]):
     ``None`` for plain JSON values (dicts, lists, strings, numbers, booleans, null).
 
     Raises:
-        QueueConfigurationError: empty, too long or control-character name; an args type
-            that is neither attrs nor a dataclass.
+        QueueConfigurationError: an empty or too long name, or one with a control character
+            or lone surrogate.
+        QueueTypeError: a name that is not a str; an args type that is neither an attrs
+            class nor a dataclass.
     """
 
     name: str
@@ -73,7 +75,9 @@ class Task(Generic[A]):
         """Encode ``args`` to the JSON text stored on the task.
 
         Raises:
-            ArgsEncodingError: wrong type, or a value JSON cannot represent, or over 1 MiB.
+            ArgsEncodingError: wrong type, a value JSON cannot represent (NaN, infinity, an
+                int with more than 4300 digits, a cycle, a lone surrogate, a NUL), nesting
+                too deep, or over 1 MiB.
         """
         kind = self.args_type
         value: Any = args
@@ -268,7 +272,7 @@ class EnqueueOptions:
         return cls._build(options)
 
     @classmethod
-    def at(cls, when: datetime, **options: Any) -> EnqueueOptions:
+    def at(cls, when: datetime, /, **options: Any) -> EnqueueOptions:
         """Options for delayed work due at the aware instant ``when`` (server clock).
 
         Raises:
@@ -280,7 +284,7 @@ class EnqueueOptions:
         return cls._build(options, run_at=when)
 
     @classmethod
-    def after(cls, delay: timedelta, **options: Any) -> EnqueueOptions:
+    def after(cls, delay: timedelta, /, **options: Any) -> EnqueueOptions:
         """Options for work due ``delay`` after it is inserted, by the server's clock.
 
         Raises:
