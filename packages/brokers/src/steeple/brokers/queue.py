@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any, Self
 
 import asyncpg
+import attrs
 
 from steeple.brokers._common import (
     AckUncertainError,
@@ -324,14 +325,8 @@ class WorkQueueBroker(AsyncLifecycle):
                         duplicate=True,
                         location=None if task_id is None else str(task_id),
                     )
-                options = EnqueueOptions(
-                    run_at=self._options.run_at,
-                    priority=self._options.priority,
-                    lease_duration=self._options.lease_duration,
-                    max_attempts=self._options.max_attempts,
-                    backoff=self._options.backoff,
-                    dedup_key=key,
-                )
+                # Every option the caller set (run_at or delay included), keyed for dedup.
+                options = attrs.evolve(self._options, dedup_key=key)
                 enqueued = await enqueue(conn, task, args, options, schema=self._schema)
                 await conn.execute(
                     f'UPDATE "{self._schema}".broker_dedup SET task_id = $2'
