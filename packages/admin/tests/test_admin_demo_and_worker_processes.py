@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -76,8 +76,10 @@ async def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) 
 
 
 @pytest.mark.postgres
-async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str]) -> None:
-    schema = f"demo_{uuid.uuid4().hex[:10]}"
+async def test_demo_on_a_server(
+    pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str], pg_name: Callable[[str], str]
+) -> None:
+    schema = pg_name("demo")
     drop_queue_schema.extend([schema, f"{schema}_queue"])
     args = [
         "demo",
