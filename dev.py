@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""steeple's developer entry point: ``python3 dev.py test`` and ``python3 dev.py demo``.
+"""steeple's developer entry point: ``python3 dev.py test``, ``demo`` and ``lint``.
 
 It needs nothing but the machine's own Python 3.11+: it creates ``.venv`` with that
 interpreter, installs uv into it from PyPI, syncs the locked workspace (never downloading
@@ -94,6 +94,18 @@ def core_only(uv: Path) -> int:
     )
 
 
+def lint() -> int:
+    """ruff format --check, ruff check and mypy --strict (pyproject.toml): all run, any fails."""
+    failed = []
+    for tool, *args in (("ruff", "format", "--check", "."), ("ruff", "check", "."), ("mypy",)):
+        if _run(_bin(VENV, tool), *args):
+            failed.append(" ".join([tool, *args]))
+    if failed:
+        print(f"lint failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Dispatch ``test`` or ``demo`` (and ``lint``), passing extra arguments through."""
     if not argv or argv[0] not in {"test", "demo", "lint"}:
@@ -104,8 +116,7 @@ def main(argv: list[str]) -> int:
     if job == "demo":
         return _run(_bin(VENV, "steeple"), "demo", *rest)
     if job == "lint":
-        rc = _run(_bin(VENV, "ruff"), "check", ".")
-        return rc or _run(_bin(VENV, "mypy"))
+        return lint()
     if not rest:
         rc = core_only(uv)
         if rc:
