@@ -95,7 +95,7 @@ def core_only(uv: Path) -> int:
 
 
 def lint() -> int:
-    """ruff format --check, ruff check and mypy --strict (pyproject.toml): all run, any fails."""
+    """Run ruff format --check, ruff check and mypy --strict: all of them; any failure fails."""
     failed = []
     for tool, *args in (("ruff", "format", "--check", "."), ("ruff", "check", "."), ("mypy",)):
         if _run(_bin(VENV, tool), *args):

@@ -88,9 +88,9 @@ BEHIND_EXTRA: dict[str, str] = {}
 # They are imported after the host alone is added to the package's environment.
 HOSTED: dict[str, str] = {"steeple.testing.pytest_plugin": "pytest"}
 
-# A short smoke test per package (and per ``package[extra]``), run in its clean environment:
-# Python code, or a command line (a list) run from the environment's bin directory.
-SMOKE: dict[str, str | list[list[str]]] = {
+# A short smoke test per package (and per ``package[extra]``): Python code run in its clean
+# environment, whose bin directory is first on PATH.
+SMOKE: dict[str, str] = {
     "core": """
 from datetime import UTC, datetime
 from steeple.core import CronCalendar, InvalidCronExpression
@@ -130,11 +130,17 @@ import asyncio, tempfile
 from pathlib import Path
 from steeple.brokers.sqlite import SqliteJournalBroker
 from steeple.core import ScheduledMessage
-from steeple.keyring import Keyring, StorageKey
+
+class Sealer:  # the keyring is the caller's: steeple-brokers does not depend on it
+    primary_key_id = "k1"
+    def seal(self, plaintext, *, namespace, purpose, identity):
+        return b"sealed:" + plaintext
+    def open(self, sealed, *, namespace, purpose, identity):
+        return sealed.removeprefix(b"sealed:")
 
 async def main():
     path = Path(tempfile.mkdtemp()) / "journal.db"
-    async with SqliteJournalBroker(path, Keyring(StorageKey.generate("k1"))) as journal:
+    async with SqliteJournalBroker(path, Sealer()) as journal:
         message = ScheduledMessage("t", "m", b"p")
         first = await journal.publish(message, idempotency_key="k", timeout=10)
         again = await journal.publish(message, idempotency_key="k", timeout=10)
@@ -149,7 +155,25 @@ clock = FakeClock(datetime(2031, 1, 1, tzinfo=UTC))
 clock.advance(timedelta(minutes=5))
 assert clock.now() == datetime(2031, 1, 1, 0, 5, tzinfo=UTC)
 """,
-    "admin": [["steeple", "--help"], ["steeple", "migrate", "--help"]],
+    "admin": """
+import shutil, socket, subprocess
+steeple = shutil.which("steeple")
+assert steeple, "no steeple command"
+for args in (["--help"], ["migrate", "--help"]):
+    done = subprocess.run([steeple, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+# migrate runs the work queue's code up to connecting: a server that refuses the
+# connection (a bound socket that never listens) must give exit 4 "cannot reach".
+with socket.socket() as refusing:
+    refusing.bind(("127.0.0.1", 0))
+    dsn = f"postgresql://postgres@127.0.0.1:{refusing.getsockname()[1]}/none"
+    done = subprocess.run(
+        [steeple, "migrate", "--dsn", dsn], capture_output=True, text=True, timeout=60
+    )
+assert done.returncode == 4 and "cannot reach PostgreSQL" in done.stderr, (
+    done.returncode, done.stdout + done.stderr
+)
+""",
 }
 
 # Run inside each clean environment: import every module of the package (recursing into
@@ -324,13 +348,18 @@ def _check_alone(
     session.run(
         uv, "pip", "install", "--quiet", "--python", env_python, *specs, external=True
     )  # fmt: skip
-    # Run from an empty directory, isolated (-I): only what was installed is importable.
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    # Python runs isolated (-I) from an empty directory: only what was installed is
+    # importable; no STEEPLE_* setting points a smoke test at a real server.
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTHON", "VIRTUAL_ENV", "STEEPLE_"))
+    }
     clean["PATH"] = f"{bin_dir}{os.pathsep}{clean.get('PATH', '')}"
     root = _module_root(package)
     out = session.run(
         env_python, "-I", "-c", _IMPORT_ALL, root, json.dumps(_skipped_modules(package, extra)),
-        external=True, silent=True, env=clean, include_outer_env=False,
+        external=True, silent=True, env=clean, include_outer_env=False, log=False,
     )  # fmt: skip
     lines = [line for line in str(out).splitlines() if line.startswith('{"imported"')]
     if not lines:
@@ -343,25 +372,26 @@ def _check_alone(
             session.run(
                 uv, "pip", "install", "--quiet", "--python", env_python, host, external=True
             )  # fmt: skip
-            problems += _try(session, [env_python, "-I", "-c", f"import {module}"], clean)
-    smoke = SMOKE.get(package if extra is None else f"{package}[{extra}]")
-    if isinstance(smoke, str):
-        problems += _try(session, [env_python, "-I", "-c", smoke], clean)
-    elif smoke is not None:
-        for command in smoke:
-            problems += _try(session, [str(bin_dir / command[0]), *command[1:]], clean)
+            problems += _try(session, f"import {module}", env_python, clean)
+    label = package if extra is None else f"{package}[{extra}]"
+    if label in SMOKE:
+        problems += _try(session, SMOKE[label], env_python, clean, what=f"smoke test of {label}")
     return problems
 
 
-def _try(session: nox.Session, command: list[str], env: dict[str, str]) -> list[str]:
-    """Run ``command``; a failure is reported (with its output, shown by nox), not raised."""
+def _try(
+    session: nox.Session, code: str, python: str, env: dict[str, str], *, what: str = ""
+) -> list[str]:
+    """Run Python ``code``; a failure is reported (nox shows its output), not raised."""
+    what = what or code
+    session.log(f"  {what}")
     try:
         session.run(
-            *command, external=True, silent=True, env=env, include_outer_env=False
+            python, "-I", "-c", code,
+            external=True, silent=True, env=env, include_outer_env=False, log=False,
         )  # fmt: skip
     except nox.command.CommandFailed as exc:
-        shown = " ".join(Path(command[0]).name if i == 0 else a for i, a in enumerate(command))
-        return [f"{shown[:80]}: {exc.reason or 'failed'}"]
+        return [f"{what}: {exc.reason or 'failed'}"]
     return []
 
 
