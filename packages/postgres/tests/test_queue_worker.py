@@ -430,6 +430,8 @@ async def test_listener_death_falls_back_to_polling_and_relistens(queue) -> None
 
     async with running(worker):
         await wait_until(lambda: worker.health() is Health.HEALTHY)
+        # Healthy is reported before the listener's session has connected and named itself.
+        await wait_until(listener_pids)
         pids = await listener_pids()
         assert len(pids) == 1
         for pid in pids:
