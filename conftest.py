@@ -25,9 +25,12 @@ import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import pytest
+
+if TYPE_CHECKING:
+    from pgserver.postgres_server import PostgresServer
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
@@ -75,26 +78,27 @@ def _free_port() -> int:
         return port
 
 
-def _pgserver(what: str, pgdata: Callable[[], Path]) -> Any:
+def _pgserver(what: str, pgdata: Callable[[], Path]) -> PostgresServer:
     """A pgserver cluster in ``pgdata()``, deleted by its ``cleanup()``; or fail/skip."""
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset; pgserver copes with it.
         warnings.simplefilter("ignore", UserWarning)
         try:
-            import pgserver
+            from pgserver.postgres_server import get_server
         except ImportError:
             _unavailable(what)
-        return pgserver.get_server(pgdata(), cleanup_mode="delete")
+        return get_server(pgdata(), cleanup_mode="delete")
 
 
-def _listen_on_tcp_only(server: Any) -> str:
+def _listen_on_tcp_only(server: PostgresServer) -> str:
     """Restart a pgserver cluster on 127.0.0.1:<free port> without a Unix socket.
 
     pgserver starts its clusters on a Unix socket only; the fault tests relay TCP and the
     keepalive tests read TCP settings, so the session's server must speak TCP. Its handle
     then adopts the restarted postmaster, so its cleanup stops this one.
     """
-    from pgserver._commands import pg_ctl  # type: ignore[import-untyped]
+    # pg_ctl is made at import time (one function per bundled binary): mypy cannot see it.
+    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
 
     def ctl(*args: str) -> None:
         pg_ctl(list(args), pgdata=server.pgdata, user=server.system_user, timeout=60)
@@ -226,7 +230,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _LEFTOVERS:
         terminalreporter.section("leftovers on the test server", sep="=", red=True, bold=True)
         terminalreporter.line(
@@ -247,7 +251,6 @@ async def pg_schema(pg_dsn: str) -> AsyncIterator[tuple[str, str]]:
         conn = await asyncpg.connect(pg_dsn, timeout=10)
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         _unavailable(f"PostgreSQL at {pg_dsn!r} ({exc})")
-        return
     try:
         await conn.execute(f'CREATE SCHEMA "{schema}"')
     finally:
@@ -298,7 +301,7 @@ def amqp_url() -> str:
 
 
 @pytest.fixture
-def private_pg() -> Iterator[Any]:
+def private_pg() -> Iterator[PostgresServer]:
     """A private PostgreSQL cluster (pgserver) that a test may stop, restart or kill."""
     # Not tmp_path: pytest prunes old basetemp folders, which another pytest session on the
     # same machine could do while this cluster still runs in one.

@@ -451,6 +451,10 @@ class _Link:
         self.drop_replies = False
         self.closed = False
 
+    def is_closed(self) -> bool:
+        """Whether the link was closed (read afresh after every await: another task may)."""
+        return self.closed
+
     async def pump(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, upstream: bool
     ) -> None:
@@ -458,9 +462,9 @@ class _Link:
             data = await reader.read(65536)
             if not data:
                 break
-            while self.proxy.stalled and not self.closed:  # noqa: ASYNC110 - a test proxy
+            while self.proxy.stalled and not self.is_closed():  # noqa: ASYNC110 - a test proxy
                 await asyncio.sleep(0.02)
-            if self.closed:
+            if self.is_closed():
                 break
             if not upstream and self.drop_replies:
                 continue

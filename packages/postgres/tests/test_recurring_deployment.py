@@ -51,7 +51,7 @@ async def sql(dsn: str, statement: str) -> None:
 
 
 @pytest.fixture
-async def deployed(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str]]:
+async def deployed(pg_schema: tuple[str, str]) -> tuple[str, str]:
     dsn, schema = pg_schema
     store = await PostgresRecurringStore.initialize(
         dsn, CONFIG, KEYRING, FakeClock(START), schema=schema

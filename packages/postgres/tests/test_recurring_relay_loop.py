@@ -124,7 +124,7 @@ class FlakyStore:
 async def test_storage_errors_back_off_then_recover(store: PostgresRecurringStore) -> None:
     await store.create(every_minute("a", 2))
     broker = MemoryBroker()
-    relay = RecurringRelay(FlakyStore(store, 3), broker, idle_interval=0.02)  # type: ignore[arg-type]
+    relay = RecurringRelay(FlakyStore(store, 3), broker, idle_interval=0.02)
     started = time.monotonic()
     await run_until(relay, lambda: len(broker.published) == 2)
     assert relay.storage_failures == 3
