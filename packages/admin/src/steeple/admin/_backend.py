@@ -16,6 +16,7 @@ from steeple.admin.settings import (
     redact_dsn,
 )
 from steeple.core.clock import SystemClock
+from steeple.core.dsn import scrub
 from steeple.core.errors import (
     BrokerError,
     ConfigurationError,
@@ -135,6 +136,18 @@ def classify(exc: BaseException, target: Target | None = None) -> CliError:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         # A TaskGroup (worker, demo) wraps the failure that stopped it: report that one.
         exc = exc.exceptions[0]
+    error = _classify(exc, target)
+    if target is not None:
+        # Defense in depth: no driver text may carry a piece of the DSN's password.
+        return CliError(
+            scrub(str(error), target.dsn),
+            code=error.code,
+            hint=None if error.hint is None else scrub(error.hint, target.dsn),
+        )
+    return error
+
+
+def _classify(exc: BaseException, target: Target | None) -> CliError:
     if isinstance(exc, CliError):
         return exc
     where = f" ({redact_dsn(target.dsn)}, schema {target.schema!r})" if target else ""
@@ -173,6 +186,13 @@ def classify(exc: BaseException, target: Target | None = None) -> CliError:
                 hint="check that PostgreSQL is running and --dsn is right",
             )
         return CliError(text + where, code=ExitCode.UNAVAILABLE)
+    if name == "ClientConfigurationError" or isinstance(exc, UnicodeError):
+        # asyncpg refusing a connection option, or text the database cannot encode.
+        return CliError(
+            f"PostgreSQL connection settings refused{where}: {exc}",
+            code=ExitCode.CONFIG,
+            hint="fix --dsn / STEEPLE_DATABASE_URL",
+        )
     if isinstance(exc, BrokerError):
         return CliError(str(exc), code=ExitCode.UNAVAILABLE, hint="check the broker")
     if _is_driver_unavailable(exc):

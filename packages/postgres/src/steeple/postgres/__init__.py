@@ -2,13 +2,19 @@
 
 ``PostgresRecurringStore.initialize(...)`` / ``.connect(...)`` build the store;
 ``RecurringRelay`` is a ready worker loop; ``grant_runtime_role`` applies the runtime
-role's grants (``recurring/grants.sql``).
+role's grants (the statements of ``runtime_grant_statements``, as in ``recurring/grants.sql``).
 """
 
 from steeple.postgres.recurring import (
     PostgresRecurringStore,
     RecurringRelay,
     grant_runtime_role,
+    runtime_grant_statements,
 )
 
-__all__ = ["PostgresRecurringStore", "RecurringRelay", "grant_runtime_role"]
+__all__ = [
+    "PostgresRecurringStore",
+    "RecurringRelay",
+    "grant_runtime_role",
+    "runtime_grant_statements",
+]
