@@ -580,7 +580,10 @@ def cancel(
         str | None, typer.Argument(help="Name of the recurring definition to cancel.")
     ] = None,
     task: Annotated[
-        int | None, typer.Option("--task", help="Cancel this work-queue task id instead.")
+        int | None,
+        typer.Option(
+            "--task", min=1, max=2**63 - 1, help="Cancel this work-queue task id instead."
+        ),
     ] = None,
     *,
     where: _Where,
@@ -811,7 +814,7 @@ def worker(
 def admin_serve(
     where: _Where,
     host: Annotated[str, typer.Option("--host", help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8520,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="TCP port.")] = 8520,
 ) -> None:
     """Serve the admin app for one namespace (HTTP basic auth with STEEPLE_ADMIN_TOKEN).
 

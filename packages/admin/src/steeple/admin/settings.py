@@ -210,29 +210,47 @@ def load_keyring(keys_file: Path | None, *, environ: Mapping[str, str] | None = 
     return parse_keys(text, source=KEYS_ENV)
 
 
-_DURATION = re.compile(r"(\d+)\s*(ms|s|m|h|d)")
+_DURATION = re.compile(r"(\d{1,12})\s*(ms|s|m|h|d)")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_MAX_DURATION = timedelta(days=36_500)
+
+
+def _shown(text: str) -> str:
+    return repr(text if len(text) <= 40 else text[:37] + "...")
 
 
 def parse_duration(text: str, *, what: str) -> timedelta:
     """Parse ``90s``, ``5m``, ``2h``, ``7d``, ``1h30m`` or a bare number of seconds.
 
+    At most 100 years; no sign, fraction, ``nan`` or ``inf``.
+
     Raises:
         CliError: (usage) anything else.
     """
     value = text.strip().lower()
-    if value.isdigit():
-        return timedelta(seconds=int(value))
-    pos = 0
-    total = 0.0
-    for match in _DURATION.finditer(value):
-        if match.start() != pos:
-            break
-        total += int(match.group(1)) * _UNITS[match.group(2)]
-        pos = match.end()
-    if pos != len(value) or not value:
+    total: float | None = None
+    if len(value) <= 64:
+        if value.isascii() and value.isdigit():
+            total = float(int(value))
+        else:
+            pos = 0
+            total = 0.0
+            for match in _DURATION.finditer(value):
+                if match.start() != pos:
+                    break
+                total += int(match.group(1)) * _UNITS[match.group(2)]
+                pos = match.end()
+            if pos != len(value) or not value:
+                total = None
+    if total is None:
         raise CliError(
-            f"{what} {text!r} is not a duration",
+            f"{what} {_shown(text)} is not a duration",
+            code=ExitCode.USAGE,
+            hint="write it like 30s, 5m, 2h, 7d or 1h30m",
+        )
+    if total > _MAX_DURATION.total_seconds():
+        raise CliError(
+            f"{what} {_shown(text)} is longer than 100 years",
             code=ExitCode.USAGE,
             hint="write it like 30s, 5m, 2h, 7d or 1h30m",
         )

@@ -325,8 +325,7 @@ def check_dsn(dsn: object) -> str:
         raise ConfigurationError(f"the database URL contains a raw '#': {_PERCENT_HINT}")
     if _PERCENT.search(dsn):
         raise ConfigurationError(
-            f"the database URL has a '%' that is not a valid escape (or is %00): "
-            f"{_PERCENT_HINT}"
+            f"the database URL has a '%' that is not a valid escape (or is %00): {_PERCENT_HINT}"
         )
     rest = dsn.split("://", 1)[1]
     head = rest.split("/", 1)[0]

@@ -122,8 +122,7 @@ class StorageKey:
             material = base64.b64decode(text.strip(), validate=True)
         except (binascii.Error, ValueError):
             raise KeyringConfigurationError(
-                f"key {checked_id!r} is not valid standard base64 "
-                "(A-Z a-z 0-9 + / with = padding)"
+                f"key {checked_id!r} is not valid standard base64 (A-Z a-z 0-9 + / with = padding)"
             ) from None
         return cls(checked_id, material)
 

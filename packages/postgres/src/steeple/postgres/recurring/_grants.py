@@ -54,8 +54,7 @@ def runtime_grant_statements(role: str, schema: str = "steeple") -> list[str]:
             if privilege not in _TABLE_PRIVILEGES:
                 raise AssertionError(f"unexpected table privilege {privilege!r}")
             statements.append(
-                f"GRANT {privilege} ON TABLE {quoted_schema}.{quote_ident(table)} "
-                f"TO {quoted_role}"
+                f"GRANT {privilege} ON TABLE {quoted_schema}.{quote_ident(table)} TO {quoted_role}"
             )
     return statements
 
@@ -99,4 +98,3 @@ async def grant_runtime_role(conn: AnyConnection, role: str, schema: str = "stee
             # fetch() sends one statement over the extended protocol: a second statement in
             # the text would be refused by the server, never run.
             await conn.fetch(statement)
-
