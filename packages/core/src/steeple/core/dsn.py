@@ -160,14 +160,18 @@ def _url_parts(dsn: str) -> tuple[str, str | None, str, str, str | None] | None:
     return scheme, userinfo, hosts, path, query if sep else None
 
 
+def _secret_parameter(name: str, value: str) -> bool:
+    """Whether a parameter's value is masked: not a known safe key, or an expanding dbname."""
+    return name not in SAFE_PARAMETERS or (name in _DBNAME_KEYS and _expands(value))
+
+
 def _shown_parameter(key: str, value: str | None) -> str:
     if value is None:
         return MASK  # no '=': the whole item may be a misplaced secret
     shown_key = key if _SHOWN_KEY.fullmatch(key) else MASK
-    name = _decode(key)
-    if name in SAFE_PARAMETERS and not (name in _DBNAME_KEYS and _expands(_decode(value))):
-        return f"{shown_key}={value}"
-    return f"{shown_key}={MASK}"
+    if _secret_parameter(_decode(key), _decode(value)):
+        return f"{shown_key}={MASK}"
+    return f"{shown_key}={value}"
 
 
 def _expands(value: str) -> bool:
@@ -201,9 +205,12 @@ def _redact_url(dsn: str) -> str:
 # --- key=value form ----------------------------------------------------------------------
 
 
-def _conninfo_pairs(dsn: str) -> list[tuple[str, str]] | None:
-    """Parse a libpq ``key=value`` string as libpq does; None when libpq would refuse it."""
-    pairs: list[tuple[str, str]] = []
+def _conninfo_pairs(dsn: str) -> list[tuple[str, str, str]] | None:
+    """Parse a libpq ``key=value`` string as libpq does: (key, value, value as written).
+
+    Returns None when libpq would refuse it.
+    """
+    pairs: list[tuple[str, str, str]] = []
     i, n = 0, len(dsn)
     while True:
         while i < n and dsn[i] in _CONNINFO_SPACE:
@@ -221,6 +228,7 @@ def _conninfo_pairs(dsn: str) -> list[tuple[str, str]] | None:
         i += 1
         while i < n and dsn[i] in _CONNINFO_SPACE:
             i += 1
+        value_start = i
         value: list[str] = []
         if i < n and dsn[i] == "'":
             i += 1
@@ -248,7 +256,7 @@ def _conninfo_pairs(dsn: str) -> list[tuple[str, str]] | None:
                     continue
                 value.append(dsn[i])
                 i += 1
-        pairs.append((key, "".join(value)))
+        pairs.append((key, "".join(value), dsn[value_start:i]))
 
 
 def _quote_conninfo(value: str) -> str:
@@ -262,11 +270,11 @@ def _redact_conninfo(dsn: str) -> str:
     if pairs is None:
         return MASK
     shown = []
-    for key, value in pairs:
-        if key in SAFE_PARAMETERS and not (key in _DBNAME_KEYS and _expands(value)):
-            shown.append(f"{key}={_quote_conninfo(value)}")
-        else:
+    for key, value, _ in pairs:
+        if _secret_parameter(key, value):
             shown.append(f"{key if _SHOWN_KEY.fullmatch(key) else MASK}={MASK}")
+        else:
+            shown.append(f"{key}={_quote_conninfo(value)}")
     return " ".join(shown)
 
 
@@ -403,16 +411,19 @@ def dsn_secrets(dsn: object) -> tuple[str, ...]:
             key, sep, value = item.partition("=")
             if not sep:
                 found.add(item)
-            elif _decode(key) not in SAFE_PARAMETERS:
-                found.add(value)
+            elif _secret_parameter(_decode(key), _decode(value)):
+                found.update({value, _decode(value)})
     else:
-        for key, value in _conninfo_pairs(dsn) or ():
-            if key not in SAFE_PARAMETERS:
-                found.add(value)
+        pairs = _conninfo_pairs(dsn)
+        if pairs is None:
+            found.add(dsn)  # unreadable: any part of it may be the secret
+        for key, value, written in pairs or ():
+            if _secret_parameter(key, value):
+                found.update({value, written})
     pieces = set()
     for secret in found:
         pieces.update({secret, _decode(secret)})
-        pieces.update(re.split(r"[@:/?#&=,\s]", secret))
+        pieces.update(re.split(r"[@:/?#&=,'\\\s]", secret))
     return tuple(sorted((p for p in pieces if len(p) >= 3), key=len, reverse=True))
 
 
