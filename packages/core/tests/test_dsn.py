@@ -180,7 +180,6 @@ def test_arbitrary_text_never_raises_from_redact_and_only_typed_from_check(text:
         "postgresql://u@h/db?port=5432,5433",
         "postgresql://u@h/db?",
         "postgresql://u@h:/db",
-        "postgresql://u@h/d@b",  # an '@' in the path: libpq and asyncpg agree
         "postgresql://u@h/db?application_name=a%40b",
         "postgresql://u@h/db?password=a:b",
         "postgresql://h/db?options=-c%20search_path%3Dx",
@@ -200,8 +199,12 @@ def test_check_dsn_accepts_well_formed_urls(dsn: str) -> None:
         (f"postgresql://u:{SECRET}@h:5432:9/db", "port"),
         (f"postgresql://u:{SECRET}@h:{'9' * 5000}/db", "port"),
         (f"postgresql://u:{SECRET}@h1,h2:x/db", "host 2"),
-        (f"postgresql://u:{SECRET}/x@h/db", "port"),  # a raw '/' in the password
-        (f"postgresql://u:{SECRET}?x@h/db", "'?'"),
+        (f"postgresql://u:{SECRET}/x@h/db", "after the host"),  # a raw '/' in the password
+        (f"postgresql://u:{SECRET}/x:1@h/db", "after the host"),
+        (f"postgresql://u:{SECRET}?x@h/db", "after the host"),
+        ("postgresql://u@h/d@b", "after the host"),
+        ("postgresql://u@h/db?application_name=a@b", "after the host"),
+        (f"postgresql://u:x/{SECRET}/db", "port"),  # no '@' at all: drivers read port 'x
         (f"postgresql://u:{SECRET}#x@h/db", "'#'"),
         (f"postgresql://u:{SECRET}@x@h/db", "more than one '@'"),
         (f"postgresql://u:{SECRET}%zz@h/db", "escape"),
@@ -214,6 +217,8 @@ def test_check_dsn_accepts_well_formed_urls(dsn: str) -> None:
         (f"postgresql://u:{SECRET}@[::1]x/db", "IPv6"),
         (f"postgresql://u:{SECRET}\x00@h/db", "control character"),
         (f"postgresql://u:{SECRET}\n@h/db", "control character"),
+        (f"postgresql://u:{SECRET} x@h/db", "space"),
+        (f"postgresql://u:{SECRET}\u00a0@h/db", "space"),
         (f"postgresql://u:{SECRET}\udc80@h/db", "not valid text"),
         (f"host=h password={SECRET}", "not a postgresql:// URL"),
         (f"mysql://u:{SECRET}@h/db", "not a postgresql:// URL"),

@@ -329,6 +329,10 @@ def check_dsn(dsn: object) -> str:
             "the database URL is not valid text (it holds an undecodable byte or a lone "
             "surrogate); write it in UTF-8"
         ) from None
+    if any(c.isspace() for c in dsn):
+        raise ConfigurationError(
+            f"the database URL contains a space: percent-encode it as %20; {_PERCENT_HINT}"
+        )
     if "#" in dsn:
         raise ConfigurationError(f"the database URL contains a raw '#': {_PERCENT_HINT}")
     if _PERCENT.search(dsn):
@@ -336,12 +340,13 @@ def check_dsn(dsn: object) -> str:
             f"the database URL has a '%' that is not a valid escape (or is %00): {_PERCENT_HINT}"
         )
     rest = dsn.split("://", 1)[1]
-    head = rest.split("/", 1)[0]
     netloc = re.split(r"[/?]", rest, maxsplit=1)[0]
-    if "@" in head and "@" not in netloc:
+    if "@" in rest[len(netloc) :]:
+        # Drivers would read the credentials differently (or not at all): a password with
+        # a raw '/' or '?' puts its tail, and the host, into the path or the query.
         raise ConfigurationError(
-            f"the database URL has an '@' after a '?': {_PERCENT_HINT}, "
-            "and '@' in parameters as %40"
+            f"the database URL has an '@' after the host part: {_PERCENT_HINT}; write an "
+            "'@' in the database name or a parameter as %40"
         )
     if netloc.count("@") > 1:
         raise ConfigurationError(f"the database URL has more than one '@': {_PERCENT_HINT}")
