@@ -175,6 +175,13 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
     if isinstance(exc, RecurringStorageError):
         text = str(exc)
         lowered = text.lower()
+        if exc.__cause__ is not None and _is_driver_unavailable(exc.__cause__):
+            # Checked first: the message starts with the operation ("initialize: ...").
+            return CliError(
+                text + where,
+                code=ExitCode.UNAVAILABLE,
+                hint="check that PostgreSQL is running and --dsn is right",
+            )
         if "not initialized" in lowered or "does not exist" in lowered or "initialize" in lowered:
             return CliError(
                 text + where, code=ExitCode.CONFIG, hint="run `steeple initialize` first"

@@ -32,7 +32,9 @@ import attrs
 
 from steeple.core.backoff import Backoff
 from steeple.core.clock import SystemClock
+from steeple.core.dsn import check_dsn
 from steeple.core.entropy import SystemRandom
+from steeple.core.errors import ConfigurationError
 from steeple.core.ports import Clock, RandomSource
 from steeple.core.tasks import TaskEvent, TaskState, retry_decision, transition
 from steeple.postgres.queue import _driver, _metrics
@@ -219,7 +221,8 @@ class Scheduler:
         random: randomness for backoff jitter (default: the OS).
 
     Raises:
-        QueueConfigurationError: an invalid worker id, schema or interval.
+        QueueConfigurationError: an invalid worker id, schema, interval or DSN (see
+            :func:`steeple.core.dsn.check_dsn`; the message never quotes the DSN).
     """
 
     def __init__(
@@ -246,7 +249,13 @@ class Scheduler:
         batch = concurrency if batch_size is None else batch_size
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 1000:
             raise QueueConfigurationError("batch_size must be an int of 1..1000")
-        if not isinstance(pool_or_dsn, str) and open_db(pool_or_dsn) is None:
+        if isinstance(pool_or_dsn, str):
+            # A malformed DSN would come back from the driver with pieces of it quoted.
+            try:
+                check_dsn(pool_or_dsn)
+            except ConfigurationError as exc:
+                raise QueueConfigurationError(str(exc)) from None
+        elif open_db(pool_or_dsn) is None:
             raise QueueConfigurationError(
                 "pool_or_dsn must be an asyncpg Pool, a psycopg_pool AsyncConnectionPool "
                 "or a DSN string"
