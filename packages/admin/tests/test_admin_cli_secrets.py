@@ -504,6 +504,12 @@ async def _noop(ctx: Any, args: Any) -> None:
     del ctx, args
 
 
+async def _run_scheduler(scheduler_class: Any, task_class: Any, dsn: str) -> None:
+    scheduler = scheduler_class(dsn, worker_id="w", query_timeout=5)
+    scheduler.register(task_class("t"), _noop)
+    await scheduler.run_until_shutdown(asyncio.Event())
+
+
 async def test_store_connect_failures_log_no_secrets(
     pg_dsn: str, private_pg: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -547,9 +553,7 @@ async def test_store_connect_failures_log_no_secrets(
             if kind == "wrong-password":  # the server really checked a password
                 assert "InvalidPasswordError" in text, text
         with pytest.raises(QueueError) as failed:
-            scheduler = Scheduler(dsn, worker_id="w", query_timeout=5)
-            scheduler.register(Task("t"), _noop)
-            await scheduler.run_until_shutdown(asyncio.Event())
+            await _run_scheduler(Scheduler, Task, dsn)
         text = "".join(traceback.format_exception(failed.value))
         assert_clean(text, key_b64, (kind, "scheduler"))
     for record in caplog.records:
