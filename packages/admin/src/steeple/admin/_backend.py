@@ -128,10 +128,20 @@ def _is_driver_unavailable(exc: BaseException) -> bool:
     return False
 
 
+def _is_data_exception(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a driver error of SQLSTATE class 22 (data exception)."""
+    if exc is None or not type(exc).__module__.startswith(("asyncpg", "psycopg")):
+        return False
+    state = getattr(exc, "sqlstate", None)
+    return isinstance(state, str) and state.startswith("22")
+
+
 def classify(exc: BaseException, target: Target | None = None) -> CliError:
     """Map any failure to a one-line :class:`CliError` with an exit code and a hint.
 
-    Configuration and key problems exit 3, unreachable services 4, refused operations 1.
+    Configuration and key problems exit 3, unreachable services 4, refused operations 1,
+    arguments PostgreSQL refuses as data (SQLSTATE class 22) 2. The message is scrubbed of
+    the target DSN's secrets.
     """
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         # A TaskGroup (worker, demo) wraps the failure that stopped it: report that one.
@@ -172,6 +182,24 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
     name = type(exc).__name__
     if name == "SchemaVersionMismatchError":
         return CliError(str(exc), code=ExitCode.CONFIG, hint="run `steeple migrate`")
+    for candidate in (exc, exc.__cause__):
+        if type(candidate).__name__ == "ClientConfigurationError":
+            # asyncpg refusing a connection option (e.g. an unknown sslmode).
+            return CliError(
+                f"PostgreSQL connection settings refused{where}: {candidate}",
+                code=ExitCode.CONFIG,
+                hint="fix --dsn / STEEPLE_DATABASE_URL",
+            )
+        if _is_data_exception(candidate):
+            # PostgreSQL refused a value as data (a NUL, an undecodable character, a number
+            # out of range): the argument is wrong, not the server.
+            return CliError(
+                f"PostgreSQL cannot take an argument as given (SQLSTATE "
+                f"{getattr(candidate, 'sqlstate', '22000')}){where}",
+                code=ExitCode.USAGE,
+                hint="remove NUL, control characters and undecodable bytes; keep numbers "
+                "within 64 bits",
+            )
     if isinstance(exc, RecurringStorageError):
         text = str(exc)
         lowered = text.lower()
@@ -193,13 +221,6 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
                 hint="check that PostgreSQL is running and --dsn is right",
             )
         return CliError(text + where, code=ExitCode.UNAVAILABLE)
-    if name == "ClientConfigurationError" or isinstance(exc, UnicodeError):
-        # asyncpg refusing a connection option, or text the database cannot encode.
-        return CliError(
-            f"PostgreSQL connection settings refused{where}: {exc}",
-            code=ExitCode.CONFIG,
-            hint="fix --dsn / STEEPLE_DATABASE_URL",
-        )
     if isinstance(exc, BrokerError):
         return CliError(str(exc), code=ExitCode.UNAVAILABLE, hint="check the broker")
     if _is_driver_unavailable(exc):

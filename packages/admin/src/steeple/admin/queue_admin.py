@@ -95,8 +95,10 @@ class PostgresTaskAdmin:
         """
         if not 1 <= limit <= 100:
             raise ConfigurationError("limit must be between 1 and 100")
-        if after is not None and not after.isdigit():
-            raise ConfigurationError("the cursor of a task listing is a task id")
+        if after is not None and not (
+            after.isascii() and after.isdigit() and len(after) <= 19 and int(after) < 2**63
+        ):
+            raise ConfigurationError("the cursor of a task listing is a task id (a 64-bit int)")
         if state is not None and state not in _STATES:
             raise ConfigurationError(
                 f"state must be one of {', '.join(sorted(_STATES))}, not {state!r}"
