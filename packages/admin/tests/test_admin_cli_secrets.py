@@ -144,7 +144,7 @@ def invoke(args: list[str], env: dict[str, str]) -> Any:
 
 
 def output_of(result: Any) -> str:
-    return result.stdout + result.stderr
+    return str(result.stdout) + str(result.stderr)
 
 
 def assert_one_line_error(result: Any, where: object) -> None:

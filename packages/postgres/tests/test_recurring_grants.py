@@ -184,6 +184,13 @@ def test_schema_placeholder_only_where_an_identifier_goes() -> None:
         assert "$$" not in code, line  # no dollar-quoted body to land in
         for at in [m.start() for m in re.finditer(r"\{schema\}", code)]:
             assert code[:at].count("'") % 2 == 0, line  # not inside a string literal
+    # the store's statements: filled the same way, executed with bind parameters
+    from steeple.postgres.recurring._sql import _TEMPLATES
+
+    for name, template in _TEMPLATES.items():
+        assert "--" not in template, name
+        for at in [m.start() for m in re.finditer(r"\{schema\}", template)]:
+            assert template[:at].count("'") % 2 == 0, name
 
 
 def test_statements_are_built_from_the_privilege_pairs_and_match_grants_sql() -> None:
