@@ -560,6 +560,22 @@ async def test_store_connect_failures_log_no_secrets(
         assert_clean(record.getMessage(), key_b64, ("log", record.name))
 
 
+def test_reprs_of_command_values_hide_the_password(pg_dsn: str) -> None:
+    from steeple.admin._backend import Target
+    from steeple.admin.cli import _Where
+    from steeple.admin.settings import NamespaceSettings
+
+    dsn = with_password(pg_dsn, "userinfo-at")
+    for value in (
+        Target(dsn, "s", NamespaceSettings("ops")),
+        _Where(dsn, "s", "ops"),
+        _Where(with_password(pg_dsn, "query"), "s", "ops"),
+        _Where(None, "s", "ops"),
+    ):
+        assert_clean(repr(value), "", value.__class__)
+        assert "***" in repr(value) or "None" in repr(value)
+
+
 def test_json_listing_never_shows_the_dsn(seeded: Any, pg_dsn: str) -> None:
     """A success's stdout is data, not configuration."""
     result = invoke(

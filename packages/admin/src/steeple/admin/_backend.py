@@ -41,7 +41,7 @@ __all__ = ["Target", "classify", "connect_store", "initialize_store"]
 class Target:
     """Where a command works: a server, a schema, a namespace and how to find the keys."""
 
-    dsn: str
+    dsn: str = attrs.field(repr=lambda dsn: repr(redact_dsn(dsn)))
     schema: str
     settings: NamespaceSettings
     keys_file: Path | None = None

@@ -198,7 +198,7 @@ def _target(
 class _Where:
     """The shared options of one command invocation (see :func:`_where_options`)."""
 
-    dsn: str | None
+    dsn: str | None = attrs.field(repr=lambda dsn: repr(dsn and redact_dsn(dsn)))
     schema: str
     namespace: str
     queue_schema: str | None = None
