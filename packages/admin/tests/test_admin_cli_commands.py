@@ -96,7 +96,8 @@ async def test_initialize_grants_a_runtime_role(
         await conn.close()
     assert allowed is True
     assert creates is False
-    assert missing.exit_code == ExitCode.FAILED
+    # a role that does not exist is a configuration error (issue 10: typed, not the driver's)
+    assert missing.exit_code == ExitCode.CONFIG
     assert "no_such_r0le" in missing.stderr
 
 

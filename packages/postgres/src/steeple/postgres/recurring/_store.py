@@ -69,7 +69,7 @@ from steeple.postgres.recurring._sql import (
     package_sql,
 )
 
-__all__ = ["PostgresRecurringStore", "grant_runtime_role"]
+__all__ = ["PostgresRecurringStore"]
 
 _log = logging.getLogger("steeple.postgres.recurring")
 
@@ -362,26 +362,6 @@ async def _install(
             clock.now(),
         )
     await transaction.commit()
-
-
-async def grant_runtime_role(conn: asyncpg.Connection, role: str, schema: str = "steeple") -> None:
-    """Grant ``role`` exactly the runtime privileges of ``recurring/grants.sql``.
-
-    Run it as the deployment role (the tables' owner) after ``initialize``.
-
-    Raises:
-        RecurringConfigurationError: an invalid role or schema name.
-        asyncpg.PostgresError: the grant failed (the caller's connection, the caller's error).
-    """
-    try:
-        sql = (
-            package_sql("grants.sql")
-            .replace("{schema}", quote_ident(schema))
-            .replace("{role}", quote_ident(role))
-        )
-    except ValueError as exc:
-        raise RecurringConfigurationError(str(exc)) from None
-    await conn.execute(sql)
 
 
 @attrs.define(repr=False)
