@@ -709,7 +709,9 @@ class PostgresRecurringStore:
                 definition.
             RecurringCapacityError: the namespace holds ``max_definitions`` already.
             KeyringError: the stored definition cannot be opened (e.g. its key is missing).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(definition, RecurringDefinition):
             raise RecurringConfigurationError("create needs a RecurringDefinition")
@@ -761,7 +763,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringNotFoundError: no definition of that name in this namespace.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(name, str):
             raise RecurringConfigurationError("a definition name is a str")
@@ -788,7 +792,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         if after is not None and not isinstance(after, str):
@@ -816,7 +822,9 @@ class PostgresRecurringStore:
             RecurringCapacityError: the batch would exceed ``max_occurrences``.
             KeyringError: a definition cannot be opened (its key is missing or it was
                 tampered with).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         budget = validate_budget(budget)
         q = self._queries
@@ -913,7 +921,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         q = self._queries
@@ -993,7 +1003,9 @@ class PostgresRecurringStore:
             RelayBrokerTimeoutError: the broker did not answer in time (retried later).
             RelayBrokerError: the broker failed; ``permanent`` failures become dead letters.
             KeyringError: the content cannot be opened (the occurrence is dead-lettered).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(lease, Lease):
             raise TypeError("relay needs a Lease returned by claim")
@@ -1157,7 +1169,9 @@ class PostgresRecurringStore:
             RecurringNotFoundError: no such occurrence in this namespace (or purged).
             RecurringInvalidStateError: the occurrence is not dead (published, cancelled,
                 expired and live work cannot be revived), or its window has ended.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(occurrence_id, str):
             raise RecurringConfigurationError("an occurrence id is a str")
@@ -1194,7 +1208,9 @@ class PostgresRecurringStore:
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a cursor this store
                 did not return.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         position = _codec.parse_occurrence_cursor(after)
@@ -1221,7 +1237,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a naive cutoff.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         if not isinstance(older_than, datetime) or older_than.utcoffset() is None:
