@@ -20,6 +20,7 @@ Checked at build time (a problem is a warning, so ``mkdocs build --strict`` fail
 
 from __future__ import annotations
 
+import functools
 import html.parser
 import importlib
 import logging
@@ -146,8 +147,9 @@ def reference_page(import_name: str, directory: str, loader: Any) -> str:
     return "\n".join(lines)
 
 
+@functools.cache
 def reference_pages(root: Path = ROOT) -> dict[str, str]:
-    """Return ``{docs path: Markdown}`` of every package's API page."""
+    """Return ``{docs path: Markdown}`` of every package's API page (computed once per build)."""
     import griffe
 
     loader = griffe.GriffeLoader(
@@ -179,11 +181,10 @@ def _console_app() -> Any:
 
 
 def _command_paths(command: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
-    import click
-
+    # Duck-typed: typer builds its commands on a vendored click, not on `click` itself.
     yield path
-    if isinstance(command, click.Group):
-        context = click.Context(command)
+    if hasattr(command, "list_commands"):
+        context = command.context_class(command)
         for name in command.list_commands(context):
             child = command.get_command(context, name)
             if child is not None and not child.hidden:
@@ -197,7 +198,7 @@ def cli_reference() -> str:
 
     app = _console_app()
     runner = CliRunner()
-    env = {"TERMINAL_WIDTH": "100", "NO_COLOR": "1", "COLUMNS": "100"}
+    env = {"TERMINAL_WIDTH": "80", "NO_COLOR": "1", "COLUMNS": "80"}
     sections = []
     for path in _command_paths(typer.main.get_command(app)):
         result = runner.invoke(app, [*path, "--help"], prog_name="steeple", env=env)
