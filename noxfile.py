@@ -95,4 +95,12 @@ def docs(session: nox.Session) -> None:
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
     )
     site = os.path.join(session.create_tmp(), "site")
-    session.run("mkdocs", "build", "--strict", "--site-dir", site, *session.posargs)
+    session.run(
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        site,
+        *session.posargs,
+        env={"NO_MKDOCS_2_WARNING": "1"},
+    )
