@@ -689,7 +689,9 @@ class PostgresRecurringStore:
                 definition.
             RecurringCapacityError: the namespace holds ``max_definitions`` already.
             KeyringError: the stored definition cannot be opened (e.g. its key is missing).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(definition, RecurringDefinition):
             raise RecurringConfigurationError("create needs a RecurringDefinition")
@@ -741,7 +743,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringNotFoundError: no definition of that name in this namespace.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(name, str):
             raise RecurringConfigurationError("a definition name is a str")
@@ -768,7 +772,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         if after is not None and not isinstance(after, str):
@@ -796,7 +802,9 @@ class PostgresRecurringStore:
             RecurringCapacityError: the batch would exceed ``max_occurrences``.
             KeyringError: a definition cannot be opened (its key is missing or it was
                 tampered with).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         budget = validate_budget(budget)
         q = self._queries
@@ -893,7 +901,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         q = self._queries
@@ -973,7 +983,9 @@ class PostgresRecurringStore:
             RelayBrokerTimeoutError: the broker did not answer in time (retried later).
             RelayBrokerError: the broker failed; ``permanent`` failures become dead letters.
             KeyringError: the content cannot be opened (the occurrence is dead-lettered).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(lease, Lease):
             raise TypeError("relay needs a Lease returned by claim")
@@ -1137,7 +1149,9 @@ class PostgresRecurringStore:
             RecurringNotFoundError: no such occurrence in this namespace (or purged).
             RecurringInvalidStateError: the occurrence is not dead (published, cancelled,
                 expired and live work cannot be revived), or its window has ended.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(occurrence_id, str):
             raise RecurringConfigurationError("an occurrence id is a str")
@@ -1174,7 +1188,9 @@ class PostgresRecurringStore:
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a cursor this store
                 did not return.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         position = _codec.parse_occurrence_cursor(after)
@@ -1201,7 +1217,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a naive cutoff.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         if not isinstance(older_than, datetime) or older_than.utcoffset() is None:
