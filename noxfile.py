@@ -13,7 +13,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "typecheck", "tests"]
 os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 
-PACKAGES = ["core", "keyring", "postgres", "brokers", "testing", "admin"]
+PACKAGES = ["core", "engine", "keyring", "postgres", "brokers", "testing", "admin"]
 
 
 def _sync(session: nox.Session) -> None:
@@ -51,6 +51,8 @@ def core(session: nox.Session) -> None:
     session.install(
         "-e",
         "packages/core",
+        "-e",
+        "packages/engine",
         "-e",
         "packages/testing",
         "pytest",
