@@ -250,9 +250,18 @@ class RecurringEngine:
         return codec.schedule_info(row, self._open_definition(row).message)
 
     async def _classify_expired(self, tx: _Tx) -> None:
-        """Classify work whose delivery window ended as expired (content erased)."""
-        for expiry, states in states_for(_E.WINDOW_EXPIRED).items():
-            await tx.repo.expire_occurrences(states, tx.now, expiry)
+        """Classify work whose delivery window ended as expired (content erased).
+
+        Each is stamped at its own window end: an expired occurrence's last update is the
+        instant it expired, however late it is noticed.
+        """
+        changes = [
+            apply_step(row, expiry, row.window_ends_at)
+            for expiry, states in states_for(_E.WINDOW_EXPIRED).items()
+            for row in await tx.repo.window_ended(states, tx.now)
+        ]
+        if changes:
+            await tx.repo.update_occurrences(changes)
 
     # --- definitions ---------------------------------------------------------------------
 
@@ -348,8 +357,13 @@ class RecurringEngine:
                 return info
             update = DefinitionUpdate(name, ScheduleState.CANCELLED, row.cursor, None, tx.now)
             await tx.repo.update_definitions([update])
-            for cancellation, states in states_for(_E.CANCEL).items():
-                await tx.repo.cancel_occurrences(name, states, cancellation, tx.now)
+            changes = [
+                apply_step(row, cancellation, tx.now)
+                for cancellation, states in states_for(_E.CANCEL).items()
+                for row in await tx.repo.occurrences_of(name, states)
+            ]
+            if changes:
+                await tx.repo.update_occurrences(changes)
             return attrs.evolve(
                 info, state=update.state, next_due_at=None, cancelled_at=update.cancelled_at
             )

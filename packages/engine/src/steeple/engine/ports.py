@@ -223,6 +223,9 @@ class OccurrenceChange:
 def apply_step(row: OccurrenceRow, step: Step, at: datetime, **values: Any) -> OccurrenceChange:
     """Return the change that moves ``row`` by one row of the lifecycle table at ``at``.
 
+    The one place where a step's effects become column values: every adapter writes
+    what this returns.
+
     The step's effects are applied (content and lease erased, ``finished_at`` stamped or
     cleared, attempts reset, error cleared, lease expiry and next attempt cleared outside
     ``leased`` / ``retry_wait``); ``values`` then set what the engine decided besides
@@ -344,23 +347,22 @@ class RecurringRepository(Protocol):
         """Write each change onto the occurrence with its id (see :class:`OccurrenceChange`)."""
         ...
 
-    async def expire_occurrences(
-        self, states: frozenset[OccurrenceState], ended_by: datetime, step: Step
-    ) -> int:
-        """Move the occurrences whose window ended by ``step``; return how many.
+    async def window_ended(
+        self, states: frozenset[OccurrenceState], ended_by: datetime
+    ) -> Sequence[OccurrenceRow]:
+        """Return the occurrences in ``states`` whose window ended by ``ended_by``.
 
-        Every occurrence in ``states`` whose ``window_ends_at`` is at or before
-        ``ended_by`` changes as :func:`apply_step` would change it, stamped at its own
-        window end (an expired occurrence's last update is the instant it expired).
+        Ended: ``window_ends_at`` at or before ``ended_by``; any order; content need not
+        be loaded.
         """
         ...
 
-    async def cancel_occurrences(
-        self, definition_name: str, states: frozenset[OccurrenceState], step: Step, at: datetime
-    ) -> int:
-        """Move a definition's occurrences in ``states`` by ``step``; return how many.
+    async def occurrences_of(
+        self, definition_name: str, states: frozenset[OccurrenceState]
+    ) -> Sequence[OccurrenceRow]:
+        """Return the occurrences of ``definition_name`` in ``states``.
 
-        Each changes as :func:`apply_step` would change it at ``at``.
+        Any order; content need not be loaded.
         """
         ...
 

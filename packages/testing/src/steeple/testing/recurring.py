@@ -27,7 +27,7 @@ from steeple.core.entropy import SystemRandom
 from steeple.core.errors import RecurringConfigurationError, RecurringStorageError
 from steeple.core.leases import ClaimRule
 from steeple.core.messages import BrokerReceipt
-from steeple.core.occurrences import OccurrenceState, Step
+from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
 from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
 from steeple.core.records import Lease, OccurrenceInfo, Page, ScheduleInfo, TickResult
@@ -39,7 +39,6 @@ from steeple.engine import (
     OccurrenceRow,
     RecurringEngine,
     RecurringRepository,
-    apply_step,
 )
 
 __all__ = ["InMemoryRecurringStorage", "InMemoryRecurringStore"]
@@ -209,32 +208,23 @@ class _Repository:
             current = self.occurrences_[change.occurrence_id].row()
             self.occurrences_[change.occurrence_id] = _stored(change.applied_to(current))
 
-    def _move(self, chosen: list[_Occurrence], step: Step, at: datetime | None) -> int:
-        for occ in chosen:
-            row = occ.row()
-            change = apply_step(row, step, at if at is not None else row.window_ends_at)
-            self.occurrences_[occ.occurrence_id] = _stored(change.applied_to(row))
-        return len(chosen)
-
-    async def expire_occurrences(
-        self, states: frozenset[OccurrenceState], ended_by: datetime, step: Step
-    ) -> int:
-        chosen = [
-            o
+    async def window_ended(
+        self, states: frozenset[OccurrenceState], ended_by: datetime
+    ) -> Sequence[OccurrenceRow]:
+        return [
+            o.row()
             for o in self.occurrences_.values()
             if o.state in states and o.window_ends_at <= ended_by
         ]
-        return self._move(chosen, step, None)
 
-    async def cancel_occurrences(
-        self, definition_name: str, states: frozenset[OccurrenceState], step: Step, at: datetime
-    ) -> int:
-        chosen = [
-            o
+    async def occurrences_of(
+        self, definition_name: str, states: frozenset[OccurrenceState]
+    ) -> Sequence[OccurrenceRow]:
+        return [
+            o.row()
             for o in self.occurrences_.values()
             if o.definition_name == definition_name and o.state in states
         ]
-        return self._move(chosen, step, at)
 
     async def delete_occurrences(
         self, states: frozenset[OccurrenceState], finished_before: datetime, limit: int
