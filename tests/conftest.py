@@ -11,6 +11,9 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from typing import Any
+
+import attrs
 import pytest
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -33,3 +36,23 @@ async def fault_proxy(pg_dsn: str) -> AsyncIterator[FaultProxy]:
         yield proxy
     finally:
         await proxy.stop()
+
+
+# --- recurring stores under the shared operation tests ------------------------------------
+
+from recurring_stores import STORE_KINDS, StoreKind  # noqa: E402
+
+
+@attrs.frozen
+class OpenableStore:
+    """A :class:`StoreKind` with the fixtures it needs resolved for one test."""
+
+    kind: StoreKind
+    fixtures: dict[str, Any]
+
+
+@pytest.fixture(params=[pytest.param(k, marks=k.marks, id=k.name) for k in STORE_KINDS])
+def store_kind(request: pytest.FixtureRequest) -> OpenableStore:
+    """Each recurring store in turn (in memory, PostgreSQL, and whatever is added)."""
+    kind: StoreKind = request.param
+    return OpenableStore(kind, {name: request.getfixturevalue(name) for name in kind.needs})
