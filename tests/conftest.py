@@ -8,9 +8,8 @@ to ``import faultproxy`` (and ``faultprobe``, ``recurring_fault_support``) direc
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-
 from typing import Any
 
 import attrs
@@ -56,3 +55,22 @@ def store_kind(request: pytest.FixtureRequest) -> OpenableStore:
     """Each recurring store in turn (in memory, PostgreSQL, and whatever is added)."""
     kind: StoreKind = request.param
     return OpenableStore(kind, {name: request.getfixturevalue(name) for name in kind.needs})
+
+
+OpenStore = Callable[..., Awaitable[Any]]
+"""``await open_store(config, clock, *, random=None)``: a new store of the kind under test."""
+
+
+@pytest.fixture
+async def open_store(store_kind: OpenableStore) -> AsyncIterator[OpenStore]:
+    """Open stores of the kind under test; each is closed after the test."""
+    opened: list[Any] = []
+
+    async def open_(cfg: Any, at: Any, *, random: Any = None) -> Any:
+        store = await store_kind.kind.open(store_kind.fixtures, cfg, at, random)
+        opened.append(store)
+        return store
+
+    yield open_
+    for store in opened:
+        await store.close()

@@ -91,8 +91,7 @@ async def _postgres_contents(store: Any) -> dict[str, bytes | None]:
     # A test-only peek through the store's own pool, at its own schema and namespace.
     async with store._pool.acquire() as conn:
         rows = await conn.fetch(
-            f'SELECT id, content FROM "{store._schema}".recurring_occurrences'
-            " WHERE namespace = $1",
+            f'SELECT id, content FROM "{store._schema}".recurring_occurrences WHERE namespace = $1',
             store.namespace,
         )
     return {r["id"]: None if r["content"] is None else bytes(r["content"]) for r in rows}

@@ -8,14 +8,13 @@ these tests show that each adapter gives it the same storage.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import attrs
 import pytest
 
-from conftest import OpenableStore
+from conftest import OpenableStore, OpenStore
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.errors import (
     BrokerTimeoutError,
@@ -35,15 +34,13 @@ from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
-from steeple.core.ports import Clock, RandomSource, RecurringStore
+from steeple.core.ports import RecurringStore
 from steeple.core.records import Lease, OccurrenceInfo
 from steeple.testing import DeterministicRandom, FakeClock, MemoryBroker
 
 START = datetime(2031, 5, 17, 3, 14, 15, 926000, tzinfo=UTC)
 MINUTE = timedelta(minutes=1)
 S = OccurrenceState
-
-OpenStore = Callable[..., Awaitable[Any]]
 
 
 def config(**overrides: object) -> RecurringConfig:
@@ -77,21 +74,6 @@ def definition(
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock(START)
-
-
-@pytest.fixture
-async def open_store(store_kind: OpenableStore) -> AsyncIterator[OpenStore]:
-    """``await open_store(config, clock, random=None)``: a new store of the kind under test."""
-    opened: list[Any] = []
-
-    async def open_(cfg: RecurringConfig, at: Clock, *, random: RandomSource | None = None) -> Any:
-        store = await store_kind.kind.open(store_kind.fixtures, cfg, at, random)
-        opened.append(store)
-        return store
-
-    yield open_
-    for store in opened:
-        await store.close()
 
 
 @pytest.fixture
