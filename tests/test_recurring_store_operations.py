@@ -1193,3 +1193,28 @@ async def test_publication_bounded_by_lease_and_ten_seconds(
         [lease] = await s.claim(1)
         await s.relay(lease, Recording())
     assert seen == [expected]
+
+
+# --- hostile input: the same typed answer from every store ----------------------------------
+
+HOSTILE = ["\ud800", "a\x00b", "x" * 100_000, "", " padded ", "\u202e", "é" * 201]
+
+
+@pytest.mark.parametrize("text", HOSTILE, ids=range(len(HOSTILE)))
+async def test_hostile_names_ids_and_cursors_get_typed_answers(store: Any, text: str) -> None:
+    with pytest.raises(RecurringNotFoundError) as cancelled:
+        await store.cancel(text)
+    assert len(str(cancelled.value)) < 300  # the name is never echoed whole
+    with pytest.raises(RecurringNotFoundError):
+        await store.retry_failed(text)
+    with pytest.raises(RecurringConfigurationError):
+        await store.schedules(after=text)
+    with pytest.raises(RecurringConfigurationError):
+        await store.occurrences(after=text)
+    forged = Lease(text, START, 1, b"x" * 16)
+    with pytest.raises(RelayLeaseLostError):
+        await store.relay(forged, MemoryBroker())
+    # nothing was stored, and the store still works
+    assert (await store.schedules()).items == []
+    await store.create(definition())
+    assert [s.name for s in (await store.schedules()).items] == ["every-minute"]

@@ -14,7 +14,7 @@ from steeple.core.errors import InvalidCronExpression, RecurringConfigurationErr
 from steeple.core.messages import ScheduledMessage
 from steeple.core.policies import MissedRunPolicy
 
-__all__ = ["RecurringConfig", "RecurringDefinition"]
+__all__ = ["RecurringConfig", "RecurringDefinition", "is_definition_name"]
 
 _NAMESPACE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}\Z")
 
@@ -104,6 +104,18 @@ def _first_after(value: object) -> datetime:
     # The store keeps milliseconds (the contract's first_after_ms); finer parts would make
     # two "identical" creations differ after a round trip.
     return instant.replace(microsecond=instant.microsecond // 1000 * 1000)
+
+
+def is_definition_name(value: object) -> bool:
+    """Return whether ``value`` could name a definition (what ``RecurringDefinition`` accepts).
+
+    Stores answer "not found" for anything else without asking their storage.
+    """
+    try:
+        text(value, "name", max_len=limits.MAX_NAME_LENGTH, error=RecurringConfigurationError)
+    except RecurringConfigurationError:
+        return False
+    return True
 
 
 @attrs.frozen

@@ -30,7 +30,7 @@ import attrs
 
 from steeple.core import limits
 from steeple.core.calendar import CronCalendar
-from steeple.core.config import RecurringConfig, RecurringDefinition
+from steeple.core.config import RecurringConfig, RecurringDefinition, is_definition_name
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
     InvalidTransitionError,
@@ -108,6 +108,11 @@ _PURGEABLE = frozenset().union(*states_for(_E.PURGE).values())
 def _calendar(expression: str) -> CronCalendar:
     # Parsing is pure and the expressions of a namespace repeat on every tick.
     return CronCalendar.parse(expression)
+
+
+def _shown(value: str) -> str:
+    """``value`` for an error message: quoted, at most 80 characters."""
+    return repr(value if len(value) <= 80 else value[:77] + "...")
 
 
 def _is_occurrence_id(value: object) -> bool:
@@ -345,10 +350,11 @@ class RecurringEngine:
             raise RecurringConfigurationError("a definition name is a str")
 
         async def body(tx: _Tx) -> ScheduleInfo:
-            row = await tx.repo.definition(name)
+            # A name no definition can have is not looked up (nor sent to a database).
+            row = await tx.repo.definition(name) if is_definition_name(name) else None
             if row is None:
                 raise RecurringNotFoundError(
-                    f"no definition named {name!r} in namespace {self._config.namespace!r}"
+                    f"no definition named {_shown(name)} in namespace {self._config.namespace!r}"
                 )
             # Work whose window already ended is expired, not cancelled.
             await self._classify_expired(tx)
@@ -374,13 +380,17 @@ class RecurringEngine:
         """List definitions' metadata by name, after the exclusive cursor ``after``.
 
         Raises:
-            RecurringConfigurationError: ``limit`` outside 1..100, or a cursor not a str.
+            RecurringConfigurationError: ``limit`` outside 1..100, or a cursor that is not
+                a name this store returned.
             RecurringKeyringError: a listed definition cannot be opened for its metadata.
             RecurringStorageError, RecurringDeadlineError, RecurringClockError.
         """
         limit = validate_budget(limit, "limit")
-        if after is not None and not isinstance(after, str):
-            raise RecurringConfigurationError("a schedules cursor is a str or None")
+        if after is not None and not is_definition_name(after):
+            # Cursors are names this store returned; anything else is refused up front.
+            raise RecurringConfigurationError(
+                "invalid schedules cursor: pass back a next_cursor this store returned"
+            )
 
         async def body(tx: _Tx) -> Page[ScheduleInfo]:
             rows = await tx.repo.definitions(after, limit + 1)
@@ -777,7 +787,7 @@ class RecurringEngine:
             )
             if not rows:
                 raise RecurringNotFoundError(
-                    f"no occurrence {occurrence_id!r} in namespace {self._config.namespace!r}"
+                    f"no occurrence {_shown(occurrence_id)} in namespace {self._config.namespace!r}"
                 )
             [row] = rows
             try:
