@@ -8,11 +8,10 @@ to ``import faultproxy`` (and ``faultprobe``, ``recurring_fault_support``) direc
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -39,15 +38,7 @@ async def fault_proxy(pg_dsn: str) -> AsyncIterator[FaultProxy]:
 
 # --- recurring stores under the shared operation tests ------------------------------------
 
-from recurring_stores import STORE_KINDS, StoreKind  # noqa: E402
-
-
-@attrs.frozen
-class OpenableStore:
-    """A :class:`StoreKind` with the fixtures it needs resolved for one test."""
-
-    kind: StoreKind
-    fixtures: dict[str, Any]
+from recurring_stores import STORE_KINDS, OpenableStore, OpenStore, StoreKind  # noqa: E402
 
 
 @pytest.fixture(params=[pytest.param(k, marks=k.marks, id=k.name) for k in STORE_KINDS])
@@ -55,10 +46,6 @@ def store_kind(request: pytest.FixtureRequest) -> OpenableStore:
     """Each recurring store in turn (in memory, PostgreSQL, and whatever is added)."""
     kind: StoreKind = request.param
     return OpenableStore(kind, {name: request.getfixturevalue(name) for name in kind.needs})
-
-
-OpenStore = Callable[..., Awaitable[Any]]
-"""``await open_store(config, clock, *, random=None)``: a new store of the kind under test."""
 
 
 @pytest.fixture

@@ -48,6 +48,19 @@ class StoreKind:
     marks: tuple[pytest.MarkDecorator, ...] = ()
 
 
+@attrs.frozen
+class OpenableStore:
+    """A :class:`StoreKind` with the fixtures it needs resolved for one test."""
+
+    kind: StoreKind
+    fixtures: dict[str, Any]
+
+
+OpenStore = Callable[..., Awaitable[Any]]
+"""``await open_store(config, clock, *, random=None)``: a new store of the kind under test
+(the ``open_store`` fixture of ``tests/conftest.py``)."""
+
+
 # --- in memory ----------------------------------------------------------------------------
 
 

@@ -14,10 +14,11 @@ from typing import Any
 import attrs
 import pytest
 
-from conftest import OpenableStore, OpenStore
+from recurring_stores import OpenableStore, OpenStore
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.errors import (
     BrokerTimeoutError,
+    ConfigurationError,
     RecurringCapacityError,
     RecurringClockError,
     RecurringConfigurationError,
@@ -89,7 +90,8 @@ async def listed(store: Any) -> list[OccurrenceInfo]:
 async def one_leased(store: Any) -> Lease:
     await store.create(definition(back=timedelta(minutes=1)))
     assert (await store.tick(1)).materialized == 1
-    (lease,) = await store.claim(1)
+    leases: list[Lease] = await store.claim(1)
+    (lease,) = leases
     return lease
 
 
@@ -156,7 +158,7 @@ async def test_definition_quota_counts_cancelled_names(
 
 async def test_create_rejects_non_definitions(store: Any) -> None:
     with pytest.raises(RecurringConfigurationError):
-        await store.create("not a definition")  # type: ignore[arg-type]
+        await store.create("not a definition")
 
 
 # --- tick ---------------------------------------------------------------------------------------
@@ -234,13 +236,13 @@ async def test_capacity_failure_rolls_back_the_whole_tick(
 async def test_budgets_and_limits_outside_1_to_100_are_refused(store: Any, budget: object) -> None:
     for call in (store.tick, store.claim):
         with pytest.raises(RecurringConfigurationError):
-            await call(budget)  # type: ignore[arg-type]
+            await call(budget)
     with pytest.raises(RecurringConfigurationError):
-        await store.schedules(limit=budget)  # type: ignore[arg-type]
+        await store.schedules(limit=budget)
     with pytest.raises(RecurringConfigurationError):
-        await store.occurrences(limit=budget)  # type: ignore[arg-type]
+        await store.occurrences(limit=budget)
     with pytest.raises(RecurringConfigurationError):
-        await store.purge_terminal(START, budget)  # type: ignore[arg-type]
+        await store.purge_terminal(START, budget)
 
 
 async def test_exhausted_calendar_stops(clock: FakeClock, open_store: OpenStore) -> None:
@@ -663,9 +665,9 @@ async def test_pages_have_exclusive_cursors_and_no_payloads(
 async def test_invalid_cursors_are_refused(store: Any) -> None:
     for bad in ("garbage", "123.abc", "000000000000000.", 5):
         with pytest.raises(RecurringConfigurationError):
-            await store.occurrences(after=bad)  # type: ignore[arg-type]
+            await store.occurrences(after=bad)
     with pytest.raises(RecurringConfigurationError):
-        await store.schedules(after=5)  # type: ignore[arg-type]
+        await store.schedules(after=5)
 
 
 async def test_purge_removes_only_old_terminal_occurrences(store: Any, clock: FakeClock) -> None:
@@ -1137,9 +1139,10 @@ async def test_paging_and_limits(pg_store: Any) -> None:
         if cursor is None:
             break
     assert len(seen) == len(set(seen)) == 10
-    for cursor in ("garbage", "12.x", 5):
+    bad_cursors: tuple[object, ...] = ("garbage", "12.x", 5)
+    for bad_cursor in bad_cursors:
         with pytest.raises(RecurringConfigurationError):
-            await pg_store.occurrences(after=cursor, limit=3)  # type: ignore[arg-type]
+            await pg_store.occurrences(after=bad_cursor, limit=3)
     for bad in (0, 101, True):
         with pytest.raises(RecurringConfigurationError):
             await pg_store.schedules(limit=bad)
@@ -1211,9 +1214,13 @@ async def test_hostile_names_ids_and_cursors_get_typed_answers(store: Any, text:
         await store.schedules(after=text)
     with pytest.raises(RecurringConfigurationError):
         await store.occurrences(after=text)
-    forged = Lease(text, START, 1, b"x" * 16)
-    with pytest.raises(RelayLeaseLostError):
-        await store.relay(forged, MemoryBroker())
+    # A Lease cannot even hold such an id (core checks it: 1-128 printable ASCII); ids a
+    # Lease holds but no occurrence has are answered as a lost lease, by every store.
+    with pytest.raises(ConfigurationError):
+        Lease(text, START, 1, b"x" * 16)
+    for forged_id in ("G" * 32, "x" * 128):
+        with pytest.raises(RelayLeaseLostError):
+            await store.relay(Lease(forged_id, START, 1, b"x" * 16), MemoryBroker())
     # nothing was stored, and the store still works
     assert (await store.schedules()).items == []
     await store.create(definition())

@@ -81,7 +81,9 @@ def namespaces(draw: st.DrawFn) -> tuple[list[ModelDefinition], datetime, int]:
     return definitions, now, draw(st.integers(1, 100))
 
 
-def expected_emitted(definitions: list[ModelDefinition], now: datetime, budget: int) -> list:
+def expected_emitted(
+    definitions: list[ModelDefinition], now: datetime, budget: int
+) -> list[tuple[str, datetime]]:
     candidates = sorted((due, d.name) for d in definitions for due in d.due(now))
     return [(name, due) for due, name in candidates[:budget]]
 

@@ -47,7 +47,9 @@ IDS = [f"{s.value}-{e.value}" for (s, e), _ in ROWS]
 
 
 @pytest.mark.parametrize(("pair", "table_row"), ROWS, ids=IDS)
-def test_each_row_changes_exactly_what_its_effects_say(pair: tuple, table_row: Step) -> None:
+def test_each_row_changes_exactly_what_its_effects_say(
+    pair: tuple[OccurrenceState, OccurrenceEvent], table_row: Step
+) -> None:
     before = row(pair[0])
     change = apply_step(before, table_row, AT)
     after = change.applied_to(before)

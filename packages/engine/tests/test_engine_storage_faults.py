@@ -18,6 +18,7 @@ import pytest
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.errors import (
     AuthenticationFailedError,
+    ConfigurationError,
     KeyringError,
     RecurringConfigurationError,
     RecurringDeadlineError,
@@ -51,8 +52,8 @@ class Scripted(InMemoryRecurringStorage):
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
-        self.before: dict[int, Callable[[], None]] = {}
-        self.after: dict[int, Callable[[], None]] = {}
+        self.before: dict[int, Callable[[], object]] = {}
+        self.after: dict[int, Callable[[], object]] = {}
 
     async def transaction(
         self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
@@ -238,7 +239,7 @@ async def test_records_sealed_under_a_missing_key_fail_typed_naming_the_key() ->
     [lease] = await first.claim(10)
     # another instance, whose keyring lost k1
     second = engine(storage, clock, Keyring(K2))
-    calls = {
+    calls: dict[str, Callable[[], Awaitable[object]]] = {
         "create": lambda: second.create(definition("old")),
         "schedules": lambda: second.schedules(),
         "cancel": lambda: second.cancel("old"),
@@ -246,10 +247,11 @@ async def test_records_sealed_under_a_missing_key_fail_typed_naming_the_key() ->
     for what, call in calls.items():
         with pytest.raises(UnknownKeyIdError) as info:
             await call()
-        assert isinstance(info.value, RecurringError), what
-        assert isinstance(info.value, RecurringKeyringError), what
-        assert "'k1'" in str(info.value), what
-        assert "definition 'old'" in str(info.value), what
+        error: Exception = info.value
+        assert isinstance(error, RecurringKeyringError), what
+        assert isinstance(error, RecurringError), what
+        assert "'k1'" in str(error), what
+        assert "definition 'old'" in str(error), what
     # the occurrence sealed under k1 cannot be opened: typed, and a dead letter at once
     with pytest.raises(UnknownKeyIdError) as relayed:
         await second.relay(lease, MemoryBroker())
@@ -299,10 +301,14 @@ async def test_arguments_of_the_wrong_kind_are_configuration_errors() -> None:
     lease = Lease("0" * 32, START, 1, b"x" * 16)
     with pytest.raises(RecurringConfigurationError):
         await e.relay(lease, object())  # type: ignore[arg-type]
-    # ids that cannot be an occurrence's never reach the storage: the lease is not held
-    for odd in ("", "\ud800" * 32, "G" * 32, "x" * 10_000):
+    # ids a Lease holds but no occurrence can have never reach the storage: not held
+    for odd in ("G" * 32, "0" * 31, "x" * 128):
         with pytest.raises(RelayLeaseLostError):
             await e.relay(Lease(odd, START, 1, b"x" * 16), MemoryBroker())
+    # (empty, unencodable or oversized ids are refused by Lease itself since core checks it)
+    for refused in ("", "\ud800" * 32, "x" * 10_000):
+        with pytest.raises(ConfigurationError):
+            Lease(refused, START, 1, b"x" * 16)
     with pytest.raises(RecurringConfigurationError):
         RecurringEngine(InMemoryRecurringStorage(), "ns", Keyring(K1), clock)  # type: ignore[arg-type]
     with pytest.raises(RecurringConfigurationError):

@@ -12,6 +12,7 @@ RecurringError and a KeyringError, naming the key id.
 from __future__ import annotations
 
 import base64
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -43,7 +44,12 @@ TOPIC = "billing.invoices.topic-8c1f3e"
 MESSAGE_TYPE = "invoice.requested.type-5d2a9b"
 HEADER = "header-value-77aa10"
 PAYLOAD = b"payload-4e4e0c: customer 1234"
-SECRETS = {"topic": TOPIC, "message type": MESSAGE_TYPE, "header": HEADER, "payload": PAYLOAD}
+SECRETS: dict[str, str | bytes] = {
+    "topic": TOPIC,
+    "message type": MESSAGE_TYPE,
+    "header": HEADER,
+    "payload": PAYLOAD,
+}
 
 
 def definition(name: str, minutes_back: int, cron: str = "* * * * *") -> RecurringDefinition:
@@ -228,7 +234,7 @@ async def test_records_sealed_under_a_missing_key_fail_typed_naming_the_key(
     async with await PostgresRecurringStore.connect(
         dsn, CONFIG, Keyring(K2), clock, schema=schema
     ) as store:
-        calls = {
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
             "create": lambda: store.create(definition("old", 2)),
             "schedules": lambda: store.schedules(),
             "cancel": lambda: store.cancel("old"),

@@ -15,7 +15,9 @@ from steeple.core.errors import (
     BrokerTimeoutError,
     BrokerUnavailableError,
     ConfigurationError,
+    ConfigurationTypeError,
     InvalidCronExpression,
+    InvalidTimeZoneError,
     InvalidTransitionError,
     KeyringConfigurationError,
     KeyringError,
@@ -109,6 +111,7 @@ from steeple.core.tasks import (
     TaskState,
     retry_decision,
 )
+from steeple.core.zoned import ZonedCalendar
 
 __all__ = [
     "CAPABILITY_BYTES",
@@ -133,6 +136,7 @@ __all__ = [
     "ClaimRule",
     "Clock",
     "ConfigurationError",
+    "ConfigurationTypeError",
     "CronCalendar",
     "DefinitionAdvance",
     "DueCalendar",
@@ -141,6 +145,7 @@ __all__ = [
     "FailureDecision",
     "FailureKind",
     "InvalidCronExpression",
+    "InvalidTimeZoneError",
     "InvalidTransitionError",
     "KeyringConfigurationError",
     "KeyringError",
@@ -192,6 +197,7 @@ __all__ = [
     "TickPlan",
     "TickResult",
     "UnknownKeyIdError",
+    "ZonedCalendar",
     "adopt_time",
     "after_publish_failure",
     "capability_digest",

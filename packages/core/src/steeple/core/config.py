@@ -8,24 +8,52 @@ from datetime import datetime, timedelta
 import attrs
 
 from steeple.core import limits
-from steeple.core._validate import aware_utc, bounded_int, duration, text
+from steeple.core._validate import aware_utc, bounded_int, duration, shown, text
 from steeple.core.calendar import CronCalendar
 from steeple.core.errors import InvalidCronExpression, RecurringConfigurationError
 from steeple.core.messages import ScheduledMessage
 from steeple.core.policies import MissedRunPolicy
 
-__all__ = ["RecurringConfig", "RecurringDefinition", "is_definition_name"]
+__all__ = [
+    "RecurringConfig",
+    "RecurringDefinition",
+    "is_definition_name",
+    "validate_definition_name",
+    "validate_namespace",
+]
 
 _NAMESPACE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}\Z")
 
 
-def _namespace(value: object) -> str:
+def validate_namespace(value: object) -> str:
+    """Return ``value`` if it is a valid namespace name.
+
+    Raises:
+        RecurringConfigurationError: not 1-63 characters of lowercase letters, digits,
+            ``.``, ``_`` or ``-`` starting with a letter or digit.
+    """
     if not isinstance(value, str) or not _NAMESPACE.match(value):
         raise RecurringConfigurationError(
-            f"namespace {value!r} is invalid: use 1-63 characters of lowercase letters, digits, "
-            "'.', '_' or '-', starting with a letter or digit"
+            f"namespace {shown(value)} is invalid: use 1-63 characters of lowercase letters, "
+            "digits, '.', '_' or '-', starting with a letter or digit"
         )
     return value
+
+
+def validate_definition_name(value: object) -> str:
+    """Return ``value`` if it is a valid definition name (also the schedules cursor).
+
+    Raises:
+        RecurringConfigurationError: not a str; empty or blank; over 200 characters;
+            leading or trailing whitespace; a control, format, surrogate, private-use or
+            unassigned character.
+    """
+    return text(
+        value,
+        "definition name",
+        max_len=limits.MAX_NAME_LENGTH,
+        error=RecurringConfigurationError,
+    )
 
 
 @attrs.frozen
@@ -38,7 +66,7 @@ class RecurringConfig:
             than two leases.
     """
 
-    namespace: str = attrs.field(converter=_namespace)
+    namespace: str = attrs.field(converter=validate_namespace)
     max_definitions: int = attrs.field()
     max_occurrences: int = attrs.field()
     delivery_window: timedelta = attrs.field(default=limits.DEFAULT_DELIVERY_WINDOW, kw_only=True)
@@ -79,7 +107,7 @@ def _calendar(value: object) -> CronCalendar:
     if isinstance(value, CronCalendar):
         return value
     if not isinstance(value, str):
-        raise InvalidCronExpression(repr(value), "a cron expression must be a str")
+        raise InvalidCronExpression(shown(value), "a cron expression must be a str")
     return CronCalendar.parse(value)
 
 
@@ -90,7 +118,7 @@ def _policy(value: object) -> MissedRunPolicy:
     ):
         return value
     raise RecurringConfigurationError(
-        f"policy must be MissedRunPolicy.CATCH_UP or MissedRunPolicy.COALESCE, not {value!r}"
+        f"policy must be MissedRunPolicy.CATCH_UP or MissedRunPolicy.COALESCE, not {shown(value)}"
     )
 
 
@@ -112,7 +140,7 @@ def is_definition_name(value: object) -> bool:
     Stores answer "not found" for anything else without asking their storage.
     """
     try:
-        text(value, "name", max_len=limits.MAX_NAME_LENGTH, error=RecurringConfigurationError)
+        validate_definition_name(value)
     except RecurringConfigurationError:
         return False
     return True
@@ -140,12 +168,7 @@ class RecurringDefinition:
 
     @name.validator
     def _check_name(self, _: object, value: str) -> None:
-        text(
-            value,
-            "definition name",
-            max_len=limits.MAX_NAME_LENGTH,
-            error=RecurringConfigurationError,
-        )
+        validate_definition_name(value)
 
     @message.validator
     def _check_message(self, _: object, value: object) -> None:

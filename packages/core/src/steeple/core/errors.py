@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from steeple.core.messages import BrokerReceipt
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "BrokerTimeoutError",
     "BrokerUnavailableError",
     "ConfigurationError",
+    "ConfigurationTypeError",
     "InvalidCronExpression",
     "InvalidTransitionError",
     "KeyringConfigurationError",
@@ -44,12 +47,42 @@ __all__ = [
 ]
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """Return a short ``repr`` of ``value`` that is safe to put in any message (private).
+
+    Never raises: a hostile ``__repr__``, or an int too long for ``repr`` (more than 4300
+    digits), is shown by its type instead. Lone surrogates come out escaped, so the
+    message encodes as UTF-8 and can be logged.
+    """
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _plain(value: object, limit: int = 80) -> str:
+    """Show a str as itself (escaped where it would not encode, shortened); others shown."""
+    if not isinstance(value, str):
+        return shown(value, limit)
+    text = value if len(value) <= limit else value[: limit - 3] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class SteepleError(Exception):
     """Root of every error steeple raises on purpose."""
 
 
 class ConfigurationError(SteepleError, ValueError):
     """Bad input or configuration; the message says what to fix. Nothing was stored."""
+
+
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """Input of the wrong type (bytes for a str, a list for a mapping, a float for an int).
+
+    Both a :class:`ConfigurationError` (a ``ValueError``) and a ``TypeError``, so callers
+    catching either keep working.
+    """
 
 
 class InvalidCronExpression(ConfigurationError):
@@ -62,10 +95,11 @@ class InvalidCronExpression(ConfigurationError):
     """
 
     def __init__(self, expression: str, reason: str, *, field: str | None = None) -> None:
-        shown = expression if len(expression) <= 80 else expression[:77] + "..."
-        where = f" in the {field} field" if field else ""
-        super().__init__(f"invalid cron expression {shown!r}{where}: {reason}")
-        self.expression = shown
+        # Escaped where it would not encode (lone surrogates), so the message can be logged.
+        shown_text = _plain(expression)
+        where = f" in the {_plain(field)} field" if isinstance(field, str) and field else ""
+        super().__init__(f"invalid cron expression {shown_text!r}{where}: {reason}")
+        self.expression = shown_text
         self.field = field
         self.reason = reason
 
@@ -79,7 +113,10 @@ class InvalidTransitionError(SteepleError):
     def __init__(self, lifecycle: str, state: object, event: object) -> None:
         state_name = getattr(state, "value", state)
         event_name = getattr(event, "value", event)
-        super().__init__(f"{lifecycle}: {event_name!s} is not allowed in state {state_name!s}")
+        super().__init__(
+            f"{_plain(lifecycle)}: {_plain(event_name)} is not allowed in state "
+            f"{_plain(state_name)}"
+        )
         self.lifecycle = lifecycle
         self.state = state
         self.event = event
@@ -116,7 +153,23 @@ class RecurringCapacityError(RecurringError):
 
 
 class RecurringClockError(RecurringError):
-    """The local clock trails the recorded namespace time by more than the tolerance."""
+    """The local clock trails the recorded namespace time by more than the tolerance.
+
+    Attributes:
+        recorded_time: the namespace's recorded time, when the raiser knows it.
+        local_time: the local clock reading that trailed it, when the raiser knows it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        recorded_time: datetime | None = None,
+        local_time: datetime | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.recorded_time = recorded_time
+        self.local_time = local_time
 
 
 class RecurringStorageError(RecurringError):
@@ -237,7 +290,7 @@ class UnknownKeyIdError(KeyringError, LookupError):
 
     def __init__(self, key_id: str) -> None:
         super().__init__(
-            f"sealed with key id {key_id!r}, which this keyring does not hold; "
+            f"sealed with key id {shown(key_id)}, which this keyring does not hold; "
             "add that key back (as a previous key) to read this record"
         )
         self.key_id = key_id
@@ -269,9 +322,12 @@ class KeyringBindingMismatchError(KeyringError, ConfigurationError):
     """
 
     def __init__(self, namespace: str, fields: tuple[str, ...]) -> None:
-        listed = ", ".join(fields) if fields else "(format)"
+        try:
+            listed = ", ".join(_plain(f) for f in fields) if fields else "(format)"
+        except TypeError:
+            listed = "(format)"
         super().__init__(
-            f"the stored configuration binding of namespace {namespace!r} does not match the "
+            f"the stored configuration binding of namespace {shown(namespace)} does not match the "
             f"supplied configuration (fields: {listed}); supply the configuration the namespace "
             "was initialized with, or re-initialize it deliberately"
         )
@@ -320,8 +376,8 @@ class RecurringUnknownKeyIdError(RecurringKeyringError, UnknownKeyIdError):
     def __init__(self, key_id: str, record: str = "a record") -> None:
         UnknownKeyIdError.__init__(self, key_id)
         self.args = (
-            f"{record} is sealed with key id {key_id!r}, which this keyring does not hold; "
-            "add that key back (as a previous key) to read it",
+            f"{_plain(record, 200)} is sealed with key id {shown(key_id)}, which this keyring "
+            "does not hold; add that key back (as a previous key) to read it",
         )
         self.record = record
 
@@ -346,7 +402,7 @@ def recurring_keyring_error(exc: KeyringError, record: str) -> RecurringKeyringE
     """
     if isinstance(exc, RecurringKeyringError):
         return exc
-    detail = f"{record}: {exc}"
+    detail = f"{_plain(record, 200)}: {exc}"
     if isinstance(exc, UnknownKeyIdError):
         return RecurringUnknownKeyIdError(exc.key_id, record)
     if isinstance(exc, AuthenticationFailedError):
@@ -372,8 +428,8 @@ class RecurringSchemaVersionError(RecurringStorageError):
         else:
             action = "use a steeple release that knows this schema version"
         super().__init__(
-            f"schema {schema!r} holds recurring schema version {found}; this library uses "
-            f"version {expected}: {action}"
+            f"schema {shown(schema)} holds recurring schema version {shown(found)}; this "
+            f"library uses version {expected}: {action}"
         )
         self.found = found
         self.expected = expected
@@ -391,3 +447,28 @@ __all__ += [
     "RecurringUnknownKeyIdError",
     "recurring_keyring_error",
 ]
+
+
+# --- time zones (appended by core's zoned calendar) ---------------------------------------
+
+
+class InvalidTimeZoneError(ConfigurationError):
+    """A time zone that the zoned calendar (``steeple.core.zoned``) cannot use.
+
+    Attributes:
+        zone: the rejected name, or ``<type>`` for a value of the wrong type (truncated).
+        reason: why it was rejected.
+    """
+
+    def __init__(self, zone: object, reason: object) -> None:
+        # Built from hostile input: formatting must never raise nor produce unencodable text.
+        zone_text = zone if isinstance(zone, str) else f"<{type(zone).__name__}>"
+        short = zone_text if len(zone_text) <= 80 else zone_text[:77] + "..."
+        reason_text = reason if isinstance(reason, str) else shown(reason)
+        reason_text = reason_text.encode("utf-8", "backslashreplace").decode("utf-8")
+        super().__init__(f"invalid time zone {shown(short, 100)}: {reason_text}")
+        self.zone = short
+        self.reason = reason_text
+
+
+__all__ += ["InvalidTimeZoneError"]

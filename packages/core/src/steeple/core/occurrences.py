@@ -24,6 +24,7 @@ from typing import Final, Literal
 
 import attrs
 
+from steeple.core._validate import TypedEnumType
 from steeple.core.errors import InvalidTransitionError
 
 __all__ = [
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 
-class OccurrenceState(enum.Enum):
+class OccurrenceState(enum.Enum, metaclass=TypedEnumType):
     """Where a materialized occurrence is in its life."""
 
     PENDING = "pending"
@@ -55,7 +56,7 @@ class OccurrenceState(enum.Enum):
     CANCELLED = "cancelled"
 
 
-class OccurrenceEvent(enum.Enum):
+class OccurrenceEvent(enum.Enum, metaclass=TypedEnumType):
     """What can happen to an occurrence (inputs of the state table)."""
 
     CLAIM = "claim"
@@ -78,7 +79,7 @@ class OccurrenceEvent(enum.Enum):
     """``purge_terminal`` removed the row."""
 
 
-class PurgedType(enum.Enum):
+class PurgedType(enum.Enum, metaclass=TypedEnumType):
     """The type of :data:`PURGED` (an enum so that ``Literal[PURGED]`` type-checks)."""
 
     PURGED = "purged"
@@ -227,10 +228,12 @@ def step(state: OccurrenceState, event: OccurrenceEvent) -> Step:
         InvalidTransitionError: ``(state, event)`` is not in the table (including values
             that are not an :class:`OccurrenceState` / :class:`OccurrenceEvent`).
     """
-    try:
-        return OCCURRENCE_STEPS[(state, event)]
-    except (KeyError, TypeError):
-        raise InvalidTransitionError("occurrence", state, event) from None
+    # Only members are looked up: hashing a foreign object could fail in any way.
+    if isinstance(state, OccurrenceState) and isinstance(event, OccurrenceEvent):
+        found = OCCURRENCE_STEPS.get((state, event))
+        if found is not None:
+            return found
+    raise InvalidTransitionError("occurrence", state, event)
 
 
 def states_for(event: OccurrenceEvent) -> dict[Step, frozenset[OccurrenceState]]:

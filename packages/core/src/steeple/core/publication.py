@@ -14,8 +14,10 @@ import enum
 
 import attrs
 
+from steeple.core._validate import TypedEnumType, plain, shown
 from steeple.core.errors import (
     BrokerError,
+    ConfigurationTypeError,
     RecurringRelayError,
     RelayAcknowledgementError,
     RelayBrokerError,
@@ -32,7 +34,7 @@ __all__ = [
 _MAX_ERROR = 200
 
 
-class FailureKind(enum.Enum):
+class FailureKind(enum.Enum, metaclass=TypedEnumType):
     """What went wrong with a publication."""
 
     ACKNOWLEDGEMENT = "acknowledgement"
@@ -113,16 +115,24 @@ def publication_error(
         exc: what the broker raised.
         occurrence_id: the occurrence whose publication failed.
         outcome: what the store recorded ("retry after ...", "dead letter (...)").
+
+    Raises:
+        ConfigurationTypeError: ``failure`` is not a :class:`PublicationFailure`.
     """
+    if not isinstance(failure, PublicationFailure):
+        raise ConfigurationTypeError(f"failure must be a PublicationFailure, not {shown(failure)}")
+    # Shown safely: an id or outcome a caller got wrong must not make the report fail.
+    occurrence_id, outcome = plain(occurrence_id), plain(outcome, 300)
+    error = plain(failure.error, _MAX_ERROR)
     if failure.kind is FailureKind.ACKNOWLEDGEMENT and isinstance(exc, RelayAcknowledgementError):
         return exc
     if failure.kind is FailureKind.TIMEOUT:
         return RelayBrokerTimeoutError(
             f"publication of occurrence {occurrence_id} did not complete in time "
-            f"({failure.error}); {outcome}",
+            f"({error}); {outcome}",
             permanent=failure.permanent,
         )
     return RelayBrokerError(
-        f"publication of occurrence {occurrence_id} failed ({failure.error}); {outcome}",
+        f"publication of occurrence {occurrence_id} failed ({error}); {outcome}",
         permanent=failure.permanent,
     )

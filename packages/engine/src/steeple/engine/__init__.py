@@ -4,7 +4,8 @@
   occurrences, purge_terminal, over a :class:`~steeple.engine.ports.RecurringStorage`.
 - :mod:`steeple.engine.ports`: the port a storage adapter implements (a unit of work
   that locks the namespace's control row and yields a set-based repository of rows).
-- :class:`RecurringRelay`: the relay loop (tick, claim, relay) every worker runs.
+- :class:`RecurringRelay`: the relay loop (tick, claim, relay) every worker runs, counting
+  what it did in a :class:`RelayStatistics`.
 
 It depends on :mod:`steeple.core` only and never imports a driver; the PostgreSQL store,
 the in-memory reference store and any store you compose are adapters plus this engine.
@@ -22,7 +23,7 @@ from steeple.engine.ports import (
     RecurringStorage,
     apply_step,
 )
-from steeple.engine.relay import RecurringRelay
+from steeple.engine.relay import RecurringRelay, RelayStatistics
 
 __all__ = [
     "PURPOSE_DEFINITION",
@@ -36,6 +37,7 @@ __all__ = [
     "RecurringRelay",
     "RecurringRepository",
     "RecurringStorage",
+    "RelayStatistics",
     "apply_step",
     "seal_binding",
     "verify_binding",

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from steeple.core import records
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.errors import (
     ConfigurationError,
-    RecurringConfigurationError,
     RecurringStorageError,
 )
 from steeple.core.messages import ScheduledMessage
@@ -52,33 +52,28 @@ def epoch_ms(instant: datetime) -> int:
 
 
 def occurrence_cursor(due_at: datetime, occurrence_id: str) -> str:
-    """Return the exclusive listing cursor after the occurrence ``(due_at, id)``."""
-    return f"{epoch_ms(due_at):015d}.{occurrence_id}"
+    """Return the exclusive listing cursor after the occurrence ``(due_at, id)``.
+
+    The format is core's (:func:`steeple.core.records.occurrence_cursor`), shared with the
+    admin app's validation.
+
+    Raises:
+        RecurringConfigurationError: ``due_at`` is naive or outside 1970-2100, or
+            ``occurrence_id`` is malformed.
+    """
+    return records.occurrence_cursor(due_at, occurrence_id)
 
 
 def parse_occurrence_cursor(cursor: object) -> tuple[datetime, str] | None:
     """Return the ``(due_at, id)`` position of a cursor (``None`` for no cursor).
 
     Raises:
-        RecurringConfigurationError: not a cursor a store returned.
+        RecurringConfigurationError: not a cursor a store returned
+            (:func:`steeple.core.records.parse_occurrence_cursor`).
     """
     if cursor is None:
         return None
-    if isinstance(cursor, str):
-        due, _, occurrence_id = cursor.partition(".")
-        if (
-            due.isascii()
-            and due.isdigit()
-            and len(due) == 15
-            and occurrence_id
-            and len(occurrence_id) <= 64
-            and occurrence_id.isascii()
-            and occurrence_id.isalnum()
-        ):
-            return _EPOCH + int(due) * _MS, occurrence_id
-    raise RecurringConfigurationError(
-        "invalid occurrences cursor: pass back a next_cursor this store returned"
-    )
+    return records.parse_occurrence_cursor(cursor)
 
 
 def _message_document(message: ScheduledMessage) -> dict[str, Any]:

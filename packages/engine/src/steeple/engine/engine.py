@@ -46,6 +46,7 @@ from steeple.core.errors import (
     RelayAcknowledgementError,
     RelayLeaseLostError,
     recurring_keyring_error,
+    shown,
 )
 from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
 from steeple.core.leases import (
@@ -78,6 +79,7 @@ from steeple.core.records import (
     ScheduleInfo,
     ScheduleState,
     TickResult,
+    validate_occurrence_id,
 )
 from steeple.engine import codec
 from steeple.engine.binding import seal_binding, verify_binding
@@ -110,18 +112,13 @@ def _calendar(expression: str) -> CronCalendar:
     return CronCalendar.parse(expression)
 
 
-def _shown(value: str) -> str:
-    """``value`` for an error message: quoted, at most 80 characters."""
-    return repr(value if len(value) <= 80 else value[:77] + "...")
-
-
 def _is_occurrence_id(value: object) -> bool:
-    return (
-        isinstance(value, str)
-        and len(value) == 32
-        and value.isascii()
-        and all(c in "0123456789abcdef" for c in value)
-    )
+    """Whether ``value`` has an occurrence id's shape (core's rule, shared with the admin app)."""
+    try:
+        validate_occurrence_id(value)
+    except RecurringConfigurationError:
+        return False
+    return True
 
 
 @attrs.define
@@ -283,7 +280,9 @@ class RecurringEngine:
             RecurringCapacityError: the namespace holds ``max_definitions`` already.
             RecurringKeyringError: the stored definition cannot be opened (e.g. its key is
                 missing: also an ``UnknownKeyIdError`` naming the key id).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(definition, RecurringDefinition):
             raise RecurringConfigurationError("create needs a RecurringDefinition")
@@ -344,7 +343,9 @@ class RecurringEngine:
             RecurringConfigurationError: ``name`` is not a str.
             RecurringNotFoundError: no definition of that name in this namespace.
             RecurringKeyringError: the definition cannot be opened for its metadata.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(name, str):
             raise RecurringConfigurationError("a definition name is a str")
@@ -354,7 +355,7 @@ class RecurringEngine:
             row = await tx.repo.definition(name) if is_definition_name(name) else None
             if row is None:
                 raise RecurringNotFoundError(
-                    f"no definition named {_shown(name)} in namespace {self._config.namespace!r}"
+                    f"no definition named {shown(name)} in namespace {self._config.namespace!r}"
                 )
             # Work whose window already ended is expired, not cancelled.
             await self._classify_expired(tx)
@@ -383,7 +384,9 @@ class RecurringEngine:
             RecurringConfigurationError: ``limit`` outside 1..100, or a cursor that is not
                 a name this store returned.
             RecurringKeyringError: a listed definition cannot be opened for its metadata.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         if after is not None and not is_definition_name(after):
@@ -413,7 +416,9 @@ class RecurringEngine:
             RecurringCapacityError: the batch would exceed ``max_occurrences``.
             RecurringKeyringError: a due definition cannot be opened (its key is missing or
                 it was tampered with).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         budget = validate_budget(budget)
 
@@ -498,7 +503,9 @@ class RecurringEngine:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         lease_duration = self._config.lease_duration
@@ -773,7 +780,9 @@ class RecurringEngine:
             RecurringNotFoundError: no such occurrence in this namespace (or purged).
             RecurringInvalidStateError: the occurrence is not dead (published, cancelled,
                 expired and live work cannot be revived), or its window has ended.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(occurrence_id, str):
             raise RecurringConfigurationError("an occurrence id is a str")
@@ -787,7 +796,7 @@ class RecurringEngine:
             )
             if not rows:
                 raise RecurringNotFoundError(
-                    f"no occurrence {_shown(occurrence_id)} in namespace {self._config.namespace!r}"
+                    f"no occurrence {shown(occurrence_id)} in namespace {self._config.namespace!r}"
                 )
             [row] = rows
             try:
@@ -812,7 +821,9 @@ class RecurringEngine:
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a cursor this store
                 did not return.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         position = codec.parse_occurrence_cursor(after)
@@ -836,7 +847,9 @@ class RecurringEngine:
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a cutoff that is not
                 a timezone-aware datetime.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         if not isinstance(older_than, datetime) or older_than.utcoffset() is None:

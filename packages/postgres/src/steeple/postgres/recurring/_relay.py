@@ -1,5 +1,5 @@
 """The relay loop lives in :mod:`steeple.engine.relay`; this path keeps old imports working."""
 
-from steeple.engine.relay import RecurringRelay
+from steeple.engine.relay import RecurringRelay, RelayStatistics
 
-__all__ = ["RecurringRelay"]
+__all__ = ["RecurringRelay", "RelayStatistics"]

@@ -59,7 +59,7 @@ from steeple.postgres.recurring._sql import (
     package_sql,
 )
 
-__all__ = ["PostgresRecurringStore", "grant_runtime_role"]
+__all__ = ["PostgresRecurringStore"]
 
 _log = logging.getLogger("steeple.postgres.recurring")
 
@@ -251,26 +251,6 @@ async def _install(
         )
     await transaction.commit()
     return migrated
-
-
-async def grant_runtime_role(conn: asyncpg.Connection, role: str, schema: str = "steeple") -> None:
-    """Grant ``role`` exactly the runtime privileges of ``recurring/grants.sql``.
-
-    Run it as the deployment role (the tables' owner) after ``initialize``.
-
-    Raises:
-        RecurringConfigurationError: an invalid role or schema name.
-        asyncpg.PostgresError: the grant failed (the caller's connection, the caller's error).
-    """
-    try:
-        sql = (
-            package_sql("grants.sql")
-            .replace("{schema}", quote_ident(schema))
-            .replace("{role}", quote_ident(role))
-        )
-    except ValueError as exc:
-        raise RecurringConfigurationError(str(exc)) from None
-    await conn.execute(sql)
 
 
 @attrs.define(repr=False)
@@ -498,7 +478,9 @@ class PostgresRecurringStore:
             RecurringCapacityError: the namespace holds ``max_definitions`` already.
             RecurringKeyringError: the stored definition cannot be opened (its key is
                 missing: also an ``UnknownKeyIdError`` naming the key id).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.create(definition)
 
@@ -511,7 +493,9 @@ class PostgresRecurringStore:
         Raises:
             RecurringNotFoundError: no definition of that name in this namespace.
             RecurringKeyringError: the definition cannot be opened for its metadata.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.cancel(name)
 
@@ -523,7 +507,9 @@ class PostgresRecurringStore:
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100.
             RecurringKeyringError: a listed definition cannot be opened.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.schedules(after, limit)
 
@@ -538,7 +524,9 @@ class PostgresRecurringStore:
             RecurringCapacityError: the batch would exceed ``max_occurrences``.
             RecurringKeyringError: a definition cannot be opened (its key is missing or it
                 was tampered with).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.tick(budget)
 
@@ -552,7 +540,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.claim(limit)
 
@@ -582,7 +572,9 @@ class PostgresRecurringStore:
                 failures become dead letters.
             RecurringKeyringError: the content cannot be opened (the occurrence is
                 dead-lettered).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.relay(lease, broker)
 
@@ -595,7 +587,9 @@ class PostgresRecurringStore:
             RecurringNotFoundError: no such occurrence in this namespace (or purged).
             RecurringInvalidStateError: the occurrence is not dead (published, cancelled,
                 expired and live work cannot be revived), or its window has ended.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.retry_failed(occurrence_id)
 
@@ -608,7 +602,9 @@ class PostgresRecurringStore:
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a cursor this store
                 did not return.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.occurrences(after, limit)
 
@@ -619,7 +615,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a naive cutoff.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.purge_terminal(older_than, limit)
 
