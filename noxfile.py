@@ -426,3 +426,29 @@ def bench(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     _sync(session)
     session.run("steeple", "demo", *session.posargs)
+
+
+# --- documentation site (issue 14.4) ------------------------------------------------------
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the site (mkdocs.yml, docs/) with --strict: a broken reference, page or link fails."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--frozen",
+        "--all-packages",
+        "--all-extras",
+        "--group",
+        "docs",
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+    )
+    site = os.path.join(session.create_tmp(), "site")
+    session.run(
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        site,
+        *session.posargs,
+        env={"NO_MKDOCS_2_WARNING": "1"},
+    )

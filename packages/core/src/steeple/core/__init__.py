@@ -109,6 +109,8 @@ from steeple.core.tasks import (
     RetryDecision,
     TaskEvent,
     TaskState,
+    attempts_exhausted,
+    lease_expiry_event,
     retry_decision,
 )
 from steeple.core.zoned import ZonedCalendar
@@ -200,6 +202,7 @@ __all__ = [
     "ZonedCalendar",
     "adopt_time",
     "after_publish_failure",
+    "attempts_exhausted",
     "capability_digest",
     "capability_matches",
     "classify_publication_failure",
@@ -208,6 +211,7 @@ __all__ = [
     "is_claimable",
     "is_live",
     "lease_expiry",
+    "lease_expiry_event",
     "new_capability",
     "new_generation",
     "occurrence_id_for",

@@ -153,13 +153,14 @@ class RecurringEngine:
     A store composes one: ``RecurringEngine(storage, config, sealer, clock)`` and
     forwards the public calls. The engine holds no connection and no state of its own.
 
-    Args:
-        storage: the adapter (PostgreSQL, SQLite, in memory, yours).
-        config: the namespace's configuration (quotas, delivery window, lease).
-        sealer: seals and opens definitions and content (a
-            :class:`steeple.keyring.Keyring`).
-        clock: where time comes from (``SystemClock`` in production).
-        random: capabilities, generations and jitter (the OS's randomness by default).
+    Its arguments, in order (attrs keeps them private, so they are listed here):
+
+    - ``storage``: the adapter (PostgreSQL, SQLite, in memory, yours).
+    - ``config``: the namespace's configuration (quotas, delivery window, lease).
+    - ``sealer``: seals and opens definitions and content (a
+      :class:`steeple.keyring.Keyring`).
+    - ``clock``: where time comes from (``SystemClock`` in production).
+    - ``random``: capabilities, generations and jitter (the OS's randomness by default).
 
     Raises:
         RecurringConfigurationError: an argument of the wrong kind.

@@ -79,7 +79,7 @@ class StorageKey:
     The id travels in every envelope sealed under the key; the material never appears in
     ``repr``, ``str`` or error messages.
 
-    Args:
+    Attributes:
         key_id: 1–32 characters from ``A-Z a-z 0-9 . _ : -`` (e.g. ``"2026-09"``).
         key: exactly 32 bytes of key material.
 
