@@ -166,7 +166,9 @@ def _gate(monkeypatch: pytest.MonkeyPatch, worker: Scheduler, **kw: Any) -> list
     return made
 
 
-async def test_starting_until_listen_is_in_place(queue, monkeypatch) -> None:
+async def test_starting_until_listen_is_in_place(
+    queue: queue_support.QueueFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dsn, schema, conn = queue
     ran: list[str] = []
 
@@ -199,7 +201,9 @@ async def test_starting_until_listen_is_in_place(queue, monkeypatch) -> None:
     assert worker.health() is Health.STOPPED
 
 
-async def test_starting_until_the_first_claim_round_finishes(queue, monkeypatch) -> None:
+async def test_starting_until_the_first_claim_round_finishes(
+    queue: queue_support.QueueFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dsn, schema, _conn = queue
     worker = Scheduler(dsn, worker_id="gated", schema=schema, poll_interval=0.1)
     worker.register(SHORT, lambda ctx, args: asyncio.sleep(0))
@@ -222,7 +226,9 @@ async def test_starting_until_the_first_claim_round_finishes(queue, monkeypatch)
         await asyncio.wait_for(run, 30)
 
 
-async def test_a_listener_that_cannot_listen_means_degraded_polling(queue, monkeypatch) -> None:
+async def test_a_listener_that_cannot_listen_means_degraded_polling(
+    queue: queue_support.QueueFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dsn, schema, conn = queue
     ran: list[str] = []
 

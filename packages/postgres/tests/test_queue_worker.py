@@ -563,7 +563,9 @@ class _Recorder:
         return totals
 
 
-async def test_a_batch_of_completions_is_counted_under_each_tasks_name(queue, monkeypatch) -> None:
+async def test_a_batch_of_completions_is_counted_under_each_tasks_name(
+    queue: QueueFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import steeple.postgres.queue._worker as worker_module
     from steeple.postgres.queue import _metrics
     from steeple.postgres.queue._db import open_db
