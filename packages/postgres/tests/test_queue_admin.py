@@ -249,3 +249,22 @@ async def test_list_jobs_pages_by_name(queue: Any) -> None:
     for bad in ({"limit": 0}, {"after": "a\x00"}, {"after": 3}):
         with pytest.raises(pq.QueueConfigurationError):
             await admin.list_jobs(conn, **{"schema": schema, **bad})
+
+
+async def test_a_schema_without_the_queue_is_a_typed_error(pg_schema: tuple[str, str]) -> None:
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    try:
+        calls = [
+            lambda: admin.list_tasks(conn, schema=schema),
+            lambda: admin.count_by_state(conn, schema=schema),
+            lambda: admin.retry_failed_task(conn, 1, schema=schema),
+            lambda: admin.count_prunable(conn, timedelta(0), schema=schema),
+            lambda: admin.list_jobs(conn, schema=schema),
+            lambda: admin.list_tasks(conn, schema="no_such_schema_here"),
+        ]
+        for call in calls:
+            with pytest.raises(pq.SchemaVersionMismatchError, match="version 0"):
+                await call()
+    finally:
+        await conn.close()

@@ -286,7 +286,9 @@ def _driver_error(exc: BaseException) -> BaseException | None:
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if _from_driver(current) or isinstance(current, OSError | TimeoutError):
+        # The library's own errors (some are also OSError or TimeoutError) wrap the cause.
+        ours = isinstance(current, SteepleError)
+        if _from_driver(current) or (isinstance(current, OSError | TimeoutError) and not ours):
             return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
@@ -507,7 +509,7 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
         return CliError(str(exc), code=ExitCode.CONFIG)
     if isinstance(exc, RecurringStorageError):
         text = str(exc)
-        if "initialize" in text.lower() or "does not exist" in text.lower():
+        if "initialize" in text.lower():
             return CliError(text + where, code=ExitCode.CONFIG, hint="run steeple initialize first")
         if driver is not None and _from_driver(driver):
             text += f": {_server_message(driver)}"

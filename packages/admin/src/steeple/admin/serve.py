@@ -12,6 +12,7 @@ import binascii
 import contextlib
 import errno
 import hmac
+import os
 import signal
 import socket
 from collections.abc import Callable, Iterator
@@ -120,14 +121,18 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         return socket.create_server(address, family=family)
     except OSError as exc:
-        busy = exc.errno == errno.EADDRINUSE
+        if exc.errno == errno.EADDRINUSE:
+            raise CliError(
+                f"cannot listen on {host}:{port}: the port is in use",
+                code=ExitCode.UNAVAILABLE,
+                hint="choose another with --port (0 picks a free one), or stop what listens there",
+            ) from None
+        reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
         raise CliError(
-            f"cannot listen on {host}:{port}: "
-            + ("the port is in use" if busy else (exc.strerror or type(exc).__name__)),
-            code=ExitCode.UNAVAILABLE,
-            hint="choose another with --port (0 picks a free one), or stop what listens there"
-            if busy
-            else "choose another --host or --port",
+            f"cannot listen on {host}:{port}: {reason}",
+            code=ExitCode.CONFIG,
+            hint="use an address of this machine (e.g. --host 127.0.0.1) and a port you may "
+            "bind (1024 and above, or 0 for any)",
         ) from None
 
 
@@ -244,11 +249,10 @@ async def serve(
 
 
 def _not_initialized(error: Exception) -> bool:
-    """Whether ``error`` says the recurring namespace or schema does not exist yet."""
-    from steeple.admin.settings import ExitCode
+    """Whether ``error`` says the recurring namespace or its tables do not exist yet."""
+    from steeple.core.errors import RecurringNotFoundError, RecurringStorageError
 
-    text = str(error).lower()
-    code = getattr(error, "code", None)
-    return code == ExitCode.CONFIG and (
-        "initialize" in text or "does not exist" in text or "holds no" in text
+    cause = error.__cause__
+    return isinstance(cause, RecurringNotFoundError | RecurringStorageError) and (
+        "run initialize" in str(cause)
     )

@@ -344,6 +344,16 @@ def _options(
     return output.typed(build, code=ExitCode.USAGE)
 
 
+def _encodable(kind: Any, value: Any) -> None:
+    """Refuse (usage) arguments the task cannot store: a lone surrogate, a NUL, over 1 MiB."""
+    from steeple.postgres.queue import ArgsEncodingError
+
+    try:
+        kind.encode(value)
+    except ArgsEncodingError as exc:
+        raise CliError(f"--args: {exc}", code=ExitCode.USAGE) from None
+
+
 ArgsOpt = Annotated[str, typer.Option("--args", help="The task's arguments as JSON (default: {}).")]
 PriorityOpt = Annotated[
     int | None,
@@ -393,7 +403,7 @@ def enqueue(
     value = guard(lambda: _json_args(args))
     options = guard(lambda: _options(at, delay, priority, max_attempts, dedup_key))
     kind: Task[Any] = guard(lambda: output.typed(lambda: Task(task), code=ExitCode.USAGE))
-    guard(lambda: output.typed(lambda: kind.encode(value), code=ExitCode.USAGE))
+    guard(lambda: _encodable(kind, value))
     target = guard(where.target)
 
     async def put(conn: Any) -> Any:
@@ -528,6 +538,7 @@ def _declare(
     guard(lambda: _cron(cron))
     options = guard(lambda: _options(None, None, priority, max_attempts))
     kind: Task[Any] = guard(lambda: output.typed(lambda: Task(task), code=ExitCode.USAGE))
+    guard(lambda: _encodable(kind, value))
     declare = jobs.create if verb == "created" else jobs.ensure_job
     job = _job_call(
         where, lambda conn, schema: declare(conn, name, kind, cron, value, options, schema=schema)

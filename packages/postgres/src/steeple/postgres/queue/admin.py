@@ -18,7 +18,7 @@ from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._admin_sql import admin_sql
 from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun
-from steeple.postgres.queue._schema import DEFAULT_SCHEMA
+from steeple.postgres.queue._schema import DEFAULT_SCHEMA, LIBRARY_SCHEMA_VERSION
 from steeple.postgres.queue._validate import (
     INT64,
     check_int,
@@ -29,6 +29,7 @@ from steeple.postgres.queue._validate import (
 from steeple.postgres.queue.errors import (
     QueueConfigurationError,
     QueueTypeError,
+    SchemaVersionMismatchError,
     TaskNotFoundError,
     TaskStateError,
 )
@@ -46,6 +47,20 @@ __all__ = [
 MAX_PAGE: Final = 1000
 """The most rows one listing call returns."""
 _DIGITS: Final = re.compile(r"[0-9]{1,19}\Z")
+
+
+# undefined_table, invalid_schema_name: the queue is not installed in that schema.
+_NOT_INSTALLED: Final = frozenset({"42P01", "3F000"})
+
+
+async def _fetch(conn: Any, schema: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """Run one statement; a schema without the queue's tables is a typed error."""
+    try:
+        return await _driver.fetch(conn, sql, *args)
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) in _NOT_INSTALLED:
+            raise SchemaVersionMismatchError(schema, 0, LIBRARY_SCHEMA_VERSION) from None
+        raise
 
 
 def _task_cursor(after: object) -> int:
@@ -99,6 +114,7 @@ async def list_tasks(
         A page of tasks (metadata only); ``next_cursor`` is ``None`` on the last page.
 
     Raises:
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
         QueueConfigurationError: an unknown state, a malformed cursor or task name, a limit
             outside 1..1000, or an invalid schema name.
         QueueTypeError: an argument of the wrong type.
@@ -109,7 +125,7 @@ async def list_tasks(
     if task_name is not None:
         check_name(task_name, "task_name")
     check_int(limit, "limit", 1, MAX_PAGE)
-    rows = await _driver.fetch(conn, sql.list_tasks, position, wanted, task_name, limit + 1)
+    rows = await _fetch(conn, schema, sql.list_tasks, position, wanted, task_name, limit + 1)
     items = [TaskRun.from_row(tuple(row)) for row in rows[:limit]]
     cursor = str(items[-1].id) if len(rows) > limit else None
     return Page(items=items, next_cursor=cursor)
@@ -119,10 +135,11 @@ async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[Tas
     """Return how many tasks are in each state (every state present, zeros included).
 
     Raises:
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
         QueueConfigurationError: an invalid schema name.
         QueueTypeError: a schema that is not a str.
     """
-    rows = await _driver.fetch(conn, admin_sql(schema).count_by_state)
+    rows = await _fetch(conn, schema, admin_sql(schema).count_by_state)
     counts = dict.fromkeys(TaskState, 0)
     for state, count in rows:
         counts[TaskState(state)] = int(count)
@@ -149,11 +166,12 @@ async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SC
     Raises:
         TaskNotFoundError: no such task (or it was pruned).
         TaskStateError: the task is not failed, or a live task holds its dedup key.
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
         QueueConfigurationError: ``task_id`` beyond 64 bits, or an invalid schema name.
         QueueTypeError: ``task_id`` is not an int.
     """
     sql = admin_sql(schema)
-    rows = await _driver.fetch(conn, sql.retry, check_task_id(task_id))
+    rows = await _fetch(conn, schema, sql.retry, check_task_id(task_id))
     if not rows:
         raise TaskNotFoundError(task_id)
     before, changed, blocker = TaskState(rows[0][0]), int(rows[0][1]), rows[0][2]
@@ -183,13 +201,14 @@ async def count_prunable(conn: Any, older_than: timedelta, *, schema: str = DEFA
     the database server's clock; nothing is removed (a dry run).
 
     Raises:
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
         QueueConfigurationError: ``older_than`` negative or over ~100 years, or an invalid
             schema name.
         QueueTypeError: ``older_than`` is not a timedelta.
     """
     sql = admin_sql(schema)
     check_timedelta(older_than, "older_than", timedelta(0), MAX_RETENTION)
-    rows = await _driver.fetch(conn, sql.count_prunable, older_than)
+    rows = await _fetch(conn, schema, sql.count_prunable, older_than)
     return int(rows[0][0])
 
 
@@ -205,6 +224,7 @@ async def list_jobs(
         limit: the most jobs returned (1..1000).
 
     Raises:
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
         QueueConfigurationError: a malformed cursor, a limit outside 1..1000, or an invalid
             schema name.
         QueueTypeError: an argument of the wrong type.
@@ -213,7 +233,7 @@ async def list_jobs(
     if after is not None:
         check_name(after, "after")
     check_int(limit, "limit", 1, MAX_PAGE)
-    rows = await _driver.fetch(conn, sql.list_jobs, after or "", limit + 1)
+    rows = await _fetch(conn, schema, sql.list_jobs, after or "", limit + 1)
     items = [JobInfo.from_row(tuple(row)) for row in rows[:limit]]
     cursor = items[-1].name if len(rows) > limit else None
     return Page(items=items, next_cursor=cursor)
