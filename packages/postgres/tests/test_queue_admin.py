@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -255,7 +256,7 @@ async def test_a_schema_without_the_queue_is_a_typed_error(pg_schema: tuple[str,
     dsn, schema = pg_schema
     conn = await asyncpg.connect(dsn)
     try:
-        calls = [
+        calls: list[Callable[[], Awaitable[object]]] = [
             lambda: admin.list_tasks(conn, schema=schema),
             lambda: admin.count_by_state(conn, schema=schema),
             lambda: admin.retry_failed_task(conn, 1, schema=schema),
