@@ -36,7 +36,8 @@ async def ainvoke(args: list[str], env: dict[str, str] | None = None) -> Any:
 def one_error(result: Any) -> str:
     """The error line of a failed command (there is exactly one, then what to do)."""
     lines = result.stderr.strip().splitlines()
-    assert lines and lines[0].startswith("steeple: error: "), result.stderr
+    assert lines, result.stderr
+    assert lines[0].startswith("steeple: error: "), result.stderr
     assert len(lines) <= 2, result.stderr
     assert all(line.startswith("  what to do: ") for line in lines[1:]), result.stderr
     return str(lines[0])
@@ -209,11 +210,10 @@ def test_schedules_create_usage_errors() -> None:
     both = invoke([*base, "--file", "f.json", "--name", "x"])
     assert both.exit_code == ExitCode.USAGE
     assert "drop --name" in one_error(both)
-    header = invoke([*base, "--name", "x", "--cron", "* * * * *", "--topic", "t"]
-                    + ["--message-type", "m", "--header", "nokey"])  # fmt: skip
+    definition = [*base, "--name", "x", "--cron", "* * * * *", "--topic", "t"]
+    header = invoke([*definition, "--message-type", "m", "--header", "nokey"])
     assert header.exit_code == ExitCode.USAGE
-    policy = invoke([*base, "--name", "x", "--cron", "* * * * *", "--topic", "t"]
-                    + ["--message-type", "m", "--policy", "sometimes"])  # fmt: skip
+    policy = invoke([*definition, "--message-type", "m", "--policy", "sometimes"])
     assert policy.exit_code == ExitCode.USAGE
     assert "catch_up, coalesce" in one_error(policy)
 
@@ -383,7 +383,7 @@ async def test_purge_dry_run_counts_what_a_purge_removes(seeded: Any) -> None:
     assert f"dry run: {expected} terminal occurrences" in dry.stdout
     assert "nothing was removed" in dry.stdout
     small = await ainvoke(["purge", "--older-than", "0s", "--dry-run", "--limit", "2"], env)
-    assert f"would remove 2 of them" in small.stdout
+    assert "would remove 2 of them" in small.stdout
     tasks_dry = await ainvoke(["purge", "--tasks", "--older-than", "0s", "--dry-run"], env)
     assert "dry run: 1 terminal tasks" in tasks_dry.stdout
     assert (await ainvoke(["purge", "--dry-run"], env)).stdout.startswith("dry run: 0 ")
@@ -406,7 +406,8 @@ def test_keys_generate_out_writes_a_private_file_once(tmp_path: Path) -> None:
     assert written.stdout == ""  # the secret is in the file only
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     key_line = path.read_text()
-    assert key_line.startswith("k7:") and key_line.endswith("\n")
+    assert key_line.startswith("k7:")
+    assert key_line.endswith("\n")
     again = invoke(["keys", "generate", "--out", str(path)])
     assert again.exit_code == ExitCode.FAILED
     assert "already exists" in one_error(again)
