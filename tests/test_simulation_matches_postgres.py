@@ -93,11 +93,13 @@ async def test_the_simulator_and_the_postgres_store_end_every_occurrence_alike(
     simulated = await simulate(scenario(), seed=7, broker=memory_side, trace=True)
     real = await simulate(scenario(), seed=7, store=postgres, broker=postgres_side, trace=True)
 
-    assert simulated.occurrences is not None and real.occurrences is not None
+    assert simulated.occurrences is not None
+    assert real.occurrences is not None
     # The scenario reaches every path it is meant to.
     states = {o.state for o in simulated.occurrences}
     assert {OccurrenceState.PUBLISHED, OccurrenceState.DEAD} <= states
-    assert simulated.hits.acknowledgements_lost > 0 and simulated.hits.duplicates > 0
+    assert simulated.hits.acknowledgements_lost > 0
+    assert simulated.hits.duplicates > 0
     caught_up = [
         o
         for o in simulated.occurrences
