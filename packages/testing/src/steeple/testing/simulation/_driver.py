@@ -66,12 +66,13 @@ _TERMINAL: Final = {
 }
 
 # Event kinds, in the order they run when they fall on the same instant.
-_HOST_UP, _HOST_DOWN, _REGRESSION, _CHANGE, _SYNC, _TICK, _WORKER, _SAMPLE, _END = range(9)
+_HOST_UP, _HOST_DOWN, _REGRESSION, _CHANGE, _SYNC, _TICK, _SCAN, _WORKER, _SAMPLE, _END = range(10)
 
 _MAX_BACKOFF: Final = span_us(timedelta(seconds=30))
 _HARVEST_EVERY: Final = 80
 """Publications between two operator listings: keeps the listing to about one page."""
 _PAGE: Final = 100
+_NEVER: Final = 2**62
 
 
 class SimulationError(RuntimeError):
@@ -79,7 +80,17 @@ class SimulationError(RuntimeError):
 
 
 class _Worker:
-    __slots__ = ("full", "index", "leases", "not_before", "parked", "short_at", "token", "waits")
+    __slots__ = (
+        "full",
+        "index",
+        "leases",
+        "not_before",
+        "parked",
+        "short_at",
+        "token",
+        "wake_at",
+        "waits",
+    )
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -90,6 +101,7 @@ class _Worker:
         self.not_before = 0
         self.short_at: int | None = None
         self.waits = 0
+        self.wake_at = _NEVER
 
 
 class _Definition:
@@ -147,6 +159,7 @@ class _Driver:
         self.due_hints: list[tuple[int, int]] = []
         self.claim_hints: list[int] = []
         self.tick_token = 0
+        self.tick_at = _NEVER
         self.tick_failures = 0
         self.tick_blocked = False
         self.down = 0
@@ -155,6 +168,8 @@ class _Driver:
         self.published_at: dict[str, int] = {}
         self.since_harvest = 0
         self.retry_unknown = False
+        """A relay failed: some retry's next attempt is known only to the store."""
+        self.scan_pending = False
         self.materialized = 0
         policies = sorted(
             {d.policy.value for d in scenario.definitions}
@@ -174,7 +189,9 @@ class _Driver:
 
     def push(self, at: int, kind: int, arg: int = 0) -> None:
         self.seq += 1
-        heapq.heappush(self.heap, (at, kind, self.seq, arg, self.token_of(kind, arg)))
+        # Same instant: by kind, then workers by index (never by when the event was pushed,
+        # so that the order does not depend on which polls were skipped).
+        heapq.heappush(self.heap, (at, kind, arg, self.seq, self.token_of(kind, arg)))
 
     def token_of(self, kind: int, arg: int) -> int:
         if kind == _TICK:
@@ -185,13 +202,35 @@ class _Driver:
 
     def schedule_tick(self, at: int) -> None:
         self.tick_token += 1
+        self.tick_at = at
         if at <= self.end:
             self.push(at, _TICK)
 
     def schedule_worker(self, worker: _Worker, at: int) -> None:
         worker.token += 1
+        worker.wake_at = at
         if at <= self.end:
             self.push(at, _WORKER, worker.index)
+
+    def regressed(self, by: timedelta) -> None:
+        """The host clock stepped back: the next polls (ticker and idle workers) see it."""
+        self.offset += span_us(by)
+        if self.down:
+            return
+        # A poller calls at the next grid instant whatever is due; if the step is beyond
+        # the tolerance that call fails and its backoff starts there, so it must be made.
+        if not self.tick_blocked and not self.tick_failures:
+            at = align_up(self.t, self.origin, self.tick_step)
+            if at < self.tick_at:
+                self.schedule_tick(at)
+        for worker in self.workers:
+            if worker.parked and not worker.waits:
+                at = max(self.t, worker.not_before)
+                if worker.short_at is not None:
+                    at = max(at, worker.short_at + 1)
+                at = align_up(at, self.origin, self.poll_step)
+                if at < worker.wake_at:
+                    self.schedule_worker(worker, at)
 
     async def run(self) -> SimulationResult:
         scenario = self.scenario
@@ -217,7 +256,7 @@ class _Driver:
         for worker in self.workers:
             self.wake(worker)
         while self.heap:
-            at, kind, _, arg, token = heapq.heappop(self.heap)
+            at, kind, arg, _, token = heapq.heappop(self.heap)
             if at > self.end:
                 break
             self.t = at
@@ -225,10 +264,16 @@ class _Driver:
                 worker = self.workers[arg]
                 if token == worker.token and not self.down:
                     worker.parked = False
+                    worker.wake_at = _NEVER
                     await self.work(worker)
             elif kind == _TICK:
                 if token == self.tick_token and not self.down:
+                    self.tick_at = _NEVER
                     await self.tick()
+            elif kind == _SCAN:
+                self.scan_pending = False
+                if self.retry_unknown and not self.down:
+                    await self.harvest()
             elif kind == _SAMPLE:
                 await self.sample()
                 following = at + self.sample_step
@@ -239,7 +284,7 @@ class _Driver:
             elif kind == _HOST_UP:
                 await self.host_up()
             elif kind == _REGRESSION:
-                self.offset += span_us(scenario.clock_regressions[arg].by)
+                self.regressed(scenario.clock_regressions[arg].by)
             elif kind == _SYNC:
                 if not self.down and at >= self.origin:
                     await self.sync()
@@ -342,6 +387,7 @@ class _Driver:
             # Only a purge makes room: the ticker retries after the next one.
             self.tick_blocked = True
             self.tick_token += 1
+            self.tick_at = _NEVER
             return
         except RecurringClockError:
             self.hits["clock_errors"] += 1
@@ -390,6 +436,7 @@ class _Driver:
             at = max(self.t, worker.not_before)
         elif not hints:
             worker.token += 1
+            worker.wake_at = _NEVER
             return
         else:
             at = max(self.to_true(hints[0]), worker.not_before)
@@ -397,8 +444,20 @@ class _Driver:
             at = max(at, worker.short_at + 1)
         self.schedule_worker(worker, align_up(at, self.origin, self.poll_step))
 
+    def retry_scheduled(self) -> None:
+        """A relay failed: list the occurrences before the next poll to learn its retry time.
+
+        A polling worker would find the retry at the first poll at or after it; listing at
+        the next poll instant (before the workers act) is early enough, and one listing
+        serves every failure until then.
+        """
+        self.retry_unknown = True
+        if not self.scan_pending:
+            self.scan_pending = True
+            self.push(align_up(self.t + 1, self.origin, self.poll_step), _SCAN)
+
     async def park(self, worker: _Worker) -> None:
-        if self.retry_unknown or self.since_harvest >= _HARVEST_EVERY:
+        if self.since_harvest >= _HARVEST_EVERY:
             await self.harvest()
         worker.parked = True
         self.wake(worker)
@@ -432,6 +491,13 @@ class _Driver:
                     return
                 worker.leases.extend(leases)
                 worker.full = len(leases) == self.claim_limit
+                if self.per_publication:
+                    # A lease this worker will only reach after it lapsed is claimable by
+                    # the others from its expiry on: they must wake then.
+                    for position, lease in enumerate(leases):
+                        expiry = to_us(lease.expires_at)
+                        if self.t + position * self.per_publication >= self.to_true(expiry):
+                            self.hint(expiry)
             if not await self.relay(worker, worker.leases.popleft()):
                 return
             following = self.t + self.per_publication
@@ -464,12 +530,12 @@ class _Driver:
         except RelayAcknowledgementError:
             self.reached(reading)
             self.hits["acknowledgements_lost"] += 1
-            self.retry_unknown = True
+            self.retry_scheduled()
             return True
         except RecurringRelayError:
             self.reached(reading)
             self.hits["broker_failures"] += 1
-            self.retry_unknown = True
+            self.retry_scheduled()
             return True
         except RecurringClockError:
             self.hits["clock_errors"] += 1
@@ -502,6 +568,7 @@ class _Driver:
         if self.down > 1:
             return
         self.tick_token += 1
+        self.tick_at = _NEVER
         for worker in self.workers:
             self.abandon(worker)
             worker.token += 1
@@ -514,6 +581,8 @@ class _Driver:
         for index in self.deferred:
             await self.change(index)
         self.deferred.clear()
+        if self.retry_unknown:
+            self.retry_scheduled()
         # A restarted ticker ticks at once, restarted workers claim at once.
         self.tick_failures = 0
         self.schedule_tick(align_up(self.t, self.origin, self.tick_step))
