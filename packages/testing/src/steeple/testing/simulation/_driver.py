@@ -88,8 +88,8 @@ class _Worker:
         "parked",
         "short_at",
         "token",
-        "wake_at",
         "waits",
+        "wake_at",
     )
 
     def __init__(self, index: int) -> None:
@@ -213,7 +213,7 @@ class _Driver:
             self.push(at, _WORKER, worker.index)
 
     def regressed(self, by: timedelta) -> None:
-        """The host clock stepped back: the next polls (ticker and idle workers) see it."""
+        """Step the host clock back: the next polls (ticker and idle workers) see it."""
         self.offset += span_us(by)
         if self.down:
             return
@@ -445,7 +445,7 @@ class _Driver:
         self.schedule_worker(worker, align_up(at, self.origin, self.poll_step))
 
     def retry_scheduled(self) -> None:
-        """A relay failed: list the occurrences before the next poll to learn its retry time.
+        """Note a failed relay: list occurrences before the next poll to learn its retry time.
 
         A polling worker would find the retry at the first poll at or after it; listing at
         the next poll instant (before the workers act) is early enough, and one listing
