@@ -181,7 +181,7 @@ def parse_duration(text: str, *, what: str) -> timedelta:
         CliError: (usage) anything else.
     """
     value = text.strip().lower()
-    if value.isdigit():
+    if value.isdigit() and len(value) <= 12:
         return timedelta(seconds=int(value))
     pos = 0
     total = 0.0
@@ -196,7 +196,10 @@ def parse_duration(text: str, *, what: str) -> timedelta:
             code=ExitCode.USAGE,
             hint="write it like 30s, 5m, 2h, 7d or 1h30m",
         )
-    return timedelta(seconds=total)
+    try:
+        return timedelta(seconds=total)
+    except OverflowError:
+        raise CliError(f"{what} {text[:40]!r} is too long", code=ExitCode.USAGE) from None
 
 
 @attrs.frozen
