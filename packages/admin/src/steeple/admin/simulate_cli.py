@@ -7,6 +7,7 @@ definitions given as flags or in a definitions file, and prints a table, JSON, a
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 from datetime import UTC, datetime, timedelta
@@ -42,7 +43,7 @@ from steeple.testing.simulation import (
     run,
 )
 
-__all__ = ["build_scenario", "render_table", "simulate"]
+__all__ = ["build_scenario", "render_hits", "render_table", "simulate", "table_text"]
 
 MAX_DAYS: Final = 3660
 """The longest range ``steeple simulate`` accepts (ten years)."""
@@ -50,12 +51,16 @@ _TOPIC: Final = "simulated"
 _NAMESPACE: Final = "simulation"
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
-_WIDTH: Final = 120
-"""Width of the table when the output is not a terminal (a file or a pipe does not wrap)."""
 
 
-def _console() -> Console:
-    return Console(highlight=False, width=None if sys.stdout.isatty() else _WIDTH)
+def table_text(table: Table) -> str:
+    """Return ``table`` as plain text at its natural width (no colours, no trailing spaces)."""
+    sizing = Console(width=10_000, file=io.StringIO(), color_system=None)
+    width = sizing.measure(table).maximum
+    console = Console(width=width, file=io.StringIO(), color_system=None, highlight=False)
+    console.print(table)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    return "\n".join(line.rstrip() for line in text.splitlines())
 
 
 def _usage(message: str, hint: str | None = None) -> CliError:
@@ -109,7 +114,8 @@ def render_table(result: SimulationResult) -> Table:
         padding=(0, 1),
     )
     show_cron = any(d.name != d.cron for d in result.definitions)
-    table.add_column("definition", overflow="fold")
+    longest = max((len(d.name) for d in result.definitions), default=10)
+    table.add_column("definition", min_width=min(max(longest, 12), 40), overflow="ellipsis")
     table.add_column("policy", no_wrap=True)
     if show_cron:
         table.add_column("cron", no_wrap=True)
@@ -437,12 +443,16 @@ def simulate(
     except KeyboardInterrupt:
         _err.print("steeple: interrupted")
         raise typer.Exit(130) from None
-    out = _console()
+    out = Console(highlight=False, soft_wrap=True)
     if as_json:
         sys.stdout.write(result.dumps() + "\n")
     else:
-        out.print(render_table(result))
-        out.print(render_hits(result), markup=False, soft_wrap=True)
+        if out.is_terminal:
+            out.print(render_table(result))
+        else:
+            # A file or a pipe does not wrap: the whole table, one row per line.
+            sys.stdout.write(table_text(render_table(result)) + "\n")
+        out.print(render_hits(result), markup=False)
     text_chart = chart
     if plot is not None:
         from steeple.admin.simulate_plot import write_plot
