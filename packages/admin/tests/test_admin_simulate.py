@@ -175,10 +175,11 @@ def test_the_terminal_chart_shows_backlog_lateness_and_outages() -> None:
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     chart = lines[next(i for i, line in enumerate(lines) if line.startswith("catch-up:")) :]
-    assert chart[1].lstrip().startswith("backlog (peak ")
-    assert chart[2].lstrip().startswith("lateness (worst 6.0h)")
-    assert "#" in chart[3]
-    assert chart[3].lstrip().startswith("host down")
+    assert chart[1].lstrip().startswith("materialized (max ")
+    assert chart[2].lstrip().startswith("backlog (peak ")
+    assert chart[3].lstrip().startswith("lateness (worst 6.0h)")
+    assert "#" in chart[4]
+    assert chart[4].lstrip().startswith("host down")
     assert "coalesce:" in result.stdout
 
 

@@ -60,7 +60,7 @@ def table_text(table: Table) -> str:
     console = Console(width=width, file=io.StringIO(), color_system=None, highlight=False)
     console.print(table)
     text = console.file.getvalue()  # type: ignore[attr-defined]
-    return "\n".join(line.rstrip() for line in text.splitlines())
+    return "\n".join(line.rstrip() for line in text.splitlines()).strip("\n")
 
 
 def _usage(message: str, hint: str | None = None) -> CliError:

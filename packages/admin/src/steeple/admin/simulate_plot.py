@@ -1,9 +1,10 @@
 """Pictures of a simulation: a matplotlib figure (``steeple-admin[plot]``) or a terminal chart.
 
-One panel per missed-run policy: live backlog over time (left axis) and the worst
-lateness of each interval's publications (right axis), with host outages and broker
-outages shaded and clock steps marked. Without matplotlib, :func:`terminal_chart` draws
-the same series in plain ASCII.
+One panel per missed-run policy: occurrences materialized in each interval (grey bars)
+and the live backlog left at its end (blue) on the left axis, the worst lateness of the
+interval's publications (green) on the right, with host outages and broker outages shaded
+and clock steps marked. Without matplotlib, :func:`terminal_chart` draws the same series
+in plain ASCII.
 """
 
 from __future__ import annotations
@@ -76,8 +77,18 @@ def write_plot(result: SimulationResult, path: Path) -> None:
             ax.axvspan(outage.start, outage.end, color=_BROKER_COLOR, alpha=0.15, lw=0)
         for regression in scenario.clock_regressions:
             ax.axvline(regression.at, color="0.4", lw=0.8, ls=":")
+        # Each bucket's count belongs to the interval that ends at its time.
+        starts = [scenario.start, *times[:-1]]
+        ax.bar(
+            starts,
+            series.materialized[policy],
+            width=[(b - a).total_seconds() / 86400 for a, b in zip(starts, times, strict=True)],
+            align="edge",
+            color="0.8",
+            lw=0,
+        )
         ax.step(times, series.backlog[policy], where="post", color="#1f77b4", lw=1.2)
-        ax.set_ylabel("backlog", color="#1f77b4")
+        ax.set_ylabel("materialized (grey)\nbacklog (blue)", fontsize=8)
         ax.set_ylim(bottom=0)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(policy.replace("_", "-"), loc="left", fontsize=10)
@@ -181,6 +192,9 @@ def terminal_chart(result: SimulationResult, width: int = 72) -> str:
         peak = max(backlog, default=0.0)
         worst = max((v for v in late if v is not None), default=0.0)
         lines.append(f"{policy.replace('_', '-')}:")
+        made = [float(v) for v in series.materialized[policy]]
+        made_label = f"materialized (max {int(max(made, default=0))})"
+        lines.append(f"  {made_label:<{label}}|{_row(_downsample(made, width))}|")
         backlog_label = f"backlog (peak {int(peak)})"
         lines.append(f"  {backlog_label:<{label}}|{_row(_downsample(backlog, width))}|")
         lines.append(

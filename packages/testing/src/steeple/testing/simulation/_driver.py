@@ -66,7 +66,9 @@ _TERMINAL: Final = {
 }
 
 # Event kinds, in the order they run when they fall on the same instant.
-_HOST_UP, _HOST_DOWN, _REGRESSION, _CHANGE, _SYNC, _TICK, _SCAN, _WORKER, _SAMPLE, _END = range(10)
+# A sample runs before the ticker and the workers: it sees what was left at the end of
+# the interval, not the work falling due at that very instant.
+_HOST_UP, _HOST_DOWN, _REGRESSION, _CHANGE, _SYNC, _SAMPLE, _TICK, _SCAN, _WORKER, _END = range(10)
 
 _MAX_BACKOFF: Final = span_us(timedelta(seconds=30))
 _HARVEST_EVERY: Final = 80
@@ -184,6 +186,9 @@ class _Driver:
         self.bucket_late: dict[str, list[int | None]] = {
             k: [None] * self.buckets for k in self.series_keys
         }
+        self.bucket_materialized: dict[str, list[int]] = {
+            k: [0] * self.buckets for k in self.series_keys
+        }
 
     # --- events ----------------------------------------------------------------------------
 
@@ -203,13 +208,13 @@ class _Driver:
     def schedule_tick(self, at: int) -> None:
         self.tick_token += 1
         self.tick_at = at
-        if at <= self.end:
+        if at < self.end:
             self.push(at, _TICK)
 
     def schedule_worker(self, worker: _Worker, at: int) -> None:
         worker.token += 1
         worker.wake_at = at
-        if at <= self.end:
+        if at < self.end:
             self.push(at, _WORKER, worker.index)
 
     def regressed(self, by: timedelta) -> None:
@@ -250,15 +255,16 @@ class _Driver:
             self.push(align_up(at, self.origin, self.tick_step) - self.tick_step, _SYNC)
         for index, change in enumerate(scenario.changes):
             self.push(to_us(change.at), _CHANGE, index)
-        self.push(min(self.origin + self.sample_step, self.end), _SAMPLE)
+        if self.origin + self.sample_step < self.end:
+            self.push(self.origin + self.sample_step, _SAMPLE)
         self.push(self.end, _END)
         self.reschedule_ticker(self.origin)
         for worker in self.workers:
             self.wake(worker)
         while self.heap:
             at, kind, arg, _, token = heapq.heappop(self.heap)
-            if at > self.end:
-                break
+            if at >= self.end and kind != _END:
+                continue  # the range is half-open: only the final count runs at its end
             self.t = at
             if kind == _WORKER:
                 worker = self.workers[arg]
@@ -506,7 +512,7 @@ class _Driver:
                 await self.park(worker)
                 return
             heap = self.heap
-            if following > self.end:
+            if following >= self.end:
                 return
             if heap and (
                 heap[0][0] < following or (heap[0][0] == following and heap[0][1] <= _WORKER)
@@ -652,6 +658,10 @@ class _Driver:
         record = self.definitions[self.by_name[info.definition_name]]
         tally = record.tally
         tally.attempts += info.attempts
+        made = to_us(info.created_at) - self.origin
+        made_bucket = min(max(made, 0) // self.sample_step, self.buckets - 1)
+        self.bucket_materialized[record.policy][made_bucket] += 1
+        self.bucket_materialized["all"][made_bucket] += 1
         state = info.state
         published_at: int | None = None
         if state is _S.PUBLISHED:
@@ -743,6 +753,7 @@ class _Driver:
         series = Series(
             times=times,
             backlog={k: tuple(v) for k, v in self.backlog.items()},
+            materialized={k: tuple(v) for k, v in self.bucket_materialized.items()},
             published={k: tuple(v) for k, v in self.bucket_published.items()},
             max_lateness={
                 k: tuple(None if us is None else us / 1_000_000 for us in v)

@@ -161,9 +161,12 @@ class Series:
 
     Attributes:
         times: the end of each bucket (the instant its backlog was sampled).
-        backlog: live occurrences (pending, leased, waiting to retry) at each sample, per
-            policy value and under ``"all"``; while the host is down the last value is
-            carried (nothing can change the store then).
+        backlog: live occurrences (pending, leased, waiting to retry) left at the end of
+            each bucket (sampled before the work due at that instant), per policy value and
+            under ``"all"``; while the host is down the last value is carried (nothing
+            can change the store then).
+        materialized: occurrences materialized in each bucket (by the store's time),
+            per policy and ``"all"``.
         published: publications recorded in each bucket, per policy and ``"all"``.
         max_lateness: the largest lateness (seconds) among each bucket's publications,
             ``None`` when there were none; per policy and ``"all"``.
@@ -171,6 +174,7 @@ class Series:
 
     times: tuple[datetime, ...]
     backlog: Mapping[str, tuple[int, ...]]
+    materialized: Mapping[str, tuple[int, ...]]
     published: Mapping[str, tuple[int, ...]]
     max_lateness: Mapping[str, tuple[float | None, ...]]
 
@@ -179,6 +183,7 @@ class Series:
         return {
             "times": [_iso(t) for t in self.times],
             "backlog": {k: list(v) for k, v in self.backlog.items()},
+            "materialized": {k: list(v) for k, v in self.materialized.items()},
             "published": {k: list(v) for k, v in self.published.items()},
             "max_lateness": {k: list(v) for k, v in self.max_lateness.items()},
         }
