@@ -77,6 +77,9 @@ if __name__ == "__main__":
         (here / "nightly-outage.svg").write_bytes(svg)
         page = here / "nightly-outage.md"
         text = page.read_text()
-        head, rest = text.split("<!-- table -->\n", 1)
-        _, tail = rest.split("<!-- /table -->\n", 1)
-        page.write_text(f"{head}<!-- table -->\n```\n{table}\n```\n<!-- /table -->\n{tail}")
+        script = Path(__file__).read_text().rstrip("\n")
+        for marker, body, kind in (("script", script, "python"), ("table", table, "")):
+            head, rest = text.split(f"<!-- {marker} -->\n", 1)
+            _, tail = rest.split(f"<!-- /{marker} -->\n", 1)
+            text = f"{head}<!-- {marker} -->\n```{kind}\n{body}\n```\n<!-- /{marker} -->\n{tail}"
+        page.write_text(text)
