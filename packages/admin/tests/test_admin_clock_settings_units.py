@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from steeple.admin.demo import AcceleratedClock
 from steeple.admin.settings import CliError, ExitCode, parse_duration, redact_dsn
 from steeple.admin.worker import WorkerApp, _resolve, load_worker_app
+from steeple.testing import FakeClock
 
 START = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -54,8 +55,64 @@ def test_accelerated_clock_never_goes_backwards(steps: list[float], speed: float
 def test_accelerated_clock_refuses_bad_input() -> None:
     with pytest.raises(ValueError, match="aware"):
         AcceleratedClock(datetime(2026, 1, 1), 60)
-    with pytest.raises(ValueError, match="positive"):
-        AcceleratedClock(START, 0)
+    for speed in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive"):
+            AcceleratedClock(START, speed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(min_value=-5, max_value=50, allow_nan=False),
+            st.floats(min_value=-120, max_value=600, allow_nan=False),
+        ),
+        max_size=40,
+    ),
+    st.floats(min_value=1, max_value=600),
+    st.integers(min_value=-7200, max_value=60),
+)
+def test_accelerated_clock_never_passes_its_ceiling(
+    steps: list[tuple[float, float]], speed: float, start_offset: int
+) -> None:
+    """Capped at real time (issue 10 item 8): never later than the ceiling, never backwards.
+
+    The ceiling (a wall clock) may even step back; then the clock holds still.
+    """
+    mono = Monotonic()
+    wall = FakeClock(START)
+    clock = AcceleratedClock(
+        START + timedelta(seconds=start_offset), speed, monotonic=mono, ceiling=wall
+    )
+    last = clock.now()
+    assert last <= wall.now()
+    highest_wall = wall.now()
+    for real, wall_step in steps:
+        mono.value += real
+        wall.set(wall.now() + timedelta(seconds=wall_step))
+        highest_wall = max(highest_wall, wall.now())
+        now = clock.now()
+        assert now >= last
+        assert now <= highest_wall
+        assert now <= wall.now() or now == last  # above the wall only by holding still
+        last = now
+
+
+def test_accelerated_clock_follows_real_time_once_it_meets_it() -> None:
+    mono = Monotonic()
+    wall = FakeClock(START)
+    clock = AcceleratedClock(START - timedelta(minutes=10), 60, monotonic=mono, ceiling=wall)
+    assert clock.now() == START - timedelta(minutes=10)
+    mono.value += 5  # five minutes of schedule time in five seconds
+    wall.advance(timedelta(seconds=5))
+    assert clock.now() == START - timedelta(minutes=5)
+    mono.value += 60  # would be 55 minutes past START: capped at the wall clock
+    wall.advance(timedelta(seconds=60))
+    assert clock.now() == wall.now()
+    mono.value += 1
+    wall.advance(timedelta(seconds=1))
+    assert clock.now() == wall.now()
+    assert "capped" in repr(clock)
 
 
 @pytest.mark.parametrize(

@@ -170,6 +170,98 @@ async def test_demo_on_the_embedded_default(tmp_path: Path) -> None:
     assert "created recurring publications" in fresh.stdout
 
 
+def _clock_start(stdout: str) -> datetime:
+    """Where the run's accelerated clock started (the line the demo prints)."""
+    match = re.search(r"^demo clock: starts at (\S+ \S+) UTC", stdout, re.MULTILINE)
+    assert match, stdout
+    return datetime.fromisoformat(match.group(1)).replace(tzinfo=UTC)
+
+
+DEMO_NAMESPACE_FLAGS = ["-n", "demo", "--max-definitions", "100", "--lease", "300s"]
+"""What the demo initializes its namespace with, for other commands to open it."""
+
+
+@pytest.mark.postgres
+async def test_commands_work_on_the_namespace_a_demo_left(
+    pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str]
+) -> None:
+    """Issue 10 item 8: the demo's clock ran 49 minutes ahead and recorded it; every command
+    on that database then refused with "local clock trails ...". It must never pass real
+    time, so `steeple schedules` / `occurrences` work right after it."""
+    schema = f"demo_{uuid.uuid4().hex[:10]}"
+    drop_queue_schema.extend([schema, f"{schema}_queue"])
+    data = tmp_path / "demo"
+    demo = ["demo", "--dsn", pg_dsn, "--schema", schema, "--data-dir", str(data)]
+    before = datetime.now(UTC)
+    first = await _run([*demo, "--duration", "3", "--speed", "600"], _env(), tmp_path, 60)
+    assert first.returncode == 0, first.stdout + first.stderr
+    start = _clock_start(first.stdout)
+    # a new namespace starts six hours back; 3 s at 600x is 30 minutes: still in the past
+    assert before - timedelta(hours=6, minutes=1) <= start <= before - timedelta(hours=5)
+    assert _summary(first.stdout)["simulated"] >= 1200
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        ahead = await conn.fetchval(
+            f'SELECT max(recorded_time) - clock_timestamp() FROM "{schema}".recurring_namespaces'
+        )
+    finally:
+        await conn.close()
+    assert ahead < timedelta(0)
+
+    keys = (data / "demo.key").read_text().strip()
+    env = _env(STEEPLE_KEYS=keys)
+    where = ["--dsn", pg_dsn, "--schema", schema, *DEMO_NAMESPACE_FLAGS]
+    schedules = await _run(["schedules", *where], env, tmp_path, 60)
+    occurrences = await _run(["occurrences", *where], env, tmp_path, 60)
+    assert schedules.returncode == 0, schedules.stdout + schedules.stderr
+    assert "heartbeat" in schedules.stdout
+    assert occurrences.returncode == 0, occurrences.stdout + occurrences.stderr
+    assert "published" in occurrences.stdout
+    assert "trails" not in schedules.stderr + occurrences.stderr
+
+    # Those commands recorded real time; the next demo resumes there (catching up the
+    # missed minutes) instead of failing on its own namespace.
+    second = await _run([*demo, "--duration", "2"], _env(), tmp_path, 60)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "kept from an earlier run" in second.stdout
+    assert _clock_start(second.stdout) >= start + timedelta(hours=5)
+    again = await _run(["schedules", *where], env, tmp_path, 60)
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+async def test_embedded_and_server_demos_keep_their_own_clocks(
+    pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str]
+) -> None:
+    """The embedded run and a --dsn run in the same data directory share no clock state:
+    each resumes at the time its own namespace recorded."""
+    pytest.importorskip("pgserver")
+    schema = f"demo_{uuid.uuid4().hex[:10]}"
+    drop_queue_schema.extend([schema, f"{schema}_queue"])
+    embedded = await _run(["demo", "--duration", "2"], _env(), tmp_path, 120)
+    assert embedded.returncode == 0, embedded.stdout + embedded.stderr
+    embedded_start = _clock_start(embedded.stdout)
+    embedded_end = embedded_start + timedelta(seconds=_summary(embedded.stdout)["simulated"])
+
+    data = str(tmp_path / ".steeple" / "demo")  # the same directory the embedded run used
+    server_args = ["demo", "--dsn", pg_dsn, "--schema", schema, "--data-dir", data]
+    server = await _run([*server_args, "--duration", "3", "--speed", "600"], _env(), tmp_path, 60)
+    assert server.returncode == 0, server.stdout + server.stderr
+    server_start = _clock_start(server.stdout)
+    server_end = server_start + timedelta(seconds=_summary(server.stdout)["simulated"])
+    # the server's new namespace starts six hours back from now, not where the embedded
+    # run stopped
+    assert server_start < embedded_end
+    assert server_end > embedded_end + timedelta(minutes=20)
+
+    # ... and the embedded namespace resumes at its own recorded time, not the server's
+    resumed = await _run(["demo", "--duration", "1"], _env(), tmp_path, 120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    resumed_start = _clock_start(resumed.stdout)
+    assert embedded_end - timedelta(seconds=5) <= resumed_start < server_end - timedelta(minutes=10)
+
+
 async def _published(dsn: str, schema: str) -> int:
     conn = await asyncpg.connect(dsn)
     try:

@@ -22,7 +22,7 @@ from steeple.core import (
 from steeple.core.errors import UnknownKeyIdError
 from steeple.core.messages import BrokerReceipt
 from steeple.keyring import Keyring, StorageKey
-from steeple.postgres import PostgresRecurringStore, RecurringRelay
+from steeple.postgres import PostgresRecurringStore, RecurringRelay, RelayStatistics
 from steeple.testing import FakeClock, MemoryBroker
 
 pytestmark = pytest.mark.postgres
@@ -180,3 +180,61 @@ def test_relay_arguments_validated() -> None:
     for bad in ({"tick_budget": 0}, {"claim_limit": 101}, {"idle_interval": 0}):
         with pytest.raises(RecurringConfigurationError):
             RecurringRelay(None, MemoryBroker(), **bad)  # type: ignore[arg-type]
+
+
+async def test_statistics_count_ticks_leases_receipts_duplicates_and_failures(
+    store: PostgresRecurringStore, clock: FakeClock
+) -> None:
+    await store.create(every_minute("a", 5))
+    broker = MemoryBroker()
+    broker.lose_ack_next(1)  # stored, but the relay hears "uncertain": retried, then duplicate
+    broker.fail_next(1)  # refused: retried, then published
+    mine = RelayStatistics()
+    relay = RecurringRelay(store, broker, idle_interval=0.02, statistics=mine)
+    assert relay.statistics is mine
+
+    def advanced() -> bool:
+        clock.advance(timedelta(milliseconds=200))  # lets the 1 s backoff pass quickly
+        return mine.published == 5
+
+    await run_until(relay, advanced)
+    assert mine.materialized == 5
+    assert mine.ticks >= 1
+    assert mine.ticks_skipped == 0
+    assert mine.relay_failures == 2
+    assert mine.duplicates == 1
+    assert mine.claimed == mine.published + mine.relay_failures
+    assert mine.storage_failures == 0
+    assert len(broker.published) == 5  # the duplicate was not stored twice
+    # the loop's own attributes read the same counters
+    assert (relay.published, relay.failed, relay.storage_failures) == (5, 2, 0)
+
+
+async def test_statistics_count_skipped_ticks_and_storage_failures(
+    store: PostgresRecurringStore,
+) -> None:
+    await store.create(every_minute("a", 100))  # 100 due at once: over the quota of 60
+    stats = RelayStatistics()
+    relay = RecurringRelay(store, MemoryBroker(), tick_budget=100, statistics=stats)
+    assert await relay.run_once() == 0
+    assert (stats.ticks, stats.ticks_skipped, stats.materialized, stats.claimed) == (0, 1, 0, 0)
+
+    flaky = RecurringRelay(FlakyStore(store, 1), MemoryBroker(), statistics=stats)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(flaky.run(stop))
+    async with asyncio.timeout(10):
+        while stats.storage_failures == 0:  # noqa: ASYNC110 - polls the counter under test
+            await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert stats.storage_failures == 1  # shared: both relays add to the same counters
+
+
+def test_statistics_are_exported_where_the_relay_is() -> None:
+    from steeple.postgres import RelayStatistics as from_package
+    from steeple.postgres.recurring import RecurringRelay as relay_class
+    from steeple.postgres.recurring import RelayStatistics as from_module
+
+    assert from_package is from_module is RelayStatistics
+    assert relay_class is RecurringRelay
+    assert RelayStatistics() == RelayStatistics(0, 0, 0, 0, 0, 0, 0, 0)

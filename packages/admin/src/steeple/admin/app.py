@@ -6,6 +6,13 @@ everything. Namespaces and names in a request select what to act on; they are ne
 authorization. State-changing routes take only ``application/json`` bodies plus the
 ``X-Steeple-CSRF`` header token, so a cross-site form or simple request cannot reach them.
 Every response carries restrictive security headers.
+
+Every malformed request is answered 4xx with a one-line JSON reason, before anything
+reaches storage: 400 for a body that is not JSON (or not an object, too deeply nested, or
+with a field of the wrong type or an unknown field), 404 for an unknown namespace, route
+or thing, 413 for a body over 16 KiB (counted while it streams in), 415 for a body that is
+not ``application/json``, 422 for a value no store could hold or a listing never returned
+(names, ids, cursors, limits, states, ages).
 """
 
 from __future__ import annotations
@@ -18,16 +25,24 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from steeple.admin.tasks import TaskAdmin, TaskRecord
+from steeple.admin.tasks import (
+    TaskAdmin,
+    TaskRecord,
+    parse_task_cursor,
+    validate_task_id,
+    validate_task_state,
+)
+from steeple.core.config import validate_definition_name, validate_namespace
 from steeple.core.errors import (
     ConfigurationError,
     RecurringInvalidStateError,
@@ -35,12 +50,19 @@ from steeple.core.errors import (
     RecurringStorageError,
     SteepleError,
 )
+from steeple.core.policies import validate_budget
 from steeple.core.ports import RecurringStore
-from steeple.core.records import OccurrenceInfo, ScheduleInfo
+from steeple.core.records import (
+    OccurrenceInfo,
+    ScheduleInfo,
+    parse_occurrence_cursor,
+    validate_occurrence_id,
+)
 
 __all__ = [
     "ACTIONS",
     "CSRF_HEADER",
+    "MAX_BODY_BYTES",
     "SECURITY_HEADERS",
     "Authorize",
     "StoreProvider",
@@ -88,9 +110,13 @@ SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 )
 """Headers set on every response, whatever route (or error) produced it."""
 
+MAX_BODY_BYTES = 16 * 1024
+"""The largest request body the app reads; a longer one is refused (413) as it streams in."""
+
 _log = logging.getLogger("steeple.admin")
-_NAMESPACE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}\Z")
-_MAX_BODY = 16 * 1024
+_DIGITS = re.compile(r"[0-9]+\Z")
+_MAX_AGE_SECONDS = 100 * 365 * 86400
+_MAX_DETAIL = 300
 
 
 class _SecurityHeaders:
@@ -124,7 +150,98 @@ class _Refusal(Exception):
 
 
 def _json_error(status: int, error: str, detail: str) -> JSONResponse:
-    return JSONResponse({"error": error, "detail": detail}, status_code=status)
+    # One line, bounded: a reason never echoes a hostile 10 KB value or a lone surrogate back.
+    line = " ".join(detail.split()).encode("utf-8", "replace").decode("utf-8")
+    if len(line) > _MAX_DETAIL:
+        line = line[: _MAX_DETAIL - 3] + "..."
+    return JSONResponse({"error": error, "detail": line}, status_code=status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    # Starlette's own refusals (no such route, method not allowed) answer like the app's.
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    error = {404: "not_found", 405: "method_not_allowed"}.get(status, "bad_request")
+    reason = {404: "no such route", 405: "method not allowed"}.get(status, "bad request")
+    response = _json_error(status, error, reason)
+    if isinstance(exc, HTTPException) and exc.headers:
+        response.headers.update(exc.headers)  # e.g. Allow on a 405
+    return response
+
+
+def _bad_request(detail: str) -> _Refusal:
+    return _Refusal(400, "bad_request", detail)
+
+
+def _invalid(detail: str) -> _Refusal:
+    return _Refusal(422, "invalid", detail)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """Read at most ``limit`` bytes of the body; refuse a longer one without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        declared = declared.strip()
+        if not _DIGITS.match(declared):
+            raise _bad_request("the Content-Length header is not a whole number")
+        if len(declared) > 12 or int(declared) > limit:
+            raise _Refusal(413, "too_large", f"the body is over {limit} bytes")
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _Refusal(413, "too_large", f"the body is over {limit} bytes")
+    except ClientDisconnect:
+        raise _bad_request("the client went away before sending the whole body") from None
+    return bytes(body)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Parse a strict UTF-8 JSON object: no NaN/Infinity, no duplicate keys, bounded depth."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise _bad_request("the body is nested too deeply") from None
+    except ValueError:  # includes UnicodeDecodeError and JSONDecodeError
+        raise _bad_request("the body is not valid UTF-8 JSON") from None
+    if not isinstance(body, dict):
+        raise _bad_request("the body must be a JSON object")
+    return body
+
+
+def _fields(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        shown = ", ".join(repr(k[:40]) for k in unknown[:3])
+        raise _bad_request(f"unknown field {shown}; this route takes {', '.join(allowed)}")
+
+
+def _string_field(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str):
+        raise _bad_request(f'give {{"{name}": "..."}} as a string')
+    return value
+
+
+def _int_field(body: dict[str, Any], name: str, default: int) -> int:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad_request(f"{name} must be a whole number")
+    return value
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -194,8 +311,11 @@ def create_admin_app(
         # Refuse before looking at anything else: no callback means no access at all.
         if authorize is None:
             raise _Refusal(403, "forbidden", "this admin app has no authorize callback")
-        if not _NAMESPACE.match(namespace) and action != "static.read":
-            raise _Refusal(404, "not_found", "no such namespace")
+        if action != "static.read":
+            try:
+                validate_namespace(namespace)
+            except ConfigurationError:
+                raise _Refusal(404, "not_found", "no such namespace") from None
         allowed = await authorize(request, action, namespace)
         if allowed is not True:
             raise _Refusal(403, "forbidden", f"not allowed: {action}")
@@ -209,16 +329,7 @@ def create_admin_app(
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media != "application/json":
             raise _Refusal(415, "unsupported_media_type", "send an application/json body")
-        raw = await request.body()
-        if len(raw) > _MAX_BODY:
-            raise _Refusal(413, "too_large", "the body is too large")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise _Refusal(400, "bad_request", "the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise _Refusal(400, "bad_request", "the body must be a JSON object")
-        return body
+        return _parse_json_object(await _read_body(request, MAX_BODY_BYTES))
 
     async def store_of(namespace: str) -> RecurringStore:
         if stores is None:
@@ -250,8 +361,10 @@ def create_admin_app(
                 return _json_error(404, "not_found", str(exc))
             except RecurringInvalidStateError as exc:
                 return _json_error(409, "invalid_state", str(exc))
-            except (ConfigurationError, ValueError) as exc:
-                return _json_error(400, "bad_request", str(exc))
+            except ConfigurationError as exc:
+                # The library's typed refusal of a value (the app validates first; a
+                # provider or store may know more rules).
+                return _json_error(422, "invalid", str(exc))
             except (RecurringStorageError, OSError, TimeoutError):
                 return _json_error(503, "unavailable", "storage is unavailable; try again")
             except SteepleError as exc:
@@ -268,6 +381,8 @@ def create_admin_app(
 
     async def list_schedules(request: Request, namespace: str) -> Response:
         after, limit = _paging(request)
+        if after is not None:
+            _valid(validate_definition_name, after, "invalid schedules cursor")
         page = await (await store_of(namespace)).schedules(after=after, limit=limit)
         return JSONResponse(
             {"items": [schedule_json(s) for s in page.items], "next_cursor": page.next_cursor}
@@ -275,6 +390,8 @@ def create_admin_app(
 
     async def list_occurrences(request: Request, namespace: str) -> Response:
         after, limit = _paging(request)
+        if after is not None:
+            _valid(parse_occurrence_cursor, after)
         page = await (await store_of(namespace)).occurrences(after=after, limit=limit)
         return JSONResponse(
             {"items": [occurrence_json(o) for o in page.items], "next_cursor": page.next_cursor}
@@ -282,14 +399,17 @@ def create_admin_app(
 
     async def list_tasks(request: Request, namespace: str) -> Response:
         after, limit = _paging(request)
+        _valid(parse_task_cursor, after)
         state = request.query_params.get("state") or None
+        if state is not None:
+            _valid(validate_task_state, state)
         page = await (await tasks_of(namespace)).tasks(after=after, limit=limit, state=state)
         return JSONResponse(
             {"items": [t.to_json() for t in page.items], "next_cursor": page.next_cursor}
         )
 
     async def show_task(request: Request, namespace: str) -> Response:
-        task_id = _task_id(request.path_params.get("task_id"))
+        task_id = _path_task_id(str(request.path_params.get("task_id", "")))
         record = await (await tasks_of(namespace)).task(task_id)
         if record is None:
             return _json_error(404, "not_found", "no such task")
@@ -299,17 +419,15 @@ def create_admin_app(
 
     async def cancel_schedule(request: Request, namespace: str) -> Response:
         body = await json_body(request)
-        name = body.get("name")
-        if not isinstance(name, str) or not name:
-            raise _Refusal(400, "bad_request", 'give the schedule\'s name as {"name": ...}')
+        _fields(body, ("name",))
+        name = _valid(validate_definition_name, _string_field(body, "name"))
         info = await (await store_of(namespace)).cancel(name)
         return JSONResponse(schedule_json(info))
 
     async def retry_occurrence(request: Request, namespace: str) -> Response:
         body = await json_body(request)
-        occurrence_id = body.get("occurrence_id")
-        if not isinstance(occurrence_id, str) or not occurrence_id:
-            raise _Refusal(400, "bad_request", 'give {"occurrence_id": ...}')
+        _fields(body, ("occurrence_id",))
+        occurrence_id = _valid(validate_occurrence_id, _string_field(body, "occurrence_id"))
         info = await (await store_of(namespace)).retry_failed(occurrence_id)
         return JSONResponse(occurrence_json(info))
 
@@ -321,7 +439,8 @@ def create_admin_app(
 
     async def cancel_task(request: Request, namespace: str) -> Response:
         body = await json_body(request)
-        task_id = _task_id(body.get("task_id"))
+        _fields(body, ("task_id",))
+        task_id = _valid(validate_task_id, _int_field(body, "task_id", 0))
         state = await (await tasks_of(namespace)).cancel(task_id)
         if state is None:
             return _json_error(404, "not_found", "no such task")
@@ -397,37 +516,47 @@ def create_admin_app(
         Route("/static/admin.css", endpoint("static.read", stylesheet)),
         Route("/static/admin.js", endpoint("static.read", script)),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app.router.redirect_slashes = False  # "/tasks/" names no task: 404, not a redirect
     app.add_middleware(_SecurityHeaders)
     return app
 
 
+T = TypeVar("T")
+
+
+def _valid(check: Callable[[Any], T], value: object, reason: str | None = None) -> T:
+    """Run one of the library's validators; its typed refusal becomes a 422."""
+    try:
+        return check(value)
+    except ConfigurationError as exc:
+        raise _invalid(reason or str(exc)) from None
+
+
 def _paging(request: Request) -> tuple[str | None, int]:
     after = request.query_params.get("after") or None
-    raw = request.query_params.get("limit", "100")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
-        raise _Refusal(400, "bad_request", "limit must be a whole number from 1 to 100")
-    return after, int(raw)
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return after, 100
+    if not _DIGITS.match(raw):
+        raise _bad_request("limit must be a whole number from 1 to 100")
+    # Never int() a long digit string: it is out of range whatever it says.
+    return after, _valid(validate_budget, int(raw) if len(raw) <= 3 else 0, "limit must be 1-100")
 
 
-def _task_id(value: object) -> int:
-    if isinstance(value, bool):
-        raise _Refusal(400, "bad_request", "a task id is a positive whole number")
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if not isinstance(value, int) or value < 1 or value > 2**63 - 1:
-        raise _Refusal(400, "bad_request", "a task id is a positive whole number")
-    return value
+def _path_task_id(raw: str) -> int:
+    if not _DIGITS.match(raw):
+        raise _bad_request("a task id is a whole number")
+    return _valid(validate_task_id, int(raw) if len(raw) <= 19 else 0)
 
 
 def _purge_args(body: dict[str, Any], now: datetime) -> tuple[datetime, int]:
-    seconds = body.get("older_than_seconds", 7 * 86400)
-    limit = body.get("limit", 100)
-    if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 0:
-        raise _Refusal(400, "bad_request", "older_than_seconds must be a whole number >= 0")
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100:
-        raise _Refusal(400, "bad_request", "limit must be a whole number from 1 to 100")
-    return now - timedelta(seconds=min(seconds, 100 * 365 * 86400)), limit
+    _fields(body, ("older_than_seconds", "limit"))
+    seconds = _int_field(body, "older_than_seconds", 7 * 86400)
+    limit = _valid(validate_budget, _int_field(body, "limit", 100))
+    if not 0 <= seconds <= _MAX_AGE_SECONDS:
+        raise _invalid(f"older_than_seconds must be from 0 to {_MAX_AGE_SECONDS}")
+    return now - timedelta(seconds=seconds), limit
 
 
 # --- HTML (escaped text only; no inline script or style: the CSP forbids them) ------------

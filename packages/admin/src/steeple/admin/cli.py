@@ -817,7 +817,11 @@ def demo(
         ),
     ] = Path(".steeple/demo"),
     fresh: Annotated[
-        bool, typer.Option("--fresh", help="Delete the data directory first.")
+        bool,
+        typer.Option(
+            "--fresh",
+            help="Start over: delete the data directory (with --dsn: drop the demo's schemas).",
+        ),
     ] = False,
     duration: Annotated[float, typer.Option("--duration", help="Seconds to run (1-55).")] = 20.0,
     speed: Annotated[

@@ -3,8 +3,11 @@
 A private PostgreSQL (pgserver) in a data directory kept between runs, a demo storage key
 kept beside it, recurring publications relayed into the SQLite journal broker (a file in
 the same directory) and consumed from it, and work-queue tasks run by the task worker. The
-recurring schedules run on an accelerated clock (60x by default: minutes pass in seconds);
-the work queue runs on PostgreSQL's own clock.
+recurring schedules run on an accelerated clock (60x by default: minutes pass in seconds)
+that starts in the past and never passes real time, so the namespace it leaves behind is
+usable by every other command on the same database; the work queue runs on PostgreSQL's
+own clock. The recurring work is done by :class:`steeple.postgres.RecurringRelay`, the
+same loop ``steeple worker`` runs.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import time
 from collections import Counter
@@ -30,22 +32,26 @@ from rich.table import Table
 
 from steeple.admin._backend import Target, initialize_store
 from steeple.admin.embedded import EmbeddedPostgres
-from steeple.admin.loops import RelayCounters, relay_forever, sleep_until, tick_forever
 from steeple.admin.settings import CliError, ExitCode, NamespaceSettings, redact_dsn
+from steeple.core.clock import SystemClock
 from steeple.core.config import RecurringDefinition
-from steeple.core.errors import BrokerError, RelayAcknowledgementError
+from steeple.core.errors import BrokerError, RecurringClockError, RelayAcknowledgementError
+from steeple.core.limits import CLOCK_TOLERANCE
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.policies import MissedRunPolicy
-from steeple.core.ports import MessageBroker
+from steeple.core.ports import Clock, MessageBroker
+from steeple.postgres.recurring import RelayStatistics
 
 if TYPE_CHECKING:
     from steeple.keyring import Keyring
+    from steeple.postgres import PostgresRecurringStore
 
 __all__ = ["AcceleratedClock", "DemoOptions", "DemoSummary", "run_demo"]
 
 DEMO_KEY_ID = "demo-key"
+DEMO_BACKDATE = timedelta(hours=6)
+"""How far before real time a new demo namespace's accelerated clock starts."""
 _KEY_FILE = "demo.key"
-_CLOCK_FILE = "clock.json"
 _JOURNAL_FILE = "journal.sqlite3"
 
 
@@ -53,21 +59,32 @@ class AcceleratedClock:
     """A clock that runs ``speed`` times faster than real time and never goes backwards.
 
     It reads the monotonic clock (immune to wall-clock steps) and scales the elapsed time.
+    With a ``ceiling`` (e.g. the system clock) it never reads later than the ceiling: once
+    the accelerated time meets real time it follows real time. (If the ceiling steps back,
+    this clock holds still rather than go backwards.)
 
     Raises:
-        ValueError: ``speed`` is not positive, or ``start`` is naive.
+        ValueError: ``speed`` is not a positive finite number, or ``start`` is naive.
     """
 
-    def __init__(self, start: datetime, speed: float, *, monotonic: Any = time.monotonic) -> None:
-        if start.tzinfo is None:
-            raise ValueError("start must be timezone-aware (UTC)")
-        if not speed > 0:
-            raise ValueError("speed must be positive")
+    def __init__(
+        self,
+        start: datetime,
+        speed: float,
+        *,
+        monotonic: Any = time.monotonic,
+        ceiling: Clock | None = None,
+    ) -> None:
+        if not isinstance(start, datetime) or start.tzinfo is None:
+            raise ValueError("start must be a timezone-aware datetime (UTC)")
+        if not (isinstance(speed, int | float) and 0 < speed < float("inf")):
+            raise ValueError("speed must be a positive finite number")
         self._start = start.astimezone(UTC)
         self._speed = float(speed)
         self._monotonic = monotonic
+        self._ceiling = ceiling
         self._origin = monotonic()
-        self._last = self._start
+        self._last: datetime | None = None
 
     @property
     def speed(self) -> float:
@@ -78,13 +95,16 @@ class AcceleratedClock:
         """Return the accelerated instant (aware UTC, never earlier than the last one)."""
         elapsed = max(0.0, self._monotonic() - self._origin) * self._speed
         instant = self._start + timedelta(seconds=elapsed)
-        if instant < self._last:
+        if self._ceiling is not None:
+            instant = min(instant, self._ceiling.now().astimezone(UTC))
+        if self._last is not None and instant < self._last:
             instant = self._last
         self._last = instant
         return instant
 
     def __repr__(self) -> str:
-        return f"AcceleratedClock(speed={self._speed:g})"
+        capped = ", capped at real time" if self._ceiling is not None else ""
+        return f"AcceleratedClock(speed={self._speed:g}{capped})"
 
 
 @attrs.frozen
@@ -106,7 +126,8 @@ class DemoOptions:
 class DemoSummary:
     """Counts of one demo run."""
 
-    recurring: RelayCounters = attrs.field(factory=RelayCounters)
+    recurring: RelayStatistics = attrs.field(factory=RelayStatistics)
+    """What the recurring relay did (the counters :class:`RecurringRelay` keeps)."""
     deliveries: int = 0
     redeliveries: int = 0
     lost_acks: int = 0
@@ -125,7 +146,7 @@ class DemoSummary:
         r = self.recurring
         return (
             f"summary: ticks={r.ticks} materialized={r.materialized} "
-            f"claims={r.claims} relays={r.relays} duplicates={r.duplicates} "
+            f"claims={r.claimed} relays={r.published} duplicates={r.duplicates} "
             f"relay_failures={r.relay_failures} lost_acks={self.lost_acks} "
             f"deliveries={self.deliveries} "
             f"tasks_enqueued={self.tasks_enqueued + self.tasks_materialized} "
@@ -166,20 +187,6 @@ class _SuperuserNote(logging.Filter):
             self.seen = True
             return False
         return True
-
-
-def _load_high_water(data_dir: Path) -> datetime | None:
-    try:
-        raw = json.loads((data_dir / _CLOCK_FILE).read_text(encoding="utf-8"))
-        return datetime.fromisoformat(raw["high_water"]).astimezone(UTC)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _save_high_water(data_dir: Path, instant: datetime) -> None:
-    tmp = data_dir / (_CLOCK_FILE + ".tmp")
-    tmp.write_text(json.dumps({"high_water": instant.isoformat()}), encoding="utf-8")
-    tmp.replace(data_dir / _CLOCK_FILE)
 
 
 def _definitions(start: datetime) -> list[RecurringDefinition]:
@@ -227,10 +234,10 @@ def _progress(
     table.add_row("elapsed", f"{min(elapsed, duration):.1f} s of {duration:g} s")
     r = summary.recurring
     table.add_row("ticks", f"{r.ticks} (materialized {r.materialized} occurrences)")
-    table.add_row("claims", str(r.claims))
+    table.add_row("claims", str(r.claimed))
     table.add_row(
         "relays",
-        f"{r.relays} ({r.duplicates} duplicates, "
+        f"{r.published} ({r.duplicates} duplicates, "
         f"{r.relay_failures} failures, {summary.lost_acks} acknowledgements lost)",
     )
     table.add_row("deliveries", f"{summary.deliveries} consumed from the SQLite journal")
@@ -251,8 +258,6 @@ async def run_demo(options: DemoOptions, console: Console) -> DemoSummary:
             nothing (exit code 1).
     """
     data_dir = options.data_dir
-    if options.fresh and data_dir.exists() and options.dsn is not None:
-        shutil.rmtree(data_dir)
     embedded: EmbeddedPostgres | None = None
     if options.dsn is None:
         embedded = EmbeddedPostgres(data_dir, reset=options.fresh)
@@ -282,9 +287,49 @@ async def _drop_schemas(dsn: str, schema: str) -> None:
         await conn.close()
 
 
+def _minutes(delta: timedelta) -> str:
+    minutes = max(0, round(delta.total_seconds() / 60))
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
+
+
+async def _open_on_demo_time(
+    target: Target, keyring: Keyring, speed: float, wall: Clock
+) -> tuple[PostgresRecurringStore, AcceleratedClock]:
+    """Open the demo namespace on an accelerated clock that never passes real time.
+
+    A new namespace starts :data:`DEMO_BACKDATE` in the past, so runs have hours of schedule
+    time to race through before they meet real time (then the clock follows real time). An
+    existing namespace resumes at the time it recorded: the store refuses an earlier clock
+    and says which time it recorded. That time lives in the namespace's own database and
+    schema, so the embedded server and each ``--dsn``/``--schema`` keep their own.
+
+    Raises:
+        CliError: the store cannot be opened, or the recorded time is ahead of real time.
+    """
+    start = wall.now() - DEMO_BACKDATE
+    for attempt in range(2):
+        clock = AcceleratedClock(start, speed, ceiling=wall)
+        try:
+            return await initialize_store(target, clock=clock, keyring=keyring), clock
+        except CliError as exc:
+            cause = exc.__cause__
+            recorded = getattr(cause, "recorded_time", None)
+            if attempt or not isinstance(cause, RecurringClockError) or recorded is None:
+                raise
+        ahead = recorded - wall.now()
+        if ahead > CLOCK_TOLERANCE:
+            raise CliError(
+                f"the demo namespace's recorded time is {_minutes(ahead)} ahead of this "
+                "machine's clock (an earlier version of the demo ran ahead of real time)",
+                code=ExitCode.FAILED,
+                hint="run the demo again with --fresh to start over (it drops the demo's data)",
+            )
+        start = recorded
+    raise AssertionError("unreachable: the second attempt returns or raises")
+
+
 async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
     from steeple.brokers.sqlite import SqliteJournalBroker
-    from steeple.core.clock import SystemClock
 
     data_dir = options.data_dir
     keyring, created = _demo_keyring(data_dir)
@@ -293,12 +338,6 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
         f"{data_dir / _KEY_FILE} (a demo key: never use it for real data)",
         markup=False,
     )
-    wall = datetime.now(UTC)
-    saved = _load_high_water(data_dir)
-    # Recorded namespace time may be ahead of the wall clock after an accelerated run:
-    # start from it so the store never sees time go backwards.
-    start = max(wall, saved + timedelta(milliseconds=1)) if saved else wall
-    clock = AcceleratedClock(start, options.speed)
     settings = NamespaceSettings(
         options.namespace,
         max_definitions=100,
@@ -313,7 +352,7 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
     for logger in loggers:
         logger.addFilter(quiet)
     try:
-        store = await initialize_store(target, clock=clock, keyring=keyring)
+        store, clock = await _open_on_demo_time(target, keyring, options.speed, SystemClock())
     finally:
         for logger in loggers:
             logger.removeFilter(quiet)
@@ -323,6 +362,13 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
             "only the grants in grants.sql",
             markup=False,
         )
+    started_at = clock.now()
+    behind = datetime.now(UTC) - started_at
+    console.print(
+        f"demo clock: starts at {started_at:%Y-%m-%d %H:%M:%S} UTC, "
+        f"{_minutes(behind)} behind real time; runs {clock.speed:g}x and never passes it",
+        markup=False,
+    )
     summary = DemoSummary()
     try:
         created_names = await _ensure_definitions(store, clock.now())
@@ -345,7 +391,6 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
             summary.purged = await store.purge_terminal(clock.now() - timedelta(hours=2), 100)
             with contextlib.suppress(BrokerError):
                 await journal.purge()
-        _save_high_water(data_dir, clock.now())
     finally:
         await store.close()
     _print_summary(summary, console)
@@ -417,6 +462,7 @@ async def _work(
     console: Console,
 ) -> None:
     from steeple.admin import demo_tasks
+    from steeple.postgres import RecurringRelay
 
     stop = asyncio.Event()
     started = time.monotonic()
@@ -424,10 +470,19 @@ async def _work(
     queue = await demo_tasks.prepare(dsn, target.queue_schema, summary, options.duration)
 
     relayed = asyncio.Event()
+    # The loop `steeple worker` runs; its statistics are the demo's recurring counters.
+    recurring = RecurringRelay(
+        store,
+        broker,
+        tick_budget=100,
+        claim_limit=50,
+        idle_interval=0.2,
+        statistics=summary.recurring,
+    )
 
     async def relay() -> None:
         try:
-            await relay_forever(store, broker, stop, summary.recurring, batch=50, interval=0.2)
+            await recurring.run(stop)
         finally:
             relayed.set()
 
@@ -448,10 +503,10 @@ async def _work(
             if relayed.is_set() and not deliveries:
                 return
             if not deliveries:
-                await sleep_until(relayed, 0.2)
+                await _sleep_until(relayed, 0.2)
 
     async def timer() -> None:
-        await sleep_until(stop, options.duration)
+        await _sleep_until(stop, options.duration)
         stop.set()
 
     # The first Ctrl-C (or SIGTERM) ends the run early but gracefully, with the summary; the
@@ -476,11 +531,10 @@ async def _work(
             while not stop.is_set():
                 summary.tasks_materialized = queue.materialized
                 live.update(_progress(summary, clock, started, options.duration))
-                await sleep_until(stop, 0.25)
+                await _sleep_until(stop, 0.25)
 
         async with asyncio.TaskGroup() as group:
             group.create_task(timer())
-            group.create_task(tick_forever(store, stop, summary.recurring, interval=0.2))
             group.create_task(relay())
             group.create_task(consumer())
             group.create_task(queue.run(stop))
@@ -493,6 +547,13 @@ async def _work(
     console.print()
 
 
+async def _sleep_until(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep ``seconds`` or until ``stop`` is set, whichever comes first."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()
+
+
 def _print_summary(summary: DemoSummary, console: Console) -> None:
     table = Table(title="summary", show_header=True)
     table.add_column("what")
@@ -501,8 +562,8 @@ def _print_summary(summary: DemoSummary, console: Console) -> None:
     rows = [
         ("ticks", r.ticks),
         ("occurrences materialized", r.materialized),
-        ("leases claimed", r.claims),
-        ("relayed to the SQLite journal", r.relays),
+        ("leases claimed", r.claimed),
+        ("relayed to the SQLite journal", r.published),
         ("  of which duplicates (deduplicated)", r.duplicates),
         ("relay failures (retried with backoff)", r.relay_failures),
         ("  of which acknowledgements lost on purpose", summary.lost_acks),

@@ -9,13 +9,18 @@ from typing import Any
 
 import attrs
 
-from steeple.admin.tasks import TaskRecord
+from steeple.admin.tasks import (
+    TaskRecord,
+    parse_task_cursor,
+    validate_task_id,
+    validate_task_state,
+)
 from steeple.core.errors import ConfigurationError
+from steeple.core.policies import validate_budget
 from steeple.core.records import Page
 
 __all__ = ["PostgresTaskAdmin"]
 
-_STATES = frozenset({"pending", "running", "succeeded", "failed", "cancelled"})
 _COLUMNS = (
     "id, task_name, state, attempts, max_attempts, run_at, created_at, updated_at, last_error"
 )
@@ -93,19 +98,15 @@ class PostgresTaskAdmin:
         Raises:
             ConfigurationError: a bad cursor, limit or state.
         """
-        if not 1 <= limit <= 100:
-            raise ConfigurationError("limit must be between 1 and 100")
-        if after is not None and not after.isdigit():
-            raise ConfigurationError("the cursor of a task listing is a task id")
-        if state is not None and state not in _STATES:
-            raise ConfigurationError(
-                f"state must be one of {', '.join(sorted(_STATES))}, not {state!r}"
-            )
+        validate_budget(limit, "limit")
+        position = parse_task_cursor(after)
+        if state is not None:
+            validate_task_state(state)
         rows = await self._fetch(
             f"SELECT {_COLUMNS} FROM {self._quoted}.tasks"
             " WHERE id > $1 AND ($2::text IS NULL OR state = $2)"
             " ORDER BY id LIMIT $3",
-            int(after or 0),
+            position,
             state,
             limit + 1,
         )
@@ -114,7 +115,12 @@ class PostgresTaskAdmin:
         return Page(items=items, next_cursor=cursor)
 
     async def task(self, task_id: int) -> TaskRecord | None:
-        """Return one task's metadata, or ``None``."""
+        """Return one task's metadata, or ``None``.
+
+        Raises:
+            ConfigurationError: not a task id.
+        """
+        validate_task_id(task_id)
         rows = await self._fetch(
             f"SELECT {_COLUMNS} FROM {self._quoted}.tasks WHERE id = $1", task_id
         )
@@ -132,9 +138,13 @@ class PostgresTaskAdmin:
 
         Returns:
             The state afterwards, or ``None`` when there is no such task.
+
+        Raises:
+            ConfigurationError: not a task id.
         """
         from steeple.postgres import queue
 
+        validate_task_id(task_id)
         try:
             state = await queue.cancel(self.pool, task_id, schema=self.schema)
         except queue.TaskNotFoundError:
@@ -142,9 +152,16 @@ class PostgresTaskAdmin:
         return str(state.value)
 
     async def prune(self, older_than: datetime, limit: int = 100) -> int:
-        """Delete at most ``limit`` terminal tasks finished before ``older_than``."""
+        """Delete at most ``limit`` terminal tasks finished before ``older_than``.
+
+        Raises:
+            ConfigurationError: a naive ``older_than`` or a limit outside 1..100.
+        """
         from steeple.postgres import queue
 
+        validate_budget(limit, "limit")
+        if not isinstance(older_than, datetime) or older_than.utcoffset() is None:
+            raise ConfigurationError("older_than must be a timezone-aware datetime")
         now = await self.pool.fetchval("SELECT clock_timestamp()")
         age = max(now - older_than, timedelta(0))
         return int(await queue.prune_terminal(self.pool, age, limit, schema=self.schema))

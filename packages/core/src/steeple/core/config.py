@@ -14,18 +14,46 @@ from steeple.core.errors import InvalidCronExpression, RecurringConfigurationErr
 from steeple.core.messages import ScheduledMessage
 from steeple.core.policies import MissedRunPolicy
 
-__all__ = ["RecurringConfig", "RecurringDefinition"]
+__all__ = [
+    "RecurringConfig",
+    "RecurringDefinition",
+    "validate_definition_name",
+    "validate_namespace",
+]
 
 _NAMESPACE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}\Z")
 
 
-def _namespace(value: object) -> str:
+def validate_namespace(value: object) -> str:
+    """Return ``value`` if it is a valid namespace name.
+
+    Raises:
+        RecurringConfigurationError: not 1-63 characters of lowercase letters, digits,
+            ``.``, ``_`` or ``-`` starting with a letter or digit.
+    """
     if not isinstance(value, str) or not _NAMESPACE.match(value):
+        shown = repr(value) if isinstance(value, str) and len(value) <= 80 else "given"
         raise RecurringConfigurationError(
-            f"namespace {value!r} is invalid: use 1-63 characters of lowercase letters, digits, "
+            f"namespace {shown} is invalid: use 1-63 characters of lowercase letters, digits, "
             "'.', '_' or '-', starting with a letter or digit"
         )
     return value
+
+
+def validate_definition_name(value: object) -> str:
+    """Return ``value`` if it is a valid definition name (also the schedules cursor).
+
+    Raises:
+        RecurringConfigurationError: not a str; empty or blank; over 200 characters;
+            leading or trailing whitespace; a control, format, surrogate, private-use or
+            unassigned character.
+    """
+    return text(
+        value,
+        "definition name",
+        max_len=limits.MAX_NAME_LENGTH,
+        error=RecurringConfigurationError,
+    )
 
 
 @attrs.frozen
@@ -38,7 +66,7 @@ class RecurringConfig:
             than two leases.
     """
 
-    namespace: str = attrs.field(converter=_namespace)
+    namespace: str = attrs.field(converter=validate_namespace)
     max_definitions: int = attrs.field()
     max_occurrences: int = attrs.field()
     delivery_window: timedelta = attrs.field(default=limits.DEFAULT_DELIVERY_WINDOW, kw_only=True)
@@ -128,12 +156,7 @@ class RecurringDefinition:
 
     @name.validator
     def _check_name(self, _: object, value: str) -> None:
-        text(
-            value,
-            "definition name",
-            max_len=limits.MAX_NAME_LENGTH,
-            error=RecurringConfigurationError,
-        )
+        validate_definition_name(value)
 
     @message.validator
     def _check_message(self, _: object, value: object) -> None:

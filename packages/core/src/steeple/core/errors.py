@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from steeple.core.messages import BrokerReceipt
 
 __all__ = [
@@ -114,7 +116,23 @@ class RecurringCapacityError(RecurringError):
 
 
 class RecurringClockError(RecurringError):
-    """The local clock trails the recorded namespace time by more than the tolerance."""
+    """The local clock trails the recorded namespace time by more than the tolerance.
+
+    Attributes:
+        recorded_time: the namespace's recorded time, when the raiser knows it.
+        local_time: the local clock reading that trailed it, when the raiser knows it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        recorded_time: datetime | None = None,
+        local_time: datetime | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.recorded_time = recorded_time
+        self.local_time = local_time
 
 
 class RecurringStorageError(RecurringError):

@@ -214,7 +214,9 @@ def adopt_time(
         raise RecurringClockError(
             f"the local clock ({here.isoformat()}) trails the recorded namespace time "
             f"({shared.isoformat()}) by {shared - here}, more than the {tolerance} tolerance; "
-            "fix this host's clock synchronisation"
+            "fix this host's clock synchronisation",
+            recorded_time=shared,
+            local_time=here,
         )
     return shared
 

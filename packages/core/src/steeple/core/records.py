@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from datetime import datetime
-from typing import Generic, TypeVar
+from datetime import UTC, datetime, timedelta
+from typing import Final, Generic, TypeVar
 
 import attrs
 
+from steeple.core.calendar import FIRST_INSTANT, LAST_INSTANT
+from steeple.core.errors import RecurringConfigurationError
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
 
 T = TypeVar("T")
 
-__all__ = ["Lease", "OccurrenceInfo", "Page", "ScheduleInfo", "ScheduleState", "TickResult"]
+__all__ = [
+    "Lease",
+    "OccurrenceInfo",
+    "Page",
+    "ScheduleInfo",
+    "ScheduleState",
+    "TickResult",
+    "occurrence_cursor",
+    "parse_occurrence_cursor",
+    "validate_occurrence_id",
+]
 
 
 @attrs.frozen(repr=False)
@@ -90,3 +103,59 @@ class TickResult:
     materialized: int
     occurrence_ids: Sequence[str] = ()
     exhausted: Sequence[str] = ()
+
+
+# --- identities and cursors a boundary can check before anything reaches storage -------------
+
+_OCCURRENCE_ID: Final = re.compile(r"[0-9a-f]{32}\Z")
+_OCCURRENCE_CURSOR: Final = re.compile(r"([0-9]{15})\.([0-9a-f]{32})\Z")
+_MS: Final = timedelta(milliseconds=1)
+_LAST_MS: Final = (LAST_INSTANT - FIRST_INSTANT) // _MS
+
+
+def validate_occurrence_id(value: object) -> str:
+    """Return ``value`` if it has the shape of an occurrence id: 32 lowercase hex characters.
+
+    (Ids come from :func:`steeple.core.leases.occurrence_id_for`.) A well-formed id may still
+    name no occurrence; a malformed one is refused before it reaches storage.
+
+    Raises:
+        RecurringConfigurationError: not a str of 32 lowercase hex characters.
+    """
+    if not isinstance(value, str):
+        raise RecurringConfigurationError(f"an occurrence id is a str, not {type(value).__name__}")
+    if not _OCCURRENCE_ID.match(value):
+        raise RecurringConfigurationError("an occurrence id is 32 lowercase hex characters")
+    return value
+
+
+def occurrence_cursor(due_at: datetime, occurrence_id: str) -> str:
+    """Return the exclusive occurrences-listing cursor after the occurrence ``(due_at, id)``.
+
+    Raises:
+        RecurringConfigurationError: ``due_at`` is naive or outside the calendar's years
+            (1970-2100), or ``occurrence_id`` is malformed.
+    """
+    if not isinstance(due_at, datetime) or due_at.utcoffset() is None:
+        raise RecurringConfigurationError("a cursor's due time is a timezone-aware datetime")
+    ms = (due_at.astimezone(UTC) - FIRST_INSTANT) // _MS
+    if not 0 <= ms <= _LAST_MS:
+        raise RecurringConfigurationError("a cursor's due time lies in 1970-2100")
+    return f"{ms:015d}.{validate_occurrence_id(occurrence_id)}"
+
+
+def parse_occurrence_cursor(cursor: object) -> tuple[datetime, str]:
+    """Return the ``(due_at, occurrence_id)`` position of an occurrences-listing cursor.
+
+    Only what :func:`occurrence_cursor` returns is accepted: 15 ASCII digits of epoch
+    milliseconds within 1970-2100, a dot, and an occurrence id.
+
+    Raises:
+        RecurringConfigurationError: anything else (wrong type, shape, digits or range).
+    """
+    match = _OCCURRENCE_CURSOR.match(cursor) if isinstance(cursor, str) else None
+    if match is None or int(match.group(1)) > _LAST_MS:
+        raise RecurringConfigurationError(
+            "invalid occurrences cursor: pass back a next_cursor this store returned"
+        )
+    return FIRST_INSTANT + int(match.group(1)) * _MS, match.group(2)

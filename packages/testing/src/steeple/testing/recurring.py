@@ -32,7 +32,7 @@ import asyncio
 import base64
 import json
 from collections.abc import Iterable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Final
 
@@ -84,6 +84,8 @@ from steeple.core.records import (
     ScheduleInfo,
     ScheduleState,
     TickResult,
+    occurrence_cursor,
+    parse_occurrence_cursor,
 )
 
 __all__ = ["InMemoryRecurringStore"]
@@ -91,8 +93,6 @@ __all__ = ["InMemoryRecurringStore"]
 _S = OccurrenceState
 _E = OccurrenceEvent
 
-_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
-_MS: Final = timedelta(milliseconds=1)
 _LIVE_STATES: Final = frozenset({_S.PENDING, _S.LEASED, _S.RETRY_WAIT, _S.DEAD})
 """States that hold content and that window expiry or cancellation still moves."""
 
@@ -193,19 +193,6 @@ class _Occurrence:
             next_attempt_at=self.next_attempt_at,
             last_error=self.last_error,
         )
-
-
-def _occurrence_cursor(due_at: datetime, occurrence_id: str) -> str:
-    return f"{(due_at - _EPOCH) // _MS:015d}.{occurrence_id}"
-
-
-def _parse_occurrence_cursor(cursor: str) -> tuple[datetime, str]:
-    due, _, occurrence_id = cursor.partition(".")
-    if not (due.isdigit() and len(due) == 15 and occurrence_id):
-        raise RecurringConfigurationError(
-            "invalid occurrences cursor: pass back a next_cursor this store returned"
-        )
-    return _EPOCH + int(due) * _MS, occurrence_id
 
 
 def _aware(value: object, what: str) -> datetime:
@@ -725,7 +712,7 @@ class InMemoryRecurringStore:
         validate_budget(limit, "limit")
         if after is not None and not isinstance(after, str):
             raise RecurringConfigurationError("the occurrences cursor must be a str")
-        position = _parse_occurrence_cursor(after) if after is not None else None
+        position = parse_occurrence_cursor(after) if after is not None else None
         now = self._now()
         self._classify(now)
         ordered = sorted(
@@ -738,7 +725,7 @@ class InMemoryRecurringStore:
         )
         page = ordered[:limit]
         cursor = (
-            _occurrence_cursor(page[-1].due_at, page[-1].occurrence_id)
+            occurrence_cursor(page[-1].due_at, page[-1].occurrence_id)
             if len(ordered) > limit
             else None
         )

@@ -1,6 +1,6 @@
 """The PostgreSQL recurring-publication store and its relay loop."""
 
-from steeple.postgres.recurring._relay import RecurringRelay
+from steeple.postgres.recurring._relay import RecurringRelay, RelayStatistics
 from steeple.postgres.recurring._sql import RUNTIME_PRIVILEGES, SCHEMA_VERSION, TABLES
 from steeple.postgres.recurring._store import (
     SERVER_SETTINGS,
@@ -15,5 +15,6 @@ __all__ = [
     "TABLES",
     "PostgresRecurringStore",
     "RecurringRelay",
+    "RelayStatistics",
     "grant_runtime_role",
 ]

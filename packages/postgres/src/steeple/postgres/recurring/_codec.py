@@ -14,8 +14,9 @@ from typing import Any
 
 import asyncpg
 
+from steeple.core import records
 from steeple.core.config import RecurringConfig, RecurringDefinition
-from steeple.core.errors import RecurringConfigurationError, RecurringStorageError
+from steeple.core.errors import RecurringStorageError
 from steeple.core.messages import ScheduledMessage
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
@@ -36,7 +37,7 @@ def epoch_ms(instant: datetime) -> int:
 
 def occurrence_cursor(due_at: datetime, occurrence_id: str) -> str:
     """Return the exclusive listing cursor after the occurrence ``(due_at, id)``."""
-    return f"{epoch_ms(due_at):015d}.{occurrence_id}"
+    return records.occurrence_cursor(due_at, occurrence_id)
 
 
 def parse_occurrence_cursor(cursor: object) -> tuple[datetime | None, str | None]:
@@ -47,13 +48,7 @@ def parse_occurrence_cursor(cursor: object) -> tuple[datetime | None, str | None
     """
     if cursor is None:
         return None, None
-    if isinstance(cursor, str):
-        due, _, occurrence_id = cursor.partition(".")
-        if due.isdigit() and len(due) == 15 and occurrence_id:
-            return _EPOCH + int(due) * _MS, occurrence_id
-    raise RecurringConfigurationError(
-        "invalid occurrences cursor: pass back a next_cursor this store returned"
-    )
+    return records.parse_occurrence_cursor(cursor)
 
 
 def message_document(message: ScheduledMessage) -> dict[str, Any]:

@@ -20,13 +20,45 @@ from steeple.core.errors import (
 from steeple.core.policies import validate_budget
 from steeple.core.ports import MessageBroker, RandomSource, RecurringStore
 
-__all__ = ["RecurringRelay"]
+__all__ = ["RecurringRelay", "RelayStatistics"]
 
 _log = logging.getLogger("steeple.postgres.recurring.relay")
 
 _STORAGE_BACKOFF = Backoff(
     initial=timedelta(milliseconds=500), maximum=timedelta(seconds=30), factor=2, jitter=0.5
 )
+
+
+@attrs.define
+class RelayStatistics:
+    """What a :class:`RecurringRelay` has done so far: counters for live displays and metrics.
+
+    The relay only adds to them, between its awaits (one event loop: a reader never sees a
+    half-updated round). Pass your own instance (``RecurringRelay(..., statistics=mine)``)
+    to read it while the relay runs, or share one between relays to sum them.
+
+    Attributes:
+        ticks: ticks that returned (one per round that could tick).
+        materialized: occurrences those ticks materialized.
+        ticks_skipped: ticks refused because a quota is full (relaying went on).
+        claimed: leases claimed.
+        published: relays the broker accepted (a receipt was recorded), duplicates included.
+        duplicates: of those, receipts where the broker recognised the idempotency key and
+            kept no second copy (an earlier attempt had reached it).
+        relay_failures: relays that raised a relay error (broker failure or timeout, lost
+            lease, uncertain acknowledgement) or could not open the occurrence's content;
+            the store recorded the retry or the dead letter.
+        storage_failures: rounds that failed on a storage or clock error and backed off.
+    """
+
+    ticks: int = 0
+    materialized: int = 0
+    ticks_skipped: int = 0
+    claimed: int = 0
+    published: int = 0
+    duplicates: int = 0
+    relay_failures: int = 0
+    storage_failures: int = 0
 
 
 @attrs.define
@@ -44,8 +76,11 @@ class RecurringRelay:
         tick_budget: occurrences materialized per tick (1-100).
         claim_limit: leases claimed per round (1-100).
         idle_interval: seconds to wait when a round found nothing to do.
-        published: publications recorded so far (receipts returned by ``relay``).
-        failed: relay attempts that raised a relay error.
+        statistics: the counters this relay adds to (:class:`RelayStatistics`; a fresh
+            one unless given).
+        published: publications recorded so far (``statistics.published``).
+        failed: relay attempts that raised a relay error (``statistics.relay_failures``).
+        storage_failures: rounds that backed off (``statistics.storage_failures``).
 
     Raises:
         RecurringConfigurationError: ``tick_budget`` or ``claim_limit`` outside 1..100, or
@@ -58,9 +93,22 @@ class RecurringRelay:
     claim_limit: int = attrs.field(default=100, kw_only=True)
     idle_interval: float = attrs.field(default=1.0, kw_only=True)
     random: RandomSource = attrs.field(factory=SystemRandom, kw_only=True)
-    published: int = attrs.field(default=0, init=False)
-    failed: int = attrs.field(default=0, init=False)
-    storage_failures: int = attrs.field(default=0, init=False)
+    statistics: RelayStatistics = attrs.field(factory=RelayStatistics, kw_only=True)
+
+    @property
+    def published(self) -> int:
+        """Publications recorded so far (receipts returned by ``relay``)."""
+        return self.statistics.published
+
+    @property
+    def failed(self) -> int:
+        """Relay attempts that raised a relay or keyring error."""
+        return self.statistics.relay_failures
+
+    @property
+    def storage_failures(self) -> int:
+        """Rounds that failed on storage or the clock and backed off."""
+        return self.statistics.storage_failures
 
     def __attrs_post_init__(self) -> None:
         validate_budget(self.tick_budget, "tick_budget")
@@ -77,23 +125,31 @@ class RecurringRelay:
             RecurringStorageError, RecurringClockError: the store failed (``run`` backs off).
             RecurringConfigurationError, KeyringError: configuration needs an operator.
         """
+        stats = self.statistics
         done = 0
         try:
-            done += (await self.store.tick(self.tick_budget)).materialized
+            materialized = (await self.store.tick(self.tick_budget)).materialized
         except RecurringCapacityError as exc:
+            stats.ticks_skipped += 1
             _log.warning("tick skipped: %s", exc)
+        else:
+            stats.ticks += 1
+            stats.materialized += materialized
+            done += materialized
         leases = await self.store.claim(self.claim_limit)
+        stats.claimed += len(leases)
         for lease in leases:
             if stop is not None and stop.is_set():
                 break  # unpublished leases lapse and are reclaimed by another round
             try:
-                await self.store.relay(lease, self.broker)
-                self.published += 1
+                receipt = await self.store.relay(lease, self.broker)
+                stats.published += 1
+                stats.duplicates += bool(receipt.duplicate)
             except RecurringRelayError as exc:
-                self.failed += 1
+                stats.relay_failures += 1
                 _log.info("relay of %s failed: %s", lease.occurrence_id, type(exc).__name__)
             except KeyringError as exc:
-                self.failed += 1
+                stats.relay_failures += 1
                 _log.error(
                     "occurrence %s cannot be opened (%s); it is a dead letter until its key "
                     "is restored and an operator retries it",
@@ -114,7 +170,7 @@ class RecurringRelay:
                 busy = await self.run_once(stop)
             except (RecurringStorageError, RecurringClockError) as exc:
                 failures += 1
-                self.storage_failures += 1
+                self.statistics.storage_failures += 1
                 delay = _STORAGE_BACKOFF.delay(failures, self.random.random()).total_seconds()
                 _log.warning(
                     "recurring relay round failed (%s: %s); retrying in %.2f s",
