@@ -400,3 +400,24 @@ def test_a_plot_that_cannot_be_written_fails_with_one_line(tmp_path: Path) -> No
     result = invoke([*FLAGS, "--plot", str(tmp_path / "missing-dir" / "out.svg")])
     assert result.exit_code == ExitCode.FAILED
     assert "cannot write the plot" in result.stderr
+
+
+def test_the_readme_simulation_tour_prints_what_the_readme_says() -> None:
+    snippet = Path(__file__).parent / "readme_snippets" / "simulation_tour.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEEPLE_")}
+    done = subprocess.run(
+        [sys.executable, str(snippet)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "hourly-sync: 71/71 published, 21600 s late",
+        "cache-warm: 263/263 published, 21600 s late",
+    ]
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    for line in done.stdout.splitlines():
+        assert f"`{line}" in readme.replace("\n", " ")
