@@ -64,7 +64,12 @@ def core(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     _sync(session)
-    for script in ("bench_calendar.py", "bench_queue.py", "bench_recurring.py"):
+    for script in (
+        "bench_calendar.py",
+        "bench_queue.py",
+        "bench_recurring.py",
+        "bench_simulate.py",
+    ):
         if os.path.exists(f"benchmarks/{script}"):
             session.run("python", f"benchmarks/{script}", *session.posargs)
 
