@@ -451,3 +451,36 @@ def test_a_bad_seed_is_refused() -> None:
         run(scenario, seed="1")  # type: ignore[arg-type]
     with pytest.raises(ScenarioError):
         run(scenario, seed=True)
+
+
+def test_the_simulator_imports_only_the_domain() -> None:
+    # No driver, no cryptography, no plotting: a notebook needs steeple-core and
+    # steeple-testing only.
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import steeple.testing.simulation as simulation
+
+    allowed = ("steeple.core", "steeple.testing", "steeple.engine", "attrs", "__future__")
+    stdlib = set(sys.stdlib_module_names)
+    for path in Path(simulation.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            for name in names:
+                assert name.startswith(allowed) or name.split(".")[0] in stdlib, (path, name)
+    probe = (
+        "import sys, steeple.testing.simulation as s\n"
+        "bad = [m for m in ('asyncpg', 'cryptography', 'matplotlib', 'steeple.postgres',"
+        " 'steeple.keyring', 'psycopg') if m in sys.modules]\n"
+        "print(bad)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]"
