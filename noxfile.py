@@ -66,6 +66,7 @@ def bench(session: nox.Session) -> None:
     _sync(session)
     for script in (
         "bench_calendar.py",
+        "bench_zoned.py",
         "bench_queue.py",
         "bench_recurring.py",
         "bench_simulate.py",

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from steeple.admin.cli import app
 from steeple.admin.settings import ExitCode
+from steeple.postgres.queue import LIBRARY_SCHEMA_VERSION
 
 runner = CliRunner()
 
@@ -236,7 +237,8 @@ async def test_migrate_is_idempotent(pg_schema: tuple[str, str]) -> None:
     for _ in range(2):
         result = await ainvoke(["migrate", "--dsn", dsn, "--queue-schema", schema])
         assert result.exit_code == 0, result.output
-        assert f"work queue schema '{schema}' is at version 1" in result.stdout
+        version = LIBRARY_SCHEMA_VERSION
+        assert f"work queue schema '{schema}' is at version {version}" in result.stdout
     tasks = await ainvoke(["tasks", "--dsn", dsn, "--queue-schema", schema, "--json"])
     assert json.loads(tasks.stdout) == {"items": [], "next_cursor": None}
     bad = await ainvoke(["migrate", "--dsn", dsn, "--queue-schema", "Not-Valid"])

@@ -309,3 +309,29 @@ async def test_invalid_schema_is_refused_before_any_sql(queue) -> None:
     _dsn, _schema, conn = queue
     with pytest.raises(QueueConfigurationError):
         await enqueue(conn, PLAIN, 1, schema="bad-schema")
+
+
+async def test_due_times_are_set_on_the_servers_clock(queue) -> None:
+    """Immediate work is due exactly when created (run_at = created_at: the claim keeps it
+    due across a step back of the server's clock); after(delay) counts from that instant;
+    at(when) is the instant given."""
+    _dsn, schema, conn = queue
+    task = Task("timed")
+    when = datetime(2031, 5, 6, 7, 8, 9, tzinfo=UTC)
+    delay = timedelta(minutes=7, microseconds=3)
+    ids = [
+        (await enqueue(conn, task, {}, schema=schema)).id,
+        (await enqueue(conn, task, {}, EnqueueOptions.after(delay), schema=schema)).id,
+        (await enqueue(conn, task, {}, EnqueueOptions.at(when), schema=schema)).id,
+        *await enqueue_many(conn, task, [1, 2], EnqueueOptions.after(delay), schema=schema),
+        *await enqueue_many(conn, task, [3], schema=schema),
+    ]
+    rows = {
+        r["id"]: r["run_at"] - r["created_at"]
+        for r in await conn.fetch(f'SELECT id, run_at, created_at FROM "{schema}".tasks')
+    }
+    assert [rows[i] for i in ids[:2]] == [timedelta(0), delay]
+    assert [rows[i] for i in ids[3:]] == [delay, delay, timedelta(0)]
+    assert (await run_state(conn, ids[2], schema=schema)).run_at == when
+    with pytest.raises(QueueConfigurationError, match="not both"):
+        EnqueueOptions(run_at=when, delay=delay)

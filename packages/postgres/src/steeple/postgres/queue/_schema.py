@@ -6,13 +6,20 @@ import importlib.resources
 import re
 from typing import Any, Final
 
-from steeple.postgres.queue.errors import QueueConfigurationError, SchemaVersionMismatchError
+from steeple.postgres.queue.errors import (
+    QueueConfigurationError,
+    QueueTypeError,
+    SchemaVersionMismatchError,
+)
 
 __all__ = ["DEFAULT_SCHEMA", "LIBRARY_SCHEMA_VERSION", "check_schema", "install"]
 
 DEFAULT_SCHEMA: Final = "steeple_queue"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-_MIGRATIONS: Final[tuple[tuple[int, str], ...]] = ((1, "0001_create_queue_tables"),)
+_MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
+    (1, "0001_create_queue_tables"),
+    (2, "0002_due_work_survives_clock_steps"),
+)
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""
 
@@ -22,8 +29,11 @@ def validate_schema(schema: str) -> str:
 
     Raises:
         QueueConfigurationError: not a lowercase identifier of 1-63 characters.
+        QueueTypeError: not a str.
     """
-    if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
+    if not isinstance(schema, str):
+        raise QueueTypeError(f"schema must be a str, not {type(schema).__name__}")
+    if not _SCHEMA_NAME.fullmatch(schema):
         raise QueueConfigurationError(
             f"schema must be a lowercase identifier ([a-z_][a-z0-9_]*, at most 63 chars), "
             f"got {schema!r}"
