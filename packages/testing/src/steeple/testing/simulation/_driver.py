@@ -172,6 +172,8 @@ class _Driver:
         self.retry_unknown = False
         """A relay failed: some retry's next attempt is known only to the store."""
         self.scan_pending = False
+        self.drained: int | None = None
+        """The instant of a short claim: it took everything claimable then (see ``work``)."""
         self.materialized = 0
         policies = sorted(
             {d.policy.value for d in scenario.definitions}
@@ -220,6 +222,7 @@ class _Driver:
     def regressed(self, by: timedelta) -> None:
         """Step the host clock back: the next polls (ticker and idle workers) see it."""
         self.offset += span_us(by)
+        self.drained = None
         if self.down:
             return
         # A poller calls at the next grid instant whatever is due; if the step is beyond
@@ -431,6 +434,7 @@ class _Driver:
 
     def hint(self, store_us: int) -> None:
         """Something may become claimable at ``store_us`` (store time): wake parked workers."""
+        self.drained = None
         heapq.heappush(self.claim_hints, store_us)
         for worker in self.workers:
             if worker.parked:
@@ -471,6 +475,13 @@ class _Driver:
     async def work(self, worker: _Worker) -> None:
         store = self.store
         while True:
+            if not worker.leases and self.drained == self.t:
+                # Another worker's claim at this very instant came back short: it took
+                # everything claimable, and nothing became claimable since (that would
+                # have been hinted). This claim would find nothing.
+                worker.short_at = worker.not_before = self.t
+                await self.park(worker)
+                return
             if not worker.leases:
                 reading = self.set_clock()
                 try:
@@ -485,7 +496,7 @@ class _Driver:
                 worker.waits = 0
                 self.hits["claims"] += 1
                 if len(leases) < self.claim_limit:
-                    worker.short_at = self.t
+                    worker.short_at = self.drained = self.t
                     hints = self.claim_hints
                     while hints and hints[0] <= self.shared:
                         heapq.heappop(hints)
@@ -584,6 +595,7 @@ class _Driver:
         self.down -= 1
         if self.down:
             return
+        self.drained = None
         for index in self.deferred:
             await self.change(index)
         self.deferred.clear()
