@@ -411,6 +411,14 @@ def test_bad_capacities_and_rates_are_refused(field: str, value: dict[str, objec
         {"clock_regressions": [ClockRegression(T0 - timedelta(hours=1), timedelta(seconds=1))]},
         {"clock_regressions": ["2026-03-02T07:00Z/PT3S"]},
         {"changes": [ScheduleChange(T0 + timedelta(hours=1), cancel=["nobody"])]},
+        {
+            "changes": [
+                ScheduleChange(T0 + timedelta(minutes=20), cancel=["later"]),
+                ScheduleChange(
+                    T0 + timedelta(minutes=30), create=[definition("later", "* * * * *")]
+                ),
+            ]
+        },
         {"changes": [ScheduleChange(T0 + timedelta(days=9))]},
         {"host_outages": ["2026-03-02T07:00Z/PT1H"]},
         {"config": "sim"},

@@ -472,13 +472,17 @@ class Scenario:
                 f"{len(names)} definitions exceed the namespace quota of "
                 f"{self.config.max_definitions}"
             )
-        known = set(names)
+        known = {d.name for d in self.definitions}
         for change in self.changes:
             if not self.start <= change.at < self.end:
                 raise ScenarioError(f"a schedule change at {_iso(change.at)} is outside the range")
             for name in change.cancel:
                 if name not in known:
-                    raise ScenarioError(f"a schedule change cancels unknown definition {name!r}")
+                    raise ScenarioError(
+                        f"a schedule change at {_iso(change.at)} cancels {name[:40]!r}, which "
+                        "no earlier definition or change creates"
+                    )
+            known.update(d.name for d in change.create)
         for regression in self.clock_regressions:
             if not self.start < regression.at < self.end:
                 raise ScenarioError(
