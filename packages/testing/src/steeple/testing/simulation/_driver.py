@@ -7,13 +7,26 @@ would: a ticker on a grid of ``Ticking.interval``, relay workers polling every
 ``RelayCapacity.poll_interval``, each publication taking ``1 / rate`` seconds.
 
 Time advances by events, never by sleeping or stepping second by second. A poll that
-provably finds nothing is skipped: the ticker wakes at the first grid instant at or after
-the earliest instant any definition can next be due (a lower bound from the calendar:
-waking early only costs an empty tick), workers wake when something may have become
-claimable (a tick materialized, a retry falls due as the store's own listing reports,
-a lease they abandoned lapses). Skipping an empty poll changes nothing but the store's
-recorded time, which matters only to a clock regression, so a poll is made at the last
-grid instant before each regression.
+provably finds nothing is skipped, and only such a poll:
+
+- the ticker wakes at the first grid instant at or after the earliest instant any
+  definition can next be due (a lower bound from the calendar: waking early only costs an
+  empty tick); a tick that fills its budget ticks again at once;
+- an idle worker wakes when something may have become claimable: a tick materialized, a
+  retry falls due (after a failed relay the occurrences are listed before the next poll
+  instant, so the store itself says when), a lease lapses unrelayed (one its worker will
+  reach too late, or abandoned when the host went down);
+- a worker does not claim at the instant another worker's claim came back short (it took
+  everything claimable then);
+- workers acting at the same instant act in index order, never in the order their events
+  were scheduled, so skipped polls cannot reorder them;
+- skipping a poll changes nothing but the store's recorded time, which matters only to a
+  clock regression: a call is made at the last grid instant before each step back, and
+  the ticker and idle workers poll at the first grid instant after it (where a step
+  beyond the tolerance starts their backoff).
+
+A test runs busy scenarios both ways (jumping, and polling at every grid instant) and
+requires the same outcome for every occurrence.
 
 The simulated operator lists occurrences every sample interval and after every few dozen
 publications, counts the finished ones (lateness needs each due instant, which only the
@@ -811,10 +824,10 @@ async def drive(
     broker = SimulatedBroker(scenario.broker, seed, inner_broker)
     try:
         driver = _Driver(scenario, seed, store, clock, broker, trace=trace, exhaustive=exhaustive)
-        # The series' buckets and the backlog samples must line up one to one.
         result = await driver.run()
     finally:
         await store.close()
+    # One backlog sample per bucket, or the series would mislead.
     if len(result.series.times) != len(next(iter(result.series.backlog.values()))):
         raise SimulationError("backlog samples and buckets do not line up")
     return result
