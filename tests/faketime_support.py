@@ -77,7 +77,7 @@ OFFSETS: list[int] = [0, 31, 0, -31, 0, 600, 0, -600, 0, 3600, 0, -3600, 0]
 
 def restart_under_faketime(server: Any, clock: SteppedClock) -> None:
     """Restart a pgserver cluster (``private_pg``) with its clock on ``clock``."""
-    from pgserver._commands import pg_ctl  # type: ignore[import-untyped]
+    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
 
     match = re.search(r"host=([^&]+)", server.get_uri())
     assert match, "expected a Unix-socket DSN from pgserver"

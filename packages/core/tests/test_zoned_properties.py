@@ -252,7 +252,7 @@ def test_next_after_agrees_with_the_minute_by_minute_reference(data: st.DataObje
     event(f"{min(len(expected), 5)}+ fire times in the window")
     got: list[datetime] = []
     current: datetime | None = start
-    while True:
+    while current is not None:
         current = calendar.next_after(current)
         if current is None or current > end:
             break

@@ -29,7 +29,8 @@ from steeple.core.zoned import SHORTHANDS, ZonedCalendar
 
 
 def utc(*fields: int) -> datetime:
-    return datetime(*fields, tzinfo=UTC)  # type: ignore[misc]
+    year, month, day, hour, minute, second = (*fields, 0, 0, 0)[:6]
+    return datetime(year, month, day, hour, minute, second, tzinfo=UTC)
 
 
 def fires(expression: str, zone: str, after: datetime, count: int) -> list[datetime]:

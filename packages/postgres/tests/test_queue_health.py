@@ -52,7 +52,9 @@ async def _lease(conn: asyncpg.Connection, schema: str, task_id: int) -> Any:
     return (await run_state(conn, task_id, schema=schema)).lease_expires_at
 
 
-async def test_failing_claims_degrade_health_even_while_renewals_succeed(queue) -> None:
+async def test_failing_claims_degrade_health_even_while_renewals_succeed(
+    queue: queue_support.QueueFixture,
+) -> None:
     dsn, schema, conn = queue
     release = asyncio.Event()
     started = asyncio.Event()
@@ -84,7 +86,7 @@ async def test_failing_claims_degrade_health_even_while_renewals_succeed(queue) 
         for _ in range(5):
             # Right after each successful renewal of the running task's lease...
             before = await _lease(conn, schema, held.id)
-            await wait_until(lambda b=before: _lease_moved(conn, schema, held.id, b))
+            await wait_until(functools.partial(_lease_moved, conn, schema, held.id, before))
             # ...claims still fail, so the worker is still degraded.
             assert worker.health() is Health.DEGRADED
         assert worker.stats.failed_claims >= 1

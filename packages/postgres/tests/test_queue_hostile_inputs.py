@@ -354,7 +354,9 @@ def test_encoding_args(task: Any, args: Any) -> None:
 async def psycopg_conns(queue: Any) -> Any:
     dsn, _schema, _conn = queue
     async_conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-    sync_conn = await asyncio.to_thread(psycopg.Connection.connect, dsn, autocommit=True)
+    sync_conn: psycopg.Connection[Any] = await asyncio.to_thread(
+        lambda: psycopg.Connection.connect(dsn, autocommit=True)
+    )
     try:
         yield async_conn, sync_conn
     finally:
@@ -646,10 +648,12 @@ async def test_register_and_run_until_shutdown(pg_schema: tuple[str, str]) -> No
     )
     def check(task: Any, handler_choice: Any, stop: Any, drain: Any) -> None:
         worker = Scheduler(dsn, worker_id="hostile", schema=schema, query_timeout=10)
-        registered = outcome(
-            lambda: worker.register(task, handler_choice) or True,
-            (QueueConfigurationError, UnknownTaskError),
-        )
+
+        def register() -> bool:
+            worker.register(task, handler_choice)
+            return True
+
+        registered = outcome(register, (QueueConfigurationError, UnknownTaskError))
         if registered is None:
             return
 
@@ -667,7 +671,7 @@ async def test_register_and_run_until_shutdown(pg_schema: tuple[str, str]) -> No
 async def test_failures_whose_messages_cannot_be_stored_are_still_recorded(queue: Any) -> None:
     """A handler's exception text with NUL or lone surrogates (or none at all) is recorded."""
     dsn, schema, conn = queue
-    hostile = Task("hostile.failure")
+    hostile: Task[Any] = Task("hostile.failure")
     messages = ["nul \x00 inside", "lone \ud800 surrogate", "x" * 10_000]
     ids = [(await enqueue(conn, hostile, {"i": i}, schema=schema)).id for i in range(4)]
 
@@ -759,9 +763,9 @@ async def test_named_enqueue_cases(queue: Any, args: Any, options: Any, error: t
         lambda: Scheduler(DSN, worker_id="w", poll_interval=0),
         lambda: Scheduler(DSN, worker_id="w", maintenance_interval=math.nan),
         lambda: Scheduler(DSN, worker_id="\ud800"),
-        lambda: Scheduler(DSN, worker_id="w", listen="no"),
+        lambda: Scheduler(DSN, worker_id="w", listen="no"),  # type: ignore[arg-type]
         lambda: EnqueueOptions.at(datetime(2030, 1, 1)),
-        lambda: EnqueueOptions.at("tomorrow"),
+        lambda: EnqueueOptions.at("tomorrow"),  # type: ignore[arg-type]
         lambda: EnqueueOptions.after(timedelta.max),
         lambda: JobError.retry("later", delay=timedelta.max),
     ],
@@ -784,7 +788,7 @@ async def test_named_operation_cases(queue: Any) -> None:
     with pytest.raises(QueueConfigurationError):
         await cancel(conn, -(2**63) - 1, schema=schema)
     with pytest.raises(QueueTypeError):
-        await run_state(conn, "1", schema=schema)
+        await run_state(conn, "1", schema=schema)  # type: ignore[arg-type]
     with pytest.raises(QueueConfigurationError):
         await prune_terminal(conn, timedelta.max, schema=schema)
     with pytest.raises(QueueConfigurationError):

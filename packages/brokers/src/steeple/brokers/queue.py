@@ -36,9 +36,9 @@ from steeple.brokers._common import (
     encoded_size,
     positive_duration,
     publish_guarded,
-    redact_url,
 )
 from steeple.core import limits
+from steeple.core.dsn import check_dsn, redact_dsn
 from steeple.core.errors import (
     BrokerConfigurationError,
     BrokerError,
@@ -145,6 +145,7 @@ class WorkQueueBroker(AsyncLifecycle):
         self._max_bytes = max_message_bytes
         if not isinstance(dsn, str) or not dsn:
             raise ConfigurationError("dsn must be a non-empty str")
+        check_dsn(dsn)  # a malformed DSN would come back from the driver partly echoed
         if not isinstance(schema, str) or not _IDENT.match(schema):
             raise ConfigurationError("schema must be a lowercase SQL identifier")
         self._dsn = dsn
@@ -166,7 +167,7 @@ class WorkQueueBroker(AsyncLifecycle):
         self._open: set[Any] = set()
 
     def __repr__(self) -> str:
-        return f"WorkQueueBroker(dsn={redact_url(self._dsn)!r}, schema={self._schema!r})"
+        return f"WorkQueueBroker(dsn={redact_dsn(self._dsn)!r}, schema={self._schema!r})"
 
     async def __aenter__(self) -> Self:
         # Nothing to open ahead: each publication connects on its own.
@@ -186,7 +187,7 @@ class WorkQueueBroker(AsyncLifecycle):
             conn = await asyncpg.connect(self._dsn, timeout=self._connect_timeout)
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
             raise BrokerUnavailableError(
-                f"work queue: cannot connect to {redact_url(self._dsn)} ({type(exc).__name__})"
+                f"work queue: cannot connect to {redact_dsn(self._dsn)} ({type(exc).__name__})"
             ) from None
         self._open.add(conn)
         return conn

@@ -6,6 +6,7 @@ import importlib.resources
 import re
 from typing import Any, Final
 
+from steeple.postgres._ident import quote_ident, shown_name
 from steeple.postgres.queue.errors import (
     QueueConfigurationError,
     QueueTypeError,
@@ -36,9 +37,9 @@ def validate_schema(schema: str) -> str:
     if not _SCHEMA_NAME.fullmatch(schema):
         raise QueueConfigurationError(
             f"schema must be a lowercase identifier ([a-z_][a-z0-9_]*, at most 63 chars), "
-            f"got {schema!r}"
+            f"got {shown_name(schema)}"
         )
-    return f'"{schema}"'
+    return quote_ident(schema, what="schema")
 
 
 def notify_channel(schema: str) -> str:

@@ -32,7 +32,9 @@ import attrs
 
 from steeple.core.backoff import Backoff
 from steeple.core.clock import SystemClock
+from steeple.core.dsn import check_dsn
 from steeple.core.entropy import SystemRandom
+from steeple.core.errors import ConfigurationError
 from steeple.core.ports import Clock, RandomSource
 from steeple.core.remote_clock import RemoteClockEstimate
 from steeple.core.tasks import TaskEvent, TaskState, retry_decision, transition
@@ -258,7 +260,8 @@ class Scheduler:
 
     Raises:
         QueueConfigurationError: an invalid worker id, schema, count or interval (NaN,
-            infinite, negative, zero or too large).
+            infinite, negative, zero or too large), or an invalid DSN (see
+            :func:`steeple.core.dsn.check_dsn`; the message never quotes the DSN).
         QueueTypeError: an option of the wrong type.
     """
 
@@ -299,6 +302,11 @@ class Scheduler:
                 raise QueueConfigurationError(
                     "the DSN must be a non-empty str without NUL or lone surrogates"
                 )
+            # A malformed DSN would come back from the driver with pieces of it quoted.
+            try:
+                check_dsn(pool_or_dsn)
+            except ConfigurationError as exc:
+                raise QueueConfigurationError(str(exc)) from None
         elif open_db(pool_or_dsn) is None:
             raise QueueConfigurationError(
                 "pool_or_dsn must be an asyncpg Pool, a psycopg_pool AsyncConnectionPool "

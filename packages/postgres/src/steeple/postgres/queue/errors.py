@@ -8,6 +8,7 @@ from typing import Final
 from steeple.core.errors import ConfigurationError, SteepleError
 
 __all__ = [
+    "MAX_RETRY_DELAY",
     "ArgsEncodingError",
     "JobError",
     "JobExistsError",
