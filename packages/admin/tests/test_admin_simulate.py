@@ -258,7 +258,7 @@ BIG = "x" * 10_000
         (
             ["--cron", "* * * * *", "--tick-interval", "9" * 30 + "d", *RANGE],
             ExitCode.USAGE,
-            "too long",
+            "--tick-interval",
         ),
         (
             ["--cron", "* * * * *", "--host-outage", "2026-02-01T04:00Z/2026-01-31T22:00Z", *RANGE],

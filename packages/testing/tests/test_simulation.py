@@ -394,7 +394,7 @@ def test_malformed_intervals_are_refused_with_one_short_line(text: str) -> None:
 def test_bad_capacities_and_rates_are_refused(field: str, value: dict[str, object]) -> None:
     kinds = {"broker": BrokerModel, "relay": RelayCapacity, "ticking": Ticking}
     with pytest.raises(ConfigurationError):
-        kinds[field](**value)  # type: ignore[arg-type]
+        kinds[field](**value)
 
 
 @pytest.mark.parametrize(
