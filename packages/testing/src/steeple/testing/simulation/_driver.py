@@ -38,7 +38,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Final
 
 from steeple.core.config import RecurringConfig, RecurringDefinition
@@ -52,7 +52,6 @@ from steeple.core.errors import (
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.ports import Clock, RandomSource, RecurringStore
 from steeple.core.records import Lease, OccurrenceInfo
-from steeple.testing.clock import FakeClock
 from steeple.testing.simulation._broker import SimulatedBroker
 from steeple.testing.simulation._result import (
     DefinitionResult,
@@ -88,6 +87,23 @@ _HARVEST_EVERY: Final = 80
 """Publications between two operator listings: keeps the listing to about one page."""
 _PAGE: Final = 100
 _NEVER: Final = 2**62
+
+
+class _Clock:
+    """The simulation's fake clock: a :class:`~steeple.core.ports.Clock` the driver sets.
+
+    The driver only ever sets it to aware UTC instants it computed, so unlike
+    :class:`~steeple.testing.FakeClock` it checks nothing (it is read on every call).
+    """
+
+    __slots__ = ("instant",)
+
+    def __init__(self, instant: datetime) -> None:
+        self.instant = instant
+
+    def now(self) -> datetime:
+        """Return the instant the driver set."""
+        return self.instant
 
 
 class SimulationError(RuntimeError):
@@ -137,7 +153,7 @@ class _Driver:
         scenario: Scenario,
         seed: int,
         store: RecurringStore,
-        clock: FakeClock,
+        clock: _Clock,
         broker: SimulatedBroker,
         *,
         trace: bool,
@@ -325,7 +341,7 @@ class _Driver:
     def set_clock(self) -> int:
         reading = self.t - self.offset
         if reading != self.clock_set_to:
-            self.clock.set(from_us(reading))
+            self.clock.instant = from_us(reading)
             self.clock_set_to = reading
         self.hits["store_calls"] += 1
         return reading
@@ -433,14 +449,21 @@ class _Driver:
         hints = self.due_hints
         if hints and hints[0][0] <= reading:
             now = from_us(reading)
+            # Definitions often share a calendar: one search per expression.
+            found: dict[str, int | None] = {}
             while hints and hints[0][0] <= reading:
                 _, index = heapq.heappop(hints)
                 record = self.definitions[index]
                 if not record.active:
                     continue
-                following = record.definition.cron.next_after(now)
+                cron = record.definition.cron
+                if cron.expression in found:
+                    following = found[cron.expression]
+                else:
+                    instant = cron.next_after(now)
+                    following = found[cron.expression] = None if instant is None else to_us(instant)
                 if following is not None:
-                    heapq.heappush(hints, (to_us(following), index))
+                    heapq.heappush(hints, (following, index))
         self.reschedule_ticker(self.t + self.tick_step)
 
     # --- relay workers -------------------------------------------------------------------------
@@ -819,7 +842,7 @@ async def drive(
         raise ScenarioError(f"scenario must be a Scenario, not {type(scenario).__name__}")
     if inner_broker is not None and not isinstance(inner_broker, MessageBroker):
         raise ScenarioError("broker must implement steeple.core.ports.MessageBroker")
-    clock = FakeClock(scenario.start)
+    clock = _Clock(scenario.start)
     store = await store_factory(scenario.config, clock, DeterministicRandom(seed))
     broker = SimulatedBroker(scenario.broker, seed, inner_broker)
     try:
