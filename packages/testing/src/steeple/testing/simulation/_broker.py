@@ -31,10 +31,13 @@ class SimulatedBroker:
     deduplicates by idempotency key itself, keeping only the keys it was told are not
     settled yet (``settle``), so a simulated year does not hold a million keys.
 
-    Args:
+    Attributes:
         model: outages and rates.
         seed: seeds the failure draws (independent of the store's random source).
         inner: the broker that accepts publications, if not this one.
+        now_us: the current instant (microseconds since the epoch), set by the simulator.
+        accepted: publications accepted (first copies).
+        duplicates: publications recognised by their idempotency key.
     """
 
     model: BrokerModel
