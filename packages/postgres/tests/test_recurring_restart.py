@@ -18,6 +18,7 @@ from steeple.core import (
     RecurringStorageError,
     ScheduledMessage,
 )
+from steeple.core.errors import RelayAcknowledgementError
 from steeple.core.messages import BrokerReceipt
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
@@ -90,9 +91,12 @@ async def test_restart_mid_work_survives_and_reclaims_with_same_key(private_pg: 
                 await asyncio.to_thread(crash, private_pg)
                 return receipt
 
-        with pytest.raises(RecurringStorageError):
+        with pytest.raises(RelayAcknowledgementError) as acknowledgement:
             await store.relay(leases[1], CrashAfterAccept())
         key_before_crash = broker.keys_attempted[-1]
+        # accepted, then the database died: the receipt survives, the cause is typed
+        assert acknowledgement.value.receipt.idempotency_key == key_before_crash
+        assert isinstance(acknowledgement.value.__cause__, RecurringStorageError)
         # a tick racing the crash: afterwards all of its batch or none
         with pytest.raises(RecurringStorageError):
             await store.tick(30)
