@@ -15,6 +15,7 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
+from pg_cluster import pg_clusters  # noqa: E402, F401 - a shared fixture
 from queue_support import installed_queue  # noqa: E402
 
 

@@ -29,6 +29,7 @@ def _params(sql: QueueSql, task: Task[Any], args_text: str, options: EnqueueOpti
     ]  # fmt: skip
 
 
+@_driver.refusals_typed
 async def enqueue(
     conn: Any,
     task: Task[A],
@@ -58,6 +59,8 @@ async def enqueue(
         UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
         QueueConfigurationError: invalid schema name.
         QueueError: the duplicate kept changing under us (pathological churn).
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     options = options or _DEFAULT_OPTIONS
     sql = queue_sql(schema)
@@ -73,6 +76,7 @@ async def enqueue(
     raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
 
 
+@_driver.refusals_typed_sync
 def enqueue_sync(
     conn: Any,
     task: Task[A],
@@ -88,6 +92,8 @@ def enqueue_sync(
         UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
         QueueConfigurationError: invalid schema name.
         QueueError: the duplicate kept changing under us (pathological churn).
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     options = options or _DEFAULT_OPTIONS
     sql = queue_sql(schema)
@@ -120,6 +126,7 @@ def _many_params(
     return params
 
 
+@_driver.refusals_typed
 async def enqueue_many(
     conn: Any,
     task: Task[A],
@@ -144,6 +151,8 @@ async def enqueue_many(
         ArgsEncodingError: any args cannot be encoded (nothing is inserted).
         QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
         UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
     params = _many_params(task, args_list, options, sql)
@@ -154,6 +163,7 @@ async def enqueue_many(
     return [int(i) for i in rows[0][0]]
 
 
+@_driver.refusals_typed_sync
 def enqueue_many_sync(
     conn: Any,
     task: Task[A],
@@ -168,6 +178,8 @@ def enqueue_many_sync(
         ArgsEncodingError: any args cannot be encoded (nothing is inserted).
         QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
         UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
     params = _many_params(task, args_list, options, sql)

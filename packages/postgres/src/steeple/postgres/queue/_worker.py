@@ -386,7 +386,9 @@ class Scheduler:
         async def check(conn: Any) -> None:
             await check_schema(conn, self.schema)
             if self._require_durable:
-                await check_durable(conn, self.schema, ("tasks", "attempts", "jobs"))
+                await check_durable(
+                    conn, self.schema, ("schema_migrations", "tasks", "attempts", "jobs")
+                )
             # Claims carry a give-up time in the server's clock; estimate the offset
             # (to within a round trip) so host clock skew cannot void every claim.
             before = time.time()
