@@ -31,6 +31,7 @@ import asyncpg
 import pytest
 
 from pg_cluster import Cluster, Clusters, execute, fetchval, fill, poll
+from queue_support import finished_once
 from steeple.brokers.sqlite import SqliteJournalBroker
 from steeple.core import (
     MissedRunPolicy,
@@ -208,16 +209,6 @@ async def workers() -> AsyncIterator[list[Worker]]:
             await worker.stop()
 
 
-async def task_outcomes(dsn: str) -> dict[int, int]:
-    """task id -> how many of its attempts succeeded."""
-    rows = await _fetch(
-        dsn,
-        f"SELECT t.id, count(a.*) FILTER (WHERE a.outcome = 'succeeded') AS ok"
-        f" FROM {QUEUE}.tasks t LEFT JOIN {QUEUE}.attempts a ON a.task_id = t.id GROUP BY t.id",
-    )
-    return {r["id"]: r["ok"] for r in rows}
-
-
 def big_args(n: int) -> list[dict[str, str]]:
     return [{"blob": os.urandom(4096).hex()} for _ in range(n)]  # 8 KB of JSON each
 
@@ -253,9 +244,7 @@ async def test_queue_tablespace_full_mid_enqueue(
         await poll("a healthy worker", lambda: _healthy(worker))
     finally:
         await conn.close()
-    outcomes = await task_outcomes(dsn)
-    assert set(outcomes) == set(first + second)
-    assert set(outcomes.values()) == {1}  # each finished exactly once
+    await finished_once(dsn, QUEUE, first + second)
 
 
 async def _healthy(worker: Worker) -> bool:
@@ -324,9 +313,7 @@ async def test_wal_full_panics_then_nothing_is_lost(
         await poll("every task to run", lambda: worker.ran_all(first + second), timeout=60)
     finally:
         await store.close()
-    outcomes = await task_outcomes(dsn)
-    assert set(outcomes) == set(first + second)
-    assert set(outcomes.values()) == {1}
+    await finished_once(dsn, QUEUE, first + second)
 
 
 async def _accepts(cluster: Cluster) -> bool:

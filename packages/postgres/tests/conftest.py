@@ -15,7 +15,6 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from pg_cluster import pg_clusters  # noqa: E402, F401 - a shared fixture
 from queue_support import installed_queue  # noqa: E402
 
 
@@ -25,3 +24,6 @@ async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asy
     dsn, schema = pg_schema
     async with installed_queue(dsn, schema) as conn:
         yield dsn, schema, conn
+
+
+from pg_cluster import pg_clusters  # noqa: E402, F401 - a shared fixture

@@ -167,7 +167,7 @@ async def worker_refused(dsn: str) -> UnfitDatabaseError:
     worker = Scheduler(dsn, worker_id="w", schema=QUEUE, listen=False)
     worker.register(WORK, _noop)
     with pytest.raises(UnfitDatabaseError) as refused:
-        await worker.run_until_shutdown(asyncio.Event())
+        await asyncio.wait_for(worker.run_until_shutdown(asyncio.Event()), 30)
     return refused.value
 
 
@@ -295,7 +295,7 @@ async def test_each_unlogged_queue_table_refused(
         worker = Scheduler(dsn, worker_id="w", schema=schema, listen=False)
         worker.register(WORK, _noop)
         with pytest.raises(UnfitDatabaseError, match="is unlogged") as refused:
-            await worker.run_until_shutdown(asyncio.Event())
+            await asyncio.wait_for(worker.run_until_shutdown(asyncio.Event()), 30)
         assert refused.value.setting == "relpersistence"
 
 
