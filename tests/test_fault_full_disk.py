@@ -7,8 +7,9 @@ Every case runs on a small tmpfs mounted for the test and filled with a filler f
   naming the full disk, nothing of it is stored (rows and cursors unchanged), and once the
   filler is deleted the same store materializes every due occurrence exactly once;
 - the same tablespace under the work queue: ``enqueue_many`` of large arguments fails with
-  ``UnfitDatabaseError(setting="disk_full")``, nothing partial, a worker keeps running, and
-  after the space is freed every task enqueued runs exactly once;
+  ``UnfitDatabaseError(setting="disk_full")``, nothing partial; 300 running handlers finish
+  while the disk is full and their completions are refused, kept and retried by the worker;
+  after the space is freed every task enqueued runs and finishes exactly once;
 - the WAL directory (``initdb --waldir``) on a tmpfs: PostgreSQL PANICs when it cannot
   write WAL and recovers once space is freed; the store's failure is typed, no tick is
   half stored, and afterwards every due occurrence exists exactly once;
@@ -63,6 +64,7 @@ KEYRING = Keyring(StorageKey("k1", b"\x0c" * 32))
 CONFIG = RecurringConfig("full-disk", max_definitions=10, max_occurrences=10_000)
 QUEUE = "q"
 WORK = Task("work")
+GATED = Task("gated")
 PAYLOAD = 16 * 1024  # the largest payload: sealed, so incompressible
 
 
@@ -177,19 +179,39 @@ async def test_recurring_tablespace_full_mid_tick(pg_clusters: Clusters) -> None
 
 
 class Worker:
-    """A queue worker in the background, recording what it ran."""
+    """A queue worker in the background, recording what it ran.
+
+    Tasks named ``gated`` run until :attr:`gate` is set (``running`` counts them).
+    """
 
     def __init__(self, dsn: str) -> None:
         self.ran: list[int] = []
+        self.running = 0
+        self.gate = asyncio.Event()
         self.scheduler = Scheduler(
-            dsn, worker_id="w", schema=QUEUE, poll_interval=0.1, maintenance_interval=0.2
+            dsn,
+            worker_id="w",
+            schema=QUEUE,
+            poll_interval=0.1,
+            maintenance_interval=0.2,
+            concurrency=400,
+            batch_size=400,
         )
         self.scheduler.register(WORK, self._handle)
+        self.scheduler.register(GATED, self._gated)
         self._stop = asyncio.Event()
         self._run = asyncio.create_task(self.scheduler.run_until_shutdown(self._stop))
 
     async def _handle(self, ctx: JobContext, args: Any) -> None:
         self.ran.append(ctx.task_id)
+
+    async def _gated(self, ctx: JobContext, args: Any) -> None:
+        self.running += 1
+        await self.gate.wait()
+        self.ran.append(ctx.task_id)
+
+    async def all_running(self, n: int) -> bool:
+        return self.running == n
 
     async def ran_all(self, ids: list[int]) -> bool:
         return set(ids) <= set(self.ran)
@@ -214,8 +236,8 @@ def big_args(n: int) -> list[dict[str, str]]:
 
 
 @pytest.mark.timeout(120)
-async def test_queue_tablespace_full_mid_enqueue(
-    pg_clusters: Clusters, workers: list[Worker]
+async def test_queue_tablespace_full_mid_enqueue_and_mid_completion(
+    pg_clusters: Clusters, workers: list[Worker], caplog: pytest.LogCaptureFixture
 ) -> None:
     cluster = pg_clusters.new("primary")
     dsn = cluster.dsn()
@@ -228,23 +250,36 @@ async def test_queue_tablespace_full_mid_enqueue(
         workers.append(worker)
         first = await enqueue_many(conn, WORK, big_args(20), schema=QUEUE)
         await poll("the first tasks to run", lambda: worker.ran_all(first))
+        gated = await enqueue_many(conn, GATED, list(range(300)), schema=QUEUE)
+        await poll("300 handlers to be running", lambda: worker.all_running(300))
 
         batch = big_args(300)  # about 2.4 MB
-        filler = fill(mount, 256 * 1024)
+        filler = fill(mount, 0)
         for _ in range(2):
             with pytest.raises(UnfitDatabaseError, match="disk full") as full:
                 await enqueue_many(conn, WORK, batch, schema=QUEUE)
             assert full.value.setting == "disk_full"
             assert isinstance(full.value.__cause__, asyncpg.DiskFullError)
-            assert await conn.fetchval(f"SELECT count(*) FROM {QUEUE}.tasks") == 20
+            assert await conn.fetchval(f"SELECT count(*) FROM {QUEUE}.tasks") == 320
+        # 300 completions (new row versions and attempt rows) find no room: kept, retried
+        worker.gate.set()
+        await poll(
+            "the completions to be refused for lack of space",
+            lambda: _logged(caplog, "could not record 300 completions"),
+        )
 
         filler.unlink()
         second = await enqueue_many(conn, WORK, batch, schema=QUEUE)
-        await poll("every task to run", lambda: worker.ran_all(first + second), timeout=60)
+        everything = first + gated + second
+        await poll("every task to run", lambda: worker.ran_all(everything), timeout=60)
         await poll("a healthy worker", lambda: _healthy(worker))
     finally:
         await conn.close()
-    await finished_once(dsn, QUEUE, first + second)
+    await finished_once(dsn, QUEUE, everything)
+
+
+async def _logged(caplog: pytest.LogCaptureFixture, text: str) -> bool:
+    return any(text in r.getMessage() and "space" in r.getMessage() for r in caplog.records)
 
 
 async def _healthy(worker: Worker) -> bool:

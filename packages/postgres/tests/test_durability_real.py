@@ -32,6 +32,7 @@ from steeple.core import (
     MissedRunPolicy,
     RecurringConfig,
     RecurringConfigurationError,
+    RecurringDeadlineError,
     RecurringDefinition,
     RecurringStorageError,
     ScheduledMessage,
@@ -109,10 +110,10 @@ async def _shows(dsn: str, name: str, value: str) -> bool:
 
 @contextlib.asynccontextmanager
 async def server_setting(cluster: Cluster, name: str, value: str) -> AsyncIterator[None]:
-    """``ALTER SYSTEM SET name = value`` and reload; reset (and reload) afterwards."""
+    """``ALTER SYSTEM SET name = 'value'`` and reload; reset (and reload) afterwards."""
     dsn = cluster.dsn()
     default = await fetchval(dsn, f"SHOW {name}")
-    await execute(dsn, f"ALTER SYSTEM SET {name} = {value}", "SELECT pg_reload_conf()")
+    await execute(dsn, f"ALTER SYSTEM SET {name} = '{value}'", "SELECT pg_reload_conf()")
     try:
         await poll(f"{name}={value} after the reload", lambda: _shows(dsn, name, value))
         yield
@@ -220,6 +221,44 @@ async def test_server_durability_settings_refused(deployed: Cluster, setting: st
     store = await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, clock)
     await store.close()
     await runs_a_task(dsn)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_an_absent_synchronous_standby_holds_the_commit(deployed: Cluster) -> None:
+    """``synchronous_standby_names`` names a standby that is not connected.
+
+    Every steeple transaction commits with ``synchronous_commit = on`` (raised locally even
+    when the role says ``local``), so its COMMIT waits for that standby, and neither
+    ``statement_timeout`` nor the client going away ends the wait: the call deadline
+    (10 s) fires, typed, while the transaction stays invisible, holding the namespace's
+    control row, until the standby comes or the setting goes. Then it completes, once.
+    """
+    dsn = deployed.dsn()
+    clock = FakeClock(START)
+    store = await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, clock)
+    count = "SELECT count(*) FROM steeple.recurring_occurrences"
+    distinct = "SELECT count(DISTINCT (definition_name, due_at)) FROM steeple.recurring_occurrences"
+    waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
+    try:
+        await store.create(definition("held"))  # 5 due at START (and any left by other tests)
+        before = await fetchval(dsn, count)
+        async with server_setting(deployed, "synchronous_standby_names", "absent"):
+            with pytest.raises(RecurringDeadlineError):
+                await store.tick(100)
+            assert await fetchval(dsn, waiting) == 1  # abandoned by the store, still waiting
+            assert await fetchval(dsn, count) == before  # not visible: nothing acknowledged
+        await poll("the held commit to complete", lambda: _counts(dsn, waiting, 0))
+        held = await fetchval(dsn, count)
+        assert held >= before + 5
+        assert (await store.tick(100)).materialized == 0  # done once, not repeated
+        assert await fetchval(dsn, count) == await fetchval(dsn, distinct) == held
+    finally:
+        await store.close()
+
+
+async def _counts(dsn: str, query: str, expected: int) -> bool:
+    return bool(await fetchval(dsn, query) == expected)
 
 
 async def test_enqueue_commits_synchronously_on_a_session_that_does_not(
