@@ -104,7 +104,7 @@ async def bench_steeple(dsn: str, n: int, samples: int) -> Result:
     conn = await asyncpg.connect(dsn)
     try:
         await install(conn, schema=schema)
-        noop = Task("noop")
+        noop: Task[dict[str, int]] = Task("noop")
         done = asyncio.Event()
         count = 0
         started: asyncio.Queue[float] = asyncio.Queue()
@@ -244,6 +244,7 @@ async def bench_pgqueuer(dsn: str, n: int, samples: int) -> Result:
 
 async def bench_procrastinate(dsn: str, n: int, samples: int) -> Result:
     import procrastinate
+    from procrastinate.types import JSONDict
 
     n = min(n, PROCRASTINATE_MAX_N)  # ~100 tasks/s here: 50,000 would take ten minutes
 
@@ -287,7 +288,8 @@ async def bench_procrastinate(dsn: str, n: int, samples: int) -> Result:
             t0 = time.perf_counter()
             for start in range(0, n, CHUNK):
                 m = min(CHUNK, n - start)
-                await noop.batch_defer_async(*({"i": start + k} for k in range(m)))
+                batch: list[JSONDict] = [{"i": start + k} for k in range(m)]
+                await noop.batch_defer_async(*batch)
             result.enqueue = n / (time.perf_counter() - t0)
 
             t0 = time.perf_counter()
@@ -492,12 +494,10 @@ async def main() -> int:
         # No server named: a private PostgreSQL (pgserver), as the test suite does.
         import tempfile
 
-        import pgserver
+        from pgserver.postgres_server import get_server
 
         print("no --dsn: starting a private PostgreSQL (pgserver)", file=sys.stderr)
-        server = pgserver.get_server(
-            tempfile.mkdtemp(prefix="steeple-bench-"), cleanup_mode="delete"
-        )
+        server = get_server(tempfile.mkdtemp(prefix="steeple-bench-"), cleanup_mode="delete")
         args.dsn = server.get_uri()
     try:
         return await run_all(args)

@@ -38,11 +38,9 @@ def _dsn() -> tuple[str, object | None]:
     dsn = os.environ.get("STEEPLE_DATABASE_URL") or os.environ.get("STEEPLE_TEST_DSN")
     if dsn:
         return dsn, None
-    import pgserver  # type: ignore[import-untyped]
+    from pgserver.postgres_server import get_server
 
-    server = pgserver.get_server(
-        Path(tempfile.mkdtemp(prefix="steeple-bench-")), cleanup_mode="delete"
-    )
+    server = get_server(Path(tempfile.mkdtemp(prefix="steeple-bench-")), cleanup_mode="delete")
     return server.get_uri(), server
 
 

@@ -44,9 +44,9 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
 
-__all__ = ["FaultProxy", "running_proxy"]
+__all__ = ["FaultProxy", "dsn_via", "open_pg", "pg_endpoint", "running_proxy"]
 
 _CHUNK = 65536
 _SSL_REQUEST = 80877103
@@ -56,6 +56,56 @@ _CANCEL_REQUEST = 80877102
 _READY = b"Z\x00\x00\x00\x05"
 _READY_IN_TRANSACTION = _READY + b"T"
 _COMMIT = re.compile(rb"\b(COMMIT|END)\b", re.IGNORECASE)
+
+
+def pg_endpoint(dsn: str) -> tuple[str, int]:
+    """The one server a libpq URL names: ``(host, port)``, the host maybe a socket directory.
+
+    Never a guess: a URL that names no host (libpq would try its default socket, then
+    localhost) or several hosts is refused, so a proxy cannot relay to a server the tests
+    were not given.
+
+    Raises:
+        ValueError: not a ``postgresql://`` URL, or no host, or several hosts or ports.
+    """
+    parts = urlsplit(dsn)
+    if parts.scheme not in {"postgresql", "postgres"}:
+        raise ValueError("the fault proxy needs a postgresql:// URL")
+    query = parse_qs(parts.query)
+    netloc_host = parts.netloc.rpartition("@")[2]
+    if netloc_host.startswith("["):  # an IPv6 literal
+        netloc_host = netloc_host[1:].partition("]")[0]
+    else:
+        netloc_host = netloc_host.partition(":")[0]
+    hosts = query.get("host") or query.get("hostaddr") or [unquote(netloc_host)]
+    ports = query.get("port") or [str(parts.port or 5432)]
+    if len(hosts) != 1 or len(ports) != 1 or "," in hosts[0] or "," in ports[0]:
+        raise ValueError("the fault proxy relays to exactly one server: name one host and port")
+    if not hosts[0]:
+        raise ValueError("the DSN names no host: name the test server (a host or host=/socket/dir)")
+    return hosts[0], int(ports[0])
+
+
+async def open_pg(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to a PostgreSQL server by TCP, or by its Unix socket when ``host`` is a path."""
+    if host.startswith("/"):
+        return await asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
+    return await asyncio.open_connection(host, port)
+
+
+def dsn_via(dsn: str, port: int) -> str:
+    """``dsn`` (user, password, database and options kept) through ``127.0.0.1:port``."""
+    parts = urlsplit(dsn)
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    query = [
+        (k, v)
+        for k, values in parse_qs(parts.query, keep_blank_values=True).items()
+        if k not in {"host", "hostaddr", "port"}
+        for v in values
+    ]
+    return urlunsplit(
+        parts._replace(netloc=f"{userinfo}{at}127.0.0.1:{port}", query=urlencode(query))
+    )
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:
@@ -380,10 +430,10 @@ class FaultProxy:
 
     def __init__(
         self,
-        upstream_host: str = "127.0.0.1",
-        upstream_port: int = 5432,
+        upstream_host: str,
+        upstream_port: int,
         *,
-        database: str = "test",
+        database: str = "postgres",
         user: str = "postgres",
     ) -> None:
         self.upstream_host = upstream_host
@@ -436,11 +486,13 @@ class FaultProxy:
 
     @classmethod
     def for_dsn(cls, dsn: str) -> FaultProxy:
-        """A proxy to the server, database and user of ``dsn`` (TCP or a Unix socket)."""
+        """A proxy to the server, database and user of ``dsn`` (TCP or a Unix socket).
+
+        Raises:
+            ValueError: ``dsn`` does not name one server (see :func:`pg_endpoint`).
+        """
         parts = urlsplit(dsn)
-        query = parse_qs(parts.query)
-        host = query.get("host", [parts.hostname or "127.0.0.1"])[0]
-        port = int(query.get("port", [parts.port or 5432])[0])
+        host, port = pg_endpoint(dsn)
         return cls(
             host,
             port,
@@ -553,12 +605,7 @@ class FaultProxy:
         self.accepted += 1
         try:
             try:
-                if self.upstream_host.startswith("/"):
-                    upstream = await asyncio.open_unix_connection(
-                        f"{self.upstream_host}/.s.PGSQL.{self.upstream_port}"
-                    )
-                else:
-                    upstream = await asyncio.open_connection(self.upstream_host, self.upstream_port)
+                upstream = await open_pg(self.upstream_host, self.upstream_port)
             except OSError:
                 _abort(writer)
                 return
@@ -575,9 +622,7 @@ class FaultProxy:
 
 
 @contextlib.asynccontextmanager
-async def running_proxy(
-    dsn: str = "postgresql://postgres@127.0.0.1:5432/test",
-) -> AsyncIterator[FaultProxy]:
+async def running_proxy(dsn: str) -> AsyncIterator[FaultProxy]:
     """Start a :class:`FaultProxy` to the server of ``dsn``, yield it, stop it."""
     proxy = FaultProxy.for_dsn(dsn)
     await proxy.start()

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -519,8 +518,10 @@ async def test_very_slow_network_meets_the_deadline_all_or_nothing(net: Net) -> 
 # --- connection limit lower than the pool (row 7) ----------------------------------------------
 
 
-async def test_connection_limit_below_the_pool_is_typed_back_pressure(net: Net) -> None:
-    role = f"steeple_cl_{uuid.uuid4().hex[:8]}"
+async def test_connection_limit_below_the_pool_is_typed_back_pressure(
+    net: Net, pg_name: Callable[[str], str]
+) -> None:
+    role = pg_name("steeple_cl")
     admin = await asyncpg.connect(net.dsn, timeout=10)
     try:
         await admin.execute(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 1')

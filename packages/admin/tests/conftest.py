@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -55,12 +55,11 @@ def make_keys() -> tuple[str, Keyring]:
 
 
 @pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No STEEPLE_* variables from the outer environment leak into a test."""
     for name in list(os.environ):
         if name.startswith("STEEPLE_") and name != "STEEPLE_TEST_DSN":
             monkeypatch.delenv(name, raising=False)
-    return
 
 
 async def seed_namespace(dsn: str, schema: str) -> Seeded:
@@ -123,7 +122,7 @@ async def seed_namespace(dsn: str, schema: str) -> Seeded:
 
 
 @pytest.fixture
-async def seeded(pg_schema: tuple[str, str]) -> AsyncIterator[Seeded]:
+async def seeded(pg_schema: tuple[str, str]) -> Seeded:
     dsn, schema = pg_schema
     return await seed_namespace(dsn, schema)
 

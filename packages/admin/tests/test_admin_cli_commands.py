@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 
 from steeple.admin.cli import app
 from steeple.admin.settings import ExitCode
+from steeple.postgres.queue import LIBRARY_SCHEMA_VERSION
 
 runner = CliRunner()
 
@@ -65,11 +67,13 @@ async def test_initialize_is_idempotent_and_checks_configuration(
 
 
 @pytest.mark.postgres
-async def test_initialize_grants_a_runtime_role(pg_schema: tuple[str, str]) -> None:
+async def test_initialize_grants_a_runtime_role(
+    pg_schema: tuple[str, str], pg_name: Callable[[str], str]
+) -> None:
     import asyncpg
 
     dsn, schema = pg_schema
-    role = f"rt_{uuid.uuid4().hex[:10]}"
+    role = pg_name("rt")
     conn = await asyncpg.connect(dsn)
     await conn.execute(f'CREATE ROLE "{role}" NOLOGIN')
     try:
@@ -92,7 +96,8 @@ async def test_initialize_grants_a_runtime_role(pg_schema: tuple[str, str]) -> N
         await conn.close()
     assert allowed is True
     assert creates is False
-    assert missing.exit_code == ExitCode.FAILED
+    # a role that does not exist is a configuration error (issue 10: typed, not the driver's)
+    assert missing.exit_code == ExitCode.CONFIG
     assert "no_such_r0le" in missing.stderr
 
 
@@ -236,7 +241,8 @@ async def test_migrate_is_idempotent(pg_schema: tuple[str, str]) -> None:
     for _ in range(2):
         result = await ainvoke(["migrate", "--dsn", dsn, "--queue-schema", schema])
         assert result.exit_code == 0, result.output
-        assert f"work queue schema '{schema}' is at version 1" in result.stdout
+        version = LIBRARY_SCHEMA_VERSION
+        assert f"work queue schema '{schema}' is at version {version}" in result.stdout
     tasks = await ainvoke(["tasks", "--dsn", dsn, "--queue-schema", schema, "--json"])
     assert json.loads(tasks.stdout) == {"items": [], "next_cursor": None}
     bad = await ainvoke(["migrate", "--dsn", dsn, "--queue-schema", "Not-Valid"])

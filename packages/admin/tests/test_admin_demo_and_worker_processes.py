@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -76,8 +76,10 @@ async def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) 
 
 
 @pytest.mark.postgres
-async def test_demo_on_a_server(pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str]) -> None:
-    schema = f"demo_{uuid.uuid4().hex[:10]}"
+async def test_demo_on_a_server(
+    pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str], pg_name: Callable[[str], str]
+) -> None:
+    schema = pg_name("demo")
     drop_queue_schema.extend([schema, f"{schema}_queue"])
     args = [
         "demo",
@@ -183,12 +185,12 @@ DEMO_NAMESPACE_FLAGS = ["-n", "demo", "--max-definitions", "100", "--lease", "30
 
 @pytest.mark.postgres
 async def test_commands_work_on_the_namespace_a_demo_left(
-    pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str]
+    pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str], pg_name: Callable[[str], str]
 ) -> None:
     """Issue 10 item 8: the demo's clock ran 49 minutes ahead and recorded it; every command
     on that database then refused with "local clock trails ...". It must never pass real
     time, so `steeple schedules` / `occurrences` work right after it."""
-    schema = f"demo_{uuid.uuid4().hex[:10]}"
+    schema = pg_name("demo")
     drop_queue_schema.extend([schema, f"{schema}_queue"])
     data = tmp_path / "demo"
     demo = ["demo", "--dsn", pg_dsn, "--schema", schema, "--data-dir", str(data)]
@@ -232,12 +234,12 @@ async def test_commands_work_on_the_namespace_a_demo_left(
 @pytest.mark.slow
 @pytest.mark.postgres
 async def test_embedded_and_server_demos_keep_their_own_clocks(
-    pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str]
+    pg_dsn: str, tmp_path: Path, drop_queue_schema: list[str], pg_name: Callable[[str], str]
 ) -> None:
     """The embedded run and a --dsn run in the same data directory share no clock state:
     each resumes at the time its own namespace recorded."""
     pytest.importorskip("pgserver")
-    schema = f"demo_{uuid.uuid4().hex[:10]}"
+    schema = pg_name("demo")
     drop_queue_schema.extend([schema, f"{schema}_queue"])
     embedded = await _run(["demo", "--duration", "2"], _env(), tmp_path, 120)
     assert embedded.returncode == 0, embedded.stdout + embedded.stderr

@@ -349,9 +349,11 @@ class ProxiedHarness:
 
 
 @contextlib.asynccontextmanager
-async def running_proxy(host: str, port: int) -> AsyncIterator[TcpProxy]:
-    """A started :class:`TcpProxy` to ``host:port``, closed on exit."""
-    proxy = TcpProxy(host, port)
+async def running_proxy(
+    host: str, port: int, *, connect: Connector | None = None
+) -> AsyncIterator[TcpProxy]:
+    """A started :class:`TcpProxy` to ``host:port`` (or through ``connect``), closed on exit."""
+    proxy = TcpProxy(host, port, connect=connect)
     await proxy.start()
     try:
         yield proxy
@@ -362,11 +364,19 @@ async def running_proxy(host: str, port: int) -> AsyncIterator[TcpProxy]:
 # --- a TCP proxy for real network faults --------------------------------------------------
 
 
-class TcpProxy:
-    """Forwards 127.0.0.1:port to a target; can stall, drop replies or cut connections."""
+Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
-    def __init__(self, host: str, port: int) -> None:
+
+class TcpProxy:
+    """Forwards 127.0.0.1:port to a target; can stall, drop replies or cut connections.
+
+    ``connect`` opens the upstream connection instead of a TCP connection to ``host:port``
+    (say, a PostgreSQL server's Unix socket).
+    """
+
+    def __init__(self, host: str, port: int, *, connect: Connector | None = None) -> None:
         self.target = (host, port)
+        self._connect = connect
         self.port = 0
         self._server: asyncio.Server | None = None
         self._links: set[_Link] = set()
@@ -383,7 +393,10 @@ class TcpProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
+            if self._connect is not None:
+                up_reader, up_writer = await self._connect()
+            else:
+                up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
             writer.close()
             return
@@ -438,6 +451,10 @@ class _Link:
         self.drop_replies = False
         self.closed = False
 
+    def is_closed(self) -> bool:
+        """Whether the link was closed (read afresh after every await: another task may)."""
+        return self.closed
+
     async def pump(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, upstream: bool
     ) -> None:
@@ -445,9 +462,9 @@ class _Link:
             data = await reader.read(65536)
             if not data:
                 break
-            while self.proxy.stalled and not self.closed:  # noqa: ASYNC110 - a test proxy
+            while self.proxy.stalled and not self.is_closed():  # noqa: ASYNC110 - a test proxy
                 await asyncio.sleep(0.02)
-            if self.closed:
+            if self.is_closed():
                 break
             if not upstream and self.drop_replies:
                 continue

@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -21,6 +20,7 @@ from broker_suite import (
     running_proxy,
     take_pending_tasks,
 )
+from faultproxy import dsn_via, open_pg, pg_endpoint
 from steeple.brokers.queue import WorkQueueBroker, decode_task_args
 from steeple.core.errors import (
     BrokerConfigurationError,
@@ -31,12 +31,6 @@ from steeple.core.messages import ScheduledMessage
 from steeple.postgres.queue import JobContext, Scheduler, Task, install
 
 pytestmark = pytest.mark.postgres
-
-
-def _via(dsn: str, port: int) -> str:
-    parts = urlsplit(dsn)
-    user = f"{parts.username}@" if parts.username else ""
-    return f"{parts.scheme}://{user}127.0.0.1:{port}{parts.path}"
 
 
 class QueueHarness(ProxiedHarness):
@@ -51,7 +45,7 @@ class QueueHarness(ProxiedHarness):
 
     async def make_broker(self) -> WorkQueueBroker:
         b = WorkQueueBroker(
-            _via(self.dsn, self.proxy.port),
+            dsn_via(self.dsn, self.proxy.port),
             schema=self.schema,
             max_message_bytes=4096,
             connect_timeout=2.0,
@@ -82,9 +76,11 @@ async def queue_schema(pg_schema: tuple[str, str]) -> tuple[str, str]:
 @pytest.fixture
 async def harness(queue_schema: tuple[str, str]) -> AsyncIterator[QueueHarness]:
     dsn, schema = queue_schema
-    parts = urlsplit(dsn)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 5432
-    async with running_proxy(host, port) as proxy, QueueHarness(dsn, schema, proxy) as h:
+    host, port = pg_endpoint(dsn)  # the test server itself, TCP or a Unix socket
+    async with (
+        running_proxy(host, port, connect=lambda: open_pg(host, port)) as proxy,
+        QueueHarness(dsn, schema, proxy) as h,
+    ):
         yield h
 
 

@@ -6,7 +6,6 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 # The tests import the helper module beside them (queue_support.py); with
@@ -15,11 +14,11 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from queue_support import installed_queue  # noqa: E402
+from queue_support import QueueFixture, installed_queue  # noqa: E402
 
 
 @pytest.fixture
-async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, asyncpg.Connection]]:
+async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[QueueFixture]:
     """``(dsn, schema, conn)``: a fresh schema with the queue installed and a connection to it."""
     dsn, schema = pg_schema
     async with installed_queue(dsn, schema) as conn:

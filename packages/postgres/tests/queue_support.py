@@ -15,6 +15,9 @@ import asyncpg
 
 from steeple.postgres.queue import install
 
+QueueFixture = tuple[str, str, asyncpg.Connection]
+"""The ``queue`` fixture: ``(dsn, schema, conn)``, the queue installed in ``schema``."""
+
 # asyncpg.connect's own default connect timeout.
 _CONNECT_TIMEOUT = 60.0
 

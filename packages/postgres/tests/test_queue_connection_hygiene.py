@@ -9,7 +9,7 @@ import asyncpg
 import pytest
 
 import steeple.postgres.queue._worker as worker_module
-from queue_support import wait_until
+from queue_support import QueueFixture, wait_until
 from steeple.postgres.queue import (
     JobContext,
     Scheduler,
@@ -27,10 +27,10 @@ from steeple.postgres.queue._db import (
 
 pytestmark = pytest.mark.postgres
 
-PLAIN = Task("plain")
+PLAIN: Task[Any] = Task("plain")
 
 
-async def test_pools_the_worker_opens_carry_tcp_keepalives(queue) -> None:
+async def test_pools_the_worker_opens_carry_tcp_keepalives(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     worker = Scheduler(dsn, worker_id="ka", schema=schema, poll_interval=0.1)
     seen: list[tuple[Any, ...]] = []
@@ -59,7 +59,9 @@ async def test_pools_the_worker_opens_carry_tcp_keepalives(queue) -> None:
     assert KEEPALIVE_SETTINGS["tcp_user_timeout"] == "30000"
 
 
-async def test_a_listener_whose_pool_is_terminated_reports_a_lost_connection(queue) -> None:
+async def test_a_listener_whose_pool_is_terminated_reports_a_lost_connection(
+    queue: QueueFixture,
+) -> None:
     # Terminating the pool releases the listener's proxy under it; is_closed() on it used
     # to raise InterfaceError ("cannot call Connection.is_closed()") and mislead the log.
     dsn, _schema, _conn = queue
@@ -75,7 +77,9 @@ async def test_a_listener_whose_pool_is_terminated_reports_a_lost_connection(que
         await asyncio.wait_for(task, 15)
 
 
-async def test_discarding_a_released_connection_keeps_the_original_error(queue) -> None:
+async def test_discarding_a_released_connection_keeps_the_original_error(
+    queue: QueueFixture,
+) -> None:
     dsn, _schema, _conn = queue
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
     try:
@@ -121,7 +125,7 @@ class _LostReply:
 
 
 async def _run_with_lost_reply(
-    queue: Any, monkeypatch: pytest.MonkeyPatch, *, commit: bool, cancel_between: bool
+    queue: QueueFixture, monkeypatch: pytest.MonkeyPatch, *, commit: bool, cancel_between: bool
 ) -> tuple[Scheduler, int, JobContext]:
     dsn, schema, conn = queue
     pool = await asyncpg.create_pool(dsn, min_size=2, max_size=6)
@@ -129,14 +133,13 @@ async def _run_with_lost_reply(
 
     def wrapping_open_db(p: Any) -> Any:
         inner = open_db(p)
-        wrapper = _LostReply(inner, worker.sql_for_tests_complete, commit=commit)
+        wrapper = _LostReply(inner, worker._sql.complete, commit=commit)
         wrappers.append(wrapper)
         return wrapper
 
     worker = Scheduler(
         pool, worker_id="amb", schema=schema, poll_interval=0.05, maintenance_interval=0.1
     )
-    worker.sql_for_tests_complete = worker._sql.complete  # type: ignore[attr-defined]
     monkeypatch.setattr(worker_module, "open_db", wrapping_open_db)
     contexts: list[JobContext] = []
 
@@ -161,7 +164,7 @@ async def _run_with_lost_reply(
 
 
 async def test_a_retried_completion_that_had_committed_is_not_a_rejection(
-    queue, monkeypatch: pytest.MonkeyPatch
+    queue: QueueFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker, task_id, ctx = await _run_with_lost_reply(
         queue, monkeypatch, commit=True, cancel_between=False
@@ -179,7 +182,7 @@ async def test_a_retried_completion_that_had_committed_is_not_a_rejection(
 
 
 async def test_a_retried_completion_fenced_meanwhile_is_still_rejected(
-    queue, monkeypatch: pytest.MonkeyPatch
+    queue: QueueFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker, task_id, ctx = await _run_with_lost_reply(
         queue, monkeypatch, commit=False, cancel_between=True

@@ -6,12 +6,14 @@ import asyncio
 import dataclasses
 import math
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 import attrs
 import psycopg
 import pytest
 
+from queue_support import QueueFixture
 from steeple.core.backoff import Backoff
 from steeple.postgres.queue import (
     ArgsEncodingError,
@@ -41,14 +43,16 @@ class Report:
 
 SEND = Task("send-email", Email)
 REPORT = Task("report", Report)
-PLAIN = Task("plain")
+PLAIN: Task[Any] = Task("plain")
 
 
 async def _count(conn: asyncpg.Connection, schema: str) -> int:
     return int(await conn.fetchval(f'SELECT count(*) FROM "{schema}".tasks'))
 
 
-async def test_asyncpg_enqueue_commits_and_rolls_back_with_the_transaction(queue) -> None:
+async def test_asyncpg_enqueue_commits_and_rolls_back_with_the_transaction(
+    queue: QueueFixture,
+) -> None:
     dsn, schema, check = queue
     conn = await asyncpg.connect(dsn)
     try:
@@ -74,7 +78,7 @@ async def test_asyncpg_enqueue_commits_and_rolls_back_with_the_transaction(queue
         await conn.close()
 
 
-async def test_psycopg_async_enqueue_commits_and_rolls_back(queue) -> None:
+async def test_psycopg_async_enqueue_commits_and_rolls_back(queue: QueueFixture) -> None:
     dsn, schema, check = queue
     async with await psycopg.AsyncConnection.connect(dsn) as conn:
         await conn.execute(f'CREATE TABLE "{schema}".app (v int)')
@@ -92,7 +96,7 @@ async def test_psycopg_async_enqueue_commits_and_rolls_back(queue) -> None:
     assert REPORT.decode(args) == Report("q1", 3)
 
 
-async def test_psycopg_sync_enqueue_commits_and_rolls_back(queue) -> None:
+async def test_psycopg_sync_enqueue_commits_and_rolls_back(queue: QueueFixture) -> None:
     dsn, schema, check = queue
 
     def produce() -> int:
@@ -117,7 +121,7 @@ async def test_psycopg_sync_enqueue_commits_and_rolls_back(queue) -> None:
     assert PLAIN.decode(args) == {"k": [1, 2]}
 
 
-async def test_sync_and_async_functions_refuse_the_other_kind(queue) -> None:
+async def test_sync_and_async_functions_refuse_the_other_kind(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     with pytest.raises(UnsupportedConnectionError):
         await enqueue(object(), PLAIN, 1, schema=schema)
@@ -128,7 +132,7 @@ async def test_sync_and_async_functions_refuse_the_other_kind(queue) -> None:
     assert await _count(conn, schema) == 0
 
 
-async def test_options_are_snapshotted_onto_the_task(queue) -> None:
+async def test_options_are_snapshotted_onto_the_task(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
     when = datetime.now(UTC) + timedelta(hours=1)
     options = EnqueueOptions.at(
@@ -140,6 +144,7 @@ async def test_options_are_snapshotted_onto_the_task(queue) -> None:
     )
     done = await enqueue(conn, PLAIN, "x", options, schema=schema)
     row = await conn.fetchrow(f'SELECT * FROM "{schema}".tasks WHERE id = $1', done.id)
+    assert row is not None
     assert row["run_at"] == when
     assert row["priority"] == 7
     assert row["lease_duration"] == timedelta(seconds=5)
@@ -154,7 +159,9 @@ async def test_options_are_snapshotted_onto_the_task(queue) -> None:
     assert row["run_id"] is not None
 
 
-async def test_dedup_returns_the_live_task_and_allows_a_new_one_after_it_ends(queue) -> None:
+async def test_dedup_returns_the_live_task_and_allows_a_new_one_after_it_ends(
+    queue: QueueFixture,
+) -> None:
     _dsn, schema, conn = queue
     options = EnqueueOptions.immediate(dedup_key="user-1")
     first = await enqueue(conn, PLAIN, 1, options, schema=schema)
@@ -177,7 +184,7 @@ async def test_dedup_returns_the_live_task_and_allows_a_new_one_after_it_ends(qu
     assert await _count(conn, schema) == 3
 
 
-async def test_concurrent_duplicate_enqueues_create_one_task(queue) -> None:
+async def test_concurrent_duplicate_enqueues_create_one_task(queue: QueueFixture) -> None:
     dsn, schema, check = queue
     conns = [await asyncpg.connect(dsn) for _ in range(5)]
     try:
@@ -193,7 +200,7 @@ async def test_concurrent_duplicate_enqueues_create_one_task(queue) -> None:
             await c.close()
 
 
-async def test_enqueue_many_is_one_statement_in_order_and_atomic(queue) -> None:
+async def test_enqueue_many_is_one_statement_in_order_and_atomic(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
     ids = await enqueue_many(conn, PLAIN, [{"n": i} for i in range(500)], schema=schema)
     assert len(ids) == 500
@@ -210,7 +217,7 @@ async def test_enqueue_many_is_one_statement_in_order_and_atomic(queue) -> None:
     assert await _count(conn, schema) == 500
 
 
-async def test_enqueue_sends_a_notification_on_commit_only(queue) -> None:
+async def test_enqueue_sends_a_notification_on_commit_only(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     listener = await asyncpg.connect(dsn)
     got: asyncio.Queue[str] = asyncio.Queue()
@@ -252,7 +259,9 @@ async def test_enqueue_sends_a_notification_on_commit_only(queue) -> None:
         (Task("dates", Email), Email(1, datetime.now(UTC))),  # type: ignore[arg-type]
     ],
 )
-async def test_unencodable_args_are_refused_and_nothing_is_stored(queue, task, args) -> None:
+async def test_unencodable_args_are_refused_and_nothing_is_stored(
+    queue: QueueFixture, task: Task[Any], args: object
+) -> None:
     _dsn, schema, conn = queue
     with pytest.raises(ArgsEncodingError) as err:
         await enqueue(conn, task, args, schema=schema)
@@ -305,7 +314,33 @@ def test_task_and_option_validation() -> None:
         options.priority = 4  # type: ignore[misc]
 
 
-async def test_invalid_schema_is_refused_before_any_sql(queue) -> None:
+async def test_invalid_schema_is_refused_before_any_sql(queue: QueueFixture) -> None:
     _dsn, _schema, conn = queue
     with pytest.raises(QueueConfigurationError):
         await enqueue(conn, PLAIN, 1, schema="bad-schema")
+
+
+async def test_due_times_are_set_on_the_servers_clock(queue: QueueFixture) -> None:
+    """Immediate work is due exactly when created (run_at = created_at: the claim keeps it
+    due across a step back of the server's clock); after(delay) counts from that instant;
+    at(when) is the instant given."""
+    _dsn, schema, conn = queue
+    task: Task[Any] = Task("timed")
+    when = datetime(2031, 5, 6, 7, 8, 9, tzinfo=UTC)
+    delay = timedelta(minutes=7, microseconds=3)
+    ids = [
+        (await enqueue(conn, task, {}, schema=schema)).id,
+        (await enqueue(conn, task, {}, EnqueueOptions.after(delay), schema=schema)).id,
+        (await enqueue(conn, task, {}, EnqueueOptions.at(when), schema=schema)).id,
+        *await enqueue_many(conn, task, [1, 2], EnqueueOptions.after(delay), schema=schema),
+        *await enqueue_many(conn, task, [3], schema=schema),
+    ]
+    rows = {
+        r["id"]: r["run_at"] - r["created_at"]
+        for r in await conn.fetch(f'SELECT id, run_at, created_at FROM "{schema}".tasks')
+    }
+    assert [rows[i] for i in ids[:2]] == [timedelta(0), delay]
+    assert [rows[i] for i in ids[3:]] == [delay, delay, timedelta(0)]
+    assert (await run_state(conn, ids[2], schema=schema)).run_at == when
+    with pytest.raises(QueueConfigurationError, match="not both"):
+        EnqueueOptions(run_at=when, delay=delay)

@@ -10,7 +10,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from queue_support import wait_until
+from queue_support import QueueFixture, wait_until
 from steeple.postgres.queue import (
     EnqueueOptions,
     Health,
@@ -24,10 +24,10 @@ from steeple.postgres.queue import (
     run_state,
 )
 
-PLAIN = Task("plain")
+PLAIN: Task[Any] = Task("plain")
 
 
-async def test_terminated_worker_connections_degrade_then_recover(queue) -> None:
+async def test_terminated_worker_connections_degrade_then_recover(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     pool = await asyncpg.create_pool(dsn, min_size=4, max_size=6)
     executions: list[int] = []
@@ -79,7 +79,7 @@ async def test_terminated_worker_connections_degrade_then_recover(queue) -> None
     assert all(r["ok"] == 1 for r in rows)  # finalized exactly once
 
 
-async def test_unlogged_queue_tables_are_refused(queue) -> None:
+async def test_unlogged_queue_tables_are_refused(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     await conn.execute(f'ALTER TABLE "{schema}".jobs SET UNLOGGED')
     worker = Scheduler(dsn, worker_id="w", schema=schema)
@@ -100,7 +100,7 @@ async def test_unlogged_queue_tables_are_refused(queue) -> None:
     await lax.run_until_shutdown(stop)
 
 
-async def test_a_pool_too_small_for_the_worker_is_refused(queue) -> None:
+async def test_a_pool_too_small_for_the_worker_is_refused(queue: QueueFixture) -> None:
     dsn, schema, _conn = queue
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
     try:
@@ -116,7 +116,7 @@ async def test_a_pool_too_small_for_the_worker_is_refused(queue) -> None:
         await pool.close()
 
 
-async def test_enqueue_on_a_pool_and_a_caller_owned_pool_worker(queue) -> None:
+async def test_enqueue_on_a_pool_and_a_caller_owned_pool_worker(queue: QueueFixture) -> None:
     dsn, schema, _conn = queue
     pool = await asyncpg.create_pool(dsn, min_size=3, max_size=4)
     ran: list[Any] = []
@@ -140,7 +140,7 @@ async def test_enqueue_on_a_pool_and_a_caller_owned_pool_worker(queue) -> None:
     assert ran == ["via pool"]
 
 
-async def test_a_psycopg_pool_runs_the_worker_with_wakeups_and_jobs(queue) -> None:
+async def test_a_psycopg_pool_runs_the_worker_with_wakeups_and_jobs(queue: QueueFixture) -> None:
     import psycopg_pool
 
     from steeple.postgres.queue import jobs

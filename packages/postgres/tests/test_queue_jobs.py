@@ -9,6 +9,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from queue_support import QueueFixture
 from steeple.core.backoff import Backoff
 from steeple.core.errors import InvalidCronExpression
 from steeple.postgres.queue import (
@@ -24,7 +25,7 @@ from steeple.postgres.queue import (
 )
 from steeple.testing import FakeClock
 
-REPORT = Task("report")
+REPORT: Task[Any] = Task("report")
 # An odd start, in the real past so materialized tasks are due at once in database time.
 START = datetime(2026, 3, 4, 5, 6, 7, 890_000, tzinfo=UTC)
 
@@ -36,7 +37,7 @@ async def _tasks(conn: asyncpg.Connection, schema: str) -> list[asyncpg.Record]:
     )
 
 
-async def test_create_get_and_duplicate_names(queue) -> None:
+async def test_create_get_and_duplicate_names(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
     clock = FakeClock(START)
     info = await jobs.create(
@@ -55,7 +56,7 @@ async def test_create_get_and_duplicate_names(queue) -> None:
     assert "kind" not in repr(info)
 
 
-async def test_bad_definitions_are_refused_and_nothing_is_stored(queue) -> None:
+async def test_bad_definitions_are_refused_and_nothing_is_stored(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
     clock = FakeClock(START)
     with pytest.raises(InvalidCronExpression):
@@ -71,7 +72,7 @@ async def test_bad_definitions_are_refused_and_nothing_is_stored(queue) -> None:
     assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".jobs') == 0
 
 
-async def test_ensure_job_is_idempotent_and_applies_changes(queue) -> None:
+async def test_ensure_job_is_idempotent_and_applies_changes(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
     clock = FakeClock(START)
     first = await jobs.ensure_job(
@@ -101,7 +102,7 @@ async def test_ensure_job_is_idempotent_and_applies_changes(queue) -> None:
     assert still_paused.paused
 
 
-async def test_downtime_materializes_once_then_the_next_future_time(queue) -> None:
+async def test_downtime_materializes_once_then_the_next_future_time(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
     clock = FakeClock(START)  # 05:06:07.89
     await jobs.create(
@@ -128,7 +129,7 @@ async def test_downtime_materializes_once_then_the_next_future_time(queue) -> No
     assert all(r["run_at"] == r["scheduled_for"] for r in rows)
 
 
-async def test_pause_resume_and_reschedule(queue) -> None:
+async def test_pause_resume_and_reschedule(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
     clock = FakeClock(START)
     await jobs.create(conn, "p", REPORT, "*/10 * * * *", {}, schema=schema, clock=clock)
@@ -162,7 +163,7 @@ async def test_pause_resume_and_reschedule(queue) -> None:
         await jobs.resume(conn, "missing", schema=schema)
 
 
-async def test_materialized_work_is_an_immutable_snapshot(queue) -> None:
+async def test_materialized_work_is_an_immutable_snapshot(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
     clock = FakeClock(START)
     options = EnqueueOptions(
@@ -193,11 +194,12 @@ async def test_materialized_work_is_an_immutable_snapshot(queue) -> None:
         f'SELECT backoff_initial_us, backoff_maximum_us FROM "{schema}".tasks WHERE id = $1',
         row["id"],
     )
+    assert backoff is not None
     assert tuple(backoff) == (3_000_000, 30_000_000)
     assert (await run_state(conn, row["id"], schema=schema)).state.value == "pending"
 
 
-async def test_concurrent_materializers_never_duplicate_an_occurrence(queue) -> None:
+async def test_concurrent_materializers_never_duplicate_an_occurrence(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     clock = FakeClock(START)
     for i in range(20):
@@ -227,7 +229,7 @@ async def test_concurrent_materializers_never_duplicate_an_occurrence(queue) -> 
     assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".tasks') == 20
 
 
-async def test_the_worker_runs_recurring_jobs_end_to_end(queue) -> None:
+async def test_the_worker_runs_recurring_jobs_end_to_end(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     real_now = datetime.now(UTC)
     clock = FakeClock(real_now - timedelta(hours=2))

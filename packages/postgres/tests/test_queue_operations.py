@@ -7,11 +7,13 @@ import subprocess
 import sys
 import textwrap
 from datetime import timedelta
+from typing import Any
 
 import asyncpg
 import psycopg
 import pytest
 
+from queue_support import QueueFixture
 from steeple.postgres.queue import (
     QueueConfigurationError,
     Task,
@@ -23,10 +25,10 @@ from steeple.postgres.queue import (
     run_state,
 )
 
-PLAIN = Task("plain")
+PLAIN: Task[Any] = Task("plain")
 
 
-async def test_run_state_reports_without_args_or_credentials(queue) -> None:
+async def test_run_state_reports_without_args_or_credentials(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     done = await enqueue(conn, PLAIN, {"secret": "s3cr3t"}, schema=schema)
     state = await run_state(conn, done.id, schema=schema)
@@ -60,7 +62,9 @@ async def _finish(
     )
 
 
-async def test_prune_terminal_deletes_old_terminal_tasks_in_bounded_batches(queue) -> None:
+async def test_prune_terminal_deletes_old_terminal_tasks_in_bounded_batches(
+    queue: QueueFixture,
+) -> None:
     _dsn, schema, conn = queue
     ids = await enqueue_many(conn, PLAIN, list(range(30)), schema=schema)
     old_ok, old_failed, recent, live = ids[:10], ids[10:15], ids[15:20], ids[20:]
@@ -83,7 +87,7 @@ async def test_prune_terminal_deletes_old_terminal_tasks_in_bounded_batches(queu
         await prune_terminal(conn, timedelta(days=1), limit=0, schema=schema)
 
 
-async def test_prune_never_touches_live_work(queue) -> None:
+async def test_prune_never_touches_live_work(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
     ids = await enqueue_many(conn, PLAIN, [1, 2], schema=schema)
     assert await prune_terminal(conn, timedelta(0), schema=schema) == 0
@@ -139,7 +143,7 @@ METRICS_SCRIPT = textwrap.dedent(
 )
 
 
-async def test_metrics_are_exported_when_an_sdk_is_configured(queue) -> None:
+async def test_metrics_are_exported_when_an_sdk_is_configured(queue: QueueFixture) -> None:
     dsn, schema, _conn = queue
     out = await asyncio.to_thread(
         subprocess.run,

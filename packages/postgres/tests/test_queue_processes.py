@@ -8,6 +8,7 @@ import functools
 import json
 import signal
 import sys
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import asyncpg
 import pytest
 
 import queue_support
+from queue_support import QueueFixture
 from steeple.postgres.queue import (
     EnqueueOptions,
     JobContext,
@@ -28,7 +30,7 @@ from steeple.postgres.queue import (
 
 pytestmark = pytest.mark.slow
 
-PROC = Task("proc")
+PROC: Task[Any] = Task("proc")
 
 WORKER_SCRIPT = """
 import asyncio, json, signal, sys
@@ -103,7 +105,9 @@ class WorkerProcess:
 
 
 @contextlib.asynccontextmanager
-async def worker_process(tmp_path: Path, dsn: str, schema: str, worker_id: str):
+async def worker_process(
+    tmp_path: Path, dsn: str, schema: str, worker_id: str
+) -> AsyncIterator[WorkerProcess]:
     script = tmp_path / "queue_worker.py"
     script.write_text(WORKER_SCRIPT)
     proc = await asyncio.create_subprocess_exec(
@@ -145,7 +149,9 @@ async def _executions(conn: asyncpg.Connection, schema: str) -> list[tuple[int, 
     return [(r[0], r[1], r[2]) for r in rows]
 
 
-async def test_sigkilled_worker_mid_task_is_recovered_by_another(queue, tmp_path: Path) -> None:
+async def test_sigkilled_worker_mid_task_is_recovered_by_another(
+    queue: QueueFixture, tmp_path: Path
+) -> None:
     dsn, schema, conn = queue
     options = EnqueueOptions(lease_duration=timedelta(seconds=1))
     ids = [
@@ -185,7 +191,9 @@ async def _count_execs(conn: asyncpg.Connection, schema: str, n: int) -> bool:
     return bool(await conn.fetchval(f'SELECT count(*) FROM "{schema}".executions') >= n)
 
 
-async def test_a_stopped_workers_late_completion_is_rejected(queue, tmp_path: Path) -> None:
+async def test_a_stopped_workers_late_completion_is_rejected(
+    queue: QueueFixture, tmp_path: Path
+) -> None:
     dsn, schema, conn = queue
     done = await enqueue(
         conn,
@@ -224,7 +232,9 @@ async def test_a_stopped_workers_late_completion_is_rejected(queue, tmp_path: Pa
     ]
 
 
-async def test_several_worker_processes_never_run_a_task_twice(queue, tmp_path: Path) -> None:
+async def test_several_worker_processes_never_run_a_task_twice(
+    queue: QueueFixture, tmp_path: Path
+) -> None:
     dsn, schema, conn = queue
     async with contextlib.AsyncExitStack() as stack:
         workers = [

@@ -27,8 +27,13 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
         assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
         assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
         await check_schema(conn, schema)
-        rows = await conn.fetch(f'SELECT version, name FROM "{schema}".schema_migrations')
-        assert [(r["version"], r["name"]) for r in rows] == [(1, "0001_create_queue_tables")]
+        rows = await conn.fetch(
+            f'SELECT version, name FROM "{schema}".schema_migrations ORDER BY version'
+        )
+        assert [(r["version"], r["name"]) for r in rows] == [
+            (1, "0001_create_queue_tables"),
+            (2, "0002_due_work_survives_clock_steps"),
+        ]
         assert await conn.fetchval("SELECT to_regproc($1) IS NOT NULL", f'"{schema}".claim')
         tables = {
             r["tablename"]
@@ -130,10 +135,12 @@ async def test_an_older_database_is_reported_and_install_migrates_it_forward(
     conn = await asyncpg.connect(dsn)
     try:
         await install(conn, schema=schema)
-        # A library one version ahead, shipping a second (forward-only) migration.
-        migrations = (*_schema._MIGRATIONS, (2, "0002_test_only"))
+        # A library one version ahead, shipping one more (forward-only) migration.
+        current = LIBRARY_SCHEMA_VERSION
+        ahead = current + 1
+        migrations = (*_schema._MIGRATIONS, (ahead, "9999_test_only"))
         monkeypatch.setattr(_schema, "_MIGRATIONS", migrations)
-        monkeypatch.setattr(_schema, "LIBRARY_SCHEMA_VERSION", 2)
+        monkeypatch.setattr(_schema, "LIBRARY_SCHEMA_VERSION", ahead)
         monkeypatch.setattr(
             _schema,
             "_migration_sql",
@@ -141,14 +148,14 @@ async def test_an_older_database_is_reported_and_install_migrates_it_forward(
         )
         with pytest.raises(SchemaVersionMismatchError, match="older") as err:
             await _schema.check_schema(conn, schema)
-        assert (err.value.database_version, err.value.library_version) == (1, 2)
-        assert await _schema.install(conn, schema=schema) == 2
+        assert (err.value.database_version, err.value.library_version) == (current, ahead)
+        assert await _schema.install(conn, schema=schema) == ahead
         await _schema.check_schema(conn, schema)
         assert await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f'"{schema}".added_by_v2')
         versions = await conn.fetch(
             f'SELECT version FROM "{schema}".schema_migrations ORDER BY version'
         )
-        assert [r[0] for r in versions] == [1, 2]
+        assert [r[0] for r in versions] == [*range(1, ahead + 1)]
     finally:
         await conn.close()
 

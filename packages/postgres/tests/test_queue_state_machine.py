@@ -29,7 +29,7 @@ from steeple.testing.conformance.queue import (
 
 pytestmark = pytest.mark.postgres
 
-TASK = Task("m")
+TASK: Task[Any] = Task("m")
 
 
 class PostgresQueueDriver:

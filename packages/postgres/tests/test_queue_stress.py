@@ -203,7 +203,8 @@ async def test_random_kills_lose_nothing_and_run_nothing_twice(
     elapsed = time.monotonic() - started
 
     # --- the checker ------------------------------------------------------------------------
-    states = dict(await conn.fetch(f"SELECT state, count(*) FROM {s}.tasks GROUP BY state"))
+    rows = await conn.fetch(f"SELECT state, count(*) FROM {s}.tasks GROUP BY state")
+    states = {row["state"]: row["count"] for row in rows}
     assert states == {"succeeded": TASKS}
 
     successes = await conn.fetch(

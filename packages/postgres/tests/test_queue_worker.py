@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 
 import queue_support
+from queue_support import QueueFixture
 from steeple.core.backoff import Backoff
 from steeple.postgres.queue import (
     EnqueueOptions,
@@ -32,8 +33,8 @@ from steeple.postgres.queue import (
     run_state,
 )
 
-PLAIN = Task("plain")
-OTHER = Task("other")
+PLAIN: Task[Any] = Task("plain")
+OTHER: Task[Any] = Task("other")
 
 
 @contextlib.asynccontextmanager
@@ -63,7 +64,7 @@ async def _state(conn: asyncpg.Connection, schema: str, task_id: int) -> str:
     return (await run_state(conn, task_id, schema=schema)).state.value
 
 
-async def test_runs_a_task_with_a_full_context_and_reports_health(queue) -> None:
+async def test_runs_a_task_with_a_full_context_and_reports_health(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     seen: list[JobContext] = []
     done = await enqueue(conn, PLAIN, {"x": 1}, schema=schema)
@@ -81,6 +82,7 @@ async def test_runs_a_task_with_a_full_context_and_reports_health(queue) -> None
         assert worker.health() is Health.HEALTHY
     assert worker.health() is Health.STOPPED
     row = await conn.fetchrow(f'SELECT * FROM "{schema}".tasks WHERE id = $1', done.id)
+    assert row is not None
     assert row["state"] == "succeeded"
     assert row["attempts"] == 1
     assert row["lease_token"] is None
@@ -95,7 +97,7 @@ async def test_runs_a_task_with_a_full_context_and_reports_health(queue) -> None
     ]
 
 
-async def test_delayed_work_is_not_run_early(queue) -> None:
+async def test_delayed_work_is_not_run_early(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     ran_at: list[datetime] = []
     due = datetime.now(UTC) + timedelta(seconds=1.5)
@@ -114,7 +116,9 @@ async def test_delayed_work_is_not_run_early(queue) -> None:
     assert ran_at[0] >= due
 
 
-async def test_delayed_work_wakes_a_listening_worker_on_time_without_polling(queue) -> None:
+async def test_delayed_work_wakes_a_listening_worker_on_time_without_polling(
+    queue: QueueFixture,
+) -> None:
     dsn, schema, conn = queue
     ran_at: list[datetime] = []
     worker = worker_for(dsn, schema, poll_interval=30)
@@ -132,7 +136,7 @@ async def test_delayed_work_wakes_a_listening_worker_on_time_without_polling(que
     assert due <= ran_at[0] < due + timedelta(milliseconds=700)
 
 
-async def test_priority_order_then_fifo(queue) -> None:
+async def test_priority_order_then_fifo(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     order: list[str] = []
     for label, priority in [("a0", 0), ("b5", 5), ("c-1", -1), ("d10", 10), ("e5", 5), ("f0", 0)]:
@@ -148,7 +152,9 @@ async def test_priority_order_then_fifo(queue) -> None:
     assert order == ["d10", "b5", "e5", "a0", "f0", "c-1"]
 
 
-async def test_retries_follow_the_snapshotted_backoff_until_max_attempts(queue) -> None:
+async def test_retries_follow_the_snapshotted_backoff_until_max_attempts(
+    queue: QueueFixture,
+) -> None:
     dsn, schema, conn = queue
     times: list[float] = []
     run_ids: set[Any] = set()
@@ -185,7 +191,7 @@ async def test_retries_follow_the_snapshotted_backoff_until_max_attempts(queue) 
     assert worker.stats.retried == 2
 
 
-async def test_retry_with_explicit_delay_then_success_keeps_the_run_id(queue) -> None:
+async def test_retry_with_explicit_delay_then_success_keeps_the_run_id(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     seen: list[tuple[int, Any, float]] = []
     done = await enqueue(conn, PLAIN, 1, schema=schema)
@@ -212,7 +218,9 @@ async def test_retry_with_explicit_delay_then_success_keeps_the_run_id(queue) ->
         (ValueError("boom"), "ValueError: boom"),
     ],
 )
-async def test_permanent_errors_and_other_exceptions_are_terminal(queue, error, expected) -> None:
+async def test_permanent_errors_and_other_exceptions_are_terminal(
+    queue: QueueFixture, error: Exception, expected: str
+) -> None:
     dsn, schema, conn = queue
     calls = 0
     done = await enqueue(conn, PLAIN, 1, EnqueueOptions(max_attempts=5), schema=schema)
@@ -231,7 +239,7 @@ async def test_permanent_errors_and_other_exceptions_are_terminal(queue, error, 
     assert row.last_error == expected
 
 
-async def test_undecodable_stored_args_fail_the_task(queue) -> None:
+async def test_undecodable_stored_args_fail_the_task(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     import attrs
 
@@ -257,7 +265,7 @@ async def test_undecodable_stored_args_fail_the_task(queue) -> None:
     assert row.last_error.startswith("ArgsEncodingError")
 
 
-async def test_long_handler_keeps_its_lease_by_renewal(queue) -> None:
+async def test_long_handler_keeps_its_lease_by_renewal(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     runs: list[int] = []
     lease_lost: list[bool] = []
@@ -284,7 +292,7 @@ async def test_long_handler_keeps_its_lease_by_renewal(queue) -> None:
     assert row.attempts == 1
 
 
-async def test_cancel_pending_work_never_runs(queue) -> None:
+async def test_cancel_pending_work_never_runs(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     ran: list[Any] = []
     doomed = await enqueue(conn, PLAIN, "doomed", schema=schema)
@@ -309,7 +317,9 @@ async def test_cancel_pending_work_never_runs(queue) -> None:
     assert (await cancel(conn, kept.id, schema=schema)).value == "succeeded"
 
 
-async def test_cancel_running_work_fences_the_worker_and_signals_the_handler(queue) -> None:
+async def test_cancel_running_work_fences_the_worker_and_signals_the_handler(
+    queue: QueueFixture,
+) -> None:
     dsn, schema, conn = queue
     started = asyncio.Event()
     signalled: list[tuple[bool, bool]] = []
@@ -341,7 +351,7 @@ async def test_cancel_running_work_fences_the_worker_and_signals_the_handler(que
     assert outcomes == []  # the fenced completion recorded nothing
 
 
-async def test_graceful_drain_finishes_running_work(queue) -> None:
+async def test_graceful_drain_finishes_running_work(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     started = asyncio.Event()
     done = await enqueue(conn, PLAIN, 1, schema=schema)
@@ -360,7 +370,7 @@ async def test_graceful_drain_finishes_running_work(queue) -> None:
     assert await _state(conn, schema, done.id) == "succeeded"
 
 
-async def test_hard_stop_after_the_drain_deadline_hands_work_back(queue) -> None:
+async def test_hard_stop_after_the_drain_deadline_hands_work_back(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     started = asyncio.Event()
     done = await enqueue(conn, PLAIN, 1, schema=schema)
@@ -394,7 +404,7 @@ async def test_hard_stop_after_the_drain_deadline_hands_work_back(queue) -> None
     assert idle == 0
 
 
-async def test_unregistered_task_names_are_left_alone(queue) -> None:
+async def test_unregistered_task_names_are_left_alone(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     other = await enqueue(conn, OTHER, 1, schema=schema)
     mine = await enqueue(conn, PLAIN, 1, schema=schema)
@@ -410,7 +420,7 @@ async def test_unregistered_task_names_are_left_alone(queue) -> None:
     assert await _state(conn, schema, other.id) == "pending"
 
 
-async def test_listener_death_falls_back_to_polling_and_relistens(queue) -> None:
+async def test_listener_death_falls_back_to_polling_and_relistens(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     ran: list[Any] = []
 
@@ -430,6 +440,8 @@ async def test_listener_death_falls_back_to_polling_and_relistens(queue) -> None
 
     async with running(worker):
         await wait_until(lambda: worker.health() is Health.HEALTHY)
+        # Healthy is reported before the listener's session has connected and named itself.
+        await wait_until(listener_pids)
         pids = await listener_pids()
         assert len(pids) == 1
         for pid in pids:
@@ -446,7 +458,7 @@ async def test_listener_death_falls_back_to_polling_and_relistens(queue) -> None
         assert time.monotonic() - t0 < 0.25
 
 
-async def test_polling_alone_works_without_listen(queue) -> None:
+async def test_polling_alone_works_without_listen(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     ran: list[Any] = []
     worker = worker_for(dsn, schema, listen=False, poll_interval=0.05)
@@ -462,7 +474,7 @@ async def test_polling_alone_works_without_listen(queue) -> None:
     assert sorted(ran) == list(range(20))
 
 
-async def test_registration_and_configuration_errors(queue) -> None:
+async def test_registration_and_configuration_errors(queue: QueueFixture) -> None:
     dsn, schema, _conn = queue
 
     async def handler(ctx: JobContext, args: Any) -> None:
@@ -482,20 +494,23 @@ async def test_registration_and_configuration_errors(queue) -> None:
         await worker.run_until_shutdown(stop)
     with pytest.raises(QueueError):
         worker.register(OTHER, handler)
-    for bad in [
+    bad_options: list[dict[str, Any]] = [
         {"worker_id": ""},
         {"concurrency": 0},
         {"batch_size": 0},
         {"poll_interval": 0},
         {"schema": "Bad"},
-    ]:
+    ]
+    for bad in bad_options:
         with pytest.raises(QueueConfigurationError):
-            Scheduler(dsn, **{"worker_id": "w", **bad})  # type: ignore[arg-type]
+            Scheduler(dsn, **{"worker_id": "w", **bad})
     with pytest.raises(QueueConfigurationError):
-        Scheduler(42, worker_id="w")  # type: ignore[arg-type]
+        Scheduler(42, worker_id="w")
 
 
-async def test_a_lease_taken_over_signals_the_handler_and_rejects_its_outcome(queue) -> None:
+async def test_a_lease_taken_over_signals_the_handler_and_rejects_its_outcome(
+    queue: QueueFixture,
+) -> None:
     dsn, schema, conn = queue
     started = asyncio.Event()
     seen: list[tuple[bool, bool, str]] = []

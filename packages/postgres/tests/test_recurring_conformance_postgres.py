@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
+from collections.abc import Callable
 
 import asyncpg
 import pytest
@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 KEYRING = Keyring(StorageKey("conformance", os.urandom(32)))
 
 
-def test_postgres_store_conforms(pg_dsn: str) -> None:
-    schema = f"conf_{uuid.uuid4().hex[:10]}"
+def test_postgres_store_conforms(pg_dsn: str, pg_name: Callable[[str], str]) -> None:
+    schema = pg_name("conf")
 
     async def make_store(config: RecurringConfig, clock: Clock) -> RecurringStore:
         return await PostgresRecurringStore.initialize(

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from urllib.parse import urlsplit, urlunsplit
 
@@ -52,7 +51,7 @@ async def sql(dsn: str, statement: str) -> None:
 
 
 @pytest.fixture
-async def deployed(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str]]:
+async def deployed(pg_schema: tuple[str, str]) -> tuple[str, str]:
     dsn, schema = pg_schema
     store = await PostgresRecurringStore.initialize(
         dsn, CONFIG, KEYRING, FakeClock(START), schema=schema
@@ -62,10 +61,12 @@ async def deployed(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str]]
 
 
 @pytest.fixture
-async def runtime_role(deployed: tuple[str, str]) -> AsyncIterator[str]:
+async def runtime_role(
+    deployed: tuple[str, str], pg_name: Callable[[str], str]
+) -> AsyncIterator[str]:
     """A login role with exactly the shipped grants."""
     dsn, schema = deployed
-    role = f"steeple_rt_{uuid.uuid4().hex[:8]}"
+    role = pg_name("steeple_rt")
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute(f'CREATE ROLE "{role}" LOGIN')

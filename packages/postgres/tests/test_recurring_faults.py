@@ -7,8 +7,9 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 import pytest
@@ -170,11 +171,11 @@ async def test_cancelled_futures_leave_nothing_partial(
     await store.create(every_minute("m", 60))
     # Cancel a tick of 60 at a spread of points: it is all or nothing every time.
     for delay in [0, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.03]:
-        task = asyncio.create_task(store.tick(60))
+        ticking = asyncio.create_task(store.tick(60))
         await asyncio.sleep(delay)
-        task.cancel()
+        ticking.cancel()
         try:
-            result = await task
+            result = await ticking
         except asyncio.CancelledError:
             result = None
         n = await count_rows(dsn, schema)
@@ -188,12 +189,17 @@ async def test_cancelled_futures_leave_nothing_partial(
         await tr.start()
         await holder.execute(f'SELECT * FROM "{schema}".recurring_namespaces FOR UPDATE')
         before = await count_rows(dsn, schema)
-        for op in (store.tick(60), store.claim(10), store.create(every_minute("late", 5))):
-            task = asyncio.create_task(op)
+        ops: tuple[Coroutine[Any, Any, object], ...] = (
+            store.tick(60),
+            store.claim(10),
+            store.create(every_minute("late", 5)),
+        )
+        for op in ops:
+            waiter = asyncio.create_task(op)
             await asyncio.sleep(0.2)
-            task.cancel()
+            waiter.cancel()
             with pytest.raises(asyncio.CancelledError):
-                await task
+                await waiter
         await tr.rollback()
     finally:
         await holder.close()
@@ -456,7 +462,7 @@ async def test_killed_connection_is_a_typed_storage_error_then_recovers(
     killed = await terminate(dsn, backend_pids(store))
     assert killed >= 1
     await asyncio.sleep(0.1)
-    outcomes = []
+    outcomes: list[int | str] = []
     for _ in range(6):
         try:
             outcomes.append(len((await store.schedules()).items))

@@ -9,11 +9,11 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
+from faultproxy import dsn_via, open_pg, pg_endpoint
 from steeple.core import (
     MissedRunPolicy,
     RecurringConfig,
@@ -80,7 +80,7 @@ class Proxy:
             writer.close()
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        up_reader, up_writer = await open_pg(*self.target)
         for task in (
             asyncio.create_task(self._pipe(reader, up_writer, True, writer)),
             asyncio.create_task(self._pipe(up_reader, writer)),
@@ -101,11 +101,8 @@ class Proxy:
 @pytest.fixture
 async def proxied(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str, Proxy]]:
     dsn, schema = pg_schema
-    parts = urlsplit(dsn)
-    proxy = Proxy(parts.hostname or "127.0.0.1", parts.port or 5432)
-    port = await proxy.start()
-    user = parts.netloc.rpartition("@")[0]
-    via = urlunsplit(parts._replace(netloc=f"{user}@127.0.0.1:{port}"))
+    proxy = Proxy(*pg_endpoint(dsn))  # the test server itself, TCP or a Unix socket
+    via = dsn_via(dsn, await proxy.start())
     try:
         yield via, schema, proxy
     finally:

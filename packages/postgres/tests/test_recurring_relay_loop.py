@@ -124,7 +124,7 @@ class FlakyStore:
 async def test_storage_errors_back_off_then_recover(store: PostgresRecurringStore) -> None:
     await store.create(every_minute("a", 2))
     broker = MemoryBroker()
-    relay = RecurringRelay(FlakyStore(store, 3), broker, idle_interval=0.02)  # type: ignore[arg-type]
+    relay = RecurringRelay(FlakyStore(store, 3), broker, idle_interval=0.02)
     started = time.monotonic()
     await run_until(relay, lambda: len(broker.published) == 2)
     assert relay.storage_failures == 3
@@ -219,7 +219,7 @@ async def test_statistics_count_skipped_ticks_and_storage_failures(
     assert await relay.run_once() == 0
     assert (stats.ticks, stats.ticks_skipped, stats.materialized, stats.claimed) == (0, 1, 0, 0)
 
-    flaky = RecurringRelay(FlakyStore(store, 1), MemoryBroker(), statistics=stats)  # type: ignore[arg-type]
+    flaky = RecurringRelay(FlakyStore(store, 1), MemoryBroker(), statistics=stats)
     stop = asyncio.Event()
     task = asyncio.create_task(flaky.run(stop))
     async with asyncio.timeout(10):

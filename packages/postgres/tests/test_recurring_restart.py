@@ -30,7 +30,8 @@ CONFIG = RecurringConfig("restart", max_definitions=10, max_occurrences=1000)
 
 
 def _pg_ctl(server: Any, *args: str) -> None:
-    from pgserver._commands import pg_ctl  # type: ignore[import-untyped]
+    # pg_ctl is made at import time (one function per bundled binary): mypy cannot see it.
+    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
 
     pg_ctl(list(args), pgdata=server.pgdata, user=server.system_user, timeout=30)
 

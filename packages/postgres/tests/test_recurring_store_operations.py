@@ -421,9 +421,10 @@ async def test_paging_and_limits(store: PostgresRecurringStore) -> None:
         if cursor is None:
             break
     assert len(seen) == len(set(seen)) == 10
-    for cursor in ("garbage", "12.x", 5):
+    bad_cursors: tuple[object, ...] = ("garbage", "12.x", 5)
+    for bad_cursor in bad_cursors:
         with pytest.raises(RecurringConfigurationError):
-            await store.occurrences(after=cursor, limit=3)  # type: ignore[arg-type]
+            await store.occurrences(after=bad_cursor, limit=3)  # type: ignore[arg-type]
     for bad in (0, 101, True):
         with pytest.raises(RecurringConfigurationError):
             await store.schedules(limit=bad)

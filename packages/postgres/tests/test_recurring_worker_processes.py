@@ -10,6 +10,7 @@ import asyncio
 import json
 import signal
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -155,10 +156,8 @@ async def test_sigkilled_worker_is_replaced_and_nothing_is_lost(
 
 
 async def test_connection_limit_below_the_pool_is_typed_back_pressure(
-    pg_schema: tuple[str, str],
+    pg_schema: tuple[str, str], pg_name: Callable[[str], str]
 ) -> None:
-    import uuid
-
     from steeple.core import RecurringStorageError
     from steeple.postgres import grant_runtime_role
     from steeple.testing import FakeClock
@@ -168,7 +167,7 @@ async def test_connection_limit_below_the_pool_is_typed_back_pressure(
     await (
         await PostgresRecurringStore.initialize(dsn, CONFIG, Keyring(KEY), clock, schema=schema)
     ).close()
-    role = f"steeple_lim_{uuid.uuid4().hex[:8]}"
+    role = pg_name("steeple_lim")
     conn = await asyncpg.connect(dsn)
     await conn.execute(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 1')
     await grant_runtime_role(conn, role, schema)

@@ -176,6 +176,7 @@ class StaleTokenCompletes(MemoryQueue):
         if (
             task is not None
             and task.state == "running"
+            and isinstance(token, uuid.UUID)
             and token in getattr(self, "seen", {}).get(task_id, [])
         ):
             task.token = token

@@ -16,6 +16,7 @@ from steeple.admin.settings import (
     redact_dsn,
 )
 from steeple.core.clock import SystemClock
+from steeple.core.dsn import scrub
 from steeple.core.errors import (
     BrokerError,
     ConfigurationError,
@@ -40,7 +41,7 @@ __all__ = ["Target", "classify", "connect_store", "initialize_store"]
 class Target:
     """Where a command works: a server, a schema, a namespace and how to find the keys."""
 
-    dsn: str
+    dsn: str = attrs.field(repr=lambda dsn: repr(redact_dsn(dsn)))
     schema: str
     settings: NamespaceSettings
     keys_file: Path | None = None
@@ -127,14 +128,36 @@ def _is_driver_unavailable(exc: BaseException) -> bool:
     return False
 
 
+def _is_data_exception(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a driver error of SQLSTATE class 22 (data exception)."""
+    if exc is None or not type(exc).__module__.startswith(("asyncpg", "psycopg")):
+        return False
+    state = getattr(exc, "sqlstate", None)
+    return isinstance(state, str) and state.startswith("22")
+
+
 def classify(exc: BaseException, target: Target | None = None) -> CliError:
     """Map any failure to a one-line :class:`CliError` with an exit code and a hint.
 
-    Configuration and key problems exit 3, unreachable services 4, refused operations 1.
+    Configuration and key problems exit 3, unreachable services 4, refused operations 1,
+    arguments PostgreSQL refuses as data (SQLSTATE class 22) 2. The message is scrubbed of
+    the target DSN's secrets.
     """
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         # A TaskGroup (worker, demo) wraps the failure that stopped it: report that one.
         exc = exc.exceptions[0]
+    error = _classify(exc, target)
+    if target is not None:
+        # Defense in depth: no driver text may carry a piece of the DSN's password.
+        return CliError(
+            scrub(str(error), target.dsn),
+            code=error.code,
+            hint=None if error.hint is None else scrub(error.hint, target.dsn),
+        )
+    return error
+
+
+def _classify(exc: BaseException, target: Target | None) -> CliError:
     if isinstance(exc, CliError):
         return exc
     where = f" ({redact_dsn(target.dsn)}, schema {target.schema!r})" if target else ""
@@ -159,9 +182,34 @@ def classify(exc: BaseException, target: Target | None = None) -> CliError:
     name = type(exc).__name__
     if name == "SchemaVersionMismatchError":
         return CliError(str(exc), code=ExitCode.CONFIG, hint="run `steeple migrate`")
+    for candidate in (exc, exc.__cause__):
+        if type(candidate).__name__ == "ClientConfigurationError":
+            # asyncpg refusing a connection option (e.g. an unknown sslmode).
+            return CliError(
+                f"PostgreSQL connection settings refused{where}: {candidate}",
+                code=ExitCode.CONFIG,
+                hint="fix --dsn / STEEPLE_DATABASE_URL",
+            )
+        if _is_data_exception(candidate):
+            # PostgreSQL refused a value as data (a NUL, an undecodable character, a number
+            # out of range): the argument is wrong, not the server.
+            return CliError(
+                f"PostgreSQL cannot take an argument as given (SQLSTATE "
+                f"{getattr(candidate, 'sqlstate', '22000')}){where}",
+                code=ExitCode.USAGE,
+                hint="remove NUL, control characters and undecodable bytes; keep numbers "
+                "within 64 bits",
+            )
     if isinstance(exc, RecurringStorageError):
         text = str(exc)
         lowered = text.lower()
+        if exc.__cause__ is not None and _is_driver_unavailable(exc.__cause__):
+            # Checked first: the message starts with the operation ("initialize: ...").
+            return CliError(
+                text + where,
+                code=ExitCode.UNAVAILABLE,
+                hint="check that PostgreSQL is running and --dsn is right",
+            )
         if "not initialized" in lowered or "does not exist" in lowered or "initialize" in lowered:
             return CliError(
                 text + where, code=ExitCode.CONFIG, hint="run `steeple initialize` first"

@@ -39,6 +39,7 @@ from steeple.admin.settings import (
     redact_dsn,
     resolve_dsn,
 )
+from steeple.core.dsn import scrub
 
 if TYPE_CHECKING:
     from steeple.admin.queue_admin import PostgresTaskAdmin
@@ -180,6 +181,7 @@ def _target(
     delivery_window: str = "1d",
     lease: str = "60s",
 ) -> Target:
+    _remember(dsn or os.environ.get(DSN_ENV))
     resolved = resolve_dsn(dsn)
     assert resolved is not None
     settings = NamespaceSettings(
@@ -196,7 +198,7 @@ def _target(
 class _Where:
     """The shared options of one command invocation (see :func:`_where_options`)."""
 
-    dsn: str | None
+    dsn: str | None = attrs.field(repr=lambda dsn: repr(dsn and redact_dsn(dsn)))
     schema: str
     namespace: str
     queue_schema: str | None = None
@@ -290,10 +292,32 @@ def _expand_options(
     return decorate
 
 
+# DSNs this invocation was given: every error line is scrubbed of their secrets.
+_given_dsns: list[str] = []
+_MAX_LINE = 1000
+
+
+def _remember(dsn: str | None) -> str | None:
+    if dsn is not None and dsn not in _given_dsns:
+        _given_dsns.append(dsn)
+    return dsn
+
+
+def _one_line(text: str) -> str:
+    """Scrub ``text`` of any given DSN's secrets and make it one bounded, printable line."""
+    for dsn in (*_given_dsns, os.environ.get(DSN_ENV)):
+        if dsn:
+            text = scrub(text, dsn)
+    text = " ".join(text.split())
+    # Lone surrogates (from undecodable arguments) cannot be written to stdout/stderr.
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= _MAX_LINE else text[: _MAX_LINE - 3] + "..."
+
+
 def _fail(error: CliError) -> typer.Exit:
-    err.print(f"steeple: error: {error}", markup=False)
+    err.print(f"steeple: error: {_one_line(str(error))}", markup=False)
     if error.hint:
-        err.print(f"  what to do: {error.hint}", markup=False)
+        err.print(f"  what to do: {_one_line(error.hint)}", markup=False)
     return typer.Exit(int(error.code))
 
 
@@ -342,6 +366,16 @@ def _guard(fn: Callable[[], T]) -> T:
         return fn()
     except CliError as exc:
         raise _fail(exc) from None
+
+
+def _typed(fn: Callable[[], T]) -> T:
+    """Run ``fn``; a library configuration error becomes a configuration exit."""
+    from steeple.core.errors import ConfigurationError
+
+    try:
+        return fn()
+    except ConfigurationError as exc:
+        raise CliError(str(exc), code=ExitCode.CONFIG) from None
 
 
 def _check_limit(limit: int) -> None:
@@ -397,6 +431,11 @@ def initialize(
 ) -> None:
     """Create the recurring store's schema and a namespace (deployment role; idempotent)."""
     target = where.target()
+    if grant_to is not None:
+        from steeple.postgres import runtime_grant_statements
+
+        # A name that cannot be granted literally is refused before anything is created.
+        _guard(lambda: _typed(lambda: runtime_grant_statements(grant_to, where.schema)))
 
     async def body() -> None:
         store = await initialize_store(target)
@@ -414,13 +453,16 @@ def initialize(
 
     _run(body, target)
     out.print(
-        f"initialized namespace {where.namespace!r} in schema {where.schema!r} at "
-        f"{redact_dsn(target.dsn)}",
+        _one_line(
+            f"initialized namespace {where.namespace!r} in schema {where.schema!r} at "
+            f"{redact_dsn(target.dsn)}"
+        ),
         markup=False,
     )
     if grant_to is not None:
         out.print(
-            f"granted the runtime privileges on {where.schema!r} to role {grant_to!r}", markup=False
+            _one_line(f"granted the runtime privileges on {where.schema!r} to role {grant_to!r}"),
+            markup=False,
         )
 
 
@@ -538,7 +580,10 @@ def cancel(
         str | None, typer.Argument(help="Name of the recurring definition to cancel.")
     ] = None,
     task: Annotated[
-        int | None, typer.Option("--task", help="Cancel this work-queue task id instead.")
+        int | None,
+        typer.Option(
+            "--task", min=1, max=2**63 - 1, help="Cancel this work-queue task id instead."
+        ),
     ] = None,
     *,
     where: _Where,
@@ -653,6 +698,7 @@ def keys_show(
     """
     keyring = _guard(lambda: load_keyring(keys_file))
     ids = list(keyring.key_ids)
+    _remember(dsn or os.environ.get(DSN_ENV))
     chosen = _guard(lambda: resolve_dsn(dsn, required=False))
     usage: dict[str, int] | None = None
     if chosen is not None:
@@ -701,7 +747,12 @@ async def sealed_key_usage(dsn: str, schema: str, namespace: str) -> dict[str, i
     """
     import asyncpg
 
-    quoted = '"' + schema.replace('"', '""') + '"'
+    from steeple.postgres._ident import InvalidIdentifierError, quote_ident
+
+    try:
+        quoted = quote_ident(schema, what="schema")
+    except InvalidIdentifierError as exc:
+        raise CliError(str(exc), code=ExitCode.CONFIG, hint="check --schema") from None
     conn = await asyncpg.connect(dsn, timeout=10)
     try:
         if not await conn.fetchval(
@@ -749,7 +800,7 @@ def worker(
     spec = _guard(lambda: load_worker_app(app_ref))
 
     async def body() -> None:
-        await run_worker(spec, target, log=lambda line: err.print(line, markup=False))
+        await run_worker(spec, target, log=lambda line: err.print(_one_line(line), markup=False))
 
     _run(body, target)
     err.print("steeple worker: stopped")
@@ -763,7 +814,7 @@ def worker(
 def admin_serve(
     where: _Where,
     host: Annotated[str, typer.Option("--host", help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8520,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="TCP port.")] = 8520,
 ) -> None:
     """Serve the admin app for one namespace (HTTP basic auth with STEEPLE_ADMIN_TOKEN).
 
@@ -849,6 +900,7 @@ def demo(
         raise _fail(CliError("--lose-ack-every must be 0 or more", code=ExitCode.USAGE))
     if not 1 <= speed <= 600:
         raise _fail(CliError("--speed must be between 1 and 600", code=ExitCode.USAGE))
+    _remember(dsn or os.environ.get(DSN_ENV))
     chosen = _guard(lambda: resolve_dsn(dsn, required=False))
     options = DemoOptions(
         dsn=chosen,

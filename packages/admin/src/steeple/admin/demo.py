@@ -109,9 +109,9 @@ class AcceleratedClock:
 
 @attrs.frozen
 class DemoOptions:
-    """What ``steeple demo`` was asked to do."""
+    """What ``steeple demo`` was asked to do (its repr shows the DSN redacted)."""
 
-    dsn: str | None
+    dsn: str | None = attrs.field(repr=lambda dsn: "None" if dsn is None else repr(redact_dsn(dsn)))
     schema: str
     namespace: str
     data_dir: Path

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -95,7 +95,7 @@ async def prepare(dsn: str, schema: str, summary: DemoSummary, duration: float) 
                 "* * * * *",
                 {"base": "EUR"},
                 schema=schema,
-                clock=_MinuteBehind(),
+                clock=_Fixed(now - timedelta(minutes=1)),
             )
         summary.tasks_enqueued += _EMAILS + len(_DELAYED) + 1
     except BaseException:
@@ -134,8 +134,15 @@ async def prepare(dsn: str, schema: str, summary: DemoSummary, duration: float) 
     return DemoQueue(pool, scheduler, summary)
 
 
-class _MinuteBehind:
-    """The system clock, one minute late (only for placing the recurring job's cursor)."""
+class _Fixed:
+    """A clock stopped at one instant (only for placing the recurring job's cursor).
+
+    Set from the server's clock, which decides when the job is due: this host's clock
+    may disagree with it.
+    """
+
+    def __init__(self, instant: datetime) -> None:
+        self._instant = instant
 
     def now(self) -> datetime:
-        return datetime.now(UTC) - timedelta(minutes=1)
+        return self._instant

@@ -59,11 +59,31 @@ _LAZY = {
 }
 
 
+# What each backend module needs beyond steeple-brokers itself, and the extra that brings it.
+_EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
+    "steeple.brokers.nats": (("nats",), "steeple-brokers[nats]"),
+    "steeple.brokers.redis": (("redis",), "steeple-brokers[redis]"),
+    "steeple.brokers.rabbitmq": (("aio_pika", "aiormq"), "steeple-brokers[rabbitmq]"),
+    "steeple.brokers.queue": (("asyncpg", "steeple.postgres"), "steeple-brokers[queue]"),
+    "steeple.brokers.memory": (("steeple.testing",), "steeple-brokers[memory]"),
+}
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'steeple.brokers' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        needed, extra = _EXTRAS.get(module, ((), ""))
+        missing = exc.name or ""
+        if not any(missing == top or missing.startswith(f"{top}.") for top in needed):
+            raise
+        raise ImportError(
+            f"steeple.brokers.{name} needs the optional package {missing!r}: install {extra}",
+            name=missing,
+        ) from exc
 
 
 def __dir__() -> list[str]:

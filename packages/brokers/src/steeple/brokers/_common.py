@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import struct
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
 from types import TracebackType
@@ -21,12 +22,15 @@ from steeple.core import limits
 from steeple.core.errors import (
     BrokerConfigurationError,
     BrokerError,
+    BrokerRejectedError,
     BrokerTimeoutError,
     BrokerUnavailableError,
     ConfigurationError,
+    ConfigurationTypeError,
     MessageTooLargeError,
     RecurringConfigurationError,
     RelayAcknowledgementError,
+    SteepleError,
 )
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 
@@ -39,8 +43,10 @@ __all__ = [
     "Delivery",
     "check_dedup_window",
     "check_key",
+    "check_message",
     "check_size",
     "check_timeout",
+    "check_utf8_length",
     "decode_headers",
     "encode_headers",
     "encoded_size",
@@ -48,6 +54,7 @@ __all__ = [
     "positive_duration",
     "publish_guarded",
     "redact_url",
+    "wire_text",
 ]
 
 HEADER_TOPIC = "Steeple-Topic"
@@ -112,6 +119,69 @@ def check_key(key: object) -> str:
     return key
 
 
+def wire_text(value: object, what: str, broker: str) -> bytes:
+    """Return the UTF-8 bytes a text field travels as.
+
+    Every adapter's wire format is UTF-8; a value without an encoding is refused here,
+    before anything is sent, instead of failing inside a client library.
+
+    Raises:
+        BrokerRejectedError: ``value`` is not a str, or holds a lone surrogate (permanent).
+    """
+    if not isinstance(value, str):
+        raise BrokerRejectedError(f"{broker}: {what} is a {type(value).__name__}, not text")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BrokerRejectedError(
+            f"{broker}: {what} contains a lone surrogate (U+{ord(value[exc.start]):04X} at "
+            f"position {exc.start}), which has no UTF-8 encoding; the message can never be "
+            "sent"
+        ) from None
+
+
+def check_utf8_length(value: object, limit: int, what: str, broker: str, rule: str) -> bytes:
+    """Return ``value`` in UTF-8, refusing more than ``limit`` bytes (not characters).
+
+    ``100 * "€"`` is 100 characters but 300 bytes: protocols count bytes.
+
+    Raises:
+        BrokerRejectedError: unencodable, or longer than ``limit`` bytes (permanent).
+    """
+    raw = wire_text(value, what, broker)
+    if len(raw) > limit:
+        raise BrokerRejectedError(
+            f"{broker}: {what} is {len(raw)} bytes in UTF-8; {rule} allows at most {limit} bytes",
+            size=len(raw),
+            limit=limit,
+        )
+    return raw
+
+
+def check_message(message: object, broker: str) -> ScheduledMessage:
+    """Require a ScheduledMessage whose every text field has a UTF-8 encoding.
+
+    ``ScheduledMessage`` already refuses lone surrogates; this is the adapters' own
+    guarantee for a message built some other way (a store that bypassed validation).
+
+    Raises:
+        ConfigurationTypeError: ``message`` is not a ScheduledMessage.
+        BrokerRejectedError: a topic, message type or header that cannot be encoded.
+    """
+    if not isinstance(message, ScheduledMessage):
+        raise ConfigurationTypeError(
+            f"message must be a ScheduledMessage, not {type(message).__name__}"
+        )
+    wire_text(message.topic, "the topic", broker)
+    wire_text(message.message_type, "the message type", broker)
+    if not isinstance(message.payload, bytes):
+        raise BrokerRejectedError(f"{broker}: the payload is not bytes")
+    for name, value in message.headers.items():
+        wire_text(name, "a header name", broker)
+        wire_text(value, f"header {name!r}", broker)
+    return message
+
+
 def encode_headers(message: ScheduledMessage) -> str:
     """Encode the message's headers as compact, sorted JSON."""
     return json.dumps(dict(message.headers), separators=(",", ":"), sort_keys=True)
@@ -133,16 +203,26 @@ def decode_headers(raw: str | bytes | None) -> dict[str, str]:
     return value
 
 
+_FRAMING_ALLOWANCE = 96
+"""Bytes allowed for field names and framing around the fields :func:`encoded_size` counts."""
+
+
 def encoded_size(message: ScheduledMessage, key: str) -> int:
-    """Bytes the message occupies on the wire: payload plus metadata, near enough."""
-    headers = sum(len(k) + len(v) for k, v in message.headers.items())
+    """Bytes the message occupies on the wire: payload plus metadata, in UTF-8.
+
+    Counts the payload, the topic and message type in UTF-8, the idempotency key, the
+    headers as the JSON they travel as, and a fixed allowance for field names.
+
+    Raises:
+        BrokerRejectedError: a text field cannot be encoded (see :func:`wire_text`).
+    """
     return (
         len(message.payload)
-        + len(message.topic.encode())
-        + len(message.message_type.encode())
+        + len(wire_text(message.topic, "the topic", "the adapter"))
+        + len(wire_text(message.message_type, "the message type", "the adapter"))
         + len(key)
-        + headers
-        + 96
+        + len(encode_headers(message))
+        + _FRAMING_ALLOWANCE
     )
 
 
@@ -251,6 +331,30 @@ PROBE_RESERVE_SECONDS = 1.0
 """At most this much of a publish deadline is kept to ask the broker what happened."""
 
 
+# Raised while building frames or encoding values: the same message fails the same way on
+# every attempt, so retrying cannot help.
+_DETERMINISTIC = (TypeError, ValueError, LookupError, OverflowError, struct.error)
+
+
+def _unexpected(broker: str, exc: Exception, *, sent: bool) -> BrokerError:
+    """Classify an exception no adapter mapped (a client library's own, or a bug)."""
+    what = f"{type(exc).__name__}: {str(exc)[:200]}".encode("utf-8", "backslashreplace")
+    detail = what.decode("utf-8")
+    if isinstance(exc, _DETERMINISTIC):
+        where = "publishing" if sent else "connecting"
+        error: BrokerError = BrokerRejectedError(
+            f"{broker}: the client library failed {where} with {detail}; retrying the same "
+            "message cannot help"
+        )
+        if not sent:
+            # The settings were refused before anything was sent: a configuration error.
+            error = BrokerConfigurationError(
+                f"{broker}: the client library refused the connection settings ({detail})"
+            )
+        return error
+    return BrokerError(f"{broker}: unexpected failure ({detail}); it may be retried")
+
+
 async def publish_guarded(
     *,
     broker: str,
@@ -267,12 +371,18 @@ async def publish_guarded(
     ``prepare`` (connecting) runs first, inside the same deadline.
 
     Raises:
-        RelayAcknowledgementError: the reply was lost but the probe found the message: the
-            broker accepted it (the error carries the receipt).
+        RelayAcknowledgementError: the reply was lost (or the client library failed in an
+            unexpected way) but the probe found the message: the broker accepted it (the
+            error carries the receipt).
         BrokerTimeoutError: the reply was lost and the probe could not tell; the broker may
             have accepted the message. Republish with the same key.
         BrokerUnavailableError: the reply was lost and the broker is unreachable.
-        BrokerError: whatever ``transmit`` raised otherwise.
+        BrokerRejectedError: the client library raised an error it raises while encoding
+            (``TypeError``, ``ValueError``, ``struct.error``...) and the probe did not find
+            the message: permanent.
+        BrokerConfigurationError: ``prepare`` failed that way (the connection settings).
+        BrokerError: whatever ``transmit`` raised otherwise; any other unexpected
+            exception, as a retryable failure.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -288,13 +398,24 @@ async def publish_guarded(
                 timeout=timeout,
                 idempotency_key=key,
             ) from None
+        except SteepleError:
+            raise
+        except Exception as exc:
+            raise _unexpected(broker, exc, sent=False) from exc
     remaining = max(deadline - loop.time(), 0.001)
     reserve = min(remaining * 0.25, PROBE_RESERVE_SECONDS)
+    unexpected: Exception | None = None
     try:
         async with asyncio.timeout(remaining - reserve):
             return await transmit()
     except (TimeoutError, AckUncertainError) as exc:
         original: BaseException = exc
+    except SteepleError:
+        raise
+    except Exception as exc:
+        # Something the adapter did not map escaped the client library. Whether the
+        # broker got the message is unknown: ask before classifying the failure.
+        original = unexpected = exc
     try:
         async with asyncio.timeout(reserve):
             found = await probe()
@@ -311,6 +432,8 @@ async def publish_guarded(
         raise RelayAcknowledgementError(
             found, f"its acknowledgement was lost ({broker} holds the key)"
         ) from original
+    if unexpected is not None:
+        raise _unexpected(broker, unexpected, sent=True) from unexpected
     raise BrokerTimeoutError(
         f"{broker} did not acknowledge the publication within {timeout:g} s; it may have "
         "accepted it: republish with the same idempotency key",

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -35,14 +37,15 @@ from steeple.brokers._common import (
     Delivery,
     check_dedup_window,
     check_key,
+    check_message,
     check_size,
     check_timeout,
     decode_headers,
-    encoded_size,
     header_map,
     positive_duration,
     publish_guarded,
     redact_url,
+    wire_text,
 )
 from steeple.core import limits
 from steeple.core.errors import (
@@ -63,6 +66,20 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 _log = logging.getLogger("steeple.brokers.nats")
 _FORBIDDEN_NAME_CHARS = set(" \t\r\n.*>/\\")
 
+MAX_SUBJECT_BYTES = 1024
+"""Longest subject accepted, in UTF-8: the server refuses a control line (``HPUB <subject>
+<reply> <sizes>``) over its ``max_control_line`` (4096 bytes by default) and closes the
+connection, so subjects stay well under it."""
+MAX_HEADER_BYTES = 65535
+"""JetStream refuses a message whose header block is larger ("header size exceeds maximum
+allowed of 64k", error 10097): the server stores its length in 16 bits."""
+_EXPECTED_STREAM_HEADER = "Nats-Expected-Stream"
+# nats-py's header line encoding (nats/aio/client.py): "NATS/1.0\r\n", then "Key: Value\r\n"
+# per header, then "\r\n". Keys are RFC 7230 tokens; values are sent stripped of surrounding
+# whitespace and with CR/LF turned into spaces, i.e. silently altered, so they are refused.
+_HEADER_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_LINE = b"NATS/1.0\r\n"
+
 
 def _check_name(value: object, what: str) -> str:
     if not isinstance(value, str) or not value or len(value) > 200:
@@ -73,11 +90,57 @@ def _check_name(value: object, what: str) -> str:
 
 
 def _check_subject(value: object) -> str:
-    if not isinstance(value, str) or not value or not value.isprintable() or " " in value:
-        raise ConfigurationError("subject must be a non-empty NATS subject without spaces")
-    if "*" in value or ">" in value:
+    """Require a concrete NATS subject: non-empty dot-separated tokens, no spaces or wildcards.
+
+    Raises:
+        ConfigurationError: anything the server would refuse or treat as a pattern.
+    """
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError("subject must be a non-empty str")
+    if not value.isprintable() or any(ch.isspace() for ch in value):
+        raise ConfigurationError(
+            "subject must not contain spaces, tabs, line breaks or other non-printable characters"
+        )
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ConfigurationError("subject contains a lone surrogate (no UTF-8 form)") from None
+    if size > MAX_SUBJECT_BYTES:
+        raise ConfigurationError(
+            f"subject is {size} bytes; at most {MAX_SUBJECT_BYTES} are accepted (the "
+            "server's control line limit)"
+        )
+    tokens = value.split(".")
+    if any(not token for token in tokens):
+        raise ConfigurationError(
+            f"subject {value!r} has an empty token ('..', or a leading or trailing '.')"
+        )
+    if any(token in ("*", ">") or "*" in token or ">" in token for token in tokens):
         raise ConfigurationError("subject must be a concrete subject, not a wildcard")
     return value
+
+
+def header_block(headers: Mapping[str, str], broker: str = "nats") -> bytes:
+    """Encode headers exactly as nats-py sends them, refusing what it would alter.
+
+    Raises:
+        BrokerRejectedError: a key that is not an RFC 7230 token, or a value that cannot be
+            encoded, holds CR or LF, or starts or ends with whitespace (nats-py would send
+            it changed).
+    """
+    out = bytearray(_HEADER_LINE)
+    for key, value in headers.items():
+        if not _HEADER_KEY.fullmatch(key):
+            raise BrokerRejectedError(f"{broker}: header name {key!r} is not a token")
+        raw = wire_text(value, f"header {key!r}", broker)
+        if "\r" in value or "\n" in value or value != value.strip():
+            raise BrokerRejectedError(
+                f"{broker}: header {key!r} holds a line break or surrounding whitespace, "
+                "which the NATS client would rewrite"
+            )
+        out += key.encode("ascii") + b": " + raw + b"\r\n"
+    out += b"\r\n"
+    return bytes(out)
 
 
 async def _connect(url: str, timeout: float, name: str) -> NatsClient:
@@ -104,6 +167,11 @@ async def _connect(url: str, timeout: float, name: str) -> NatsClient:
         raise BrokerUnavailableError(
             f"nats: cannot connect to {redact_url(url)} ({type(exc).__name__})"
         ) from None
+    except (ValueError, TypeError) as exc:
+        # The client refused the URL or options before connecting: nothing to retry.
+        raise BrokerConfigurationError(
+            f"nats: the client refused the server URL {redact_url(url)} ({type(exc).__name__})"
+        ) from None
 
 
 class JetStreamBroker(AsyncLifecycle):
@@ -112,7 +180,9 @@ class JetStreamBroker(AsyncLifecycle):
     Args:
         url: the server URL (credentials in it are never shown).
         stream: the stream name.
-        subject: the subject to publish on (must be bound to ``stream``).
+        subject: the subject to publish on (must be bound to ``stream``): a concrete
+            subject of non-empty dot-separated tokens, without whitespace or wildcards,
+            at most 1024 bytes.
         required_window: the delivery window the stream's ``duplicate_window`` must cover.
         manage_stream: create the stream if missing and raise a short window to
             ``required_window`` (file storage); otherwise only check.
@@ -288,37 +358,67 @@ class JetStreamBroker(AsyncLifecycle):
     ) -> BrokerReceipt:
         """Publish with ``Nats-Msg-Id`` = ``idempotency_key`` and wait for the PubAck.
 
+        The exact wire size (the header block nats-py sends plus the payload) is checked
+        before anything is sent against the server's ``max_payload``, the stream's
+        ``max_msg_size`` and ``max_message_bytes``; the header block against JetStream's
+        64 KiB limit.
+
         Raises:
-            ConfigurationError: a bad key or timeout.
+            ConfigurationError: a bad key or timeout, or not a ScheduledMessage.
             BrokerConfigurationError: the stream is missing or its window too short.
             MessageTooLargeError: over the server's max_payload or the stream's
-                max_msg_size (permanent).
-            BrokerRejectedError: the stream refused the message (permanent).
+                max_msg_size, or headers over 64 KiB (permanent), checked before sending.
+            BrokerRejectedError: a header value NATS cannot carry unchanged, refused before
+                sending; or the stream refused the message (permanent).
             BrokerUnavailableError: the server is unreachable or no stream listens.
             BrokerTimeoutError: no PubAck in time; the stream may hold the message.
             RelayAcknowledgementError: the PubAck was lost but the stream holds the key.
         """
         key = check_key(idempotency_key)
         seconds = check_timeout(timeout)
+        headers = self._headers(check_message(message, "nats"), key)
+        # What the server counts against max_payload (and the stream against max_msg_size):
+        # the header block plus the payload, byte for byte.
+        block = header_block(headers)
+        if len(block) > MAX_HEADER_BYTES:
+            raise MessageTooLargeError(
+                f"nats: the message's headers are {len(block)} bytes on the wire; JetStream "
+                f"accepts at most {MAX_HEADER_BYTES} (64 KiB): shorten the headers",
+                size=len(block),
+                limit=MAX_HEADER_BYTES,
+            )
+        size = len(block) + len(message.payload)
+        if self._max_bytes is not None:
+            check_size(size, self._max_bytes, "the nats adapter")
 
         async def prepare() -> None:
             await self.start()
-            check_size(encoded_size(message, key), self._limit(), "the nats server")
+            # A message over max_payload makes the server close the whole connection.
+            check_size(size, self._limit(), "the nats server")
 
         return await publish_guarded(
             prepare=prepare,
             broker="nats",
             key=key,
             timeout=seconds,
-            transmit=lambda: self._transmit(message, key),
+            transmit=lambda: self._transmit(message, key, headers),
             probe=lambda: self._probe(key),
         )
 
-    async def _transmit(self, message: ScheduledMessage, key: str) -> BrokerReceipt:
+    def _headers(self, message: ScheduledMessage, key: str) -> dict[str, str]:
+        """Every header the message travels with (js.publish adds the expected stream)."""
+        return {
+            **header_map(message, key),
+            MSG_ID_HEADER: key,
+            _EXPECTED_STREAM_HEADER: self._stream,
+        }
+
+    async def _transmit(
+        self, message: ScheduledMessage, key: str, headers: dict[str, str]
+    ) -> BrokerReceipt:
         js = self._js
         if js is None:
             raise BrokerUnavailableError("nats: this broker was closed")
-        headers = {**header_map(message, key), MSG_ID_HEADER: key}
         try:
             # The caller's deadline (asyncio.timeout) bounds this; the client's own
             # request timeout is only a backstop.
@@ -327,8 +427,11 @@ class JetStreamBroker(AsyncLifecycle):
                 message.payload,
                 timeout=60,
                 stream=self._stream,
-                headers=headers,
+                headers=dict(headers),
             )
+        except (nats.errors.BadSubjectError, nats.errors.BadHeaderError) as exc:
+            # Refused by the client before anything was written (checked above already).
+            raise BrokerRejectedError(f"nats: the client refused the message: {exc}") from None
         except nats.errors.MaxPayloadError:
             raise MessageTooLargeError(
                 f"nats: the message exceeds the server's max_payload ({self._limit()} bytes)"
@@ -345,6 +448,7 @@ class JetStreamBroker(AsyncLifecycle):
         except (
             nats.errors.ConnectionClosedError,
             nats.errors.ConnectionReconnectingError,
+            nats.errors.ConnectionDrainingError,
             nats.errors.StaleConnectionError,
             nats.errors.OutboundBufferLimitError,
         ) as exc:
@@ -356,6 +460,9 @@ class JetStreamBroker(AsyncLifecycle):
             ) from None
         except OSError as exc:
             raise BrokerUnavailableError(f"nats: {type(exc).__name__}") from None
+        except nats.errors.Error as exc:
+            # Any other client error after the request went out: the server may hold it.
+            raise AckUncertainError(type(exc).__name__) from None
         return BrokerReceipt(
             "nats", key, duplicate=bool(ack.duplicate), location=f"{ack.stream}:{ack.seq}"
         )

@@ -23,26 +23,30 @@ from datetime import timedelta
 from typing import Any, Self
 
 import asyncpg
+import attrs
 
 from steeple.brokers._common import (
     AckUncertainError,
     AsyncLifecycle,
     check_dedup_window,
     check_key,
+    check_message,
     check_size,
     check_timeout,
     encoded_size,
     positive_duration,
     publish_guarded,
-    redact_url,
 )
 from steeple.core import limits
+from steeple.core.dsn import check_dsn, redact_dsn
 from steeple.core.errors import (
     BrokerConfigurationError,
+    BrokerError,
     BrokerRejectedError,
     BrokerUnavailableError,
     ConfigurationError,
     MessageTooLargeError,
+    SteepleError,
 )
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.postgres.queue import DEFAULT_SCHEMA, EnqueueOptions, Task, enqueue
@@ -51,6 +55,26 @@ from steeple.postgres.queue.errors import ArgsEncodingError, QueueError
 __all__ = ["WorkQueueBroker", "decode_task_args"]
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+# SQLSTATE classes whose errors depend on the data, not on the database's state: the same
+# message fails the same way on every attempt (22: data exception, e.g. a character the
+# database encoding cannot hold; 54: program limit exceeded, e.g. an index row too large).
+_PERMANENT_SQLSTATE_CLASSES = ("22", "54")
+# Privileges and missing objects: the operator must change something (42501, 42P01...).
+_CONFIGURATION_SQLSTATE_CLASSES = ("42",)
+
+
+def _map_postgres_error(exc: asyncpg.PostgresError) -> BrokerError:
+    state = str(getattr(exc, "sqlstate", "") or "")
+    detail = f"{type(exc).__name__} ({state})" if state else type(exc).__name__
+    if state[:2] in _PERMANENT_SQLSTATE_CLASSES:
+        return BrokerRejectedError(f"work queue: the database refused the message: {detail}")
+    if state[:2] in _CONFIGURATION_SQLSTATE_CLASSES:
+        return BrokerConfigurationError(
+            f"work queue: the database refused the statement ({detail}); check the schema "
+            "and the role's privileges"
+        )
+    return BrokerUnavailableError(f"work queue: the database refused: {detail}")
 
 
 def _encode_args(message: ScheduledMessage, key: str) -> dict[str, Any]:
@@ -121,6 +145,7 @@ class WorkQueueBroker(AsyncLifecycle):
         self._max_bytes = max_message_bytes
         if not isinstance(dsn, str) or not dsn:
             raise ConfigurationError("dsn must be a non-empty str")
+        check_dsn(dsn)  # a malformed DSN would come back from the driver partly echoed
         if not isinstance(schema, str) or not _IDENT.match(schema):
             raise ConfigurationError("schema must be a lowercase SQL identifier")
         self._dsn = dsn
@@ -142,7 +167,7 @@ class WorkQueueBroker(AsyncLifecycle):
         self._open: set[Any] = set()
 
     def __repr__(self) -> str:
-        return f"WorkQueueBroker(dsn={redact_url(self._dsn)!r}, schema={self._schema!r})"
+        return f"WorkQueueBroker(dsn={redact_dsn(self._dsn)!r}, schema={self._schema!r})"
 
     async def __aenter__(self) -> Self:
         # Nothing to open ahead: each publication connects on its own.
@@ -162,7 +187,7 @@ class WorkQueueBroker(AsyncLifecycle):
             conn = await asyncpg.connect(self._dsn, timeout=self._connect_timeout)
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
             raise BrokerUnavailableError(
-                f"work queue: cannot connect to {redact_url(self._dsn)} ({type(exc).__name__})"
+                f"work queue: cannot connect to {redact_dsn(self._dsn)} ({type(exc).__name__})"
             ) from None
         self._open.add(conn)
         return conn
@@ -206,33 +231,74 @@ class WorkQueueBroker(AsyncLifecycle):
     ) -> BrokerReceipt:
         """Enqueue one task for ``message`` unless ``idempotency_key`` is in the ledger.
 
+        The task name and the task's JSON args are built and checked before connecting:
+        what the queue refuses never reaches the database.
+
         Raises:
-            ConfigurationError: a bad key or timeout.
+            ConfigurationError: a bad key or timeout, or not a ScheduledMessage.
             MessageTooLargeError: the args exceed the queue's limit (permanent).
-            BrokerConfigurationError: the queue or the ledger is not installed.
-            BrokerRejectedError: the queue refused the task (permanent).
+            BrokerConfigurationError: the queue or the ledger is not installed, or the role
+                lacks a privilege.
+            BrokerRejectedError: the queue refuses the task name or args (a message type
+                over 200 characters, a text field without a UTF-8 encoding...), or the
+                database refuses the data (permanent).
             BrokerUnavailableError: the database cannot be reached.
             BrokerTimeoutError: no answer in time; the task may have been committed.
             RelayAcknowledgementError: the commit's reply was lost but the key is recorded.
         """
         key = check_key(idempotency_key)
         seconds = check_timeout(timeout)
+        check_message(message, "work queue")
         # base64 grows the payload by a third in the task's JSON args.
         check_size(
             encoded_size(message, key) + len(message.payload) // 3 + 4,
             self._max_bytes,
             "the work-queue adapter",
         )
-        name = self._task_name(message)
+        task = self._task_for(message)
+        args = _encode_args(message, key)
+        try:
+            # Everything the queue would refuse is refused here, before connecting.
+            task.encode(args)
+        except ArgsEncodingError as exc:
+            if "exceed" in str(exc):
+                raise MessageTooLargeError(f"work queue: {exc}") from None
+            raise BrokerRejectedError(f"work queue: {exc}") from None
+        except (UnicodeError, TypeError, ValueError) as exc:
+            raise BrokerRejectedError(
+                f"work queue: the task's args cannot be encoded ({type(exc).__name__})"
+            ) from None
         return await publish_guarded(
             broker="work queue",
             key=key,
             timeout=seconds,
-            transmit=lambda: self._transmit(message, key, name),
+            transmit=lambda: self._transmit(task, args, key),
             probe=lambda: self.lookup(key),
         )
 
-    async def _transmit(self, message: ScheduledMessage, key: str, name: str) -> BrokerReceipt:
+    def _task_for(self, message: ScheduledMessage) -> Task[Any]:
+        """Build the task the message becomes, named by ``task_name`` (its type by default).
+
+        Raises:
+            BrokerRejectedError: ``task_name`` failed on this message, or returned a name the
+                queue refuses (empty, over 200 characters, control characters): the same
+                message would fail the same way on every attempt.
+        """
+        try:
+            name = self._task_name(message)
+        except Exception as exc:
+            raise BrokerRejectedError(
+                f"work queue: task_name failed on this message ({type(exc).__name__})"
+            ) from None
+        try:
+            return Task(name)
+        except (SteepleError, TypeError, ValueError) as exc:
+            raise BrokerRejectedError(
+                f"work queue: the queue refuses this task name ({exc}); the message type "
+                "(or task_name's result) must be a valid task name"
+            ) from None
+
+    async def _transmit(self, task: Task[Any], args: dict[str, Any], key: str) -> BrokerReceipt:
         conn = await self._connect()
         committing = False
         try:
@@ -245,7 +311,7 @@ class WorkQueueBroker(AsyncLifecycle):
                     " VALUES ($1, $2) ON CONFLICT (idempotency_key) DO NOTHING"
                     " RETURNING true",
                     key,
-                    name,
+                    task.name,
                 )
                 if not new:
                     task_id = await conn.fetchval(
@@ -260,17 +326,9 @@ class WorkQueueBroker(AsyncLifecycle):
                         duplicate=True,
                         location=None if task_id is None else str(task_id),
                     )
-                options = EnqueueOptions(
-                    run_at=self._options.run_at,
-                    priority=self._options.priority,
-                    lease_duration=self._options.lease_duration,
-                    max_attempts=self._options.max_attempts,
-                    backoff=self._options.backoff,
-                    dedup_key=key,
-                )
-                enqueued = await enqueue(
-                    conn, Task(name), _encode_args(message, key), options, schema=self._schema
-                )
+                # Every option the caller set (run_at or delay included), keyed for dedup.
+                options = attrs.evolve(self._options, dedup_key=key)
+                enqueued = await enqueue(conn, task, args, options, schema=self._schema)
                 await conn.execute(
                     f'UPDATE "{self._schema}".broker_dedup SET task_id = $2'
                     " WHERE idempotency_key = $1",
@@ -294,19 +352,28 @@ class WorkQueueBroker(AsyncLifecycle):
                 raise MessageTooLargeError(f"work queue: {exc}") from None
             raise BrokerRejectedError(f"work queue: {exc}") from None
         except QueueError as exc:
-            raise BrokerRejectedError(f"work queue: {exc}") from None
+            if isinstance(exc, ConfigurationError | TypeError):
+                raise BrokerRejectedError(f"work queue: {exc}") from None
+            # Unavailable, or a duplicate that kept changing under us: worth retrying.
+            raise BrokerUnavailableError(f"work queue: {exc}") from None
         except asyncpg.UndefinedTableError:
             raise BrokerConfigurationError(
                 f"work queue: schema {self._schema!r} lacks the queue tables or the ledger: "
                 "run steeple.postgres.queue.install(...) and WorkQueueBroker.install()"
             ) from None
         except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
+            if isinstance(exc, ValueError) and not committing:
+                # asyncpg's client-side DataError: an argument it cannot encode, refused
+                # before the statement was sent.
+                raise BrokerRejectedError(
+                    f"work queue: the driver cannot encode the task ({type(exc).__name__})"
+                ) from None
             if committing:
                 # COMMIT was sent; its outcome is unknown until we look.
                 raise AckUncertainError(type(exc).__name__) from None
             raise BrokerUnavailableError(f"work queue: {type(exc).__name__}") from None
         except asyncpg.PostgresError as exc:
-            raise BrokerUnavailableError(f"work queue: the database refused: {exc}") from None
+            raise _map_postgres_error(exc) from None
         finally:
             await self._release(conn)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 import aio_pika
 import aio_pika.exceptions as apx
 import aiormq.exceptions
+from pamqp.header import ContentHeader
 
 from steeple.brokers._common import (
     HEADER_HEADERS,
@@ -42,8 +44,10 @@ from steeple.brokers._common import (
     AsyncLifecycle,
     Delivery,
     check_key,
+    check_message,
     check_size,
     check_timeout,
+    check_utf8_length,
     decode_headers,
     encoded_size,
     header_map,
@@ -75,6 +79,18 @@ _MAX_MESSAGE_BYTES = 1024 * 1024
 _CLOSE_GRACE = 1.0
 _STALE_GRACE = 0.2
 
+SHORTSTR_BYTES = 255
+"""AMQP 0-9-1 ``shortstr`` (exchange names, routing keys, the ``type`` property...): a
+one-octet length, so at most 255 bytes of UTF-8 (``100 * "€"`` is 300 bytes)."""
+DEFAULT_FRAME_MAX = 131072
+"""RabbitMQ's default ``frame_max``, used until the connection has negotiated its own."""
+_FRAME_OVERHEAD = 8
+"""Frame type (1), channel (2), size (4) and frame-end (1) octets around a frame payload."""
+
+
+def _shortstr(value: object, what: str) -> bytes:
+    return check_utf8_length(value, SHORTSTR_BYTES, what, "rabbitmq", "AMQP 0-9-1 (shortstr)")
+
 
 async def _connect(url: str, timeout: float, name: str) -> Any:
     try:
@@ -89,6 +105,11 @@ async def _connect(url: str, timeout: float, name: str) -> Any:
     except (apx.AMQPError, OSError, ConnectionError) as exc:
         raise BrokerUnavailableError(
             f"rabbitmq: cannot connect to {redact_url(url)} ({type(exc).__name__})"
+        ) from None
+    except (ValueError, TypeError, KeyError) as exc:
+        # The client refused the URL or its options before connecting: nothing to retry.
+        raise BrokerConfigurationError(
+            f"rabbitmq: the client refused the URL {redact_url(url)} ({type(exc).__name__})"
         ) from None
 
 
@@ -126,10 +147,15 @@ class RabbitMQBroker(AsyncLifecycle):
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigurationError("url must be a non-empty str")
-        if not isinstance(exchange, str):
-            raise ConfigurationError("exchange must be a str")
-        if routing_key is not None and (not isinstance(routing_key, str) or len(routing_key) > 255):
-            raise ConfigurationError("routing_key must be a str of at most 255 characters")
+        for what, value in (("exchange", exchange), ("routing_key", routing_key)):
+            if value is None and what == "routing_key":
+                continue
+            if not isinstance(value, str):
+                raise ConfigurationError(f"{what} must be a str")
+            try:
+                _shortstr(value, what)
+            except BrokerRejectedError as exc:
+                raise ConfigurationError(str(exc)) from None
         if (
             isinstance(max_message_bytes, bool)
             or not isinstance(max_message_bytes, int)
@@ -227,17 +253,53 @@ class RabbitMQBroker(AsyncLifecycle):
         republication after a lost confirm can put a second copy in the queue (consumers
         deduplicate on ``message_id``; see :class:`DedupingConsumer`).
 
+        Before anything is sent, the routing key (the topic, unless a fixed one is
+        configured) and the message type must fit AMQP's 255-byte ``shortstr``, and the
+        content header frame (the properties, headers included) the connection's
+        ``frame_max``: RabbitMQ closes the whole connection on a larger frame.
+
         Raises:
-            ConfigurationError: a bad key or timeout.
-            MessageTooLargeError: over ``max_message_bytes`` or the server's limit.
-            BrokerRejectedError: unroutable (returned by the broker) or refused (permanent).
+            ConfigurationError: a bad key or timeout, or not a ScheduledMessage.
+            MessageTooLargeError: over ``max_message_bytes``, the frame limit or the
+                server's limit (permanent).
+            BrokerRejectedError: a routing key or message type over 255 bytes, or a value
+                AMQP cannot encode, refused before sending; or unroutable (returned by the
+                broker) or refused (permanent).
             BrokerConfigurationError: the exchange does not exist.
             BrokerUnavailableError: the server is unreachable, or it nacked the message.
             BrokerTimeoutError: no confirm in time; the queue may hold the message.
         """
         key = check_key(idempotency_key)
         seconds = check_timeout(timeout)
+        check_message(message, "rabbitmq")
         check_size(encoded_size(message, key), self._max_bytes, "the rabbitmq adapter")
+        routing_key = self._routing_key if self._routing_key is not None else message.topic
+        _shortstr(routing_key, "the routing key (the message's topic)")
+        _shortstr(message.message_type, "the message type (the AMQP type property)")
+        try:
+            amqp_message = aio_pika.Message(
+                body=message.payload,
+                message_id=key,
+                type=message.message_type,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                content_type="application/octet-stream",
+                headers=dict(header_map(message, key)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise BrokerRejectedError(f"rabbitmq: the client refused the message ({exc})") from None
+        header_size = self._content_header_size(amqp_message)
+
+        async def prepare() -> None:
+            await self.start()
+            limit = self._frame_max()
+            if limit and header_size + _FRAME_OVERHEAD > limit:
+                raise MessageTooLargeError(
+                    f"rabbitmq: the message's properties and headers take {header_size} "
+                    f"bytes, over the connection's frame_max ({limit} bytes with framing); "
+                    "RabbitMQ would close the connection: shorten the headers",
+                    size=header_size,
+                    limit=limit - _FRAME_OVERHEAD,
+                )
 
         async def no_probe() -> BrokerReceipt | None:
             # A queue cannot be searched by message_id: a lost confirm stays uncertain.
@@ -245,11 +307,11 @@ class RabbitMQBroker(AsyncLifecycle):
 
         try:
             return await publish_guarded(
-                prepare=self.start,
+                prepare=prepare,
                 broker="rabbitmq",
                 key=key,
                 timeout=seconds,
-                transmit=lambda: self._transmit(message, key),
+                transmit=lambda: self._transmit(amqp_message, routing_key, key),
                 probe=no_probe,
             )
         except BrokerTimeoutError:
@@ -259,19 +321,37 @@ class RabbitMQBroker(AsyncLifecycle):
             self._abandon()
             raise
 
-    async def _transmit(self, message: ScheduledMessage, key: str) -> BrokerReceipt:
+    @staticmethod
+    def _content_header_size(amqp_message: Any) -> int:
+        """Bytes of the content header frame's payload, encoded as aiormq will send it.
+
+        Raises:
+            BrokerRejectedError: a property or header AMQP cannot encode (permanent).
+        """
+        try:
+            header = ContentHeader(
+                body_size=len(amqp_message.body), properties=amqp_message.properties
+            )
+            return len(header.marshal())
+        except (TypeError, ValueError, struct.error, OverflowError) as exc:
+            raise BrokerRejectedError(
+                f"rabbitmq: AMQP cannot encode the message's properties ({exc})"
+            ) from None
+
+    def _frame_max(self) -> int:
+        """Return the frame_max the connection negotiated (0: no limit)."""
+        tune = getattr(
+            getattr(getattr(self._connection, "transport", None), "connection", None),
+            "connection_tune",
+            None,
+        )
+        frame_max = getattr(tune, "frame_max", None)
+        return frame_max if isinstance(frame_max, int) else DEFAULT_FRAME_MAX
+
+    async def _transmit(self, amqp_message: Any, routing_key: str, key: str) -> BrokerReceipt:
         exchange = self._exchange
         if exchange is None:
             raise BrokerUnavailableError("rabbitmq: not connected")
-        routing_key = self._routing_key if self._routing_key is not None else message.topic
-        amqp_message = aio_pika.Message(
-            body=message.payload,
-            message_id=key,
-            type=message.message_type,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            content_type="application/octet-stream",
-            headers=dict(header_map(message, key)),
-        )
         try:
             await exchange.publish(amqp_message, routing_key, mandatory=True, timeout=None)
         except apx.PublishError:

@@ -31,14 +31,15 @@ from steeple.brokers._common import (
     Delivery,
     check_dedup_window,
     check_key,
+    check_message,
     check_size,
     check_timeout,
     decode_headers,
     encode_headers,
-    encoded_size,
     positive_duration,
     publish_guarded,
     redact_url,
+    wire_text,
 )
 from steeple.core import limits
 from steeple.core.errors import (
@@ -91,10 +92,28 @@ class PersistenceReport:
         return not self.warnings
 
 
+# Error prefixes of replies that describe the server's state, not the message: the same
+# publication can succeed later (a script running, a failing RDB save, a cluster failing
+# over). Anything else the server refuses is refused for good.
+_TRANSIENT_PREFIXES = (
+    "BUSY",
+    "MISCONF",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "MASTERDOWN",
+    "NOREPLICAS",
+    "LOADING",
+    "READONLY",
+    "OOM",
+)
+
+
 def _map_response_error(exc: rexc.ResponseError) -> BrokerError:
     text = str(exc)
     if isinstance(exc, rexc.OutOfMemoryError | rexc.ReadOnlyError | rexc.BusyLoadingError):
         return BrokerUnavailableError(f"redis: {type(exc).__name__}: the server cannot write now")
+    if text.split(" ", 1)[0].upper() in _TRANSIENT_PREFIXES:
+        return BrokerUnavailableError(f"redis: the server cannot take it now: {text[:200]}")
     if isinstance(exc, rexc.NoPermissionError):
         return BrokerRejectedError("redis: the user may not run the publish script (NOPERM)")
     if text.startswith("WRONGTYPE") or "WRONGTYPE" in text:
@@ -139,6 +158,12 @@ class RedisStreamBroker(AsyncLifecycle):
             raise ConfigurationError("url must be a non-empty str")
         if not isinstance(stream, str) or not stream or not stream.isprintable():
             raise ConfigurationError("stream must be a non-empty printable str")
+        if dedup_prefix is not None and (
+            not isinstance(dedup_prefix, str) or not dedup_prefix.isprintable()
+        ):
+            # isprintable() is False for lone surrogates and control characters, which
+            # could never be sent as part of a key.
+            raise ConfigurationError("dedup_prefix must be a printable str")
         self._url = url
         self._stream = stream
         self._ttl = positive_duration(dedup_ttl, "dedup_ttl")
@@ -300,9 +325,13 @@ class RedisStreamBroker(AsyncLifecycle):
     ) -> BrokerReceipt:
         """Add ``message`` to the stream unless ``idempotency_key`` is already marked.
 
+        Every field is encoded to bytes, and the entry's exact size checked against
+        ``max_message_bytes``, before anything is sent.
+
         Raises:
-            ConfigurationError: a bad key or timeout.
+            ConfigurationError: a bad key or timeout, or not a ScheduledMessage.
             MessageTooLargeError: over ``max_message_bytes`` (permanent).
+            BrokerRejectedError: a text field without a UTF-8 encoding (permanent).
             BrokerConfigurationError: the stream or marker key holds another type.
             BrokerRejectedError: the server refused the script (permanent).
             BrokerUnavailableError: the server is unreachable, read-only or out of memory.
@@ -311,41 +340,55 @@ class RedisStreamBroker(AsyncLifecycle):
         """
         key = check_key(idempotency_key)
         seconds = check_timeout(timeout)
-        check_size(encoded_size(message, key), self._max_bytes, "the redis adapter")
+        fields = self._fields(check_message(message, "redis"), key)
+        # The entry's exact size: every field name and value, in bytes.
+        check_size(sum(len(f) for f in fields[1:]), self._max_bytes, "the redis adapter")
         return await publish_guarded(
             prepare=self.start,
             broker="redis",
             key=key,
             timeout=seconds,
-            transmit=lambda: self._transmit(message, key),
+            transmit=lambda: self._transmit(fields, key),
             probe=lambda: self._probe(key),
         )
 
-    async def _transmit(self, message: ScheduledMessage, key: str) -> BrokerReceipt:
-        if self._script is None or self._client is None:
-            raise BrokerUnavailableError("redis: this broker was closed")
+    def _fields(self, message: ScheduledMessage, key: str) -> list[bytes]:
+        """Build the script's ARGV: the marker TTL, then the entry's fields, as bytes.
+
+        Encoded here, so that nothing is left for redis-py to fail on mid-command.
+
+        Raises:
+            BrokerRejectedError: a text field without a UTF-8 encoding (permanent).
+        """
         ttl_ms = int(self._ttl.total_seconds() * 1000)
-        fields: list[str | bytes | int] = [
-            ttl_ms,
-            "key",
-            key,
-            "topic",
-            message.topic,
-            "type",
-            message.message_type,
-            "headers",
-            encode_headers(message),
-            "payload",
+        return [
+            str(ttl_ms).encode(),
+            b"key",
+            key.encode("ascii"),
+            b"topic",
+            wire_text(message.topic, "the topic", "redis"),
+            b"type",
+            wire_text(message.message_type, "the message type", "redis"),
+            b"headers",
+            encode_headers(message).encode("ascii"),
+            b"payload",
             message.payload,
         ]
+
+    async def _transmit(self, fields: list[bytes], key: str) -> BrokerReceipt:
+        if self._script is None or self._client is None:
+            raise BrokerUnavailableError("redis: this broker was closed")
         try:
             duplicate, entry_id = await self._script(
                 keys=[self._stream, self.marker_key(key)], args=fields, client=self._client
             )
         except rexc.ResponseError as exc:
             raise _map_response_error(exc) from None
-        except (rexc.TimeoutError, rexc.ConnectionError, OSError) as exc:
-            # The script may have run: the reply is what is missing.
+        except rexc.DataError as exc:
+            # redis-py refused to encode an argument: nothing was sent.
+            raise BrokerRejectedError(f"redis: the client refused the message: {exc}") from None
+        except (rexc.TimeoutError, rexc.ConnectionError, rexc.RedisError, OSError) as exc:
+            # The script may have run: the reply is what is missing (or unreadable).
             raise AckUncertainError(type(exc).__name__) from None
         except BaseException:
             # A cancelled command leaves its connection's reply stream unknown.

@@ -31,6 +31,7 @@ from steeple.brokers._common import (
     Delivery,
     check_dedup_window,
     check_key,
+    check_message,
     check_size,
     check_timeout,
     encoded_size,
@@ -41,9 +42,11 @@ from steeple.core import limits
 from steeple.core.clock import SystemClock
 from steeple.core.errors import (
     BrokerError,
+    BrokerRejectedError,
     BrokerTimeoutError,
     BrokerUnavailableError,
     ConfigurationError,
+    MessageTooLargeError,
 )
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.ports import Clock, Sealer
@@ -91,6 +94,11 @@ def _deserialize(raw: bytes) -> ScheduledMessage:
 
 def _map_sqlite_error(exc: sqlite3.Error, what: str) -> BrokerError:
     text = str(exc).lower()
+    if isinstance(exc, sqlite3.DataError) or "too big" in text:
+        # SQLITE_TOOBIG: a value over the library's length limit; it will never fit.
+        return MessageTooLargeError(f"sqlite journal: {what} failed: {exc}")
+    if isinstance(exc, sqlite3.IntegrityError):
+        return BrokerRejectedError(f"sqlite journal: {what} was refused: {exc}")
     if isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text):
         return BrokerTimeoutError(
             f"sqlite journal: {what} waited past the busy timeout for the write lock "
@@ -211,8 +219,9 @@ class SqliteJournalBroker(AsyncLifecycle):
         """Append ``message`` under ``idempotency_key`` durably, or report the earlier copy.
 
         Raises:
-            ConfigurationError: a bad key or timeout.
+            ConfigurationError: a bad key or timeout, or not a ScheduledMessage.
             MessageTooLargeError: the message exceeds ``max_message_bytes`` (permanent).
+            BrokerRejectedError: a text field without a UTF-8 encoding (permanent).
             BrokerTimeoutError: the lock was held past the busy timeout, or the deadline
                 passed (the write may still have committed: republish with the same key).
             BrokerUnavailableError: the file cannot be written.
@@ -221,6 +230,9 @@ class SqliteJournalBroker(AsyncLifecycle):
         """
         key = check_key(idempotency_key)
         seconds = check_timeout(timeout)
+        # Refused here: the journal's JSON would escape a lone surrogate and store it, and
+        # every consumer would then fail to rebuild the message.
+        check_message(message, "sqlite journal")
         check_size(encoded_size(message, key), self._max_bytes, "the sqlite journal")
         sealed = self._sealer.seal(
             _serialize(message),

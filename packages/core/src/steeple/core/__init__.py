@@ -15,7 +15,9 @@ from steeple.core.errors import (
     BrokerTimeoutError,
     BrokerUnavailableError,
     ConfigurationError,
+    ConfigurationTypeError,
     InvalidCronExpression,
+    InvalidTimeZoneError,
     InvalidTransitionError,
     KeyringConfigurationError,
     KeyringError,
@@ -83,6 +85,7 @@ from steeple.core.tasks import (
     TaskState,
     retry_decision,
 )
+from steeple.core.zoned import ZonedCalendar
 
 __all__ = [
     "CAPABILITY_BYTES",
@@ -104,10 +107,12 @@ __all__ = [
     "BrokerUnavailableError",
     "Clock",
     "ConfigurationError",
+    "ConfigurationTypeError",
     "CronCalendar",
     "DueCalendar",
     "FailureDecision",
     "InvalidCronExpression",
+    "InvalidTimeZoneError",
     "InvalidTransitionError",
     "KeyringConfigurationError",
     "KeyringError",
@@ -153,6 +158,7 @@ __all__ = [
     "TickPlan",
     "TickResult",
     "UnknownKeyIdError",
+    "ZonedCalendar",
     "adopt_time",
     "after_publish_failure",
     "capability_matches",

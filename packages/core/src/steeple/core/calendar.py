@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import attrs
 
-from steeple.core.errors import InvalidCronExpression
+from steeple.core.errors import ConfigurationError, ConfigurationTypeError, InvalidCronExpression
 
 __all__ = ["FIRST_INSTANT", "LAST_INSTANT", "MAX_EXPRESSION_LENGTH", "CronCalendar"]
 
@@ -237,9 +237,17 @@ def _days_in_month(year: int, month: int) -> int:
 
 def _require_aware(instant: object) -> datetime:
     if not isinstance(instant, datetime):
-        raise TypeError(f"expected a timezone-aware datetime, got {type(instant).__name__}")
-    if instant.tzinfo is None or instant.utcoffset() is None:
-        raise ValueError(
+        raise ConfigurationTypeError(
+            f"expected a timezone-aware datetime, got {type(instant).__name__}"
+        )
+    try:
+        offset = instant.utcoffset()
+    except Exception as exc:  # a third-party tzinfo may fail in any way
+        raise ConfigurationError(
+            f"the datetime's tzinfo fails to give an offset ({type(exc).__name__})"
+        ) from None
+    if instant.tzinfo is None or offset is None:
+        raise ConfigurationError(
             f"naive datetime {instant.isoformat()} rejected: instants must be timezone-aware "
             "(UTC), e.g. datetime(..., tzinfo=datetime.UTC)"
         )
@@ -249,12 +257,20 @@ def _require_aware(instant: object) -> datetime:
 def _check_values(name: str, minimum: int, maximum: int) -> Callable[[Any, Any, Any], None]:
     # Direct construction (bypassing parse) must not build a calendar the search can't run.
     def check(_instance: object, _attribute: object, value: object) -> None:
-        if not isinstance(value, frozenset) or not value:
-            raise ValueError(f"{name} must be a non-empty frozenset")
+        if not isinstance(value, frozenset):
+            raise ConfigurationTypeError(f"{name} must be a non-empty frozenset")
+        if not value:
+            raise ConfigurationError(f"{name} must be a non-empty frozenset")
         if not all(type(v) is int and minimum <= v <= maximum for v in value):
-            raise ValueError(f"{name} values must be integers in {minimum}-{maximum}")
+            raise ConfigurationError(f"{name} values must be integers in {minimum}-{maximum}")
 
     return check
+
+
+def _check_expression(_instance: object, _attribute: object, value: Any) -> None:
+    # Direct construction: the text is shown in reprs and stored, so it must be a str.
+    if not isinstance(value, str):
+        raise ConfigurationTypeError(f"expression must be a str, not {type(value).__name__}")
 
 
 @attrs.frozen(repr=False)
@@ -274,7 +290,7 @@ class CronCalendar:
         weekdays: weekdays that fire, 1=Sunday ... 7=Saturday.
     """
 
-    expression: str = attrs.field(eq=False)
+    expression: str = attrs.field(eq=False, validator=_check_expression)
     minutes: frozenset[int] = attrs.field(validator=_check_values("minutes", 0, 59))
     hours: frozenset[int] = attrs.field(validator=_check_values("hours", 0, 23))
     days_of_month: frozenset[int] = attrs.field(validator=_check_values("days_of_month", 1, 31))
@@ -360,8 +376,8 @@ class CronCalendar:
         1970-01-01T00:00Z through 2100-12-31T23:59Z whose five fields are all allowed.
 
         Raises:
-            ValueError: ``instant`` is naive.
-            TypeError: ``instant`` is not a datetime.
+            ConfigurationError: ``instant`` is naive (a ``ValueError``).
+            ConfigurationTypeError: ``instant`` is not a datetime (a ``TypeError``).
         """
         instant = _require_aware(instant)
         if instant < FIRST_INSTANT or instant > LAST_INSTANT:
@@ -390,8 +406,8 @@ class CronCalendar:
             ``None`` when no fire time remains before the end of 2100-12-31T23:59Z.
 
         Raises:
-            ValueError: ``instant`` is naive.
-            TypeError: ``instant`` is not a datetime.
+            ConfigurationError: ``instant`` is naive (a ``ValueError``).
+            ConfigurationTypeError: ``instant`` is not a datetime (a ``TypeError``).
         """
         instant = _require_aware(instant)
         if not self._can_fire or instant >= LAST_INSTANT:
@@ -408,8 +424,8 @@ class CronCalendar:
         """Every fire time strictly after ``instant``, in order, until the calendar ends.
 
         Raises:
-            ValueError: ``instant`` is naive.
-            TypeError: ``instant`` is not a datetime.
+            ConfigurationError: ``instant`` is naive (a ``ValueError``).
+            ConfigurationTypeError: ``instant`` is not a datetime (a ``TypeError``).
         """
         # Validated here, not inside the generator, so bad input fails at the call.
         first = self.next_after(instant)
@@ -420,13 +436,18 @@ class CronCalendar:
             yield current
             current = self._first_at_or_after(current + _ONE_MINUTE)
 
-    def _first_at_or_after(self, start: datetime) -> datetime | None:
-        """Return the first fire time at or after ``start``, a whole UTC minute."""
+    def _first_at_or_after(self, start: datetime, last_year: int = _LAST_YEAR) -> datetime | None:
+        """Return the first fire time at or after ``start``, a whole UTC minute.
+
+        ``last_year`` ends the search after that year. ``steeple.core.zoned`` reads the
+        result as a wall-clock time and searches into 2101 (a wall time there can still be
+        an instant of 2100 in zones east of UTC).
+        """
         minutes, hours = self._minute_list, self._hour_list
         days, months, weekday_mask = self._day_list, self._month_list, self._weekday_mask
         year, month, day = start.year, start.month, start.day
         hour, minute = start.hour, start.minute
-        while year <= _LAST_YEAR:
+        while year <= last_year:
             month_index = bisect_left(months, month)
             if month_index == len(months):
                 year, month, day, hour, minute = year + 1, 1, 1, 0, 0

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 import attrs
 
 from steeple.core import limits
-from steeple.core._validate import aware_utc, bounded_int, duration, text
+from steeple.core._validate import aware_utc, bounded_int, duration, shown, text
 from steeple.core.calendar import CronCalendar
 from steeple.core.errors import InvalidCronExpression, RecurringConfigurationError
 from steeple.core.messages import ScheduledMessage
@@ -32,10 +32,9 @@ def validate_namespace(value: object) -> str:
             ``.``, ``_`` or ``-`` starting with a letter or digit.
     """
     if not isinstance(value, str) or not _NAMESPACE.match(value):
-        shown = repr(value) if isinstance(value, str) and len(value) <= 80 else "given"
         raise RecurringConfigurationError(
-            f"namespace {shown} is invalid: use 1-63 characters of lowercase letters, digits, "
-            "'.', '_' or '-', starting with a letter or digit"
+            f"namespace {shown(value)} is invalid: use 1-63 characters of lowercase letters, "
+            "digits, '.', '_' or '-', starting with a letter or digit"
         )
     return value
 
@@ -107,7 +106,7 @@ def _calendar(value: object) -> CronCalendar:
     if isinstance(value, CronCalendar):
         return value
     if not isinstance(value, str):
-        raise InvalidCronExpression(repr(value), "a cron expression must be a str")
+        raise InvalidCronExpression(shown(value), "a cron expression must be a str")
     return CronCalendar.parse(value)
 
 
@@ -118,7 +117,7 @@ def _policy(value: object) -> MissedRunPolicy:
     ):
         return value
     raise RecurringConfigurationError(
-        f"policy must be MissedRunPolicy.CATCH_UP or MissedRunPolicy.COALESCE, not {value!r}"
+        f"policy must be MissedRunPolicy.CATCH_UP or MissedRunPolicy.COALESCE, not {shown(value)}"
     )
 
 

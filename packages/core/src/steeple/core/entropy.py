@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import secrets
 
+from steeple.core._validate import bounded_int
+from steeple.core.errors import ConfigurationError
+
 __all__ = ["SystemRandom"]
 
 
@@ -11,8 +14,12 @@ class SystemRandom:
     """Random bytes from the operating system (``secrets``), for capabilities and generations."""
 
     def token_bytes(self, n: int) -> bytes:
-        """Return ``n`` cryptographically random bytes."""
-        return secrets.token_bytes(n)
+        """Return ``n`` cryptographically random bytes.
+
+        Raises:
+            ConfigurationError: ``n`` is not an int in 0..65536.
+        """
+        return secrets.token_bytes(bounded_int(n, "n", 0, 65536, ConfigurationError))
 
     def random(self) -> float:
         """Return a float in [0, 1) for jitter."""

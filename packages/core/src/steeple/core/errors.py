@@ -20,6 +20,7 @@ __all__ = [
     "BrokerTimeoutError",
     "BrokerUnavailableError",
     "ConfigurationError",
+    "ConfigurationTypeError",
     "InvalidCronExpression",
     "InvalidTransitionError",
     "KeyringConfigurationError",
@@ -46,12 +47,42 @@ __all__ = [
 ]
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """Return a short ``repr`` of ``value`` that is safe to put in any message (private).
+
+    Never raises: a hostile ``__repr__``, or an int too long for ``repr`` (more than 4300
+    digits), is shown by its type instead. Lone surrogates come out escaped, so the
+    message encodes as UTF-8 and can be logged.
+    """
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _plain(value: object, limit: int = 80) -> str:
+    """Show a str as itself (escaped where it would not encode, shortened); others shown."""
+    if not isinstance(value, str):
+        return shown(value, limit)
+    text = value if len(value) <= limit else value[: limit - 3] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class SteepleError(Exception):
     """Root of every error steeple raises on purpose."""
 
 
 class ConfigurationError(SteepleError, ValueError):
     """Bad input or configuration; the message says what to fix. Nothing was stored."""
+
+
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """Input of the wrong type (bytes for a str, a list for a mapping, a float for an int).
+
+    Both a :class:`ConfigurationError` (a ``ValueError``) and a ``TypeError``, so callers
+    catching either keep working.
+    """
 
 
 class InvalidCronExpression(ConfigurationError):
@@ -64,10 +95,11 @@ class InvalidCronExpression(ConfigurationError):
     """
 
     def __init__(self, expression: str, reason: str, *, field: str | None = None) -> None:
-        shown = expression if len(expression) <= 80 else expression[:77] + "..."
-        where = f" in the {field} field" if field else ""
-        super().__init__(f"invalid cron expression {shown!r}{where}: {reason}")
-        self.expression = shown
+        # Escaped where it would not encode (lone surrogates), so the message can be logged.
+        shown_text = _plain(expression)
+        where = f" in the {_plain(field)} field" if isinstance(field, str) and field else ""
+        super().__init__(f"invalid cron expression {shown_text!r}{where}: {reason}")
+        self.expression = shown_text
         self.field = field
         self.reason = reason
 
@@ -81,7 +113,10 @@ class InvalidTransitionError(SteepleError):
     def __init__(self, lifecycle: str, state: object, event: object) -> None:
         state_name = getattr(state, "value", state)
         event_name = getattr(event, "value", event)
-        super().__init__(f"{lifecycle}: {event_name!s} is not allowed in state {state_name!s}")
+        super().__init__(
+            f"{_plain(lifecycle)}: {_plain(event_name)} is not allowed in state "
+            f"{_plain(state_name)}"
+        )
         self.lifecycle = lifecycle
         self.state = state
         self.event = event
@@ -253,7 +288,7 @@ class UnknownKeyIdError(KeyringError, LookupError):
 
     def __init__(self, key_id: str) -> None:
         super().__init__(
-            f"sealed with key id {key_id!r}, which this keyring does not hold; "
+            f"sealed with key id {shown(key_id)}, which this keyring does not hold; "
             "add that key back (as a previous key) to read this record"
         )
         self.key_id = key_id
@@ -285,9 +320,12 @@ class KeyringBindingMismatchError(KeyringError, ConfigurationError):
     """
 
     def __init__(self, namespace: str, fields: tuple[str, ...]) -> None:
-        listed = ", ".join(fields) if fields else "(format)"
+        try:
+            listed = ", ".join(_plain(f) for f in fields) if fields else "(format)"
+        except TypeError:
+            listed = "(format)"
         super().__init__(
-            f"the stored configuration binding of namespace {namespace!r} does not match the "
+            f"the stored configuration binding of namespace {shown(namespace)} does not match the "
             f"supplied configuration (fields: {listed}); supply the configuration the namespace "
             "was initialized with, or re-initialize it deliberately"
         )
@@ -311,3 +349,28 @@ class BrokerConfigurationError(BrokerRejectedError, ConfigurationError):
 
 
 __all__ += ["BrokerConfigurationError"]
+
+
+# --- time zones (appended by core's zoned calendar) ---------------------------------------
+
+
+class InvalidTimeZoneError(ConfigurationError):
+    """A time zone that the zoned calendar (``steeple.core.zoned``) cannot use.
+
+    Attributes:
+        zone: the rejected name, or ``<type>`` for a value of the wrong type (truncated).
+        reason: why it was rejected.
+    """
+
+    def __init__(self, zone: object, reason: object) -> None:
+        # Built from hostile input: formatting must never raise nor produce unencodable text.
+        zone_text = zone if isinstance(zone, str) else f"<{type(zone).__name__}>"
+        short = zone_text if len(zone_text) <= 80 else zone_text[:77] + "..."
+        reason_text = reason if isinstance(reason, str) else shown(reason)
+        reason_text = reason_text.encode("utf-8", "backslashreplace").decode("utf-8")
+        super().__init__(f"invalid time zone {shown(short, 100)}: {reason_text}")
+        self.zone = short
+        self.reason = reason_text
+
+
+__all__ += ["InvalidTimeZoneError"]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 from datetime import UTC, datetime, timedelta
 
+from steeple.core._validate import aware_utc, byte_string, encodable
+from steeple.core.errors import ConfigurationTypeError
+
 __all__ = ["PUBLISH_PURPOSE", "idempotency_key"]
 
 PUBLISH_PURPOSE = "steeple.recurring.publish.v1"
@@ -13,8 +16,17 @@ PUBLISH_PURPOSE = "steeple.recurring.publish.v1"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def _part(value: str | bytes) -> bytes:
-    raw = value.encode() if isinstance(value, str) else value
+_MAX_PART_BYTES = 64 * 1024
+"""Longest identity part accepted (names are at most 200 characters)."""
+
+
+def _text_part(value: object, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise ConfigurationTypeError(f"{what} must be a str, not {type(value).__name__}")
+    return encodable(value, what).encode("utf-8")
+
+
+def _part(raw: bytes) -> bytes:
     # Length-prefixed so that ("ab", "c") and ("a", "bc") can never produce the same key.
     return len(raw).to_bytes(4, "big") + raw
 
@@ -27,9 +39,22 @@ def idempotency_key(
     The key depends only on the occurrence's identity (namespace, definition, due instant,
     random generation) and the purpose, so every attempt, worker and restart derives the
     same key, and keys made for different purposes never collide.
+
+    Raises:
+        ConfigurationTypeError: a name is not a str, ``due_at`` not a datetime, or
+            ``generation`` not bytes (each also a ``TypeError``).
+        ConfigurationError: a name holds a lone surrogate (no UTF-8 form), ``due_at`` is
+            naive, or ``generation`` is over 64 KiB (each also a ``ValueError``).
     """
-    due_ms = (due_at.astimezone(UTC) - _EPOCH) // timedelta(milliseconds=1)
+    parts = [
+        _text_part(purpose, "purpose"),
+        _text_part(namespace, "namespace"),
+        _text_part(definition_name, "definition_name"),
+    ]
+    due_ms = (aware_utc(due_at, "due_at") - _EPOCH) // timedelta(milliseconds=1)
+    parts.append(str(due_ms).encode())
+    parts.append(byte_string(generation, "generation", max_len=_MAX_PART_BYTES))
     digest = hashlib.sha256()
-    for part in (purpose, namespace, definition_name, str(due_ms), generation):
+    for part in parts:
         digest.update(_part(part))
     return f"stp1-{digest.hexdigest()[:48]}"

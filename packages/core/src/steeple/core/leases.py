@@ -13,9 +13,9 @@ from typing import Final
 import attrs
 
 from steeple.core import limits
-from steeple.core._validate import aware_utc
+from steeple.core._validate import aware_utc, byte_string, shown, unit_float
 from steeple.core.backoff import RELAY_BACKOFF, Backoff
-from steeple.core.errors import ConfigurationError, RecurringClockError
+from steeple.core.errors import ConfigurationError, ConfigurationTypeError, RecurringClockError
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.ports import RandomSource
 
@@ -43,7 +43,9 @@ GENERATION_BYTES: Final = 16
 
 def _positive_duration(value: object, what: str) -> timedelta:
     if not isinstance(value, timedelta):
-        raise ConfigurationError(f"{what} must be a datetime.timedelta, not {type(value).__name__}")
+        raise ConfigurationTypeError(
+            f"{what} must be a datetime.timedelta, not {type(value).__name__}"
+        )
     if value <= timedelta(0):
         raise ConfigurationError(f"{what} must be positive; got {value}")
     return value
@@ -56,11 +58,18 @@ def window_end(created_at: datetime, delivery_window: timedelta) -> datetime:
 
     Raises:
         ConfigurationError: ``delivery_window`` is not a positive timedelta.
-        ValueError: ``created_at`` is naive.
-        TypeError: ``created_at`` is not a datetime.
+        ConfigurationError: ``created_at`` is naive (a ``ValueError``).
+        ConfigurationTypeError: ``created_at`` is not a datetime (a ``TypeError``).
     """
     created = aware_utc(created_at, "created_at")
-    return created + _positive_duration(delivery_window, "delivery_window")
+    window = _positive_duration(delivery_window, "delivery_window")
+    try:
+        return created + window
+    except OverflowError:
+        raise ConfigurationError(
+            f"the delivery window of an occurrence created at {created.isoformat()} would end "
+            "after the year 9999"
+        ) from None
 
 
 def lease_expiry(
@@ -73,12 +82,14 @@ def lease_expiry(
 
     Raises:
         ConfigurationError: ``lease_duration`` is not a positive timedelta.
-        ValueError: an instant is naive.
-        TypeError: an instant is not a datetime.
+        ConfigurationError: an instant is naive (a ``ValueError``).
+        ConfigurationTypeError: an instant is not a datetime (a ``TypeError``).
     """
     start = aware_utc(now, "now")
     end = aware_utc(window_ends_at, "window_ends_at")
-    expires = min(start + _positive_duration(lease_duration, "lease_duration"), end)
+    lease = _positive_duration(lease_duration, "lease_duration")
+    # Past the end of the datetime range the lease is cut to the window anyway.
+    expires = end if end - start <= lease else start + lease
     return expires if expires > start else None
 
 
@@ -88,8 +99,8 @@ def is_live(expires_at: datetime, now: datetime) -> bool:
     The expiry instant itself is already too late.
 
     Raises:
-        ValueError: an instant is naive.
-        TypeError: an instant is not a datetime.
+        ConfigurationError: an instant is naive (a ``ValueError``).
+        ConfigurationTypeError: an instant is not a datetime (a ``TypeError``).
     """
     return aware_utc(now, "now") < aware_utc(expires_at, "expires_at")
 
@@ -109,9 +120,12 @@ def is_claimable(
     window has ended (it is to be classified expired instead).
 
     Raises:
-        ValueError: an instant is naive.
-        TypeError: an instant is not a datetime.
+        ConfigurationTypeError: ``state`` is not an :class:`OccurrenceState`, or an
+            instant is not a datetime (a ``TypeError``).
+        ConfigurationError: an instant is naive (a ``ValueError``).
     """
+    if not isinstance(state, OccurrenceState):
+        raise ConfigurationTypeError(f"state must be an OccurrenceState, not {shown(state)}")
     at = aware_utc(now, "now")
     if at >= aware_utc(window_ends_at, "window_ends_at"):
         return False
@@ -124,17 +138,20 @@ def is_claimable(
     return False
 
 
+_MAX_SECRET_BYTES = 1024
+"""Longest capability or generation accepted for comparison (real ones are 16 bytes)."""
+
+
 def _as_bytes(value: object, what: str) -> bytes:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"{what} must be bytes, not {type(value).__name__}")
+    return byte_string(value, what, max_len=_MAX_SECRET_BYTES)
 
 
 def capability_matches(expected: bytes, presented: bytes) -> bool:
     """Compare a stored lease capability with a presented one in constant time.
 
     Raises:
-        TypeError: either value is not bytes-like.
+        ConfigurationTypeError: either value is not bytes-like (a ``TypeError``).
+        ConfigurationError: either value is longer than 1024 bytes.
     """
     # compare_digest's time does not depend on where the first differing byte is, so a
     # forger learns nothing from how long a rejection takes.
@@ -142,6 +159,10 @@ def capability_matches(expected: bytes, presented: bytes) -> bool:
 
 
 def _random_bytes(random: RandomSource, n: int, what: str) -> bytes:
+    if not callable(getattr(random, "token_bytes", None)):
+        raise ConfigurationTypeError(
+            f"random must be a RandomSource (with token_bytes), not {type(random).__name__}"
+        )
     raw = random.token_bytes(n)
     if not isinstance(raw, bytes) or len(raw) != n:
         raise ConfigurationError(f"the random source returned a bad {what} (need {n} bytes)")
@@ -170,12 +191,13 @@ def occurrence_id_for(generation: bytes) -> str:
     """Return the occurrence id of a generation: 32 lowercase hex characters.
 
     Raises:
-        ValueError: ``generation`` is not :data:`GENERATION_BYTES` long.
-        TypeError: ``generation`` is not bytes-like.
+        ConfigurationError: ``generation`` is not :data:`GENERATION_BYTES` long
+            (a ``ValueError``).
+        ConfigurationTypeError: ``generation`` is not bytes-like (a ``TypeError``).
     """
     raw = _as_bytes(generation, "generation")
     if len(raw) != GENERATION_BYTES:
-        raise ValueError(f"a generation is {GENERATION_BYTES} bytes; got {len(raw)}")
+        raise ConfigurationError(f"a generation is {GENERATION_BYTES} bytes; got {len(raw)}")
     return raw.hex()
 
 
@@ -199,8 +221,8 @@ def adopt_time(
         RecurringClockError: the local clock trails the recorded time by more than
             ``tolerance``.
         ConfigurationError: ``tolerance`` is negative or not a timedelta.
-        ValueError: an instant is naive.
-        TypeError: an instant is not a datetime.
+        ConfigurationError: an instant is naive (a ``ValueError``).
+        ConfigurationTypeError: an instant is not a datetime (a ``TypeError``).
     """
     here = aware_utc(local, "local")
     if not isinstance(tolerance, timedelta) or tolerance < timedelta(0):
@@ -262,13 +284,20 @@ def after_publish_failure(
         draw: a random float in [0, 1) for jitter, injected by the caller.
 
     Raises:
-        ConfigurationError: ``attempts`` or ``max_attempts`` is not a positive int.
-        ValueError: an instant is naive.
-        TypeError: an instant is not a datetime.
+        ConfigurationError: ``attempts`` or ``max_attempts`` is not a positive int,
+            ``backoff`` is not a :class:`Backoff`, or ``draw`` is NaN, infinite or not a
+            number.
+        ConfigurationError: an instant is naive (a ``ValueError``).
+        ConfigurationTypeError: an instant is not a datetime (a ``TypeError``).
     """
     for value, what in ((attempts, "attempts"), (max_attempts, "max_attempts")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigurationError(f"{what} must be an int >= 1; got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigurationTypeError(f"{what} must be an int >= 1; got {shown(value)}")
+        if value < 1:
+            raise ConfigurationError(f"{what} must be an int >= 1; got {shown(value)}")
+    if not isinstance(backoff, Backoff):
+        raise ConfigurationTypeError(f"backoff must be a Backoff, not {type(backoff).__name__}")
+    draw = unit_float(draw, "draw")
     start = aware_utc(now, "now")
     end = aware_utc(window_ends_at, "window_ends_at")
     if permanent:

@@ -34,3 +34,7 @@ MAX_TOPIC_LENGTH = 255
 MAX_HEADERS = 32
 MAX_HEADER_NAME_LENGTH = 128
 MAX_HEADER_VALUE_LENGTH = 1024
+MAX_LOCATION_LENGTH = 1024
+"""A broker receipt's ``location`` (stream sequence, entry id...) is at most this long."""
+MAX_BACKOFF_FACTOR = 2**31 - 1
+"""A backoff factor fits a 32-bit integer column; any larger one reaches the cap at once."""

@@ -10,8 +10,12 @@ from typing import Any
 import attrs
 
 from steeple.core import limits
-from steeple.core._validate import text
-from steeple.core.errors import RecurringConfigurationError
+from steeple.core._validate import encodable, shown, text
+from steeple.core.errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    RecurringConfigurationError,
+)
 
 __all__ = ["BrokerReceipt", "ScheduledMessage"]
 
@@ -20,7 +24,9 @@ def _freeze_headers(value: Mapping[str, str] | None) -> Mapping[str, str]:
     if value is None:
         return MappingProxyType({})
     if not isinstance(value, Mapping):
-        raise RecurringConfigurationError("headers must be a mapping of str to str")
+        raise RecurringConfigurationError(
+            f"headers must be a mapping of str to str, not {type(value).__name__}"
+        )
     if len(value) > limits.MAX_HEADERS:
         raise RecurringConfigurationError(
             f"a message has {len(value)} headers; the limit is {limits.MAX_HEADERS}"
@@ -34,7 +40,9 @@ def _freeze_headers(value: Mapping[str, str] | None) -> Mapping[str, str]:
             error=RecurringConfigurationError,
         )
         if not isinstance(v, str):
-            raise RecurringConfigurationError(f"header {k!r} must have a str value")
+            raise RecurringConfigurationError(
+                f"header {k!r} must have a str value, not {type(v).__name__}"
+            )
         if len(v) > limits.MAX_HEADER_VALUE_LENGTH:
             raise RecurringConfigurationError(
                 f"header {k!r} is {len(v)} characters; the limit is "
@@ -43,13 +51,18 @@ def _freeze_headers(value: Mapping[str, str] | None) -> Mapping[str, str]:
         # C0, DEL and C1 controls (CR/LF included) could split or forge a header downstream.
         if any(unicodedata.category(c) == "Cc" for c in v):
             raise RecurringConfigurationError(f"header {k!r} contains a control character")
+        # A lone surrogate has no UTF-8 form: every broker and store would fail on it later.
+        encodable(v, f"header {k!r}", RecurringConfigurationError)
         out[k] = v
     return MappingProxyType(dict(sorted(out.items())))
 
 
 def _payload(value: Any) -> bytes:
     if isinstance(value, bytearray | memoryview):
-        value = bytes(value)
+        try:
+            value = bytes(value)
+        except (ValueError, TypeError, BufferError):  # a released memoryview, for one
+            raise RecurringConfigurationError("payload is an unreadable buffer") from None
     if not isinstance(value, bytes):
         raise RecurringConfigurationError(
             f"payload must be bytes, not {type(value).__name__}; encode it first"
@@ -100,6 +113,33 @@ class ScheduledMessage:
         return hash((self.topic, self.message_type, self.payload, tuple(self.headers.items())))
 
 
+def _receipt_text(value: object, what: str, max_len: int) -> str:
+    if not isinstance(value, str):
+        raise ConfigurationTypeError(f"{what} must be a str, not {type(value).__name__}")
+    if len(value) > max_len:
+        raise ConfigurationError(f"{what} is {len(value)} characters; the limit is {max_len}")
+    return encodable(value, what)
+
+
+def _receipt_broker(_: object, __: object, value: Any) -> None:
+    if not _receipt_text(value, "broker", limits.MAX_NAME_LENGTH):
+        raise ConfigurationError("broker must not be empty")
+
+
+def _receipt_key(_: object, __: object, value: Any) -> None:
+    _receipt_text(value, "idempotency_key", limits.MAX_NAME_LENGTH)
+
+
+def _receipt_duplicate(_: object, __: object, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigurationTypeError(f"duplicate must be a bool, not {shown(value)}")
+
+
+def _receipt_location(_: object, __: object, value: Any) -> None:
+    if value is not None:
+        _receipt_text(value, "location", limits.MAX_LOCATION_LENGTH)
+
+
 @attrs.frozen
 class BrokerReceipt:
     """A broker's word that it accepted a message.
@@ -109,9 +149,14 @@ class BrokerReceipt:
         idempotency_key: the key the message was published under.
         duplicate: the broker recognised the key and did not store a second copy.
         location: where it landed (stream sequence, entry id, journal row), if known.
+
+    Raises:
+        ConfigurationTypeError: a field of the wrong type (``duplicate`` must be a bool).
+        ConfigurationError: an empty broker name, a field too long (broker and key: 200
+            characters, location: 1024), or a lone surrogate (stores must persist it).
     """
 
-    broker: str
-    idempotency_key: str
-    duplicate: bool = False
-    location: str | None = None
+    broker: str = attrs.field(validator=_receipt_broker)
+    idempotency_key: str = attrs.field(validator=_receipt_key)
+    duplicate: bool = attrs.field(default=False, validator=_receipt_duplicate)
+    location: str | None = attrs.field(default=None, validator=_receipt_location)

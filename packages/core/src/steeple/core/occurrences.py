@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final, Literal
 
+from steeple.core._validate import TypedEnumType
 from steeple.core.errors import InvalidTransitionError
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 
-class OccurrenceState(enum.Enum):
+class OccurrenceState(enum.Enum, metaclass=TypedEnumType):
     """Where a materialized occurrence is in its life."""
 
     PENDING = "pending"
@@ -44,7 +45,7 @@ class OccurrenceState(enum.Enum):
     CANCELLED = "cancelled"
 
 
-class OccurrenceEvent(enum.Enum):
+class OccurrenceEvent(enum.Enum, metaclass=TypedEnumType):
     """What can happen to an occurrence (inputs of the state table)."""
 
     CLAIM = "claim"
@@ -67,7 +68,7 @@ class OccurrenceEvent(enum.Enum):
     """``purge_terminal`` removed the row."""
 
 
-class PurgedType(enum.Enum):
+class PurgedType(enum.Enum, metaclass=TypedEnumType):
     """The type of :data:`PURGED` (an enum so that ``Literal[PURGED]`` type-checks)."""
 
     PURGED = "purged"
@@ -135,7 +136,9 @@ def transition(
         InvalidTransitionError: ``(state, event)`` is not in the table (including values
             that are not an :class:`OccurrenceState` / :class:`OccurrenceEvent`).
     """
-    try:
-        return OCCURRENCE_TRANSITIONS[(state, event)]
-    except (KeyError, TypeError):
-        raise InvalidTransitionError("occurrence", state, event) from None
+    # Only members are looked up: hashing a foreign object could fail in any way.
+    if isinstance(state, OccurrenceState) and isinstance(event, OccurrenceEvent):
+        found = OCCURRENCE_TRANSITIONS.get((state, event))
+        if found is not None:
+            return found
+    raise InvalidTransitionError("occurrence", state, event)

@@ -15,13 +15,13 @@ from typing import Protocol
 import attrs
 
 from steeple.core import limits
-from steeple.core._validate import aware_utc, bounded_int
-from steeple.core.errors import RecurringConfigurationError
+from steeple.core._validate import TypedEnumType, aware_utc, bounded_int, shown
+from steeple.core.errors import ConfigurationTypeError, RecurringConfigurationError
 
 __all__ = ["DueCalendar", "MissedRunPolicy", "TickPlan", "plan_tick", "validate_budget"]
 
 
-class MissedRunPolicy(enum.Enum):
+class MissedRunPolicy(enum.Enum, metaclass=TypedEnumType):
     """How a recurring definition treats due times that passed while nothing ticked.
 
     ``CATCH_UP`` preserves every missed due time, oldest first, bounded by the tick budget.
@@ -71,8 +71,14 @@ class TickPlan:
     next_due: datetime | None = attrs.field(default=None, kw_only=True)
 
 
+def _next(calendar: DueCalendar, instant: datetime) -> datetime | None:
+    # A calendar is a port: what it answers is checked like any other input.
+    found = calendar.next_after(instant)
+    return None if found is None else aware_utc(found, "the calendar's next due instant")
+
+
 def _finish(due: list[datetime], cursor: datetime, calendar: DueCalendar) -> TickPlan:
-    following = calendar.next_after(cursor)
+    following = _next(calendar, cursor)
     if following is None:
         return TickPlan(due=tuple(due), cursor=None, exhausted=True, next_due=None)
     return TickPlan(due=tuple(due), cursor=cursor, exhausted=False, next_due=following)
@@ -106,25 +112,32 @@ def plan_tick(
     Raises:
         RecurringConfigurationError: ``budget`` outside 1..100 or not an int, or an
             unknown policy.
-        ValueError: ``cursor`` or ``now`` is naive.
-        TypeError: ``cursor`` or ``now`` is not a datetime.
+        ConfigurationTypeError: ``calendar`` has no ``next_after``.
+        ConfigurationError: the calendar answered something other than an aware
+            datetime or ``None``.
+        ConfigurationError: ``cursor`` or ``now`` is naive (a ``ValueError``).
+        ConfigurationTypeError: ``cursor`` or ``now`` is not a datetime (a ``TypeError``).
     """
     validate_budget(budget)
+    if not callable(getattr(calendar, "next_after", None)):
+        raise ConfigurationTypeError(
+            f"calendar must have a next_after method (a CronCalendar), not {shown(calendar)}"
+        )
     cursor = aware_utc(cursor, "cursor")
     now = aware_utc(now, "now")
     if policy is MissedRunPolicy.CATCH_UP:
         due: list[datetime] = []
         position = cursor
         while len(due) < budget:
-            candidate = calendar.next_after(position)
+            candidate = _next(calendar, position)
             if candidate is None or candidate > now:
                 break
             due.append(candidate)
             position = candidate
         return _finish(due, position, calendar)
     if policy in (MissedRunPolicy.COALESCE, MissedRunPolicy.RUN_ONCE):
-        oldest = calendar.next_after(cursor)
+        oldest = _next(calendar, cursor)
         if oldest is not None and oldest <= now:
             return _finish([oldest], now, calendar)
         return _finish([], cursor, calendar)
-    raise RecurringConfigurationError(f"unknown missed-run policy {policy!r}")
+    raise RecurringConfigurationError(f"unknown missed-run policy {shown(policy)}")

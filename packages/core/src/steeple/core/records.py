@@ -5,12 +5,17 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import attrs
 
+from steeple.core._validate import INT64_MAX, aware_utc, bounded_int, byte_string
 from steeple.core.calendar import FIRST_INSTANT, LAST_INSTANT
-from steeple.core.errors import RecurringConfigurationError
+from steeple.core.errors import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    RecurringConfigurationError,
+)
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
 
@@ -29,18 +34,53 @@ __all__ = [
 ]
 
 
+_MAX_OCCURRENCE_ID_LENGTH = 128
+_MAX_CAPABILITY_BYTES = 1024
+
+
+def _check_occurrence_id(_: object, __: object, value: Any) -> None:
+    if not isinstance(value, str):
+        raise ConfigurationTypeError(f"occurrence_id must be a str, not {type(value).__name__}")
+    # Stores issue 32 hex characters; anything outside printable ASCII is no id of theirs
+    # and would only fail later, inside a driver.
+    if not 1 <= len(value) <= _MAX_OCCURRENCE_ID_LENGTH or not all(
+        "!" <= ch <= "~" for ch in value
+    ):
+        raise ConfigurationError(
+            f"occurrence_id must be 1-{_MAX_OCCURRENCE_ID_LENGTH} printable ASCII characters"
+        )
+
+
+def _check_expires_at(_: object, __: object, value: Any) -> None:
+    aware_utc(value, "expires_at")
+
+
+def _check_revision(_: object, __: object, value: Any) -> None:
+    bounded_int(value, "revision", 0, INT64_MAX, ConfigurationError)
+
+
+def _capability(value: object) -> bytes:
+    return byte_string(value, "capability", max_len=_MAX_CAPABILITY_BYTES)
+
+
 @attrs.frozen(repr=False)
 class Lease:
     """A claim on one occurrence, fenced by a random capability and a revision.
 
     Only ``occurrence_id`` and ``expires_at`` are public; the capability is a secret the
     store checks on every later step and never appears in a repr.
+
+    Raises:
+        ConfigurationTypeError: a field of the wrong type (a ``TypeError`` too).
+        ConfigurationError: an occurrence id that is not 1-128 printable ASCII characters,
+            a naive ``expires_at``, a revision outside 0..2**63-1, or a capability over
+            1024 bytes.
     """
 
-    occurrence_id: str
-    expires_at: datetime
-    revision: int
-    capability: bytes
+    occurrence_id: str = attrs.field(validator=_check_occurrence_id)
+    expires_at: datetime = attrs.field(validator=_check_expires_at)
+    revision: int = attrs.field(validator=_check_revision)
+    capability: bytes = attrs.field(converter=_capability)
 
     def __repr__(self) -> str:
         return (

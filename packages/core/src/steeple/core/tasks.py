@@ -10,9 +10,9 @@ from typing import Final
 
 import attrs
 
-from steeple.core._validate import aware_utc
+from steeple.core._validate import TypedEnumType, aware_utc, shown, unit_float
 from steeple.core.backoff import Backoff
-from steeple.core.errors import ConfigurationError, InvalidTransitionError
+from steeple.core.errors import ConfigurationError, ConfigurationTypeError, InvalidTransitionError
 
 __all__ = [
     "TASK_TRANSITIONS",
@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 
-class TaskState(enum.Enum):
+class TaskState(enum.Enum, metaclass=TypedEnumType):
     """Where a queued task is in its life."""
 
     PENDING = "pending"
@@ -35,7 +35,7 @@ class TaskState(enum.Enum):
     CANCELLED = "cancelled"
 
 
-class TaskEvent(enum.Enum):
+class TaskEvent(enum.Enum, metaclass=TypedEnumType):
     """What can happen to a task (inputs of the state table)."""
 
     CLAIM = "claim"
@@ -82,10 +82,12 @@ def transition(state: TaskState, event: TaskEvent) -> TaskState:
         InvalidTransitionError: ``(state, event)`` is not in the table (including values
             that are not a :class:`TaskState` / :class:`TaskEvent`).
     """
-    try:
-        return TASK_TRANSITIONS[(state, event)]
-    except (KeyError, TypeError):
-        raise InvalidTransitionError("task", state, event) from None
+    # Only members are looked up: hashing a foreign object could fail in any way.
+    if isinstance(state, TaskState) and isinstance(event, TaskEvent):
+        found = TASK_TRANSITIONS.get((state, event))
+        if found is not None:
+            return found
+    raise InvalidTransitionError("task", state, event)
 
 
 @attrs.frozen
@@ -108,9 +110,9 @@ class RetryDecision:
 
 def _positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigurationError(f"{what} must be an int, not {type(value).__name__}")
+        raise ConfigurationTypeError(f"{what} must be an int, not {type(value).__name__}")
     if value < 1:
-        raise ConfigurationError(f"{what} must be at least 1; got {value}")
+        raise ConfigurationError(f"{what} must be at least 1; got {shown(value)}")
     return value
 
 
@@ -129,12 +131,17 @@ def retry_decision(
         draw: a random float in [0, 1) for jitter, injected by the caller.
 
     Raises:
-        ConfigurationError: ``attempt`` or ``max_attempts`` is not a positive int.
-        ValueError: ``now`` is naive.
-        TypeError: ``now`` is not a datetime.
+        ConfigurationError: ``attempt`` or ``max_attempts`` is not a positive int,
+            ``backoff`` is not a :class:`Backoff`, or ``draw`` is NaN, infinite or not a
+            number.
+        ConfigurationError: ``now`` is naive (a ``ValueError``).
+        ConfigurationTypeError: ``now`` is not a datetime (a ``TypeError``).
     """
     _positive_int(attempt, "attempt")
     _positive_int(max_attempts, "max_attempts")
+    if not isinstance(backoff, Backoff):
+        raise ConfigurationTypeError(f"backoff must be a Backoff, not {type(backoff).__name__}")
+    draw = unit_float(draw, "draw")
     instant = aware_utc(now, "now")
     if attempt >= max_attempts:
         return RetryDecision(retry=False, run_at=None)

@@ -36,11 +36,18 @@ def _check_key_id(value: object) -> str:
             "'2026-09'"
         )
     if not is_valid_key_id(value):
-        # Only a bounded prefix is echoed: ids are not secret, but may be arbitrarily long.
-        shown = value if len(value) <= 40 else value[:37] + "..."
+        # A malformed id is never echoed: it is often key material written in the id's
+        # place (a key line the wrong way round, "base64:id" or "id:base64:extra").
+        if not value:
+            fault = "it is empty"
+        elif len(value) > KEY_ID_MAX_LENGTH:
+            fault = f"it is {len(value)} characters long"
+        else:
+            fault = "it holds another character"
         raise KeyringConfigurationError(
-            f"invalid key id {shown!r}: use 1 to {KEY_ID_MAX_LENGTH} characters from "
-            "A-Z, a-z, 0-9, '.', '_', ':' and '-' (for example '2026-09')"
+            f"invalid key id ({fault}): an id is 1 to {KEY_ID_MAX_LENGTH} characters from "
+            "A-Z, a-z, 0-9, '.', '_', ':' and '-' (for example '2026-09'); written as "
+            "id:base64, the id comes first"
         )
     return value
 
@@ -72,7 +79,7 @@ class StorageKey:
     The id travels in every envelope sealed under the key; the material never appears in
     ``repr``, ``str`` or error messages.
 
-    Args:
+    Attributes:
         key_id: 1–32 characters from ``A-Z a-z 0-9 . _ : -`` (e.g. ``"2026-09"``).
         key: exactly 32 bytes of key material.
 
@@ -101,8 +108,12 @@ class StorageKey:
 
         Raises:
             KeyringConfigurationError: the text is not valid base64, does not decode to 32
-                bytes, or the id is malformed. The text is never echoed.
+                bytes, or the id is malformed. Neither the text nor a malformed id is
+                echoed.
         """
+        # The id is checked first: a message may name a well-formed id, never a malformed
+        # one (it may be the key material itself, written in the id's place).
+        checked_id = _check_key_id(key_id)
         if not isinstance(text, str | bytes):
             raise KeyringConfigurationError(
                 f"a base64 key must be str or bytes, not {type(text).__name__}"
@@ -111,9 +122,9 @@ class StorageKey:
             material = base64.b64decode(text.strip(), validate=True)
         except (binascii.Error, ValueError):
             raise KeyringConfigurationError(
-                f"key {key_id!r} is not valid standard base64 (A-Z a-z 0-9 + / with = padding)"
+                f"key {checked_id!r} is not valid standard base64 (A-Z a-z 0-9 + / with = padding)"
             ) from None
-        return cls(key_id, material)
+        return cls(checked_id, material)
 
     def to_base64(self) -> str:
         """Return the key material as standard base64 (a secret: store it as one)."""

@@ -2,7 +2,8 @@
 
 ``PostgresRecurringStore.initialize(...)`` / ``.connect(...)`` build the store;
 ``RecurringRelay`` is a ready worker loop (``RelayStatistics``: what it did so far);
-``grant_runtime_role`` applies the runtime role's grants (``recurring/grants.sql``).
+``grant_runtime_role`` applies the runtime role's grants (the statements of
+``runtime_grant_statements``, as in ``recurring/grants.sql``).
 """
 
 from steeple.postgres.recurring import (
@@ -10,6 +11,13 @@ from steeple.postgres.recurring import (
     RecurringRelay,
     RelayStatistics,
     grant_runtime_role,
+    runtime_grant_statements,
 )
 
-__all__ = ["PostgresRecurringStore", "RecurringRelay", "RelayStatistics", "grant_runtime_role"]
+__all__ = [
+    "PostgresRecurringStore",
+    "RecurringRelay",
+    "RelayStatistics",
+    "grant_runtime_role",
+    "runtime_grant_statements",
+]

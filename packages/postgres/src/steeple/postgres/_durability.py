@@ -16,6 +16,10 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import asyncpg
 
+from steeple.core.dsn import check_dsn
+from steeple.core.errors import ConfigurationError
+from steeple.postgres._ident import quote_ident, shown_name
+
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
 
@@ -57,13 +61,6 @@ class DurabilityProblem(Exception):
         self.setting = setting
 
 
-def quote_ident(name: str) -> str:
-    """Quote a PostgreSQL identifier (doubling embedded quotes; NUL is refused)."""
-    if not name or "\x00" in name or len(name.encode()) > 63:
-        raise ValueError(f"invalid PostgreSQL identifier {name!r}")
-    return '"' + name.replace('"', '""') + '"'
-
-
 def _is_loopback(host: str) -> bool:
     if not host or host.startswith("/") or host.startswith("@"):
         return True  # a Unix-domain socket (path or abstract namespace)
@@ -100,8 +97,14 @@ def check_transport(dsn: str) -> None:
     ``sslmode=verify-full`` or ``verify-ca`` (in the DSN or ``PGSSLMODE``).
 
     Raises:
-        DurabilityProblem: with ``setting="sslmode"`` when TLS is not verified.
+        DurabilityProblem: with ``setting="dsn"`` when the DSN is malformed (see
+            :func:`steeple.core.dsn.check_dsn`; the message never quotes the DSN), with
+            ``setting="sslmode"`` when TLS is not verified.
     """
+    try:
+        check_dsn(dsn)
+    except ConfigurationError as exc:
+        raise DurabilityProblem(str(exc), setting="dsn") from None
     hosts, query = _dsn_hosts(dsn)
     remote = [h for h in hosts if not _is_loopback(h)]
     if not remote:
@@ -246,7 +249,7 @@ def check_schema_name(schema: str) -> None:
             else "a system schema"
         )
         raise DurabilityProblem(
-            f"schema {schema!r} is reserved by PostgreSQL ({what}); choose another name",
+            f"schema {shown_name(schema)} is reserved by PostgreSQL ({what}); choose another name",
             setting="schema",
         )
 

@@ -8,7 +8,7 @@ from typing import Any, Final, TypeVar
 from steeple.postgres.queue import _driver, _metrics
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA
 from steeple.postgres.queue._sql import QueueSql, queue_sql
-from steeple.postgres.queue.errors import QueueConfigurationError, QueueError
+from steeple.postgres.queue.errors import QueueConfigurationError, QueueError, QueueTypeError
 from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, Task
 
 __all__ = ["MAX_ENQUEUE_MANY", "enqueue", "enqueue_many", "enqueue_many_sync", "enqueue_sync"]
@@ -21,11 +21,24 @@ MAX_ENQUEUE_MANY: Final = 10_000
 _DEDUP_ROUNDS: Final = 5
 
 
+def _checked(task: object, options: object) -> EnqueueOptions:
+    """Check the task and options a caller passed; return the options to use."""
+    if not isinstance(task, Task):
+        raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
+    if options is None:
+        return _DEFAULT_OPTIONS
+    if not isinstance(options, EnqueueOptions):
+        raise QueueTypeError(
+            f"options must be EnqueueOptions or None, not {type(options).__name__}"
+        )
+    return options
+
+
 def _params(sql: QueueSql, task: Task[Any], args_text: str, options: EnqueueOptions) -> list[Any]:
     priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = options.snapshot()
     return [
         task.name, args_text, priority, options.run_at, max_attempts, lease,
-        b_init, b_max, b_factor, b_jitter, options.dedup_key, sql.channel,
+        b_init, b_max, b_factor, b_jitter, options.dedup_key, sql.channel, options.delay,
     ]  # fmt: skip
 
 
@@ -58,12 +71,14 @@ async def enqueue(
         ArgsEncodingError: ``args`` cannot be encoded.
         UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
         QueueConfigurationError: invalid schema name.
+        QueueTypeError: ``task`` is not a Task or ``options`` not EnqueueOptions.
         QueueError: the duplicate kept changing under us (pathological churn).
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
     """
-    options = options or _DEFAULT_OPTIONS
     sql = queue_sql(schema)
+    options = _checked(task, options)
+    _driver.connection_kind(conn)
     params = _params(sql, task, task.encode(args), options)
     for _ in range(_DEDUP_ROUNDS):
         rows = await _driver.fetch(conn, sql.enqueue, *params)
@@ -91,12 +106,14 @@ def enqueue_sync(
         ArgsEncodingError: ``args`` cannot be encoded.
         UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
         QueueConfigurationError: invalid schema name.
+        QueueTypeError: ``task`` is not a Task or ``options`` not EnqueueOptions.
         QueueError: the duplicate kept changing under us (pathological churn).
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
     """
-    options = options or _DEFAULT_OPTIONS
     sql = queue_sql(schema)
+    options = _checked(task, options)
+    _driver.connection_kind(conn)
     params = _params(sql, task, task.encode(args), options)
     for _ in range(_DEDUP_ROUNDS):
         rows = _driver.fetch_sync(conn, sql.enqueue, *params)
@@ -112,7 +129,11 @@ def enqueue_sync(
 def _many_params(
     task: Task[A], args_list: Sequence[A], options: EnqueueOptions | None, sql: QueueSql
 ) -> list[Any]:
-    options = options or _DEFAULT_OPTIONS
+    options = _checked(task, options)
+    if not isinstance(args_list, Sequence) or isinstance(args_list, str | bytes | bytearray):
+        raise QueueTypeError(
+            f"args_list must be a sequence (list or tuple) of args, not {type(args_list).__name__}"
+        )
     if options.dedup_key is not None:
         raise QueueConfigurationError("enqueue_many does not take a dedup_key; use enqueue")
     if len(args_list) > MAX_ENQUEUE_MANY:
@@ -122,7 +143,7 @@ def _many_params(
     texts = [task.encode(a) for a in args_list]
     params = _params(sql, task, "", options)
     params[1] = texts
-    del params[10]  # no dedup key
+    del params[10]  # no dedup key: the channel becomes $11, the delay $12
     return params
 
 
@@ -150,6 +171,7 @@ async def enqueue_many(
     Raises:
         ArgsEncodingError: any args cannot be encoded (nothing is inserted).
         QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
+        QueueTypeError: not a Task, EnqueueOptions or a sequence of args.
         UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
@@ -177,6 +199,7 @@ def enqueue_many_sync(
     Raises:
         ArgsEncodingError: any args cannot be encoded (nothing is inserted).
         QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
+        QueueTypeError: not a Task, EnqueueOptions or a sequence of args.
         UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.

@@ -1,17 +1,48 @@
-"""OpenTelemetry instruments of the queue (API only: no-ops unless an SDK is configured).
+"""OpenTelemetry instruments of the queue, optional: off unless ``opentelemetry-api`` is installed.
 
-Instruments are created on first use, never at import.
+``opentelemetry-api`` is the ``steeple-postgres[otel]`` extra, so nothing here imports it at
+module import: :func:`instruments` looks for it on first use and, when it is missing, hands
+out instruments that do nothing. With the API but no SDK configured, its own instruments are
+no-ops too. Instruments are created on first use, never at import.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import attrs
-from opentelemetry import metrics
-from opentelemetry.metrics import Counter, Histogram
 
-__all__ = ["QueueInstruments", "instruments"]
+__all__ = ["Counter", "Histogram", "QueueInstruments", "instruments"]
+
+Attributes = Mapping[str, str] | None
+
+
+class Counter(Protocol):
+    """What the queue uses of an OpenTelemetry counter."""
+
+    def add(self, amount: int, attributes: Attributes = None) -> None:
+        """Add ``amount`` under ``attributes``."""
+        ...
+
+
+class Histogram(Protocol):
+    """What the queue uses of an OpenTelemetry histogram."""
+
+    def record(self, amount: float, attributes: Attributes = None) -> None:
+        """Record one value under ``attributes``."""
+        ...
+
+
+class _Off:
+    """Counter and histogram in one, both doing nothing (no ``opentelemetry-api``)."""
+
+    def add(self, amount: int, attributes: Attributes = None) -> None:
+        del amount, attributes
+
+    def record(self, amount: float, attributes: Attributes = None) -> None:
+        del amount, attributes
 
 
 @attrs.frozen
@@ -30,13 +61,32 @@ class QueueInstruments:
     pickup_latency: Histogram
 
 
+def _off() -> QueueInstruments:
+    off = _Off()
+    return QueueInstruments(off, off, off, off, off, off, off, off, off, off)
+
+
 @functools.cache
 def instruments() -> QueueInstruments:
-    """Return the queue's instruments (created once, from the global meter provider)."""
-    meter = metrics.get_meter("steeple.postgres.queue")
+    """Return the queue's instruments (created once, from the global meter provider).
+
+    Without ``opentelemetry-api`` installed they do nothing.
+    """
+    try:
+        from opentelemetry import metrics
+    except ImportError:  # the optional [otel] extra is not installed: metrics are off
+        return _off()
+    meter: Any = metrics.get_meter("steeple.postgres.queue")
 
     def counter(name: str, what: str) -> Counter:
-        return meter.create_counter(f"steeple.queue.tasks.{name}", unit="{task}", description=what)
+        made: Counter = meter.create_counter(
+            f"steeple.queue.tasks.{name}", unit="{task}", description=what
+        )
+        return made
+
+    def histogram(name: str, unit: str, what: str) -> Histogram:
+        made: Histogram = meter.create_histogram(name, unit=unit, description=what)
+        return made
 
     return QueueInstruments(
         enqueued=counter("enqueued", "Tasks created"),
@@ -47,10 +97,6 @@ def instruments() -> QueueInstruments:
         cancelled=counter("cancelled", "Tasks cancelled"),
         lease_lost=counter("lease_lost", "Attempts whose lease was lost or fenced"),
         recovered=counter("recovered", "Expired leases recovered"),
-        run_time=meter.create_histogram(
-            "steeple.queue.run_time", unit="s", description="Handler run time"
-        ),
-        pickup_latency=meter.create_histogram(
-            "steeple.queue.pickup_latency", unit="s", description="Due time to claim"
-        ),
+        run_time=histogram("steeple.queue.run_time", "s", "Handler run time"),
+        pickup_latency=histogram("steeple.queue.pickup_latency", "s", "Due time to claim"),
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -12,9 +12,13 @@ from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver, _metrics
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA
 from steeple.postgres.queue._sql import queue_sql
-from steeple.postgres.queue.errors import QueueConfigurationError, TaskNotFoundError
+from steeple.postgres.queue._validate import check_int, check_task_id, check_timedelta
+from steeple.postgres.queue.errors import TaskNotFoundError
 
-__all__ = ["TaskRun", "cancel", "prune_terminal", "run_state"]
+__all__ = ["MAX_RETENTION", "TaskRun", "cancel", "prune_terminal", "run_state"]
+
+MAX_RETENTION: Final = timedelta(days=36_500)
+"""The largest ``older_than`` of :func:`prune_terminal` (about 100 years)."""
 
 
 @attrs.frozen
@@ -77,8 +81,11 @@ async def run_state(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) ->
 
     Raises:
         TaskNotFoundError: no such task (or it was pruned).
+        QueueConfigurationError: ``task_id`` beyond 64 bits, or an invalid schema name.
+        QueueTypeError: ``task_id`` is not an int.
     """
-    rows = await _driver.fetch(conn, queue_sql(schema).run_state, task_id)
+    sql = queue_sql(schema)
+    rows = await _driver.fetch(conn, sql.run_state, check_task_id(task_id))
     if not rows:
         raise TaskNotFoundError(task_id)
     return TaskRun.from_row(rows[0])
@@ -96,8 +103,11 @@ async def cancel(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> Ta
 
     Raises:
         TaskNotFoundError: no such task.
+        QueueConfigurationError: ``task_id`` beyond 64 bits, or an invalid schema name.
+        QueueTypeError: ``task_id`` is not an int.
     """
-    rows = await _driver.fetch(conn, queue_sql(schema).cancel, task_id)
+    sql = queue_sql(schema)
+    rows = await _driver.fetch(conn, sql.cancel, check_task_id(task_id))
     if not rows:
         raise TaskNotFoundError(task_id)
     before, changed = TaskState(rows[0][0]), int(rows[0][1])
@@ -123,11 +133,11 @@ async def prune_terminal(
         How many tasks were deleted.
 
     Raises:
-        QueueConfigurationError: a negative ``older_than`` or ``limit`` outside 1..10000.
+        QueueConfigurationError: ``older_than`` negative or over ~100 years, ``limit``
+            outside 1..10000, or an invalid schema name.
+        QueueTypeError: ``older_than`` is not a timedelta or ``limit`` not an int.
     """
-    if not isinstance(older_than, timedelta) or older_than < timedelta(0):
-        raise QueueConfigurationError("older_than must be a non-negative timedelta")
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-        raise QueueConfigurationError("limit must be an int of 1..10000")
+    check_timedelta(older_than, "older_than", timedelta(0), MAX_RETENTION)
+    check_int(limit, "limit", 1, 10_000)
     rows = await _driver.fetch(conn, queue_sql(schema).prune, older_than, limit)
     return int(rows[0][0])

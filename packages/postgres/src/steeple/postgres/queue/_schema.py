@@ -12,9 +12,11 @@ from steeple.postgres._durability import (
     check_schema_name,
     require_writable,
 )
+from steeple.postgres._ident import quote_ident, shown_name
 from steeple.postgres.queue._driver import refusals_typed
 from steeple.postgres.queue.errors import (
     QueueConfigurationError,
+    QueueTypeError,
     SchemaVersionMismatchError,
     UnfitDatabaseError,
 )
@@ -23,7 +25,10 @@ __all__ = ["DEFAULT_SCHEMA", "LIBRARY_SCHEMA_VERSION", "check_schema", "install"
 
 DEFAULT_SCHEMA: Final = "steeple_queue"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-_MIGRATIONS: Final[tuple[tuple[int, str], ...]] = ((1, "0001_create_queue_tables"),)
+_MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
+    (1, "0001_create_queue_tables"),
+    (2, "0002_due_work_survives_clock_steps"),
+)
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""
 
@@ -32,18 +37,22 @@ def validate_schema(schema: str) -> str:
     """Return the quoted identifier of ``schema``.
 
     Raises:
-        QueueConfigurationError: not a lowercase identifier of 1-63 characters.
+        QueueConfigurationError: not a lowercase identifier of 1-63 characters, or a name
+            PostgreSQL reserves (``pg_*``: ``pg_temp`` would make the tables temporary).
+        QueueTypeError: not a str.
     """
-    if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
+    if not isinstance(schema, str):
+        raise QueueTypeError(f"schema must be a str, not {type(schema).__name__}")
+    if not _SCHEMA_NAME.fullmatch(schema):
         raise QueueConfigurationError(
             f"schema must be a lowercase identifier ([a-z_][a-z0-9_]*, at most 63 chars), "
-            f"got {schema!r}"
+            f"got {shown_name(schema)}"
         )
     try:
         check_schema_name(schema)
     except DurabilityProblem as exc:
         raise QueueConfigurationError(str(exc)) from None
-    return f'"{schema}"'
+    return quote_ident(schema, what="schema")
 
 
 def notify_channel(schema: str) -> str:

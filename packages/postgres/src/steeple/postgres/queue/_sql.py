@@ -30,6 +30,10 @@ TERMINAL = "('succeeded', 'failed', 'cancelled')"
 _DUE_PAYLOAD = (
     "CASE WHEN {run_at} > clock_timestamp() THEN extract(epoch FROM {run_at})::text ELSE '' END"
 )
+# One server instant per statement: an immediate task's run_at equals its created_at
+# exactly, which is how the claim knows it was due when it was created (see migration 0002).
+_NOW = "created AS MATERIALIZED (SELECT clock_timestamp() AS at)"
+_RUN_AT = "coalesce({run_at}::timestamptz, created.at + coalesce({delay}::interval, interval '0'))"
 _TASK_COLUMNS = (
     "task_name, args, priority, run_at, max_attempts, lease_duration, "
     "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter"
@@ -46,6 +50,7 @@ class QueueSql:
     enqueue_many: str
     find_duplicate: str
     claim: str
+    claim_timed: str
     renew: str
     complete: str
     completed_by: str
@@ -59,46 +64,62 @@ class QueueSql:
     prune: str
 
 
-@functools.lru_cache(maxsize=64)
 def queue_sql(schema: str) -> QueueSql:
-    """Build (once) the statements for ``schema``.
+    """Return the statements for ``schema`` (built once per schema).
 
     Raises:
         QueueConfigurationError: invalid schema name.
+        QueueTypeError: a schema that is not a str.
     """
+    validate_schema(schema)  # before the cache: an unhashable schema is a typed error too
+    return _queue_sql(schema)
+
+
+@functools.lru_cache(maxsize=64)
+def _queue_sql(schema: str) -> QueueSql:
     s = validate_schema(schema)
     return QueueSql(
         schema=schema,
         channel=notify_channel(schema),
         # $1 name, $2 args, $3 priority, $4 run_at|null, $5 max_attempts, $6 lease,
-        # $7..$10 backoff, $11 dedup key, $12 channel
+        # $7..$10 backoff, $11 dedup key, $12 channel, $13 delay|null (from the server's now)
         enqueue=f"""
-INSERT INTO {s}.tasks ({_TASK_COLUMNS}, dedup_key)
-SELECT $1, $2::text::jsonb, $3, coalesce($4::timestamptz, clock_timestamp()), $5, $6::interval,
-       $7, $8, $9, $10, $11
-FROM {DURABLE}
+WITH {_NOW}
+INSERT INTO {s}.tasks ({_TASK_COLUMNS}, dedup_key, created_at, updated_at)
+SELECT $1, $2::text::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$13")}, $5, $6::interval,
+       $7, $8, $9, $10, $11, created.at, created.at
+FROM created, {DURABLE}
 ON CONFLICT (task_name, dedup_key) WHERE dedup_key IS NOT NULL AND state IN {LIVE} DO NOTHING
 RETURNING id, pg_notify($12, {_DUE_PAYLOAD.format(run_at="run_at")})::text""",
-        # $1 name, $2 args[], $3.. as above but no dedup; $11 channel
+        # $1 name, $2 args[], $3.. as above but no dedup; $11 channel, $12 delay|null
         enqueue_many=f"""
-WITH ins AS (
-    INSERT INTO {s}.tasks ({_TASK_COLUMNS})
-    SELECT $1, u.a::jsonb, $3, coalesce($4::timestamptz, clock_timestamp()), $5, $6::interval,
-           $7, $8, $9, $10
-    FROM {DURABLE}, unnest($2::text[]) WITH ORDINALITY AS u(a, n)
+WITH {_NOW}, ins AS (
+    INSERT INTO {s}.tasks ({_TASK_COLUMNS}, created_at, updated_at)
+    SELECT $1, u.a::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$12")}, $5, $6::interval,
+           $7, $8, $9, $10, created.at, created.at
+    FROM created, {DURABLE}, unnest($2::text[]) WITH ORDINALITY AS u(a, n)
     ORDER BY u.n
-    RETURNING id
+    RETURNING id, run_at
 )
 SELECT array_agg(id ORDER BY id),
-       (SELECT pg_notify($11, {_DUE_PAYLOAD.format(run_at="$4::timestamptz")}))::text
+       pg_notify($11, {_DUE_PAYLOAD.format(run_at="min(run_at)")})::text
 FROM ins""",
         find_duplicate=f"""
 SELECT id FROM {s}.tasks
 WHERE task_name = $1 AND dedup_key = $2 AND state IN {LIVE}""",
         # $1 names[], $2 limit, $3 worker id, $4 the claimer's give-up time (epoch s, in
-        # server time). The statement lives in a function (see the migration) that pins the
+        # server time). The statement lives in a function (see the migrations) that pins the
         # planner to the ordered claim index and ignores claims delivered too late.
         claim=f"SELECT * FROM {s}.claim($1::text[], $2::integer, $3::text, $4::double precision)",
+        # The worker's claim: the same, plus the server's clock read after the claim ran
+        # (epoch s) as the first column, and one row of NULLs when nothing was claimed, so
+        # every answer re-anchors the worker's estimate of the server's clock.
+        claim_timed=f"""
+WITH claimed AS (
+    SELECT * FROM {s}.claim($1::text[], $2::integer, $3::text, $4::double precision)
+)
+SELECT extract(epoch FROM clock_timestamp())::double precision, claimed.*
+FROM (SELECT) AS one LEFT JOIN claimed ON true""",
         # $1 ids[], $2 tokens[]
         renew=f"""
 UPDATE {s}.tasks t
@@ -156,11 +177,12 @@ WITH done AS (
     SELECT id, attempts, $4, 'failed', started_at, $3 FROM done
 )
 SELECT id FROM done""",
-        # $1 id, $2 token, $3 worker id: hand back unfinished work at shutdown, attempt refunded
+        # $1 id, $2 token, $3 worker id: hand back unfinished work at shutdown, attempt refunded.
+        # It keeps its run_at: it was due, and stays due whatever the server's clock does.
         release=f"""
 WITH done AS (
     UPDATE {s}.tasks t
-    SET state = 'pending', run_at = clock_timestamp(), attempts = greatest(t.attempts - 1, 0),
+    SET state = 'pending', attempts = greatest(t.attempts - 1, 0),
         lease_token = NULL, lease_expires_at = NULL, worker_id = NULL,
         updated_at = clock_timestamp()
     FROM {DURABLE}

@@ -32,8 +32,11 @@ import attrs
 
 from steeple.core.backoff import Backoff
 from steeple.core.clock import SystemClock
+from steeple.core.dsn import check_dsn
 from steeple.core.entropy import SystemRandom
+from steeple.core.errors import ConfigurationError
 from steeple.core.ports import Clock, RandomSource
+from steeple.core.remote_clock import RemoteClockEstimate
 from steeple.core.tasks import TaskEvent, TaskState, retry_decision, transition
 from steeple.postgres.queue import _driver, _metrics
 from steeple.postgres.queue._db import (
@@ -45,11 +48,19 @@ from steeple.postgres.queue._db import (
 )
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
 from steeple.postgres.queue._sql import queue_sql
+from steeple.postgres.queue._validate import (
+    check_bool,
+    check_int,
+    check_name,
+    check_seconds,
+    storable_text,
+)
 from steeple.postgres.queue.errors import (
     JobError,
     LeaseLostError,
     QueueConfigurationError,
     QueueError,
+    QueueTypeError,
     QueueUnavailableError,
     UnknownTaskError,
 )
@@ -81,7 +92,8 @@ class Health(enum.Enum):
     HEALTHY = "healthy"
     """Claiming, with the database and the wake-up listener working."""
     DEGRADED = "degraded"
-    """Running, but the database failed recently or the listener is down (polling)."""
+    """Running, but claims are failing or being refused, the database failed recently, or
+    the listener is down (polling)."""
     STOPPED = "stopped"
     """``run_until_shutdown`` returned (or never ran and was closed)."""
 
@@ -132,6 +144,8 @@ class _Claimed:
     args_text: str = attrs.field(repr=False)
     lease: float
     backoff: Backoff
+    # Local monotonic times, counted from when the claim was SENT (the server started the
+    # lease later than that, never earlier): no wall clock is involved.
     renew_at: float
     expires_at: float
     # When this claim started (server time): with the attempt number it identifies the
@@ -156,6 +170,12 @@ class WorkerStats:
     confirmed_completions: int = 0
     lease_lost: int = 0
     materialized: int = 0
+    failed_claims: int = 0
+    """Claim rounds that failed (database error or timeout)."""
+    refused_claims: int = 0
+    """Claim rounds the server refused as arriving after the worker had given up on them
+    (its clock moved, or the network held the request): each re-anchors the worker's
+    estimate of the server's clock from the answer."""
 
 
 @attrs.frozen
@@ -164,11 +184,9 @@ class _Registration(Generic[A]):
     handler: Handler[A]
 
 
-def _seconds(value: float | timedelta, what: str, minimum: float = 0.001) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < minimum:
-        raise QueueConfigurationError(f"{what} must be at least {minimum} s")
-    return float(seconds)
+_MAX_INTERVAL: Final = 3600.0  # the longest poll / maintenance interval and query timeout
+_MAX_DRAIN: Final = 86_400.0
+_MAX_CONCURRENCY: Final = 100_000
 
 
 @functools.lru_cache(maxsize=256)
@@ -182,9 +200,24 @@ def _backoff(initial_us: int, maximum_us: int, factor: int, jitter: float) -> Ba
     )
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _error_text(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= _MAX_ERROR_TEXT else text[: _MAX_ERROR_TEXT - 3] + "..."
+    try:
+        message = str(exc)
+    except Exception:  # a handler's exception whose __str__ fails is still a failure
+        message = "<the exception's message could not be read>"
+    text = f"{type(exc).__name__}: {message}"
+    if len(text) > _MAX_ERROR_TEXT:
+        text = text[: _MAX_ERROR_TEXT - 3] + "..."
+    # Handlers' messages may hold NUL or lone surrogates, which PostgreSQL text cannot.
+    return storable_text(text)
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> bool:
@@ -212,14 +245,24 @@ class Scheduler:
         listen: use LISTEN/NOTIFY wake-ups (polling alone when False).
         query_timeout: seconds any one worker query may take before it is abandoned (the
             worker then reports degraded and retries; a lease it could not renew lapses).
+            A claim the server receives after that long takes nothing.
         require_durable: refuse to start on a server or schema that could lose
             acknowledged commits (fsync, full_page_writes or synchronous_commit off,
             unlogged tables, a read-only standby).
-        clock: the clock for retry decisions (default: system clock).
+        clock: the clock whose differences time retry backoff (default: system clock).
+            What is due, leases and give-up times are judged by the database server's
+            clock and this host's monotonic clock, so stepping either wall clock (NTP,
+            an operator, a failover to a server whose clock differs) never stops claims.
         random: randomness for backoff jitter (default: the OS).
 
+    Intervals and timeouts are seconds (int or float) or timedeltas: poll and maintenance
+    intervals 0.001 s .. 1 h, query_timeout 0.1 s .. 1 h.
+
     Raises:
-        QueueConfigurationError: an invalid worker id, schema or interval.
+        QueueConfigurationError: an invalid worker id, schema, count or interval (NaN,
+            infinite, negative, zero or too large), or an invalid DSN (see
+            :func:`steeple.core.dsn.check_dsn`; the message never quotes the DSN).
+        QueueTypeError: an option of the wrong type.
     """
 
     def __init__(
@@ -238,15 +281,33 @@ class Scheduler:
         clock: Clock | None = None,
         random: RandomSource | None = None,
     ) -> None:
-        if not isinstance(worker_id, str) or not 1 <= len(worker_id) <= 200:
-            raise QueueConfigurationError("worker_id must be a str of 1..200 characters")
+        check_name(worker_id, "worker_id")
         validate_schema(schema)
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise QueueConfigurationError("concurrency must be an int >= 1")
+        check_int(concurrency, "concurrency", 1, _MAX_CONCURRENCY)
         batch = concurrency if batch_size is None else batch_size
-        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 1000:
-            raise QueueConfigurationError("batch_size must be an int of 1..1000")
-        if not isinstance(pool_or_dsn, str) and open_db(pool_or_dsn) is None:
+        check_int(batch, "batch_size", 1, 1000)
+        poll = check_seconds(poll_interval, "poll_interval", 0.001, _MAX_INTERVAL)
+        maintenance = check_seconds(
+            maintenance_interval, "maintenance_interval", 0.001, _MAX_INTERVAL
+        )
+        query = check_seconds(query_timeout, "query_timeout", 0.1, _MAX_INTERVAL)
+        check_bool(listen, "listen")
+        check_bool(require_durable, "require_durable")
+        if clock is not None and not callable(getattr(clock, "now", None)):
+            raise QueueTypeError(f"clock must have a now() method, not {type(clock).__name__}")
+        if random is not None and not callable(getattr(random, "random", None)):
+            raise QueueTypeError(f"random must have a random() method, not {type(random).__name__}")
+        if isinstance(pool_or_dsn, str):
+            if not pool_or_dsn or "\x00" in pool_or_dsn or not _encodable(pool_or_dsn):
+                raise QueueConfigurationError(
+                    "the DSN must be a non-empty str without NUL or lone surrogates"
+                )
+            # A malformed DSN would come back from the driver with pieces of it quoted.
+            try:
+                check_dsn(pool_or_dsn)
+            except ConfigurationError as exc:
+                raise QueueConfigurationError(str(exc)) from None
+        elif open_db(pool_or_dsn) is None:
             raise QueueConfigurationError(
                 "pool_or_dsn must be an asyncpg Pool, a psycopg_pool AsyncConnectionPool "
                 "or a DSN string"
@@ -255,13 +316,13 @@ class Scheduler:
         self.worker_id = worker_id
         self.schema = schema
         self._sql = queue_sql(schema)
-        self._poll = _seconds(poll_interval, "poll_interval")
-        self._maintenance = _seconds(maintenance_interval, "maintenance_interval")
+        self._poll = poll
+        self._maintenance = maintenance
         self._concurrency = concurrency
         self._batch = batch
         self._min_claim = max(1, min(batch, concurrency) // 4)
         self._listen = listen
-        self._timeout = _seconds(query_timeout, "query_timeout", minimum=0.1)
+        self._timeout = query
         self._require_durable = require_durable
         self._clock: Clock = clock or SystemClock()
         self._random: RandomSource = random or SystemRandom()
@@ -282,7 +343,11 @@ class Scheduler:
         self._closing = asyncio.Event()
         self._hard_stop = False
         self._timers: dict[int, asyncio.TimerHandle] = {}
-        self._clock_offset = 0.0  # server clock minus local clock, measured at start
+        # The server's clock, re-anchored on every answer that carries it (the start-up
+        # check, each claim): give-up times and wake-ups are computed on it from this
+        # host's monotonic clock, so neither wall clock's steps can void them for long.
+        self._server_clock = RemoteClockEstimate()
+        self._claims_ok = True
         self.stats = WorkerStats()
 
     def __repr__(self) -> str:
@@ -293,8 +358,15 @@ class Scheduler:
 
         Raises:
             UnknownTaskError: that task name already has a handler.
+            QueueTypeError: ``task`` is not a Task, or ``handler`` is not callable.
             QueueError: the worker has already started.
         """
+        if not isinstance(task, Task):
+            raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
+        if not callable(handler):
+            raise QueueTypeError(
+                f"handler must be an async callable (ctx, args), not {type(handler).__name__}"
+            )
         if self._started:
             raise QueueError("register handlers before run_until_shutdown")
         if task.name in self._registry:
@@ -302,8 +374,15 @@ class Scheduler:
         self._registry[task.name] = _Registration(task, handler)
 
     def health(self) -> Health:
-        """Report starting / healthy / degraded / stopped."""
-        if self._health is Health.HEALTHY and not (self._db_ok and self._listener_ok):
+        """Report starting / healthy / degraded / stopped.
+
+        Degraded while the latest claim round failed or was refused (until a claim
+        succeeds again), after another database failure (until a write succeeds), or while
+        the wake-up listener is down.
+        """
+        if self._health is Health.HEALTHY and not (
+            self._claims_ok and self._db_ok and self._listener_ok
+        ):
             return Health.DEGRADED
         return self._health
 
@@ -322,28 +401,41 @@ class Scheduler:
             SchemaVersionMismatchError: the queue schema is missing or another version.
             UnfitDatabaseError: the server or schema could lose acknowledged work.
             QueueUnavailableError: the database failed or was unreachable at start-up.
-            QueueConfigurationError: a pool too small for the worker.
+            QueueConfigurationError: a pool too small for the worker; a ``drain_timeout``
+                that is NaN, infinite, negative or over a day; a DSN that cannot be parsed.
+            QueueTypeError: ``stop`` is not an ``asyncio.Event``, or a wrong-typed
+                ``drain_timeout``.
             UnknownTaskError: no handler is registered.
             QueueError: called twice.
         """
+        if not isinstance(stop, asyncio.Event):
+            raise QueueTypeError(f"stop must be an asyncio.Event, not {type(stop).__name__}")
+        drain = check_seconds(drain_timeout, "drain_timeout", 0.0, _MAX_DRAIN)
         if self._started:
             raise QueueError("a Scheduler runs once; create a new one")
         if not self._registry:
             raise UnknownTaskError("register at least one handler before running")
         self._started = True
-        drain = _seconds(drain_timeout, "drain_timeout", minimum=0.0)
         owned = isinstance(self._source, str)
         try:
             try:
                 if isinstance(self._source, str):
-                    async with asyncio.timeout(self._timeout):
-                        pool = await asyncpg.create_pool(
-                            self._source,
-                            min_size=2,
-                            max_size=8,
-                            max_inactive_connection_lifetime=60,
-                            server_settings=dict(SERVER_SETTINGS),
-                        )
+                    try:
+                        async with asyncio.timeout(self._timeout):
+                            pool = await asyncpg.create_pool(
+                                self._source,
+                                min_size=2,
+                                max_size=8,
+                                max_inactive_connection_lifetime=60,
+                                server_settings=dict(SERVER_SETTINGS),
+                            )
+                    except (ValueError, TypeError) as exc:
+                        # asyncpg parses the DSN here (a bad port, an unknown option...).
+                        # Its message may quote the DSN, password included: not repeated.
+                        raise QueueConfigurationError(
+                            f"the worker's DSN could not be parsed ({type(exc).__name__}); "
+                            "check its host, port and query parameters"
+                        ) from None
                     self._db = open_db(pool)
                 else:
                     self._db = open_db(self._source)
@@ -389,14 +481,11 @@ class Scheduler:
                 await check_durable(
                     conn, self.schema, ("schema_migrations", "tasks", "attempts", "jobs")
                 )
-            # Claims carry a give-up time in the server's clock; estimate the offset
-            # (to within a round trip) so host clock skew cannot void every claim.
-            before = time.time()
+            # Claims carry a give-up time on the server's clock: anchor the estimate of it.
             ((server,),) = await _driver.fetch(
                 conn, "SELECT extract(epoch FROM clock_timestamp())::double precision"
             )
-            after = time.time()
-            self._clock_offset = float(server) - (before + after) / 2
+            self._server_clock.observe(float(server), time.monotonic())
 
         await db.with_connection(check, timeout=self._timeout)
 
@@ -445,25 +534,50 @@ class Scheduler:
                     await self._wait_either(self._slot_freed, stop_waiter, None)
                     continue
                 self._wake.clear()
+                wanted = min(free, self._batch)
+                sent = time.monotonic()
+                # The give-up time, on the server's clock: what it surely reads when this
+                # worker stops waiting (see steeple.core.remote_clock). A claim the server
+                # runs later than that takes nothing, instead of leasing tasks to nobody.
+                give_up = self._server_clock.at_least(sent + self._timeout)
                 try:
-                    rows = await pool.fetch(
-                        self._sql.claim,
+                    answer = await pool.fetch(
+                        self._sql.claim_timed,
                         names,
-                        min(free, self._batch),
+                        wanted,
                         self.worker_id,
-                        time.time() + self._clock_offset + self._timeout,
+                        give_up,
                         timeout=self._timeout,
                     )
-                    self._db_ok = True
                 except DB_ERRORS as exc:
+                    self._claims_ok = False
                     self._db_ok = False
+                    self.stats.failed_claims += 1
                     _log.warning("claim failed (%s); retrying after the poll interval", exc)
                     await self._wait_either(self._wake, stop_waiter, self._poll)
                     continue
-                now = time.monotonic()
+                server_now = float(answer[0][0])
+                self._server_clock.observe(server_now, time.monotonic())
+                rows = [row[1:] for row in answer if row[1] is not None]
+                if not rows and server_now >= give_up:
+                    # Refused as too late: the server's clock moved under the estimate, or
+                    # the request sat in the network. The answer re-anchored the estimate:
+                    # try again at once, then at the poll interval while it keeps happening.
+                    self.stats.refused_claims += 1
+                    refused_before = not self._claims_ok
+                    self._claims_ok = False
+                    _log.warning(
+                        "the server refused a claim as arriving after its give-up time "
+                        "(its clock moved, or the network delayed the request)"
+                    )
+                    if refused_before:
+                        await self._wait_either(self._wake, stop_waiter, self._poll)
+                    continue
+                self._claims_ok = True
+                self._db_ok = True
                 for row in rows:
-                    self._start(row, now, handlers, inst)
-                if len(rows) < min(free, self._batch):
+                    self._start(row, sent, handlers, inst)
+                if len(rows) < wanted:
                     await self._wait_either(self._wake, stop_waiter, self._poll)
                 else:
                     # Let handlers and the flusher run before the next claim.
@@ -761,10 +875,10 @@ class Scheduler:
                     self.stats.recovered += len(rows)
                     inst.recovered.add(len(rows))
                     self._wake.set()
+                # Due-ness is judged by the server's clock (the one claims use), never by
+                # this host's: a host whose clock differs must not skip or delay occurrences.
                 made = await pool.with_connection(
-                    lambda conn: materialize_due(
-                        conn, schema=self.schema, clock=self._clock, limit=100
-                    ),
+                    lambda conn: materialize_due(conn, schema=self.schema, limit=100),
                     timeout=self._timeout,
                 )
                 if made:
@@ -800,10 +914,13 @@ class Scheduler:
             return
         try:
             due = float(payload)
+            # The payload is the due time on the server's clock: count down to it on this
+            # host's monotonic clock, never by comparing it with this host's wall clock.
+            delay = self._server_clock.until(due, time.monotonic())
         except ValueError:
             self._wake.set()
             return
-        self._wake_at(due - time.time())
+        self._wake_at(delay)
 
     async def _listen_forever(self) -> None:
         db = self._require_db()

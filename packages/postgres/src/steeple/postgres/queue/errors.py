@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Final
 
 from steeple.core.errors import ConfigurationError, SteepleError
 
 __all__ = [
+    "MAX_RETRY_DELAY",
     "ArgsEncodingError",
     "JobError",
     "JobExistsError",
@@ -14,6 +16,7 @@ __all__ = [
     "LeaseLostError",
     "QueueConfigurationError",
     "QueueError",
+    "QueueTypeError",
     "QueueUnavailableError",
     "SchemaVersionMismatchError",
     "TaskNotFoundError",
@@ -23,12 +26,24 @@ __all__ = [
 ]
 
 
+MAX_RETRY_DELAY: Final = timedelta(days=366)
+"""The longest delay between attempts: a backoff's maximum, or ``JobError.retry(delay=)``."""
+
+
 class QueueError(SteepleError):
     """Base of the work queue's errors."""
 
 
 class QueueConfigurationError(QueueError, ConfigurationError):
     """Invalid options, names or settings; nothing was stored."""
+
+
+class QueueTypeError(QueueConfigurationError, TypeError):
+    """A value of the wrong type was given; nothing was stored.
+
+    Both a :class:`QueueConfigurationError` (a ``ValueError``) and a ``TypeError``, so
+    either ``except`` catches it.
+    """
 
 
 class SchemaVersionMismatchError(QueueError):
@@ -132,8 +147,15 @@ class JobError(QueueError):
 
     def __init__(self, message: str, *, retryable: bool, delay: timedelta | None = None) -> None:
         super().__init__(message)
-        if delay is not None and (not isinstance(delay, timedelta) or delay < timedelta(0)):
-            raise QueueConfigurationError("a retry delay must be a non-negative timedelta")
+        if delay is not None:
+            if not isinstance(delay, timedelta):
+                raise QueueTypeError(
+                    f"a retry delay must be a timedelta or None, not {type(delay).__name__}"
+                )
+            if not timedelta(0) <= delay <= MAX_RETRY_DELAY:
+                raise QueueConfigurationError(
+                    f"a retry delay must be a timedelta of 0 .. {MAX_RETRY_DELAY.days} days"
+                )
         self.message = message
         self.retryable = retryable
         self.delay = delay
@@ -143,7 +165,8 @@ class JobError(QueueError):
         """Build a retryable failure: run again after ``delay`` or the task's backoff.
 
         Raises:
-            QueueConfigurationError: a negative or non-timedelta ``delay``.
+            QueueConfigurationError: a negative ``delay``, or one over 366 days.
+            QueueTypeError: a ``delay`` that is not a timedelta.
         """
         return cls(message, retryable=True, delay=delay)
 

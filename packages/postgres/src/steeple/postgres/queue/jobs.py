@@ -11,27 +11,30 @@ the cursor jumps to now (the next task is the next future due time). Pausing sto
 materialization; resuming or rescheduling restarts from the current time (occurrences due
 while paused are not owed).
 
-Times come from an injected :class:`~steeple.core.ports.Clock` (the system clock by default).
+Times come from the database server's clock, the one that also judges when tasks are due
+(claims compare ``run_at`` with it), unless a :class:`~steeple.core.ports.Clock` is injected
+(tests and simulations). Never from this host's clock: the two may disagree by any amount.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
-from typing import Any, Final, TypeVar
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final, TypeVar, cast
 
 import attrs
 
 from steeple.core.calendar import CronCalendar
-from steeple.core.clock import SystemClock
 from steeple.core.policies import MissedRunPolicy, plan_tick
 from steeple.core.ports import Clock
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
+from steeple.postgres.queue._validate import check_int
 from steeple.postgres.queue.errors import (
     JobExistsError,
     JobNotFoundError,
     QueueConfigurationError,
     QueueError,
+    QueueTypeError,
 )
 from steeple.postgres.queue.tasks import EnqueueOptions, Task, _check_name
 
@@ -107,27 +110,63 @@ def _calendar(cron: str, now: datetime) -> tuple[CronCalendar, datetime]:
     return calendar, following
 
 
-def _declaration(
-    name: str, schema: str, cron: str, clock: Clock | None
+def _check_clock(clock: object) -> Clock | None:
+    if clock is not None and not callable(getattr(clock, "now", None)):
+        raise QueueTypeError(
+            f"clock must have a now() method (a steeple Clock) or be None, not "
+            f"{type(clock).__name__}"
+        )
+    return clock  # type: ignore[return-value]
+
+
+async def _now(conn: Any, clock: Clock | None) -> datetime:
+    """Return the current instant: the injected clock's, else the database server's.
+
+    The server's clock is the one that judges what is due (claims compare ``run_at`` with
+    it), so by default job cursors and due times are read from it, never from this host's
+    clock, which may disagree with it by any amount.
+    """
+    if clock is not None:
+        now = clock.now()
+        if not isinstance(now, datetime) or now.tzinfo is None or now.utcoffset() is None:
+            raise QueueTypeError("clock.now() must return an aware datetime")
+        try:
+            return now.astimezone(UTC)
+        except OverflowError:
+            raise QueueConfigurationError("clock.now() is out of range in UTC") from None
+    ((now,),) = await _driver.fetch(conn, "SELECT clock_timestamp()")
+    return cast(datetime, now)
+
+
+async def _declaration(
+    conn: Any, name: str, schema: str, cron: str, clock: Clock | None
 ) -> tuple[str, datetime, datetime]:
     """Check a declared job's name, schema and calendar; the quoted schema, now, first run."""
     _check_name(name, "job name")
     s = validate_schema(schema)
-    now = (clock or SystemClock()).now()
+    CronCalendar.parse(cron)
+    now = await _now(conn, _check_clock(clock))
     _, following = _calendar(cron, now)
     return s, now, following
 
 
 def _template(options: EnqueueOptions | None) -> EnqueueOptions:
-    options = options or _DEFAULT_OPTIONS
-    if options.run_at is not None or options.dedup_key is not None:
+    if options is None:
+        return _DEFAULT_OPTIONS
+    if not isinstance(options, EnqueueOptions):
+        raise QueueTypeError(
+            f"options must be EnqueueOptions or None, not {type(options).__name__}"
+        )
+    if options.run_at is not None or options.delay is not None or options.dedup_key is not None:
         raise QueueConfigurationError(
-            "recurring job options take no run_at or dedup_key (the calendar decides when)"
+            "recurring job options take no run_at, delay or dedup_key (the calendar decides when)"
         )
     return options
 
 
 def _params(task: Task[A], cron: str, args: A, options: EnqueueOptions | None) -> list[Any]:
+    if not isinstance(task, Task):
+        raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
     priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = _template(options).snapshot()
     return [task.name, cron, task.encode(args), priority, max_attempts, lease,
             b_init, b_max, b_factor, b_jitter]  # fmt: skip
@@ -154,22 +193,25 @@ async def create(
         args: the args copied onto every occurrence.
         options: priority, lease, attempts and backoff copied onto every occurrence.
         schema: the queue's PostgreSQL schema.
-        clock: the clock (system clock by default).
+        clock: a clock to read "now" from instead of the database server's (tests).
 
     Raises:
         JobExistsError: a job with that name exists.
         InvalidCronExpression: a malformed cron expression.
-        QueueConfigurationError: a bad name, a calendar that never fires, run_at/dedup_key.
+        QueueConfigurationError: a bad name or schema, a calendar that never fires, options
+            with run_at, delay or dedup_key, a clock reading out of range.
+        QueueTypeError: a task, options or clock of the wrong type.
         ArgsEncodingError: args that cannot be encoded.
     """
-    s, now, following = _declaration(name, schema, cron, clock)
+    s, now, following = await _declaration(conn, name, schema, cron, clock)
+    params = _params(task, cron, args, options)
     rows = await _driver.fetch(
         conn,
         f"""INSERT INTO {s}.jobs (name, {_TEMPLATE}, cursor_at, next_run_at)
         VALUES ($1, $2, $3, $4::text::jsonb, $5, $6, $7::interval, $8, $9, $10, $11, $12, $13)
         ON CONFLICT (name) DO NOTHING
         RETURNING {_COLUMNS}""",
-        name, *_params(task, cron, args, options), now, following,
+        name, *params, now, following,
     )  # fmt: skip
     if not rows:
         raise JobExistsError(name)
@@ -195,10 +237,13 @@ async def ensure_job(
 
     Raises:
         InvalidCronExpression: a malformed cron expression.
-        QueueConfigurationError: a bad name, a calendar that never fires, run_at/dedup_key.
+        QueueConfigurationError: a bad name or schema, a calendar that never fires, options
+            with run_at, delay or dedup_key, a clock reading out of range.
+        QueueTypeError: a task, options or clock of the wrong type.
         ArgsEncodingError: args that cannot be encoded.
     """
-    s, now, following = _declaration(name, schema, cron, clock)
+    s, now, following = await _declaration(conn, name, schema, cron, clock)
+    params = _params(task, cron, args, options)
     rows = await _driver.fetch(
         conn,
         f"""INSERT INTO {s}.jobs AS j (name, {_TEMPLATE}, cursor_at, next_run_at)
@@ -217,7 +262,7 @@ async def ensure_job(
             updated_at = clock_timestamp()
         WHERE ({_OLD_TEMPLATE}) IS DISTINCT FROM ({_NEW_TEMPLATE})
         RETURNING {_COLUMNS}""",
-        name, *_params(task, cron, args, options), now, following,
+        name, *params, now, following,
     )  # fmt: skip
     if rows:
         return JobInfo.from_row(rows[0])
@@ -232,8 +277,11 @@ async def get(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
 
     Raises:
         JobNotFoundError: no such job.
+        QueueConfigurationError: a malformed name (no job can have it) or schema.
+        QueueTypeError: a name that is not a str.
     """
     s = validate_schema(schema)
+    _check_name(name, "job name")
     rows = await _driver.fetch(conn, f"SELECT {_COLUMNS} FROM {s}.jobs WHERE name = $1", name)
     if not rows:
         raise JobNotFoundError(name)
@@ -245,8 +293,11 @@ async def pause(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInf
 
     Raises:
         JobNotFoundError: no such job.
+        QueueConfigurationError: a malformed name (no job can have it) or schema.
+        QueueTypeError: a name that is not a str.
     """
     s = validate_schema(schema)
+    _check_name(name, "job name")
     rows = await _driver.fetch(
         conn,
         f"""UPDATE {s}.jobs SET paused = true,
@@ -263,7 +314,10 @@ async def _restart(
     conn: Any, name: str, schema: str, clock: Clock | None, cron: str | None
 ) -> JobInfo:
     s = validate_schema(schema)
-    now = (clock or SystemClock()).now()
+    _check_name(name, "job name")
+    if cron is not None:
+        CronCalendar.parse(cron)
+    now = await _now(conn, _check_clock(clock))
     for _ in range(5):
         current = await get(conn, name, schema=schema)
         if cron is None and not current.paused:
@@ -292,7 +346,8 @@ async def resume(
 
     Raises:
         JobNotFoundError: no such job.
-        QueueConfigurationError: its calendar never fires again.
+        QueueConfigurationError: its calendar never fires again; a malformed name or schema.
+        QueueTypeError: a name or clock of the wrong type.
     """
     return await _restart(conn, name, schema, clock, None)
 
@@ -312,9 +367,9 @@ async def reschedule(
     Raises:
         JobNotFoundError: no such job.
         InvalidCronExpression: a malformed cron expression.
-        QueueConfigurationError: a calendar that never fires.
+        QueueConfigurationError: a calendar that never fires; a malformed name or schema.
+        QueueTypeError: a name or clock of the wrong type.
     """
-    CronCalendar.parse(cron)
     return await _restart(conn, name, schema, clock, cron)
 
 
@@ -323,8 +378,11 @@ async def delete(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> None:
 
     Raises:
         JobNotFoundError: no such job.
+        QueueConfigurationError: a malformed name (no job can have it) or schema.
+        QueueTypeError: a name that is not a str.
     """
     s = validate_schema(schema)
+    _check_name(name, "job name")
     rows = await _driver.fetch(conn, f"DELETE FROM {s}.jobs WHERE name = $1 RETURNING id", name)
     if not rows:
         raise JobNotFoundError(name)
@@ -343,17 +401,27 @@ async def materialize_due(
         conn: an asyncpg connection or a psycopg ``AsyncConnection`` (not in a
             transaction).
         schema: the queue's PostgreSQL schema.
-        clock: the clock deciding what is due (system clock by default).
-        limit: the most jobs handled in this call.
+        clock: the clock deciding what is due (by default the database server's, which
+            also judges when tasks are due; this host's clock may disagree with it).
+        limit: the most jobs handled in this call (1..10000).
 
     Returns:
         How many tasks were created.
+
+    Raises:
+        QueueConfigurationError: ``limit`` outside 1..10000, an invalid schema name, a
+            clock reading out of range.
+        QueueTypeError: a clock of the wrong type.
     """
     s = validate_schema(schema)
+    _check_clock(clock)
+    check_int(limit, "limit", 1, 10_000)
     created = 0
     async with conn.transaction():
-        await _driver.fetch(conn, "SELECT set_config('synchronous_commit', 'on', true)")
-        now = (clock or SystemClock()).now()
+        ((_, server_now),) = await _driver.fetch(
+            conn, "SELECT set_config('synchronous_commit', 'on', true), clock_timestamp()"
+        )
+        now = server_now if clock is None else await _now(conn, clock)
         due_jobs = await _driver.fetch(
             conn,
             f"""SELECT id, cron, cursor_at, args::text, priority, max_attempts, lease_duration,

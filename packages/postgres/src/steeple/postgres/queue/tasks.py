@@ -5,33 +5,42 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Generic, TypeVar, cast
 
 import attrs
 
 from steeple.core.backoff import Backoff
-from steeple.core.limits import MAX_NAME_LENGTH
-from steeple.postgres.queue.errors import ArgsEncodingError, QueueConfigurationError
+from steeple.postgres.queue._validate import INT32, check_int, check_name, check_timedelta
+from steeple.postgres.queue.errors import (
+    MAX_RETRY_DELAY,
+    ArgsEncodingError,
+    QueueConfigurationError,
+    QueueTypeError,
+)
 
-__all__ = ["MAX_ARGS_BYTES", "EnqueueOptions", "EnqueuedTask", "Task"]
+__all__ = [
+    "MAX_ARGS_BYTES",
+    "MAX_DELAY",
+    "MAX_RETRY_DELAY",
+    "EnqueueOptions",
+    "EnqueuedTask",
+    "Task",
+]
 
 A = TypeVar("A")
 
 MAX_ARGS_BYTES: Final = 1024 * 1024
 """Encoded task arguments are limited to 1 MiB of JSON."""
-_INT32 = 2**31 - 1
 # An escaped NUL (an odd run of backslashes before u0000): PostgreSQL's jsonb refuses it.
 _JSON_NUL: Final = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 MAX_TASK_LEASE: Final = timedelta(hours=24)
+MAX_DELAY: Final = timedelta(days=36_500)
+"""The longest ``EnqueueOptions.after`` delay (about 100 years)."""
 
 
 def _check_name(name: object, what: str) -> str:
-    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_LENGTH:
-        raise QueueConfigurationError(f"{what} must be a str of 1..{MAX_NAME_LENGTH} characters")
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
-        raise QueueConfigurationError(f"{what} must not contain control characters")
-    return name
+    return check_name(name, what)
 
 
 @attrs.frozen
@@ -42,8 +51,10 @@ class Task(Generic[A]):
     ``None`` for plain JSON values (dicts, lists, strings, numbers, booleans, null).
 
     Raises:
-        QueueConfigurationError: empty, too long or control-character name; an args type
-            that is neither attrs nor a dataclass.
+        QueueConfigurationError: an empty or too long name, or one with a control character
+            or lone surrogate.
+        QueueTypeError: a name that is not a str; an args type that is neither an attrs
+            class nor a dataclass.
     """
 
     name: str
@@ -52,16 +63,21 @@ class Task(Generic[A]):
     def __attrs_post_init__(self) -> None:
         _check_name(self.name, "task name")
         kind = self.args_type
-        if kind is not None and not (attrs.has(kind) or dataclasses.is_dataclass(kind)):
-            raise QueueConfigurationError(
-                f"args_type must be an attrs class, a dataclass or None, not {kind!r}"
+        if kind is not None and not (
+            isinstance(kind, type) and (attrs.has(kind) or dataclasses.is_dataclass(kind))
+        ):
+            raise QueueTypeError(
+                "args_type must be an attrs class, a dataclass or None, not "
+                f"{type(kind).__name__ if not isinstance(kind, type) else kind.__name__}"
             )
 
     def encode(self, args: A) -> str:
         """Encode ``args`` to the JSON text stored on the task.
 
         Raises:
-            ArgsEncodingError: wrong type, or a value JSON cannot represent, or over 1 MiB.
+            ArgsEncodingError: wrong type, a value JSON cannot represent (NaN, infinity, an
+                int with more than 4300 digits, a cycle, a lone surrogate, a NUL), nesting
+                too deep, or over 1 MiB.
         """
         kind = self.args_type
         value: Any = args
@@ -70,20 +86,36 @@ class Task(Generic[A]):
                 raise ArgsEncodingError(
                     f"task {self.name!r} takes {kind.__name__} args, not {type(args).__name__}"
                 )
-            value = (
-                attrs.asdict(cast(Any, args), recurse=True)
-                if attrs.has(kind)
-                else dataclasses.asdict(cast(Any, args))
-            )
+            try:
+                value = (
+                    attrs.asdict(cast(Any, args), recurse=True)
+                    if attrs.has(kind)
+                    else dataclasses.asdict(cast(Any, args))
+                )
+            except RecursionError:
+                raise ArgsEncodingError(
+                    f"args of task {self.name!r} nest too deeply to encode"
+                ) from None
         try:
             text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+        except RecursionError:
+            raise ArgsEncodingError(
+                f"args of task {self.name!r} nest too deeply for JSON (or contain a cycle)"
+            ) from None
         except (TypeError, ValueError) as exc:
             raise ArgsEncodingError(
-                f"args of task {self.name!r} cannot be encoded as JSON: {exc}"
+                f"args of task {self.name!r} cannot be encoded as JSON: {_reason(exc)}"
             ) from None
         if "\\u0000" in text and _JSON_NUL.search(text):
             raise ArgsEncodingError(f"args of task {self.name!r} contain a NUL character")
-        if len(text.encode("utf-8")) > MAX_ARGS_BYTES:
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise ArgsEncodingError(
+                f"args of task {self.name!r} contain a lone surrogate (not valid Unicode); "
+                "remove it or encode the data, e.g. as base64"
+            ) from None
+        if size > MAX_ARGS_BYTES:
             raise ArgsEncodingError(
                 f"args of task {self.name!r} exceed {MAX_ARGS_BYTES} bytes of JSON"
             )
@@ -97,6 +129,10 @@ class Task(Generic[A]):
         """
         try:
             value = json.loads(text)
+        except RecursionError:
+            raise ArgsEncodingError(
+                f"stored args of task {self.name!r} nest too deeply to decode"
+            ) from None
         except (TypeError, ValueError) as exc:
             raise ArgsEncodingError(
                 f"stored args of task {self.name!r} are not JSON: {exc}"
@@ -117,29 +153,43 @@ class Task(Generic[A]):
 
 
 def _check_priority(_i: object, _a: object, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not -_INT32 <= value <= _INT32:
-        raise QueueConfigurationError("priority must be an int within 32 bits")
+    check_int(value, "priority", -INT32, INT32)
 
 
 def _check_lease(_i: object, _a: object, value: Any) -> None:
-    if not isinstance(value, timedelta) or not (
-        timedelta(milliseconds=100) <= value <= MAX_TASK_LEASE
-    ):
-        raise QueueConfigurationError("lease_duration must be a timedelta of 100 ms .. 24 h")
+    check_timedelta(value, "lease_duration", timedelta(milliseconds=100), MAX_TASK_LEASE)
 
 
 def _check_attempts(_i: object, _a: object, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000:
-        raise QueueConfigurationError("max_attempts must be an int of 1..10000")
+    check_int(value, "max_attempts", 1, 10_000)
 
 
-def _check_run_at(_i: object, _a: object, value: Any) -> None:
+def _to_utc(value: Any) -> Any:
+    """Check ``run_at`` and hold it in UTC (as drivers send it); ``None`` means now."""
     if value is None:
-        return
+        return None
     if not isinstance(value, datetime):
-        raise QueueConfigurationError("run_at must be a datetime or None")
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise QueueConfigurationError("run_at must be timezone-aware (naive datetimes are refused)")
+        raise QueueTypeError(
+            f"run_at must be an aware datetime or None, not {type(value).__name__}"
+        )
+    try:
+        offset = value.utcoffset()
+    except (ValueError, TypeError, OverflowError):
+        offset = None
+    if value.tzinfo is None or offset is None:
+        raise QueueConfigurationError(
+            "run_at must be timezone-aware (naive datetimes are refused): use "
+            "datetime(..., tzinfo=UTC)"
+        )
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise QueueConfigurationError("run_at is out of range once converted to UTC") from None
+
+
+def _check_delay(_i: object, _a: object, value: Any) -> None:
+    if value is not None:
+        check_timedelta(value, "delay", timedelta(0), MAX_DELAY)
 
 
 def _check_dedup(_i: object, _a: object, value: Any) -> None:
@@ -149,47 +199,100 @@ def _check_dedup(_i: object, _a: object, value: Any) -> None:
 
 def _check_backoff(_i: object, _a: object, value: Any) -> None:
     if not isinstance(value, Backoff):
-        raise QueueConfigurationError("backoff must be a steeple.core.backoff.Backoff")
+        raise QueueTypeError(
+            f"backoff must be a steeple.core.backoff.Backoff, not {type(value).__name__}"
+        )
+    # Backoff checks its own shape; the queue stores microseconds as bigint and the factor
+    # as integer, and a retry must land on a representable instant.
+    if value.maximum > MAX_RETRY_DELAY:
+        raise QueueConfigurationError(
+            f"backoff maximum must be at most {MAX_RETRY_DELAY.days} days, got {value.maximum}"
+        )
+    check_int(value.factor, "backoff factor", 1, INT32)
+
+
+_OPTION_NAMES: Final = frozenset(
+    {"priority", "lease_duration", "max_attempts", "backoff", "dedup_key"}
+)
 
 
 @attrs.frozen(kw_only=True)
 class EnqueueOptions:
     """How and when one task runs; copied onto the task row when it is created.
 
+    When it runs is judged by the database server's clock: ``run_at`` is an instant on it,
+    ``delay`` counts from the server's time when the task is inserted (so a producer whose
+    own clock is wrong still gets the delay it asked for).
+
     Attributes:
-        run_at: when it becomes due (aware); ``None`` means now.
+        run_at: when it becomes due (aware; held in UTC); ``None`` means now.
+        delay: due this long after it is inserted, by the server's clock (0 .. ~100 years);
+            exclusive with ``run_at``.
         priority: higher runs first among due tasks (32-bit int, default 0).
         lease_duration: how long a worker holds it between renewals (100 ms .. 24 h).
         max_attempts: attempts before a retryable failure becomes final (1..10000).
-        backoff: delay policy between retries.
+        backoff: delay policy between retries (maximum at most 366 days).
         dedup_key: at most one live (pending or running) task per task name and key.
 
     Raises:
-        QueueConfigurationError: any value out of range; a naive ``run_at``.
+        QueueConfigurationError: any value out of range; a naive ``run_at``; both
+            ``run_at`` and ``delay``.
+        QueueTypeError: a value of the wrong type.
     """
 
-    run_at: datetime | None = attrs.field(default=None, validator=_check_run_at)
+    run_at: datetime | None = attrs.field(default=None, converter=_to_utc)
+    delay: timedelta | None = attrs.field(default=None, validator=_check_delay)
     priority: int = attrs.field(default=0, validator=_check_priority)
     lease_duration: timedelta = attrs.field(default=timedelta(seconds=60), validator=_check_lease)
     max_attempts: int = attrs.field(default=5, validator=_check_attempts)
     backoff: Backoff = attrs.field(factory=Backoff, validator=_check_backoff)
     dedup_key: str | None = attrs.field(default=None, validator=_check_dedup)
 
+    def __attrs_post_init__(self) -> None:
+        if self.run_at is not None and self.delay is not None:
+            raise QueueConfigurationError("give run_at or delay, not both")
+
+    @classmethod
+    def _build(cls, options: dict[str, Any], **when: Any) -> EnqueueOptions:
+        unknown = sorted(set(options) - _OPTION_NAMES)
+        if unknown:
+            raise QueueTypeError(
+                f"unknown enqueue options {unknown}; expected some of {sorted(_OPTION_NAMES)}"
+            )
+        return cls(**when, **options)
+
     @classmethod
     def immediate(cls, **options: Any) -> EnqueueOptions:
-        """Options for work that is due now (other options as keywords)."""
-        return cls(run_at=None, **options)
-
-    @classmethod
-    def at(cls, when: datetime, **options: Any) -> EnqueueOptions:
-        """Options for delayed work due at the aware instant ``when``.
+        """Options for work that is due now (other options as keywords).
 
         Raises:
-            QueueConfigurationError: ``when`` is naive or not a datetime.
+            QueueConfigurationError: an option out of range.
+            QueueTypeError: an unknown option, or a value of the wrong type.
         """
-        if when is None:
-            raise QueueConfigurationError("at() needs a datetime")
-        return cls(run_at=when, **options)
+        return cls._build(options)
+
+    @classmethod
+    def at(cls, when: datetime, /, **options: Any) -> EnqueueOptions:
+        """Options for delayed work due at the aware instant ``when`` (server clock).
+
+        Raises:
+            QueueConfigurationError: ``when`` is naive, or an option out of range.
+            QueueTypeError: ``when`` is not a datetime, an unknown option, a wrong type.
+        """
+        if not isinstance(when, datetime):
+            raise QueueTypeError(f"at() needs an aware datetime, not {type(when).__name__}")
+        return cls._build(options, run_at=when)
+
+    @classmethod
+    def after(cls, delay: timedelta, /, **options: Any) -> EnqueueOptions:
+        """Options for work due ``delay`` after it is inserted, by the server's clock.
+
+        Raises:
+            QueueConfigurationError: a negative or too long ``delay``, an option out of range.
+            QueueTypeError: ``delay`` is not a timedelta, an unknown option, a wrong type.
+        """
+        check_timedelta(delay, "delay", timedelta(0), MAX_DELAY)
+        return cls._build(options, delay=delay)
 
     def snapshot(self) -> tuple[int, int, timedelta, int, int, int, float]:
         """(priority, max_attempts, lease, backoff initial us, max us, factor, jitter)."""
@@ -203,6 +306,11 @@ class EnqueueOptions:
             b.factor,
             float(b.jitter),
         )
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 @attrs.frozen

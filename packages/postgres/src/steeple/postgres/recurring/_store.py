@@ -71,7 +71,7 @@ from steeple.postgres.recurring._sql import (
     package_sql,
 )
 
-__all__ = ["PostgresRecurringStore", "grant_runtime_role"]
+__all__ = ["PostgresRecurringStore"]
 
 _log = logging.getLogger("steeple.postgres.recurring")
 
@@ -367,26 +367,6 @@ async def _install(
             clock.now(),
         )
     await transaction.commit()
-
-
-async def grant_runtime_role(conn: asyncpg.Connection, role: str, schema: str = "steeple") -> None:
-    """Grant ``role`` exactly the runtime privileges of ``recurring/grants.sql``.
-
-    Run it as the deployment role (the tables' owner) after ``initialize``.
-
-    Raises:
-        RecurringConfigurationError: an invalid role or schema name.
-        asyncpg.PostgresError: the grant failed (the caller's connection, the caller's error).
-    """
-    try:
-        sql = (
-            package_sql("grants.sql")
-            .replace("{schema}", quote_ident(schema))
-            .replace("{role}", quote_ident(role))
-        )
-    except ValueError as exc:
-        raise RecurringConfigurationError(str(exc)) from None
-    await conn.execute(sql)
 
 
 @attrs.define(repr=False)
@@ -714,7 +694,9 @@ class PostgresRecurringStore:
                 definition.
             RecurringCapacityError: the namespace holds ``max_definitions`` already.
             KeyringError: the stored definition cannot be opened (e.g. its key is missing).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(definition, RecurringDefinition):
             raise RecurringConfigurationError("create needs a RecurringDefinition")
@@ -766,7 +748,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringNotFoundError: no definition of that name in this namespace.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(name, str):
             raise RecurringConfigurationError("a definition name is a str")
@@ -793,7 +777,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         if after is not None and not isinstance(after, str):
@@ -821,7 +807,9 @@ class PostgresRecurringStore:
             RecurringCapacityError: the batch would exceed ``max_occurrences``.
             KeyringError: a definition cannot be opened (its key is missing or it was
                 tampered with).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         budget = validate_budget(budget)
         q = self._queries
@@ -918,7 +906,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         q = self._queries
@@ -998,7 +988,9 @@ class PostgresRecurringStore:
             RelayBrokerTimeoutError: the broker did not answer in time (retried later).
             RelayBrokerError: the broker failed; ``permanent`` failures become dead letters.
             KeyringError: the content cannot be opened (the occurrence is dead-lettered).
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(lease, Lease):
             raise TypeError("relay needs a Lease returned by claim")
@@ -1162,7 +1154,9 @@ class PostgresRecurringStore:
             RecurringNotFoundError: no such occurrence in this namespace (or purged).
             RecurringInvalidStateError: the occurrence is not dead (published, cancelled,
                 expired and live work cannot be revived), or its window has ended.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         if not isinstance(occurrence_id, str):
             raise RecurringConfigurationError("an occurrence id is a str")
@@ -1199,7 +1193,9 @@ class PostgresRecurringStore:
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a cursor this store
                 did not return.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         position = _codec.parse_occurrence_cursor(after)
@@ -1226,7 +1222,9 @@ class PostgresRecurringStore:
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a naive cutoff.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
         if not isinstance(older_than, datetime) or older_than.utcoffset() is None:

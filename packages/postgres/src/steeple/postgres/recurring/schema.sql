@@ -1,6 +1,8 @@
 -- steeple recurring publications: the fixed schema (version 1).
--- {schema} is replaced by the quoted schema name. Run by `initialize` (the deployment
--- role) under an advisory lock, so concurrent initializers converge.
+-- The schema placeholder is replaced by the quoted schema name. Run by `initialize` (the
+-- deployment role) under an advisory lock, so concurrent initializers converge.
+-- The placeholder appears only where an identifier goes, never in a comment or a literal:
+-- a quoted name may hold a newline, which would end a comment and run the rest as SQL.
 CREATE SCHEMA IF NOT EXISTS {schema};
 
 CREATE TABLE IF NOT EXISTS {schema}.recurring_schema_version (

@@ -1,0 +1,10 @@
+-- The work queue's runtime role: what a worker (and a producer calling enqueue) needs.
+-- {schema} is the queue schema (default steeple_queue), {role} the runtime role.
+-- Run as the role that installed the schema (`steeple migrate` / queue.install).
+-- Executed by packages/postgres/tests/test_queue_documented.py, which runs enqueue,
+-- a worker, cancel, prune_terminal and every jobs operation as a role holding only these.
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT SELECT ON {schema}.schema_migrations TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.tasks TO {role};
+GRANT INSERT ON {schema}.attempts TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.jobs TO {role};

@@ -1,0 +1,253 @@
+"""Hostile arguments to every command: one typed line and a documented exit code, no traceback.
+
+Issue 10, item 5 (the command line): NUL, lone surrogates (undecodable argv bytes), 10 KB
+strings, integers beyond int64, negative, NaN and infinite durations, quotes and braces, and
+malformed DSNs (bad ports, garbage) exit 2 (usage) or 3 (configuration) with one line that
+says what to fix, or 0/1 where the value is legal and simply names nothing; never 4
+("unavailable") for bad input, and never "unexpected".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from typer.testing import CliRunner
+
+from steeple.admin.cli import app
+
+pytestmark = [pytest.mark.postgres, pytest.mark.usefixtures("clean_env")]
+
+STEEPLE = [sys.executable, "-c", "from steeple.admin.cli import main; main()"]
+
+HOSTILE: dict[str, str] = {
+    "nul": "a\x00b",
+    "surrogate": "a\udc80b",
+    "10kb": "x" * 10_000,
+    "10kb-digits": "9" * 10_000,
+    "beyond-int64": "9" * 30,
+    "negative": "-1",
+    "nan": "nan",
+    "inf": "inf",
+    "negative-duration": "-5m",
+    "fraction": "1.5",
+    "quotes": "'\";--",
+    "braces": "rtv{role}",
+    "newline": "a\nb",
+    "escape": "\x1b[31m",
+    "empty": "",
+}
+
+# (command, option) -> the arguments before and after the hostile value
+OPTIONS: list[tuple[str, list[str], list[str]]] = [
+    ("schedules --after", ["schedules", "--after"], []),
+    ("schedules --limit", ["schedules", "--limit"], []),
+    ("schedules --namespace", ["schedules", "--namespace"], []),
+    ("schedules --max-definitions", ["schedules", "--max-definitions"], []),
+    ("schedules --max-occurrences", ["schedules", "--max-occurrences"], []),
+    ("schedules --lease", ["schedules", "--lease"], []),
+    ("schedules --delivery-window", ["schedules", "--delivery-window"], []),
+    ("occurrences --after", ["occurrences", "--after"], []),
+    ("tasks --after", ["tasks", "--after"], []),
+    ("tasks --state", ["tasks", "--state"], []),
+    ("tasks --limit", ["tasks", "--limit"], []),
+    ("cancel NAME", ["cancel"], []),
+    ("cancel --task", ["cancel", "--task"], []),
+    ("retry ID", ["retry"], []),
+    ("purge --older-than", ["purge", "--older-than"], []),
+    ("purge --tasks --older-than", ["purge", "--tasks", "--older-than"], []),
+    ("purge --limit", ["purge", "--limit"], []),
+    ("keys generate --id", ["keys", "generate", "--id"], []),
+    ("keys show --namespace", ["keys", "show", "--namespace"], []),
+    ("keys show --keys-file", ["keys", "show", "--keys-file"], []),
+    ("initialize --namespace", ["initialize", "--namespace"], []),
+    ("initialize --grant-to", ["initialize", "--grant-to"], []),
+    ("initialize --max-definitions", ["initialize", "--max-definitions"], []),
+    ("worker --app", ["worker", "--app"], []),
+    ("admin serve --port", ["admin", "serve", "--port"], []),
+    ("demo --duration", ["demo", "--duration"], []),
+    ("demo --speed", ["demo", "--speed"], []),
+    ("demo --lose-ack-every", ["demo", "--lose-ack-every"], ["--duration", "0"]),
+    ("--dsn", ["schedules", "--dsn"], []),
+]
+# Options naming a schema create it when the name is legal: only refused names go there.
+SCHEMA_OPTIONS: list[tuple[str, list[str]]] = [
+    ("schedules --schema", ["schedules", "--schema"]),
+    ("initialize --schema", ["initialize", "--schema"]),
+    ("migrate --queue-schema", ["migrate", "--queue-schema"]),
+    ("tasks --queue-schema", ["tasks", "--queue-schema"]),
+    ("keys show --schema", ["keys", "show", "--schema"]),
+    ("demo --schema", ["demo", "--schema"]),
+]
+REFUSED_SCHEMAS = ["nul", "surrogate", "10kb", "empty"]
+MALFORMED_DSNS = [
+    "postgresql://u:pw@127.0.0.1:99999/test",
+    "postgresql://u:pw@127.0.0.1:abc/test",
+    "postgresql://u:pw@127.0.0.1:-1/test",
+    "postgresql://u:p/w@127.0.0.1/test",
+    "postgresql://u@127.0.0.1/test?port=x",
+    "postgresql://u@127.0.0.1/test?sslmode=bogus",
+    "postgresql://[::1/test",
+    "postgresql://u@h/db?a",
+    "postgresql://u@h/db%zz",
+    "host=127.0.0.1 dbname=test",
+    "garbage",
+    "",
+]
+
+
+def check(result: Any, where: object) -> None:
+    text = result.stdout + result.stderr
+    assert "Traceback" not in text, (where, text[-1500:])
+    assert "unexpected" not in text, (where, text[-1500:])
+    assert result.exit_code in {0, 1, 2, 3}, (where, result.exit_code, text[-1500:])
+    if result.exit_code in {1, 3}:
+        lines = result.stderr.strip().splitlines()
+        assert lines[0].startswith("steeple: error:"), (where, result.stderr)
+        assert len(lines) <= 2, (where, result.stderr)  # the error and what to do
+        assert all(len(line) <= 1100 for line in lines), where
+
+
+def test_every_option_with_hostile_values(
+    seeded: Any, tmp_path: Path, drop_queue_schema: list[str]
+) -> None:
+    env = {**seeded.env(), "STEEPLE_ADMIN_TOKEN": "t" * 20}
+    # an empty --queue-schema means the default, <schema>_queue, which migrate creates
+    drop_queue_schema.append(f"{seeded.schema}_queue")
+    runner = CliRunner()
+    codes: dict[int, int] = {}
+    for label, before, after in OPTIONS:
+        for kind, value in HOSTILE.items():
+            args = [*before, value, *after]
+            if label.startswith("demo"):
+                # a malformed DSN: a legal value gets as far as the configuration check
+                args += ["--data-dir", str(tmp_path / "demo"), "--dsn", "postgresql://u@h:0/x"]
+            result = runner.invoke(app, args, env=env, catch_exceptions=False)
+            check(result, (label, kind))
+            codes[result.exit_code] = codes.get(result.exit_code, 0) + 1
+    for label, before in SCHEMA_OPTIONS:
+        for kind in REFUSED_SCHEMAS:
+            args = [*before, HOSTILE[kind]]
+            if label.startswith("demo"):
+                args += ["--data-dir", str(tmp_path / "demo")]
+            result = runner.invoke(app, args, env=env, catch_exceptions=False)
+            check(result, (label, kind))
+            if kind == "empty" and "--queue-schema" in label:
+                assert result.exit_code == 0, result.output  # empty: the default schema
+                continue
+            assert result.exit_code in {2, 3}, (label, kind, result.stderr)
+    # a malformed DSN is a configuration error naming what to fix, the DSN redacted
+    for dsn in MALFORMED_DSNS:
+        for source in ("flag", "env"):
+            args = ["schedules"] + (["--dsn", dsn] if source == "flag" else [])
+            run_env = {**env, "STEEPLE_DATABASE_URL": dsn} if source == "env" else env
+            if not dsn:
+                # an empty --dsn means "not given": the variable decides; unset it too
+                run_env = {k: v for k, v in run_env.items() if k != "STEEPLE_DATABASE_URL"}
+            result = runner.invoke(app, args, env=run_env, catch_exceptions=False)
+            check(result, (dsn, source))
+            if dsn.endswith("sslmode=bogus"):
+                assert result.exit_code == 3, result.stderr  # asyncpg refuses the option
+                continue
+            assert result.exit_code == 3, (dsn, source, result.stderr)
+            assert "pw" not in result.stderr.replace("postgresql", "")
+    assert codes.get(2, 0) > 50
+    assert codes.get(3, 0) > 20
+
+
+def test_hostile_values_where_they_are_legal_change_nothing_else(seeded: Any) -> None:
+    """Legal but hostile names reach the store and come back as 'not found' (exit 1)."""
+    env = seeded.env()
+    runner = CliRunner()
+    for value in ("'\";--", "rtv{role}", "x" * 200, "a\nb", "\x1b[31m", "9" * 30):
+        for args in (["cancel", value], ["retry", value]):
+            result = runner.invoke(app, args, env=env, catch_exceptions=False)
+            check(result, args)
+            assert result.exit_code in {1, 2, 3}, (args, result.stderr)
+            assert "\x1b" not in result.stderr
+    listed = runner.invoke(app, ["schedules", "--json"], env=env, catch_exceptions=False)
+    assert listed.exit_code == 0
+    assert '"minutely"' in listed.stdout  # nothing was cancelled by a hostile name
+
+
+async def test_hostile_schema_names_create_exactly_that_schema(seeded: Any, pg_dsn: str) -> None:
+    """Legal hostile schema names are used literally (and dropped by this test)."""
+    suffix = uuid.uuid4().hex[:8]
+    names = [f"rtv{{role}}_{suffix}", f"'\";--_{suffix}", f"new\nline_{suffix}"]
+    env = seeded.env()
+    try:
+        for name in names:
+            result = await asyncio.to_thread(
+                CliRunner().invoke, app, ["initialize", "--schema", name], env=env
+            )
+            assert result.exit_code == 0, result.output
+            result = await asyncio.to_thread(
+                CliRunner().invoke, app, ["migrate", "--queue-schema", name], env=env
+            )
+            assert result.exit_code == 3, result.output  # queue schemas are [a-z0-9_] only
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            found = {
+                r["nspname"]
+                for r in await conn.fetch(
+                    "SELECT nspname FROM pg_namespace WHERE nspname LIKE $1", f"%{suffix}%"
+                )
+            }
+        finally:
+            await conn.close()
+        assert found == set(names)
+    finally:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            for name in names:
+                quoted = '"' + name.replace('"', '""') + '"'
+                await conn.execute(f"DROP SCHEMA IF EXISTS {quoted} CASCADE")
+        finally:
+            await conn.close()
+
+
+async def test_undecodable_and_huge_arguments_as_a_real_process(
+    seeded: Any, tmp_path: Path
+) -> None:
+    """argv bytes that are not UTF-8 (lone surrogates in Python) and 10 KB values."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEEPLE_")}
+    env.update(seeded.env())
+    cases: list[tuple[list[bytes], set[int]]] = [
+        ([b"schedules", b"--namespace", b"ns\xff"], {3}),
+        ([b"schedules", b"--schema", b"s\xff"], {3}),
+        ([b"cancel", b"def\xfe"], {1, 2, 3}),
+        ([b"retry", b"\xff" * 10], {1, 2, 3}),
+        ([b"keys", b"generate", b"--id", b"k\xff"], {2}),
+        ([b"initialize", b"--grant-to", b"r\xff"], {3}),
+        ([b"schedules", b"--dsn", b"postgresql://u:p\xff@127.0.0.1/test"], {3}),
+        ([b"schedules", b"--dsn", b"postgresql://u:pw@127.0.0.1:99999/test"], {3}),
+        ([b"purge", b"--older-than", b"nan"], {2}),
+        ([b"purge", b"--older-than", b"9" * 10_000], {2}),
+        ([b"cancel", b"--task", b"9" * 30], {2}),
+        ([b"schedules", b"--after", b"x" * 10_000], {0, 1, 3}),
+        ([b"demo", b"--duration", b"nan"], {2}),
+    ]
+
+    async def one(argv: list[bytes], codes: set[int]) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            *[os.fsencode(a) for a in STEEPLE],
+            *argv,
+            env=env,
+            cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await proc.communicate()
+        text = (out + err).decode(errors="replace")
+        assert proc.returncode in codes, (argv[:3], proc.returncode, text[-1500:])
+        assert "Traceback" not in text, (argv[:3], text)
+        assert "unexpected" not in text, (argv[:3], text)
+
+    for argv, codes in cases:
+        await one(argv, codes)
