@@ -39,6 +39,7 @@ from steeple.core import (
 )
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
+from steeple.postgres._durability import check_schema_name, write_refusal
 from steeple.postgres.queue import (
     JobContext,
     QueueConfigurationError,
@@ -336,6 +337,45 @@ async def test_each_unlogged_queue_table_refused(
         with pytest.raises(UnfitDatabaseError, match="is unlogged") as refused:
             await asyncio.wait_for(worker.run_until_shutdown(asyncio.Event()), 30)
         assert refused.value.setting == "relpersistence"
+
+
+# --- the shared judgements (no server) ---------------------------------------------------
+
+
+class _Answered(Exception):
+    def __init__(self, sqlstate: object) -> None:
+        super().__init__("server said no")
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "setting", "words"),
+    [
+        ("25006", "read_only", "read-only"),
+        ("53100", "disk_full", "disk full"),
+        ("53300", "insufficient_resources", "too many connections"),
+        ("53200", "insufficient_resources", "lacks resources"),
+        ("40001", None, None),
+        (None, None, None),
+        (25006, None, None),
+    ],
+)
+def test_write_refusals_are_named_by_sqlstate(
+    sqlstate: object, setting: str | None, words: str | None
+) -> None:
+    refusal = write_refusal(_Answered(sqlstate))
+    if setting is None:
+        assert refusal is None
+        return
+    assert refusal is not None
+    assert refusal[0] == setting
+    assert words in refusal[1]
+    assert "nothing was stored" in refusal[1]
+
+
+@pytest.mark.parametrize("schema", ["steeple", "PG_upper", "pgx", "_pg_temp", "information"])
+def test_unreserved_schema_names_pass(schema: str) -> None:
+    check_schema_name(schema)  # PostgreSQL reserves the case-sensitive prefix "pg_" only
 
 
 # --- temporary tables ---------------------------------------------------------------------

@@ -242,10 +242,11 @@ def check_schema_name(schema: str) -> None:
     Raises:
         DurabilityProblem: ``setting="schema"``.
     """
-    if schema.lower().startswith("pg_") or schema.lower() == "information_schema":
+    # PostgreSQL's own rule (IsReservedName) is this case-sensitive prefix.
+    if schema.startswith("pg_") or schema == "information_schema":
         what = (
             "the session's temporary schema, whose tables vanish with the session"
-            if schema.lower().startswith("pg_temp")
+            if schema.startswith("pg_temp")
             else "a system schema"
         )
         raise DurabilityProblem(
@@ -279,6 +280,12 @@ def write_refusal(exc: BaseException) -> tuple[str, str] | None:
             "disk_full",
             "PostgreSQL is out of disk space (SQLSTATE 53100, disk full); nothing was "
             "stored: free space on the server",
+        )
+    if state == "53300":
+        return (
+            "insufficient_resources",
+            "PostgreSQL refused the connection: too many connections (SQLSTATE 53300); "
+            "nothing was stored",
         )
     if state.startswith("53"):
         return (
