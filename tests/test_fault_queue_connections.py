@@ -216,8 +216,8 @@ async def test_killed_listener_falls_back_to_polling_then_relistens(
     running = await run_worker(worker, stop)
     try:
         async with asyncio.timeout(40):
+            # Healthy: the first claim round is done and LISTEN is in place.
             await wait_until(lambda: worker.health() is Health.HEALTHY)
-            await asyncio.sleep(0.2)  # the claim loop is parked, waiting for a wake-up
             sent = time.monotonic()
             await enqueue(conn, WORK, "listening", schema=schema)
             await wait_until(lambda: "listening" in ran)
@@ -232,7 +232,6 @@ async def test_killed_listener_falls_back_to_polling_then_relistens(
             # the worker listens again, and wake-ups are immediate again
             await wait_until(lambda: worker.health() is Health.HEALTHY, timeout=10)
             assert len(await listener_pids(dsn, fault_proxy, worker_id)) == 1
-            await asyncio.sleep(0.2)
             sent = time.monotonic()
             await enqueue(conn, WORK, "relistened", schema=schema)
             await wait_until(lambda: "relistened" in ran, timeout=5)

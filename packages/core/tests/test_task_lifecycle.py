@@ -17,6 +17,8 @@ from steeple.core.tasks import (
     RetryDecision,
     TaskEvent,
     TaskState,
+    attempts_exhausted,
+    lease_expiry_event,
     retry_decision,
     transition,
 )
@@ -32,6 +34,8 @@ def expected(state: str, event: str) -> str | None:
             "fail_retryable": "pending",
             "fail_permanent": "failed",
             "lease_expired": "pending",
+            "lease_expired_final": "failed",
+            "release": "pending",
             "cancel": "cancelled",
         }.get(event)
     return None  # succeeded, failed, cancelled accept nothing
@@ -63,6 +67,8 @@ def test_enums_are_exactly_the_contract() -> None:
         "FAIL_RETRYABLE",
         "FAIL_PERMANENT",
         "LEASE_EXPIRED",
+        "LEASE_EXPIRED_FINAL",
+        "RELEASE",
         "CANCEL",
     ]
 
@@ -114,6 +120,44 @@ def test_non_members_rejected() -> None:
         transition("pending", TaskEvent.CLAIM)  # type: ignore[arg-type]
     with pytest.raises(InvalidTransitionError):
         transition(TaskState.PENDING, {})  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 10**12), st.integers(1, 10**12))
+def test_lease_expiry_event_model(attempt: int, max_attempts: int) -> None:
+    # Independent model: the last allowed attempt fails for good; earlier ones run again.
+    last = attempt >= max_attempts
+    assert attempts_exhausted(attempt, max_attempts) is last
+    event = lease_expiry_event(attempt, max_attempts)
+    assert event is (TaskEvent.LEASE_EXPIRED_FINAL if last else TaskEvent.LEASE_EXPIRED)
+    assert transition(TaskState.RUNNING, event).value == ("failed" if last else "pending")
+    # Expiry and a retryable handler failure agree on when attempts are used up.
+    assert retry_decision(attempt, max_attempts, BACKOFF, NOW).retry is not last
+
+
+def test_lease_expiry_event_edges() -> None:
+    assert lease_expiry_event(1, 1) is TaskEvent.LEASE_EXPIRED_FINAL
+    assert lease_expiry_event(1, 2) is TaskEvent.LEASE_EXPIRED
+    assert lease_expiry_event(2, 2) is TaskEvent.LEASE_EXPIRED_FINAL
+    # A row whose attempt limit was lowered below its attempts: exhausted, not an error.
+    assert lease_expiry_event(5, 2) is TaskEvent.LEASE_EXPIRED_FINAL
+
+
+@pytest.mark.parametrize(
+    ("attempt", "max_attempts"), [(0, 3), (-1, 3), (1, 0), (True, 3), (1.5, 3), (1, "3")]
+)
+def test_lease_expiry_event_rejects_bad_counts(attempt: object, max_attempts: object) -> None:
+    with pytest.raises(ConfigurationError):
+        lease_expiry_event(attempt, max_attempts)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError):
+        attempts_exhausted(attempt, max_attempts)  # type: ignore[arg-type]
+
+
+def test_every_move_out_of_running_is_one_of_the_outcomes_a_store_writes() -> None:
+    # Each event a store records for a running task has exactly one row: nothing a worker
+    # or a recovery writes is left to the store to decide.
+    outcomes = {e for (s, e) in TASK_TRANSITIONS if s is TaskState.RUNNING}
+    assert outcomes == set(TaskEvent) - {TaskEvent.CLAIM}
 
 
 NOW = datetime(2031, 7, 9, 10, 11, 12, 345000, tzinfo=UTC)

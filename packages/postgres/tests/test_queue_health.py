@@ -1,8 +1,9 @@
-"""Scheduler.health() tells the truth about claims (issue 10, item 4).
+"""Scheduler.health() tells the truth about claims (issue 10, item 4) and start-up (13.9).
 
 It used to be healthy whenever any statement had succeeded lately: a worker whose every
 claim failed still said healthy as long as its lease renewals went through, and refused
-claims did not count at all.
+claims did not count at all. It also said healthy before LISTEN was in place and before
+any claim had run; tests hid that with sleeps. Now it is starting until both are done.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from datetime import timedelta
 from typing import Any
 
 import asyncpg
+import pytest
 
 import queue_support
+import steeple.postgres.queue._worker as worker_module
 from steeple.postgres.queue import (
     EnqueueOptions,
     Health,
@@ -26,6 +29,7 @@ from steeple.postgres.queue import (
     enqueue,
     run_state,
 )
+from steeple.postgres.queue._db import open_db
 
 LONG: Task[Any] = Task("health.long")
 SHORT: Task[Any] = Task("health.short")
@@ -108,3 +112,144 @@ async def _lease_moved(conn: asyncpg.Connection, schema: str, task_id: int, befo
 
 async def _state(conn: asyncpg.Connection, schema: str, task_id: int, state: str) -> bool:
     return (await run_state(conn, task_id, schema=schema)).state.value == state
+
+
+class _Gated:
+    """Wraps the worker's pool: LISTEN and the claims wait for their gates to open."""
+
+    def __init__(self, inner: Any, claim_sql: str, *, fail_listen: bool = False) -> None:
+        self.inner = inner
+        self.claim_sql = claim_sql
+        self.fail_listen = fail_listen
+        self.listen_gate = asyncio.Event()
+        self.claim_gate = asyncio.Event()
+        self.claim_waiting = asyncio.Event()
+        self.listening = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        if sql == self.claim_sql and not self.claim_gate.is_set():
+            self.claim_waiting.set()
+            await self.claim_gate.wait()
+        return list(await self.inner.fetch(sql, *args, timeout=timeout))
+
+    async def listen(self, channel: str, on_notify: Any, name: str, stop: Any, **kw: Any) -> None:
+        if self.fail_listen:
+            raise ConnectionError("LISTEN refused (test)")
+        await self.listen_gate.wait()
+
+        def noted(payload: str) -> None:
+            # The first call ("") comes right after LISTEN is in place.
+            self.listening.set()
+            on_notify(payload)
+
+        await self.inner.listen(channel, noted, name, stop, **kw)
+
+
+def _open_all(gates: list[_Gated]) -> None:
+    # A test that failed with a gate closed must still stop its worker.
+    for gate in gates:
+        gate.listen_gate.set()
+        gate.claim_gate.set()
+
+
+def _gate(monkeypatch: pytest.MonkeyPatch, worker: Scheduler, **kw: Any) -> list[_Gated]:
+    made: list[_Gated] = []
+
+    def gated_open_db(pool: Any) -> Any:
+        made.append(_Gated(open_db(pool), worker._sql.claim_timed, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(worker_module, "open_db", gated_open_db)
+    return made
+
+
+async def test_starting_until_listen_is_in_place(
+    queue: queue_support.QueueFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dsn, schema, conn = queue
+    ran: list[str] = []
+
+    async def short(ctx: JobContext, args: Any) -> None:
+        ran.append(args)
+
+    # A 30 s poll: only a NOTIFY can wake the worker within the waits below.
+    worker = Scheduler(dsn, worker_id="gated", schema=schema, poll_interval=30)
+    worker.register(SHORT, short)
+    gates = _gate(monkeypatch, worker)
+    await enqueue(conn, SHORT, "early", schema=schema)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=10))
+    try:
+        await wait_until(lambda: gates)
+        gates[0].claim_gate.set()
+        # The first claim round ran (it took the early task), but nobody LISTENs yet.
+        await wait_until(lambda: ran == ["early"])
+        assert worker.health() is Health.STARTING
+        gates[0].listen_gate.set()
+        await wait_until(lambda: worker.health() is Health.HEALTHY)
+        assert gates[0].listening.is_set()
+        # Healthy means a NOTIFY now wakes the worker (its next poll is 30 s away).
+        await enqueue(conn, SHORT, "notified", schema=schema)
+        await wait_until(lambda: "notified" in ran, timeout=10)
+    finally:
+        _open_all(gates)
+        stop.set()
+        await asyncio.wait_for(run, 30)
+    assert worker.health() is Health.STOPPED
+
+
+async def test_starting_until_the_first_claim_round_finishes(
+    queue: queue_support.QueueFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dsn, schema, _conn = queue
+    worker = Scheduler(dsn, worker_id="gated", schema=schema, poll_interval=0.1)
+    worker.register(SHORT, lambda ctx, args: asyncio.sleep(0))
+    gates = _gate(monkeypatch, worker)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=10))
+    try:
+        await wait_until(lambda: gates)
+        gates[0].listen_gate.set()
+        await asyncio.wait_for(gates[0].listening.wait(), 20)
+        await asyncio.wait_for(gates[0].claim_waiting.wait(), 20)
+        # Listening, but the first claim has not answered: not healthy yet.
+        assert worker.health() is Health.STARTING
+        assert worker.stats.claimed == 0
+        gates[0].claim_gate.set()
+        await wait_until(lambda: worker.health() is Health.HEALTHY)
+    finally:
+        _open_all(gates)
+        stop.set()
+        await asyncio.wait_for(run, 30)
+
+
+async def test_a_listener_that_cannot_listen_means_degraded_polling(
+    queue: queue_support.QueueFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dsn, schema, conn = queue
+    ran: list[str] = []
+
+    async def short(ctx: JobContext, args: Any) -> None:
+        ran.append(args)
+
+    worker = Scheduler(dsn, worker_id="deaf", schema=schema, poll_interval=0.1)
+    worker.register(SHORT, short)
+    gates = _gate(monkeypatch, worker, fail_listen=True)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=10))
+    try:
+        await wait_until(lambda: gates)
+        gates[0].claim_gate.set()
+        # Polling is decided once LISTEN failed: degraded, not starting forever.
+        await wait_until(lambda: worker.health() is not Health.STARTING)
+        assert worker.health() is Health.DEGRADED
+        await enqueue(conn, SHORT, "polled", schema=schema)
+        await wait_until(lambda: ran == ["polled"])
+        assert worker.health() is Health.DEGRADED
+    finally:
+        _open_all(gates)
+        stop.set()
+        await asyncio.wait_for(run, 30)

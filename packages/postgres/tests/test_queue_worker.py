@@ -128,8 +128,8 @@ async def test_delayed_work_wakes_a_listening_worker_on_time_without_polling(
 
     worker.register(PLAIN, handler)
     async with running(worker):
+        # Healthy means LISTEN is in place: the NOTIFY below cannot be missed.
         await wait_until(lambda: worker.health() is Health.HEALTHY)
-        await asyncio.sleep(0.3)  # the listener is up
         due = datetime.now(UTC) + timedelta(seconds=1)
         await enqueue(conn, PLAIN, 1, EnqueueOptions.at(due), schema=schema)
         await wait_until(lambda: ran_at, timeout=5)
@@ -542,3 +542,69 @@ async def test_a_lease_taken_over_signals_the_handler_and_rejects_its_outcome(
     row = await run_state(conn, done.id, schema=schema)
     assert (row.state.value, row.worker_id, row.attempts) == ("running", "usurper", 1)
     assert worker.stats.retried == 0
+
+
+class _Recorder:
+    """A counter and histogram recording each call (stands in for OpenTelemetry's)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, dict[str, str]]] = []
+
+    def add(self, amount: int, attributes: Any = None) -> None:
+        self.calls.append((amount, dict(attributes or {})))
+
+    def record(self, amount: float, attributes: Any = None) -> None:
+        self.calls.append((amount, dict(attributes or {})))
+
+    def per_task(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for amount, attributes in self.calls:
+            totals[attributes["task"]] = totals.get(attributes["task"], 0) + amount
+        return totals
+
+
+async def test_a_batch_of_completions_is_counted_under_each_tasks_name(
+    queue: QueueFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import steeple.postgres.queue._worker as worker_module
+    from steeple.postgres.queue import _metrics
+    from steeple.postgres.queue._db import open_db
+
+    dsn, schema, conn = queue
+    recorders = {field.name: _Recorder() for field in _metrics.QueueInstruments.__attrs_attrs__}
+    monkeypatch.setattr(_metrics, "instruments", lambda: _metrics.QueueInstruments(**recorders))
+    batches: list[list[int]] = []
+
+    class Recording:
+        def __init__(self, inner: Any, complete_sql: str) -> None:
+            self.inner = inner
+            self.complete_sql = complete_sql
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+            if sql == self.complete_sql:
+                batches.append(list(args[0]))
+            return list(await self.inner.fetch(sql, *args, timeout=timeout))
+
+    worker = worker_for(dsn, schema, concurrency=40)
+    monkeypatch.setattr(
+        worker_module, "open_db", lambda pool: Recording(open_db(pool), worker._sql.complete)
+    )
+    names: dict[int, str] = {}
+    for n in range(20):
+        for task in (PLAIN, OTHER):
+            names[(await enqueue(conn, task, n, schema=schema)).id] = task.name
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        return None
+
+    worker.register(PLAIN, handler)
+    worker.register(OTHER, handler)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.succeeded == 40)
+    # The test is about mixed batches: at least one held both names.
+    assert any(len({names[i] for i in batch}) == 2 for batch in batches), batches
+    assert recorders["succeeded"].per_task() == {"plain": 20, "other": 20}
+    assert recorders["claimed"].per_task() == {"plain": 20, "other": 20}

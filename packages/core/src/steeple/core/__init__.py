@@ -83,6 +83,8 @@ from steeple.core.tasks import (
     RetryDecision,
     TaskEvent,
     TaskState,
+    attempts_exhausted,
+    lease_expiry_event,
     retry_decision,
 )
 from steeple.core.zoned import ZonedCalendar
@@ -161,11 +163,13 @@ __all__ = [
     "ZonedCalendar",
     "adopt_time",
     "after_publish_failure",
+    "attempts_exhausted",
     "capability_matches",
     "idempotency_key",
     "is_claimable",
     "is_live",
     "lease_expiry",
+    "lease_expiry_event",
     "new_capability",
     "new_generation",
     "occurrence_id_for",

@@ -20,6 +20,8 @@ __all__ = [
     "RetryDecision",
     "TaskEvent",
     "TaskState",
+    "attempts_exhausted",
+    "lease_expiry_event",
     "retry_decision",
     "transition",
 ]
@@ -47,7 +49,12 @@ class TaskEvent(enum.Enum, metaclass=TypedEnumType):
     FAIL_PERMANENT = "fail_permanent"
     """The handler failed for good, or attempts are used up."""
     LEASE_EXPIRED = "lease_expired"
-    """The worker died or stalled past its lease: recovered to pending."""
+    """The worker died or stalled past its lease with attempts left: recovered to pending."""
+    LEASE_EXPIRED_FINAL = "lease_expired_final"
+    """The lease lapsed on the last allowed attempt: the task fails for good, so a task
+    that kills (or stalls) every worker running it stops being retried."""
+    RELEASE = "release"
+    """Its worker handed it back unfinished at shutdown (the attempt is refunded)."""
     CANCEL = "cancel"
     """An operator or the application cancelled it."""
 
@@ -64,6 +71,8 @@ TASK_TRANSITIONS: Final[Mapping[tuple[TaskState, TaskEvent], TaskState]] = Mappi
         (_S.RUNNING, _E.FAIL_RETRYABLE): _S.PENDING,
         (_S.RUNNING, _E.FAIL_PERMANENT): _S.FAILED,
         (_S.RUNNING, _E.LEASE_EXPIRED): _S.PENDING,
+        (_S.RUNNING, _E.LEASE_EXPIRED_FINAL): _S.FAILED,
+        (_S.RUNNING, _E.RELEASE): _S.PENDING,
         (_S.RUNNING, _E.CANCEL): _S.CANCELLED,
     }
 )
@@ -116,6 +125,31 @@ def _positive_int(value: object, what: str) -> int:
     return value
 
 
+def attempts_exhausted(attempt: int, max_attempts: int) -> bool:
+    """Whether attempt number ``attempt`` (1-based) was the last one ``max_attempts`` allows.
+
+    Raises:
+        ConfigurationError: ``attempt`` or ``max_attempts`` is not a positive int
+            (a ``ConfigurationTypeError`` when it is not an int at all).
+    """
+    return _positive_int(attempt, "attempt") >= _positive_int(max_attempts, "max_attempts")
+
+
+def lease_expiry_event(attempt: int, max_attempts: int) -> TaskEvent:
+    """Return the event an expired lease of a task on attempt ``attempt`` amounts to.
+
+    ``LEASE_EXPIRED`` (back to pending, run again) while attempts remain;
+    ``LEASE_EXPIRED_FINAL`` (failed for good) once :func:`attempts_exhausted`.
+
+    Raises:
+        ConfigurationError: ``attempt`` or ``max_attempts`` is not a positive int
+            (a ``ConfigurationTypeError`` when it is not an int at all).
+    """
+    if attempts_exhausted(attempt, max_attempts):
+        return TaskEvent.LEASE_EXPIRED_FINAL
+    return TaskEvent.LEASE_EXPIRED
+
+
 def retry_decision(
     attempt: int, max_attempts: int, backoff: Backoff, now: datetime, draw: float = 0.0
 ) -> RetryDecision:
@@ -137,13 +171,12 @@ def retry_decision(
         ConfigurationError: ``now`` is naive (a ``ValueError``).
         ConfigurationTypeError: ``now`` is not a datetime (a ``TypeError``).
     """
-    _positive_int(attempt, "attempt")
-    _positive_int(max_attempts, "max_attempts")
+    exhausted = attempts_exhausted(attempt, max_attempts)
     if not isinstance(backoff, Backoff):
         raise ConfigurationTypeError(f"backoff must be a Backoff, not {type(backoff).__name__}")
     draw = unit_float(draw, "draw")
     instant = aware_utc(now, "now")
-    if attempt >= max_attempts:
+    if exhausted:
         return RetryDecision(retry=False, run_at=None)
     delay = backoff.delay(attempt, draw)
     try:

@@ -100,11 +100,19 @@ class WorkerDb(Protocol):
         ...
 
     async def listen(
-        self, channel: str, on_notify: Callable[[str], None], name: str, stop: asyncio.Event
+        self,
+        channel: str,
+        on_notify: Callable[[str], None],
+        name: str,
+        stop: asyncio.Event,
+        *,
+        on_listening: Callable[[], None] | None = None,
     ) -> None:
         """LISTEN on a dedicated connection until ``stop`` is set; raise when it dies.
 
-        ``on_notify`` receives each payload ("" once right after LISTEN succeeds).
+        ``on_listening`` is called once LISTEN is in place (notifications from then on are
+        delivered); ``on_notify`` then receives "" once (for anything enqueued while
+        nobody listened) and each payload.
         """
         ...
 
@@ -149,7 +157,13 @@ class _AsyncpgDb:
                 raise
 
     async def listen(
-        self, channel: str, on_notify: Callable[[str], None], name: str, stop: asyncio.Event
+        self,
+        channel: str,
+        on_notify: Callable[[str], None],
+        name: str,
+        stop: asyncio.Event,
+        *,
+        on_listening: Callable[[], None] | None = None,
     ) -> None:
         lost = asyncio.Event()
 
@@ -162,6 +176,8 @@ class _AsyncpgDb:
             await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
             await conn.execute(_SET_KEEPALIVES)
             await conn.add_listener(channel, notified)
+            if on_listening is not None:
+                on_listening()
             on_notify("")  # anything enqueued while nobody was listening
             try:
                 while not stop.is_set() and not lost.is_set():
@@ -240,7 +256,13 @@ class _PsycopgDb:
             return await fn(conn)
 
     async def listen(
-        self, channel: str, on_notify: Callable[[str], None], name: str, stop: asyncio.Event
+        self,
+        channel: str,
+        on_notify: Callable[[str], None],
+        name: str,
+        stop: asyncio.Event,
+        *,
+        on_listening: Callable[[], None] | None = None,
     ) -> None:
         import psycopg
 
@@ -251,6 +273,8 @@ class _PsycopgDb:
         async with await psycopg.AsyncConnection.connect(self._pool.conninfo, **kwargs) as conn:
             await conn.execute(_SET_KEEPALIVES)
             await conn.execute(f'LISTEN "{channel}"')
+            if on_listening is not None:
+                on_listening()
             on_notify("")
             while not stop.is_set():
                 async for note in conn.notifies(timeout=1.0):

@@ -8,23 +8,98 @@ is present exactly while a task runs (a CHECK constraint), so fenced statements 
 taken while nothing ran, that predicate lures the planner onto the expired-lease index and a
 scan of every running row. Every lease comparison uses ``clock_timestamp()``: ``now()``
 is the transaction start, stale after a lock wait.
+
+Every task state a statement writes or selects on comes from ``steeple.core.tasks``'
+transition table, never from a literal: a write of event E from states S is
+``transition(S, E)``, computed once here when the statements are built (so the SQL text,
+and the hot path, are the same as hand-written literals). What the migrations hard-code
+(the claim function, CHECK constraints, partial indexes) is checked against the table by
+``test_queue_lifecycle_sql.py``, which also runs every statement and compares each move
+it makes with ``transition()``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
+from typing import Final
 
 import attrs
 
+from steeple.core.tasks import (
+    TASK_TRANSITIONS,
+    TERMINAL_TASK_STATES,
+    TaskEvent,
+    TaskState,
+    transition,
+)
 from steeple.postgres.queue._schema import notify_channel, validate_schema
+
+
+def _after(event: TaskEvent) -> TaskState:
+    """Return the one state ``event`` leads to, from every state the table allows it in."""
+    targets = {after for (_, on), after in TASK_TRANSITIONS.items() if on is event}
+    if len(targets) != 1:  # a statement writes one state per event; more needs a CASE here
+        raise AssertionError(f"{event} leads to {len(targets)} states")
+    return targets.pop()
+
+
+def _from(event: TaskEvent) -> frozenset[TaskState]:
+    """Return the states the table allows ``event`` in."""
+    return frozenset(state for (state, on) in TASK_TRANSITIONS if on is event)
+
+
+def _lit(state: TaskState) -> str:
+    return f"'{state.value}'"
+
+
+def _in(states: Iterable[TaskState]) -> str:
+    chosen = set(states)
+    return "(" + ", ".join(_lit(s) for s in TaskState if s in chosen) + ")"
+
+
+def _finished(state: TaskState) -> str:
+    """``finished_at`` for a task entering ``state``: set exactly for terminal states."""
+    return "clock_timestamp()" if state in TERMINAL_TASK_STATES else "NULL"
+
+
+def _only(states: frozenset[TaskState]) -> TaskState:
+    if len(states) != 1:
+        raise AssertionError(f"expected one state, got {sorted(s.value for s in states)}")
+    return next(iter(states))
+
+
+PENDING: Final = _only(_from(TaskEvent.CLAIM))
+"""The state claims take tasks from (the claim index's predicate)."""
+RUNNING: Final = transition(PENDING, TaskEvent.CLAIM)
+"""The state of a claimed task, which holds the lease token."""
+LIVE: Final = _in(s for s in TaskState if s not in TERMINAL_TASK_STATES)
+TERMINAL: Final = _in(TERMINAL_TASK_STATES)
+SUCCEEDED: Final = transition(RUNNING, TaskEvent.SUCCEED)
+_RETRIED = transition(RUNNING, TaskEvent.FAIL_RETRYABLE)
+_FAILED = transition(RUNNING, TaskEvent.FAIL_PERMANENT)
+_RELEASED = transition(RUNNING, TaskEvent.RELEASE)
+_EXPIRED = transition(RUNNING, TaskEvent.LEASE_EXPIRED)
+_EXPIRED_FINAL = transition(RUNNING, TaskEvent.LEASE_EXPIRED_FINAL)
+_CANCELLED = _after(TaskEvent.CANCEL)
+_CANCELLABLE = _in(_from(TaskEvent.CANCEL))
+# The attempt history's word for each outcome (the attempts.outcome CHECK constraint).
+_OUTCOME: Final = {
+    TaskEvent.SUCCEED: "'succeeded'",
+    TaskEvent.FAIL_RETRYABLE: "'retried'",
+    TaskEvent.FAIL_PERMANENT: "'failed'",
+    TaskEvent.RELEASE: "'released'",
+    TaskEvent.LEASE_EXPIRED: "'lease_expired'",
+}
+# core's attempts_exhausted(attempt, max_attempts), set-based: a row's attempts counts the
+# running attempt. Checked against core over a grid of values by test_queue_lifecycle_sql.
+_EXHAUSTED = "t.attempts >= t.max_attempts"
 
 DURABLE = "(SELECT set_config('synchronous_commit', 'on', true)) AS durable"
 # Claims and renewals may commit asynchronously: losing one in a server crash leaves the
 # task pending (or its lease shorter), so it is claimed again under a NEW token and the old
 # holder is fenced out; at-least-once holds, and the pickup path saves a WAL flush.
 RELAXED = "(SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
-LIVE = "('pending', 'running')"
-TERMINAL = "('succeeded', 'failed', 'cancelled')"
 # The NOTIFY payload: empty for work due now, else its due time in epoch seconds, so
 # listening workers can wake exactly then instead of at their next poll.
 _DUE_PAYLOAD = (
@@ -131,14 +206,14 @@ RETURNING t.id""",
         complete=f"""
 WITH done AS (
     UPDATE {s}.tasks t
-    SET state = 'succeeded', finished_at = clock_timestamp(), updated_at = clock_timestamp(),
+    SET state = {_lit(SUCCEEDED)}, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
         lease_token = NULL, lease_expires_at = NULL
     FROM {DURABLE}, unnest($1::bigint[], $2::uuid[]) AS h(id, token)
     WHERE t.id = h.id AND t.lease_token = h.token
     RETURNING t.id, t.attempts, t.started_at, t.finished_at
 ), history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, finished_at)
-    SELECT id, attempts, $3, 'succeeded', started_at, finished_at FROM done
+    SELECT id, attempts, $3, {_OUTCOME[TaskEvent.SUCCEED]}, started_at, finished_at FROM done
 )
 SELECT id FROM done""",
         # $1 ids[], $2 attempts[], $3 claim start times[], $4 worker id: which of these
@@ -147,34 +222,34 @@ SELECT id FROM done""",
 SELECT t.id FROM {s}.tasks t
 JOIN unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, attempt, started_at)
   ON t.id = h.id
-WHERE t.state = 'succeeded' AND t.attempts = h.attempt AND t.started_at = h.started_at
+WHERE t.state = {_lit(SUCCEEDED)} AND t.attempts = h.attempt AND t.started_at = h.started_at
   AND t.worker_id = $4""",
         # $1 id, $2 token, $3 delay interval, $4 error, $5 worker id
         retry=f"""
 WITH done AS (
     UPDATE {s}.tasks t
-    SET state = 'pending', run_at = clock_timestamp() + $3::interval, lease_token = NULL,
+    SET state = {_lit(_RETRIED)}, run_at = clock_timestamp() + $3::interval, lease_token = NULL,
         lease_expires_at = NULL, worker_id = NULL, last_error = $4, updated_at = clock_timestamp()
     FROM {DURABLE}
     WHERE t.id = $1 AND t.lease_token = $2
     RETURNING t.id, t.attempts, t.started_at
 ), history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
-    SELECT id, attempts, $5, 'retried', started_at, $4 FROM done
+    SELECT id, attempts, $5, {_OUTCOME[TaskEvent.FAIL_RETRYABLE]}, started_at, $4 FROM done
 )
 SELECT id FROM done""",
         # $1 id, $2 token, $3 error, $4 worker id
         fail=f"""
 WITH done AS (
     UPDATE {s}.tasks t
-    SET state = 'failed', finished_at = clock_timestamp(), lease_token = NULL,
+    SET state = {_lit(_FAILED)}, finished_at = clock_timestamp(), lease_token = NULL,
         lease_expires_at = NULL, last_error = $3, updated_at = clock_timestamp()
     FROM {DURABLE}
     WHERE t.id = $1 AND t.lease_token = $2
     RETURNING t.id, t.attempts, t.started_at
 ), history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
-    SELECT id, attempts, $4, 'failed', started_at, $3 FROM done
+    SELECT id, attempts, $4, {_OUTCOME[TaskEvent.FAIL_PERMANENT]}, started_at, $3 FROM done
 )
 SELECT id FROM done""",
         # $1 id, $2 token, $3 worker id: hand back unfinished work at shutdown, attempt refunded.
@@ -182,7 +257,7 @@ SELECT id FROM done""",
         release=f"""
 WITH done AS (
     UPDATE {s}.tasks t
-    SET state = 'pending', attempts = greatest(t.attempts - 1, 0),
+    SET state = {_lit(_RELEASED)}, attempts = greatest(t.attempts - 1, 0),
         lease_token = NULL, lease_expires_at = NULL, worker_id = NULL,
         updated_at = clock_timestamp()
     FROM {DURABLE}
@@ -190,7 +265,7 @@ WITH done AS (
     RETURNING t.id, t.attempts, t.started_at
 ), history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at)
-    SELECT id, attempts + 1, $3, 'released', started_at FROM done
+    SELECT id, attempts + 1, $3, {_OUTCOME[TaskEvent.RELEASE]}, started_at FROM done
 )
 SELECT id FROM done""",
         # $1 limit. Exhausted attempts fail for good so a task that kills workers stops.
@@ -198,14 +273,15 @@ SELECT id FROM done""",
         recover_expired=f"""
 WITH expired AS (
     SELECT id FROM {s}.tasks
-    WHERE state = 'running' AND lease_expires_at < clock_timestamp()
+    WHERE state = {_lit(RUNNING)} AND lease_expires_at < clock_timestamp()
     ORDER BY lease_expires_at
     LIMIT $1
     FOR NO KEY UPDATE SKIP LOCKED
 ), done AS (
     UPDATE {s}.tasks t
-    SET state = CASE WHEN t.attempts >= t.max_attempts THEN 'failed' ELSE 'pending' END,
-        finished_at = CASE WHEN t.attempts >= t.max_attempts THEN clock_timestamp() END,
+    SET state = CASE WHEN {_EXHAUSTED} THEN {_lit(_EXPIRED_FINAL)} ELSE {_lit(_EXPIRED)} END,
+        finished_at = CASE WHEN {_EXHAUSTED} THEN {_finished(_EXPIRED_FINAL)}
+                           ELSE {_finished(_EXPIRED)} END,
         last_error = 'lease expired', lease_token = NULL,
         lease_expires_at = NULL, updated_at = clock_timestamp()
     FROM {DURABLE}, expired
@@ -213,7 +289,8 @@ WITH expired AS (
     RETURNING t.id, t.attempts, t.worker_id, t.started_at, t.state
 ), history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
-    SELECT id, attempts, worker_id, 'lease_expired', started_at, 'lease expired' FROM done
+    SELECT id, attempts, worker_id, {_OUTCOME[TaskEvent.LEASE_EXPIRED]}, started_at, 'lease expired'
+    FROM done
 )
 SELECT id, state FROM done""",
         lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::bigint[])",
@@ -227,11 +304,11 @@ WITH target AS (
     SELECT id, state FROM {s}.tasks WHERE id = $1 FOR NO KEY UPDATE
 ), done AS (
     UPDATE {s}.tasks t
-    SET state = 'cancelled', finished_at = clock_timestamp(), lease_token = NULL,
+    SET state = {_lit(_CANCELLED)}, finished_at = clock_timestamp(), lease_token = NULL,
         lease_expires_at = NULL, updated_at = clock_timestamp(),
         last_error = coalesce(t.last_error, 'cancelled')
     FROM {DURABLE}, target
-    WHERE t.id = target.id AND target.state IN {LIVE}
+    WHERE t.id = target.id AND target.state IN {_CANCELLABLE}
     RETURNING t.id
 
 )

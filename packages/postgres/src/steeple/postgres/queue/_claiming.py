@@ -1,0 +1,173 @@
+"""Claiming: the claim loop, batch claims, and the estimate of the server's clock.
+
+Each round takes up to ``batch_size`` due tasks in one call of the schema's claim function
+(``UPDATE ... FROM (SELECT ... FOR NO KEY UPDATE SKIP LOCKED)``, a fresh random lease token
+per task) and starts a handler for each, never more than ``concurrency`` at once. Every
+claim carries a give-up time on the server's clock (estimated from this host's monotonic
+clock, re-anchored by every answer): a claim the server runs later than that takes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from steeple.core.backoff import Backoff
+from steeple.postgres.queue import _metrics
+from steeple.postgres.queue._aio import wait_either
+from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._execution import Executor, JobContext
+from steeple.postgres.queue._inflight import Claimed
+from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._wakeups import Wakeups
+
+__all__ = ["Claimer"]
+
+
+@functools.lru_cache(maxsize=256)
+def _backoff(initial_us: int, maximum_us: int, factor: int, jitter: float) -> Backoff:
+    # Most tasks share a handful of policies: build (and validate) each once.
+    return Backoff(
+        initial=timedelta(microseconds=initial_us),
+        maximum=timedelta(microseconds=maximum_us),
+        factor=factor,
+        jitter=jitter,
+    )
+
+
+class Claimer:
+    """The claim loop of one worker."""
+
+    def __init__(
+        self,
+        env: WorkerEnv,
+        names: Sequence[str],
+        *,
+        concurrency: int,
+        batch: int,
+        wakeups: Wakeups,
+        executor: Executor,
+    ) -> None:
+        self._env = env
+        self._names = list(names)
+        self._concurrency = concurrency
+        self._batch = batch
+        self._min_claim = max(1, min(batch, concurrency) // 4)
+        self._wakeups = wakeups
+        self._executor = executor
+
+    async def claim_until(self, stop: asyncio.Event, handlers: asyncio.TaskGroup) -> None:
+        """Claim and start handlers in ``handlers`` until ``stop`` is set."""
+        env = self._env
+        pool = env.db
+        status = env.status
+        stats = env.stats
+        inflight = env.inflight
+        server_clock = env.server_clock
+        wake = self._wakeups.wake
+        names = self._names
+        inst = _metrics.instruments()
+        stop_waiter = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                free = self._concurrency - len(inflight)
+                # Claim in worthwhile batches: while a quarter of a batch is not yet free
+                # and handlers are running, wait for more slots instead of claiming crumbs.
+                if free <= 0 or (inflight.running and free < self._min_claim):
+                    inflight.slot_freed.clear()
+                    await wait_either(inflight.slot_freed, stop_waiter, None)
+                    continue
+                wake.clear()
+                wanted = min(free, self._batch)
+                sent = time.monotonic()
+                # The give-up time, on the server's clock: what it surely reads when this
+                # worker stops waiting (see steeple.core.remote_clock). A claim the server
+                # runs later than that takes nothing, instead of leasing tasks to nobody.
+                give_up = server_clock.at_least(sent + env.timeout)
+                try:
+                    answer = await pool.fetch(
+                        env.sql.claim_timed,
+                        names,
+                        wanted,
+                        env.worker_id,
+                        give_up,
+                        timeout=env.timeout,
+                    )
+                except DB_ERRORS as exc:
+                    status.claims_ok = False
+                    status.db_ok = False
+                    status.claimed_once = True
+                    stats.failed_claims += 1
+                    LOG.warning("claim failed (%s); retrying after the poll interval", exc)
+                    await wait_either(wake, stop_waiter, env.poll)
+                    continue
+                server_now = float(answer[0][0])
+                server_clock.observe(server_now, time.monotonic())
+                rows = [row[1:] for row in answer if row[1] is not None]
+                if not rows and server_now >= give_up:
+                    # Refused as too late: the server's clock moved under the estimate, or
+                    # the request sat in the network. The answer re-anchored the estimate:
+                    # try again at once, then at the poll interval while it keeps happening.
+                    stats.refused_claims += 1
+                    refused_before = not status.claims_ok
+                    status.claims_ok = False
+                    status.claimed_once = True
+                    LOG.warning(
+                        "the server refused a claim as arriving after its give-up time "
+                        "(its clock moved, or the network delayed the request)"
+                    )
+                    if refused_before:
+                        await wait_either(wake, stop_waiter, env.poll)
+                    continue
+                status.claims_ok = True
+                status.db_ok = True
+                status.claimed_once = True
+                for row in rows:
+                    self._start(row, sent, handlers, inst)
+                if len(rows) < wanted:
+                    await wait_either(wake, stop_waiter, env.poll)
+                else:
+                    # Let handlers and the flusher run before the next claim.
+                    await asyncio.sleep(0)
+        finally:
+            stop_waiter.cancel()
+
+    def _start(
+        self,
+        row: Any,
+        now: float,
+        handlers: asyncio.TaskGroup,
+        inst: _metrics.QueueInstruments,
+    ) -> None:
+        (task_id, name, args_text, attempt, max_attempts, run_id, token, lease,
+         b_init, b_max, b_factor, b_jitter, run_at, started_at, scheduled_for) = row  # fmt: skip
+        env = self._env
+        lease_s = lease.total_seconds()
+        claimed = Claimed(
+            ctx=JobContext(
+                task_id=task_id,
+                task_name=name,
+                run_id=run_id,
+                attempt=attempt,
+                max_attempts=max_attempts,
+                worker_id=env.worker_id,
+                scheduled_for=scheduled_for,
+            ),
+            token=token,
+            args_text=args_text,
+            lease=lease_s,
+            backoff=_backoff(b_init, b_max, b_factor, b_jitter),
+            renew_at=now + lease_s / 3,
+            expires_at=now + lease_s,
+            started_at=started_at,
+        )
+        attributes = {"task": name}
+        inst.claimed.add(1, attributes)
+        inst.pickup_latency.record(max((started_at - run_at).total_seconds(), 0.0), attributes)
+        env.stats.claimed += 1
+        env.inflight.add(claimed)
+        env.inflight.tasks[task_id] = handlers.create_task(self._executor.execute(claimed))

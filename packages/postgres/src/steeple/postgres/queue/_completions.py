@@ -1,0 +1,209 @@
+"""Completions: writing each attempt's outcome, fenced by its lease token.
+
+Successes are buffered and written by one flusher in batches (one statement for up to
+``_FLUSH_BATCH``); a batch whose reply was lost is retried, and a task found already
+completed by that lost write is confirmed, not reported as fenced. Failures (retry or
+fail for good) are written one by one; work handed back at shutdown is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from datetime import timedelta
+from typing import Final
+
+from steeple.core.tasks import TaskEvent, TaskState, transition
+from steeple.postgres.queue import _metrics
+from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._inflight import Claimed
+from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._wakeups import Wakeups
+
+__all__ = ["Completions"]
+
+_FLUSH_BATCH: Final = 1000
+
+_AFTER_RETRY: Final = transition(TaskState.RUNNING, TaskEvent.FAIL_RETRYABLE)
+_AFTER_FAILURE: Final = transition(TaskState.RUNNING, TaskEvent.FAIL_PERMANENT)
+
+
+class Completions:
+    """The outcome writer: batched successes, failures, releases, and fencing."""
+
+    def __init__(self, env: WorkerEnv, wakeups: Wakeups) -> None:
+        self._env = env
+        self._wakeups = wakeups
+        self._buffer: list[Claimed] = []
+        self._to_release: list[Claimed] = []
+        self._flush_wake = asyncio.Event()
+
+    def succeeded(self, claimed: Claimed) -> None:
+        """Buffer the success of ``claimed`` for the flusher."""
+        self._buffer.append(claimed)
+        self._flush_wake.set()
+
+    def hand_back(self, claimed: Claimed) -> None:
+        """Release ``claimed`` at shutdown (its handler was cancelled by the drain)."""
+        self._to_release.append(claimed)
+
+    def stop(self) -> None:
+        """Let the flusher write what is buffered and return (``env.closing`` is set)."""
+        self._flush_wake.set()
+
+    async def failed(self, claimed: Claimed, text: str, retry_after: timedelta | None) -> None:
+        """Record a failed attempt: run again after ``retry_after``, or fail for good."""
+        env = self._env
+        pool = env.db
+        ctx = claimed.ctx
+        inst = _metrics.instruments()
+        attributes = {"task": ctx.task_name}
+        try:
+            if retry_after is not None:
+                rows = await pool.fetch(
+                    env.sql.retry,
+                    ctx.task_id,
+                    claimed.token,
+                    retry_after,
+                    text,
+                    env.worker_id,
+                    timeout=env.timeout,
+                )
+                outcome = _AFTER_RETRY
+            else:
+                rows = await pool.fetch(
+                    env.sql.fail,
+                    ctx.task_id,
+                    claimed.token,
+                    text,
+                    env.worker_id,
+                    timeout=env.timeout,
+                )
+                outcome = _AFTER_FAILURE
+        except DB_ERRORS as exc2:
+            # Nothing recorded: the lease expires and the task is recovered and rerun.
+            env.status.db_ok = False
+            LOG.warning("could not record the failure of task %s: %s", ctx.task_id, exc2)
+            return
+        if not rows:
+            self.fenced(claimed)
+        elif outcome is TaskState.PENDING:
+            if retry_after is not None:
+                self._wakeups.wake_at(retry_after.total_seconds())
+            env.stats.retried += 1
+            inst.retried.add(1, attributes)
+        else:
+            env.stats.failed += 1
+            inst.failed.add(1, attributes)
+
+    def fenced(self, claimed: Claimed) -> None:
+        """Count an outcome the database rejected: the lease was lost or the task cancelled."""
+        self._env.stats.rejected_completions += 1
+        _metrics.instruments().lease_lost.add(1, {"task": claimed.ctx.task_name})
+        claimed.ctx.lease_lost.set()
+        LOG.info(
+            "task %s: the outcome of attempt %s was rejected (lease lost or cancelled)",
+            claimed.ctx.task_id,
+            claimed.ctx.attempt,
+        )
+
+    async def flush_forever(self) -> None:
+        """Write buffered successes in batches until the worker closes and the buffer is empty."""
+        env = self._env
+        pool = env.db
+        stats = env.stats
+        inst = _metrics.instruments()
+        buffer = self._buffer
+        while True:
+            await self._flush_wake.wait()
+            self._flush_wake.clear()
+            while buffer:
+                batch = buffer[:_FLUSH_BATCH]
+                del buffer[:_FLUSH_BATCH]
+                try:
+                    rows = await pool.fetch(
+                        env.sql.complete,
+                        [c.ctx.task_id for c in batch],
+                        [c.token for c in batch],
+                        env.worker_id,
+                        timeout=env.timeout,
+                    )
+                    env.status.db_ok = True
+                except DB_ERRORS as exc:
+                    env.status.db_ok = False
+                    LOG.warning("could not record %d completions: %s", len(batch), exc)
+                    for claimed in batch:
+                        claimed.unsure = True
+                    buffer[:0] = batch
+                    if env.closing.is_set():
+                        # Shutting down: the leases expire and the tasks are rerun elsewhere.
+                        buffer.clear()
+                        return
+                    await asyncio.sleep(min(env.poll, 1.0))
+                    continue
+                done = {r[0] for r in rows}
+                missed = [c for c in batch if c.ctx.task_id not in done]
+                confirmed = await self._confirm_completed([c for c in missed if c.unsure])
+                # Counted per task name: a batch mixes the names of everything that finished.
+                per_name: collections.Counter[str] = collections.Counter()
+                for claimed in batch:
+                    if claimed.ctx.task_id in done:
+                        stats.succeeded += 1
+                        per_name[claimed.ctx.task_name] += 1
+                    elif claimed.ctx.task_id in confirmed:
+                        stats.succeeded += 1
+                        stats.confirmed_completions += 1
+                        per_name[claimed.ctx.task_name] += 1
+                    else:
+                        self.fenced(claimed)
+                for name, count in per_name.items():
+                    inst.succeeded.add(count, {"task": name})
+            if env.closing.is_set() and not buffer:
+                return
+
+    async def _confirm_completed(self, unsure: list[Claimed]) -> set[int]:
+        """Return the ids among ``unsure`` whose earlier completion write did commit.
+
+        A completion retried after an ambiguous failure (the connection cut after COMMIT was
+        sent) finds its token already cleared -- by itself. It is told apart from a fenced
+        one by the claim's identity: still succeeded, with this attempt number and this
+        claim's start time (any later claim changes both), so it is not a rejection.
+        """
+        if not unsure:
+            return set()
+        env = self._env
+        try:
+            rows = await env.db.fetch(
+                env.sql.completed_by,
+                [c.ctx.task_id for c in unsure],
+                [c.ctx.attempt for c in unsure],
+                [c.started_at for c in unsure],
+                env.worker_id,
+                timeout=env.timeout,
+            )
+        except DB_ERRORS as exc:
+            # Still unknown: report them as rejected (the handler may not assume success).
+            LOG.warning("could not confirm %d completions: %s", len(unsure), exc)
+            return set()
+        confirmed = {r[0] for r in rows}
+        for task_id in sorted(confirmed):
+            LOG.info("task %s: an earlier completion write had committed", task_id)
+        return confirmed
+
+    async def release_unfinished(self) -> None:
+        """Hand back the tasks whose handlers the drain cancelled (pending, attempt refunded)."""
+        env = self._env
+        for claimed in self._to_release:
+            try:
+                await env.db.fetch(
+                    env.sql.release,
+                    claimed.ctx.task_id,
+                    claimed.token,
+                    env.worker_id,
+                    timeout=env.timeout,
+                )
+                env.stats.released += 1
+            except DB_ERRORS as exc:
+                # The lease will expire and maintenance elsewhere recovers the task.
+                LOG.warning("could not release task %s: %s", claimed.ctx.task_id, exc)
+        self._to_release.clear()

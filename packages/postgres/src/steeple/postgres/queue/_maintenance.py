@@ -1,0 +1,54 @@
+"""Maintenance: recovers expired leases of dead or stalled workers, materializes recurring jobs.
+
+Both run every ``maintenance_interval`` and wake the claim loop when they made work due.
+Recovery's target state per task is core's: ``transition(RUNNING, lease_expiry_event(...))``
+(see ``_sql.recover_expired``).
+"""
+
+from __future__ import annotations
+
+from steeple.postgres.queue import _metrics
+from steeple.postgres.queue._aio import wait_event
+from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._wakeups import Wakeups
+
+__all__ = ["Maintainer"]
+
+
+class Maintainer:
+    """The maintenance loop of one worker."""
+
+    def __init__(self, env: WorkerEnv, wakeups: Wakeups, interval: float) -> None:
+        self._env = env
+        self._wakeups = wakeups
+        self._interval = interval
+
+    async def maintain_forever(self) -> None:
+        """Recover and materialize every interval until the worker closes."""
+        from steeple.postgres.queue.jobs import materialize_due
+
+        env = self._env
+        pool = env.db
+        inst = _metrics.instruments()
+        while True:
+            try:
+                rows = await pool.fetch(env.sql.recover_expired, 100, timeout=env.timeout)
+                if rows:
+                    env.stats.recovered += len(rows)
+                    inst.recovered.add(len(rows))
+                    self._wakeups.wake.set()
+                # Due-ness is judged by the server's clock (the one claims use), never by
+                # this host's: a host whose clock differs must not skip or delay occurrences.
+                made = await pool.with_connection(
+                    lambda conn: materialize_due(conn, schema=env.schema, limit=100),
+                    timeout=env.timeout,
+                )
+                if made:
+                    env.stats.materialized += made
+                    self._wakeups.wake.set()
+            except DB_ERRORS as exc:
+                env.status.db_ok = False
+                LOG.warning("maintenance failed: %s", exc)
+            if await wait_event(env.closing, self._interval):
+                return

@@ -1,0 +1,80 @@
+"""Lease renewal: extends the leases of running handlers, token-guarded, before they lapse.
+
+A renewal that finds a lease gone (expired and re-claimed, or cancelled) sets the handler's
+``ctx.lease_lost`` (and ``ctx.cancelled``); one that cannot reach the database gives up on
+each lease once it has expired by this host's monotonic clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from steeple.core.tasks import TaskState
+from steeple.postgres.queue._aio import wait_event
+from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._inflight import Claimed
+from steeple.postgres.queue._shared import LOG, WorkerEnv
+
+__all__ = ["Renewer"]
+
+
+class Renewer:
+    """The renewal loop of one worker."""
+
+    def __init__(self, env: WorkerEnv) -> None:
+        self._env = env
+
+    async def renew_forever(self) -> None:
+        """Renew due leases until the worker closes."""
+        env = self._env
+        pool = env.db
+        running = env.inflight.running
+        while not env.closing.is_set():
+            leases = [c.lease for c in running.values()]
+            tick = min(0.5, max(0.02, min(leases) / 6)) if leases else min(0.5, env.poll)
+            if await wait_event(env.closing, tick):
+                return
+            now = time.monotonic()
+            due = [c for c in running.values() if not c.lost and now >= c.renew_at]
+            if not due:
+                continue
+            # A renewal slower than half a lease is as good as lost: give up and retry.
+            deadline = max(0.1, min(env.timeout, min(c.lease for c in due) / 2))
+            try:
+                rows = await pool.fetch(
+                    env.sql.renew,
+                    [c.ctx.task_id for c in due],
+                    [c.token for c in due],
+                    timeout=deadline,
+                )
+                env.status.db_ok = True
+            except DB_ERRORS as exc:
+                env.status.db_ok = False
+                LOG.warning("lease renewal failed: %s", exc)
+                for claimed in due:
+                    if time.monotonic() >= claimed.expires_at:
+                        self._lose(claimed, cancelled=False)
+                continue
+            renewed = {r[0] for r in rows}
+            lost = [c for c in due if c.ctx.task_id not in renewed]
+            for claimed in due:
+                if claimed.ctx.task_id in renewed:
+                    claimed.renew_at = now + claimed.lease / 3
+                    claimed.expires_at = now + claimed.lease
+            if lost:
+                cancelled: set[int] = set()
+                with contextlib.suppress(*DB_ERRORS):
+                    states = await pool.fetch(
+                        env.sql.lost_states, [c.ctx.task_id for c in lost], timeout=env.timeout
+                    )
+                    cancelled = {r[0] for r in states if r[1] == TaskState.CANCELLED.value}
+                for claimed in lost:
+                    self._lose(claimed, cancelled=claimed.ctx.task_id in cancelled)
+
+    def _lose(self, claimed: Claimed, *, cancelled: bool) -> None:
+        claimed.lost = True
+        self._env.stats.lease_lost += 1
+        if cancelled:
+            claimed.ctx.cancelled.set()
+        claimed.ctx.lease_lost.set()

@@ -1,0 +1,140 @@
+"""What every room of the worker shares: its settings and database, status flags, counters.
+
+The rooms (claiming, execution, completions, renewal, wake-ups, maintenance) each hold the
+one :class:`WorkerEnv` of their :class:`~steeple.postgres.queue.Scheduler`; they set the
+flags of its :class:`WorkerStatus`, from which ``Scheduler.health()`` is computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import Final
+
+import attrs
+
+from steeple.core.ports import Clock, RandomSource
+from steeple.core.remote_clock import RemoteClockEstimate
+from steeple.postgres.queue._db import WorkerDb
+from steeple.postgres.queue._inflight import InFlight
+from steeple.postgres.queue._sql import QueueSql
+from steeple.postgres.queue.errors import QueueError
+
+__all__ = ["LOG", "Health", "WorkerEnv", "WorkerStats", "WorkerStatus"]
+
+LOG: Final = logging.getLogger("steeple.postgres.queue")
+
+
+class Health(enum.Enum):
+    """What :meth:`Scheduler.health` reports."""
+
+    STARTING = "starting"
+    """Not yet claiming (schema check, first connection, first claim round, the wake-up
+    listener not yet listening)."""
+    HEALTHY = "healthy"
+    """Claiming, with the database and the wake-up listener working."""
+    DEGRADED = "degraded"
+    """Running, but claims are failing or being refused, the database failed recently, or
+    the listener is down (polling)."""
+    STOPPED = "stopped"
+    """``run_until_shutdown`` returned (or never ran and was closed)."""
+
+
+@attrs.define
+class WorkerStats:
+    """Counts since the worker started (also exported as OpenTelemetry metrics)."""
+
+    claimed: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    failed: int = 0
+    released: int = 0
+    recovered: int = 0
+    rejected_completions: int = 0
+    confirmed_completions: int = 0
+    lease_lost: int = 0
+    materialized: int = 0
+    failed_claims: int = 0
+    """Claim rounds that failed (database error or timeout)."""
+    refused_claims: int = 0
+    """Claim rounds the server refused as arriving after the worker had given up on them
+    (its clock moved, or the network held the request): each re-anchors the worker's
+    estimate of the server's clock from the answer."""
+
+
+class _Phase(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+class WorkerStatus:
+    """The flags behind ``health()``; each room sets the ones it knows about."""
+
+    def __init__(self, *, listen: bool) -> None:
+        self.phase = _Phase.NEW
+        self.db_ok = True
+        """False after a database failure, until a write succeeds again."""
+        self.claims_ok = True
+        """Whether the latest claim round succeeded."""
+        self.claimed_once = False
+        """A claim round has finished (succeeded, failed or refused)."""
+        self.listener_ok = not listen
+        """The wake-up listener is LISTENing (always true without one)."""
+        self.listener_settled = not listen
+        """LISTEN is in place, or its first attempt failed and the worker polls."""
+
+    def started(self) -> None:
+        """Record that the worker is set up and its loops are starting."""
+        self.phase = _Phase.RUNNING
+
+    def stopped(self) -> None:
+        """Record that ``run_until_shutdown`` is returning."""
+        self.phase = _Phase.STOPPED
+
+    def health(self) -> Health:
+        """Return the health the flags amount to."""
+        if self.phase is _Phase.STOPPED:
+            return Health.STOPPED
+        if self.phase is _Phase.NEW or not (self.claimed_once and self.listener_settled):
+            return Health.STARTING
+        if self.claims_ok and self.db_ok and self.listener_ok:
+            return Health.HEALTHY
+        return Health.DEGRADED
+
+
+@attrs.define(eq=False)
+class WorkerEnv:
+    """One worker's settings, database and shared state, as its rooms see them."""
+
+    worker_id: str
+    schema: str
+    sql: QueueSql
+    poll: float
+    """Seconds between polls when no wake-up comes."""
+    timeout: float
+    """Seconds any one worker query may take."""
+    clock: Clock
+    random: RandomSource
+    status: WorkerStatus
+    stats: WorkerStats
+    inflight: InFlight = attrs.field(factory=InFlight)
+    closing: asyncio.Event = attrs.field(factory=asyncio.Event)
+    """Set when the worker stops its background loops (after the drain)."""
+    # The server's clock, re-anchored on every answer that carries it (the start-up check,
+    # each claim): give-up times and wake-ups are computed on it from this host's monotonic
+    # clock, so neither wall clock's steps can void them for long.
+    server_clock: RemoteClockEstimate = attrs.field(factory=RemoteClockEstimate)
+    db_or_none: WorkerDb | None = None
+
+    @property
+    def db(self) -> WorkerDb:
+        """The worker's pool.
+
+        Raises:
+            QueueError: the worker is not running.
+        """
+        if self.db_or_none is None:
+            raise QueueError("the worker is not running")
+        return self.db_or_none
