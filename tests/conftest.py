@@ -23,6 +23,7 @@ if _QUEUE_TESTS not in sys.path:
     sys.path.append(_QUEUE_TESTS)
 
 from faultproxy import FaultProxy  # noqa: E402
+from pg_cluster import pg_clusters  # noqa: E402, F401 - a shared fixture
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
+from steeple.admin import simulate_cli
 from steeple.admin._cli import demo, keys, queue, recurring, serve, worker
 
 __all__ = ["app", "main"]
@@ -115,6 +116,7 @@ def _root(
 
 for _group in (recurring, queue, keys, worker, serve, demo):
     _group.register(app)
+app.command(name="simulate")(simulate_cli.simulate)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The definitions file: recurring definitions written as JSON or TOML, read in one place.
 
-``steeple schedules create --file FILE`` reads it (and ``steeple simulate``, the same
-format). A file holds a list of definitions, either as the whole JSON document or
+``steeple simulate --definitions FILE`` reads it (and ``schedules create`` is to read the
+same format). A file holds a list of definitions, either as the whole JSON document or
 under a ``definitions`` key (JSON object or TOML ``[[definitions]]`` tables)::
 
     [[definitions]]
@@ -25,7 +25,7 @@ import binascii
 import json
 import tomllib
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -35,6 +35,7 @@ from steeple.core.config import RecurringDefinition
 from steeple.core.errors import ConfigurationError
 from steeple.core.messages import ScheduledMessage
 from steeple.core.policies import MissedRunPolicy
+from steeple.testing.simulation import ScenarioError, parse_instant
 
 __all__ = [
     "DEFINITION_FIELDS",
@@ -43,7 +44,6 @@ __all__ = [
     "DefinitionsFileError",
     "definitions_from_data",
     "load_definitions",
-    "parse_instant",
     "parse_policy",
 ]
 
@@ -72,35 +72,6 @@ _POLICIES: Final = {
 
 class DefinitionsFileError(ConfigurationError):
     """A definitions file that cannot be read or holds a bad definition (one line, no echo)."""
-
-
-class _InstantError(ConfigurationError):
-    """Not an ISO 8601 instant with an offset."""
-
-
-def parse_instant(text: str) -> datetime:
-    """Parse an ISO 8601 instant with an explicit offset (``2026-01-31T22:00Z``) to UTC.
-
-    Raises:
-        ConfigurationError: not an ISO 8601 date-time, or one without ``Z`` or an offset.
-    """
-    value = text.strip() if isinstance(text, str) else ""
-    try:
-        if not value or len(value) > 64 or not value.isascii():
-            raise ValueError
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise _InstantError(
-            f"{_short(text)} is not an ISO 8601 instant: write it like 2026-01-31T22:00Z"
-        ) from None
-    if parsed.tzinfo is None or parsed.utcoffset() is None:
-        raise _InstantError(
-            f"the instant {_short(text)} has no time zone: add Z (UTC) or an offset such as +01:00"
-        )
-    try:
-        return parsed.astimezone(UTC)
-    except OverflowError:
-        raise _InstantError(f"the instant {_short(text)} is out of range in UTC") from None
 
 
 @attrs.frozen
@@ -194,7 +165,7 @@ def _one(item: object, index: int, defaults: DefinitionDefaults) -> RecurringDef
         )
     except DefinitionsFileError:
         raise
-    except ConfigurationError as exc:
+    except (ConfigurationError, ScenarioError) as exc:
         raise DefinitionsFileError(f"{where}: {exc}") from None
 
 

@@ -258,8 +258,9 @@ def schedules_create(
 
 
 def _instant(text: str, what: str) -> datetime:
-    from steeple.admin.definitions_file import parse_instant
+    # The one instant parser: the definitions file's (and steeple simulate's).
     from steeple.core.errors import ConfigurationError
+    from steeple.testing.simulation import parse_instant
 
     try:
         return parse_instant(text)

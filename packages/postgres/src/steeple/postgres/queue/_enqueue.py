@@ -42,6 +42,7 @@ def _params(sql: QueueSql, task: Task[Any], args_text: str, options: EnqueueOpti
     ]  # fmt: skip
 
 
+@_driver.refusals_typed
 async def enqueue(
     conn: Any,
     task: Task[A],
@@ -72,6 +73,8 @@ async def enqueue(
         QueueConfigurationError: invalid schema name.
         QueueTypeError: ``task`` is not a Task or ``options`` not EnqueueOptions.
         QueueError: the duplicate kept changing under us (pathological churn).
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
     options = _checked(task, options)
@@ -88,6 +91,7 @@ async def enqueue(
     raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
 
 
+@_driver.refusals_typed_sync
 def enqueue_sync(
     conn: Any,
     task: Task[A],
@@ -104,6 +108,8 @@ def enqueue_sync(
         QueueConfigurationError: invalid schema name.
         QueueTypeError: ``task`` is not a Task or ``options`` not EnqueueOptions.
         QueueError: the duplicate kept changing under us (pathological churn).
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
     options = _checked(task, options)
@@ -141,6 +147,7 @@ def _many_params(
     return params
 
 
+@_driver.refusals_typed
 async def enqueue_many(
     conn: Any,
     task: Task[A],
@@ -166,6 +173,8 @@ async def enqueue_many(
         QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
         QueueTypeError: not a Task, EnqueueOptions or a sequence of args.
         UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
     params = _many_params(task, args_list, options, sql)
@@ -176,6 +185,7 @@ async def enqueue_many(
     return [int(i) for i in rows[0][0]]
 
 
+@_driver.refusals_typed_sync
 def enqueue_many_sync(
     conn: Any,
     task: Task[A],
@@ -191,6 +201,8 @@ def enqueue_many_sync(
         QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
         QueueTypeError: not a Task, EnqueueOptions or a sequence of args.
         UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
     params = _many_params(task, args_list, options, sql)

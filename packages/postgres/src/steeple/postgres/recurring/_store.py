@@ -44,10 +44,12 @@ from steeple.postgres._durability import (
     AnyConnection,
     DurabilityProblem,
     check_privileges,
+    check_schema_name,
     check_server_durability,
     check_tables_permanent,
     check_transport,
     quote_ident,
+    write_refusal,
 )
 from steeple.postgres.recurring._repository import PostgresRepository, namespace_state
 from steeple.postgres.recurring._sql import (
@@ -128,10 +130,9 @@ def _map_driver_error(exc: BaseException, what: str) -> RecurringStorageError:
         )
     if isinstance(exc, asyncpg.QueryCanceledError):
         return RecurringDeadlineError(f"{what}: a statement exceeded statement_timeout (5 s)")
-    if isinstance(exc, asyncpg.DiskFullError):
-        return RecurringStorageError(
-            f"{what}: PostgreSQL is out of disk space (SQLSTATE 53100); nothing was committed"
-        )
+    refusal = write_refusal(exc)
+    if refusal is not None:
+        return RecurringStorageError(f"{what}: {refusal[1]}")
     if isinstance(exc, asyncpg.PostgresError):
         state = getattr(exc, "sqlstate", "?")
         return RecurringStorageError(
@@ -180,6 +181,10 @@ def _check_schema_name(schema: object) -> str:
     try:
         quote_ident(schema)
     except ValueError as exc:
+        raise RecurringConfigurationError(str(exc)) from None
+    try:
+        check_schema_name(schema)
+    except DurabilityProblem as exc:
         raise RecurringConfigurationError(str(exc)) from None
     return schema
 
