@@ -405,9 +405,15 @@ async def _serve_dashboard(
             token=password,
             csrf_token=secrets.token_urlsafe(24),
             sock=sock,
-            announce=lambda line: console.print(line, markup=False),
+            announce=lambda line: _say(console, line),
         )
     console.print("steeple demo: dashboard stopped", markup=False)
+
+
+def _say(console: Console, line: str) -> None:
+    # Flushed: whoever waits for the dashboard's URL (a person, a script) sees it at once.
+    console.print(line, markup=False)
+    console.file.flush()
 
 
 async def _drop_schemas(dsn: str, schema: str) -> None:
