@@ -71,6 +71,8 @@ class Target:
     keys_file: Path | None = None
     queue_schema_override: str | None = None
     fallback_keys_file: Path | None = None
+    embedded: bool = False
+    """The server is the embedded PostgreSQL (a private cluster, run as its superuser)."""
 
     @property
     def namespace(self) -> str:
@@ -173,10 +175,17 @@ async def _open_store(
 
     opener = PostgresRecurringStore.initialize if initialize else PostgresRecurringStore.connect
     keys = keyring or target.keyring()
+    # The embedded server's only role is its superuser: a warning about it helps nobody.
+    quiet = quiet_role_warnings() if target.embedded else contextlib.nullcontext()
     try:
-        return await opener(
-            target.dsn, target.settings.config(), keys, clock or SystemClock(), schema=target.schema
-        )
+        with quiet:
+            return await opener(
+                target.dsn,
+                target.settings.config(),
+                keys,
+                clock or SystemClock(),
+                schema=target.schema,
+            )
     except Exception as exc:
         if _cause(exc, KeyringBindingMismatchError) is not None:
             described = await _describe_mismatch(target, keys)

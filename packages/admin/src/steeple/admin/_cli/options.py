@@ -274,7 +274,9 @@ class Where:
         file = self.settings_file()
         remember_dsn(file.dsn)
         dsn = _given(self.dsn) or file.dsn
-        if dsn is None and file.embedded is not None and embedded:
+        on_embedded = dsn is None and file.embedded is not None and embedded
+        if on_embedded:
+            assert file.embedded is not None
             dsn = _start_embedded(file.embedded)
         resolved = resolve_dsn(dsn, required=True)
         assert resolved is not None
@@ -295,6 +297,7 @@ class Where:
             self.keys_file,
             _given(self.queue_schema) or file.queue_schema,
             fallback_keys_file=file.keys_file,
+            embedded=on_embedded,
         )
 
 
