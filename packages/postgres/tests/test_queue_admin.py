@@ -269,3 +269,12 @@ async def test_a_schema_without_the_queue_is_a_typed_error(pg_schema: tuple[str,
                 await call()
     finally:
         await conn.close()
+
+
+async def test_server_time_is_the_servers_clock(queue: Any) -> None:
+    _, _, conn = queue
+    before = await conn.fetchval("SELECT clock_timestamp()")
+    read = await admin.server_time(conn)
+    after = await conn.fetchval("SELECT clock_timestamp()")
+    assert before <= read <= after
+    assert read.utcoffset() is not None

@@ -419,10 +419,12 @@ def _say(console: Console, line: str) -> None:
 async def _drop_schemas(dsn: str, schema: str) -> None:
     import asyncpg
 
+    from steeple.postgres.teardown import drop_schema
+
     conn = await asyncpg.connect(dsn, timeout=10)
     try:
         for name in (schema, f"{schema}_queue"):
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+            await drop_schema(conn, name)
     finally:
         await conn.close()
 

@@ -10,8 +10,8 @@ return metadata only (never a task's args or lease token). Cancelling and prunin
 from __future__ import annotations
 
 import re
-from datetime import timedelta
-from typing import Any, Final
+from datetime import datetime, timedelta
+from typing import Any, Final, cast
 
 from steeple.core.records import Page
 from steeple.core.tasks import TaskEvent, TaskState, transition
@@ -42,6 +42,7 @@ __all__ = [
     "list_jobs",
     "list_tasks",
     "retry_failed_task",
+    "server_time",
 ]
 
 MAX_PAGE: Final = 1000
@@ -237,3 +238,16 @@ async def list_jobs(
     items = [JobInfo.from_row(tuple(row)) for row in rows[:limit]]
     cursor = items[-1].name if len(rows) > limit else None
     return Page(items=items, next_cursor=cursor)
+
+
+async def server_time(conn: Any) -> datetime:
+    """Return the database server's clock: the one that judges when tasks are due.
+
+    Read it to place work relative to the server (``EnqueueOptions.at(...)``, a job's
+    ``clock``) rather than this host, whose clock may disagree by any amount.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+    """
+    ((now,),) = await _driver.fetch(conn, "SELECT clock_timestamp()")
+    return cast(datetime, now)
