@@ -35,7 +35,6 @@ _TOPIC: Final = "simulated"
 _NAMESPACE: Final = "simulation"
 
 
-
 def _err() -> Console:
     from rich.console import Console
 
