@@ -294,7 +294,8 @@ def test_the_superuser_warning_only_where_a_runtime_role_is_expected(
     pg_schema: tuple[str, str], tmp_path: Path
 ) -> None:
     dsn, schema = pg_schema
-    env = env_of(STEEPLE_DATABASE_URL=dsn, STEEPLE_SCHEMA=schema)
+    # (the queue in the same schema: the test's fixture drops it)
+    env = env_of(STEEPLE_DATABASE_URL=dsn, STEEPLE_SCHEMA=schema, STEEPLE_QUEUE_SCHEMA=schema)
     keys = tmp_path / "keys"
     assert run(["keys", "generate", "--out", str(keys)], env, tmp_path).returncode == 0
     env["STEEPLE_KEYS_FILE"] = str(keys)

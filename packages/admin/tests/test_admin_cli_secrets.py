@@ -153,6 +153,31 @@ def dsn_commands(schema: str, demo_dir: Path, port: int) -> dict[str, list[str]]
             schema,
         ],
         "jobs-pause": ["jobs", "pause", "nightly", "--queue-schema", schema],
+        "jobs-create": [
+            "jobs",
+            "create",
+            "weekly",
+            "--task",
+            "send-report",
+            "--cron",
+            "0 3 * * 1",
+            "--args",
+            '{"n": 1}',
+            "--queue-schema",
+            schema,
+        ],
+        "jobs-resume": ["jobs", "resume", "nightly", "--queue-schema", schema],
+        "jobs-reschedule": ["jobs", "reschedule", "nightly", "0 5 * * *", "--queue-schema", schema],
+        "jobs-delete": ["jobs", "delete", "nightly", "--yes", "--queue-schema", schema],
+        "admin-serve-queue-only": [
+            "admin",
+            "serve",
+            "--queue-only",
+            "--port",
+            str(port),
+            "--queue-schema",
+            schema,
+        ],
         "worker": ["worker", "--app", f"{APP_MODULE}:make", *place],
         "admin-serve": ["admin", "serve", *place, "--port", str(port)],
         "demo": [
@@ -306,6 +331,10 @@ def test_every_command_path_in_process(
             "jobs-ensure",
             "jobs",
             "jobs-pause",
+            "jobs-create",
+            "jobs-resume",
+            "jobs-reschedule",
+            "jobs-delete",
         ]
     ):
         ok(commands[name], n)
@@ -515,6 +544,10 @@ async def test_every_command_as_a_real_process(
             "tasks-cancel",
             "tasks-show",
             "jobs-pause",
+            "jobs-resume",
+            "jobs-reschedule",
+            "jobs-delete",
+            "admin-serve-queue-only",
         }:
             continue  # run below with what they need
         good = with_password(pg_dsn, forms[n % len(forms)])

@@ -179,6 +179,11 @@ async def serve(
                 f"recurring publications not served: namespace {target.namespace!r} is not "
                 f"initialized in schema {target.schema!r} (tasks only)"
             )
+    if store is None:
+        # Queue-only: nothing was opened yet; a wrong DSN must fail now, not at the first
+        # request (the queue itself is opened on first use, so the dashboard works before
+        # steeple migrate was run).
+        await _probe(target)
     resources = contextlib.AsyncExitStack()
     opening = asyncio.Lock()
     task_admin: TaskAdmin | None = None
@@ -246,6 +251,14 @@ async def serve(
             loop.remove_signal_handler(signum)
         if store is not None:
             await store.close()
+
+
+async def _probe(target: Target) -> None:
+    """Connect once to the target's database and hang up (raises what connecting raises)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(target.dsn, timeout=10)
+    await conn.close()
 
 
 def _not_initialized(error: Exception) -> bool:
