@@ -72,6 +72,8 @@ def core(session: nox.Session) -> None:
         "-e",
         "packages/core",
         "-e",
+        "packages/engine",
+        "-e",
         "packages/testing",
         "pytest",
         "pytest-asyncio",
@@ -107,6 +109,14 @@ except InvalidCronExpression:
     pass
 else:
     raise AssertionError("minute 61 was accepted")
+""",
+    "engine": """
+import sys
+from steeple.engine import RecurringEngine, RecurringRelay, RelayStatistics
+from steeple.engine.ports import RecurringStorage
+clients = {"asyncpg", "psycopg", "nats", "redis", "aio_pika"} & set(sys.modules)
+assert not clients, f"import steeple.engine loaded client libraries: {clients}"
+assert RelayStatistics().published == 0
 """,
     "keyring": """
 from steeple.keyring import Keyring, StorageKey

@@ -29,7 +29,7 @@ from steeple.core import (
     RecurringStorageError,
     ScheduledMessage,
 )
-from steeple.core.errors import RelayLeaseLostError
+from steeple.core.errors import RelayAcknowledgementError, RelayLeaseLostError
 from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore, grant_runtime_role
@@ -334,7 +334,11 @@ async def test_ambiguous_commit_of_a_relay_outcome_converges_on_one_copy(net: Ne
     net.proxy.cut_after_commit(skip=1)
     outcome, _ = await bounded(net.store.relay(lease, broker))
     assert net.proxy.commits_cut == 1
-    assert isinstance(outcome, RecurringStorageError), outcome
+    # accepted, then the outcome's COMMIT went unanswered: the acknowledgement error
+    # carries the receipt, the storage error is its cause (seed 000, issue 11)
+    assert isinstance(outcome, RelayAcknowledgementError), outcome
+    assert outcome.receipt.idempotency_key == broker.keys()[0]
+    assert isinstance(outcome.__cause__, RecurringStorageError), outcome.__cause__
     assert len(broker.published) == 1
     await net.clean()
     [occ] = (await net.store.occurrences()).items
@@ -455,7 +459,9 @@ async def test_reset_between_publish_and_record_republishes_with_same_key(net: N
     broker = CuttingBroker()
     outcome, _ = await bounded(net.store.relay(lease, broker))
     assert proxy.cuts == 1
-    assert isinstance(outcome, RecurringStorageError), outcome
+    assert isinstance(outcome, RelayAcknowledgementError), outcome
+    assert outcome.receipt.idempotency_key == broker.keys()[0]
+    assert isinstance(outcome.__cause__, RecurringStorageError), outcome.__cause__
     [occ] = (await net.store.occurrences()).items
     assert occ.state is OccurrenceState.LEASED  # accepted by the broker, not recorded
     receipt = await net.store.relay(lease, broker)

@@ -466,3 +466,101 @@ async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Pa
     assert [t["task_id"] for t in tasks.json()["items"]] == list(seeded.task_ids)
     assert cancel.status_code == 200
     assert forged.status_code == 403
+
+
+POISONED_APP = """
+from steeple.admin import WorkerApp
+from steeple.testing import MemoryBroker
+
+class PoisonedBroker(MemoryBroker):
+    '''A broker adapter with a bug: a plain TypeError for one message.'''
+
+    async def publish(self, message, *, idempotency_key, timeout):
+        if message.payload == b"poison":
+            raise TypeError("a topic of 100 x '€' is 300 bytes")
+        return await super().publish(message, idempotency_key=idempotency_key, timeout=timeout)
+
+def make():
+    return WorkerApp(broker=PoisonedBroker())
+"""
+
+
+@pytest.mark.postgres
+async def test_worker_survives_a_broker_raising_type_error(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    """Issue 11: one message a broker adapter cannot handle (TypeError) is retried, then
+    dead-lettered; `steeple worker` stays up and publishes everything else."""
+    from steeple.core import (
+        MissedRunPolicy,
+        RecurringConfig,
+        RecurringDefinition,
+        ScheduledMessage,
+        SystemClock,
+    )
+    from steeple.keyring import Keyring, StorageKey
+    from steeple.postgres import PostgresRecurringStore
+
+    dsn, schema = pg_schema
+    key = StorageKey.generate("k1")
+    # A 4 s delivery window: a failing occurrence is dead after its third attempt (the
+    # next one would fall after the window), so the test runs in real time.
+    config = RecurringConfig(
+        "default",
+        1000,
+        100_000,
+        delivery_window=timedelta(seconds=4),
+        lease_duration=timedelta(seconds=1),
+    )
+    store = await PostgresRecurringStore.initialize(
+        dsn, config, Keyring(key), SystemClock(), schema=schema
+    )
+    try:
+        now = datetime.now(UTC)
+        for name, back, payload in (("good", 3, b"{}"), ("poison", 1, b"poison")):
+            await store.create(
+                RecurringDefinition(
+                    name,
+                    "* * * * *",
+                    now - timedelta(minutes=back, seconds=1),
+                    MissedRunPolicy.CATCH_UP,
+                    ScheduledMessage("t", "T", payload),
+                )
+            )
+        (tmp_path / "poisoned.py").write_text(textwrap.dedent(POISONED_APP))
+        env = _env(
+            STEEPLE_KEYS=f"k1:{key.to_base64()}",
+            STEEPLE_DATABASE_URL=dsn,
+            STEEPLE_SCHEMA=schema,
+            STEEPLE_DELIVERY_WINDOW="4s",
+            STEEPLE_LEASE="1s",
+        )
+        proc = await _spawn(["worker", "--app", "poisoned:make"], env, tmp_path)
+        try:
+            async with asyncio.timeout(60):
+                while True:
+                    occurrences = (await store.occurrences(limit=100)).items
+                    poison = [o for o in occurrences if o.definition_name == "poison"]
+                    good = [o for o in occurrences if o.definition_name == "good"]
+                    published = [o for o in good if o.state.value == "published"]
+                    if any(o.state.value == "dead" for o in poison) and len(published) >= 3:
+                        break
+                    assert proc.returncode is None, await proc.communicate()
+                    await asyncio.sleep(0.2)
+            still_up = proc.returncode is None  # after the TypeErrors
+            assert still_up
+            _, raw_stderr = await _stop(proc)
+        finally:
+            await _reap(proc)
+        [dead, *_] = [o for o in poison if o.state.value == "dead"]
+        assert dead.attempts >= 2  # retried with backoff, then dead
+        assert dead.last_error == "TypeError"
+        stderr = raw_stderr.decode()
+        assert proc.returncode == 0, stderr
+        assert "steeple worker: stopped" in stderr
+        relayed = re.search(r"relayed (\d+) occurrences \((\d+) relay failures\)", stderr)
+        assert relayed, stderr
+        assert int(relayed.group(1)) >= 3
+        assert int(relayed.group(2)) >= 2
+    finally:
+        await store.close()

@@ -27,28 +27,40 @@ from hypothesis import strategies as st
 import steeple.core
 from steeple.core import (
     CAPABILITY_BYTES,
+    CLAIM_RULE,
     PUBLISH_PURPOSE,
     Backoff,
     BrokerReceipt,
+    BrokerRejectedError,
+    ClaimRule,
     ConfigurationError,
     ConfigurationTypeError,
     CronCalendar,
+    DefinitionAdvance,
+    DueDefinition,
+    Effects,
     FailureDecision,
+    FailureKind,
     InvalidCronExpression,
     Lease,
     MissedRunPolicy,
+    NamespaceTickPlan,
     OccurrenceEvent,
     OccurrenceInfo,
     OccurrenceState,
     Page,
+    PublicationFailure,
     PurgedType,
     RecurringConfig,
     RecurringConfigurationError,
     RecurringDefinition,
+    RelayAcknowledgementError,
+    RelayBrokerTimeoutError,
     RetryDecision,
     ScheduledMessage,
     ScheduleInfo,
     SteepleError,
+    Step,
     SystemClock,
     SystemRandom,
     TaskEvent,
@@ -59,7 +71,10 @@ from steeple.core import (
     adopt_time,
     after_publish_failure,
     attempts_exhausted,
+    capability_digest,
     capability_matches,
+    classify_publication_failure,
+    holds_lease,
     idempotency_key,
     is_claimable,
     is_live,
@@ -68,7 +83,9 @@ from steeple.core import (
     new_capability,
     new_generation,
     occurrence_id_for,
+    plan_namespace_tick,
     plan_tick,
+    publication_error,
     retry_decision,
     validate_budget,
     window_end,
@@ -247,6 +264,27 @@ class AnsweringCalendar:
         return self.answer
 
 
+DUE_DEFINITIONS = st.builds(
+    DueDefinition,
+    NAMES,
+    st.sampled_from(list(MissedRunPolicy)),
+    st.just(CALENDAR),
+    INSTANTS,
+    st.one_of(st.none(), INSTANTS),
+)
+EXCEPTIONS = st.sampled_from(
+    [
+        TypeError("adapter bug"),
+        TimeoutError(),
+        ConnectionError("reset"),
+        BrokerRejectedError("no"),
+        RelayBrokerTimeoutError("late", permanent=True),
+        RelayAcknowledgementError(BrokerReceipt("memory", "k"), "unsure"),
+        KeyboardInterrupt(),
+    ]
+)
+
+
 def valid(name: str) -> st.SearchStrategy[Any]:
     return {
         "name": NAMES,
@@ -276,6 +314,13 @@ def valid(name: str) -> st.SearchStrategy[Any]:
         "revision": st.integers(0, 2**63 - 1),
         "key": st.just("stp1-" + "0" * 48),
         "optional_text": st.one_of(st.none(), NAMES),
+        "optional_instant": st.one_of(st.none(), INSTANTS),
+        "digest": st.binary(min_size=32, max_size=32),
+        "due_definitions": st.lists(DUE_DEFINITIONS, max_size=3),
+        "exception": EXCEPTIONS,
+        "failure": st.builds(
+            PublicationFailure, st.sampled_from(list(FailureKind)), st.booleans(), NAMES
+        ),
         "any": st.none(),
     }[name]
 
@@ -385,6 +430,20 @@ CASES = [
         {"window_ends_at": "instant", "lease_expires_at": "instant", "next_attempt_at": "instant"},
         covers=("is_claimable",),
     ),
+    Case(
+        "CLAIM_RULE.admits",
+        CLAIM_RULE.admits,
+        ("state", "instant"),
+        {"window_ends_at": "instant", "lease_expires_at": "instant", "next_attempt_at": "instant"},
+        covers=("CLAIM_RULE", "ClaimRule"),
+    ),
+    Case("capability_digest", capability_digest, ("bytes16",), covers=("capability_digest",)),
+    Case(
+        "holds_lease",
+        holds_lease,
+        ("digest", "revision", "bytes16", "revision"),
+        covers=("holds_lease",),
+    ),
     Case("is_live", is_live, ("instant", "instant"), covers=("is_live",)),
     Case("lease_expiry", lease_expiry, ("instant", "lease", "instant"), covers=("lease_expiry",)),
     Case("new_capability", new_capability, ("random",), covers=("new_capability",)),
@@ -396,6 +455,29 @@ CASES = [
         plan_tick,
         ("policy", "calendar", "instant", "instant", "budget"),
         covers=("plan_tick", "TickPlan", "DueCalendar"),
+    ),
+    Case(
+        "plan_namespace_tick",
+        lambda *a: plan_namespace_tick([DueDefinition(*a[:5])], a[5], a[6]),
+        ("name", "policy", "calendar", "instant", "optional_instant", "instant", "budget"),
+        covers=("plan_namespace_tick", "DueDefinition", "DefinitionAdvance", "NamespaceTickPlan"),
+    ),
+    Case(
+        "plan_namespace_tick(definitions)",
+        plan_namespace_tick,
+        ("due_definitions", "instant", "budget"),
+    ),
+    Case(
+        "classify_publication_failure",
+        classify_publication_failure,
+        ("exception",),
+        covers=("classify_publication_failure", "PublicationFailure", "FailureKind"),
+    ),
+    Case(
+        "publication_error",
+        publication_error,
+        ("failure", "exception", "id", "name"),
+        covers=("publication_error",),
     ),
     Case("validate_budget", validate_budget, ("budget",), covers=("validate_budget",)),
     Case(
@@ -423,6 +505,13 @@ CASES = [
         covers=("OCCURRENCE_TRANSITIONS",),
     ),
     Case(
+        "occurrences.step",
+        occurrence_module.step,
+        ("state", "event"),
+        covers=("OCCURRENCE_STEPS", "Step", "Effects"),
+    ),
+    Case("occurrences.states_for", occurrence_module.states_for, ("event",)),
+    Case(
         "tasks.transition",
         task_module.transition,
         ("task_state", "task_event"),
@@ -437,6 +526,7 @@ CASES = [
             TaskState,
             TaskEvent,
             PurgedType,
+            FailureKind,
         )
     ),
     # Records the stores hand out: outputs, built from stored rows. They take any value,
@@ -456,6 +546,13 @@ CASES = [
             ("ScheduleInfo", ScheduleInfo),
             ("OccurrenceInfo", OccurrenceInfo),
             ("Page", Page),
+            ("ClaimRule", ClaimRule),
+            ("Step", Step),
+            ("Effects", Effects),
+            ("DueDefinition", DueDefinition),
+            ("DefinitionAdvance", DefinitionAdvance),
+            ("NamespaceTickPlan", NamespaceTickPlan),
+            ("PublicationFailure", PublicationFailure),
         )
     ),
 ]
@@ -524,6 +621,8 @@ VALUE_FORMATTING_ERRORS = (
     core_errors.UnknownKeyIdError,
     core_errors.KeyringBindingMismatchError,
     core_errors.InvalidTimeZoneError,
+    core_errors.RecurringUnknownKeyIdError,
+    core_errors.RecurringSchemaVersionError,
 )
 
 
@@ -545,6 +644,10 @@ def test_error_constructors_never_raise(kind: type[SteepleError], data: st.DataO
         error = kind(data.draw(HOSTILE), "reason", field=data.draw(HOSTILE))
     elif kind is core_errors.InvalidTransitionError:
         error = kind(data.draw(HOSTILE), data.draw(HOSTILE), data.draw(HOSTILE))
+    elif kind is core_errors.RecurringUnknownKeyIdError:
+        error = kind(data.draw(HOSTILE), data.draw(HOSTILE))
+    elif kind is core_errors.RecurringSchemaVersionError:
+        error = kind(data.draw(HOSTILE), data.draw(HOSTILE), 2)
     elif kind is core_errors.UnknownKeyIdError:
         error = kind(data.draw(HOSTILE))
     elif kind is core_errors.KeyringBindingMismatchError:
@@ -717,3 +820,45 @@ def test_enums_still_behave_as_enums() -> None:
     assert isinstance(OccurrenceState.PENDING, enum.Enum)
     assert OccurrenceState("pending") is OccurrenceState.PENDING
     assert next(iter(TaskState)).value == "pending"
+
+
+# --- the recurring engine's decisions (merged from h-engine): same rules --------------------
+
+
+def test_holds_lease_refuses_oversized_capability_instead_of_raising() -> None:
+    digest = capability_digest(bytes(CAPABILITY_BYTES))
+    assert holds_lease(digest, 1, bytes(CAPABILITY_BYTES), 1)
+    assert not holds_lease(digest, 1, bytes(20_000), 1)  # was ConfigurationError
+    assert not holds_lease(digest, 1, "secret", 1)
+    assert not holds_lease(digest, 1, bytes(CAPABILITY_BYTES), True)
+
+
+def test_plan_namespace_tick_refuses_what_is_not_a_due_definition() -> None:
+    now = datetime(2031, 1, 1, tzinfo=UTC)
+    with pytest.raises(ConfigurationTypeError, match="iterable"):
+        plan_namespace_tick(7, now, 1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationTypeError, match="DueDefinition"):
+        plan_namespace_tick(["daily"], now, 1)  # type: ignore[list-item]
+    nameless = DueDefinition(None, MissedRunPolicy.CATCH_UP, CALENDAR, now, now)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationTypeError, match="name"):
+        plan_namespace_tick([nameless], now, 1)
+
+
+def test_publication_error_formats_hostile_values_safely() -> None:
+    failure = PublicationFailure(FailureKind.BROKER, False, "TypeError")
+    error = publication_error(failure, TypeError("x"), "\ud800" * 500, HostileRepr())  # type: ignore[arg-type]
+    str(error).encode("utf-8")
+    assert len(str(error)) < 1000  # shortened before escaping
+    with pytest.raises(ConfigurationTypeError, match="PublicationFailure"):
+        publication_error(None, TypeError("x"), "id", "retry")  # type: ignore[arg-type]
+
+
+def test_recurring_keyring_and_schema_errors_format_hostile_values() -> None:
+    unknown = core_errors.RecurringUnknownKeyIdError("\ud800", "definition " + "x" * 10_000)
+    assert len(str(unknown)) < 600
+    str(unknown).encode("utf-8")
+    version = core_errors.RecurringSchemaVersionError(HostileRepr(), 10**5000, 2)  # type: ignore[arg-type]
+    assert "version 2" in str(version)
+    assert isinstance(unknown, core_errors.UnknownKeyIdError)
+    with pytest.raises(ConfigurationError, match="not a valid FailureKind"):
+        FailureKind("bogus")

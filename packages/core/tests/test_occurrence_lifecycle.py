@@ -42,6 +42,7 @@ dead       cancel                    cancelled
 dead       purge                     <purged>
 published  purge                     <purged>
 expired    purge                     <purged>
+cancelled  published                 cancelled
 cancelled  purge                     <purged>
 """
 EXPECTED: dict[tuple[str, str], str] = {
@@ -116,7 +117,7 @@ def test_every_pair_property(state: OccurrenceState, event: OccurrenceEvent) -> 
 def test_table_has_exactly_the_expected_rows() -> None:
     actual = {(s.value, e.value): _name(t) for (s, e), t in OCCURRENCE_TRANSITIONS.items()}
     assert actual == EXPECTED
-    assert len(OCCURRENCE_TRANSITIONS) == 20
+    assert len(OCCURRENCE_TRANSITIONS) == 21
 
 
 @settings(max_examples=300, deadline=None)
@@ -174,7 +175,7 @@ def test_non_members_are_invalid_transitions(state: object, event: object) -> No
 
 def test_invalid_transition_is_a_steeple_error_not_a_value_error() -> None:
     with pytest.raises(SteepleError):
-        transition(OccurrenceState.CANCELLED, OccurrenceEvent.PUBLISHED)
+        transition(OccurrenceState.PUBLISHED, OccurrenceEvent.PUBLISHED)
 
 
 def test_terminal_and_claimable_sets() -> None:
@@ -185,12 +186,19 @@ def test_terminal_and_claimable_sets() -> None:
     # Claimable states are exactly those with a CLAIM row.
     assert {s for s in OccurrenceState if (s.value, "claim") in EXPECTED} == CLAIMABLE_STATES
     # No automatic event (anything but an operator retry or purge) leaves a terminal state
-    # except to expire or cancel a dead letter.
+    # except to expire or cancel a dead letter; an in-flight publication of a cancelled
+    # occurrence keeps it cancelled.
+    assert transition(OccurrenceState.CANCELLED, OccurrenceEvent.PUBLISHED) is (
+        OccurrenceState.CANCELLED
+    )
     for state in TERMINAL_STATES - {OccurrenceState.DEAD}:
         for event in OccurrenceEvent:
-            if event is not OccurrenceEvent.PURGE:
-                with pytest.raises(InvalidTransitionError):
-                    transition(state, event)
+            if event is OccurrenceEvent.PURGE:
+                continue
+            if (state, event) == (OccurrenceState.CANCELLED, OccurrenceEvent.PUBLISHED):
+                continue
+            with pytest.raises(InvalidTransitionError):
+                transition(state, event)
 
 
 def test_purged_sentinel() -> None:

@@ -23,3 +23,6 @@ async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[QueueFixture]:
     dsn, schema = pg_schema
     async with installed_queue(dsn, schema) as conn:
         yield dsn, schema, conn
+
+
+from pg_cluster import pg_clusters  # noqa: E402, F401 - a shared fixture

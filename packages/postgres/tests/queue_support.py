@@ -53,3 +53,34 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(interval)
+
+
+async def task_outcomes(dsn: str, schema: str) -> dict[int, int]:
+    """Every task id of the queue in ``schema`` -> how many of its attempts succeeded."""
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        rows = await conn.fetch(
+            f"SELECT t.id, count(a.*) FILTER (WHERE a.outcome = 'succeeded') AS ok"
+            f' FROM "{schema}".tasks t LEFT JOIN "{schema}".attempts a ON a.task_id = t.id'
+            " GROUP BY t.id"
+        )
+    finally:
+        await conn.close()
+    return {r["id"]: r["ok"] for r in rows}
+
+
+async def finished_once(dsn: str, schema: str, ids: list[int], timeout: float = 60.0) -> None:
+    """Wait until every task of ``ids`` (and no other) has succeeded, then check that each
+    succeeded exactly once (the completion writes of a worker may lag its handlers).
+
+    Raises:
+        AssertionError: a task missing, unknown, not finished in time, or finished twice.
+    """
+
+    async def all_finished() -> bool:
+        outcomes = await task_outcomes(dsn, schema)
+        return set(outcomes) == set(ids) and all(n >= 1 for n in outcomes.values())
+
+    await wait_until(all_finished, timeout=timeout, interval=0.1)
+    outcomes = await task_outcomes(dsn, schema)
+    assert set(outcomes.values()) == {1}, outcomes

@@ -231,10 +231,13 @@ async def test_statistics_count_skipped_ticks_and_storage_failures(
 
 
 def test_statistics_are_exported_where_the_relay_is() -> None:
+    import steeple.engine
     from steeple.postgres import RelayStatistics as from_package
     from steeple.postgres.recurring import RecurringRelay as relay_class
     from steeple.postgres.recurring import RelayStatistics as from_module
+    from steeple.postgres.recurring._relay import RelayStatistics as from_old_path
 
-    assert from_package is from_module is RelayStatistics
-    assert relay_class is RecurringRelay
+    assert from_package is from_module is from_old_path is RelayStatistics
+    assert steeple.engine.RelayStatistics is RelayStatistics  # one class, in the engine
+    assert relay_class is RecurringRelay is steeple.engine.RecurringRelay
     assert RelayStatistics() == RelayStatistics(0, 0, 0, 0, 0, 0, 0, 0)

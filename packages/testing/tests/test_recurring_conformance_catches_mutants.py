@@ -9,10 +9,11 @@ import attrs
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-import steeple.testing.recurring as memory
+import steeple.core.policies as policies
+import steeple.engine.engine as engine
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
-from steeple.core.occurrences import OccurrenceState
+from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, Step, states_for
 from steeple.core.policies import MissedRunPolicy
 from steeple.core.policies import plan_tick as real_plan_tick
 from steeple.core.ports import Clock, MessageBroker, RecurringStore
@@ -29,13 +30,6 @@ HUNT = settings(
     database=None,
     suppress_health_check=list(HealthCheck),
 )
-
-
-class NoFencing(InMemoryRecurringStore):
-    """Accepts any lease on a leased occurrence: stale holders can publish."""
-
-    def _holds(self, occ: Any, lease: Lease) -> bool:
-        return occ is not None and occ.capability is not None
 
 
 class _KeyPerAttempt:
@@ -89,7 +83,7 @@ def _factory(store_type: type[InMemoryRecurringStore]) -> Any:
 
 
 @pytest.mark.parametrize(
-    "store_type", [NoFencing, UnstableKey, ReplayRestamps, IgnoresBackoff], ids=lambda t: t.__name__
+    "store_type", [UnstableKey, ReplayRestamps, IgnoresBackoff], ids=lambda t: t.__name__
 )
 def test_suite_fails_a_broken_store(store_type: type[InMemoryRecurringStore]) -> None:
     with pytest.raises(AssertionError):
@@ -100,26 +94,40 @@ def _coalesce_as_catch_up(policy: MissedRunPolicy, *args: Any) -> Any:
     return real_plan_tick(MissedRunPolicy.CATCH_UP, *args)
 
 
+def _never_cancel_leased(event: OccurrenceEvent) -> dict[Step, frozenset[OccurrenceState]]:
+    groups = states_for(event)
+    if event is not OccurrenceEvent.CANCEL:
+        return groups
+    return {row: states - {OccurrenceState.LEASED} for row, states in groups.items()}
+
+
+# The rules live once, in the engine and the core: each mutant breaks one of them there,
+# and the in-memory store (the engine over dicts) must then fail the suite.
 @pytest.mark.parametrize(
-    ("attribute", "replacement"),
+    ("module", "attribute", "replacement"),
     [
         # Coalescing definitions catch up every missed due time.
-        ("plan_tick", _coalesce_as_catch_up),
-        # Leased occurrences are neither cancelled nor expired.
-        (
-            "_LIVE_STATES",
-            frozenset({OccurrenceState.PENDING, OccurrenceState.RETRY_WAIT, OccurrenceState.DEAD}),
-        ),
-        # Pending work is purged as if it were terminal.
-        ("TERMINAL_STATES", frozenset(OccurrenceState)),
+        (policies, "plan_tick", _coalesce_as_catch_up),
+        # Leased occurrences are not cancelled.
+        (engine, "states_for", _never_cancel_leased),
+        # Only published occurrences are ever purged (dead, expired, cancelled pile up).
+        (engine, "_PURGEABLE", frozenset({OccurrenceState.PUBLISHED})),
         # The local clock is trusted blindly: no adoption, no clock errors.
-        ("adopt_time", lambda recorded, local: local),
+        (engine, "adopt_time", lambda recorded, local: local),
+        # No fencing: any capability and revision hold a leased occurrence's lease.
+        (engine, "holds_lease", lambda digest, revision, capability, presented: digest is not None),
     ],
-    ids=["coalesce-catches-up", "leased-never-cancelled", "purges-pending", "no-shared-time"],
+    ids=[
+        "coalesce-catches-up",
+        "leased-never-cancelled",
+        "purges-only-published",
+        "no-shared-time",
+        "no-fencing",
+    ],
 )
 def test_suite_fails_a_store_with_a_broken_rule(
-    monkeypatch: pytest.MonkeyPatch, attribute: str, replacement: object
+    monkeypatch: pytest.MonkeyPatch, module: object, attribute: str, replacement: object
 ) -> None:
-    monkeypatch.setattr(memory, attribute, replacement)
+    monkeypatch.setattr(module, attribute, replacement)
     with pytest.raises(AssertionError):
         run_recurring_conformance(_factory(InMemoryRecurringStore), settings=HUNT)

@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from steeple.core.errors import ConfigurationError, ConfigurationTypeError, shown
+from steeple.core.errors import _plain as plain
 
 __all__ = [
     "INT64_MAX",
@@ -24,6 +25,7 @@ __all__ = [
     "byte_string",
     "duration",
     "encodable",
+    "plain",
     "shown",
     "text",
     "unit_float",

@@ -17,6 +17,7 @@ from steeple.core.policies import MissedRunPolicy
 __all__ = [
     "RecurringConfig",
     "RecurringDefinition",
+    "is_definition_name",
     "validate_definition_name",
     "validate_namespace",
 ]
@@ -131,6 +132,18 @@ def _first_after(value: object) -> datetime:
     # The store keeps milliseconds (the contract's first_after_ms); finer parts would make
     # two "identical" creations differ after a round trip.
     return instant.replace(microsecond=instant.microsecond // 1000 * 1000)
+
+
+def is_definition_name(value: object) -> bool:
+    """Return whether ``value`` could name a definition (what ``RecurringDefinition`` accepts).
+
+    Stores answer "not found" for anything else without asking their storage.
+    """
+    try:
+        validate_definition_name(value)
+    except RecurringConfigurationError:
+        return False
+    return True
 
 
 @attrs.frozen

@@ -136,6 +136,8 @@ class RecurringError(SteepleError):
     Deadline: ClassVar[type[RecurringDeadlineError]]
     NotFound: ClassVar[type[RecurringNotFoundError]]
     InvalidState: ClassVar[type[RecurringInvalidStateError]]
+    Keyring: ClassVar[type[RecurringKeyringError]]
+    SchemaVersion: ClassVar[type[RecurringSchemaVersionError]]
 
 
 class RecurringConfigurationError(RecurringError, ConfigurationError):
@@ -349,6 +351,102 @@ class BrokerConfigurationError(BrokerRejectedError, ConfigurationError):
 
 
 __all__ += ["BrokerConfigurationError"]
+
+
+# --- recurring store: sealed records and schema versions ----------------------------------
+
+
+class RecurringKeyringError(RecurringError, KeyringError):
+    """A record of the recurring store cannot be opened or sealed.
+
+    Both a :class:`RecurringError` (every failure of a store operation is one) and a
+    :class:`KeyringError` (it is the keyring that refused). The subclasses below are also
+    the keyring's own class, so ``except UnknownKeyIdError`` keeps working.
+    """
+
+
+class RecurringUnknownKeyIdError(RecurringKeyringError, UnknownKeyIdError):
+    """A record is sealed under a key id the keyring does not hold (restore that key).
+
+    Attributes:
+        key_id: the missing key's id.
+        record: which record (e.g. ``definition 'daily'``).
+    """
+
+    def __init__(self, key_id: str, record: str = "a record") -> None:
+        UnknownKeyIdError.__init__(self, key_id)
+        self.args = (
+            f"{_plain(record, 200)} is sealed with key id {shown(key_id)}, which this keyring "
+            "does not hold; add that key back (as a previous key) to read it",
+        )
+        self.record = record
+
+
+class RecurringAuthenticationFailedError(RecurringKeyringError, AuthenticationFailedError):
+    """A record failed authentication: tampered, wrong key material, or moved elsewhere."""
+
+
+class RecurringMalformedEnvelopeError(RecurringKeyringError, MalformedEnvelopeError):
+    """A stored record is not a sealed envelope steeple understands."""
+
+
+class RecurringSealBudgetExhaustedError(RecurringKeyringError, SealBudgetExhaustedError):
+    """The primary key sealed as many records as its budget allows; rotate to a new key."""
+
+
+def recurring_keyring_error(exc: KeyringError, record: str) -> RecurringKeyringError:
+    """Return the recurring store's error for a keyring failure on ``record``.
+
+    The result is also an instance of ``exc``'s keyring class (for the four known ones);
+    raise it ``from exc``.
+    """
+    if isinstance(exc, RecurringKeyringError):
+        return exc
+    detail = f"{_plain(record, 200)}: {exc}"
+    if isinstance(exc, UnknownKeyIdError):
+        return RecurringUnknownKeyIdError(exc.key_id, record)
+    if isinstance(exc, AuthenticationFailedError):
+        return RecurringAuthenticationFailedError(detail)
+    if isinstance(exc, MalformedEnvelopeError):
+        return RecurringMalformedEnvelopeError(detail)
+    if isinstance(exc, SealBudgetExhaustedError):
+        return RecurringSealBudgetExhaustedError(detail)
+    return RecurringKeyringError(detail)
+
+
+class RecurringSchemaVersionError(RecurringStorageError):
+    """The database holds another version of the recurring schema than this library uses.
+
+    Attributes:
+        found: the version the database holds.
+        expected: the version this library reads and writes.
+    """
+
+    def __init__(self, schema: str, found: object, expected: int) -> None:
+        if isinstance(found, int) and found < expected:
+            action = "run initialize (the deployment role) to migrate it forward"
+        else:
+            action = "use a steeple release that knows this schema version"
+        super().__init__(
+            f"schema {shown(schema)} holds recurring schema version {shown(found)}; this "
+            f"library uses version {expected}: {action}"
+        )
+        self.found = found
+        self.expected = expected
+
+
+RecurringError.Keyring = RecurringKeyringError
+RecurringError.SchemaVersion = RecurringSchemaVersionError
+
+__all__ += [
+    "RecurringAuthenticationFailedError",
+    "RecurringKeyringError",
+    "RecurringMalformedEnvelopeError",
+    "RecurringSchemaVersionError",
+    "RecurringSealBudgetExhaustedError",
+    "RecurringUnknownKeyIdError",
+    "recurring_keyring_error",
+]
 
 
 # --- time zones (appended by core's zoned calendar) ---------------------------------------

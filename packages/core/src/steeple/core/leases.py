@@ -6,6 +6,7 @@ persisted server time and the injected random source, and persist what they retu
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from datetime import datetime, timedelta
 from typing import Final
@@ -21,11 +22,15 @@ from steeple.core.ports import RandomSource
 
 __all__ = [
     "CAPABILITY_BYTES",
+    "CLAIM_RULE",
     "GENERATION_BYTES",
+    "ClaimRule",
     "FailureDecision",
     "adopt_time",
     "after_publish_failure",
+    "capability_digest",
     "capability_matches",
+    "holds_lease",
     "is_claimable",
     "is_live",
     "lease_expiry",
@@ -105,6 +110,69 @@ def is_live(expires_at: datetime, now: datetime) -> bool:
     return aware_utc(now, "now") < aware_utc(expires_at, "expires_at")
 
 
+@attrs.frozen
+class ClaimRule:
+    """Which occurrences a claim may lease, as data a store can turn into a query.
+
+    Attributes:
+        ready: states claimable at once.
+        after_next_attempt: states claimable once their next attempt is due
+            (``next_attempt_at <= now``).
+        after_lease_expiry: states claimable once their lease has expired
+            (``lease_expires_at <= now``).
+
+    Nothing is claimable at or after the end of its delivery window (it is to be
+    classified expired instead).
+    """
+
+    ready: frozenset[OccurrenceState]
+    after_next_attempt: frozenset[OccurrenceState]
+    after_lease_expiry: frozenset[OccurrenceState]
+
+    @property
+    def states(self) -> frozenset[OccurrenceState]:
+        """Every state the rule may admit."""
+        return self.ready | self.after_next_attempt | self.after_lease_expiry
+
+    def admits(
+        self,
+        state: OccurrenceState,
+        now: datetime,
+        *,
+        window_ends_at: datetime,
+        lease_expires_at: datetime | None = None,
+        next_attempt_at: datetime | None = None,
+    ) -> bool:
+        """Return whether a claim at ``now`` may lease an occurrence in ``state``.
+
+        Raises:
+            ConfigurationTypeError: ``state`` is not an :class:`OccurrenceState`, or an
+                instant is not a datetime (a ``TypeError``).
+            ConfigurationError: an instant is naive (a ``ValueError``).
+        """
+        if not isinstance(state, OccurrenceState):
+            raise ConfigurationTypeError(f"state must be an OccurrenceState, not {shown(state)}")
+        at = aware_utc(now, "now")
+        if at >= aware_utc(window_ends_at, "window_ends_at"):
+            return False
+        if state in self.ready:
+            return True
+        if state in self.after_next_attempt:
+            return next_attempt_at is None or aware_utc(next_attempt_at, "next_attempt_at") <= at
+        if state in self.after_lease_expiry:
+            return lease_expires_at is None or not is_live(lease_expires_at, at)
+        return False
+
+
+CLAIM_RULE: Final = ClaimRule(
+    ready=frozenset({OccurrenceState.PENDING}),
+    after_next_attempt=frozenset({OccurrenceState.RETRY_WAIT}),
+    after_lease_expiry=frozenset({OccurrenceState.LEASED}),
+)
+"""Pending occurrences are claimable; ``retry_wait`` ones once their next attempt is due;
+leased ones only once their lease has expired."""
+
+
 def is_claimable(
     state: OccurrenceState,
     now: datetime,
@@ -113,7 +181,7 @@ def is_claimable(
     lease_expires_at: datetime | None = None,
     next_attempt_at: datetime | None = None,
 ) -> bool:
-    """Return whether a claim at ``now`` may lease an occurrence.
+    """Return whether a claim at ``now`` may lease an occurrence (:data:`CLAIM_RULE`).
 
     Pending occurrences are claimable; ``retry_wait`` ones once their next attempt is due;
     leased ones only once their lease has expired. Nothing is claimable once its delivery
@@ -124,18 +192,13 @@ def is_claimable(
             instant is not a datetime (a ``TypeError``).
         ConfigurationError: an instant is naive (a ``ValueError``).
     """
-    if not isinstance(state, OccurrenceState):
-        raise ConfigurationTypeError(f"state must be an OccurrenceState, not {shown(state)}")
-    at = aware_utc(now, "now")
-    if at >= aware_utc(window_ends_at, "window_ends_at"):
-        return False
-    if state is OccurrenceState.PENDING:
-        return True
-    if state is OccurrenceState.RETRY_WAIT:
-        return next_attempt_at is None or aware_utc(next_attempt_at, "next_attempt_at") <= at
-    if state is OccurrenceState.LEASED:
-        return lease_expires_at is None or not is_live(lease_expires_at, at)
-    return False
+    return CLAIM_RULE.admits(
+        state,
+        now,
+        window_ends_at=window_ends_at,
+        lease_expires_at=lease_expires_at,
+        next_attempt_at=next_attempt_at,
+    )
 
 
 _MAX_SECRET_BYTES = 1024
@@ -156,6 +219,41 @@ def capability_matches(expected: bytes, presented: bytes) -> bool:
     # compare_digest's time does not depend on where the first differing byte is, so a
     # forger learns nothing from how long a rejection takes.
     return hmac.compare_digest(_as_bytes(expected, "expected"), _as_bytes(presented, "presented"))
+
+
+def capability_digest(capability: bytes) -> bytes:
+    """Return what a store keeps of a lease capability: its SHA-256 digest.
+
+    A reader of the database (or a backup) then cannot act as the lease holder.
+
+    Raises:
+        ConfigurationTypeError: ``capability`` is not bytes-like (a ``TypeError``).
+        ConfigurationError: ``capability`` is longer than 1024 bytes.
+    """
+    return hashlib.sha256(_as_bytes(capability, "capability")).digest()
+
+
+def holds_lease(
+    stored_digest: bytes | None,
+    stored_revision: int,
+    capability: object,
+    revision: object,
+) -> bool:
+    """Return whether a presented lease is the occurrence's current one (fencing).
+
+    The presented capability's digest must equal the stored one (compared in constant
+    time) and the revision must be the stored revision. A spent lease (no stored digest),
+    a capability longer than any real one, and anything that is not bytes or an int are
+    never held.
+    """
+    if stored_digest is None or not isinstance(capability, bytes | bytearray | memoryview):
+        return False
+    if len(capability) > _MAX_SECRET_BYTES:
+        return False
+    if isinstance(revision, bool) or not isinstance(revision, int):
+        return False
+    matches = capability_matches(stored_digest, capability_digest(bytes(capability)))
+    return matches and revision == stored_revision
 
 
 def _random_bytes(random: RandomSource, n: int, what: str) -> bytes:

@@ -1,14 +1,18 @@
 """The occurrence lifecycle: states, events, and ONE transition table with a pure ``transition()``.
 
-Every legal move of a materialized occurrence is a row of :data:`OCCURRENCE_TRANSITIONS`,
-keyed by ``(state, event)`` (h11's ``_state.py`` style). Anything not in the table raises
-:class:`~steeple.core.errors.InvalidTransitionError` and changes nothing: stores look the
-next state up here instead of spreading the rules through ``if`` statements.
+Every legal move of a materialized occurrence is a row of :data:`OCCURRENCE_STEPS`,
+keyed by ``(state, event)`` (h2's ``stream.py`` style: ``(state, event) -> (next state,
+effects)``). Anything not in the table raises
+:class:`~steeple.core.errors.InvalidTransitionError` and changes nothing: the engine looks
+the next state and what it erases up here instead of spreading the rules through ``if``
+statements. :data:`OCCURRENCE_TRANSITIONS` is the same table without the effects.
 
 A cancellation after the relay's final lease check cannot recall an in-flight
-publication: when ``PUBLISHED`` arrives for a cancelled occurrence the store keeps it
-cancelled and reports the receipt. That is the store's rule, not a table row, because the
-table answers "what is the next state", and cancelled has no ``PUBLISHED`` successor.
+publication: ``PUBLISHED`` arriving for a cancelled occurrence is the row
+``(cancelled, published) -> cancelled``, whose only effect is to spend the lease (the
+relay reports the broker's receipt). Cancellation and window expiry keep the lease
+credentials precisely so that the in-flight holder can still prove it held the lease and
+learn what happened.
 """
 
 from __future__ import annotations
@@ -18,17 +22,24 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final, Literal
 
+import attrs
+
 from steeple.core._validate import TypedEnumType
 from steeple.core.errors import InvalidTransitionError
 
 __all__ = [
     "CLAIMABLE_STATES",
+    "OCCURRENCE_STEPS",
     "OCCURRENCE_TRANSITIONS",
     "PURGED",
     "TERMINAL_STATES",
+    "Effects",
     "OccurrenceEvent",
     "OccurrenceState",
     "PurgedType",
+    "Step",
+    "states_for",
+    "step",
     "transition",
 ]
 
@@ -80,37 +91,106 @@ class PurgedType(enum.Enum, metaclass=TypedEnumType):
 PURGED: Final = PurgedType.PURGED
 """The "state" after :attr:`OccurrenceEvent.PURGE`: the row is gone."""
 
+
+@attrs.frozen
+class Effects:
+    """What a transition does to an occurrence besides changing its state.
+
+    Attributes:
+        erase_content: the sealed content and its key id are deleted (publication,
+            cancellation, expiry). A dead letter keeps its content for an operator retry.
+        erase_lease: the lease credentials (capability digest) are deleted: the lease is
+            spent. Cancellation and expiry keep them so that an in-flight relay can still
+            prove it held the lease and learn the outcome.
+        finishes: the occurrence became terminal: ``finished_at`` is stamped.
+        reopens: an operator revived it: ``finished_at`` is cleared, the attempt count
+            reset to zero and the last error cleared.
+        clears_error: the last error is cleared.
+        stamps: ``updated_at`` (and ``finished_at`` when it finishes) are set to the
+            instant of the transition. Only the in-flight publication of a cancelled
+            occurrence does not stamp: it stays cancelled as of its cancellation.
+    """
+
+    erase_content: bool = False
+    erase_lease: bool = False
+    finishes: bool = False
+    reopens: bool = False
+    clears_error: bool = False
+    stamps: bool = True
+
+
+@attrs.frozen
+class Step:
+    """One row of the table: the next state and what the move erases or resets.
+
+    Attributes:
+        target: the next state (or :data:`PURGED`: the row is removed).
+        effects: what else changes.
+    """
+
+    target: OccurrenceState | Literal[PurgedType.PURGED]
+    effects: Effects = Effects()
+
+    @property
+    def ends_lease(self) -> bool:
+        """The lease expiry is cleared: no live lease outside ``leased``."""
+        return self.target is not OccurrenceState.LEASED
+
+    @property
+    def clears_next_attempt(self) -> bool:
+        """The next automatic attempt is cleared: only ``retry_wait`` waits for one."""
+        return self.target is not OccurrenceState.RETRY_WAIT
+
+
 _S = OccurrenceState
 _E = OccurrenceEvent
 
-OCCURRENCE_TRANSITIONS: Final[
-    Mapping[tuple[OccurrenceState, OccurrenceEvent], OccurrenceState | Literal[PurgedType.PURGED]]
-] = MappingProxyType(
+_CLOSE = Effects(erase_content=True, finishes=True)
+"""Expiry and cancellation: content erased, terminal; the lease credentials stay."""
+_SPEND = Effects(erase_lease=True)
+_PURGE = Step(PURGED)
+
+OCCURRENCE_STEPS: Final[Mapping[tuple[OccurrenceState, OccurrenceEvent], Step]] = MappingProxyType(
     {
-        (_S.PENDING, _E.CLAIM): _S.LEASED,
-        (_S.PENDING, _E.WINDOW_EXPIRED): _S.EXPIRED,
-        (_S.PENDING, _E.CANCEL): _S.CANCELLED,
-        (_S.LEASED, _E.PUBLISHED): _S.PUBLISHED,
-        (_S.LEASED, _E.PUBLISH_FAILED_RETRYABLE): _S.RETRY_WAIT,
-        (_S.LEASED, _E.PUBLISH_FAILED_FINAL): _S.DEAD,
-        (_S.LEASED, _E.LEASE_EXPIRED): _S.PENDING,
+        (_S.PENDING, _E.CLAIM): Step(_S.LEASED),
+        (_S.PENDING, _E.WINDOW_EXPIRED): Step(_S.EXPIRED, _CLOSE),
+        (_S.PENDING, _E.CANCEL): Step(_S.CANCELLED, _CLOSE),
+        (_S.LEASED, _E.PUBLISHED): Step(
+            _S.PUBLISHED,
+            Effects(erase_content=True, erase_lease=True, finishes=True, clears_error=True),
+        ),
+        (_S.LEASED, _E.PUBLISH_FAILED_RETRYABLE): Step(_S.RETRY_WAIT, _SPEND),
+        (_S.LEASED, _E.PUBLISH_FAILED_FINAL): Step(
+            _S.DEAD, Effects(erase_lease=True, finishes=True)
+        ),
+        (_S.LEASED, _E.LEASE_EXPIRED): Step(_S.PENDING, _SPEND),
         # Re-claim of an expired lease: the new capability and revision fence the old holder.
-        (_S.LEASED, _E.CLAIM): _S.LEASED,
-        (_S.LEASED, _E.WINDOW_EXPIRED): _S.EXPIRED,
-        (_S.LEASED, _E.CANCEL): _S.CANCELLED,
-        (_S.RETRY_WAIT, _E.CLAIM): _S.LEASED,
-        (_S.RETRY_WAIT, _E.WINDOW_EXPIRED): _S.EXPIRED,
-        (_S.RETRY_WAIT, _E.CANCEL): _S.CANCELLED,
-        (_S.DEAD, _E.OPERATOR_RETRY): _S.PENDING,
-        (_S.DEAD, _E.WINDOW_EXPIRED): _S.EXPIRED,
-        (_S.DEAD, _E.CANCEL): _S.CANCELLED,
-        (_S.DEAD, _E.PURGE): PURGED,
-        (_S.PUBLISHED, _E.PURGE): PURGED,
-        (_S.EXPIRED, _E.PURGE): PURGED,
-        (_S.CANCELLED, _E.PURGE): PURGED,
+        (_S.LEASED, _E.CLAIM): Step(_S.LEASED),
+        (_S.LEASED, _E.WINDOW_EXPIRED): Step(_S.EXPIRED, _CLOSE),
+        (_S.LEASED, _E.CANCEL): Step(_S.CANCELLED, _CLOSE),
+        (_S.RETRY_WAIT, _E.CLAIM): Step(_S.LEASED),
+        (_S.RETRY_WAIT, _E.WINDOW_EXPIRED): Step(_S.EXPIRED, _CLOSE),
+        (_S.RETRY_WAIT, _E.CANCEL): Step(_S.CANCELLED, _CLOSE),
+        (_S.DEAD, _E.OPERATOR_RETRY): Step(
+            _S.PENDING, Effects(erase_lease=True, reopens=True, clears_error=True)
+        ),
+        (_S.DEAD, _E.WINDOW_EXPIRED): Step(_S.EXPIRED, _CLOSE),
+        (_S.DEAD, _E.CANCEL): Step(_S.CANCELLED, _CLOSE),
+        (_S.DEAD, _E.PURGE): _PURGE,
+        (_S.PUBLISHED, _E.PURGE): _PURGE,
+        (_S.EXPIRED, _E.PURGE): _PURGE,
+        # Cancelled after the relay's final check: the publication cannot be recalled. It
+        # stays cancelled (as of its cancellation) and the lease is spent.
+        (_S.CANCELLED, _E.PUBLISHED): Step(_S.CANCELLED, Effects(erase_lease=True, stamps=False)),
+        (_S.CANCELLED, _E.PURGE): _PURGE,
     }
 )
-"""The whole occurrence lifecycle: ``(state, event) -> next state`` (or :data:`PURGED`)."""
+"""The whole occurrence lifecycle: ``(state, event) -> Step(next state, effects)``."""
+
+OCCURRENCE_TRANSITIONS: Final[
+    Mapping[tuple[OccurrenceState, OccurrenceEvent], OccurrenceState | Literal[PurgedType.PURGED]]
+] = MappingProxyType({pair: row.target for pair, row in OCCURRENCE_STEPS.items()})
+"""The lifecycle without effects: ``(state, event) -> next state`` (or :data:`PURGED`)."""
 
 TERMINAL_STATES: Final[frozenset[OccurrenceState]] = frozenset(
     {_S.PUBLISHED, _S.DEAD, _S.EXPIRED, _S.CANCELLED}
@@ -136,9 +216,34 @@ def transition(
         InvalidTransitionError: ``(state, event)`` is not in the table (including values
             that are not an :class:`OccurrenceState` / :class:`OccurrenceEvent`).
     """
+    return step(state, event).target
+
+
+def step(state: OccurrenceState, event: OccurrenceEvent) -> Step:
+    """Return the table row for ``event`` in ``state``: the next state and its effects.
+
+    Pure: it only reads the table.
+
+    Raises:
+        InvalidTransitionError: ``(state, event)`` is not in the table (including values
+            that are not an :class:`OccurrenceState` / :class:`OccurrenceEvent`).
+    """
     # Only members are looked up: hashing a foreign object could fail in any way.
     if isinstance(state, OccurrenceState) and isinstance(event, OccurrenceEvent):
-        found = OCCURRENCE_TRANSITIONS.get((state, event))
+        found = OCCURRENCE_STEPS.get((state, event))
         if found is not None:
             return found
     raise InvalidTransitionError("occurrence", state, event)
+
+
+def states_for(event: OccurrenceEvent) -> dict[Step, frozenset[OccurrenceState]]:
+    """Return the states ``event`` is legal in, grouped by the step it takes from them.
+
+    Set-based writes (expire every window-ended occurrence, cancel a definition's work)
+    apply one step to many rows; this says which states each step applies to.
+    """
+    groups: dict[Step, set[OccurrenceState]] = {}
+    for (state, ev), row in OCCURRENCE_STEPS.items():
+        if ev is event:
+            groups.setdefault(row, set()).add(state)
+    return {row: frozenset(states) for row, states in groups.items()}

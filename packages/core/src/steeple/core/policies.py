@@ -9,6 +9,8 @@ in the same transaction.
 from __future__ import annotations
 
 import enum
+import heapq
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Protocol
 
@@ -18,7 +20,17 @@ from steeple.core import limits
 from steeple.core._validate import TypedEnumType, aware_utc, bounded_int, shown
 from steeple.core.errors import ConfigurationTypeError, RecurringConfigurationError
 
-__all__ = ["DueCalendar", "MissedRunPolicy", "TickPlan", "plan_tick", "validate_budget"]
+__all__ = [
+    "DefinitionAdvance",
+    "DueCalendar",
+    "DueDefinition",
+    "MissedRunPolicy",
+    "NamespaceTickPlan",
+    "TickPlan",
+    "plan_namespace_tick",
+    "plan_tick",
+    "validate_budget",
+]
 
 
 class MissedRunPolicy(enum.Enum, metaclass=TypedEnumType):
@@ -141,3 +153,130 @@ def plan_tick(
             return _finish([oldest], now, calendar)
         return _finish([], cursor, calendar)
     raise RecurringConfigurationError(f"unknown missed-run policy {shown(policy)}")
+
+
+@attrs.frozen
+class DueDefinition:
+    """A definition as a namespace tick sees it.
+
+    Attributes:
+        name: the definition's name (ties between equal due times go by name).
+        policy: its missed-run policy.
+        calendar: its calendar.
+        cursor: its exclusive cursor (``first_after`` before the first tick).
+        next_due: ``calendar.next_after(cursor)`` as the previous plan recorded it
+            (``None`` once exhausted or cancelled).
+    """
+
+    name: str
+    policy: MissedRunPolicy
+    calendar: DueCalendar
+    cursor: datetime
+    next_due: datetime | None
+
+
+@attrs.frozen
+class DefinitionAdvance:
+    """Where a tick leaves a definition that emitted.
+
+    Attributes:
+        name: the definition.
+        cursor: its new exclusive cursor (the last emitted due time for catch-up, the
+            observed time for coalesce; never ``None``).
+        next_due: its next due time, ``None`` when exhausted.
+        exhausted: no due time will ever follow.
+    """
+
+    name: str
+    cursor: datetime
+    next_due: datetime | None
+    exhausted: bool
+
+
+@attrs.frozen
+class NamespaceTickPlan:
+    """What one tick of a namespace materializes, across its definitions.
+
+    Attributes:
+        emitted: ``(definition name, due time)`` pairs, oldest first (due time, then
+            name), at most the budget.
+        advanced: the new position of every definition that emitted, in name order.
+        exhausted: the names of definitions this tick exhausted, in emission order.
+    """
+
+    emitted: tuple[tuple[str, datetime], ...]
+    advanced: tuple[DefinitionAdvance, ...]
+    exhausted: tuple[str, ...]
+
+
+def plan_namespace_tick(
+    definitions: Iterable[DueDefinition], now: datetime, budget: int
+) -> NamespaceTickPlan:
+    """Plan one tick of a whole namespace: the oldest due times first, across definitions.
+
+    Each definition is planned one due time at a time with :func:`plan_tick` and the
+    definitions are merged by (due time, name), so the budget goes to the oldest work of
+    the namespace whatever definition it belongs to. Only definitions whose ``next_due``
+    is at or before ``now`` take part; a store may therefore pass just the ``budget``
+    definitions with the earliest ``(next_due, name)`` and get the same plan.
+
+    Args:
+        definitions: the namespace's due definitions (others are ignored).
+        now: the observed current (shared) time.
+        budget: the most occurrences to emit (1..100).
+
+    Raises:
+        RecurringConfigurationError: ``budget`` outside 1..100, or an unknown policy.
+        ConfigurationTypeError: ``definitions`` is not an iterable of
+            :class:`DueDefinition`, a name is not a str, a calendar has no ``next_after``,
+            or an instant is not a datetime (a ``TypeError``).
+        ConfigurationError: an instant is naive, or a calendar answered something other
+            than an aware datetime or ``None`` (a ``ValueError``).
+    """
+    validate_budget(budget)
+    now = aware_utc(now, "now")
+    if not isinstance(definitions, Iterable):
+        raise ConfigurationTypeError(
+            f"definitions must be an iterable of DueDefinition, not {type(definitions).__name__}"
+        )
+    by_name: dict[str, DueDefinition] = {}
+    heap: list[tuple[datetime, str]] = []
+    for definition in definitions:
+        if not isinstance(definition, DueDefinition):
+            raise ConfigurationTypeError(
+                f"definitions must hold DueDefinition values, not {type(definition).__name__}"
+            )
+        if not isinstance(definition.name, str):
+            raise ConfigurationTypeError(
+                f"a definition's name must be a str, not {type(definition.name).__name__}"
+            )
+        if definition.next_due is None:
+            continue
+        due = aware_utc(definition.next_due, "next_due")
+        if due > now or definition.name in by_name:
+            continue
+        by_name[definition.name] = definition
+        heap.append((due, definition.name))
+    heapq.heapify(heap)
+    emitted: list[tuple[str, datetime]] = []
+    state: dict[str, DefinitionAdvance] = {}
+    exhausted: list[str] = []
+    while heap and len(emitted) < budget:
+        _, name = heapq.heappop(heap)
+        definition = by_name[name]
+        cursor = state[name].cursor if name in state else definition.cursor
+        plan = plan_tick(definition.policy, definition.calendar, cursor, now, 1)
+        if not plan.due:
+            continue  # next_due was stale: nothing is due after the cursor yet
+        emitted.append((name, plan.due[0]))
+        moved = plan.cursor if plan.cursor is not None else max(cursor, *plan.due)
+        state[name] = DefinitionAdvance(name, moved, plan.next_due, plan.exhausted)
+        if plan.exhausted:
+            exhausted.append(name)
+        elif plan.next_due is not None and plan.next_due <= now:
+            heapq.heappush(heap, (plan.next_due, name))
+    return NamespaceTickPlan(
+        emitted=tuple(emitted),
+        advanced=tuple(state[name] for name in sorted(state)),
+        exhausted=tuple(exhausted),
+    )

@@ -18,23 +18,32 @@ import asyncpg
 
 from steeple.core.dsn import check_dsn
 from steeple.core.errors import ConfigurationError
-from steeple.postgres._ident import quote_ident
+from steeple.postgres._ident import quote_ident, shown_name
 
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
 
 __all__ = [
+    "SERVER_QUERY",
+    "TABLES_QUERY",
+    "WRITABLE_QUERY",
     "AnyConnection",
     "DurabilityProblem",
     "check_privileges",
+    "check_schema_name",
     "check_server_durability",
     "check_tables_permanent",
     "check_transport",
     "quote_ident",
+    "require_durable_server",
+    "require_permanent_tables",
+    "require_writable",
+    "write_refusal",
 ]
 
 _VERIFIED_SSL_MODES = frozenset({"verify-full", "verify-ca"})
-# Every synchronous_commit value except "off" flushes the local WAL before COMMIT returns.
+# Every synchronous_commit value except "off" flushes the local WAL before COMMIT returns
+# (see require_durable_server and the README's deployment section).
 _DURABLE_SYNC_COMMIT = frozenset({"on", "local", "remote_write", "remote_apply"})
 
 
@@ -111,75 +120,105 @@ def check_transport(dsn: str) -> None:
         )
 
 
-async def check_server_durability(conn: AnyConnection) -> None:
-    """Refuse a server or session that could lose acknowledged commits or cannot write.
+SERVER_QUERY = (
+    "SELECT current_setting('fsync') AS fsync,"
+    " current_setting('full_page_writes') AS full_page_writes,"
+    " current_setting('synchronous_commit') AS synchronous_commit,"
+    " pg_is_in_recovery() AS in_recovery,"
+    " current_setting('default_transaction_read_only') AS default_ro,"
+    " current_setting('transaction_read_only') AS tx_ro"
+)
+"""What :func:`require_durable_server` judges, one row in that column order (any driver)."""
+
+WRITABLE_QUERY = (
+    "SELECT pg_is_in_recovery() AS in_recovery,"
+    " current_setting('default_transaction_read_only') AS default_ro,"
+    " current_setting('transaction_read_only') AS tx_ro"
+)
+"""What :func:`require_writable` judges, one row in that column order (any driver)."""
+
+TABLES_QUERY = (
+    "SELECT c.relname::text, c.relpersistence::text FROM pg_catalog.pg_class c"
+    " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+    " WHERE n.nspname = $1 AND c.relname = ANY($2::text[]) AND c.relkind IN ('r', 'p')"
+)
+"""``(relname, relpersistence)`` of the named tables of a schema; ``$1`` schema, ``$2`` names."""
+
+
+def require_writable(in_recovery: object, default_ro: object, tx_ro: object) -> None:
+    """Refuse a standby or a read-only session (the :data:`WRITABLE_QUERY` row).
+
+    Raises:
+        DurabilityProblem: ``setting="pg_is_in_recovery"`` for a standby,
+            ``setting="default_transaction_read_only"`` for a read-only session.
+    """
+    if in_recovery:
+        raise DurabilityProblem(
+            "PostgreSQL is a standby in recovery (pg_is_in_recovery() is true), which is "
+            "read-only; connect to the writable primary",
+            setting="pg_is_in_recovery",
+        )
+    if default_ro != "off" or tx_ro != "off":
+        raise DurabilityProblem(
+            "the session is read-only (default_transaction_read_only is on for the server, "
+            "database, role or connection); use a writable primary and a writable role",
+            setting="default_transaction_read_only",
+        )
+
+
+def require_durable_server(
+    fsync: object,
+    full_page_writes: object,
+    synchronous_commit: object,
+    in_recovery: object,
+    default_ro: object,
+    tx_ro: object,
+) -> None:
+    """Refuse settings that could lose acknowledged commits (the :data:`SERVER_QUERY` row).
+
+    Every ``synchronous_commit`` level but ``off`` flushes the local WAL before a commit
+    returns, so on, local, remote_write and remote_apply are accepted (on a single node
+    they all wait for the local flush; with synchronous standbys the three remote levels
+    wait for them too).
 
     Raises:
         DurabilityProblem: naming the setting at fault (``fsync``, ``full_page_writes``,
             ``synchronous_commit``, ``pg_is_in_recovery``, ``default_transaction_read_only``).
     """
-    row = await conn.fetchrow(
-        "SELECT current_setting('fsync') AS fsync,"
-        " current_setting('full_page_writes') AS full_page_writes,"
-        " current_setting('synchronous_commit') AS synchronous_commit,"
-        " pg_is_in_recovery() AS in_recovery,"
-        " current_setting('default_transaction_read_only') AS default_ro,"
-        " current_setting('transaction_read_only') AS tx_ro"
-    )
-    assert row is not None
-    if row["fsync"] != "on":
+    if fsync != "on":
         raise DurabilityProblem(
             "PostgreSQL runs with fsync=off, so a crash can lose or corrupt committed work; "
             "set fsync=on",
             setting="fsync",
         )
-    if row["full_page_writes"] != "on":
+    if full_page_writes != "on":
         raise DurabilityProblem(
             "PostgreSQL runs with full_page_writes=off, so a crash can corrupt pages; set "
             "full_page_writes=on",
             setting="full_page_writes",
         )
-    if row["synchronous_commit"] not in _DURABLE_SYNC_COMMIT:
+    if synchronous_commit not in _DURABLE_SYNC_COMMIT:
         raise DurabilityProblem(
-            f"synchronous_commit is {row['synchronous_commit']!r} for this session (server, "
-            "role, database or connection option), so acknowledged commits can be lost in a "
+            f"synchronous_commit is {synchronous_commit!r} for this session (server, "
+            "database, role or connection option), so acknowledged commits can be lost in a "
             "crash; remove that setting (ALTER ROLE ... RESET synchronous_commit)",
             setting="synchronous_commit",
         )
-    if row["in_recovery"]:
-        raise DurabilityProblem(
-            "PostgreSQL is a standby in recovery (pg_is_in_recovery() is true); connect to "
-            "the writable primary",
-            setting="pg_is_in_recovery",
-        )
-    if row["default_ro"] != "off" or row["tx_ro"] != "off":
-        raise DurabilityProblem(
-            "the session is read-only (default_transaction_read_only is on); connect to a "
-            "writable primary with a writable role",
-            setting="default_transaction_read_only",
-        )
+    require_writable(in_recovery, default_ro, tx_ro)
 
 
-async def check_tables_permanent(conn: AnyConnection, schema: str, tables: Sequence[str]) -> None:
-    """Require every table to exist in ``schema`` and be permanent (not unlogged or temp).
+def require_permanent_tables(schema: str, tables: Sequence[str], found: Mapping[str, str]) -> None:
+    """Require every table to exist and be permanent (``found``: the :data:`TABLES_QUERY` rows).
 
     Raises:
         DurabilityProblem: ``setting="missing_table"`` when a table does not exist,
             ``setting="relpersistence"`` when one is unlogged or temporary.
     """
-    rows = await conn.fetch(
-        "SELECT c.relname, c.relpersistence::text AS relpersistence FROM pg_catalog.pg_class c"
-        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = $1 AND c.relname = ANY($2::text[]) AND c.relkind IN ('r', 'p')",
-        schema,
-        list(tables),
-    )
-    found = {r["relname"]: r["relpersistence"] for r in rows}
     for table in tables:
         if table not in found:
             raise DurabilityProblem(
-                f"table {schema}.{table} does not exist; run initialize with the deployment "
-                "role first (connect never creates or repairs tables)",
+                f"table {schema}.{table} does not exist; run initialize (or install) with the "
+                "deployment role first (connect never creates or repairs tables)",
                 setting="missing_table",
             )
         persistence = found[table]
@@ -191,6 +230,91 @@ async def check_tables_permanent(conn: AnyConnection, schema: str, tables: Seque
                 "SET LOGGED",
                 setting="relpersistence",
             )
+
+
+def check_schema_name(schema: str) -> None:
+    """Refuse a schema name PostgreSQL reserves (``pg_*``, ``information_schema``).
+
+    ``pg_temp`` names the session's temporary schema: tables created or read through it
+    would be temporary (gone with the session, invisible to every other connection), and
+    the other reserved names belong to the system.
+
+    Raises:
+        DurabilityProblem: ``setting="schema"``.
+    """
+    # PostgreSQL's own rule (IsReservedName) is this case-sensitive prefix.
+    if schema.startswith("pg_") or schema == "information_schema":
+        what = (
+            "the session's temporary schema, whose tables vanish with the session"
+            if schema.startswith("pg_temp")
+            else "a system schema"
+        )
+        raise DurabilityProblem(
+            f"schema {shown_name(schema)} is reserved by PostgreSQL ({what}); choose another name",
+            setting="schema",
+        )
+
+
+def write_refusal(exc: BaseException) -> tuple[str, str] | None:
+    """Explain a server error that says the database cannot take this write, by SQLSTATE.
+
+    Works for asyncpg and psycopg errors (both carry ``sqlstate``).
+
+    Returns:
+        ``(setting, message)``, setting ``"read_only"`` (SQLSTATE 25006) or ``"disk_full"``
+        (53100), or ``"insufficient_resources"`` (other class 53 errors: memory, limits);
+        ``None`` for any other error.
+    """
+    state = getattr(exc, "sqlstate", None)
+    if not isinstance(state, str):
+        return None
+    if state == "25006":
+        return (
+            "read_only",
+            "PostgreSQL refused the write because the session is read-only (SQLSTATE "
+            "25006: a standby in recovery, or default_transaction_read_only=on); nothing "
+            "was stored: use the writable primary",
+        )
+    if state == "53100":
+        return (
+            "disk_full",
+            "PostgreSQL is out of disk space (SQLSTATE 53100, disk full); nothing was "
+            "stored: free space on the server",
+        )
+    if state == "53300":
+        return (
+            "insufficient_resources",
+            "PostgreSQL refused the connection: too many connections (SQLSTATE 53300); "
+            "nothing was stored",
+        )
+    if state.startswith("53"):
+        return (
+            "insufficient_resources",
+            f"PostgreSQL lacks resources (SQLSTATE {state}: out of memory or a configured "
+            "limit); nothing was stored",
+        )
+    return None
+
+
+async def check_server_durability(conn: AnyConnection) -> None:
+    """Refuse a server or session that could lose acknowledged commits or cannot write.
+
+    Raises:
+        DurabilityProblem: see :func:`require_durable_server`.
+    """
+    row = await conn.fetchrow(SERVER_QUERY)
+    assert row is not None
+    require_durable_server(*row)
+
+
+async def check_tables_permanent(conn: AnyConnection, schema: str, tables: Sequence[str]) -> None:
+    """Require every table to exist in ``schema`` and be permanent (not unlogged or temp).
+
+    Raises:
+        DurabilityProblem: see :func:`require_permanent_tables`.
+    """
+    rows = await conn.fetch(TABLES_QUERY, schema, list(tables))
+    require_permanent_tables(schema, tables, {r[0]: r[1] for r in rows})
 
 
 async def check_privileges(

@@ -13,6 +13,13 @@ from typing import Any, Final, Protocol, TypeVar
 
 import asyncpg
 
+from steeple.postgres._durability import (
+    SERVER_QUERY,
+    TABLES_QUERY,
+    DurabilityProblem,
+    require_durable_server,
+    require_permanent_tables,
+)
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue.errors import UnfitDatabaseError
 
@@ -304,58 +311,20 @@ async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
             waiter.cancel()
 
 
-_DURABLE_SYNC_COMMIT: Final = frozenset({"on", "local", "remote_write", "remote_apply"})
-
-
 async def check_durable(conn: Any, schema: str, tables: tuple[str, ...]) -> None:
     """Refuse a server, session or schema that could lose acknowledged work.
 
+    The checks are the recurring store's (``steeple.postgres._durability``), run through
+    either driver.
+
     Raises:
         UnfitDatabaseError: ``fsync`` or ``full_page_writes`` off, ``synchronous_commit``
-            off, a standby or read-only default, or an unlogged/temporary/missing table.
+            off, a standby or read-only session, or an unlogged/temporary/missing table.
     """
-    ((fsync, fpw, sync_commit, recovery, read_only),) = await _driver.fetch(
-        conn,
-        "SELECT current_setting('fsync'), current_setting('full_page_writes'),"
-        " current_setting('synchronous_commit'), pg_is_in_recovery(),"
-        " current_setting('default_transaction_read_only')",
-    )
-    if fsync != "on":
-        raise UnfitDatabaseError("the server runs with fsync=off", setting="fsync")
-    if fpw != "on":
-        raise UnfitDatabaseError(
-            "the server runs with full_page_writes=off", setting="full_page_writes"
-        )
-    if sync_commit not in _DURABLE_SYNC_COMMIT:
-        raise UnfitDatabaseError(
-            f"synchronous_commit is {sync_commit!r} for this role/session; acknowledged "
-            "commits could be lost on a crash",
-            setting="synchronous_commit",
-        )
-    if recovery:
-        raise UnfitDatabaseError(
-            "the server is a standby (in recovery); point the worker at the primary",
-            setting="pg_is_in_recovery",
-        )
-    if read_only == "on":
-        raise UnfitDatabaseError(
-            "default_transaction_read_only is on", setting="default_transaction_read_only"
-        )
-    rows = await _driver.fetch(
-        conn,
-        "SELECT c.relname::text, c.relpersistence::text FROM pg_catalog.pg_class c"
-        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = $1 AND c.relname = ANY($2::text[]) AND c.relkind IN ('r', 'p')",
-        schema,
-        list(tables),
-    )
-    found = dict(rows)
-    for table in tables:
-        if table not in found:
-            raise UnfitDatabaseError(f"table {schema}.{table} is missing", setting="missing_table")
-        if found[table] != "p":
-            raise UnfitDatabaseError(
-                f"table {schema}.{table} is unlogged or temporary: it would come back empty "
-                "after a crash",
-                setting="relpersistence",
-            )
+    try:
+        (row,) = await _driver.fetch(conn, SERVER_QUERY)
+        require_durable_server(*row)
+        rows = await _driver.fetch(conn, TABLES_QUERY, schema, list(tables))
+        require_permanent_tables(schema, tables, dict(rows))
+    except DurabilityProblem as exc:
+        raise UnfitDatabaseError(str(exc), setting=exc.setting) from None

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, ParamSpec, TypeVar
 
-from steeple.postgres.queue.errors import UnsupportedConnectionError
+from steeple.postgres._durability import write_refusal
+from steeple.postgres.queue.errors import UnfitDatabaseError, UnsupportedConnectionError
 
 Kind = Literal["asyncpg", "psycopg_async", "psycopg_sync"]
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 
@@ -87,3 +90,47 @@ def fetch_sync(conn: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
         if cur.description is None:
             return []
         return [tuple(r) for r in cur.fetchall()]
+
+
+def _refused(exc: Exception) -> UnfitDatabaseError | None:
+    refusal = write_refusal(exc)
+    if refusal is None:
+        return None
+    setting, message = refusal
+    return UnfitDatabaseError(message, setting=setting)
+
+
+def refusals_typed(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Turn a server's refusal to store (read-only, disk full) into UnfitDatabaseError.
+
+    For the functions that write on a caller's connection: the driver's error stays the
+    ``__cause__``; the caller's transaction is aborted either way.
+    """
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except Exception as exc:
+            typed = _refused(exc)
+            if typed is None:
+                raise
+            raise typed from exc
+
+    return wrapper
+
+
+def refusals_typed_sync(fn: Callable[P, R]) -> Callable[P, R]:
+    """Like :func:`refusals_typed`, for the psycopg (sync) functions."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            typed = _refused(exc)
+            if typed is None:
+                raise
+            raise typed from exc
+
+    return wrapper

@@ -53,6 +53,7 @@ def _sending(
     return _tracing.sending(task.name, count, getattr(options, "queue", None))
 
 
+@_driver.refusals_typed
 async def enqueue(
     conn: Any,
     task: Task[A],
@@ -83,6 +84,8 @@ async def enqueue(
         QueueConfigurationError: invalid schema name.
         QueueTypeError: ``task`` is not a Task or ``options`` not EnqueueOptions.
         QueueError: the duplicate kept changing under us (pathological churn).
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
     options = _checked(task, options)
@@ -101,6 +104,7 @@ async def enqueue(
         raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
 
 
+@_driver.refusals_typed_sync
 def enqueue_sync(
     conn: Any,
     task: Task[A],
@@ -117,6 +121,8 @@ def enqueue_sync(
         QueueConfigurationError: invalid schema name.
         QueueTypeError: ``task`` is not a Task or ``options`` not EnqueueOptions.
         QueueError: the duplicate kept changing under us (pathological churn).
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
     options = _checked(task, options)
@@ -163,6 +169,7 @@ def _many_params(
     return params, options
 
 
+@_driver.refusals_typed
 async def enqueue_many(
     conn: Any,
     task: Task[A],
@@ -188,6 +195,8 @@ async def enqueue_many(
         QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
         QueueTypeError: not a Task, EnqueueOptions or a sequence of args.
         UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
     params, checked = _many_params(task, args_list, options, sql)
@@ -199,6 +208,7 @@ async def enqueue_many(
     return [int(i) for i in rows[0][0]]
 
 
+@_driver.refusals_typed_sync
 def enqueue_many_sync(
     conn: Any,
     task: Task[A],
@@ -214,6 +224,8 @@ def enqueue_many_sync(
         QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
         QueueTypeError: not a Task, EnqueueOptions or a sequence of args.
         UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
+        UnfitDatabaseError: the server refused the write (a read-only standby or session,
+            a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
     params, checked = _many_params(task, args_list, options, sql)

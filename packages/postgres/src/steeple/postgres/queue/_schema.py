@@ -6,11 +6,19 @@ import importlib.resources
 import re
 from typing import Any, Final
 
+from steeple.postgres._durability import (
+    WRITABLE_QUERY,
+    DurabilityProblem,
+    check_schema_name,
+    require_writable,
+)
 from steeple.postgres._ident import quote_ident, shown_name
+from steeple.postgres.queue._driver import refusals_typed
 from steeple.postgres.queue.errors import (
     QueueConfigurationError,
     QueueTypeError,
     SchemaVersionMismatchError,
+    UnfitDatabaseError,
 )
 
 __all__ = ["DEFAULT_SCHEMA", "LIBRARY_SCHEMA_VERSION", "check_schema", "install"]
@@ -30,7 +38,8 @@ def validate_schema(schema: str) -> str:
     """Return the quoted identifier of ``schema``.
 
     Raises:
-        QueueConfigurationError: not a lowercase identifier of 1-63 characters.
+        QueueConfigurationError: not a lowercase identifier of 1-63 characters, or a name
+            PostgreSQL reserves (``pg_*``: ``pg_temp`` would make the tables temporary).
         QueueTypeError: not a str.
     """
     if not isinstance(schema, str):
@@ -40,6 +49,10 @@ def validate_schema(schema: str) -> str:
             f"schema must be a lowercase identifier ([a-z_][a-z0-9_]*, at most 63 chars), "
             f"got {shown_name(schema)}"
         )
+    try:
+        check_schema_name(schema)
+    except DurabilityProblem as exc:
+        raise QueueConfigurationError(str(exc)) from None
     return quote_ident(schema, what="schema")
 
 
@@ -57,6 +70,7 @@ def _migration_sql(directory: str, quoted_schema: str) -> str:
     return text.replace("__SCHEMA__", quoted_schema)
 
 
+@refusals_typed
 async def install(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> int:
     """Create or migrate the queue schema; idempotent and safe to run concurrently.
 
@@ -71,12 +85,18 @@ async def install(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> int:
         The schema version now installed.
 
     Raises:
-        QueueConfigurationError: invalid schema name.
+        QueueConfigurationError: invalid or reserved schema name.
         SchemaVersionMismatchError: the database is newer than this library.
+        UnfitDatabaseError: a standby or read-only session, or the server refused the
+            write (a full disk); nothing was installed.
     """
     quoted = validate_schema(schema)
     async with conn.transaction():
         await conn.execute("SET LOCAL synchronous_commit = on")
+        try:
+            require_writable(*(await conn.fetchrow(WRITABLE_QUERY)))
+        except DurabilityProblem as exc:
+            raise UnfitDatabaseError(str(exc), setting=exc.setting) from None
         await conn.execute(
             "SELECT pg_advisory_xact_lock(hashtext('steeple_queue_install'), hashtext($1))",
             schema,

@@ -338,7 +338,9 @@ class Scheduler:
         async def check(conn: Any) -> None:
             await check_schema(conn, self.schema)
             if self._require_durable:
-                await check_durable(conn, self.schema, ("tasks", "attempts", "jobs"))
+                await check_durable(
+                    conn, self.schema, ("schema_migrations", "tasks", "attempts", "jobs")
+                )
             # Claims carry a give-up time on the server's clock: anchor the estimate of it.
             ((server,),) = await _driver.fetch(
                 conn, "SELECT extract(epoch FROM clock_timestamp())::double precision"

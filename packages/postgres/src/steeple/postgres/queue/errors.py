@@ -78,8 +78,14 @@ class QueueUnavailableError(QueueError, ConnectionError):
 class UnfitDatabaseError(QueueError):
     """The server or schema could lose acknowledged work, or cannot be written to.
 
+    Raised when a worker starts (the checks name the setting), and by ``install`` and the
+    ``enqueue`` functions when the server refuses the write (a read-only standby, a full
+    disk); nothing was stored.
+
     Attributes:
-        setting: what is at fault (``fsync``, ``synchronous_commit``, ``relpersistence``...).
+        setting: what is at fault (``fsync``, ``synchronous_commit``, ``relpersistence``,
+            ``pg_is_in_recovery``, ``default_transaction_read_only``...; for a refused write
+            ``read_only``, ``disk_full`` or ``insufficient_resources``).
     """
 
     def __init__(self, message: str, *, setting: str) -> None:

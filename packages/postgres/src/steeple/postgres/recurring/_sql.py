@@ -1,26 +1,30 @@
-"""SQL of the recurring store: DDL and grants from package files, queries here.
+"""SQL of the recurring store: DDL, migrations and grants from package files, queries here.
 
 ``{schema}`` in every statement is replaced once per store by the quoted schema name.
 Every query filters by namespace (``$1``), so a namespace only ever sees its own rows.
-Instants are always parameters computed from the injected clock, never ``now()``.
+Instants are always parameters the engine computed from the injected clock, never
+``now()``. Selections by state are built from the values the engine passes (states of a
+lifecycle step, the core's claim rule), inlined as literals so that the partial indexes
+apply, and cached per distinct value.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from importlib import resources
 
 import attrs
 
-from steeple.core.occurrences import (
-    OCCURRENCE_TRANSITIONS,
-    PURGED,
-    TERMINAL_STATES,
-    OccurrenceEvent,
-    OccurrenceState,
-)
+from steeple.core.leases import ClaimRule
+from steeple.core.occurrences import OccurrenceState
+from steeple.core.records import ScheduleState
 
-SCHEMA_VERSION = 1
-"""The layout this library reads and writes."""
+SCHEMA_VERSION = 2
+"""The layout this library reads and writes (2: topic and message type are sealed only)."""
+
+MIGRATIONS: dict[int, str] = {2: "migrations/0002_seal_topic_and_message_type.sql"}
+"""Forward migrations: the file that takes the schema from ``version - 1`` to ``version``."""
 
 TABLES = (
     "recurring_schema_version",
@@ -38,46 +42,34 @@ RUNTIME_PRIVILEGES: dict[str, tuple[str, ...]] = {
 """What the runtime role needs (and ``grants.sql`` grants)."""
 
 
-def _states_for(event: OccurrenceEvent, target: object) -> tuple[str, ...]:
-    # Derived from the lifecycle table so the bulk SQL can never disagree with it.
-    return tuple(
-        sorted(
-            state.value
-            for (state, ev), nxt in OCCURRENCE_TRANSITIONS.items()
-            if ev is event and nxt is target
-        )
-    )
-
-
-EXPIRABLE = _states_for(OccurrenceEvent.WINDOW_EXPIRED, OccurrenceState.EXPIRED)
-CANCELLABLE = _states_for(OccurrenceEvent.CANCEL, OccurrenceState.CANCELLED)
-PURGEABLE = _states_for(OccurrenceEvent.PURGE, PURGED)
-TERMINAL = tuple(sorted(s.value for s in TERMINAL_STATES))
-
-
-def _in(states: tuple[str, ...]) -> str:
-    return "(" + ", ".join(f"'{s}'" for s in states) + ")"
-
-
 def package_sql(name: str) -> str:
     """Return a ``.sql`` file shipped in this package."""
     return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
-_OCC_COLUMNS = (
-    "id, definition_name, due_at, state, attempts, window_ends_at, created_at,"
-    " next_attempt_at, last_error"
+def _in(states: Iterable[OccurrenceState]) -> str:
+    # Enum members only (their values are fixed identifiers), so inlining cannot inject.
+    values = sorted(OccurrenceState(s).value for s in states)
+    return "(" + ", ".join(f"'{v}'" for v in values) + ")" if values else "(NULL)"
+
+
+DEFINITION_COLUMNS = (
+    "name, key_id, cron, policy, first_after, state, cursor_at, next_due_at, created_at,"
+    " cancelled_at, sealed"
 )
-_DEF_COLUMNS = (
-    "name, cron, policy, first_after, topic, message_type, state, next_due_at, created_at,"
-    " cancelled_at"
+OCCURRENCE_COLUMNS = (
+    "id, definition_name, due_at, state, attempts, window_ends_at, created_at, updated_at,"
+    " finished_at, next_attempt_at, last_error, lease_expires_at, lease_revision,"
+    " lease_capability"
 )
+"""An occurrence's columns without its content (listings, claims, classification)."""
 
 
 @attrs.frozen
 class Queries:
     """Every statement of the store, with the schema filled in."""
 
+    schema: str
     lock_namespace: str
     touch_namespace: str
     reseal_binding: str
@@ -87,27 +79,76 @@ class Queries:
     select_definition: str
     insert_definition: str
     due_definitions: str
-    advance_definitions: str
-    cancel_definition: str
+    update_definitions: str
     list_definitions: str
     insert_occurrences: str
-    expire_occurrences: str
-    claimable: str
-    lease_occurrences: str
-    read_occurrence: str
-    start_attempt: str
-    mark_published: str
-    mark_failed: str
-    cancel_occurrences: str
-    operator_retry: str
+    read_occurrences: str
+    update_occurrences: str
     list_occurrences: str
-    purge: str
 
     @classmethod
     def for_schema(cls, quoted_schema: str) -> Queries:
         """Fill the quoted schema name into every statement."""
-        fields = {f.name: _TEMPLATES[f.name] for f in attrs.fields(cls)}
-        return cls(**{k: v.replace("{schema}", quoted_schema) for k, v in fields.items()})
+        filled = {k: v.replace("{schema}", quoted_schema) for k, v in _TEMPLATES.items()}
+        return cls(schema=quoted_schema, **filled)
+
+    def claimable(self, rule: ClaimRule) -> str:
+        """Occurrences ``rule`` admits at ``$2``, oldest first, at most ``$3``."""
+        return _claimable(self.schema, rule)
+
+    def window_ended(self, states: frozenset[OccurrenceState]) -> str:
+        """Occurrences in ``states`` whose window ended by ``$2``."""
+        return _window_ended(self.schema, states)
+
+    def occurrences_of(self, states: frozenset[OccurrenceState]) -> str:
+        """Occurrences of definition ``$2`` in ``states``."""
+        return _occurrences_of(self.schema, states)
+
+    def purge(self, states: frozenset[OccurrenceState]) -> str:
+        """Delete at most ``$3`` occurrences in ``states`` finished before ``$2``."""
+        return _purge(self.schema, states)
+
+
+@functools.lru_cache(maxsize=64)
+def _claimable(schema: str, rule: ClaimRule) -> str:
+    arms = []
+    if rule.ready:
+        arms.append(f"state IN {_in(rule.ready)}")
+    if rule.after_next_attempt:
+        arms.append(f"(state IN {_in(rule.after_next_attempt)} AND next_attempt_at <= $2)")
+    if rule.after_lease_expiry:
+        arms.append(f"(state IN {_in(rule.after_lease_expiry)} AND lease_expires_at <= $2)")
+    return (
+        f"SELECT {OCCURRENCE_COLUMNS} FROM {schema}.recurring_occurrences"
+        f" WHERE namespace = $1 AND window_ends_at > $2 AND ({' OR '.join(arms) or 'FALSE'})"
+        " ORDER BY due_at, definition_name, id LIMIT $3"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _window_ended(schema: str, states: frozenset[OccurrenceState]) -> str:
+    return (
+        f"SELECT {OCCURRENCE_COLUMNS} FROM {schema}.recurring_occurrences"
+        f" WHERE namespace = $1 AND state IN {_in(states)} AND window_ends_at <= $2"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _occurrences_of(schema: str, states: frozenset[OccurrenceState]) -> str:
+    return (
+        f"SELECT {OCCURRENCE_COLUMNS} FROM {schema}.recurring_occurrences"
+        f" WHERE namespace = $1 AND definition_name = $2 AND state IN {_in(states)}"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _purge(schema: str, states: frozenset[OccurrenceState]) -> str:
+    return (
+        f"DELETE FROM {schema}.recurring_occurrences WHERE namespace = $1 AND id IN ("
+        f" SELECT id FROM {schema}.recurring_occurrences"
+        f" WHERE namespace = $1 AND state IN {_in(states)} AND finished_at < $2"
+        " ORDER BY finished_at, due_at, definition_name, id LIMIT $3)"
+    )
 
 
 _TEMPLATES: dict[str, str] = {
@@ -140,114 +181,65 @@ _TEMPLATES: dict[str, str] = {
         "SELECT version FROM {schema}.recurring_schema_version WHERE component = 'recurring'"
     ),
     "select_definition": (
-        f"SELECT {_DEF_COLUMNS}, sealed FROM {{schema}}.recurring_definitions"
+        f"SELECT {DEFINITION_COLUMNS} FROM {{schema}}.recurring_definitions"
         " WHERE namespace = $1 AND name = $2"
     ),
     "insert_definition": (
         "INSERT INTO {schema}.recurring_definitions (namespace, name, sealed, key_id, cron,"
-        " policy, first_after, topic, message_type, state, cursor_at, next_due_at, created_at)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'active', $7, $10, $11)"
-        f" RETURNING {_DEF_COLUMNS}"
+        " policy, first_after, state, cursor_at, next_due_at, created_at, cancelled_at)"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
     ),
     "due_definitions": (
-        "SELECT name, sealed, cron, policy, cursor_at, next_due_at"
-        " FROM {schema}.recurring_definitions"
-        " WHERE namespace = $1 AND state = 'active' AND next_due_at <= $2"
+        # Only active definitions have a next due time; saying so uses the partial index.
+        f"SELECT {DEFINITION_COLUMNS} FROM {{schema}}.recurring_definitions"
+        f" WHERE namespace = $1 AND state = '{ScheduleState.ACTIVE}' AND next_due_at <= $2"
         " ORDER BY next_due_at, name LIMIT $3"
     ),
-    "advance_definitions": (
+    "update_definitions": (
         "UPDATE {schema}.recurring_definitions AS d"
-        " SET cursor_at = u.cursor_at, next_due_at = u.next_due_at, state = u.state"
-        " FROM unnest($2::text[], $3::timestamptz[], $4::timestamptz[], $5::text[])"
-        " AS u(name, cursor_at, next_due_at, state)"
+        " SET state = u.state, cursor_at = u.cursor_at, next_due_at = u.next_due_at,"
+        " cancelled_at = u.cancelled_at"
+        " FROM unnest($2::text[], $3::text[], $4::timestamptz[], $5::timestamptz[],"
+        " $6::timestamptz[]) AS u(name, state, cursor_at, next_due_at, cancelled_at)"
         " WHERE d.namespace = $1 AND d.name = u.name"
     ),
-    "cancel_definition": (
-        "UPDATE {schema}.recurring_definitions SET state = 'cancelled', cancelled_at = $3,"
-        " next_due_at = NULL WHERE namespace = $1 AND name = $2"
-        f" RETURNING {_DEF_COLUMNS}"
-    ),
     "list_definitions": (
-        f"SELECT {_DEF_COLUMNS} FROM {{schema}}.recurring_definitions"
+        f"SELECT {DEFINITION_COLUMNS} FROM {{schema}}.recurring_definitions"
         " WHERE namespace = $1 AND ($2::text IS NULL OR name > $2)"
         " ORDER BY name LIMIT $3"
     ),
     "insert_occurrences": (
         "INSERT INTO {schema}.recurring_occurrences (namespace, id, definition_name, due_at,"
-        " state, window_ends_at, content, key_id, created_at, updated_at)"
-        " SELECT $1, u.id, u.definition_name, u.due_at, 'pending', $2, u.content, $3, $4, $4"
-        " FROM unnest($5::text[], $6::text[], $7::timestamptz[], $8::bytea[])"
-        " AS u(id, definition_name, due_at, content)"
+        " state, attempts, window_ends_at, created_at, updated_at, content, key_id)"
+        " SELECT $1, u.* FROM unnest($2::text[], $3::text[], $4::timestamptz[], $5::text[],"
+        " $6::integer[], $7::timestamptz[], $8::timestamptz[], $9::timestamptz[], $10::bytea[],"
+        " $11::text[])"
+        " AS u(id, definition_name, due_at, state, attempts, window_ends_at, created_at,"
+        " updated_at, content, key_id)"
     ),
-    "expire_occurrences": (
-        "UPDATE {schema}.recurring_occurrences SET state = 'expired', content = NULL,"
-        " key_id = NULL, lease_expires_at = NULL, next_attempt_at = NULL,"
-        # An expired occurrence's last update is the end of its window (the instant it
-        # expired), whenever it is classified.
-        " updated_at = window_ends_at, finished_at = window_ends_at"
-        f" WHERE namespace = $1 AND state IN {_in(EXPIRABLE)} AND window_ends_at <= $2"
+    "read_occurrences": (
+        f"SELECT {OCCURRENCE_COLUMNS}, content, key_id FROM {{schema}}.recurring_occurrences"
+        " WHERE namespace = $1 AND id = ANY($2::text[])"
     ),
-    "claimable": (
-        "SELECT id, window_ends_at FROM {schema}.recurring_occurrences"
-        " WHERE namespace = $1 AND window_ends_at > $2 AND ("
-        " state = 'pending'"
-        " OR (state = 'retry_wait' AND next_attempt_at <= $2)"
-        " OR (state = 'leased' AND lease_expires_at <= $2))"
-        " ORDER BY due_at, definition_name, id LIMIT $3"
-    ),
-    "lease_occurrences": (
-        "UPDATE {schema}.recurring_occurrences AS o SET state = 'leased',"
-        " lease_capability = u.capability, lease_expires_at = u.expires_at,"
-        " lease_revision = o.lease_revision + 1, next_attempt_at = NULL, updated_at = $2"
-        " FROM unnest($3::text[], $4::bytea[], $5::timestamptz[])"
-        " AS u(id, capability, expires_at)"
+    "update_occurrences": (
+        "UPDATE {schema}.recurring_occurrences AS o SET state = u.state,"
+        " attempts = u.attempts, next_attempt_at = u.next_attempt_at,"
+        " last_error = u.last_error, lease_expires_at = u.lease_expires_at,"
+        " lease_revision = u.lease_revision, lease_capability = u.lease_capability,"
+        " updated_at = u.updated_at, finished_at = u.finished_at,"
+        " content = CASE WHEN u.erase THEN NULL ELSE o.content END,"
+        " key_id = CASE WHEN u.erase THEN NULL ELSE o.key_id END"
+        " FROM unnest($2::text[], $3::text[], $4::integer[], $5::timestamptz[], $6::text[],"
+        " $7::timestamptz[], $8::bigint[], $9::bytea[], $10::timestamptz[],"
+        " $11::timestamptz[], $12::boolean[])"
+        " AS u(id, state, attempts, next_attempt_at, last_error, lease_expires_at,"
+        " lease_revision, lease_capability, updated_at, finished_at, erase)"
         " WHERE o.namespace = $1 AND o.id = u.id"
-        " RETURNING o.id, o.lease_revision, o.lease_expires_at"
-    ),
-    "read_occurrence": (
-        "SELECT id, definition_name, due_at, state, attempts, window_ends_at,"
-        " lease_expires_at, lease_capability, lease_revision, content"
-        " FROM {schema}.recurring_occurrences WHERE namespace = $1 AND id = $2"
-    ),
-    "start_attempt": (
-        "UPDATE {schema}.recurring_occurrences SET attempts = attempts + 1, updated_at = $3"
-        " WHERE namespace = $1 AND id = $2 RETURNING attempts"
-    ),
-    "mark_published": (
-        "UPDATE {schema}.recurring_occurrences SET state = 'published', content = NULL,"
-        " key_id = NULL, lease_expires_at = NULL, next_attempt_at = NULL, last_error = NULL,"
-        " updated_at = $3, finished_at = $3 WHERE namespace = $1 AND id = $2"
-    ),
-    "mark_failed": (
-        "UPDATE {schema}.recurring_occurrences SET state = $3::text,"
-        " next_attempt_at = $4::timestamptz, last_error = $5::text, lease_expires_at = NULL,"
-        " updated_at = $6::timestamptz,"
-        " finished_at = CASE WHEN $3::text = 'dead' THEN $6::timestamptz ELSE NULL END"
-        " WHERE namespace = $1 AND id = $2"
-    ),
-    "cancel_occurrences": (
-        # The capability and revision stay so an in-flight relay can still prove it held
-        # the lease (its late publication is reported, the state stays cancelled).
-        "UPDATE {schema}.recurring_occurrences SET state = 'cancelled', content = NULL,"
-        " key_id = NULL, lease_expires_at = NULL, next_attempt_at = NULL,"
-        " updated_at = $3, finished_at = $3"
-        f" WHERE namespace = $1 AND definition_name = $2 AND state IN {_in(CANCELLABLE)}"
-    ),
-    "operator_retry": (
-        "UPDATE {schema}.recurring_occurrences SET state = 'pending', attempts = 0,"
-        " next_attempt_at = NULL, last_error = NULL, finished_at = NULL, updated_at = $3"
-        f" WHERE namespace = $1 AND id = $2 RETURNING {_OCC_COLUMNS}"
     ),
     "list_occurrences": (
-        f"SELECT {_OCC_COLUMNS} FROM {{schema}}.recurring_occurrences"
+        f"SELECT {OCCURRENCE_COLUMNS} FROM {{schema}}.recurring_occurrences"
         " WHERE namespace = $1"
         " AND ($2::timestamptz IS NULL OR (due_at, id) > ($2::timestamptz, $3::text))"
         " ORDER BY due_at, id LIMIT $4"
-    ),
-    "purge": (
-        "DELETE FROM {schema}.recurring_occurrences WHERE namespace = $1 AND id IN ("
-        " SELECT id FROM {schema}.recurring_occurrences"
-        f" WHERE namespace = $1 AND state IN {_in(PURGEABLE)} AND finished_at < $2"
-        " ORDER BY finished_at, due_at, definition_name, id LIMIT $3)"
     ),
 }

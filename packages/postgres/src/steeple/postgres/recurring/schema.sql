@@ -1,4 +1,6 @@
--- steeple recurring publications: the fixed schema (version 1).
+-- steeple recurring publications: the fixed schema (version 2).
+-- Only names, calendars, policies, states, instants, attempt counts and key ids are
+-- plaintext: topics, message types, headers and payloads live in the sealed columns.
 -- The schema placeholder is replaced by the quoted schema name. Run by `initialize` (the
 -- deployment role) under an advisory lock, so concurrent initializers converge.
 -- The placeholder appears only where an identifier goes, never in a comment or a literal:
@@ -31,8 +33,6 @@ CREATE TABLE IF NOT EXISTS {schema}.recurring_definitions (
     cron          text        NOT NULL,
     policy        text        NOT NULL,
     first_after   timestamptz NOT NULL,
-    topic         text        NOT NULL,
-    message_type  text        NOT NULL,
     state         text        NOT NULL CHECK (state IN ('active', 'cancelled', 'exhausted')),
     cursor_at     timestamptz NOT NULL,
     next_due_at   timestamptz,
@@ -91,5 +91,5 @@ CREATE INDEX IF NOT EXISTS recurring_occurrences_finished
     WHERE finished_at IS NOT NULL;
 
 INSERT INTO {schema}.recurring_schema_version (component, version)
-VALUES ('recurring', 1)
+VALUES ('recurring', 2)
 ON CONFLICT (component) DO NOTHING;

@@ -1,0 +1,867 @@
+"""The recurring engine: every seed-000 operation, once, over the persistence port.
+
+Each call is one transaction (:meth:`RecurringStorage.transaction`) that holds the
+namespace's control row. Inside it the engine reads the clock only after the lock was
+granted (time spent queued behind other instances is never judged as earlier), adopts
+the shared time through :func:`steeple.core.leases.adopt_time`, checks the configuration
+binding, does the operation's reads, decisions (all in :mod:`steeple.core`) and writes,
+and records the shared time re-read just before the commit. Calls that hand out
+time-bounded work (``claim``, ``relay``) judge it once more after the commit.
+
+A relay is three steps: a transaction that re-checks the live lease, opens the content
+and counts the attempt; the publication, outside any transaction, bounded by the
+remaining lease and 10 s; a transaction that records the outcome, fenced by the lease's
+capability and revision. Whatever the broker raises is classified
+(:func:`steeple.core.publication.classify_publication_failure`) and recorded, so no
+broker can leave an occurrence leased; when the broker accepted and recording the
+outcome fails, the caller gets :class:`RelayAcknowledgementError` carrying the receipt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime, timedelta
+from typing import TypeVar
+
+import attrs
+
+from steeple.core import limits
+from steeple.core.calendar import CronCalendar
+from steeple.core.config import RecurringConfig, RecurringDefinition, is_definition_name
+from steeple.core.entropy import SystemRandom
+from steeple.core.errors import (
+    InvalidTransitionError,
+    KeyringError,
+    RecurringCapacityError,
+    RecurringConfigurationError,
+    RecurringConflictError,
+    RecurringError,
+    RecurringInvalidStateError,
+    RecurringKeyringError,
+    RecurringNotFoundError,
+    RecurringStorageError,
+    RelayAcknowledgementError,
+    RelayLeaseLostError,
+    recurring_keyring_error,
+    shown,
+)
+from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
+from steeple.core.leases import (
+    CLAIM_RULE,
+    adopt_time,
+    after_publish_failure,
+    capability_digest,
+    holds_lease,
+    is_live,
+    lease_expiry,
+    new_capability,
+    new_generation,
+    occurrence_id_for,
+    window_end,
+)
+from steeple.core.messages import BrokerReceipt, ScheduledMessage
+from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, states_for, step
+from steeple.core.policies import DueDefinition, plan_namespace_tick, validate_budget
+from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
+from steeple.core.publication import (
+    FailureKind,
+    PublicationFailure,
+    classify_publication_failure,
+    publication_error,
+)
+from steeple.core.records import (
+    Lease,
+    OccurrenceInfo,
+    Page,
+    ScheduleInfo,
+    ScheduleState,
+    TickResult,
+    validate_occurrence_id,
+)
+from steeple.engine import codec
+from steeple.engine.binding import seal_binding, verify_binding
+from steeple.engine.ports import (
+    DefinitionRow,
+    DefinitionUpdate,
+    OccurrenceChange,
+    OccurrenceRow,
+    RecurringRepository,
+    RecurringStorage,
+    apply_step,
+)
+
+__all__ = ["PURPOSE_DEFINITION", "PURPOSE_OCCURRENCE", "RecurringEngine"]
+
+T = TypeVar("T")
+
+PURPOSE_DEFINITION = "definition"
+"""The sealing purpose of definitions (identity: the definition's name)."""
+PURPOSE_OCCURRENCE = "occurrence"
+"""The sealing purpose of occurrence content (identity: the occurrence id)."""
+
+_E = OccurrenceEvent
+_PURGEABLE = frozenset().union(*states_for(_E.PURGE).values())
+
+
+@functools.lru_cache(maxsize=1024)
+def _calendar(expression: str) -> CronCalendar:
+    # Parsing is pure and the expressions of a namespace repeat on every tick.
+    return CronCalendar.parse(expression)
+
+
+def _is_occurrence_id(value: object) -> bool:
+    """Whether ``value`` has an occurrence id's shape (core's rule, shared with the admin app)."""
+    try:
+        validate_occurrence_id(value)
+    except RecurringConfigurationError:
+        return False
+    return True
+
+
+@attrs.define
+class _Tx:
+    """One locked transaction as the engine sees it.
+
+    The repository, the adopted time and the counter changes to record.
+    """
+
+    repo: RecurringRepository
+    now: datetime
+    definition_count: int
+    occurrence_count: int
+    definition_delta: int = 0
+    occurrence_delta: int = 0
+
+
+@attrs.frozen(repr=False)
+class _Prepared:
+    """A lease that passed the relay's check: what to publish, under which key, until when."""
+
+    lease: Lease
+    message: ScheduledMessage
+    key: str
+    expires_at: datetime
+
+
+@attrs.define(repr=False)
+class RecurringEngine:
+    """The seed-000 operations of one namespace over a :class:`RecurringStorage` adapter.
+
+    A store composes one: ``RecurringEngine(storage, config, sealer, clock)`` and
+    forwards the public calls. The engine holds no connection and no state of its own.
+
+    Its arguments, in order (attrs keeps them private, so they are listed here):
+
+    - ``storage``: the adapter (PostgreSQL, SQLite, in memory, yours).
+    - ``config``: the namespace's configuration (quotas, delivery window, lease).
+    - ``sealer``: seals and opens definitions and content (a
+      :class:`steeple.keyring.Keyring`).
+    - ``clock``: where time comes from (``SystemClock`` in production).
+    - ``random``: capabilities, generations and jitter (the OS's randomness by default).
+
+    Raises:
+        RecurringConfigurationError: an argument of the wrong kind.
+    """
+
+    _storage: RecurringStorage
+    _config: RecurringConfig
+    _sealer: Sealer
+    _clock: Clock
+    _random: RandomSource = attrs.field(factory=SystemRandom)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self._config, RecurringConfig):
+            raise RecurringConfigurationError("config must be a RecurringConfig")
+        if not all(callable(getattr(self._sealer, m, None)) for m in ("seal", "open")):
+            raise RecurringConfigurationError("sealer must implement the Sealer protocol")
+        if not callable(getattr(self._clock, "now", None)):
+            raise RecurringConfigurationError("clock must implement the Clock protocol")
+        if not callable(getattr(self._storage, "transaction", None)):
+            raise RecurringConfigurationError("storage must implement RecurringStorage")
+
+    def __repr__(self) -> str:
+        return f"RecurringEngine(namespace={self._config.namespace!r})"
+
+    @property
+    def config(self) -> RecurringConfig:
+        """The namespace's configuration."""
+        return self._config
+
+    # --- the transaction every call runs in ----------------------------------------------
+
+    async def _run(self, what: str, body: Callable[[_Tx], Awaitable[T]]) -> tuple[T, datetime]:
+        """Run ``body`` in one locked transaction; return its result and the recorded time."""
+
+        async def work(repo: RecurringRepository) -> tuple[T, datetime]:
+            state = repo.namespace
+            # The clock is read only now, after the lock was granted.
+            now = adopt_time(state.recorded_time, self._clock.now())
+            if state.binding is not None:
+                verify_binding(self._sealer, self._config, state.binding)
+                if state.binding_key_id != self._sealer.primary_key_id:
+                    # First operation after a rotation: re-seal under the current primary
+                    # so the initial key is no longer needed for the binding.
+                    binding = self._seal_with(
+                        lambda: seal_binding(self._sealer, self._config), "the binding"
+                    )
+                    await repo.reseal_binding(binding, self._sealer.primary_key_id)
+            tx = _Tx(repo, now, state.definition_count, state.occurrence_count)
+            result = await body(tx)
+            # Re-checked around the commit: the recorded time includes the time spent in
+            # this transaction, and never moves backwards.
+            recorded = adopt_time(now, self._clock.now())
+            await repo.record_namespace(recorded, tx.definition_delta, tx.occurrence_delta)
+            return result, recorded
+
+        return await self._storage.transaction(what, work)
+
+    def _seal_with(self, seal: Callable[[], bytes], record: str) -> bytes:
+        try:
+            return seal()
+        except KeyringError as exc:
+            raise recurring_keyring_error(exc, record) from exc
+
+    def _seal(self, plaintext: bytes, purpose: str, identity: str, record: str) -> bytes:
+        namespace = self._config.namespace
+        return self._seal_with(
+            lambda: self._sealer.seal(
+                plaintext, namespace=namespace, purpose=purpose, identity=identity
+            ),
+            record,
+        )
+
+    def _open(self, sealed: bytes, purpose: str, identity: str, record: str) -> bytes:
+        try:
+            return self._sealer.open(
+                bytes(sealed),
+                namespace=self._config.namespace,
+                purpose=purpose,
+                identity=identity,
+            )
+        except KeyringError as exc:
+            raise recurring_keyring_error(exc, record) from exc
+
+    def _open_definition(self, row: DefinitionRow) -> RecurringDefinition:
+        return codec.decode_definition(
+            self._open(row.sealed, PURPOSE_DEFINITION, row.name, f"definition {row.name!r}")
+        )
+
+    def _schedule_info(self, row: DefinitionRow) -> ScheduleInfo:
+        return codec.schedule_info(row, self._open_definition(row).message)
+
+    async def _classify_expired(self, tx: _Tx) -> None:
+        """Classify work whose delivery window ended as expired (content erased).
+
+        Each is stamped at its own window end: an expired occurrence's last update is the
+        instant it expired, however late it is noticed.
+        """
+        changes = [
+            apply_step(row, expiry, row.window_ends_at)
+            for expiry, states in states_for(_E.WINDOW_EXPIRED).items()
+            for row in await tx.repo.window_ended(states, tx.now)
+        ]
+        if changes:
+            await tx.repo.update_occurrences(changes)
+
+    # --- definitions ---------------------------------------------------------------------
+
+    async def create(self, definition: RecurringDefinition) -> ScheduleInfo:
+        """Create an immutable definition, or replay an identical earlier creation.
+
+        Returns:
+            The definition's metadata (the original metadata on a replay).
+
+        Raises:
+            RecurringConfigurationError: ``definition`` is not a RecurringDefinition.
+            RecurringConflictError: the name exists (active or cancelled) with a different
+                definition.
+            RecurringCapacityError: the namespace holds ``max_definitions`` already.
+            RecurringKeyringError: the stored definition cannot be opened (e.g. its key is
+                missing: also an ``UnknownKeyIdError`` naming the key id).
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        if not isinstance(definition, RecurringDefinition):
+            raise RecurringConfigurationError("create needs a RecurringDefinition")
+        name = definition.name
+        plaintext = codec.encode_definition(definition)
+        content = codec.encode_message(definition.message)
+
+        async def body(tx: _Tx) -> ScheduleInfo:
+            row = await tx.repo.definition(name)
+            if row is not None:
+                stored = self._open_definition(row)
+                # The calendar is compared by meaning (``*/1`` is ``*``); the content in
+                # constant time.
+                same = (
+                    stored.name == definition.name
+                    and stored.cron == definition.cron
+                    and stored.first_after == definition.first_after
+                    and stored.policy is definition.policy
+                    and hmac.compare_digest(codec.encode_message(stored.message), content)
+                )
+                if not same:
+                    raise RecurringConflictError(
+                        f"definition {name!r} already exists with different content; "
+                        "definitions are immutable: cancel it and create a new name"
+                    )
+                return codec.schedule_info(row, stored.message)
+            if tx.definition_count >= self._config.max_definitions:
+                raise RecurringCapacityError(
+                    f"namespace {self._config.namespace!r} holds {tx.definition_count} "
+                    f"definitions (cancelled ones included), its quota of "
+                    f"{self._config.max_definitions}"
+                )
+            created = DefinitionRow(
+                name=name,
+                sealed=self._seal(plaintext, PURPOSE_DEFINITION, name, f"definition {name!r}"),
+                key_id=self._sealer.primary_key_id,
+                cron=definition.cron.expression,
+                policy=definition.policy,
+                first_after=definition.first_after,
+                state=ScheduleState.ACTIVE,
+                cursor=definition.first_after,
+                next_due_at=definition.first_due,
+                created_at=tx.now,
+            )
+            await tx.repo.insert_definition(created)
+            tx.definition_delta = 1
+            return codec.schedule_info(created, definition.message)
+
+        return (await self._run("create", body))[0]
+
+    async def cancel(self, name: str) -> ScheduleInfo:
+        """Cancel a definition permanently; its name stays reserved and counts to the quota.
+
+        Its unfinished occurrences are cancelled and their content erased at once. A
+        publication already in flight cannot be recalled. Cancelling twice is a no-op.
+
+        Raises:
+            RecurringConfigurationError: ``name`` is not a str.
+            RecurringNotFoundError: no definition of that name in this namespace.
+            RecurringKeyringError: the definition cannot be opened for its metadata.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        if not isinstance(name, str):
+            raise RecurringConfigurationError("a definition name is a str")
+
+        async def body(tx: _Tx) -> ScheduleInfo:
+            # A name no definition can have is not looked up (nor sent to a database).
+            row = await tx.repo.definition(name) if is_definition_name(name) else None
+            if row is None:
+                raise RecurringNotFoundError(
+                    f"no definition named {shown(name)} in namespace {self._config.namespace!r}"
+                )
+            # Work whose window already ended is expired, not cancelled.
+            await self._classify_expired(tx)
+            info = self._schedule_info(row)
+            if row.state == ScheduleState.CANCELLED:
+                return info
+            update = DefinitionUpdate(name, ScheduleState.CANCELLED, row.cursor, None, tx.now)
+            await tx.repo.update_definitions([update])
+            changes = [
+                apply_step(row, cancellation, tx.now)
+                for cancellation, states in states_for(_E.CANCEL).items()
+                for row in await tx.repo.occurrences_of(name, states)
+            ]
+            if changes:
+                await tx.repo.update_occurrences(changes)
+            return attrs.evolve(
+                info, state=update.state, next_due_at=None, cancelled_at=update.cancelled_at
+            )
+
+        return (await self._run("cancel", body))[0]
+
+    async def schedules(self, after: str | None = None, limit: int = 100) -> Page[ScheduleInfo]:
+        """List definitions' metadata by name, after the exclusive cursor ``after``.
+
+        Raises:
+            RecurringConfigurationError: ``limit`` outside 1..100, or a cursor that is not
+                a name this store returned.
+            RecurringKeyringError: a listed definition cannot be opened for its metadata.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        limit = validate_budget(limit, "limit")
+        if after is not None and not is_definition_name(after):
+            # Cursors are names this store returned; anything else is refused up front.
+            raise RecurringConfigurationError(
+                "invalid schedules cursor: pass back a next_cursor this store returned"
+            )
+
+        async def body(tx: _Tx) -> Page[ScheduleInfo]:
+            rows = await tx.repo.definitions(after, limit + 1)
+            items = [self._schedule_info(r) for r in rows[:limit]]
+            more = len(rows) > limit
+            return Page(items=items, next_cursor=items[-1].name if more else None)
+
+        return (await self._run("schedules", body))[0]
+
+    # --- tick ----------------------------------------------------------------------------
+
+    async def tick(self, budget: int) -> TickResult:
+        """Materialize due occurrences, oldest first across definitions, at most ``budget``.
+
+        Materialization and cursor advancement commit together; when the occurrence
+        quota cannot hold the whole batch, nothing is stored.
+
+        Raises:
+            RecurringConfigurationError: ``budget`` outside 1..100.
+            RecurringCapacityError: the batch would exceed ``max_occurrences``.
+            RecurringKeyringError: a due definition cannot be opened (its key is missing or
+                it was tampered with).
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        budget = validate_budget(budget)
+
+        async def body(tx: _Tx) -> TickResult:
+            rows = {r.name: r for r in await tx.repo.due_definitions(tx.now, budget)}
+            plan = plan_namespace_tick(
+                (
+                    DueDefinition(r.name, r.policy, _calendar(r.cron), r.cursor, r.next_due_at)
+                    for r in rows.values()
+                ),
+                tx.now,
+                budget,
+            )
+            if tx.occurrence_count + len(plan.emitted) > self._config.max_occurrences:
+                raise RecurringCapacityError(
+                    f"materializing {len(plan.emitted)} occurrences would exceed the quota of "
+                    f"{self._config.max_occurrences} ({tx.occurrence_count} stored); nothing "
+                    "was materialized: tick a smaller budget or purge terminal occurrences"
+                )
+            messages: dict[str, bytes] = {}
+            created: list[OccurrenceRow] = []
+            window = window_end(tx.now, self._config.delivery_window)
+            for name, due in plan.emitted:
+                if name not in messages:
+                    opened = self._open(
+                        rows[name].sealed, PURPOSE_DEFINITION, name, f"definition {name!r}"
+                    )
+                    messages[name] = codec.definition_message_plaintext(opened)
+                occurrence_id = occurrence_id_for(new_generation(self._random))
+                created.append(
+                    OccurrenceRow(
+                        occurrence_id=occurrence_id,
+                        definition_name=name,
+                        due_at=due,
+                        state=OccurrenceState.PENDING,
+                        attempts=0,
+                        window_ends_at=window,
+                        created_at=tx.now,
+                        updated_at=tx.now,
+                        content=self._seal(
+                            messages[name],
+                            PURPOSE_OCCURRENCE,
+                            occurrence_id,
+                            f"occurrence {occurrence_id}",
+                        ),
+                        key_id=self._sealer.primary_key_id,
+                    )
+                )
+            if created:
+                await tx.repo.insert_occurrences(created)
+            if plan.advanced:
+                await tx.repo.update_definitions(
+                    [
+                        DefinitionUpdate(
+                            name=a.name,
+                            state=ScheduleState.EXHAUSTED if a.exhausted else ScheduleState.ACTIVE,
+                            cursor=a.cursor,
+                            next_due_at=None if a.exhausted else a.next_due,
+                            cancelled_at=None,
+                        )
+                        for a in plan.advanced
+                    ]
+                )
+            tx.occurrence_delta = len(created)
+            return TickResult(
+                materialized=len(created),
+                occurrence_ids=tuple(o.occurrence_id for o in created),
+                exhausted=plan.exhausted,
+            )
+
+        return (await self._run("tick", body))[0]
+
+    # --- claim ---------------------------------------------------------------------------
+
+    async def claim(self, limit: int) -> list[Lease]:
+        """Lease up to ``limit`` (1-100) publishable occurrences, oldest due first.
+
+        Each lease gets a fresh random capability and the next revision, fencing any
+        earlier holder, and ends no later than the delivery window. Expired work is
+        classified (and its content erased) first. Leases already expired when the claim
+        commits are not returned (they are reclaimed normally) and do not fail the batch.
+
+        Raises:
+            RecurringConfigurationError: ``limit`` outside 1..100.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        limit = validate_budget(limit, "limit")
+        lease_duration = self._config.lease_duration
+
+        async def body(tx: _Tx) -> list[Lease]:
+            await self._classify_expired(tx)
+            granted: list[Lease] = []
+            changes: list[OccurrenceChange] = []
+            for row in await tx.repo.claimable(CLAIM_RULE, tx.now, limit):
+                expires = lease_expiry(tx.now, lease_duration, row.window_ends_at)
+                if expires is None:
+                    continue
+                capability = new_capability(self._random)
+                revision = row.lease_revision + 1
+                changes.append(
+                    apply_step(
+                        row,
+                        step(row.state, _E.CLAIM),
+                        tx.now,
+                        lease_expires_at=expires,
+                        lease_revision=revision,
+                        lease_digest=capability_digest(capability),
+                    )
+                )
+                granted.append(Lease(row.occurrence_id, expires, revision, capability))
+            if changes:
+                await tx.repo.update_occurrences(changes)
+            return granted
+
+        granted, recorded = await self._run("claim", body)
+        # Judged after the commit: a lease that lapsed while the claim committed is not
+        # handed out; its occurrence stays claimable for the next claim.
+        after = max(recorded, self._clock.now())
+        return [lease for lease in granted if is_live(lease.expires_at, after)]
+
+    # --- relay ---------------------------------------------------------------------------
+
+    async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
+        """Publish a leased occurrence and record the outcome.
+
+        Transaction one re-checks the live lease, opens the content and counts the
+        attempt; after its commit the lease is judged once more. The broker is called
+        outside any transaction, bounded by the remaining lease and 10 s, always with the
+        same message and idempotency key. Transaction two records the outcome, fenced by
+        the lease's capability and revision. Whatever the broker raises (an
+        :class:`Exception`) is classified and recorded: retried with backoff, dead after
+        ten attempts, at the window's end, or at once when permanent.
+
+        Returns:
+            The broker's receipt. If the definition was cancelled while the message was in
+            flight, the occurrence stays cancelled and the receipt is still returned.
+
+        Raises:
+            RelayLeaseLostError: the lease expired, was fenced by a newer claim, or the
+                occurrence moved on (nothing was published, or a publication by a stale
+                holder is not recorded).
+            RelayAcknowledgementError: the broker accepted but the outcome is uncertain:
+                the broker said so, or recording the outcome failed (its ``__cause__`` is
+                the storage error); carries ``.receipt``. The occurrence is republished
+                under the same key.
+            RelayBrokerTimeoutError: the broker did not answer in time (retried later).
+            RelayBrokerError: the broker failed (any exception it raised: ``__cause__``);
+                ``permanent`` failures are dead letters.
+            RecurringKeyringError: the content cannot be opened (the occurrence is now a
+                dead letter).
+            RecurringConfigurationError: ``lease`` is not a Lease or ``broker`` has no
+                ``publish``.
+            RecurringStorageError, RecurringDeadlineError, RecurringClockError: storage
+                failed before publication, or while recording a failed one.
+        """
+        if not isinstance(lease, Lease):
+            raise RecurringConfigurationError("relay needs a Lease returned by claim")
+        if not callable(getattr(broker, "publish", None)):
+            raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")
+        [prepared], checked_at = await self._prepare([lease])
+        if isinstance(prepared, BaseException):
+            raise prepared
+        # Judged again after the check committed: a lease that lapsed meanwhile publishes
+        # nothing (the occurrence is reclaimed normally).
+        remaining = prepared.expires_at - max(checked_at, self._clock.now())
+        if remaining <= timedelta(0):
+            raise RelayLeaseLostError(
+                f"the lease on occurrence {lease.occurrence_id} expired while its check "
+                "committed; nothing was published"
+            )
+        timeout = min(remaining, limits.PUBLISH_DEADLINE).total_seconds()
+        try:
+            async with asyncio.timeout(timeout):
+                receipt = await broker.publish(
+                    prepared.message, idempotency_key=prepared.key, timeout=timeout
+                )
+            if not isinstance(receipt, BrokerReceipt):
+                raise TypeError(f"publish returned a {type(receipt).__name__}, not a receipt")
+        except BaseException as exc:
+            failure = classify_publication_failure(exc)
+            if failure is None:
+                raise  # cancellation and interpreter exit are not publication failures
+            try:
+                outcome = await self._record_failure(lease, failure)
+            except RecurringError as stored:
+                if failure.kind is not FailureKind.ACKNOWLEDGEMENT:
+                    raise
+                raise exc from stored  # the broker's error carries the receipt
+            error = publication_error(failure, exc, lease.occurrence_id, outcome)
+            if error is exc:
+                raise
+            raise error from exc
+        try:
+            await self._record_published(lease)
+        except RecurringError as exc:
+            raise RelayAcknowledgementError(
+                receipt,
+                f"recording the publication of occurrence {lease.occurrence_id} failed "
+                f"({type(exc).__name__}); it will be republished under the same idempotency "
+                "key",
+            ) from exc
+        return receipt
+
+    async def _prepare(
+        self, leases: Sequence[Lease]
+    ) -> tuple[list[_Prepared | BaseException], datetime]:
+        """Relay step one for a batch: check each lease, open its content, count the attempt.
+
+        An occurrence whose content cannot be opened becomes a dead letter (committed);
+        its entry is the error to raise. Returns the entries and the recorded time.
+        """
+
+        async def body(tx: _Tx) -> list[_Prepared | BaseException]:
+            ids = [lease.occurrence_id for lease in leases]
+            ids = [i for i in ids if _is_occurrence_id(i)]
+            rows = {r.occurrence_id: r for r in await tx.repo.occurrences(ids)} if ids else {}
+            results: list[_Prepared | BaseException] = []
+            changes: list[OccurrenceChange] = []
+            for lease in leases:
+                row = rows.get(lease.occurrence_id)
+                if (
+                    row is None
+                    or not holds_lease(
+                        row.lease_digest, row.lease_revision, lease.capability, lease.revision
+                    )
+                    or row.state is not OccurrenceState.LEASED
+                    or row.lease_expires_at is None
+                    or not is_live(row.lease_expires_at, tx.now)
+                ):
+                    results.append(
+                        RelayLeaseLostError(
+                            f"the lease on occurrence {lease.occurrence_id} is no longer live "
+                            "(expired, fenced by a newer claim, or the occurrence moved on)"
+                        )
+                    )
+                    continue
+                try:
+                    if row.content is None:
+                        raise RecurringStorageError(
+                            f"occurrence {row.occurrence_id} has no content"
+                        )
+                    opened = self._open(
+                        row.content,
+                        PURPOSE_OCCURRENCE,
+                        row.occurrence_id,
+                        f"occurrence {row.occurrence_id}",
+                    )
+                    message = codec.decode_message(opened)
+                except (RecurringKeyringError, RecurringStorageError) as exc:
+                    cause = exc.__cause__ if isinstance(exc.__cause__, KeyringError) else exc
+                    changes.append(
+                        apply_step(
+                            row,
+                            step(row.state, _E.PUBLISH_FAILED_FINAL),
+                            tx.now,
+                            last_error=f"content cannot be opened ({type(cause).__name__})",
+                        )
+                    )
+                    results.append(exc)
+                    continue
+                changes.append(
+                    OccurrenceChange.of(row, attempts=row.attempts + 1, updated_at=tx.now)
+                )
+                key = idempotency_key(
+                    purpose=PUBLISH_PURPOSE,
+                    namespace=self._config.namespace,
+                    definition_name=row.definition_name,
+                    due_at=row.due_at,
+                    generation=bytes.fromhex(row.occurrence_id),
+                )
+                results.append(_Prepared(lease, message, key, row.lease_expires_at))
+            if changes:
+                await tx.repo.update_occurrences(changes)
+            return results
+
+        return await self._run("relay", body)
+
+    async def _record_published(self, lease: Lease) -> None:
+        """Relay step three after acceptance: record the publication (fenced)."""
+
+        async def body(tx: _Tx) -> None:
+            row = await self._held_row(tx, lease)
+            if row is None:
+                raise RelayLeaseLostError(
+                    f"occurrence {lease.occurrence_id} was published, but its lease was fenced "
+                    "by a newer claim while publishing; the broker accepted it under the same "
+                    "idempotency key and the new holder records the outcome"
+                )
+            try:
+                published = step(row.state, _E.PUBLISHED)
+            except InvalidTransitionError:
+                raise RelayLeaseLostError(
+                    f"occurrence {lease.occurrence_id} is {row.state.value}; this lease cannot "
+                    "record its publication"
+                ) from None
+            await tx.repo.update_occurrences([apply_step(row, published, tx.now)])
+
+        await self._run("relay", body)
+
+    async def _record_failure(self, lease: Lease, failure: PublicationFailure) -> str:
+        """Relay step three after a failure: record it (fenced); describe what follows."""
+
+        async def body(tx: _Tx) -> str:
+            row = await self._held_row(tx, lease)
+            # A stale (fenced) holder records nothing: it can neither retry nor bury the
+            # new holder's occurrence. The caller still learns what the broker said.
+            if row is None:
+                return "nothing recorded: the lease was fenced by a newer claim"
+            try:
+                step(row.state, _E.PUBLISH_FAILED_RETRYABLE)
+            except InvalidTransitionError:
+                return f"nothing recorded: the occurrence was {row.state.value} meanwhile"
+            decision = after_publish_failure(
+                max(row.attempts, 1),
+                tx.now,
+                row.window_ends_at,
+                failure.permanent,
+                draw=self._random.random(),
+            )
+            event = (
+                _E.PUBLISH_FAILED_RETRYABLE
+                if decision.state is OccurrenceState.RETRY_WAIT
+                else _E.PUBLISH_FAILED_FINAL
+            )
+            change = apply_step(
+                row,
+                step(row.state, event),
+                tx.now,
+                next_attempt_at=decision.next_attempt_at,
+                last_error=failure.error,
+            )
+            await tx.repo.update_occurrences([change])
+            if decision.next_attempt_at is not None:
+                return f"retry after {decision.next_attempt_at.isoformat()}"
+            return f"dead letter ({decision.reason})"
+
+        return (await self._run("relay", body))[0]
+
+    async def _held_row(self, tx: _Tx, lease: Lease) -> OccurrenceRow | None:
+        """Return the occurrence if ``lease`` is still its current lease (fencing)."""
+        if not _is_occurrence_id(lease.occurrence_id):
+            return None
+        for row in await tx.repo.occurrences([lease.occurrence_id]):
+            if holds_lease(row.lease_digest, row.lease_revision, lease.capability, lease.revision):
+                return row
+        return None
+
+    # --- operator actions and listings ---------------------------------------------------
+
+    async def retry_failed(self, occurrence_id: str) -> OccurrenceInfo:
+        """Give a dead occurrence a fresh automatic attempt budget inside its window.
+
+        Success is reported once the reset is committed.
+
+        Raises:
+            RecurringConfigurationError: ``occurrence_id`` is not a str.
+            RecurringNotFoundError: no such occurrence in this namespace (or purged).
+            RecurringInvalidStateError: the occurrence is not dead (published, cancelled,
+                expired and live work cannot be revived), or its window has ended.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        if not isinstance(occurrence_id, str):
+            raise RecurringConfigurationError("an occurrence id is a str")
+
+        async def body(tx: _Tx) -> OccurrenceInfo:
+            await self._classify_expired(tx)
+            rows = (
+                await tx.repo.occurrences([occurrence_id])
+                if _is_occurrence_id(occurrence_id)
+                else []
+            )
+            if not rows:
+                raise RecurringNotFoundError(
+                    f"no occurrence {shown(occurrence_id)} in namespace {self._config.namespace!r}"
+                )
+            [row] = rows
+            try:
+                revival = step(row.state, _E.OPERATOR_RETRY)
+            except InvalidTransitionError:
+                raise RecurringInvalidStateError(
+                    f"occurrence {occurrence_id} is {row.state.value}; only dead occurrences "
+                    "inside their delivery window can be retried"
+                ) from None
+            change = apply_step(row, revival, tx.now)
+            await tx.repo.update_occurrences([change])
+            return codec.occurrence_info(change.applied_to(row))
+
+        return (await self._run("retry_failed", body))[0]
+
+    async def occurrences(self, after: str | None = None, limit: int = 100) -> Page[OccurrenceInfo]:
+        """List occurrences' metadata by (due time, id), after the exclusive cursor ``after``.
+
+        Expired work is classified (and its content erased) first. No payloads, no lease
+        credentials.
+
+        Raises:
+            RecurringConfigurationError: ``limit`` outside 1..100, or a cursor this store
+                did not return.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        limit = validate_budget(limit, "limit")
+        position = codec.parse_occurrence_cursor(after)
+
+        async def body(tx: _Tx) -> Page[OccurrenceInfo]:
+            await self._classify_expired(tx)
+            rows = await tx.repo.occurrence_page(position, limit + 1)
+            items = [codec.occurrence_info(r) for r in rows[:limit]]
+            cursor = None
+            if len(rows) > limit:
+                cursor = codec.occurrence_cursor(items[-1].due_at, items[-1].occurrence_id)
+            return Page(items=items, next_cursor=cursor)
+
+        return (await self._run("occurrences", body))[0]
+
+    async def purge_terminal(self, older_than: datetime, limit: int = 100) -> int:
+        """Remove at most ``limit`` (1-100) terminal occurrences finished before ``older_than``.
+
+        Expired work is classified first. Returns how many were removed.
+
+        Raises:
+            RecurringConfigurationError: ``limit`` outside 1..100, or a cutoff that is not
+                a timezone-aware datetime.
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        limit = validate_budget(limit, "limit")
+        if not isinstance(older_than, datetime) or older_than.utcoffset() is None:
+            raise RecurringConfigurationError(
+                "older_than must be a timezone-aware datetime (steeple works in UTC)"
+            )
+
+        async def body(tx: _Tx) -> int:
+            await self._classify_expired(tx)
+            removed = await tx.repo.delete_occurrences(_PURGEABLE, older_than, limit)
+            tx.occurrence_delta = -removed
+            return removed
+
+        return (await self._run("purge_terminal", body))[0]

@@ -1,0 +1,401 @@
+"""The persistence port of the recurring engine: what a storage adapter implements.
+
+Two protocols. :class:`RecurringStorage` runs one transaction on one namespace: it opens
+the transaction, locks the namespace's control row (every operation of a namespace is
+serialized through it), hands the engine a :class:`RecurringRepository` and commits when
+the engine's work returns (rolls back when it raises). The repository reads and writes
+rows, set-based, and decides nothing: every value it writes (states, instants, erasures,
+capability digests, counters) was computed by the engine; every selection it makes is
+spelled out here, parameterized by values from :mod:`steeple.core` (the claim rule, the
+states a step applies to).
+
+Rows are plain frozen values. Instants are aware UTC datetimes, kept to the microsecond.
+Content is the sealed bytes the engine produced (an adapter never opens it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
+from typing import Any, Protocol, TypeVar
+
+import attrs
+
+from steeple.core.leases import ClaimRule
+from steeple.core.occurrences import OccurrenceState, Step
+from steeple.core.policies import MissedRunPolicy
+
+__all__ = [
+    "DefinitionRow",
+    "DefinitionUpdate",
+    "NamespaceState",
+    "OccurrenceChange",
+    "OccurrenceRow",
+    "RecurringRepository",
+    "RecurringStorage",
+    "apply_step",
+]
+
+T = TypeVar("T")
+
+
+@attrs.frozen(repr=False)
+class NamespaceState:
+    """The namespace's control row, as read under its lock.
+
+    Attributes:
+        recorded_time: the last shared time recorded (``None`` before the first call).
+        definition_count: definitions stored (cancelled ones included).
+        occurrence_count: occurrences stored (terminal ones until purged).
+        binding: the sealed configuration binding, or ``None`` for an adapter that
+            persists no configuration (in memory).
+        binding_key_id: the key id the binding is sealed under (``None`` with no binding).
+    """
+
+    recorded_time: datetime | None
+    definition_count: int
+    occurrence_count: int
+    binding: bytes | None = None
+    binding_key_id: str | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"NamespaceState(recorded_time={self.recorded_time!r}, "
+            f"definitions={self.definition_count}, occurrences={self.occurrence_count})"
+        )
+
+
+@attrs.frozen(repr=False)
+class DefinitionRow:
+    """A stored recurring definition: sealed content plus plaintext scheduling metadata.
+
+    Only the name, calendar, policy, ``first_after``, state and instants are plaintext;
+    the topic, message type, headers and payload are inside ``sealed``.
+
+    Attributes:
+        name: the definition's name (unique in the namespace).
+        sealed: the sealed definition document.
+        key_id: the key id ``sealed`` is sealed under.
+        cron: the calendar's expression, as given.
+        policy: the missed-run policy.
+        first_after: the exclusive start.
+        state: a :class:`~steeple.core.records.ScheduleState` value.
+        cursor: the exclusive tick cursor (``first_after`` before the first tick).
+        next_due_at: the next due time; ``None`` once cancelled or exhausted.
+        created_at: when it was created.
+        cancelled_at: when it was cancelled, if it was.
+    """
+
+    name: str
+    sealed: bytes
+    key_id: str
+    cron: str
+    policy: MissedRunPolicy
+    first_after: datetime
+    state: str
+    cursor: datetime
+    next_due_at: datetime | None
+    created_at: datetime
+    cancelled_at: datetime | None = None
+
+    def __repr__(self) -> str:
+        return f"DefinitionRow(name={self.name!r}, state={self.state!r}, cron={self.cron!r})"
+
+
+@attrs.frozen
+class DefinitionUpdate:
+    """New values of a definition's mutable columns (tick advancement, cancellation)."""
+
+    name: str
+    state: str
+    cursor: datetime
+    next_due_at: datetime | None
+    cancelled_at: datetime | None
+
+
+@attrs.frozen(repr=False)
+class OccurrenceRow:
+    """A stored occurrence.
+
+    Attributes:
+        occurrence_id: 32 lowercase hex characters (its random generation).
+        definition_name: the definition it was materialized from.
+        due_at: its scheduled instant.
+        state: where it is in the lifecycle.
+        attempts: publication attempts made (reset by an operator retry).
+        window_ends_at: the end of its delivery window.
+        created_at: when it was materialized.
+        updated_at: its last change (what purge cutoffs compare, with ``finished_at``).
+        finished_at: when it became terminal; ``None`` while it is not.
+        next_attempt_at: when a ``retry_wait`` occurrence may be claimed again.
+        last_error: the type name of the last publication failure.
+        lease_expires_at: when the current lease expires (only while ``leased``).
+        lease_revision: bumped by every claim (fencing).
+        lease_digest: SHA-256 of the current lease capability; ``None`` once spent.
+        content: the sealed message; ``None`` once erased. Reads other than
+            :meth:`RecurringRepository.occurrences` may leave it ``None`` (not loaded).
+        key_id: the key id ``content`` is sealed under (``None`` once erased).
+    """
+
+    occurrence_id: str
+    definition_name: str
+    due_at: datetime
+    state: OccurrenceState
+    attempts: int
+    window_ends_at: datetime
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None = None
+    next_attempt_at: datetime | None = None
+    last_error: str | None = None
+    lease_expires_at: datetime | None = None
+    lease_revision: int = 0
+    lease_digest: bytes | None = None
+    content: bytes | None = None
+    key_id: str | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"OccurrenceRow(occurrence_id={self.occurrence_id!r}, "
+            f"definition_name={self.definition_name!r}, state={self.state.value!r})"
+        )
+
+
+@attrs.frozen(repr=False)
+class OccurrenceChange:
+    """New values of one occurrence's mutable columns.
+
+    Every field is written as given, except the content: it is erased (with its key id)
+    when ``erase_content`` is true and left untouched otherwise.
+    """
+
+    occurrence_id: str
+    state: OccurrenceState
+    attempts: int
+    next_attempt_at: datetime | None
+    last_error: str | None
+    lease_expires_at: datetime | None
+    lease_revision: int
+    lease_digest: bytes | None
+    updated_at: datetime
+    finished_at: datetime | None
+    erase_content: bool = False
+
+    def __repr__(self) -> str:
+        return f"OccurrenceChange(occurrence_id={self.occurrence_id!r}, state={self.state.value!r})"
+
+    @classmethod
+    def of(cls, row: OccurrenceRow, **values: Any) -> OccurrenceChange:
+        """Return a change that keeps ``row`` as it is except for ``values``."""
+        change = cls(
+            occurrence_id=row.occurrence_id,
+            state=row.state,
+            attempts=row.attempts,
+            next_attempt_at=row.next_attempt_at,
+            last_error=row.last_error,
+            lease_expires_at=row.lease_expires_at,
+            lease_revision=row.lease_revision,
+            lease_digest=row.lease_digest,
+            updated_at=row.updated_at,
+            finished_at=row.finished_at,
+        )
+        return attrs.evolve(change, **values) if values else change
+
+    def applied_to(self, row: OccurrenceRow) -> OccurrenceRow:
+        """Return ``row`` as it is after this change."""
+        erased = self.erase_content
+        return attrs.evolve(
+            row,
+            state=self.state,
+            attempts=self.attempts,
+            next_attempt_at=self.next_attempt_at,
+            last_error=self.last_error,
+            lease_expires_at=self.lease_expires_at,
+            lease_revision=self.lease_revision,
+            lease_digest=self.lease_digest,
+            updated_at=self.updated_at,
+            finished_at=self.finished_at,
+            content=None if erased else row.content,
+            key_id=None if erased else row.key_id,
+        )
+
+
+def apply_step(row: OccurrenceRow, step: Step, at: datetime, **values: Any) -> OccurrenceChange:
+    """Return the change that moves ``row`` by one row of the lifecycle table at ``at``.
+
+    The one place where a step's effects become column values: every adapter writes
+    what this returns.
+
+    The step's effects are applied (content and lease erased, ``finished_at`` stamped or
+    cleared, attempts reset, error cleared, lease expiry and next attempt cleared outside
+    ``leased`` / ``retry_wait``); ``values`` then set what the engine decided besides
+    (a new lease, the next attempt, the error).
+
+    Raises:
+        ValueError: the step removes the row (purging deletes instead).
+    """
+    target = step.target
+    if not isinstance(target, OccurrenceState):
+        raise ValueError("a purge removes the row; it is not a change")
+    effects = step.effects
+    stamp = at if effects.stamps else row.updated_at
+    if effects.finishes:
+        finished: datetime | None = stamp
+    elif effects.reopens:
+        finished = None
+    else:
+        finished = row.finished_at
+    change = OccurrenceChange(
+        occurrence_id=row.occurrence_id,
+        state=target,
+        attempts=0 if effects.reopens else row.attempts,
+        next_attempt_at=None if step.clears_next_attempt else row.next_attempt_at,
+        last_error=None if effects.clears_error else row.last_error,
+        lease_expires_at=None if step.ends_lease else row.lease_expires_at,
+        lease_revision=row.lease_revision,
+        lease_digest=None if effects.erase_lease else row.lease_digest,
+        updated_at=stamp,
+        finished_at=finished,
+        erase_content=effects.erase_content,
+    )
+    return attrs.evolve(change, **values) if values else change
+
+
+class RecurringRepository(Protocol):
+    """The rows of one namespace, inside one transaction that holds its control row.
+
+    Every method reads or writes rows of this namespace only and decides nothing.
+    Ordering is part of each read's contract (stores must agree on it).
+    """
+
+    @property
+    def namespace(self) -> NamespaceState:
+        """The control row as read when the transaction locked it."""
+        ...
+
+    async def record_namespace(
+        self, recorded_time: datetime, definition_delta: int, occurrence_delta: int
+    ) -> None:
+        """Write the shared time and add the deltas to the counters.
+
+        The engine's last call in each transaction. An adapter that counts rows on read
+        may ignore the deltas.
+        """
+        ...
+
+    async def reseal_binding(self, binding: bytes, key_id: str) -> None:
+        """Replace the sealed configuration binding (after a key rotation)."""
+        ...
+
+    # --- definitions ---------------------------------------------------------------------
+
+    async def definition(self, name: str) -> DefinitionRow | None:
+        """Return the definition named ``name``, or ``None``."""
+        ...
+
+    async def definitions(self, after: str | None, limit: int) -> Sequence[DefinitionRow]:
+        """Return at most ``limit`` definitions named after ``after``, by name."""
+        ...
+
+    async def due_definitions(self, due_by: datetime, limit: int) -> Sequence[DefinitionRow]:
+        """Return at most ``limit`` definitions due by ``due_by``.
+
+        Due: ``next_due_at`` at or before ``due_by``; ordered by ``(next_due_at, name)``.
+        """
+        ...
+
+    async def insert_definition(self, row: DefinitionRow) -> None:
+        """Store a new definition (its name is not stored yet)."""
+        ...
+
+    async def update_definitions(self, updates: Sequence[DefinitionUpdate]) -> None:
+        """Write each update's columns onto the definition of that name."""
+        ...
+
+    # --- occurrences ---------------------------------------------------------------------
+
+    async def occurrences(self, ids: Sequence[str]) -> Sequence[OccurrenceRow]:
+        """Return the occurrences with these ids that exist, content included (any order)."""
+        ...
+
+    async def occurrence_page(
+        self, after: tuple[datetime, str] | None, limit: int
+    ) -> Sequence[OccurrenceRow]:
+        """Return at most ``limit`` occurrences after the position ``(due_at, id)``.
+
+        Ordered by ``(due_at, occurrence_id)``; content need not be loaded.
+        """
+        ...
+
+    async def claimable(
+        self, rule: ClaimRule, now: datetime, limit: int
+    ) -> Sequence[OccurrenceRow]:
+        """Return at most ``limit`` occurrences that ``rule.admits`` at ``now``.
+
+        Admitted: the window has not ended, and the state is one of ``rule.ready``, or of
+        ``rule.after_next_attempt`` with ``next_attempt_at <= now``, or of
+        ``rule.after_lease_expiry`` with ``lease_expires_at <= now``. Ordered by
+        ``(due_at, definition_name, occurrence_id)``; content need not be loaded.
+        """
+        ...
+
+    async def insert_occurrences(self, rows: Sequence[OccurrenceRow]) -> None:
+        """Store new occurrences (their ids and ``(definition_name, due_at)`` are new)."""
+        ...
+
+    async def update_occurrences(self, changes: Sequence[OccurrenceChange]) -> None:
+        """Write each change onto the occurrence with its id (see :class:`OccurrenceChange`)."""
+        ...
+
+    async def window_ended(
+        self, states: frozenset[OccurrenceState], ended_by: datetime
+    ) -> Sequence[OccurrenceRow]:
+        """Return the occurrences in ``states`` whose window ended by ``ended_by``.
+
+        Ended: ``window_ends_at`` at or before ``ended_by``; any order; content need not
+        be loaded.
+        """
+        ...
+
+    async def occurrences_of(
+        self, definition_name: str, states: frozenset[OccurrenceState]
+    ) -> Sequence[OccurrenceRow]:
+        """Return the occurrences of ``definition_name`` in ``states``.
+
+        Any order; content need not be loaded.
+        """
+        ...
+
+    async def delete_occurrences(
+        self, states: frozenset[OccurrenceState], finished_before: datetime, limit: int
+    ) -> int:
+        """Delete at most ``limit`` finished occurrences; return how many.
+
+        Those in ``states`` with ``finished_at`` before ``finished_before``, oldest
+        ``(finished_at, due_at, definition_name, occurrence_id)`` first.
+        """
+        ...
+
+
+class RecurringStorage(Protocol):
+    """Runs the engine's work in one transaction on one namespace."""
+
+    async def transaction(
+        self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
+    ) -> T:
+        """Run ``work`` in one transaction that holds the namespace's control row.
+
+        Open a transaction, lock the control row, await ``work(repository)`` and commit;
+        roll back if it raises.
+
+        ``operation`` names the call in error messages. The adapter maps its driver's
+        failures to :class:`~steeple.core.errors.RecurringStorageError` (deadlines to
+        :class:`~steeple.core.errors.RecurringDeadlineError`), lets the engine's own
+        errors through unchanged, and may retry ``work`` only if it was never called.
+
+        Raises:
+            RecurringNotFoundError: the namespace does not exist.
+            RecurringStorageError: the storage failed or is closed; nothing was committed
+                (or, for a failed COMMIT, the outcome is unknown).
+        """
+        ...
