@@ -145,6 +145,28 @@ async def test_lord_howe_half_hour_shifts(queue: QueueFixture) -> None:
     ]
 
 
+async def test_sao_paulo_daily_before_and_after_brazil_abolished_dst(queue: QueueFixture) -> None:
+    """Brazil skipped midnight on 2018-11-04 (00:00 -03 became 01:00 -02), and from 2019 on
+    has no daylight-saving time: the same job follows the rules of each year."""
+    _dsn, schema, conn = queue
+    clock = FakeClock(utc(2018, 11, 3, 23, 0))  # 20:00 -03
+    await jobs.create(
+        conn, "daily", REPORT, "@daily", {}, schema=schema, clock=clock,
+        timezone="America/Sao_Paulo",
+    )  # fmt: skip
+    await _tick_every_minute(conn, schema, clock, utc(2018, 11, 4, 5, 0))
+    assert await _occurrences(conn, schema, "daily") == [utc(2018, 11, 4, 3, 0)]  # 01:00 -02
+    after_2018 = await jobs.get(conn, "daily", schema=schema)
+    assert after_2018.next_run_at == utc(2018, 11, 5, 2, 0)  # midnight -02 (summer time)
+
+    clock.set(utc(2019, 11, 2, 23, 0))
+    await jobs.reschedule(conn, "daily", "@daily", schema=schema, clock=clock)  # from now
+    await _tick_every_minute(conn, schema, clock, utc(2019, 11, 3, 5, 0))
+    assert (await _occurrences(conn, schema, "daily"))[1:] == [utc(2019, 11, 3, 3, 0)]
+    after_2019 = await jobs.get(conn, "daily", schema=schema)
+    assert after_2019.next_run_at == utc(2019, 11, 4, 3, 0)  # midnight -03: no DST any more
+
+
 @pytest.mark.parametrize(
     ("shorthand", "first"),
     [
