@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import asyncpg
+import attrs
 import psycopg
 import pytest
 from opentelemetry import trace
@@ -309,3 +311,31 @@ async def test_without_a_tracer_provider_nothing_is_written_and_nothing_more_is_
         f'SELECT count(*) FROM "{schema}".tasks WHERE trace_context IS NOT NULL'
     )
     assert count == 0
+
+
+async def test_a_failed_read_of_trace_contexts_costs_the_parent_not_the_run(
+    queue: QueueFixture, spans: InMemorySpanExporter, caplog: pytest.LogCaptureFixture
+) -> None:
+    dsn, schema, conn = queue
+    with trace.get_tracer("the-app").start_as_current_span("request"):
+        queued = await enqueue(conn, MAIL, 1, schema=schema)
+
+    async def handle(ctx: JobContext, args: Any) -> None:
+        return None
+
+    worker = Scheduler(dsn, worker_id="tracer", schema=schema, poll_interval=0.05)
+    worker.register(MAIL, handle)
+    # The read fails on the server (as a lost connection or a timeout would).
+    env = worker._env
+    env.sql = attrs.evolve(env.sql, trace_contexts="SELECT 1 / 0 AS id, '' AS ctx")
+    stop = asyncio.Event()
+    running = asyncio.create_task(worker.run_until_shutdown(stop))
+    with caplog.at_level(logging.WARNING, logger="steeple.postgres.queue"):
+        try:
+            await wait_until(lambda: _succeeded(conn, schema, queued.id))
+        finally:
+            stop.set()
+            await running
+    assert "could not read the trace context of claimed tasks" in caplog.text
+    (process,) = _named(spans, "process send-mail")
+    assert process.parent is None  # a root span: the run itself went ahead

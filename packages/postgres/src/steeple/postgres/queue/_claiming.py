@@ -130,11 +130,16 @@ class Claimer:
                 status.db_ok = True
                 status.claimed_once = True
                 # Tracing (only while a tracer provider is configured) reads the enqueuers'
-                # trace contexts of the batch with one more query; none otherwise.
+                # trace contexts of the batch with one more query; none otherwise. The
+                # leases already run and are renewed only once the handlers start, so the
+                # read gets a quarter of the shortest lease at most (row[7]: the lease).
                 tracer = _tracing.tracer() if rows else None
                 contexts = (
                     await _tracing.trace_contexts(
-                        pool, env.sql, [row[0] for row in rows], env.timeout
+                        pool,
+                        env.sql,
+                        [row[0] for row in rows],
+                        min(env.timeout, min(row[7].total_seconds() for row in rows) / 4),
                     )
                     if tracer is not None
                     else None
