@@ -450,3 +450,29 @@ def test_environment_key_file_mode_is_checked(tmp_path: Path) -> None:
     result = invoke(["keys", "show", "--keys-file", str(path)])
     assert result.exit_code == ExitCode.CONFIG
     assert "chmod 600" in result.stderr
+
+
+async def test_jobs_with_time_zones_and_shorthands(seeded: Any) -> None:
+    env = seeded.env()
+    create = ["jobs", "create", "berlin-morning", "--task", "report", "--cron", "0 7 * * *"]
+    created = await ainvoke([*create, "--timezone", "Europe/Berlin", "--json"], env)
+    assert created.exit_code == 0, created.output
+    job = json.loads(created.stdout)
+    assert (job["timezone"], job["cron"]) == ("Europe/Berlin", "0 7 * * *")
+    assert datetime.fromisoformat(job["next_run_at"]).astimezone(UTC).hour in {5, 6}
+    daily = await ainvoke(
+        ["jobs", "ensure", "nightly", "--task", "report", "--cron", "@daily"], env
+    )
+    assert daily.exit_code == 0, daily.output
+    moved = await ainvoke(
+        ["jobs", "reschedule", "berlin-morning", "0 8 * * *", "--timezone", "Asia/Tokyo"], env
+    )
+    assert moved.exit_code == 0, moved.output
+    assert "(Asia/Tokyo)" in moved.stdout
+    table = await ainvoke(["jobs"], {**env, "COLUMNS": "200"})
+    assert "Asia/Tokyo" in table.stdout
+    assert "@daily" in table.stdout
+    for bad in (["--timezone", "Mars/Olympus"], ["--timezone", "localtime"], ["--cron", "@often"]):
+        args = ["jobs", "create", "bad", "--task", "t", "--cron", "0 1 * * *", *bad]
+        refused = await ainvoke(args, env)
+        assert refused.exit_code == ExitCode.USAGE, (bad, refused.output)

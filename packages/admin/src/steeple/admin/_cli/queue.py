@@ -431,6 +431,7 @@ def _job_row(job: JobInfo) -> tuple[str, ...]:
         job.name,
         job.task_name,
         job.cron,
+        job.timezone,
         "paused" if job.paused else "active",
         output.when(job.next_run_at),
     )
@@ -441,6 +442,7 @@ def _job_json(job: JobInfo) -> dict[str, Any]:
         "name": job.name,
         "task_name": job.task_name,
         "cron": job.cron,
+        "timezone": job.timezone,
         "paused": job.paused,
         "next_run_at": None if job.next_run_at is None else job.next_run_at.isoformat(),
         "priority": job.priority,
@@ -456,7 +458,8 @@ def _say_job(job: JobInfo, verb: str, as_json: bool) -> None:
         output.print_json(_job_json(job))
         return
     state = "paused" if job.paused else f"next run {output.when(job.next_run_at)} UTC"
-    say(f"{verb} job {job.name!r}: {job.task_name} at {job.cron!r}, {state}")
+    zone = "" if job.timezone == "UTC" else f" ({job.timezone})"
+    say(f"{verb} job {job.name!r}: {job.task_name} at {job.cron!r}{zone}, {state}")
 
 
 def _list_jobs(where: Where, listing: Listing) -> None:
@@ -475,7 +478,7 @@ def _list_jobs(where: Where, listing: Listing) -> None:
         as_json=listing.as_json,
         to_json=_job_json,
         title=f"recurring jobs in {target.queue_schema}",
-        columns=("name", "task", "cron", "state", "next run (UTC)"),
+        columns=("name", "task", "cron", "time zone", "state", "next run (UTC)"),
         row=_job_row,
     )
 
@@ -497,10 +500,14 @@ def jobs_list(where: Where, listing: Listing) -> None:
     _list_jobs(where, listing)
 
 
-def _cron(cron: str) -> str:
-    from steeple.core.calendar import CronCalendar
+def _cron(cron: str, timezone: str | None = None) -> str:
+    """Refuse (usage) a calendar the job could not have: core's own parse, zone included."""
+    from steeple.core.zoned import ZonedCalendar
 
-    output.typed(lambda: CronCalendar.parse(cron), code=ExitCode.USAGE)
+    if timezone is None:
+        output.typed(lambda: ZonedCalendar.parse(cron), code=ExitCode.USAGE)
+    else:
+        output.typed(lambda: ZonedCalendar.parse(cron, timezone), code=ExitCode.USAGE)
     return cron
 
 
@@ -526,6 +533,7 @@ def _declare(
     name: str,
     task: str,
     cron: str,
+    timezone: str,
     args: str,
     priority: int | None,
     max_attempts: int | None,
@@ -535,19 +543,33 @@ def _declare(
     from steeple.postgres.queue import Task, jobs
 
     value = guard(lambda: _json_args(args))
-    guard(lambda: _cron(cron))
+    guard(lambda: _cron(cron, timezone))
     options = guard(lambda: _options(None, None, priority, max_attempts))
     kind: Task[Any] = guard(lambda: output.typed(lambda: Task(task), code=ExitCode.USAGE))
     guard(lambda: _encodable(kind, value))
     declare = jobs.create if verb == "created" else jobs.ensure_job
     job = _job_call(
-        where, lambda conn, schema: declare(conn, name, kind, cron, value, options, schema=schema)
+        where,
+        lambda conn, schema: declare(
+            conn, name, kind, cron, value, options, schema=schema, timezone=timezone
+        ),
     )
     _say_job(job, verb, as_json)
 
 
 TaskOpt = Annotated[str, typer.Option("--task", help="The task each run becomes.")]
-CronOpt = Annotated[str, typer.Option("--cron", help="Five-field cron expression (UTC).")]
+CronOpt = Annotated[
+    str,
+    typer.Option(
+        "--cron", help="Five-field cron expression, or @hourly, @daily, @weekly, @monthly..."
+    ),
+]
+TimezoneOpt = Annotated[
+    str,
+    typer.Option(
+        "--timezone", help="IANA time zone whose wall clock the cron follows, e.g. Europe/Berlin."
+    ),
+]
 
 
 @jobs_app.command("create")
@@ -557,13 +579,14 @@ def jobs_create(
     task: TaskOpt,
     cron: CronOpt,
     where: Where,
+    timezone: TimezoneOpt = "UTC",
     args: ArgsOpt = "{}",
     priority: PriorityOpt = None,
     max_attempts: MaxAttemptsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Create a recurring job; its first run is the first due time after now."""
-    _declare("created", name, task, cron, args, priority, max_attempts, where, as_json)
+    _declare("created", name, task, cron, timezone, args, priority, max_attempts, where, as_json)
 
 
 @jobs_app.command("ensure")
@@ -573,6 +596,7 @@ def jobs_ensure(
     task: TaskOpt,
     cron: CronOpt,
     where: Where,
+    timezone: TimezoneOpt = "UTC",
     args: ArgsOpt = "{}",
     priority: PriorityOpt = None,
     max_attempts: MaxAttemptsOpt = None,
@@ -582,7 +606,7 @@ def jobs_ensure(
 
     A changed cron restarts its schedule from now; a paused job stays paused.
     """
-    _declare("ensured", name, task, cron, args, priority, max_attempts, where, as_json)
+    _declare("ensured", name, task, cron, timezone, args, priority, max_attempts, where, as_json)
 
 
 @jobs_app.command("pause")
@@ -609,15 +633,29 @@ def jobs_resume(name: JobNameArg, where: Where, as_json: JsonOpt = False) -> Non
 @where_options(queue=True, store=False)
 def jobs_reschedule(
     name: JobNameArg,
-    cron: Annotated[str, typer.Argument(help="The new five-field cron expression (UTC).")],
+    cron: Annotated[str, typer.Argument(help="The new cron expression (or @daily, ...).")],
     where: Where,
+    timezone: Annotated[
+        str | None,
+        typer.Option(
+            "--timezone",
+            show_default=False,
+            help="A new IANA time zone for it (default: the job keeps its own).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Give a job a new cron expression; its next run is the first due time after now."""
     from steeple.postgres.queue import jobs
 
-    guard(lambda: _cron(cron))
-    job = _job_call(where, lambda conn, schema: jobs.reschedule(conn, name, cron, schema=schema))
+    guard(lambda: _cron(cron, timezone))
+
+    def reschedule(conn: Any, schema: str) -> Awaitable[JobInfo]:
+        if timezone is None:
+            return jobs.reschedule(conn, name, cron, schema=schema)
+        return jobs.reschedule(conn, name, cron, schema=schema, timezone=timezone)
+
+    job = _job_call(where, reschedule)
     _say_job(job, "rescheduled", as_json)
 
 
