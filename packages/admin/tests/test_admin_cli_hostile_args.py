@@ -173,6 +173,12 @@ OPTIONS: list[tuple[str, list[str], list[str]]] = [
         [],
     ),
     ("jobs ensure --task", ["jobs", "ensure", "j", "--cron", "* * * * *", "--task"], []),
+    (
+        "jobs create --timezone",
+        ["jobs", "create", "j", "--task", "t", "--cron", "0 1 * * *", "--timezone"],
+        [],
+    ),
+    ("jobs reschedule --timezone", ["jobs", "reschedule", "j", "0 1 * * *", "--timezone"], []),
     ("jobs pause NAME", ["jobs", "pause"], []),
     ("jobs resume NAME", ["jobs", "resume"], []),
     ("jobs reschedule CRON", ["jobs", "reschedule", "j"], []),
