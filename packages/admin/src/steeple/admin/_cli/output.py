@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from steeple.admin._backend import Target
-    from steeple.admin.queue_admin import PostgresTaskAdmin
     from steeple.core.records import Page
     from steeple.postgres import PostgresRecurringStore
 
@@ -128,14 +127,24 @@ def on_store(target: Target, op: Callable[[PostgresRecurringStore], Awaitable[T]
     return run(body, target)
 
 
-def on_queue(target: Target, op: Callable[[PostgresTaskAdmin], Awaitable[T]]) -> T:
-    """Open the target's work queue, run ``op`` on it, close it (as :func:`run`)."""
+def on_queue(target: Target, op: Callable[[Any], Awaitable[T]]) -> T:
+    """Run ``op(connection)`` on the target's work queue (failures as :func:`run`).
+
+    The connection is an asyncpg connection to a database whose queue schema is this
+    library's version (else: a configuration error saying to run steeple migrate).
+    """
 
     async def body() -> T:
-        from steeple.admin.queue_admin import PostgresTaskAdmin
+        import asyncpg
 
-        async with PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema) as admin:
-            return await op(admin)
+        from steeple.postgres.queue import check_schema
+
+        conn = await asyncpg.connect(target.dsn, timeout=10)
+        try:
+            await check_schema(conn, target.queue_schema)
+            return await op(conn)
+        finally:
+            await conn.close()
 
     return run(body, target)
 

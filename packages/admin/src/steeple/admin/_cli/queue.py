@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -22,7 +21,6 @@ from steeple.admin._cli.output import fail, guard, say
 from steeple.admin.settings import CliError, ExitCode, parse_duration
 
 if TYPE_CHECKING:
-    from steeple.admin._backend import Target
     from steeple.postgres.queue import EnqueueOptions, TaskRun
     from steeple.postgres.queue.jobs import JobInfo
 
@@ -49,31 +47,6 @@ def register(app: typer.Typer) -> None:
     app.add_typer(tasks_app, name="tasks")
     app.command()(enqueue)
     app.add_typer(jobs_app, name="jobs")
-
-
-@contextlib.asynccontextmanager
-async def _connection(target: Target) -> AsyncIterator[Any]:
-    """Connect to the target's database, whose queue schema must be this library's version."""
-    import asyncpg
-
-    from steeple.postgres.queue import check_schema
-
-    conn = await asyncpg.connect(target.dsn, timeout=10)
-    try:
-        await check_schema(conn, target.queue_schema)
-        yield conn
-    finally:
-        await conn.close()
-
-
-def _on_queue(target: Target, op: Callable[[Any], Awaitable[T]]) -> T:
-    """Run ``op(connection)`` on the target's queue (failures as :func:`output.run`)."""
-
-    async def body() -> T:
-        async with _connection(target) as conn:
-            return await op(conn)
-
-    return output.run(body, target)
 
 
 @where_options(queue=True, store=False)
@@ -145,7 +118,7 @@ def _list_tasks(where: Where, listing: Listing, state: str | None, name: str | N
 
     from steeple.admin.queue_admin import task_record
 
-    listed = _on_queue(target, page)
+    listed = output.on_queue(target, page)
     output.print_page(
         listed,
         as_json=listing.as_json,
@@ -229,7 +202,7 @@ def tasks_show(task_id: TaskIdArg, where: Where, as_json: JsonOpt = False) -> No
             queue.run_state(conn, task_id, schema=target.queue_schema), task_id
         )
 
-    _print_run(_on_queue(target, show), as_json)
+    _print_run(output.on_queue(target, show), as_json)
 
 
 async def _task_or_fail(call: Awaitable[T], task_id: int) -> T:
@@ -262,7 +235,7 @@ def tasks_retry(task_id: TaskIdArg, where: Where, as_json: JsonOpt = False) -> N
         except TaskStateError as exc:
             raise CliError(str(exc), code=ExitCode.FAILED) from None
 
-    run = _on_queue(target, retried)
+    run = output.on_queue(target, retried)
     if as_json:
         _print_run(run, True)
         return
@@ -281,15 +254,21 @@ def tasks_cancel(task_id: TaskIdArg, where: Where, yes: YesOpt = False) -> None:
 
 def cancel_task(task_id: int, *, yes: bool, where: Where) -> None:
     """Confirm, then cancel task ``task_id`` (``steeple tasks cancel`` and ``cancel --task``)."""
+    from steeple.core.tasks import TaskState
+    from steeple.postgres import queue
+
     output.confirm(f"Cancel task {task_id}?", yes=yes, what=f"cancel task {task_id}")
     target = guard(where.target)
-    state = output.on_queue(target, lambda admin: admin.cancel(task_id))
-    if state is None:
+    state = output.on_queue(
+        target,
+        lambda conn: _task_or_fail(
+            queue.cancel(conn, task_id, schema=target.queue_schema), task_id
+        ),
+    )
+    if state is not TaskState.CANCELLED:
         raise fail(
-            CliError(f"there is no task {task_id}", code=ExitCode.FAILED, hint="see steeple tasks")
+            CliError(f"task {task_id} already finished ({state.value})", code=ExitCode.FAILED)
         )
-    if state != "cancelled":
-        raise fail(CliError(f"task {task_id} already finished ({state})", code=ExitCode.FAILED))
     say(f"cancelled task {task_id}")
 
 
@@ -411,7 +390,7 @@ def enqueue(
 
         return await queue.enqueue(conn, kind, value, options, schema=target.queue_schema)
 
-    enqueued = _on_queue(target, put)
+    enqueued = output.on_queue(target, put)
     if as_json:
         output.print_json({"task_id": enqueued.id, "deduplicated": enqueued.deduplicated})
     elif enqueued.deduplicated:
@@ -474,7 +453,7 @@ def _list_jobs(where: Where, listing: Listing) -> None:
         )
 
     output.print_page(
-        _on_queue(target, page),
+        output.on_queue(target, page),
         as_json=listing.as_json,
         to_json=_job_json,
         title=f"recurring jobs in {target.queue_schema}",
@@ -525,7 +504,7 @@ def _job_call(where: Where, call: Callable[[Any, str], Awaitable[T]]) -> T:
             )  # fmt: skip
             raise CliError(str(exc), code=ExitCode.FAILED, hint=hint) from None
 
-    return _on_queue(target, op)
+    return output.on_queue(target, op)
 
 
 def _declare(

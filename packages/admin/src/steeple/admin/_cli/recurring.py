@@ -485,36 +485,45 @@ def purge(
         )
     target = guard(where.target)
     if dry_run:
-        eligible = output.run(lambda: _count_purgeable(target, age, include_tasks), target)
+        eligible = _count_purgeable(target, age, include_tasks)
         say(
             f"dry run: {eligible} terminal {what} finished more than {older_than} ago; a purge "
             f"would remove {min(eligible, limit)} of them (--limit {limit}); nothing was removed"
         )
         return
-    cutoff = datetime.now(UTC) - age
     if include_tasks:
-        removed = output.on_queue(target, lambda admin: admin.prune(cutoff, limit))
+        from steeple.postgres import queue
+
+        # The age is judged on the database server's clock, as the queue judges due times.
+        removed = output.on_queue(
+            target, lambda conn: queue.prune_terminal(conn, age, limit, schema=target.queue_schema)
+        )
     else:
+        cutoff = datetime.now(UTC) - age
         removed = on_store(target, lambda store: store.purge_terminal(cutoff, limit))
     more = " (the limit: run it again to remove more)" if removed == limit else ""
     say(f"purged {removed} terminal {what} older than {older_than}{more}")
 
 
-async def _count_purgeable(target: Any, age: timedelta, tasks: bool) -> int:
-    import asyncpg
+def _count_purgeable(target: Any, age: timedelta, tasks: bool) -> int:
+    if tasks:
+        from steeple.postgres.queue import admin
 
-    conn = await asyncpg.connect(target.dsn, timeout=10)
-    try:
-        if tasks:
-            from steeple.postgres.queue import admin, check_schema
+        return output.on_queue(
+            target, lambda conn: admin.count_prunable(conn, age, schema=target.queue_schema)
+        )
 
-            await check_schema(conn, target.queue_schema)
-            return await admin.count_prunable(conn, age, schema=target.queue_schema)
+    async def count() -> int:
+        import asyncpg
+
         from steeple.postgres.recurring import admin as recurring_admin
 
-        cutoff = datetime.now(UTC) - age
-        return await recurring_admin.count_purgeable(
-            conn, cutoff, schema=target.schema, namespace=target.namespace
-        )
-    finally:
-        await conn.close()
+        conn = await asyncpg.connect(target.dsn, timeout=10)
+        try:
+            return await recurring_admin.count_purgeable(
+                conn, datetime.now(UTC) - age, schema=target.schema, namespace=target.namespace
+            )
+        finally:
+            await conn.close()
+
+    return output.run(count, target)
