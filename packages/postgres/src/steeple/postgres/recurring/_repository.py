@@ -130,22 +130,27 @@ class PostgresRepository:
         rows = await self._conn.fetch(self._q.due_definitions, self._ns, due_by, limit)
         return [_definition(r) for r in rows]
 
-    async def insert_definition(self, row: DefinitionRow) -> None:
-        """Store a new definition."""
+    async def definitions_named(self, names: Sequence[str]) -> Sequence[DefinitionRow]:
+        """Return the definitions with these names (one statement)."""
+        rows = await self._conn.fetch(self._q.select_definitions, self._ns, list(names))
+        return [_definition(r) for r in rows]
+
+    async def insert_definitions(self, rows: Sequence[DefinitionRow]) -> None:
+        """Store new definitions (one statement)."""
         await self._conn.execute(
-            self._q.insert_definition,
+            self._q.insert_definitions,
             self._ns,
-            row.name,
-            row.sealed,
-            row.key_id,
-            row.cron,
-            row.policy.value,
-            row.first_after,
-            row.state,
-            row.cursor,
-            row.next_due_at,
-            row.created_at,
-            row.cancelled_at,
+            [r.name for r in rows],
+            [r.sealed for r in rows],
+            [r.key_id for r in rows],
+            [r.cron for r in rows],
+            [r.policy.value for r in rows],
+            [r.first_after for r in rows],
+            [r.state for r in rows],
+            [r.cursor for r in rows],
+            [r.next_due_at for r in rows],
+            [r.created_at for r in rows],
+            [r.cancelled_at for r in rows],
         )
 
     async def update_definitions(self, updates: Sequence[DefinitionUpdate]) -> None:

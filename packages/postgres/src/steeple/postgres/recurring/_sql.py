@@ -77,7 +77,8 @@ class Queries:
     insert_namespace: str
     read_version: str
     select_definition: str
-    insert_definition: str
+    select_definitions: str
+    insert_definitions: str
     due_definitions: str
     update_definitions: str
     list_definitions: str
@@ -184,10 +185,18 @@ _TEMPLATES: dict[str, str] = {
         f"SELECT {DEFINITION_COLUMNS} FROM {{schema}}.recurring_definitions"
         " WHERE namespace = $1 AND name = $2"
     ),
-    "insert_definition": (
+    "select_definitions": (
+        f"SELECT {DEFINITION_COLUMNS} FROM {{schema}}.recurring_definitions"
+        " WHERE namespace = $1 AND name = ANY($2::text[])"
+    ),
+    "insert_definitions": (
         "INSERT INTO {schema}.recurring_definitions (namespace, name, sealed, key_id, cron,"
         " policy, first_after, state, cursor_at, next_due_at, created_at, cancelled_at)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+        " SELECT $1, u.* FROM unnest($2::text[], $3::bytea[], $4::text[], $5::text[],"
+        " $6::text[], $7::timestamptz[], $8::text[], $9::timestamptz[], $10::timestamptz[],"
+        " $11::timestamptz[], $12::timestamptz[])"
+        " AS u(name, sealed, key_id, cron, policy, first_after, state, cursor_at,"
+        " next_due_at, created_at, cancelled_at)"
     ),
     "due_definitions": (
         # Only active definitions have a next due time; saying so uses the partial index.

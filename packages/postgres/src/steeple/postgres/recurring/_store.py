@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Self, TypeVar
 
@@ -28,6 +28,7 @@ from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
     KeyringError,
     RecurringConfigurationError,
+    RecurringConflictError,
     RecurringDeadlineError,
     RecurringError,
     RecurringNotFoundError,
@@ -38,7 +39,14 @@ from steeple.core.errors import (
 from steeple.core.leases import adopt_time
 from steeple.core.messages import BrokerReceipt
 from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
-from steeple.core.records import Lease, OccurrenceInfo, Page, ScheduleInfo, TickResult
+from steeple.core.records import (
+    Lease,
+    OccurrenceInfo,
+    Page,
+    RelayOutcome,
+    ScheduleInfo,
+    TickResult,
+)
 from steeple.engine import RecurringEngine, RecurringRepository, seal_binding, verify_binding
 from steeple.postgres._durability import (
     AnyConnection,
@@ -484,6 +492,30 @@ class PostgresRecurringStore:
         """
         return await self._engine.create(definition)
 
+    async def create_many(
+        self, definitions: Sequence[RecurringDefinition]
+    ) -> list[ScheduleInfo | RecurringConflictError]:
+        """Create up to 100 definitions in one transaction; each judged as ``create``.
+
+        Each entry is created, replays an identical definition (stored, or earlier in the
+        batch) or conflicts; a conflict is that entry's result. The quota holds for the
+        batch: if the new definitions do not all fit, none is created.
+
+        Returns:
+            One result per definition, in order: its metadata, or the
+            :class:`RecurringConflictError` a single ``create`` raises.
+
+        Raises:
+            RecurringConfigurationError: not a sequence of at most 100 definitions.
+            RecurringCapacityError: the new definitions would exceed ``max_definitions``;
+                nothing was created.
+            RecurringKeyringError: a stored definition cannot be opened.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        return await self._engine.create_many(definitions)
+
     async def cancel(self, name: str) -> ScheduleInfo:
         """Cancel a definition permanently; its name stays reserved and counts to the quota.
 
@@ -577,6 +609,33 @@ class PostgresRecurringStore:
             RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.relay(lease, broker)
+
+    async def relay_many(
+        self,
+        leases: Sequence[Lease],
+        broker: MessageBroker,
+        *,
+        concurrency: int = limits.RELAY_CONCURRENCY,
+    ) -> list[RelayOutcome]:
+        """Publish up to 100 leased occurrences and record each outcome (three steps).
+
+        One transaction checks every lease and opens the content; the publications run
+        concurrently (at most ``concurrency`` at once) outside any transaction, each
+        bounded by its remaining lease and 10 s; one transaction records the outcomes,
+        each fenced by its own capability and revision.
+
+        Returns:
+            One :class:`RelayOutcome` per lease, in order: the receipt, or the error a
+            single ``relay`` of that lease raises.
+
+        Raises:
+            RecurringConfigurationError: not a sequence of at most 100 Leases, no
+                ``publish`` on ``broker``, or ``concurrency`` outside 1..100.
+            RecurringStorageError: the database failed before anything was published.
+            RecurringDeadlineError: a storage deadline passed before publication.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        return await self._engine.relay_many(leases, broker, concurrency=concurrency)
 
     async def retry_failed(self, occurrence_id: str) -> OccurrenceInfo:
         """Give a dead occurrence a fresh automatic attempt budget inside its window.
