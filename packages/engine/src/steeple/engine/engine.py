@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TypeVar
 
@@ -210,6 +210,7 @@ class RecurringEngine:
     _sealer: Sealer
     _clock: Clock
     _random: RandomSource = attrs.field(factory=SystemRandom)
+    _verified_binding: bytes | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self._config, RecurringConfig):
@@ -239,7 +240,11 @@ class RecurringEngine:
             # The clock is read only now, after the lock was granted.
             now = adopt_time(state.recorded_time, self._clock.now())
             if state.binding is not None:
-                verify_binding(self._sealer, self._config, state.binding)
+                if state.binding != self._verified_binding:
+                    # The same sealed bytes, opened with the same keyring for the same
+                    # configuration, verify the same way: opened once per distinct value.
+                    verify_binding(self._sealer, self._config, state.binding)
+                    self._verified_binding = bytes(state.binding)
                 if state.binding_key_id != self._sealer.primary_key_id:
                     # First operation after a rotation: re-seal under the current primary
                     # so the initial key is no longer needed for the binding.
@@ -608,29 +613,9 @@ class RecurringEngine:
             RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
-        lease_duration = self._config.lease_duration
 
         async def body(tx: _Tx) -> list[Lease]:
-            await self._classify_expired(tx)
-            granted: list[Lease] = []
-            changes: list[OccurrenceChange] = []
-            for row in await tx.repo.claimable(CLAIM_RULE, tx.now, limit):
-                expires = lease_expiry(tx.now, lease_duration, row.window_ends_at)
-                if expires is None:
-                    continue
-                capability = new_capability(self._random)
-                revision = row.lease_revision + 1
-                changes.append(
-                    apply_step(
-                        row,
-                        step(row.state, _E.CLAIM),
-                        tx.now,
-                        lease_expires_at=expires,
-                        lease_revision=revision,
-                        lease_digest=capability_digest(capability),
-                    )
-                )
-                granted.append(Lease(row.occurrence_id, expires, revision, capability))
+            granted, changes = await self._grant(tx, limit)
             if changes:
                 await tx.repo.update_occurrences(changes)
             return granted
@@ -640,6 +625,31 @@ class RecurringEngine:
         # handed out; its occurrence stays claimable for the next claim.
         after = max(recorded, self._clock.now())
         return [lease for lease in granted if is_live(lease.expires_at, after)]
+
+    async def _grant(self, tx: _Tx, limit: int) -> tuple[list[Lease], list[OccurrenceChange]]:
+        """Claim's reads and decisions: the leases to grant and their changes (unwritten)."""
+        await self._classify_expired(tx)
+        lease_duration = self._config.lease_duration
+        granted: list[Lease] = []
+        changes: list[OccurrenceChange] = []
+        for row in await tx.repo.claimable(CLAIM_RULE, tx.now, limit):
+            expires = lease_expiry(tx.now, lease_duration, row.window_ends_at)
+            if expires is None:
+                continue
+            capability = new_capability(self._random)
+            revision = row.lease_revision + 1
+            changes.append(
+                apply_step(
+                    row,
+                    step(row.state, _E.CLAIM),
+                    tx.now,
+                    lease_expires_at=expires,
+                    lease_revision=revision,
+                    lease_digest=capability_digest(capability),
+                )
+            )
+            granted.append(Lease(row.occurrence_id, expires, revision, capability))
+        return granted, changes
 
     # --- relay ---------------------------------------------------------------------------
 
@@ -732,6 +742,66 @@ class RecurringEngine:
         if not leases:
             return []
         checked, checked_at = await self._prepare(leases)
+        return await self._publish_and_record(leases, checked, checked_at, broker, concurrency)
+
+    async def claim_and_relay(
+        self,
+        limit: int,
+        broker: MessageBroker,
+        *,
+        concurrency: int = limits.RELAY_CONCURRENCY,
+    ) -> list[RelayOutcome]:
+        """Claim up to ``limit`` occurrences and relay them: :meth:`claim`, then :meth:`relay_many`.
+
+        The claim and the relay's check are one transaction (the check of a lease granted
+        in the same transaction, under the same lock, at the same time); the publications
+        and the recording are :meth:`relay_many`'s. One transaction fewer per batch, the
+        same rules: every lease is fenced, judged again after the commit and when its
+        publication starts, and its outcome recorded under its own capability and revision.
+
+        Returns:
+            One :class:`RelayOutcome` per occurrence claimed, oldest due first.
+
+        Raises:
+            RecurringConfigurationError: ``limit`` or ``concurrency`` outside 1..100, or
+                ``broker`` has no ``publish``.
+            RecurringStorageError, RecurringDeadlineError, RecurringClockError: the claim
+                failed: nothing was claimed or published.
+        """
+        limit = validate_budget(limit, "limit")
+        if not callable(getattr(broker, "publish", None)):
+            raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")
+        concurrency = validate_budget(concurrency, "concurrency")
+
+        async def body(tx: _Tx) -> tuple[list[Lease], list[_Prepared | SteepleError]]:
+            granted, changes = await self._grant(tx, limit)
+            if not granted:
+                return granted, []
+            # The claimed rows as they are once leased, with their content.
+            stored = {
+                r.occurrence_id: r
+                for r in await tx.repo.occurrences([c.occurrence_id for c in changes])
+            }
+            leased = {c.occurrence_id: c.applied_to(stored[c.occurrence_id]) for c in changes}
+            checked, checks = self._check(tx, granted, leased)
+            # A check's change is made from the leased row, so it carries the lease: one
+            # write per occurrence.
+            final = {c.occurrence_id: c for c in changes} | {c.occurrence_id: c for c in checks}
+            await tx.repo.update_occurrences(list(final.values()))
+            return granted, checked
+
+        (granted, checked), checked_at = await self._run("claim", body)
+        return await self._publish_and_record(granted, checked, checked_at, broker, concurrency)
+
+    async def _publish_and_record(
+        self,
+        leases: Sequence[Lease],
+        checked: Sequence[_Prepared | SteepleError],
+        checked_at: datetime,
+        broker: MessageBroker,
+        concurrency: int,
+    ) -> list[RelayOutcome]:
+        """Relay steps two and three for checked leases: publish concurrently, record."""
         outcomes: list[RelayOutcome | None] = [None] * len(leases)
         ready: list[tuple[int, _Prepared]] = []
         for index, entry in enumerate(checked):
@@ -739,18 +809,19 @@ class RecurringEngine:
                 ready.append((index, entry))
             else:
                 outcomes[index] = RelayOutcome(leases[index].occurrence_id, error=entry)
-        limit = asyncio.Semaphore(concurrency)
-        async with asyncio.TaskGroup() as group:
-            tasks = [
-                group.create_task(self._publish(prepared, broker, checked_at, limit))
-                for _, prepared in ready
-            ]
-        attempts = [task.result() for task in tasks]
-        recorded = await self._record_outcomes(
-            [(prepared, attempt) for (_, prepared), attempt in zip(ready, attempts, strict=True)]
-        )
-        for (index, _), outcome in zip(ready, recorded, strict=True):
-            outcomes[index] = outcome
+        if ready:
+            limit = asyncio.Semaphore(concurrency)
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(self._publish(prepared, broker, checked_at, limit))
+                    for _, prepared in ready
+                ]
+            attempts = [task.result() for task in tasks]
+            recorded = await self._record_outcomes(
+                [(p, a) for (_, p), a in zip(ready, attempts, strict=True)]
+            )
+            for (index, _), outcome in zip(ready, recorded, strict=True):
+                outcomes[index] = outcome
         return [outcome for outcome in outcomes if outcome is not None]
 
     async def _publish(
@@ -801,70 +872,78 @@ class RecurringEngine:
             ids = [lease.occurrence_id for lease in leases]
             ids = list(dict.fromkeys(i for i in ids if _is_occurrence_id(i)))
             rows = {r.occurrence_id: r for r in await tx.repo.occurrences(ids)} if ids else {}
-            results: list[_Prepared | SteepleError] = []
-            changes: list[OccurrenceChange] = []
-            taken: set[str] = set()
-            for lease in leases:
-                row = rows.get(lease.occurrence_id)
-                if (
-                    row is None
-                    or lease.occurrence_id in taken
-                    or not holds_lease(
-                        row.lease_digest, row.lease_revision, lease.capability, lease.revision
-                    )
-                    or row.state is not OccurrenceState.LEASED
-                    or row.lease_expires_at is None
-                    or not is_live(row.lease_expires_at, tx.now)
-                ):
-                    results.append(
-                        RelayLeaseLostError(
-                            f"the lease on occurrence {lease.occurrence_id} is no longer live "
-                            "(expired, fenced by a newer claim, the occurrence moved on, or "
-                            "it is relayed by an earlier entry of the same batch)"
-                        )
-                    )
-                    continue
-                taken.add(lease.occurrence_id)
-                try:
-                    if row.content is None:
-                        raise RecurringStorageError(
-                            f"occurrence {row.occurrence_id} has no content"
-                        )
-                    opened = self._open(
-                        row.content,
-                        PURPOSE_OCCURRENCE,
-                        row.occurrence_id,
-                        f"occurrence {row.occurrence_id}",
-                    )
-                    message = codec.decode_message(opened)
-                except (RecurringKeyringError, RecurringStorageError) as exc:
-                    cause = exc.__cause__ if isinstance(exc.__cause__, KeyringError) else exc
-                    changes.append(
-                        apply_step(
-                            row,
-                            step(row.state, _E.PUBLISH_FAILED_FINAL),
-                            tx.now,
-                            last_error=f"content cannot be opened ({type(cause).__name__})",
-                        )
-                    )
-                    results.append(exc)
-                    continue
-                changes.append(
-                    OccurrenceChange.of(row, attempts=row.attempts + 1, updated_at=tx.now)
-                )
-                key = idempotency_key(
-                    purpose=PUBLISH_PURPOSE,
-                    namespace=self._config.namespace,
-                    definition_name=row.definition_name,
-                    due_at=row.due_at,
-                    generation=bytes.fromhex(row.occurrence_id),
-                )
-                results.append(_Prepared(lease, message, key, row.lease_expires_at))
+            results, changes = self._check(tx, leases, rows)
             if changes:
                 await tx.repo.update_occurrences(changes)
             return results
 
         return await self._run("relay", body)
+
+    def _check(
+        self, tx: _Tx, leases: Sequence[Lease], rows: Mapping[str, OccurrenceRow]
+    ) -> tuple[list[_Prepared | SteepleError], list[OccurrenceChange]]:
+        """Relay step one's decisions: check each lease against its row (content loaded).
+
+        Returns one entry per lease (what to publish, or the error to report) and the
+        changes to write: the attempt counted, or a dead letter for content that cannot
+        be opened.
+        """
+        results: list[_Prepared | SteepleError] = []
+        changes: list[OccurrenceChange] = []
+        taken: set[str] = set()
+        for lease in leases:
+            row = rows.get(lease.occurrence_id)
+            if (
+                row is None
+                or lease.occurrence_id in taken
+                or not holds_lease(
+                    row.lease_digest, row.lease_revision, lease.capability, lease.revision
+                )
+                or row.state is not OccurrenceState.LEASED
+                or row.lease_expires_at is None
+                or not is_live(row.lease_expires_at, tx.now)
+            ):
+                results.append(
+                    RelayLeaseLostError(
+                        f"the lease on occurrence {lease.occurrence_id} is no longer live "
+                        "(expired, fenced by a newer claim, the occurrence moved on, or "
+                        "it is relayed by an earlier entry of the same batch)"
+                    )
+                )
+                continue
+            taken.add(lease.occurrence_id)
+            try:
+                if row.content is None:
+                    raise RecurringStorageError(f"occurrence {row.occurrence_id} has no content")
+                opened = self._open(
+                    row.content,
+                    PURPOSE_OCCURRENCE,
+                    row.occurrence_id,
+                    f"occurrence {row.occurrence_id}",
+                )
+                message = codec.decode_message(opened)
+            except (RecurringKeyringError, RecurringStorageError) as exc:
+                cause = exc.__cause__ if isinstance(exc.__cause__, KeyringError) else exc
+                changes.append(
+                    apply_step(
+                        row,
+                        step(row.state, _E.PUBLISH_FAILED_FINAL),
+                        tx.now,
+                        last_error=f"content cannot be opened ({type(cause).__name__})",
+                    )
+                )
+                results.append(exc)
+                continue
+            changes.append(OccurrenceChange.of(row, attempts=row.attempts + 1, updated_at=tx.now))
+            key = idempotency_key(
+                purpose=PUBLISH_PURPOSE,
+                namespace=self._config.namespace,
+                definition_name=row.definition_name,
+                due_at=row.due_at,
+                generation=bytes.fromhex(row.occurrence_id),
+            )
+            results.append(_Prepared(lease, message, key, row.lease_expires_at))
+        return results, changes
 
     async def _record_outcomes(
         self, published: Sequence[tuple[_Prepared, _Attempt]]

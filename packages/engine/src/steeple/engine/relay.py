@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import timedelta
+from typing import Any
 
 import attrs
 
@@ -19,7 +20,7 @@ from steeple.core.errors import (
 )
 from steeple.core.policies import validate_budget
 from steeple.core.ports import MessageBroker, RandomSource, RecurringStore
-from steeple.core.records import Lease, RelayOutcome
+from steeple.core.records import RelayOutcome
 
 __all__ = ["RecurringRelay", "RelayStatistics"]
 
@@ -142,13 +143,12 @@ class RecurringRelay:
             stats.ticks += 1
             stats.materialized += materialized
             done += materialized
-        leases = await self.store.claim(self.claim_limit)
-        stats.claimed += len(leases)
-        if not leases or (stop is not None and stop.is_set()):
-            # Unpublished leases lapse and are reclaimed by another round.
-            return done + len(leases)
+        if stop is not None and stop.is_set():
+            return done
+        outcomes = await self._claim_and_relay()
+        stats.claimed += len(outcomes)
         trouble: Exception | None = None
-        for outcome in await self._relay(leases):
+        for outcome in outcomes:
             error = outcome.error
             if error is None:
                 stats.published += 1
@@ -171,19 +171,28 @@ class RecurringRelay:
                 trouble = error
         if trouble is not None:
             raise trouble
-        return done + len(leases)
+        return done + len(outcomes)
 
-    async def _relay(self, leases: list[Lease]) -> list[RelayOutcome]:
-        """Relay the claimed batch: one ``relay_many`` (three steps for the whole batch)."""
-        relay_many = getattr(self.store, "relay_many", None)
-        if relay_many is not None:
-            outcomes: list[RelayOutcome] = await relay_many(leases, self.broker)
+    async def _claim_and_relay(self) -> list[RelayOutcome]:
+        """Claim a batch and relay it with the store's batched calls.
+
+        ``claim_and_relay`` (claim and check in one transaction, the publications
+        concurrent, one transaction recording them) when the store has it.
+        """
+        store: Any = self.store
+        if hasattr(store, "claim_and_relay"):
+            outcomes: list[RelayOutcome] = await store.claim_and_relay(
+                self.claim_limit, self.broker
+            )
             return outcomes
-        # A store written before relay_many: one relay per lease, outcomes alike.
+        # A store written before the batched calls: claim, then one relay per lease.
+        leases = await store.claim(self.claim_limit)
+        if hasattr(store, "relay_many"):
+            return list(await store.relay_many(leases, self.broker))
         results: list[RelayOutcome] = []
         for lease in leases:
             try:
-                receipt = await self.store.relay(lease, self.broker)
+                receipt = await store.relay(lease, self.broker)
             except (RecurringRelayError, KeyringError) as exc:
                 results.append(RelayOutcome(lease.occurrence_id, error=exc))
             else:

@@ -402,6 +402,12 @@ class InMemoryRecurringStore:
         """Run :meth:`steeple.engine.RecurringEngine.relay_many` (same results and errors)."""
         return await self._engine.relay_many(leases, broker, concurrency=concurrency)
 
+    async def claim_and_relay(
+        self, limit: int, broker: MessageBroker, *, concurrency: int = limits.RELAY_CONCURRENCY
+    ) -> list[RelayOutcome]:
+        """Run :meth:`steeple.engine.RecurringEngine.claim_and_relay` (same results and errors)."""
+        return await self._engine.claim_and_relay(limit, broker, concurrency=concurrency)
+
     async def cancel(self, name: str) -> ScheduleInfo:
         """Run :meth:`steeple.engine.RecurringEngine.cancel` (same results and errors)."""
         return await self._engine.cancel(name)

@@ -637,6 +637,30 @@ class PostgresRecurringStore:
         """
         return await self._engine.relay_many(leases, broker, concurrency=concurrency)
 
+    async def claim_and_relay(
+        self,
+        limit: int,
+        broker: MessageBroker,
+        *,
+        concurrency: int = limits.RELAY_CONCURRENCY,
+    ) -> list[RelayOutcome]:
+        """Claim up to ``limit`` (1-100) occurrences and relay them (``claim`` + ``relay_many``).
+
+        The claim and the relay's check of the new leases are one transaction; the
+        publications and the recording are ``relay_many``'s.
+
+        Returns:
+            One :class:`RelayOutcome` per occurrence claimed, oldest due first.
+
+        Raises:
+            RecurringConfigurationError: ``limit`` or ``concurrency`` outside 1..100, or
+                no ``publish`` on ``broker``.
+            RecurringStorageError: the database failed; nothing was claimed or published.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        return await self._engine.claim_and_relay(limit, broker, concurrency=concurrency)
+
     async def retry_failed(self, occurrence_id: str) -> OccurrenceInfo:
         """Give a dead occurrence a fresh automatic attempt budget inside its window.
 
