@@ -41,14 +41,18 @@ _MAX_OCCURRENCE_ID_LENGTH = 128
 _MAX_CAPABILITY_BYTES = 1024
 
 
+def _is_token(value: str) -> bool:
+    """Whether ``value`` is printable ASCII without spaces ("!" to "~")."""
+    # str methods run in C: this is checked on every lease a relay handles.
+    return value.isascii() and value.isprintable() and " " not in value
+
+
 def _check_occurrence_id(_: object, __: object, value: Any) -> None:
     if not isinstance(value, str):
         raise ConfigurationTypeError(f"occurrence_id must be a str, not {type(value).__name__}")
     # Stores issue 32 hex characters; anything outside printable ASCII is no id of theirs
     # and would only fail later, inside a driver.
-    if not 1 <= len(value) <= _MAX_OCCURRENCE_ID_LENGTH or not all(
-        "!" <= ch <= "~" for ch in value
-    ):
+    if not 1 <= len(value) <= _MAX_OCCURRENCE_ID_LENGTH or not _is_token(value):
         raise ConfigurationError(
             f"occurrence_id must be 1-{_MAX_OCCURRENCE_ID_LENGTH} printable ASCII characters"
         )
