@@ -93,6 +93,13 @@ class Queries:
         filled = {k: v.replace("{schema}", quoted_schema) for k, v in _TEMPLATES.items()}
         return cls(schema=quoted_schema, **filled)
 
+    def with_touch(self, write: str, parameters: int) -> str:
+        """``write`` (namespace ``$1``, ``parameters`` in all) and ``touch_namespace`` in one.
+
+        The touch's recorded time and counter deltas follow as the next three parameters.
+        """
+        return _with_touch(self.schema, write, parameters)
+
     def claimable(self, rule: ClaimRule) -> str:
         """Occurrences ``rule`` admits at ``$2``, oldest first, at most ``$3``."""
         return _claimable(self.schema, rule)
@@ -108,6 +115,18 @@ class Queries:
     def purge(self, states: frozenset[OccurrenceState]) -> str:
         """Delete at most ``$3`` occurrences in ``states`` finished before ``$2``."""
         return _purge(self.schema, states)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_touch(schema: str, write: str, parameters: int) -> str:
+    # A data-modifying WITH runs exactly once, to completion, before the commit, whether
+    # or not the outer statement reads it; the outer UPDATE touches another table.
+    n = parameters
+    return (
+        f"WITH written AS ({write}) UPDATE {schema}.recurring_namespaces"
+        f" SET recorded_time = ${n + 1}, definition_count = definition_count + ${n + 2},"
+        f" occurrence_count = occurrence_count + ${n + 3} WHERE namespace = $1"
+    )
 
 
 @functools.lru_cache(maxsize=64)

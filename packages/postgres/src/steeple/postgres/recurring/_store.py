@@ -808,5 +808,6 @@ class _PostgresStorage:
             )
         repository = PostgresRepository(conn, self.queries, self.namespace, namespace_state(row))
         result = await work(repository)
+        await repository.flush()  # a write the work queued after its last call
         await transaction.commit()
         return result
