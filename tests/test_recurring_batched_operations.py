@@ -16,12 +16,14 @@ from typing import Any
 import attrs
 import pytest
 
-from recurring_stores import OpenStore
+from recurring_stores import OpenableStore, OpenStore
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.errors import (
+    AuthenticationFailedError,
     RecurringCapacityError,
     RecurringConfigurationError,
     RecurringConflictError,
+    RecurringKeyringError,
     RecurringStorageError,
     RelayAcknowledgementError,
     RelayBrokerError,
@@ -187,6 +189,28 @@ async def test_a_mixed_batch_gets_one_outcome_per_lease_in_order(store: Any) -> 
         "bug": (S.RETRY_WAIT, 1),
         "cancelled": (S.CANCELLED, 1),
     }
+
+
+async def test_content_that_cannot_be_opened_is_a_dead_letter_of_its_own(
+    store: Any, store_kind: OpenableStore
+) -> None:
+    leases = await leases_of(store, "a", "b", "c")
+    contents = await store_kind.kind.contents(store)
+    # "b" gets "a"'s ciphertext: sealed for another occurrence, it fails authentication.
+    await store_kind.kind.set_content(
+        store, leases["b"].occurrence_id, contents[leases["a"].occurrence_id]
+    )
+    broker = MemoryBroker()
+    a, b, c = await store.relay_many([leases["a"], leases["b"], leases["c"]], broker)
+    assert a.ok
+    assert c.ok
+    assert isinstance(b.error, RecurringKeyringError)
+    assert isinstance(b.error, AuthenticationFailedError)
+    assert broker.attempts == 2
+    occurrences = await listed(store)
+    assert occurrences["b"].state is S.DEAD
+    assert occurrences["b"].last_error == "content cannot be opened (AuthenticationFailedError)"
+    assert {occurrences[n].state for n in ("a", "c")} == {S.PUBLISHED}
 
 
 async def test_fenced_entries_record_nothing(store: Any) -> None:

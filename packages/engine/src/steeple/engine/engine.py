@@ -8,9 +8,9 @@ binding, does the operation's reads, decisions (all in :mod:`steeple.core`) and 
 and records the shared time re-read just before the commit. Calls that hand out
 time-bounded work (``claim``, ``relay``) judge it once more after the commit.
 
-A relay is three steps: a transaction that re-checks the live lease, opens the content
-and counts the attempt; the publication, outside any transaction, bounded by the
-remaining lease and 10 s; a transaction that records the outcome, fenced by the lease's
+A relay is three steps: a transaction that re-checks the live lease and counts the
+attempt; the publication (the content opened after that commit), outside any
+transaction, bounded by the remaining lease and 10 s; a transaction that records the outcome, fenced by the lease's
 capability and revision. Whatever the broker raises is classified
 (:func:`steeple.core.publication.classify_publication_failure`) and recorded, so no
 broker can leave an occurrence leased; when the broker accepted and recording the
@@ -155,8 +155,19 @@ class _Tx:
 
 
 @attrs.frozen(repr=False)
+class _Checked:
+    """A lease that passed the relay's check, with its occurrence's sealed content."""
+
+    lease: Lease
+    content: bytes | None
+    definition_name: str
+    due_at: datetime
+    expires_at: datetime
+
+
+@attrs.frozen(repr=False)
 class _Prepared:
-    """A lease that passed the relay's check: what to publish, under which key, until when."""
+    """A checked lease, opened: what to publish, under which key, until when."""
 
     lease: Lease
     message: ScheduledMessage
@@ -173,6 +184,8 @@ class _Attempt:
     raised: BaseException | None = None
     error: SteepleError | None = None
     """Set when nothing was published (the lease lapsed before the publication started)."""
+    unopenable: SteepleError | None = None
+    """Set when the content cannot be opened: nothing was published, a dead letter."""
 
 
 _Error = TypeVar("_Error", bound=BaseException)
@@ -657,8 +670,8 @@ class RecurringEngine:
         """Publish a leased occurrence and record the outcome.
 
         A batch of one: :meth:`relay_many` with ``[lease]``, its outcome's error raised.
-        Transaction one re-checks the live lease, opens the content and counts the
-        attempt; after its commit the lease is judged once more. The broker is called
+        Transaction one re-checks the live lease and counts the attempt; after its commit
+        the content is opened and the lease judged once more. The broker is called
         outside any transaction, bounded by the remaining lease and 10 s, always with the
         same message and idempotency key. Transaction two records the outcome, fenced by
         the lease's capability and revision. Whatever the broker raises (an
@@ -704,8 +717,8 @@ class RecurringEngine:
         Three steps for the whole batch, each lease judged on its own:
 
         1. one transaction checks every lease (current capability and revision, state
-           leased, not expired), opens the content and counts the attempt; content that
-           cannot be opened makes that occurrence a dead letter;
+           leased, not expired) and counts the attempt; after its commit the content is
+           opened (content that cannot be opened is recorded as a dead letter in step 3);
         2. after the commit, the publications run concurrently (at most ``concurrency``
            at once), outside any transaction; each is judged again when it starts and
            bounded by its remaining lease and 10 s;
@@ -773,7 +786,7 @@ class RecurringEngine:
             raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")
         concurrency = validate_budget(concurrency, "concurrency")
 
-        async def body(tx: _Tx) -> tuple[list[Lease], list[_Prepared | SteepleError]]:
+        async def body(tx: _Tx) -> tuple[list[Lease], list[_Checked | SteepleError]]:
             granted, changes = await self._grant(tx, limit)
             if not granted:
                 return granted, []
@@ -796,19 +809,30 @@ class RecurringEngine:
     async def _publish_and_record(
         self,
         leases: Sequence[Lease],
-        checked: Sequence[_Prepared | SteepleError],
+        checked: Sequence[_Checked | SteepleError],
         checked_at: datetime,
         broker: MessageBroker,
         concurrency: int,
     ) -> list[RelayOutcome]:
-        """Relay steps two and three for checked leases: publish concurrently, record."""
+        """Relay steps two and three for checked leases: open, publish concurrently, record.
+
+        The content is opened here, after the check committed: decryption, decoding and
+        the idempotency key are not done while the control row is held. Content that
+        cannot be opened is recorded as a dead letter in step three (fenced, like every
+        outcome) and reported as the keyring (or storage) error.
+        """
         outcomes: list[RelayOutcome | None] = [None] * len(leases)
         ready: list[tuple[int, _Prepared]] = []
+        unopenable: list[tuple[int, Lease, _Attempt]] = []
         for index, entry in enumerate(checked):
-            if isinstance(entry, _Prepared):
-                ready.append((index, entry))
-            else:
+            if not isinstance(entry, _Checked):
                 outcomes[index] = RelayOutcome(leases[index].occurrence_id, error=entry)
+                continue
+            try:
+                ready.append((index, self._opened(entry)))
+            except (RecurringKeyringError, RecurringStorageError) as exc:
+                unopenable.append((index, entry.lease, _Attempt(unopenable=exc)))
+        attempts: list[_Attempt] = []
         if ready:
             limit = asyncio.Semaphore(concurrency)
             async with asyncio.TaskGroup() as group:
@@ -817,12 +841,38 @@ class RecurringEngine:
                     for _, prepared in ready
                 ]
             attempts = [task.result() for task in tasks]
-            recorded = await self._record_outcomes(
-                [(p, a) for (_, p), a in zip(ready, attempts, strict=True)]
-            )
-            for (index, _), outcome in zip(ready, recorded, strict=True):
+        entries = [(i, p.lease, a) for (i, p), a in zip(ready, attempts, strict=True)]
+        entries += unopenable
+        if entries:
+            recorded = await self._record_outcomes([(lease, a) for _, lease, a in entries])
+            for (index, _, _), outcome in zip(entries, recorded, strict=True):
                 outcomes[index] = outcome
         return [outcome for outcome in outcomes if outcome is not None]
+
+    def _opened(self, checked: _Checked) -> _Prepared:
+        """Open a checked lease's content; derive its idempotency key.
+
+        Raises:
+            RecurringKeyringError: the content cannot be opened (missing key, tampering).
+            RecurringStorageError: the occurrence has no content.
+        """
+        lease = checked.lease
+        if checked.content is None:
+            raise RecurringStorageError(f"occurrence {lease.occurrence_id} has no content")
+        opened = self._open(
+            checked.content,
+            PURPOSE_OCCURRENCE,
+            lease.occurrence_id,
+            f"occurrence {lease.occurrence_id}",
+        )
+        key = idempotency_key(
+            purpose=PUBLISH_PURPOSE,
+            namespace=self._config.namespace,
+            definition_name=checked.definition_name,
+            due_at=checked.due_at,
+            generation=bytes.fromhex(lease.occurrence_id),
+        )
+        return _Prepared(lease, codec.decode_message(opened), key, checked.expires_at)
 
     async def _publish(
         self,
@@ -861,14 +911,14 @@ class RecurringEngine:
 
     async def _prepare(
         self, leases: Sequence[Lease]
-    ) -> tuple[list[_Prepared | SteepleError], datetime]:
-        """Relay step one for a batch: check each lease, open its content, count the attempt.
+    ) -> tuple[list[_Checked | SteepleError], datetime]:
+        """Relay step one for a batch: check each lease and count the attempt.
 
-        An occurrence whose content cannot be opened becomes a dead letter (committed);
-        its entry is the error to report. Returns the entries and the recorded time.
+        Returns the entries (a checked lease with its sealed content, or the error to
+        report) and the recorded time.
         """
 
-        async def body(tx: _Tx) -> list[_Prepared | SteepleError]:
+        async def body(tx: _Tx) -> list[_Checked | SteepleError]:
             ids = [lease.occurrence_id for lease in leases]
             ids = list(dict.fromkeys(i for i in ids if _is_occurrence_id(i)))
             rows = {r.occurrence_id: r for r in await tx.repo.occurrences(ids)} if ids else {}
@@ -881,14 +931,13 @@ class RecurringEngine:
 
     def _check(
         self, tx: _Tx, leases: Sequence[Lease], rows: Mapping[str, OccurrenceRow]
-    ) -> tuple[list[_Prepared | SteepleError], list[OccurrenceChange]]:
+    ) -> tuple[list[_Checked | SteepleError], list[OccurrenceChange]]:
         """Relay step one's decisions: check each lease against its row (content loaded).
 
-        Returns one entry per lease (what to publish, or the error to report) and the
-        changes to write: the attempt counted, or a dead letter for content that cannot
-        be opened.
+        Returns one entry per lease (the checked lease with its sealed content, or the
+        error to report) and the changes to write: the attempt counted.
         """
-        results: list[_Prepared | SteepleError] = []
+        results: list[_Checked | SteepleError] = []
         changes: list[OccurrenceChange] = []
         taken: set[str] = set()
         for lease in leases:
@@ -912,69 +961,43 @@ class RecurringEngine:
                 )
                 continue
             taken.add(lease.occurrence_id)
-            try:
-                if row.content is None:
-                    raise RecurringStorageError(f"occurrence {row.occurrence_id} has no content")
-                opened = self._open(
-                    row.content,
-                    PURPOSE_OCCURRENCE,
-                    row.occurrence_id,
-                    f"occurrence {row.occurrence_id}",
-                )
-                message = codec.decode_message(opened)
-            except (RecurringKeyringError, RecurringStorageError) as exc:
-                cause = exc.__cause__ if isinstance(exc.__cause__, KeyringError) else exc
-                changes.append(
-                    apply_step(
-                        row,
-                        step(row.state, _E.PUBLISH_FAILED_FINAL),
-                        tx.now,
-                        last_error=f"content cannot be opened ({type(cause).__name__})",
-                    )
-                )
-                results.append(exc)
-                continue
             changes.append(OccurrenceChange.of(row, attempts=row.attempts + 1, updated_at=tx.now))
-            key = idempotency_key(
-                purpose=PUBLISH_PURPOSE,
-                namespace=self._config.namespace,
-                definition_name=row.definition_name,
-                due_at=row.due_at,
-                generation=bytes.fromhex(row.occurrence_id),
+            results.append(
+                _Checked(lease, row.content, row.definition_name, row.due_at, row.lease_expires_at)
             )
-            results.append(_Prepared(lease, message, key, row.lease_expires_at))
         return results, changes
 
     async def _record_outcomes(
-        self, published: Sequence[tuple[_Prepared, _Attempt]]
+        self, attempted: Sequence[tuple[Lease, _Attempt]]
     ) -> list[RelayOutcome]:
         """Relay step three for a batch: record each outcome, fenced by its own lease.
 
         A publication that never started (its lease lapsed first) records nothing. If the
         transaction fails, an accepted publication is reported as an uncertain
         acknowledgement carrying its receipt, a lost broker acknowledgement as itself
-        (the storage error as its ``__cause__``), any other failure as the storage error.
+        (the storage error as its ``__cause__``), any other outcome as the storage error.
         """
-        if all(attempt.error is not None for _, attempt in published):
-            return [self._reported(p, a, None) for p, a in published]
+        if all(attempt.error is not None for _, attempt in attempted):
+            return [self._reported(lease, a, None) for lease, a in attempted]
 
         async def body(tx: _Tx) -> list[str | SteepleError | None]:
-            ids = [p.lease.occurrence_id for p, a in published if a.error is None]
+            ids = [lease.occurrence_id for lease, a in attempted if a.error is None]
             rows = {r.occurrence_id: r for r in await tx.repo.occurrences(ids)}
             changes: list[OccurrenceChange] = []
             notes: list[str | SteepleError | None] = []
-            for prepared, attempt in published:
+            for lease, attempt in attempted:
                 if attempt.error is not None:
                     notes.append(None)
                     continue
-                lease = prepared.lease
                 row = rows.get(lease.occurrence_id)
                 if row is not None and not holds_lease(
                     row.lease_digest, row.lease_revision, lease.capability, lease.revision
                 ):
                     row = None
                 note: str | SteepleError | None
-                if attempt.receipt is not None:
+                if attempt.unopenable is not None:
+                    note, change = self._unopenable_change(tx, row, attempt.unopenable)
+                elif attempt.receipt is not None:
                     note, change = self._published_change(tx, lease, row)
                 else:
                     assert attempt.failure is not None
@@ -989,10 +1012,27 @@ class RecurringEngine:
         try:
             notes = (await self._run("relay", body))[0]
         except RecurringError as stored:
-            return [self._reported(p, a, stored) for p, a in published]
+            return [self._reported(lease, a, stored) for lease, a in attempted]
         return [
-            self._reported(p, a, None, note) for (p, a), note in zip(published, notes, strict=True)
+            self._reported(lease, a, None, note)
+            for (lease, a), note in zip(attempted, notes, strict=True)
         ]
+
+    def _unopenable_change(
+        self, tx: _Tx, row: OccurrenceRow | None, error: SteepleError
+    ) -> tuple[SteepleError, OccurrenceChange | None]:
+        """Record content that cannot be opened: a dead letter (fenced, like any outcome)."""
+        if row is None:
+            return error, None
+        try:
+            dead = step(row.state, _E.PUBLISH_FAILED_FINAL)
+        except InvalidTransitionError:
+            return error, None  # cancelled meanwhile: nothing to bury
+        cause = error.__cause__ if isinstance(error.__cause__, KeyringError) else error
+        change = apply_step(
+            row, dead, tx.now, last_error=f"content cannot be opened ({type(cause).__name__})"
+        )
+        return error, change
 
     def _published_change(
         self, tx: _Tx, lease: Lease, row: OccurrenceRow | None
@@ -1050,15 +1090,17 @@ class RecurringEngine:
 
     def _reported(
         self,
-        prepared: _Prepared,
+        lease: Lease,
         attempt: _Attempt,
         stored: RecurringError | None,
         note: str | SteepleError | None = None,
     ) -> RelayOutcome:
         """Return one lease's outcome, from its attempt and what recording it came to."""
-        occurrence_id = prepared.lease.occurrence_id
+        occurrence_id = lease.occurrence_id
         if attempt.error is not None:
             return RelayOutcome(occurrence_id, error=attempt.error)
+        if attempt.unopenable is not None:
+            return RelayOutcome(occurrence_id, error=stored or attempt.unopenable)
         if attempt.receipt is not None:
             if stored is not None:
                 return RelayOutcome(

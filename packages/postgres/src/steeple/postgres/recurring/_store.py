@@ -581,7 +581,7 @@ class PostgresRecurringStore:
     async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
         """Publish a leased occurrence and record the outcome.
 
-        Transaction one re-checks the live lease and opens the content, then commits; the
+        Transaction one re-checks the live lease and counts the attempt, then commits; the
         lease is judged again after the commit. The broker is called outside any
         transaction, bounded by the remaining lease and 10 s, always with the same
         message and idempotency key; transaction two records the outcome, fenced by the
@@ -619,10 +619,10 @@ class PostgresRecurringStore:
     ) -> list[RelayOutcome]:
         """Publish up to 100 leased occurrences and record each outcome (three steps).
 
-        One transaction checks every lease and opens the content; the publications run
-        concurrently (at most ``concurrency`` at once) outside any transaction, each
-        bounded by its remaining lease and 10 s; one transaction records the outcomes,
-        each fenced by its own capability and revision.
+        One transaction checks every lease (the content is opened after its commit); the
+        publications run concurrently (at most ``concurrency`` at once) outside any
+        transaction, each bounded by its remaining lease and 10 s; one transaction records
+        the outcomes, each fenced by its own capability and revision.
 
         Returns:
             One :class:`RelayOutcome` per lease, in order: the receipt, or the error a

@@ -2,8 +2,9 @@
 
 :class:`RecurringStoreConformance` drives the store under test through random sequences
 of the contract's operations (create, replayed and conflicting create, tick, claim, relay
-through a :class:`~steeple.testing.MemoryBroker` with injected faults, cancel,
-retry_failed, purge, clock moves forward and small/large regressions) beside an
+through a :class:`~steeple.testing.MemoryBroker` with injected faults, batched relays
+with ``relay_many`` and ``claim_and_relay``, cancel, retry_failed, purge, clock moves
+forward and small/large regressions) beside an
 independent model made of plain dicts. The model shares no code with any store: it has
 its own calendar arithmetic (the suite only uses ``*/n``-minute calendars), its own
 planning, lease and backoff rules. After every step it checks that
@@ -36,7 +37,11 @@ last update first (then due time, then name); every call except
 and an expired occurrence's last update (what purge cutoffs compare) is its window end;
 an occurrence whose lease lapsed stays ``leased`` until reclaimed; ``attempts`` counts
 publication attempts and ``retry_failed`` resets it to zero; cancelling twice is not an
-error; relay failures back off by ``RELAY_BACKOFF`` (1 s doubling to 5 min, no jitter).
+error; relay failures back off by ``RELAY_BACKOFF`` (1 s doubling to 5 min, no jitter);
+``relay_many`` returns one outcome per lease in the order given, publishes each live lease
+once (a repeated lease once, stale ones never), and starts the publications in the
+batch's order (the queued broker faults apply in that order); ``claim_and_relay``
+returns one outcome per occurrence claimed, oldest due first.
 """
 
 from __future__ import annotations
