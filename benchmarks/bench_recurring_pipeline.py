@@ -81,40 +81,48 @@ async def _steeple_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     )
     broker = await JetStreamBroker.connect(args.nats, stream=args.stream, subject=args.subject)
     try:
-        first_after = _first_after(args.minutes)
-        definitions = [
-            RecurringDefinition(
-                f"def-{i:04d}",
-                "* * * * *",
-                first_after,
-                MissedRunPolicy.CATCH_UP,
-                ScheduledMessage("bench", "tick", PAYLOAD),
-            )
-            for i in range(args.definitions)
-        ]
-        for start in range(0, len(definitions), 100):
-            await store.create_many(definitions[start : start + 100])
-        target = args.definitions * args.minutes
+        if args.seed:
+            first_after = _first_after(args.minutes)
+            definitions = [
+                RecurringDefinition(
+                    f"def-{i:04d}",
+                    "* * * * *",
+                    first_after,
+                    MissedRunPolicy.CATCH_UP,
+                    ScheduledMessage("bench", "tick", PAYLOAD),
+                )
+                for i in range(args.definitions)
+            ]
+            for start in range(0, len(definitions), 100):
+                await store.create_many(definitions[start : start + 100])
         stats = RelayStatistics()
         relays = [
             RecurringRelay(store, broker, idle_interval=0.01, statistics=stats)
             for _ in range(args.relays)
         ]
+        last = 0.0
+
+        async def work(relay: RecurringRelay) -> None:
+            # Until a round finds nothing to tick or claim: every caught-up occurrence is
+            # published or held by another task (or process) that publishes it.
+            nonlocal last
+            while True:
+                before = stats.published
+                busy = await relay.run_once()
+                if stats.published > before:
+                    last = time.time()
+                if not busy:
+                    return
+
         print("ready", flush=True)
         sys.stdin.readline()
-        stop = asyncio.Event()
         started = time.time()
-        tasks = [asyncio.create_task(r.run(stop)) for r in relays]
-        while stats.published < target:
-            await asyncio.sleep(0.005)
-            if all(t.done() for t in tasks):
-                break
-        ended = time.time()
-        stop.set()
-        await asyncio.gather(*tasks)
+        async with asyncio.TaskGroup() as group:
+            for relay in relays:
+                group.create_task(work(relay))
         return {
             "started": started,
-            "ended": ended,
+            "ended": last,
             "done": stats.published,
             "ticks": stats.ticks,
             "claimed": stats.claimed,
@@ -340,6 +348,7 @@ class Run:
         self.tag = uuid.uuid4().hex[:8]
         self.schemas: list[str] = []
         self.streams: list[str] = []
+        self.aps_outcomes: dict[str, int] = {}
 
     def new_schema(self, prefix: str) -> str:
         schema = f"{prefix}_{self.tag}_{len(self.schemas)}"
@@ -406,34 +415,41 @@ class Run:
             results.append(json.loads(lines[-1][len("result ") :]))
         return results
 
-    async def steeple_pipeline(self, namespaces: int) -> float:
+    async def steeple_pipeline(self, namespaces: int, processes: int, tasks: int) -> float:
+        """Occurrences per second: ``namespaces`` side by side, each worked by
+        ``processes`` worker processes of ``tasks`` relay tasks."""
         schema = self.new_schema("stp")
         specs = []
         for n in range(namespaces):
             stream, subject = await self.new_stream("STP")
-            specs.append(
-                [
-                    "steeple-pipeline",
-                    "--schema",
-                    schema,
-                    "--namespace",
-                    f"bench-{n}",
-                    "--stream",
-                    stream,
-                    "--subject",
-                    subject,
-                    "--definitions",
-                    str(self.args.definitions),
-                    "--minutes",
-                    str(self.args.minutes),
-                    "--relays",
-                    str(self.args.relays),
-                ]
-            )
+            for p in range(processes):
+                specs.append(
+                    [
+                        "steeple-pipeline",
+                        *(["--seed"] if p == 0 else []),
+                        "--schema",
+                        schema,
+                        "--namespace",
+                        f"bench-{n}",
+                        "--stream",
+                        stream,
+                        "--subject",
+                        subject,
+                        "--definitions",
+                        str(self.args.definitions),
+                        "--minutes",
+                        str(self.args.minutes),
+                        "--relays",
+                        str(tasks),
+                    ]
+                )
         # The schema is created once before the namespaces start side by side.
         await _initialize_schema(self.dsn, schema, self.key)
         results = await self.workers(specs)
         done = sum(r["done"] for r in results)
+        expected = namespaces * self.args.definitions * self.args.minutes
+        if done < expected:
+            _log(f"  note: {done} of {expected} occurrences published")
         span = max(r["ended"] for r in results) - min(r["started"] for r in results)
         for r in results:
             if r["relay_failures"] or r["storage_failures"]:
@@ -461,6 +477,7 @@ class Run:
                 ]
             ]
         )
+        self.aps_outcomes = result["outcomes"]
         return float(result["done"]) / (result["ended"] - result["started"])
 
     async def creates(self) -> dict[str, float]:
@@ -550,7 +567,11 @@ async def _parent(args: argparse.Namespace) -> None:
     dsn = server.get_uri()
     run = Run(dsn, args.nats, key, args)
     namespaces = [int(n) for n in args.namespaces.split(",")]
-    pipeline: dict[int, list[float]] = {n: [] for n in namespaces}
+    layouts = [
+        (int(p), int(t)) for p, t in (layout.split("x") for layout in args.layouts.split(","))
+    ]
+    cases = [(n, p, t) for p, t in layouts for n in namespaces]
+    pipeline: dict[tuple[int, int, int], list[float]] = {case: [] for case in cases}
     aps: list[float] = []
     creates: dict[str, list[float]] = {"create_many": [], "create": [], "add_schedule": []}
     ticks: list[float] = []
@@ -559,12 +580,17 @@ async def _parent(args: argparse.Namespace) -> None:
     try:
         for sample in range(args.samples):
             _log(f"sample {sample + 1}/{args.samples}")
-            for n in namespaces:
-                pipeline[n].append(await run.steeple_pipeline(n))
-                _log(f"  steeple pipeline, {n} namespace(s): {pipeline[n][-1]:,.0f}/s")
+            for case in cases:
+                pipeline[case].append(await run.steeple_pipeline(*case))
+                n, p, t = case
+                _log(
+                    f"  steeple pipeline, {n} namespace(s), {p} process(es) x {t} task(s): "
+                    f"{pipeline[case][-1]:,.0f}/s"
+                )
             if not args.skip_apscheduler:
                 aps.append(await run.aps_pipeline())
                 _log(f"  APScheduler pipeline: {aps[-1]:,.1f} jobs/s")
+                _log(f"  APScheduler outcomes: {run.aps_outcomes}")
             for name, value in (await run.creates()).items():
                 creates[name].append(value)
             _log(f"  creates: { {k: round(v[-1]) for k, v in creates.items()} }")
@@ -573,7 +599,6 @@ async def _parent(args: argparse.Namespace) -> None:
         await run.cleanup()
         server.cleanup()
     load_after = os.getloadavg()
-    one = statistics.median(pipeline[namespaces[0]])
     print(
         f"steeple recurring pipeline vs APScheduler {_version('apscheduler')}, "
         f"{when:%Y-%m-%d %H:%M} UTC, {args.samples} samples (median, min-max)"
@@ -584,21 +609,25 @@ async def _parent(args: argparse.Namespace) -> None:
     )
     print(
         f"workload: {args.definitions} definitions x {args.minutes} caught-up minutes "
-        f"per namespace, {args.relays} relay tasks per namespace"
+        "per namespace; relay tasks per namespace as worker processes x tasks"
     )
     print()
     print("| metric | steeple | APScheduler 4 | ratio |")
     print("|---|---|---|---|")
     aps_median = statistics.median(aps) if aps else float("nan")
-    for n in namespaces:
-        values = pipeline[n]
+    for n, p, t in cases:
+        values = pipeline[(n, p, t)]
         ratio = statistics.median(values) / aps_median if aps else float("nan")
-        scale = statistics.median(values) / one
-        label = f"pipeline to NATS, {n} namespace{'s' if n > 1 else ''} (occurrences/s)"
-        aps_cell = _spread(aps, "{:,.1f}") if n == 1 and aps else "-"
+        scale = statistics.median(values) / statistics.median(pipeline[(namespaces[0], p, t)])
+        label = (
+            f"pipeline to NATS, {n} namespace{'s' if n > 1 else ''}, {p} process"
+            f"{'es' if p > 1 else ''} x {t} relay task{'s' if t > 1 else ''} each "
+            "(occurrences/s)"
+        )
+        aps_cell = _spread(aps, "{:,.1f}") if aps else "-"
         print(
             f"| {label} | {_spread(values)} | {aps_cell} | "
-            f"{ratio:,.1f}x APScheduler, {scale:.2f}x 1 namespace |"
+            f"{ratio:,.1f}x APScheduler, {scale:.2f}x {namespaces[0]} namespace |"
         )
     add = statistics.median(creates["add_schedule"])
     print(
@@ -630,6 +659,12 @@ def main() -> None:
     parser.add_argument("--definitions", type=int, default=200)
     parser.add_argument("--minutes", type=int, default=11)
     parser.add_argument("--relays", type=int, default=4)
+    parser.add_argument(
+        "--layouts",
+        default="1x4,4x1",
+        help="worker processes x relay tasks per namespace, e.g. 1x4 (one process, four "
+        "tasks) and 4x1 (four processes, one task each)",
+    )
     parser.add_argument("--namespaces", default="1,2,4")
     parser.add_argument("--creates", type=int, default=1000)
     parser.add_argument("--ticks", type=int, default=30)
@@ -637,6 +672,7 @@ def main() -> None:
     parser.add_argument("--skip-apscheduler", action="store_true")
     # worker mode (internal)
     parser.add_argument("--worker", choices=sorted(WORKERS))
+    parser.add_argument("--seed", action="store_true")
     parser.add_argument("--dsn")
     parser.add_argument("--key")
     parser.add_argument("--schema")
