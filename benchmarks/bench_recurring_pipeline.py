@@ -454,7 +454,7 @@ class Run:
         for r in results:
             if r["relay_failures"] or r["storage_failures"]:
                 _log(f"  note: {r}")
-        return done / span
+        return float(done / span)
 
     async def aps_pipeline(self) -> float:
         schema = self.new_schema("aps")
@@ -478,7 +478,7 @@ class Run:
             ]
         )
         self.aps_outcomes = result["outcomes"]
-        return float(result["done"]) / (result["ended"] - result["started"])
+        return float(result["done"] / (result["ended"] - result["started"]))
 
     async def creates(self) -> dict[str, float]:
         schema = self.new_schema("stc")

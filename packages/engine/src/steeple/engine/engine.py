@@ -10,8 +10,8 @@ time-bounded work (``claim``, ``relay``) judge it once more after the commit.
 
 A relay is three steps: a transaction that re-checks the live lease and counts the
 attempt; the publication (the content opened after that commit), outside any
-transaction, bounded by the remaining lease and 10 s; a transaction that records the outcome, fenced by the lease's
-capability and revision. Whatever the broker raises is classified
+transaction, bounded by the remaining lease and 10 s; a transaction that records the
+outcome, fenced by the lease's capability and revision. Whatever the broker raises is classified
 (:func:`steeple.core.publication.classify_publication_failure`) and recorded, so no
 broker can leave an occurrence leased; when the broker accepted and recording the
 outcome fails, the caller gets :class:`RelayAcknowledgementError` carrying the receipt.
