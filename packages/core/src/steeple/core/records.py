@@ -159,7 +159,8 @@ class RelayOutcome:
     Exactly one of ``receipt`` and ``error`` is set.
 
     Raises:
-        ConfigurationError: neither or both are set, or they have the wrong types.
+        ConfigurationError: neither or both are set, they have the wrong types, or the
+            occurrence id is not 1-128 printable ASCII characters.
 
     Attributes:
         occurrence_id: the lease's occurrence (as the lease named it).
@@ -172,7 +173,7 @@ class RelayOutcome:
             opened), or the storage error that kept a failure from being recorded.
     """
 
-    occurrence_id: str
+    occurrence_id: str = attrs.field(validator=_check_occurrence_id)
     receipt: BrokerReceipt | None = None
     error: SteepleError | None = None
 
