@@ -57,12 +57,15 @@ async def test_initialize_is_idempotent_and_checks_configuration(
     # the stored configuration binding must match: a different quota is a config error
     other_quota = await ainvoke(["schedules", *base, "--max-definitions", "7"], env)
     assert other_quota.exit_code == ExitCode.CONFIG
-    assert "binding" in other_quota.stderr
-    assert "what to do" in other_quota.stderr
+    # issue 14: the error names the values the namespace was initialized with
+    assert "initialized with max_definitions=1000" in other_quota.stderr
+    assert "used max_definitions=7" in other_quota.stderr
+    assert "--max-definitions 1000" in other_quota.stderr
     # another key cannot open the namespace
     wrong_key = await ainvoke(["schedules", *base], {**env, "STEEPLE_KEYS": fresh_key("k9")})
     assert wrong_key.exit_code == ExitCode.CONFIG
     assert "k1" in wrong_key.stderr
+    assert "max-definitions" not in wrong_key.stderr  # a key hint, not a quota hint
     assert keys.split(":")[1] not in wrong_key.output
 
 
@@ -136,7 +139,7 @@ async def test_listings_as_json_and_tables(seeded: Any) -> None:
     pending = await ainvoke(["tasks", "--json", "--state", "succeeded"], env)
     assert json.loads(pending.stdout)["items"] == []
     bad_state = await ainvoke(["tasks", "--state", "sleeping"], env)
-    assert bad_state.exit_code == ExitCode.CONFIG
+    assert bad_state.exit_code == ExitCode.USAGE  # issue 14: usage is 2
     table = await ainvoke(["occurrences"], {**env, "COLUMNS": "200"})
     assert table.exit_code == 0
     assert "dead" in table.stdout
@@ -146,10 +149,13 @@ async def test_listings_as_json_and_tables(seeded: Any) -> None:
 @pytest.mark.postgres
 async def test_cancel_retry_purge(seeded: Any) -> None:
     env = seeded.env()
-    cancelled = await ainvoke(["cancel", "five-minutely"], env)
+    unconfirmed = await ainvoke(["cancel", "five-minutely"], env)
+    assert unconfirmed.exit_code == ExitCode.USAGE  # no terminal to ask on, no --yes
+    assert "--yes" in unconfirmed.stderr
+    cancelled = await ainvoke(["cancel", "five-minutely", "--yes"], env)
     assert cancelled.exit_code == 0, cancelled.output
     assert "cancelled definition 'five-minutely'" in cancelled.stdout
-    unknown = await ainvoke(["cancel", "nope"], env)
+    unknown = await ainvoke(["cancel", "nope", "--yes"], env)
     assert unknown.exit_code == ExitCode.FAILED
     assert "nope" in unknown.stderr
     both = await ainvoke(["cancel", "minutely", "--task", "1"], env)
@@ -165,20 +171,24 @@ async def test_cancel_retry_purge(seeded: Any) -> None:
     missing = await ainvoke(["retry", uuid.uuid4().hex], env)
     assert missing.exit_code == ExitCode.FAILED
 
-    purged = await ainvoke(["purge", "--older-than", "0s"], env)
+    dry = await ainvoke(["purge", "--older-than", "0s", "--dry-run"], env)
+    assert dry.exit_code == 0, dry.output
+    assert f"dry run: {seeded.published} terminal occurrences" in dry.stdout
+    assert (await ainvoke(["purge", "--older-than", "0s"], env)).exit_code == ExitCode.USAGE
+    purged = await ainvoke(["purge", "--older-than", "0s", "--yes"], env)
     assert purged.exit_code == 0, purged.output
     assert f"purged {seeded.published} terminal occurrences" in purged.stdout
-    bad_age = await ainvoke(["purge", "--older-than", "soon"], env)
+    bad_age = await ainvoke(["purge", "--older-than", "soon", "--yes"], env)
     assert bad_age.exit_code == ExitCode.USAGE
 
     task_id = seeded.task_ids[0]
-    cancel_task = await ainvoke(["cancel", "--task", str(task_id)], env)
+    cancel_task = await ainvoke(["cancel", "--task", str(task_id), "--yes"], env)
     assert cancel_task.exit_code == 0, cancel_task.output
-    already = await ainvoke(["cancel", "--task", str(task_id)], env)
+    already = await ainvoke(["tasks", "cancel", str(task_id), "--yes"], env)
     assert already.exit_code == 0  # cancelling a cancelled task is idempotent
-    no_task = await ainvoke(["cancel", "--task", "987654"], env)
+    no_task = await ainvoke(["cancel", "--task", "987654", "--yes"], env)
     assert no_task.exit_code == ExitCode.FAILED
-    pruned = await ainvoke(["purge", "--tasks", "--older-than", "0s"], env)
+    pruned = await ainvoke(["purge", "--tasks", "--older-than", "0s", "--yes"], env)
     assert pruned.exit_code == 0
     assert "purged 1 terminal tasks" in pruned.stdout
     states = json.loads((await ainvoke(["tasks", "--json"], env)).stdout)["items"]
@@ -343,7 +353,8 @@ def test_unreachable_database_is_exit_4() -> None:
         {"STEEPLE_KEYS": fresh_key()},
     )
     assert result.exit_code == ExitCode.UNAVAILABLE
-    assert "PostgreSQL" in result.stderr or "connect" in result.stderr
+    assert "cannot connect to 127.0.0.1:1: connection refused" in result.stderr
+    assert "PostgreSQL is running" in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -166,6 +168,30 @@ async def test_demo_on_the_embedded_default(tmp_path: Path) -> None:
     assert (data / "journal.sqlite3").exists()
     # the server was stopped when the demo ended
     assert not (data / "pgdata" / "postmaster.pid").exists()
+    # Issue 14: it ends with the exact commands that show what it stored; each one runs as
+    # printed (with no environment) and starts the embedded server for its own run.
+    printed = [
+        shlex.split(line)[1:]
+        for line in result.stdout.splitlines()
+        if line.startswith("  steeple ")
+    ]
+    assert [args[0] for args in printed] == ["schedules", "occurrences", "tasks", "jobs", "keys"]
+    outputs = {}
+    for args in printed:
+        shown = await _run([*args, "--json"], _env(), tmp_path, 120)
+        assert shown.returncode == 0, (args, shown.stdout + shown.stderr)
+        assert "superuser" not in shown.stderr  # the embedded server's role is its own
+        outputs[args[0]] = json.loads(shown.stdout)
+    assert {s["name"] for s in outputs["schedules"]["items"]} == {
+        "heartbeat",
+        "digest",
+        "cache-refresh",
+    }
+    assert outputs["occurrences"]["items"]
+    assert outputs["tasks"]["items"]
+    assert [j["name"] for j in outputs["jobs"]["items"]]
+    assert outputs["keys"]["keys"][0]["records"] > 0
+    assert not (data / "pgdata" / "postmaster.pid").exists()  # stopped again
     fresh = await _run(["demo", "--duration", "2", "--fresh"], _env(), tmp_path, 120)
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     assert "created the DEMO key" in fresh.stdout

@@ -233,3 +233,24 @@ def test_definitions_are_frozen_and_hashable() -> None:
     assert hash(d) == hash(_definition())
     with pytest.raises(AttributeError):
         d.name = "x"  # type: ignore[misc]
+
+
+def test_from_fingerprint_rebuilds_the_configuration() -> None:
+    config = RecurringConfig("ns", 3, 4, delivery_window=timedelta(hours=2), lease_duration=30 * S)
+    assert RecurringConfig.from_fingerprint(config.fingerprint()) == config
+    good = config.fingerprint()
+    for bad in (
+        {},
+        {**good, "extra": 1},
+        {k: v for k, v in good.items() if k != "namespace"},
+        {**good, "lease_duration_ms": "30000"},
+        {**good, "lease_duration_ms": True},
+        {**good, "delivery_window_ms": 2**64},
+        {**good, "lease_duration_ms": 0},
+        {**good, "max_definitions": 10**9},
+        {**good, "namespace": "Not Valid"},
+    ):
+        with pytest.raises(RecurringConfigurationError):
+            RecurringConfig.from_fingerprint(bad)
+    with pytest.raises(RecurringConfigurationError):
+        RecurringConfig.from_fingerprint([1, 2])  # type: ignore[arg-type]

@@ -38,7 +38,9 @@ def expected(state: str, event: str) -> str | None:
             "release": "pending",
             "cancel": "cancelled",
         }.get(event)
-    return None  # succeeded, failed, cancelled accept nothing
+    if state == "failed":
+        return {"retry": "pending"}.get(event)  # an operator's retry (issue 14)
+    return None  # succeeded and cancelled accept nothing
 
 
 def _check(state: TaskState, event: TaskEvent) -> None:
@@ -70,6 +72,7 @@ def test_enums_are_exactly_the_contract() -> None:
         "LEASE_EXPIRED_FINAL",
         "RELEASE",
         "CANCEL",
+        "RETRY",
     ]
 
 
@@ -108,9 +111,13 @@ def test_table_rows_and_terminal_states() -> None:
         if expected(s.value, e.value) is not None
     }
     assert {s.value for s in TERMINAL_TASK_STATES} == {"succeeded", "failed", "cancelled"}
+    # Terminal states accept nothing but an operator's retry of a failed task.
     assert {
-        s for s in TaskState if all(expected(s.value, e.value) is None for e in TaskEvent)
+        s
+        for s in TaskState
+        if all(expected(s.value, e.value) is None for e in TaskEvent if e is not TaskEvent.RETRY)
     } == TERMINAL_TASK_STATES
+    assert {s for (s, e) in TASK_TRANSITIONS if e is TaskEvent.RETRY} == {TaskState.FAILED}
     with pytest.raises(TypeError):
         TASK_TRANSITIONS[(TaskState.FAILED, TaskEvent.CLAIM)] = TaskState.RUNNING  # type: ignore[index]
 
@@ -157,7 +164,7 @@ def test_every_move_out_of_running_is_one_of_the_outcomes_a_store_writes() -> No
     # Each event a store records for a running task has exactly one row: nothing a worker
     # or a recovery writes is left to the store to decide.
     outcomes = {e for (s, e) in TASK_TRANSITIONS if s is TaskState.RUNNING}
-    assert outcomes == set(TaskEvent) - {TaskEvent.CLAIM}
+    assert outcomes == set(TaskEvent) - {TaskEvent.CLAIM, TaskEvent.RETRY}
 
 
 NOW = datetime(2031, 7, 9, 10, 11, 12, 345000, tzinfo=UTC)

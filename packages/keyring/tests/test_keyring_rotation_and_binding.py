@@ -437,3 +437,24 @@ def test_binding_status_and_error_reprs_hide_values() -> None:
     text = str(caught.value) + repr(caught.value)
     assert "secret_field" in text
     assert "MARKER" not in text
+
+
+def test_binding_fields_give_operators_the_stored_values() -> None:
+    """Issue 14: an operator holding the keys reads what a namespace was initialized with."""
+    ring = Keyring(key(1))
+    binding = ring.seal_binding(CONFIG, namespace="billing")
+    assert ring.binding_fields(binding, namespace="billing") == CONFIG
+    assert Keyring(key(2), key(1)).binding_fields(bytearray(binding), namespace="billing") == (
+        CONFIG
+    )
+    with pytest.raises(UnknownKeyIdError):
+        Keyring(key(2)).binding_fields(binding, namespace="billing")
+    with pytest.raises(AuthenticationFailedError):
+        Keyring(StorageKey("k1", b"\x09" * 32)).binding_fields(binding, namespace="billing")
+    with pytest.raises(AuthenticationFailedError):
+        ring.binding_fields(binding, namespace="payroll")
+    other = ring.seal(
+        b"{}", namespace="billing", purpose=BINDING_PURPOSE, identity=BINDING_IDENTITY
+    )
+    with pytest.raises(MalformedEnvelopeError):
+        ring.binding_fields(other, namespace="billing")

@@ -27,6 +27,7 @@ from steeple.core.tasks import (
     transition,
 )
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
+from steeple.postgres.queue._admin_sql import admin_sql
 from steeple.postgres.queue._sql import queue_sql
 
 NAME = "lifecycle"
@@ -96,6 +97,11 @@ def test_constraints_and_indexes_match_the_table() -> None:
 
 def test_the_states_in_the_statements_are_the_tables() -> None:
     sql = queue_sql("s")
+    # The operator's retry moves failed tasks to pending; a live dedup key blocks it.
+    retry = admin_sql("s").retry
+    assert "target.state IN ('failed')" in retry
+    assert "SET state = 'pending'" in retry
+    assert "d.state IN ('pending', 'running')" in retry
     assert "state IN ('pending', 'running')" in sql.enqueue  # the dedup index's predicate
     assert "state IN ('succeeded', 'failed', 'cancelled')" in sql.prune  # retention index
     for statement in (sql.enqueue, sql.find_duplicate, sql.cancel, sql.prune):
@@ -177,6 +183,12 @@ async def test_each_statement_makes_the_move_of_its_event(queue: Any) -> None:
     running = await db.enqueue()
     await db.claim(running)
     await db.moved(running, TaskEvent.CANCEL, sql.cancel, running)
+    # An operator's retry of a failed task (steeple.postgres.queue.admin).
+    await db.moved(failed, TaskEvent.RETRY, admin_sql(schema).retry, failed)
+    # A task that is not failed is not retried: the table has no such move.
+    assert (await conn.fetchrow(admin_sql(schema).retry, ok))[1] == 0
+    assert await db.state(ok) is TaskState.SUCCEEDED
+
     # A terminal task is not cancelled: the table has no such move, the SQL makes none.
     assert (await conn.fetchrow(sql.cancel, ok))[1] == 0
     assert await db.state(ok) is TaskState.SUCCEEDED
@@ -234,5 +246,6 @@ def test_every_event_the_sql_writes_is_covered_here(event: TaskEvent) -> None:
         TaskEvent.LEASE_EXPIRED,
         TaskEvent.LEASE_EXPIRED_FINAL,
         TaskEvent.CANCEL,
+        TaskEvent.RETRY,
     }
     assert event in covered

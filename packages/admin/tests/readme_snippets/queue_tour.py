@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import asyncpg
 
+from steeple.admin.embedded import database_url
 from steeple.postgres import queue
 from steeple.postgres.queue import EnqueueOptions, JobContext, JobError, Scheduler, Task
 
@@ -19,8 +20,7 @@ async def handle_send_email(ctx: JobContext, args: dict[str, str]) -> None:
     print("sent to", args["to"], "run", ctx.run_id)
 
 
-async def main() -> None:
-    dsn = os.environ["STEEPLE_DATABASE_URL"]
+async def main(dsn: str) -> None:
     schema = os.environ.get("STEEPLE_QUEUE_SCHEMA", "steeple_queue")
     conn = await asyncpg.connect(dsn)
     await queue.install(conn, schema=schema)  # or: steeple migrate
@@ -56,4 +56,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    # STEEPLE_DATABASE_URL if set, else a private PostgreSQL in .steeple/tour (pgserver).
+    with database_url(".steeple/tour") as dsn:
+        asyncio.run(main(dsn))

@@ -2,50 +2,77 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, urlsplit
 
 import attrs
 
 from steeple.admin.settings import (
+    DSN_ENV,
+    SETTINGS_FILE,
     CliError,
     ExitCode,
     NamespaceSettings,
+    format_duration,
     load_keyring,
     redact_dsn,
 )
-from steeple.core.clock import SystemClock
 from steeple.core.dsn import scrub
 from steeple.core.errors import (
+    AuthenticationFailedError,
     BrokerError,
     ConfigurationError,
+    KeyringBindingMismatchError,
     KeyringError,
     RecurringCapacityError,
     RecurringConflictError,
     RecurringInvalidStateError,
     RecurringNotFoundError,
+    RecurringSchemaVersionError,
     RecurringStorageError,
     SteepleError,
+    UnknownKeyIdError,
 )
-from steeple.core.ports import Clock
 
 if TYPE_CHECKING:
+    from steeple.core.config import RecurringConfig
+    from steeple.core.ports import Clock
     from steeple.keyring import Keyring
     from steeple.postgres import PostgresRecurringStore
 
-__all__ = ["Target", "classify", "connect_store", "initialize_store"]
+__all__ = [
+    "Target",
+    "classify",
+    "connect_store",
+    "initialize_store",
+    "keyring_from",
+    "quiet_role_warnings",
+    "server_of",
+]
 
 
 @attrs.frozen
 class Target:
-    """Where a command works: a server, a schema, a namespace and how to find the keys."""
+    """Where a command works: a server, a schema, a namespace and how to find the keys.
+
+    ``keys_file`` is the keys file to read (``--keys-file``); ``fallback_keys_file`` the one
+    a settings file names, read only when neither the option nor ``STEEPLE_KEYS`` is set.
+    """
 
     dsn: str = attrs.field(repr=lambda dsn: repr(redact_dsn(dsn)))
     schema: str
     settings: NamespaceSettings
     keys_file: Path | None = None
     queue_schema_override: str | None = None
+    fallback_keys_file: Path | None = None
+    embedded: bool = False
+    """The server is the embedded PostgreSQL (a private cluster, run as its superuser)."""
 
     @property
     def namespace(self) -> str:
@@ -60,10 +87,62 @@ class Target:
     def keyring(self) -> Keyring:
         """Load the keyring (see :func:`steeple.admin.settings.load_keyring`).
 
+        ``--keys-file`` first, then ``STEEPLE_KEYS``, then the settings file's keys file.
+
         Raises:
             CliError: (config) no or malformed keys.
         """
-        return load_keyring(self.keys_file)
+        return keyring_from(self.keys_file, self.fallback_keys_file)
+
+
+def keyring_from(keys_file: Path | None, fallback: Path | None = None) -> Keyring:
+    """Load the keyring: ``keys_file``, else ``STEEPLE_KEYS``, else ``fallback``.
+
+    Raises:
+        CliError: (config) no or malformed keys.
+    """
+    import os
+
+    from steeple.admin.settings import KEYS_ENV
+
+    chosen = keys_file
+    if chosen is None and not os.environ.get(KEYS_ENV, "").strip():
+        chosen = fallback
+    return load_keyring(chosen)
+
+
+class _RoleWarnings(logging.Filter):
+    """Hold back the store's runtime-role warnings (superuser, owner, CREATE)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "runtime role" in message or "superuser" in message:
+            self.held.append(message)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def quiet_role_warnings() -> Iterator[list[str]]:
+    """Hold back the runtime-role warnings the recurring store logs while opening.
+
+    For commands run by the deployment role (``initialize``, the demo), where a
+    superuser is expected. Yields the list of the messages held back.
+    """
+    quiet = _RoleWarnings()
+    # Logger filters see only records logged on that very logger, not on its children.
+    loggers = [logging.getLogger(n) for n in ("steeple.postgres", "steeple.postgres.recurring")]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield quiet.held
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
 
 
 async def initialize_store(
@@ -91,46 +170,259 @@ async def connect_store(
 async def _open_store(
     target: Target, clock: Clock | None, keyring: Keyring | None, *, initialize: bool
 ) -> PostgresRecurringStore:
+    from steeple.core.clock import SystemClock
     from steeple.postgres import PostgresRecurringStore
 
     opener = PostgresRecurringStore.initialize if initialize else PostgresRecurringStore.connect
+    keys = keyring or target.keyring()
+    # The embedded server's only role is its superuser: a warning about it helps nobody.
+    quiet = quiet_role_warnings() if target.embedded else contextlib.nullcontext()
     try:
-        return await opener(
-            target.dsn,
-            target.settings.config(),
-            keyring or target.keyring(),
-            clock or SystemClock(),
-            schema=target.schema,
-        )
+        with quiet:
+            return await opener(
+                target.dsn,
+                target.settings.config(),
+                keys,
+                clock or SystemClock(),
+                schema=target.schema,
+            )
     except Exception as exc:
+        if _cause(exc, KeyringBindingMismatchError) is not None:
+            described = await _describe_mismatch(target, keys)
+            if described is not None:
+                raise described from exc
         raise classify(exc, target) from exc
 
 
-def _is_driver_unavailable(exc: BaseException) -> bool:
-    if isinstance(exc, OSError | ConnectionError | asyncio.TimeoutError | TimeoutError):
-        return True
-    module = type(exc).__module__
-    name = type(exc).__name__
-    if module.startswith(("asyncpg", "psycopg")):
-        return name in {
-            "ConnectionDoesNotExistError",
-            "CannotConnectNowError",
-            "ConnectionFailureError",
-            "InvalidCatalogNameError",
-            "TooManyConnectionsError",
-            "OperationalError",
-            "InterfaceError",
-            "ClientCannotConnectError",
-            "ConnectionRejectionError",
-            "InvalidAuthorizationSpecificationError",
-            "InvalidPasswordError",
-        }
-    return False
+def _cause(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """Return the first exception of type ``kind`` in ``exc``'s cause/context chain."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+_OPTIONS = {
+    "max_definitions": "--max-definitions",
+    "max_occurrences": "--max-occurrences",
+    "delivery_window": "--delivery-window",
+    "lease": "--lease",
+}
+
+
+def _values(config: RecurringConfig) -> dict[str, str]:
+    return {
+        "max_definitions": str(config.max_definitions),
+        "max_occurrences": str(config.max_occurrences),
+        "delivery_window": format_duration(config.delivery_window),
+        "lease": format_duration(config.lease_duration),
+    }
+
+
+async def _describe_mismatch(target: Target, keyring: Keyring) -> CliError | None:
+    """Name the values the namespace was initialized with (the keys open its binding).
+
+    ``None`` when they cannot be read (the caller reports the store's error instead).
+    """
+    import asyncpg
+
+    from steeple.core.config import RecurringConfig
+    from steeple.postgres.recurring import admin
+
+    try:
+        conn = await asyncpg.connect(target.dsn, timeout=10)
+        try:
+            binding = await admin.namespace_binding(
+                conn, schema=target.schema, namespace=target.namespace
+            )
+        finally:
+            await conn.close()
+        if binding is None:
+            return None
+        fields = keyring.binding_fields(binding.sealed, namespace=target.namespace)
+        stored = _values(RecurringConfig.from_fingerprint(fields))
+        given = _values(target.settings.config())
+    except (OSError, asyncpg.PostgresError, SteepleError, CliError):
+        return None
+    differ = [name for name in stored if stored[name] != given[name]]
+    if not differ:
+        return None
+    quoted = {"delivery_window", "lease"}
+    return CliError(
+        f"namespace {target.namespace!r} was initialized with "
+        + ", ".join(f"{name}={stored[name]}" for name in differ)
+        + "; this command used "
+        + ", ".join(f"{name}={given[name]}" for name in differ),
+        code=ExitCode.CONFIG,
+        hint=f"write them once in {SETTINGS_FILE}: "
+        + ", ".join(
+            f'{name} = "{stored[name]}"' if name in quoted else f"{name} = {stored[name]}"
+            for name in differ
+        )
+        + " (or pass "
+        + " ".join(f"{_OPTIONS[name]} {stored[name]}" for name in differ)
+        + ")",
+    )
+
+
+# --- error classification ---------------------------------------------------------------
+
+
+def server_of(dsn: str) -> str:
+    """Return ``host:port`` (or the socket directory) a DSN names, for messages."""
+    try:
+        parts = urlsplit(dsn)
+        query = parse_qs(parts.query)
+        host = parts.hostname or (query.get("host") or [""])[0] or "localhost"
+        port = parts.port or (query.get("port") or ["5432"])[0]
+    except ValueError:
+        return "the server"
+    if host.startswith("/"):
+        return f"the socket in {host}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _from_driver(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith(("asyncpg", "psycopg"))
+
+
+def _driver_error(exc: BaseException) -> BaseException | None:
+    """Return the driver or network exception behind ``exc`` (itself, a cause, a context)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        # The library's own errors (some are also OSError or TimeoutError) wrap the cause.
+        ours = isinstance(current, SteepleError)
+        if _from_driver(current) or (isinstance(current, OSError | TimeoutError) and not ours):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _server_message(exc: BaseException) -> str:
+    """Return the server's own words: message, then detail and hint when it sent them."""
+    text = str(exc) or type(exc).__name__
+    for extra in ("detail", "hint"):
+        value = getattr(exc, extra, None)
+        if isinstance(value, str) and value and value not in text:
+            text += f" ({value})"
+    return text
+
+
+_DSN_HINT = f"fix --dsn / {DSN_ENV} (or dsn in {SETTINGS_FILE})"
+
+
+def _connection_problem(driver: BaseException, target: Target | None) -> CliError | None:
+    """Tell a failure to connect in the server's (or the network's) words."""
+    server = server_of(target.dsn) if target else "the server"
+    state = getattr(driver, "sqlstate", None)
+    name = type(driver).__name__
+    config = ExitCode.CONFIG
+    if name == "ClientConfigurationError":
+        # asyncpg refusing a connection option: an unknown sslmode, a missing root cert...
+        return CliError(
+            f"the connection settings are refused: {_server_message(driver)}",
+            code=config,
+            hint=_DSN_HINT,
+        )
+    if state == "3D000":
+        return CliError(
+            f"{_server_message(driver)} on {server}",
+            code=config,
+            hint=f"create it (CREATE DATABASE) or fix the database name in {_DSN_HINT[4:]}",
+        )
+    if state == "28P01":
+        return CliError(
+            f"{_server_message(driver)} ({server})",
+            code=config,
+            hint="check the user and password (in the DSN, PGPASSWORD or ~/.pgpass)",
+        )
+    if state == "28000":
+        return CliError(
+            f"{_server_message(driver)} ({server})",
+            code=config,
+            hint="check the user name in the DSN, and the server's pg_hba.conf for this "
+            "client, user and database",
+        )
+    if state in {"53300", "57P03"}:
+        return CliError(
+            f"{_server_message(driver)} ({server})",
+            code=ExitCode.UNAVAILABLE,
+            hint="try again shortly"
+            + ("; or raise max_connections / lower pool sizes" if state == "53300" else ""),
+        )
+    if isinstance(driver, ssl.SSLCertVerificationError):
+        reason = driver.verify_message or driver.reason or str(driver)
+        return CliError(
+            f"TLS verification of {server} failed: {reason}",
+            code=config,
+            hint="with sslmode=verify-full the server's certificate must be signed by the CA "
+            "in sslrootcert and name the host of the DSN",
+        )
+    if isinstance(driver, ssl.SSLError):
+        return CliError(
+            f"the TLS handshake with {server} failed: {driver.reason or driver}",
+            code=config,
+            hint="check the server's TLS setup and the DSN's sslmode, sslrootcert, sslcert",
+        )
+    if isinstance(driver, ConnectionError) and "SSL" in str(driver):
+        return CliError(
+            f"{server} does not accept TLS connections ({driver})",
+            code=config,
+            hint="enable ssl on the server, or connect over a Unix socket or loopback",
+        )
+    if isinstance(driver, FileNotFoundError | PermissionError) and target is not None:
+        query = parse_qs(urlsplit(target.dsn).query) if "?" in target.dsn else {}
+        files = [f"{k}={v[0]}" for k, v in query.items() if k.startswith("ssl") and v]
+        files = [f for f in files if not f.startswith("sslmode=")]
+        if files:
+            return CliError(
+                f"cannot read the TLS file the DSN names ({', '.join(files)}): "
+                f"{driver.strerror or name}",
+                code=config,
+                hint="fix the path in the DSN",
+            )
+    if isinstance(driver, socket.gaierror):
+        return CliError(
+            f"cannot resolve the host of {server}: {driver.strerror or driver}",
+            code=config,
+            hint=f"check the host name in {_DSN_HINT[4:]}",
+        )
+    if isinstance(driver, ConnectionRefusedError):
+        return CliError(
+            f"cannot connect to {server}: connection refused",
+            code=ExitCode.UNAVAILABLE,
+            hint="check that PostgreSQL is running there and the DSN names the right host and port",
+        )
+    if isinstance(driver, TimeoutError):
+        return CliError(
+            f"no answer from {server} in time",
+            code=ExitCode.UNAVAILABLE,
+            hint="check that the server is up and reachable (firewall, host, port)",
+        )
+    if isinstance(driver, OSError) and not _from_driver(driver):
+        return CliError(
+            f"cannot reach {server}: {driver.strerror or driver or name}",
+            code=ExitCode.UNAVAILABLE,
+            hint="check that PostgreSQL is running and the DSN names the right host and port",
+        )
+    if name in {"ConnectionDoesNotExistError", "ConnectionFailureError", "InterfaceError"}:
+        return CliError(
+            f"the connection to {server} was lost: {_server_message(driver)}",
+            code=ExitCode.UNAVAILABLE,
+            hint="try again; check the server's log if it persists",
+        )
+    return None
 
 
 def _is_data_exception(exc: BaseException | None) -> bool:
     """Whether ``exc`` is a driver error of SQLSTATE class 22 (data exception)."""
-    if exc is None or not type(exc).__module__.startswith(("asyncpg", "psycopg")):
+    if exc is None or not _from_driver(exc):
         return False
     state = getattr(exc, "sqlstate", None)
     return isinstance(state, str) and state.startswith("22")
@@ -139,9 +431,9 @@ def _is_data_exception(exc: BaseException | None) -> bool:
 def classify(exc: BaseException, target: Target | None = None) -> CliError:
     """Map any failure to a one-line :class:`CliError` with an exit code and a hint.
 
-    Configuration and key problems exit 3, unreachable services 4, refused operations 1,
-    arguments PostgreSQL refuses as data (SQLSTATE class 22) 2. The message is scrubbed of
-    the target DSN's secrets.
+    Configuration, DSN and key problems exit 3, unreachable services 4, refused operations
+    1, arguments PostgreSQL refuses as data (SQLSTATE class 22) 2. A failure the server
+    reported is told in its own words. The message is scrubbed of the target DSN's secrets.
     """
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         # A TaskGroup (worker, demo) wraps the failure that stopped it: report that one.
@@ -157,39 +449,61 @@ def classify(exc: BaseException, target: Target | None = None) -> CliError:
     return error
 
 
+_KEYS_HINT = (
+    "supply the keys this namespace was sealed with (STEEPLE_KEYS, --keys-file or keys_file "
+    f"in {SETTINGS_FILE})"
+)
+
+
 def _classify(exc: BaseException, target: Target | None) -> CliError:
     if isinstance(exc, CliError):
         return exc
     where = f" ({redact_dsn(target.dsn)}, schema {target.schema!r})" if target else ""
-    if isinstance(exc, RecurringNotFoundError | RecurringInvalidStateError):
-        return CliError(str(exc), code=ExitCode.FAILED)
-    if isinstance(exc, RecurringConflictError | RecurringCapacityError):
-        return CliError(str(exc), code=ExitCode.FAILED)
-    if isinstance(exc, KeyringError) and not isinstance(exc, ConfigurationError):
+    if isinstance(
+        exc,
+        RecurringNotFoundError
+        | RecurringInvalidStateError
+        | RecurringConflictError
+        | RecurringCapacityError,
+    ):
+        hint = "run steeple initialize first" if "initialize" in str(exc) else None
+        code = ExitCode.CONFIG if hint else ExitCode.FAILED
+        return CliError(str(exc), code=code, hint=hint)
+    mismatch = _cause(exc, KeyringBindingMismatchError)
+    if mismatch is not None:
         return CliError(
-            str(exc),
+            str(mismatch),
             code=ExitCode.CONFIG,
-            hint="supply the keys this namespace was sealed with (STEEPLE_KEYS or --keys-file)",
+            hint=f"use the namespace's settings (max_definitions, max_occurrences, "
+            f"delivery_window, lease in {SETTINGS_FILE} or the options of the same names)",
         )
-    if isinstance(exc, ConfigurationError):
-        hint = None
-        if "binding" in str(exc):
-            hint = (
-                "pass the keys and the --max-definitions / --max-occurrences / "
-                "--delivery-window / --lease the namespace was initialized with"
-            )
-        return CliError(str(exc), code=ExitCode.CONFIG, hint=hint)
-    name = type(exc).__name__
-    if name == "SchemaVersionMismatchError":
-        return CliError(str(exc), code=ExitCode.CONFIG, hint="run `steeple migrate`")
+    unknown = _cause(exc, UnknownKeyIdError)
+    if isinstance(unknown, UnknownKeyIdError):
+        return CliError(
+            f"the namespace is sealed under key id {unknown.key_id!r}, which the keys given "
+            "do not hold",
+            code=ExitCode.CONFIG,
+            hint=f"add that key (as a previous key) to the keys; {_KEYS_HINT}",
+        )
+    if _cause(exc, AuthenticationFailedError) is not None:
+        return CliError(
+            "the keys given do not open this namespace's records (a key id they share "
+            "holds other key material)",
+            code=ExitCode.CONFIG,
+            hint=_KEYS_HINT,
+        )
+    if isinstance(exc, KeyringError) and not isinstance(exc, ConfigurationError):
+        return CliError(str(exc), code=ExitCode.CONFIG, hint=_KEYS_HINT)
+    if isinstance(exc, RecurringSchemaVersionError):
+        return CliError(str(exc) + where, code=ExitCode.CONFIG)
+    if type(exc).__name__ == "SchemaVersionMismatchError":
+        return CliError(str(exc), code=ExitCode.CONFIG, hint="run steeple migrate")
+    driver = _driver_error(exc)
+    if driver is not None:
+        problem = _connection_problem(driver, target)
+        if problem is not None:
+            return problem
     for candidate in (exc, exc.__cause__):
-        if type(candidate).__name__ == "ClientConfigurationError":
-            # asyncpg refusing a connection option (e.g. an unknown sslmode).
-            return CliError(
-                f"PostgreSQL connection settings refused{where}: {candidate}",
-                code=ExitCode.CONFIG,
-                hint="fix --dsn / STEEPLE_DATABASE_URL",
-            )
         if _is_data_exception(candidate):
             # PostgreSQL refused a value as data (a NUL, an undecodable character, a number
             # out of range): the argument is wrong, not the server.
@@ -200,43 +514,19 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
                 hint="remove NUL, control characters and undecodable bytes; keep numbers "
                 "within 64 bits",
             )
+    if isinstance(exc, ConfigurationError):
+        return CliError(str(exc), code=ExitCode.CONFIG)
     if isinstance(exc, RecurringStorageError):
         text = str(exc)
-        lowered = text.lower()
-        if exc.__cause__ is not None and _is_driver_unavailable(exc.__cause__):
-            # Checked first: the message starts with the operation ("initialize: ...").
-            return CliError(
-                text + where,
-                code=ExitCode.UNAVAILABLE,
-                hint="check that PostgreSQL is running and --dsn is right",
-            )
-        if "not initialized" in lowered or "does not exist" in lowered or "initialize" in lowered:
-            return CliError(
-                text + where, code=ExitCode.CONFIG, hint="run `steeple initialize` first"
-            )
-        if any(word in lowered for word in ("connect", "unavailable", "refused", "timeout")):
-            return CliError(
-                text + where,
-                code=ExitCode.UNAVAILABLE,
-                hint="check that PostgreSQL is running and --dsn is right",
-            )
+        if "initialize" in text.lower():
+            return CliError(text + where, code=ExitCode.CONFIG, hint="run steeple initialize first")
+        if driver is not None and _from_driver(driver):
+            text += f": {_server_message(driver)}"
         return CliError(text + where, code=ExitCode.UNAVAILABLE)
     if isinstance(exc, BrokerError):
         return CliError(str(exc), code=ExitCode.UNAVAILABLE, hint="check the broker")
-    if _is_driver_unavailable(exc):
-        detail = str(exc) or name
-        return CliError(
-            f"cannot reach PostgreSQL{where}: {detail}",
-            code=ExitCode.UNAVAILABLE,
-            hint="check that the server is running and --dsn / STEEPLE_DATABASE_URL is right",
-        )
     if isinstance(exc, SteepleError):
         return CliError(str(exc), code=ExitCode.FAILED)
-    if type(exc).__module__.startswith(("asyncpg", "psycopg")):
-        return CliError(f"PostgreSQL refused{where}: {exc}", code=ExitCode.FAILED)
-    return CliError(f"unexpected {name}: {exc}", code=ExitCode.FAILED)
-
-
-def describe(value: Any) -> str:
-    """Short text for a value in a message."""
-    return repr(value) if isinstance(value, str) else str(value)
+    if _from_driver(exc):
+        return CliError(f"PostgreSQL refused{where}: {_server_message(exc)}", code=ExitCode.FAILED)
+    return CliError(f"unexpected {type(exc).__name__}: {exc}", code=ExitCode.FAILED)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import signal
+import socket
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -30,9 +30,16 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from steeple.admin._backend import Target, initialize_store
+from steeple.admin._backend import Target, initialize_store, quiet_role_warnings
 from steeple.admin.embedded import EmbeddedPostgres
-from steeple.admin.settings import CliError, ExitCode, NamespaceSettings, redact_dsn
+from steeple.admin.settings import (
+    SETTINGS_FILE,
+    CliError,
+    ExitCode,
+    NamespaceSettings,
+    format_duration,
+    redact_dsn,
+)
 from steeple.core.clock import SystemClock
 from steeple.core.config import RecurringDefinition
 from steeple.core.errors import BrokerError, RecurringClockError, RelayAcknowledgementError
@@ -46,13 +53,22 @@ if TYPE_CHECKING:
     from steeple.keyring import Keyring
     from steeple.postgres import PostgresRecurringStore
 
-__all__ = ["AcceleratedClock", "DemoOptions", "DemoSummary", "run_demo"]
+__all__ = [
+    "AcceleratedClock",
+    "DemoOptions",
+    "DemoSummary",
+    "demo_settings",
+    "print_inspect_commands",
+    "run_demo",
+    "write_settings_file",
+]
 
 DEMO_KEY_ID = "demo-key"
 DEMO_BACKDATE = timedelta(hours=6)
 """How far before real time a new demo namespace's accelerated clock starts."""
 _KEY_FILE = "demo.key"
 _JOURNAL_FILE = "journal.sqlite3"
+_SETTINGS_FILE = SETTINGS_FILE
 
 
 class AcceleratedClock:
@@ -120,6 +136,8 @@ class DemoOptions:
     speed: float = 60.0
     lose_every: int = 7
     """Drop the broker's acknowledgement of every n-th publication (0: never)."""
+    serve: bool = False
+    """After the run, keep the database up and serve the dashboard until Ctrl-C."""
 
 
 @attrs.define
@@ -161,32 +179,97 @@ class DemoSummary:
 
 def _demo_keyring(data_dir: Path) -> tuple[Keyring, bool]:
     """Load the demo key kept in the data directory, or create it (mode 600)."""
-    from steeple.keyring import Keyring, StorageKey
+    from steeple.admin.settings import load_keyring, write_key_file
+    from steeple.keyring import StorageKey
 
     path = data_dir / _KEY_FILE
-    if path.exists():
-        text = path.read_text(encoding="utf-8").strip()
-        key_id, _, material = text.rpartition(":")
-        return Keyring(StorageKey.from_base64(key_id, material)), False
-    key = StorageKey.generate(DEMO_KEY_ID)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(f"{key.key_id}:{key.to_base64()}\n")
-    return Keyring(key), True
+    created = not path.exists()
+    if created:
+        write_key_file(path, StorageKey.generate(DEMO_KEY_ID))
+    return load_keyring(path), created
 
 
-class _SuperuserNote(logging.Filter):
-    """Hold back the store's superuser warning: the demo explains it in its own words."""
+def demo_settings(namespace: str) -> NamespaceSettings:
+    """Return the demo namespace's settings (a 5-minute lease: its clock runs 60x)."""
+    return NamespaceSettings(
+        namespace,
+        max_definitions=100,
+        max_occurrences=100_000,
+        delivery_window=timedelta(days=1),
+        lease_duration=timedelta(seconds=300),
+    )
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = False
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "superuser" in record.getMessage():
-            self.seen = True
-            return False
-        return True
+def _toml_string(value: str) -> str:
+    # A TOML basic string: JSON's escapes, plus DEL, which TOML wants escaped too.
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def write_settings_file(options: DemoOptions) -> Path:
+    """Write ``steeple.toml`` into the data directory: the demo namespace's settings.
+
+    Every command given ``--config`` with it works on what the demo stored; with the
+    embedded server, each starts it for its own run.
+    """
+    settings = demo_settings(options.namespace)
+    lines = [
+        "# Written by steeple demo: the settings of the demo's namespace. Every steeple",
+        "# command given --config with this file works on what the demo stored.",
+    ]
+    if options.dsn is None:
+        lines.append('embedded = "."  # the embedded PostgreSQL in this directory (pgdata/)')
+    else:
+        lines.append("# the database: --dsn or STEEPLE_DATABASE_URL, as for the demo")
+    lines += [
+        f"schema = {_toml_string(options.schema)}",
+        f"namespace = {_toml_string(options.namespace)}",
+        f"keys_file = {_toml_string(_KEY_FILE)}",
+        f"max_definitions = {settings.max_definitions}",
+        f"max_occurrences = {settings.max_occurrences}",
+        f"delivery_window = {_toml_string(format_duration(settings.delivery_window))}",
+        f"lease = {_toml_string(format_duration(settings.lease_duration))}",
+        "",
+    ]
+    path = options.data_dir / _SETTINGS_FILE
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def _shown_path(path: Path) -> str:
+    import shlex
+
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:
+        relative = str(path)
+    return shlex.quote(str(path) if relative.startswith("..") else relative)
+
+
+def print_inspect_commands(options: DemoOptions, config: Path, dsn: str, console: Console) -> None:
+    """Print the commands that show what the demo stored (each one exactly as typed)."""
+    shown = _shown_path(config)
+    if options.dsn is None:
+        console.print(
+            "inspect what the demo stored (each command starts the embedded PostgreSQL in "
+            f"{_shown_path(options.data_dir)} for its run):",
+            markup=False,
+        )
+    else:
+        console.print(
+            "inspect what the demo stored (with --dsn or STEEPLE_DATABASE_URL naming its "
+            f"database, {redact_dsn(dsn)}):",
+            markup=False,
+        )
+    for command in ("schedules", "occurrences", "tasks", "jobs", "keys show"):
+        console.print(f"  steeple {command} --config {shown}", markup=False)
+    console.print(
+        f"  STEEPLE_ADMIN_TOKEN=<16+ characters> steeple admin serve --config {shown}",
+        markup=False,
+    )
+    console.print(
+        "or run the demo and keep its dashboard open until Ctrl-C: steeple demo --serve",
+        markup=False,
+    )
 
 
 def _definitions(start: datetime) -> list[RecurringDefinition]:
@@ -250,8 +333,17 @@ def _progress(
     return Panel(table, title="steeple demo", border_style="cyan")
 
 
-async def run_demo(options: DemoOptions, console: Console) -> DemoSummary:
-    """Run the demo and print live progress and a summary.
+async def run_demo(
+    options: DemoOptions,
+    console: Console,
+    *,
+    dashboard: socket.socket | None = None,
+    token: str | None = None,
+) -> DemoSummary:
+    """Run the demo and print live progress, a summary and how to inspect what it stored.
+
+    With ``options.serve``, then serve the dashboard on ``dashboard`` (a bound socket)
+    behind ``token`` until SIGINT or SIGTERM, the database still up.
 
     Raises:
         CliError: the database, the key or the journal is unusable; or the run delivered
@@ -270,19 +362,69 @@ async def run_demo(options: DemoOptions, console: Console) -> DemoSummary:
         console.print(f"database: {redact_dsn(dsn)} (schema {options.schema!r})", markup=False)
         if options.fresh and options.dsn is not None:
             await _drop_schemas(dsn, options.schema)
-        return await _run(options, dsn, console)
+        summary = await _run(options, dsn, console)
+        config = write_settings_file(options)
+        if options.serve and dashboard is not None:
+            await _serve_dashboard(options, dsn, dashboard, token, console)
+        else:
+            print_inspect_commands(options, config, dsn, console)
+        return summary
     finally:
         if embedded is not None:
             await asyncio.to_thread(embedded.stop)
 
 
+async def _serve_dashboard(
+    options: DemoOptions,
+    dsn: str,
+    sock: socket.socket,
+    token: str | None,
+    console: Console,
+) -> None:
+    import secrets
+
+    from steeple.admin.serve import serve
+
+    keyring, _ = _demo_keyring(options.data_dir)
+    target = Target(dsn, options.schema, demo_settings(options.namespace))
+    password = token or secrets.token_urlsafe(18)
+    if token is None:
+        console.print(
+            f"dashboard sign-in: any user name, password {password} (made for this run; set "
+            "STEEPLE_ADMIN_TOKEN to choose it)",
+            markup=False,
+        )
+    else:
+        console.print(
+            "dashboard sign-in: any user name, password STEEPLE_ADMIN_TOKEN", markup=False
+        )
+    with quiet_role_warnings():
+        await serve(
+            target,
+            keyring,
+            token=password,
+            csrf_token=secrets.token_urlsafe(24),
+            sock=sock,
+            announce=lambda line: _say(console, line),
+        )
+    console.print("steeple demo: dashboard stopped", markup=False)
+
+
+def _say(console: Console, line: str) -> None:
+    # Flushed: whoever waits for the dashboard's URL (a person, a script) sees it at once.
+    console.print(line, markup=False)
+    console.file.flush()
+
+
 async def _drop_schemas(dsn: str, schema: str) -> None:
     import asyncpg
+
+    from steeple.postgres.teardown import drop_schema
 
     conn = await asyncpg.connect(dsn, timeout=10)
     try:
         for name in (schema, f"{schema}_queue"):
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+            await drop_schema(conn, name)
     finally:
         await conn.close()
 
@@ -338,25 +480,11 @@ async def _run(options: DemoOptions, dsn: str, console: Console) -> DemoSummary:
         f"{data_dir / _KEY_FILE} (a demo key: never use it for real data)",
         markup=False,
     )
-    settings = NamespaceSettings(
-        options.namespace,
-        max_definitions=100,
-        max_occurrences=100_000,
-        delivery_window=timedelta(days=1),
-        lease_duration=timedelta(seconds=300),
-    )
+    settings = demo_settings(options.namespace)
     target = Target(dsn, options.schema, settings)
-    quiet = _SuperuserNote()
-    # Logger filters see only records logged on that very logger, not on its children.
-    loggers = [logging.getLogger(n) for n in ("steeple.postgres", "steeple.postgres.recurring")]
-    for logger in loggers:
-        logger.addFilter(quiet)
-    try:
+    with quiet_role_warnings() as held:
         store, clock = await _open_on_demo_time(target, keyring, options.speed, SystemClock())
-    finally:
-        for logger in loggers:
-            logger.removeFilter(quiet)
-    if quiet.seen:
+    if any("superuser" in message for message in held):
         console.print(
             "note: the demo connects as a superuser; production runs as a runtime role with "
             "only the grants in grants.sql",

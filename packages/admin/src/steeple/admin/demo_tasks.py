@@ -62,7 +62,7 @@ async def prepare(dsn: str, schema: str, summary: DemoSummary, duration: float) 
     try:
         async with pool.acquire() as conn:
             await queue.install(conn, schema=schema)
-            now = await conn.fetchval("SELECT clock_timestamp()")
+            now = await queue.admin.server_time(conn)
             async with conn.transaction():
                 for user in range(1, _EMAILS + 1):
                     await queue.enqueue(

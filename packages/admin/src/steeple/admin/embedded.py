@@ -7,10 +7,13 @@ only on a Unix socket inside the data directory and is stopped when the handle c
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
 import subprocess
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -19,7 +22,7 @@ import attrs
 
 from steeple.admin.settings import CliError, ExitCode
 
-__all__ = ["EmbeddedPostgres"]
+__all__ = ["EmbeddedPostgres", "database_url"]
 
 
 @attrs.define
@@ -122,3 +125,23 @@ def _is_root() -> bool:
     import os
 
     return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+@contextlib.contextmanager
+def database_url(data_dir: str | Path = ".steeple/tour") -> Iterator[str]:
+    """Yield ``STEEPLE_DATABASE_URL`` if it is set, else the embedded PostgreSQL's URL.
+
+    The embedded server (a private cluster in ``data_dir / "pgdata"``, kept between runs)
+    is started on entry and stopped on exit; with the variable set nothing is started. What
+    the README's tours use, so they run with no environment at all.
+
+    Raises:
+        CliError: (unavailable) the embedded server cannot start (e.g. ``pgserver`` is not
+            installed); (config) ``data_dir`` cannot be created.
+    """
+    given = os.environ.get("STEEPLE_DATABASE_URL")
+    if given:
+        yield given
+        return
+    with EmbeddedPostgres(Path(data_dir)) as dsn:
+        yield dsn

@@ -1,42 +1,42 @@
-"""Operator access to the PostgreSQL work queue (listing, cancelling, pruning tasks)."""
+"""Operator access to the PostgreSQL work queue: :class:`TaskAdmin` over ``steeple.postgres``.
+
+An adapter: the SQL lives in :mod:`steeple.postgres.queue.admin` (listings, counts,
+retries) and :mod:`steeple.postgres.queue` (cancel, prune), which also keep the fencing.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from steeple.admin.tasks import (
-    TaskRecord,
-    parse_task_cursor,
-    validate_task_id,
-    validate_task_state,
-)
+from steeple.admin.tasks import TaskRecord, validate_task_id
 from steeple.core.errors import ConfigurationError
 from steeple.core.policies import validate_budget
 from steeple.core.records import Page
 
-__all__ = ["PostgresTaskAdmin"]
+if TYPE_CHECKING:
+    from steeple.postgres.queue import TaskRun
 
-_COLUMNS = (
-    "id, task_name, state, attempts, max_attempts, run_at, created_at, updated_at, last_error"
-)
+__all__ = ["PostgresTaskAdmin", "task_record"]
 
 
-def _record(row: Any) -> TaskRecord:
+def task_record(run: TaskRun) -> TaskRecord:
+    """Return the admin's view of a queue task (metadata only)."""
     return TaskRecord(
-        task_id=int(row["id"]),
-        name=str(row["task_name"]),
-        state=str(row["state"]),
-        attempts=int(row["attempts"]),
-        max_attempts=int(row["max_attempts"]),
-        run_at=row["run_at"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        last_error=row["last_error"],
+        task_id=run.id,
+        name=run.task_name,
+        state=run.state.value,
+        attempts=run.attempts,
+        max_attempts=run.max_attempts,
+        run_at=run.run_at,
+        created_at=run.created_at,
+        # The latest instant a run records: finished, else started, else created.
+        updated_at=run.finished_at or run.started_at or run.created_at,
+        last_error=run.last_error,
     )
 
 
@@ -44,21 +44,12 @@ def _record(row: Any) -> TaskRecord:
 class PostgresTaskAdmin:
     """:class:`~steeple.admin.tasks.TaskAdmin` over an asyncpg pool and a queue schema.
 
-    Listing reads metadata columns only (never ``args`` or the lease token); cancelling and
-    pruning go through :mod:`steeple.postgres.queue`, so fencing stays the queue's job.
-
-    Raises:
-        ConfigurationError: an invalid schema name.
+    Listing reads metadata only (never ``args`` or the lease token); cancelling and pruning
+    go through :mod:`steeple.postgres.queue`, so fencing stays the queue's job.
     """
 
     pool: Any
     schema: str
-    _quoted: str = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        from steeple.postgres.queue._schema import validate_schema
-
-        self._quoted = validate_schema(self.schema)
 
     @classmethod
     @asynccontextmanager
@@ -66,29 +57,21 @@ class PostgresTaskAdmin:
         """Open a small pool on ``dsn`` for the duration of the block.
 
         Raises:
+            SchemaVersionMismatchError: the queue schema is not installed or not this
+                library's version.
+            QueueConfigurationError: an invalid schema name.
             OSError: the server cannot be reached (and driver errors).
         """
         import asyncpg
 
+        from steeple.postgres.queue import check_schema
+
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2, timeout=10)
         try:
-            admin = cls(pool, schema)
-            from steeple.postgres.queue import check_schema
-
             await check_schema(pool, schema)
-            yield admin
+            yield cls(pool, schema)
         finally:
             await pool.close()
-
-    async def _fetch(self, sql: str, *args: Any) -> list[Any]:
-        import asyncpg
-
-        from steeple.postgres.queue import LIBRARY_SCHEMA_VERSION, SchemaVersionMismatchError
-
-        try:
-            return list(await self.pool.fetch(sql, *args))
-        except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
-            raise SchemaVersionMismatchError(self.schema, 0, LIBRARY_SCHEMA_VERSION) from None
 
     async def tasks(
         self, *, after: str | None = None, limit: int = 100, state: str | None = None
@@ -98,21 +81,13 @@ class PostgresTaskAdmin:
         Raises:
             ConfigurationError: a bad cursor, limit or state.
         """
+        from steeple.postgres.queue import admin
+
         validate_budget(limit, "limit")
-        position = parse_task_cursor(after)
-        if state is not None:
-            validate_task_state(state)
-        rows = await self._fetch(
-            f"SELECT {_COLUMNS} FROM {self._quoted}.tasks"
-            " WHERE id > $1 AND ($2::text IS NULL OR state = $2)"
-            " ORDER BY id LIMIT $3",
-            position,
-            state,
-            limit + 1,
+        page = await admin.list_tasks(
+            self.pool, schema=self.schema, state=state, after=after, limit=limit
         )
-        items = [_record(r) for r in rows[:limit]]
-        cursor = str(items[-1].task_id) if len(rows) > limit else None
-        return Page(items=items, next_cursor=cursor)
+        return Page(items=[task_record(t) for t in page.items], next_cursor=page.next_cursor)
 
     async def task(self, task_id: int) -> TaskRecord | None:
         """Return one task's metadata, or ``None``.
@@ -120,18 +95,20 @@ class PostgresTaskAdmin:
         Raises:
             ConfigurationError: not a task id.
         """
+        from steeple.postgres import queue
+
         validate_task_id(task_id)
-        rows = await self._fetch(
-            f"SELECT {_COLUMNS} FROM {self._quoted}.tasks WHERE id = $1", task_id
-        )
-        return _record(rows[0]) if rows else None
+        try:
+            return task_record(await queue.run_state(self.pool, task_id, schema=self.schema))
+        except queue.TaskNotFoundError:
+            return None
 
     async def counts(self) -> dict[str, int]:
         """Return how many tasks are in each state."""
-        rows = await self._fetch(
-            f"SELECT state, count(*) AS n FROM {self._quoted}.tasks GROUP BY state"
-        )
-        return {str(r["state"]): int(r["n"]) for r in rows}
+        from steeple.postgres.queue import admin
+
+        counts = await admin.count_by_state(self.pool, schema=self.schema)
+        return {state.value: n for state, n in counts.items()}
 
     async def cancel(self, task_id: int) -> str | None:
         """Cancel a pending or running task, fencing its worker (idempotent).
@@ -151,8 +128,30 @@ class PostgresTaskAdmin:
             return None
         return str(state.value)
 
+    async def retry(self, task_id: int) -> TaskRecord | None:
+        """Send a failed task back to pending (see ``steeple.postgres.queue.admin``).
+
+        Returns:
+            The task afterwards, or ``None`` when there is no such task.
+
+        Raises:
+            ConfigurationError: not a task id.
+            TaskStateError: the task is not failed, or a live task holds its dedup key.
+        """
+        from steeple.postgres import queue
+
+        validate_task_id(task_id)
+        try:
+            run = await queue.admin.retry_failed_task(self.pool, task_id, schema=self.schema)
+        except queue.TaskNotFoundError:
+            return None
+        return task_record(run)
+
     async def prune(self, older_than: datetime, limit: int = 100) -> int:
         """Delete at most ``limit`` terminal tasks finished before ``older_than``.
+
+        The cutoff is turned into an age on this host's clock (the one that computed it);
+        the queue then judges the age on the database server's clock.
 
         Raises:
             ConfigurationError: a naive ``older_than`` or a limit outside 1..100.
@@ -162,6 +161,5 @@ class PostgresTaskAdmin:
         validate_budget(limit, "limit")
         if not isinstance(older_than, datetime) or older_than.utcoffset() is None:
             raise ConfigurationError("older_than must be a timezone-aware datetime")
-        now = await self.pool.fetchval("SELECT clock_timestamp()")
-        age = max(now - older_than, timedelta(0))
+        age = max(datetime.now(UTC) - older_than, timedelta(0))
         return int(await queue.prune_terminal(self.pool, age, limit, schema=self.schema))

@@ -2,6 +2,10 @@
 
 Keys come from the ``STEEPLE_KEYS`` environment variable or a keys file, never from a
 command-line argument (arguments show up in ``ps`` output and shell history).
+
+Settings are written once in a settings file, ``steeple.toml`` (found in the current
+directory, or named by ``--config`` / ``STEEPLE_CONFIG``); environment variables override
+it and command-line flags override both. See :func:`load_settings_file` for its keys.
 """
 
 from __future__ import annotations
@@ -14,31 +18,45 @@ import stat
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
-from steeple.core.config import RecurringConfig
-from steeple.core.dsn import check_dsn, redact_dsn
+from steeple.core.dsn import check_dsn, dsn_secrets, redact_dsn
 from steeple.core.errors import ConfigurationError, SteepleError
-from steeple.keyring import Keyring, StorageKey
+
+if TYPE_CHECKING:
+    # Imported where used: the command's --help must not load cryptography.
+    from steeple.core.config import RecurringConfig
+    from steeple.keyring import Keyring, StorageKey
 
 __all__ = [
+    "CONFIG_ENV",
     "DSN_ENV",
     "KEYS_ENV",
+    "SETTINGS_FILE",
     "CliError",
     "ExitCode",
     "NamespaceSettings",
+    "SettingsFile",
+    "format_duration",
     "load_keyring",
+    "load_settings_file",
     "parse_duration",
     "parse_keys",
     "redact_dsn",
     "resolve_dsn",
+    "write_key_file",
 ]
 
 DSN_ENV = "STEEPLE_DATABASE_URL"
 """Environment variable naming the PostgreSQL server (a libpq URL)."""
 KEYS_ENV = "STEEPLE_KEYS"
 """Environment variable holding the storage keys: ``id1:base64,id2:base64`` (first = primary)."""
+CONFIG_ENV = "STEEPLE_CONFIG"
+"""Environment variable naming the settings file (as ``--config`` does)."""
+SETTINGS_FILE = "steeple.toml"
+"""The settings file read from the current directory when none is named."""
 
 
 class ExitCode(enum.IntEnum):
@@ -78,7 +96,8 @@ def resolve_dsn(dsn: str | None, *, required: bool = True) -> str | None:
             raise CliError(
                 "no database given",
                 code=ExitCode.CONFIG,
-                hint=f"pass --dsn postgresql://... or set {DSN_ENV}",
+                hint=f"pass --dsn postgresql://..., set {DSN_ENV}, or write dsn = ... "
+                f"in {SETTINGS_FILE}",
             )
         return None
     if not value.startswith(("postgresql://", "postgres://")):
@@ -109,6 +128,8 @@ def parse_keys(text: str, *, source: str) -> Keyring:
             names the source, the key's position and a well-formed id, never key material
             (nor a malformed id, which is often key material in the wrong place).
     """
+    from steeple.keyring import Keyring, StorageKey
+
     keys: list[StorageKey] = []
     hint = "write keys as id1:base64,id2:base64 (generate one with `steeple keys generate`)"
     for raw in re.split(r"[,\n]", text):
@@ -277,6 +298,8 @@ class NamespaceSettings:
         Raises:
             CliError: (config) a value is out of range.
         """
+        from steeple.core.config import RecurringConfig
+
         try:
             return RecurringConfig(
                 self.namespace,
@@ -287,3 +310,215 @@ class NamespaceSettings:
             )
         except ConfigurationError as exc:
             raise CliError(str(exc), code=ExitCode.CONFIG) from None
+
+
+def format_duration(value: timedelta) -> str:
+    """Write ``value`` the way :func:`parse_duration` reads it, largest unit first (``1h30m``).
+
+    Sub-millisecond parts are dropped; zero is ``0s``.
+    """
+    millis = max(0, value // timedelta(milliseconds=1))
+    parts = []
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        count, millis = divmod(millis, size)
+        if count:
+            parts.append(f"{count}{unit}")
+    if millis:
+        parts.append(f"{millis}ms")
+    return "".join(parts) or "0s"
+
+
+def write_key_file(path: Path, key: StorageKey, *, force: bool = False) -> None:
+    """Write ``key`` as ``id:base64`` to a new file readable by its owner only (mode 600).
+
+    The file is created with that mode (never widened first); with ``force`` an existing
+    file is replaced atomically.
+
+    Raises:
+        CliError: (failed) the file exists and ``force`` is not set; (config) it cannot be
+            written.
+    """
+    line = f"{key.key_id}:{key.to_base64()}\n".encode()
+    target = path if not force else path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise CliError(
+            f"{str(path)!r} already exists; it is not overwritten",
+            code=ExitCode.FAILED,
+            hint="choose another file, or pass --force to replace it",
+        ) from None
+    except OSError as exc:
+        raise CliError(
+            f"cannot create {str(path)!r}: {exc.strerror or type(exc).__name__}",
+            code=ExitCode.CONFIG,
+            hint="check the directory exists and is writable",
+        ) from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if force:
+            os.replace(target, path)
+    except OSError as exc:
+        if force:
+            target.unlink(missing_ok=True)
+        raise CliError(
+            f"cannot write {str(path)!r}: {exc.strerror or type(exc).__name__}",
+            code=ExitCode.CONFIG,
+        ) from None
+
+
+_SETTINGS_MAX_BYTES: Final = 64 * 1024
+_TEXT_KEYS: Final = ("dsn", "embedded", "schema", "queue_schema", "namespace", "keys_file")
+_INT_KEYS: Final = ("max_definitions", "max_occurrences")
+_DURATION_KEYS: Final = ("delivery_window", "lease")
+SETTINGS_KEYS: Final = (*_TEXT_KEYS, *_INT_KEYS, *_DURATION_KEYS)
+"""Every key a settings file may hold."""
+
+
+@attrs.frozen
+class SettingsFile:
+    """What a settings file says (``None``: not set there). Paths are absolute.
+
+    Attributes:
+        path: the file read, or ``None`` when there was none.
+        dsn: the PostgreSQL URL (its repr is redacted).
+        embedded: a data directory holding the embedded PostgreSQL (``pgdata/``), used
+            when no DSN is given anywhere.
+        schema: the recurring store's schema.
+        queue_schema: the work queue's schema.
+        namespace: the recurring namespace.
+        keys_file: the storage keys file.
+        max_definitions: the namespace's definition quota.
+        max_occurrences: the namespace's occurrence quota.
+        delivery_window: the namespace's delivery window.
+        lease: the namespace's lease duration.
+    """
+
+    path: Path | None = None
+    dsn: str | None = attrs.field(
+        default=None, repr=lambda dsn: "None" if dsn is None else repr(redact_dsn(dsn))
+    )
+    embedded: Path | None = None
+    schema: str | None = None
+    queue_schema: str | None = None
+    namespace: str | None = None
+    keys_file: Path | None = None
+    max_definitions: int | None = None
+    max_occurrences: int | None = None
+    delivery_window: timedelta | None = None
+    lease: timedelta | None = None
+
+
+def load_settings_file(config: Path | None, *, cwd: Path | None = None) -> SettingsFile:
+    """Read the settings file ``config``, else ``steeple.toml`` in ``cwd`` if there is one.
+
+    The file is flat TOML; every key is optional and unknown keys are refused::
+
+        dsn = "postgresql://app@db.internal:5432/app?sslmode=verify-full"
+        # embedded = ".steeple/demo"     # or: the embedded PostgreSQL in this directory
+        schema = "steeple"               # the recurring store's schema
+        queue_schema = "steeple_queue"   # the work queue's schema
+        namespace = "default"
+        keys_file = "/run/secrets/steeple-keys"
+        max_definitions = 1000           # the namespace's settings, as initialized
+        max_occurrences = 100000
+        delivery_window = "1d"
+        lease = "60s"
+
+    Relative paths (``embedded``, ``keys_file``) are relative to the file's directory. A
+    file holding a DSN with a password must be readable by its owner only.
+
+    Raises:
+        CliError: (config) a named file that cannot be read, a file that is not TOML, an
+            unknown key, a value of the wrong type or out of range, or a password in a
+            file other users can read.
+    """
+    path = config
+    if path is None:
+        candidate = (cwd or Path.cwd()) / SETTINGS_FILE
+        if not candidate.is_file():
+            return SettingsFile()
+        path = candidate
+    path = path.absolute()
+    shown = repr(str(path))
+    try:
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise IsADirectoryError(0, "not a regular file")
+        with path.open("rb") as handle:
+            data = handle.read(_SETTINGS_MAX_BYTES + 1)
+    except OSError as exc:
+        raise CliError(
+            f"cannot read the settings file {shown}: {exc.strerror or type(exc).__name__}",
+            code=ExitCode.CONFIG,
+            hint=f"check --config / {CONFIG_ENV}",
+        ) from None
+    if len(data) > _SETTINGS_MAX_BYTES:
+        raise CliError(f"the settings file {shown} is larger than 64 KiB", code=ExitCode.CONFIG)
+    import tomllib
+
+    try:
+        values = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise CliError(
+            f"the settings file {shown} is not UTF-8 text", code=ExitCode.CONFIG
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        # The parser's message names a line and column, never the text there.
+        raise CliError(
+            f"the settings file {shown} is not valid TOML: {exc}", code=ExitCode.CONFIG
+        ) from None
+    return _settings(path, values, mode)
+
+
+def _settings(path: Path, values: dict[str, Any], mode: int) -> SettingsFile:
+    shown = repr(str(path))
+    fields: dict[str, Any] = {}
+    for key, value in values.items():
+        where = f"{key!r} in the settings file {shown}"
+        if key not in SETTINGS_KEYS:
+            raise CliError(
+                f"unknown key {_shown(key)} in the settings file {shown}",
+                code=ExitCode.CONFIG,
+                hint="the keys are " + ", ".join(SETTINGS_KEYS),
+            )
+        if key in _TEXT_KEYS:
+            if not isinstance(value, str):
+                raise CliError(f"{where} must be a string", code=ExitCode.CONFIG)
+            fields[key] = value
+        elif key in _INT_KEYS:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise CliError(f"{where} must be a whole number", code=ExitCode.CONFIG)
+            fields[key] = value
+        elif isinstance(value, str):
+            fields[key] = _config_duration(value, where)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            fields[key] = _config_duration(str(value), where)
+        else:
+            raise CliError(
+                f'{where} must be a duration such as "60s" or "1d"', code=ExitCode.CONFIG
+            )
+    for key in ("embedded", "keys_file"):
+        if key in fields:
+            fields[key] = path.parent / Path(fields[key]).expanduser()
+    dsn = fields.get("dsn")
+    if dsn is not None:
+        resolve_dsn(dsn)  # a malformed URL is refused here, redacted
+        if dsn_secrets(dsn) and mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise CliError(
+                f"the settings file {shown} holds a database password and other users can read it",
+                code=ExitCode.CONFIG,
+                hint=f"restrict it (chmod 600 {path}), or set the password in {DSN_ENV}, "
+                "PGPASSWORD or ~/.pgpass instead",
+            )
+    return SettingsFile(path=path, **fields)
+
+
+def _config_duration(text: str, where: str) -> timedelta:
+    try:
+        return parse_duration(text, what=where)
+    except CliError as exc:
+        raise CliError(str(exc), code=ExitCode.CONFIG, hint=exc.hint) from None

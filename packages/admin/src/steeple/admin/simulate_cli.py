@@ -12,36 +12,20 @@ import math
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Final
+from typing import TYPE_CHECKING, Annotated, Final
 
 import typer
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
-from steeple.admin.definitions_file import (
-    DefinitionDefaults,
-    load_definitions,
-    parse_policy,
-)
 from steeple.admin.settings import CliError, ExitCode, NamespaceSettings, parse_duration
-from steeple.admin.simulate_plot import PLOT_FORMATS, PlotUnavailableError, terminal_chart
-from steeple.core.config import RecurringDefinition
 from steeple.core.errors import ConfigurationError
-from steeple.core.messages import ScheduledMessage
-from steeple.testing.simulation import (
-    CALENDAR_END,
-    BrokerModel,
-    ClockRegression,
-    Interval,
-    RelayCapacity,
-    Scenario,
-    SimulationResult,
-    Stats,
-    Ticking,
-    parse_instant,
-    run,
-)
+
+if TYPE_CHECKING:
+    # Imported where used: the command's --help must load neither rich nor the simulator.
+    from rich.console import Console
+    from rich.table import Table
+
+    from steeple.core.config import RecurringDefinition
+    from steeple.testing.simulation import Scenario, SimulationResult, Stats
 
 __all__ = ["build_scenario", "render_hits", "render_table", "simulate", "table_text"]
 
@@ -50,11 +34,17 @@ MAX_DAYS: Final = 3660
 _TOPIC: Final = "simulated"
 _NAMESPACE: Final = "simulation"
 
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+def _err() -> Console:
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def table_text(table: Table) -> str:
     """Return ``table`` as plain text at its natural width (no colours, no trailing spaces)."""
+    from rich.console import Console
+
     sizing = Console(width=10_000, file=io.StringIO(), color_system=None)
     width = sizing.measure(table).maximum
     console = Console(width=width, file=io.StringIO(), color_system=None, highlight=False)
@@ -104,6 +94,9 @@ def render_table(result: SimulationResult) -> Table:
     Lateness is from the due instant to the recorded publication; "open" counts what was
     still pending, leased or waiting to retry when the range ended.
     """
+    from rich import box
+    from rich.table import Table
+
     s = result.scenario
     table = Table(
         title=f"steeple simulate: {s.start:%Y-%m-%d %H:%MZ} to {s.end:%Y-%m-%d %H:%MZ}, "
@@ -148,6 +141,8 @@ def render_hits(result: SimulationResult) -> str:
 
 
 def _instant(text: str, what: str) -> datetime:
+    from steeple.testing.simulation import parse_instant
+
     try:
         return parse_instant(text)
     except ConfigurationError as exc:
@@ -185,6 +180,8 @@ def _range(
         end = _instant(end_text, "--to")
     else:
         end = start + timedelta(days=7)
+    from steeple.testing.simulation import CALENDAR_END
+
     if end > CALENDAR_END:
         raise _usage(
             f"the range ends {end:%Y-%m-%d}, beyond the calendar's last year (2100)",
@@ -198,6 +195,10 @@ def _range(
 def _flag_definitions(
     crons: list[str], policies: list[str], names: list[str], start: datetime
 ) -> list[RecurringDefinition]:
+    from steeple.admin.definitions_file import parse_policy
+    from steeple.core.config import RecurringDefinition
+    from steeple.core.messages import ScheduledMessage
+
     if policies and len(policies) not in (1, len(crons)):
         raise _usage("give one --policy for all --cron flags, or one per --cron")
     if names and len(names) != len(crons):
@@ -248,6 +249,16 @@ def build_scenario(
         CliError: (usage) a bad option, definition, interval or rate; (config) a
             delivery window or lease outside steeple's limits.
     """
+    from steeple.admin.definitions_file import DefinitionDefaults, load_definitions
+    from steeple.testing.simulation import (
+        BrokerModel,
+        ClockRegression,
+        Interval,
+        RelayCapacity,
+        Scenario,
+        Ticking,
+    )
+
     start, end = _range(start_text, end_text, days)
     try:
         definitions: list[RecurringDefinition] = []
@@ -299,9 +310,9 @@ def build_scenario(
 
 
 def _fail(error: CliError) -> typer.Exit:
-    _err.print(f"steeple: error: {error}", markup=False)
+    _err().print(f"steeple: error: {error}", markup=False)
     if error.hint:
-        _err.print(f"  what to do: {error.hint}", markup=False)
+        _err().print(f"  what to do: {error.hint}", markup=False)
     return typer.Exit(int(error.code))
 
 
@@ -405,6 +416,11 @@ def simulate(
     The real store logic runs on a fake clock (no database, no broker), jumping from one
     event to the next, so a year takes seconds. Same options and --seed: same result.
     """
+    from rich.console import Console
+
+    from steeple.admin.simulate_plot import PLOT_FORMATS, PlotUnavailableError, terminal_chart
+    from steeple.testing.simulation import run
+
     try:
         if not 0 <= seed < 2**63:
             raise _usage("--seed must be between 0 and 2**63 - 1")
@@ -441,7 +457,7 @@ def simulate(
     try:
         result = run(scenario, seed=seed)
     except KeyboardInterrupt:
-        _err.print("steeple: interrupted")
+        _err().print("steeple: interrupted")
         raise typer.Exit(130) from None
     out = Console(highlight=False, soft_wrap=True)
     if as_json:
@@ -460,7 +476,7 @@ def simulate(
         try:
             write_plot(result, plot)
         except PlotUnavailableError as exc:
-            _err.print(f"steeple: {exc}; printing a terminal chart instead", markup=False)
+            _err().print(f"steeple: {exc}; printing a terminal chart instead", markup=False)
             text_chart = True
         except OSError as exc:
             raise _fail(
@@ -473,4 +489,4 @@ def simulate(
             if not as_json:
                 out.print(f"plot written to {plot}", markup=False)
     if text_chart:
-        (_err if as_json else out).print(terminal_chart(result), markup=False)
+        (_err() if as_json else out).print(terminal_chart(result), markup=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 
 import attrs
@@ -101,6 +102,31 @@ class RecurringConfig:
             "delivery_window_ms": self.delivery_window // timedelta(milliseconds=1),
             "lease_duration_ms": self.lease_duration // timedelta(milliseconds=1),
         }
+
+    @classmethod
+    def from_fingerprint(cls, fields: Mapping[str, object]) -> RecurringConfig:
+        """Rebuild the configuration whose :meth:`fingerprint` is ``fields``.
+
+        Raises:
+            RecurringConfigurationError: a field is missing, extra or of the wrong type, or
+                the values are outside steeple's limits.
+        """
+        names = {"namespace", "max_definitions", "max_occurrences"}
+        names |= {"delivery_window_ms", "lease_duration_ms"}
+        if not isinstance(fields, Mapping) or set(fields) != names:
+            raise RecurringConfigurationError(
+                "a configuration fingerprint holds exactly: " + ", ".join(sorted(names))
+            )
+        millis = []
+        for name in ("delivery_window_ms", "lease_duration_ms"):
+            millis.append(bounded_int(fields[name], name, 0, 2**53, RecurringConfigurationError))
+        return cls(
+            fields["namespace"],  # the converter validates it
+            fields["max_definitions"],  # type: ignore[arg-type]  # __attrs_post_init__ checks
+            fields["max_occurrences"],  # type: ignore[arg-type]
+            delivery_window=timedelta(milliseconds=millis[0]),
+            lease_duration=timedelta(milliseconds=millis[1]),
+        )
 
 
 def _calendar(value: object) -> CronCalendar:

@@ -57,6 +57,9 @@ class TaskEvent(enum.Enum, metaclass=TypedEnumType):
     """Its worker handed it back unfinished at shutdown (the attempt is refunded)."""
     CANCEL = "cancel"
     """An operator or the application cancelled it."""
+    RETRY = "retry"
+    """An operator sent a failed task back to pending, to run again (it keeps its id and
+    ``run_id``; the store grants at least one more attempt)."""
 
 
 _S = TaskState
@@ -74,6 +77,9 @@ TASK_TRANSITIONS: Final[Mapping[tuple[TaskState, TaskEvent], TaskState]] = Mappi
         (_S.RUNNING, _E.LEASE_EXPIRED_FINAL): _S.FAILED,
         (_S.RUNNING, _E.RELEASE): _S.PENDING,
         (_S.RUNNING, _E.CANCEL): _S.CANCELLED,
+        # Only an operator's retry leaves a terminal state, and only a failed one: a task
+        # that succeeded or was cancelled is done for good.
+        (_S.FAILED, _E.RETRY): _S.PENDING,
     }
 )
 """The whole task lifecycle: ``(state, event) -> next state``."""
@@ -81,7 +87,8 @@ TASK_TRANSITIONS: Final[Mapping[tuple[TaskState, TaskEvent], TaskState]] = Mappi
 TERMINAL_TASK_STATES: Final[frozenset[TaskState]] = frozenset(
     {_S.SUCCEEDED, _S.FAILED, _S.CANCELLED}
 )
-"""States a task never leaves (``prune_terminal`` may remove them)."""
+"""States in which a task is finished: it has a ``finished_at`` and ``prune_terminal`` may
+remove it. Nothing moves a task out of them but an operator's ``RETRY`` of a failed one."""
 
 
 def transition(state: TaskState, event: TaskEvent) -> TaskState:

@@ -390,6 +390,30 @@ class Keyring:
             raise KeyringBindingMismatchError(namespace, differing)
         return BindingStatus(key_id=key_id, needs_reseal=key_id != self.primary_key_id)
 
+    def binding_fields(
+        self, sealed: bytes | bytearray | memoryview, *, namespace: str
+    ) -> dict[str, BindingValue]:
+        """Open a namespace's binding and return the configuration fields it holds.
+
+        For operators who hold the keys and need the values a namespace was initialized
+        with (a mismatch error names only the fields). Checks nothing against a supplied
+        configuration: use :meth:`open_binding` for that.
+
+        Raises:
+            KeyringConfigurationError: the namespace is empty.
+            MalformedEnvelopeError: not an envelope, or not a binding once opened.
+            UnknownKeyIdError: sealed under a key this keyring does not hold.
+            AuthenticationFailedError: tampered, wrong key material, or another namespace's
+                binding.
+        """
+        plaintext = self.open(
+            sealed_bytes(sealed),
+            namespace=namespace,
+            purpose=BINDING_PURPOSE,
+            identity=BINDING_IDENTITY,
+        )
+        return _decode_binding(plaintext)
+
     # --- rotation (each returns a new keyring; this one is unchanged) --------------------
 
     def with_previous(self, key: StorageKey) -> Keyring:

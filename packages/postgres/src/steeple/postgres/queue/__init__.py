@@ -2,12 +2,13 @@
 
 Produce with :func:`enqueue` on your own connection (asyncpg or psycopg, in your own
 transaction); run with a :class:`Scheduler`; declare recurring work with :mod:`.jobs`.
-Install the schema explicitly with :func:`install` first.
+Install the schema explicitly with :func:`install` first. Operators list, count and retry
+tasks and list jobs with :mod:`.admin`.
 """
 
 from __future__ import annotations
 
-from steeple.postgres.queue import jobs
+from steeple.postgres.queue import admin, jobs
 from steeple.postgres.queue._enqueue import enqueue, enqueue_many, enqueue_many_sync, enqueue_sync
 from steeple.postgres.queue._ops import TaskRun, cancel, prune_terminal, run_state
 from steeple.postgres.queue._schema import (
@@ -30,6 +31,7 @@ from steeple.postgres.queue.errors import (
     QueueUnavailableError,
     SchemaVersionMismatchError,
     TaskNotFoundError,
+    TaskStateError,
     UnfitDatabaseError,
     UnknownTaskError,
     UnsupportedConnectionError,
@@ -58,10 +60,12 @@ __all__ = [
     "Task",
     "TaskNotFoundError",
     "TaskRun",
+    "TaskStateError",
     "UnfitDatabaseError",
     "UnknownTaskError",
     "UnsupportedConnectionError",
     "WorkerStats",
+    "admin",
     "cancel",
     "check_schema",
     "enqueue",

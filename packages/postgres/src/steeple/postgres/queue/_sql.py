@@ -75,6 +75,8 @@ RUNNING: Final = transition(PENDING, TaskEvent.CLAIM)
 """The state of a claimed task, which holds the lease token."""
 LIVE: Final = _in(s for s in TaskState if s not in TERMINAL_TASK_STATES)
 TERMINAL: Final = _in(TERMINAL_TASK_STATES)
+PRUNABLE: Final = f"state IN {TERMINAL} AND finished_at < clock_timestamp() - $1::interval"
+"""The tasks ``prune_terminal`` removes ($1: the age, an interval), oldest finished first."""
 SUCCEEDED: Final = transition(RUNNING, TaskEvent.SUCCEED)
 _RETRIED = transition(RUNNING, TaskEvent.FAIL_RETRYABLE)
 _FAILED = transition(RUNNING, TaskEvent.FAIL_PERMANENT)
@@ -109,6 +111,12 @@ _DUE_PAYLOAD = (
 # exactly, which is how the claim knows it was due when it was created (see migration 0002).
 _NOW = "created AS MATERIALIZED (SELECT clock_timestamp() AS at)"
 _RUN_AT = "coalesce({run_at}::timestamptz, created.at + coalesce({delay}::interval, interval '0'))"
+RUN_STATE_COLUMNS: Final = (
+    "id, task_name, state, priority, run_at, attempts, max_attempts, run_id, worker_id, "
+    "lease_expires_at, dedup_key, job_id, scheduled_for, created_at, started_at, finished_at, "
+    "last_error"
+)
+"""The columns of a ``TaskRun`` (``TaskRun.from_row``), in order: ``run_state`` and listings."""
 _TASK_COLUMNS = (
     "task_name, args, priority, run_at, max_attempts, lease_duration, "
     "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter"
@@ -301,11 +309,7 @@ WITH expired AS (
 )
 SELECT id, state FROM done""",
         lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::bigint[])",
-        run_state=f"""
-SELECT id, task_name, state, priority, run_at, attempts, max_attempts, run_id, worker_id,
-       lease_expires_at, dedup_key, job_id, scheduled_for, created_at, started_at, finished_at,
-       last_error
-FROM {s}.tasks WHERE id = $1""",
+        run_state=f"SELECT {RUN_STATE_COLUMNS} FROM {s}.tasks WHERE id = $1",
         cancel=f"""
 WITH target AS (
     SELECT id, state FROM {s}.tasks WHERE id = $1 FOR NO KEY UPDATE
@@ -324,7 +328,7 @@ SELECT target.state, (SELECT count(*) FROM done) FROM target""",
         prune=f"""
 WITH victims AS (
     SELECT id FROM {s}.tasks
-    WHERE state IN {TERMINAL} AND finished_at < clock_timestamp() - $1::interval
+    WHERE {PRUNABLE}
     ORDER BY finished_at
     LIMIT $2
     FOR UPDATE SKIP LOCKED

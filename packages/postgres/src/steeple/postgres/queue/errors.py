@@ -20,6 +20,7 @@ __all__ = [
     "QueueUnavailableError",
     "SchemaVersionMismatchError",
     "TaskNotFoundError",
+    "TaskStateError",
     "UnfitDatabaseError",
     "UnknownTaskError",
     "UnsupportedConnectionError",
@@ -99,6 +100,20 @@ class TaskNotFoundError(QueueError, LookupError):
     def __init__(self, task_id: int) -> None:
         super().__init__(f"no task with id {task_id}")
         self.task_id = task_id
+
+
+class TaskStateError(QueueError):
+    """The task is not in a state the operation applies to (nothing was changed).
+
+    Attributes:
+        task_id: the task.
+        state: its current state's value (``"pending"``, ``"succeeded"``...).
+    """
+
+    def __init__(self, task_id: int, state: str, message: str) -> None:
+        super().__init__(message)
+        self.task_id = task_id
+        self.state = state
 
 
 class JobNotFoundError(QueueError, LookupError):

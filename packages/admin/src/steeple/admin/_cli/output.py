@@ -1,0 +1,237 @@
+"""What commands print: one-line errors, JSON, tables, confirmations; running a command body.
+
+Errors go to stderr as one line (``steeple: error: ...``) and, when there is one, a second
+line saying what to do; the exit code says what kind of failure it was
+(:class:`~steeple.admin.settings.ExitCode`). Every line is scrubbed of the DSNs' secrets.
+Rich (tables) is imported only when a table is printed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import typer
+
+from steeple.admin._cli.options import given_dsns
+from steeple.admin.settings import DSN_ENV, CliError, ExitCode
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from steeple.admin._backend import Target
+    from steeple.core.records import Page
+    from steeple.postgres import PostgresRecurringStore
+
+__all__ = [
+    "check_limit",
+    "confirm",
+    "err",
+    "fail",
+    "guard",
+    "on_queue",
+    "on_store",
+    "one_line",
+    "out",
+    "print_json",
+    "print_page",
+    "run",
+    "say",
+    "typed",
+    "when",
+]
+
+T = TypeVar("T")
+_MAX_LINE = 1000
+
+
+@functools.cache
+def out() -> Console:
+    """Return the console of results (stdout)."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+@functools.cache
+def err() -> Console:
+    """Return the console of errors, notes and progress (stderr)."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def one_line(text: str) -> str:
+    """Scrub ``text`` of any given DSN's secrets and make it one bounded, printable line."""
+    from steeple.core.dsn import scrub
+
+    for dsn in (*given_dsns, os.environ.get(DSN_ENV)):
+        if dsn:
+            text = scrub(text, dsn)
+    text = " ".join(text.split())
+    # Lone surrogates (from undecodable arguments) cannot be written to stdout/stderr.
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= _MAX_LINE else text[: _MAX_LINE - 3] + "..."
+
+
+def say(text: str, *, stderr: bool = False) -> None:
+    """Print one plain line (scrubbed), to stdout or stderr."""
+    stream = sys.stderr if stderr else sys.stdout
+    stream.write(one_line(text) + "\n")
+    stream.flush()
+
+
+def fail(error: CliError) -> typer.Exit:
+    """Print ``error`` (and what to do) on stderr; return the exit to raise."""
+    say(f"steeple: error: {error}", stderr=True)
+    if error.hint:
+        sys.stderr.write(f"  what to do: {one_line(error.hint)}\n")
+    return typer.Exit(int(error.code))
+
+
+def run(body: Callable[[], Coroutine[Any, Any, T]], target: Target | None = None) -> T:
+    """Run an async command body; turn every failure into one line and an exit code."""
+    import asyncio
+
+    from steeple.admin._backend import classify
+
+    try:
+        return asyncio.run(body())
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        say("steeple: interrupted", stderr=True)
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        if os.environ.get("STEEPLE_DEBUG"):
+            raise
+        raise fail(classify(exc, target)) from None
+
+
+def on_store(target: Target, op: Callable[[PostgresRecurringStore], Awaitable[T]]) -> T:
+    """Connect to the target's recurring store, run ``op`` on it, close it (as :func:`run`)."""
+    from steeple.admin._backend import connect_store
+
+    async def body() -> T:
+        store = await connect_store(target)
+        try:
+            return await op(store)
+        finally:
+            await store.close()
+
+    return run(body, target)
+
+
+def on_queue(target: Target, op: Callable[[Any], Awaitable[T]]) -> T:
+    """Run ``op(connection)`` on the target's work queue (failures as :func:`run`).
+
+    The connection is an asyncpg connection to a database whose queue schema is this
+    library's version (else: a configuration error saying to run steeple migrate).
+    """
+
+    async def body() -> T:
+        import asyncpg
+
+        from steeple.postgres.queue import check_schema
+
+        conn = await asyncpg.connect(target.dsn, timeout=10)
+        try:
+            await check_schema(conn, target.queue_schema)
+            return await op(conn)
+        finally:
+            await conn.close()
+
+    return run(body, target)
+
+
+def guard(fn: Callable[[], T]) -> T:
+    """Run ``fn``; a :class:`CliError` ends the command with its line and exit code."""
+    try:
+        return fn()
+    except CliError as exc:
+        raise fail(exc) from None
+
+
+def typed(fn: Callable[[], T], *, code: ExitCode = ExitCode.CONFIG) -> T:
+    """Run ``fn``; a library configuration error becomes a :class:`CliError` of ``code``."""
+    from steeple.core.errors import ConfigurationError
+
+    try:
+        return fn()
+    except ConfigurationError as exc:
+        raise CliError(str(exc), code=code) from None
+
+
+def check_limit(limit: int) -> None:
+    """Refuse a page size outside 1..100 (usage)."""
+    if not 1 <= limit <= 100:
+        raise fail(CliError("--limit must be between 1 and 100", code=ExitCode.USAGE))
+
+
+def confirm(question: str, *, yes: bool, what: str) -> None:
+    """Ask ``question`` on the terminal unless ``yes``; refuse without a terminal to ask on.
+
+    Raises:
+        typer.Exit: (usage, 2) no terminal and no ``--yes``; (failed, 1) the answer was no.
+    """
+    if yes:
+        return
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        raise fail(
+            CliError(
+                f"refusing to {what} without confirmation (no terminal to ask on)",
+                code=ExitCode.USAGE,
+                hint="pass --yes to confirm",
+            )
+        )
+    sys.stderr.write(one_line(question) + " [y/N] ")
+    sys.stderr.flush()
+    answer = sys.stdin.readline().strip().lower()
+    if answer not in {"y", "yes"}:
+        raise fail(CliError(f"not confirmed: nothing was done ({what})", code=ExitCode.FAILED))
+
+
+def when(value: datetime | None) -> str:
+    """Write an instant as ``YYYY-MM-DD HH:MM:SS`` in UTC, or ``-``."""
+    return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def print_json(data: Any) -> None:
+    """Print ``data`` as indented JSON on stdout."""
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def print_table(title: str, columns: Iterable[str], rows: Iterable[Sequence[str]]) -> None:
+    """Print a table on stdout (cells are text, never markup)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=escape(title))
+    for column in columns:
+        table.add_column(escape(column))
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in row))
+    out().print(table)
+
+
+def print_page(
+    page: Page[T],
+    *,
+    as_json: bool,
+    to_json: Callable[[T], Any],
+    title: str,
+    columns: Iterable[str],
+    row: Callable[[T], Sequence[str]],
+) -> None:
+    """Print one page of a listing as JSON or as a table, with the next page's cursor."""
+    if as_json:
+        print_json({"items": [to_json(i) for i in page.items], "next_cursor": page.next_cursor})
+        return
+    print_table(title, columns, (row(item) for item in page.items))
+    if page.next_cursor:
+        say(f"more: --after {page.next_cursor}")

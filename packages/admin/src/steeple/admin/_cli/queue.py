@@ -1,0 +1,650 @@
+"""The work queue: migrate, tasks (list, show, retry, cancel), enqueue, jobs (recurring jobs)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import typer
+
+from steeple.admin._cli import output
+from steeple.admin._cli.options import (
+    JsonOpt,
+    Listing,
+    Where,
+    YesOpt,
+    listing_options,
+    where_options,
+)
+from steeple.admin._cli.output import fail, guard, say
+from steeple.admin.settings import CliError, ExitCode, parse_duration
+
+if TYPE_CHECKING:
+    from steeple.postgres.queue import EnqueueOptions, TaskRun
+    from steeple.postgres.queue.jobs import JobInfo
+
+__all__ = ["cancel_task", "register"]
+
+T = TypeVar("T")
+
+tasks_app = typer.Typer(
+    help="Work-queue tasks: list them (the default), show, retry or cancel one.",
+    invoke_without_command=True,
+    rich_markup_mode=None,
+)
+jobs_app = typer.Typer(
+    help="The work queue's recurring jobs: list them (the default), create, ensure, pause, "
+    "resume, reschedule, delete.",
+    invoke_without_command=True,
+    rich_markup_mode=None,
+)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the work queue's commands to ``app``."""
+    app.command()(migrate)
+    app.add_typer(tasks_app, name="tasks")
+    app.command()(enqueue)
+    app.add_typer(jobs_app, name="jobs")
+
+
+@where_options(queue=True, store=False)
+def migrate(where: Where) -> None:
+    """Install or upgrade the work queue's tables (idempotent, forward-only)."""
+    target = guard(where.target)
+
+    async def body() -> int:
+        import asyncpg
+
+        from steeple.postgres.queue import install
+
+        conn = await asyncpg.connect(target.dsn, timeout=10)
+        try:
+            return int(await install(conn, schema=target.queue_schema))
+        finally:
+            await conn.close()
+
+    version = output.run(body, target)
+    say(f"work queue schema {target.queue_schema!r} is at version {version}")
+
+
+# --- tasks -----------------------------------------------------------------------------------
+
+StateOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--state",
+        show_default=False,
+        help="Only tasks in this state: pending, running, succeeded, failed or cancelled.",
+    ),
+]
+NameOpt = Annotated[
+    str | None, typer.Option("--name", show_default=False, help="Only tasks of this task name.")
+]
+TaskIdArg = Annotated[int, typer.Argument(min=1, max=2**63 - 1, help="The task id.")]
+
+
+def _check_state(state: str | None) -> None:
+    from steeple.core.tasks import TaskState
+
+    states = [s.value for s in TaskState]
+    if state is not None and state not in states:
+        raise fail(
+            CliError(
+                f"--state {output.one_line(repr(state[:40]))} is not a task state",
+                code=ExitCode.USAGE,
+                hint="use one of " + ", ".join(states),
+            )
+        )
+
+
+def _list_tasks(where: Where, listing: Listing, state: str | None, name: str | None) -> None:
+    output.check_limit(listing.limit)
+    _check_state(state)
+    target = guard(where.target)
+
+    async def page(conn: Any) -> Any:
+        from steeple.postgres.queue import admin
+
+        return await admin.list_tasks(
+            conn,
+            schema=target.queue_schema,
+            state=state,
+            task_name=name,
+            after=listing.after,
+            limit=listing.limit,
+        )
+
+    from steeple.admin.queue_admin import task_record
+
+    listed = output.on_queue(target, page)
+    output.print_page(
+        listed,
+        as_json=listing.as_json,
+        to_json=lambda t: task_record(t).to_json(),
+        title=f"tasks in {target.queue_schema}",
+        columns=("id", "name", "state", "attempts", "run at (UTC)", "last error"),
+        row=lambda t: (
+            str(t.id),
+            t.task_name,
+            t.state.value,
+            f"{t.attempts}/{t.max_attempts}",
+            output.when(t.run_at),
+            t.last_error or "",
+        ),
+    )
+
+
+@tasks_app.callback()
+@where_options(queue=True, store=False)
+@listing_options()
+def tasks(
+    ctx: typer.Context,
+    where: Where,
+    listing: Listing,
+    state: StateOpt = None,
+    name: NameOpt = None,
+) -> None:
+    """Work-queue tasks (metadata only: never arguments or lease tokens).
+
+    Without a subcommand, list them (oldest first).
+    """
+    if ctx.invoked_subcommand is None:
+        _list_tasks(where, listing, state, name)
+
+
+@tasks_app.command("list")
+@where_options(queue=True, store=False)
+@listing_options()
+def tasks_list(
+    where: Where, listing: Listing, state: StateOpt = None, name: NameOpt = None
+) -> None:
+    """List tasks, oldest first (metadata only)."""
+    _list_tasks(where, listing, state, name)
+
+
+def _run_json(run: TaskRun) -> dict[str, Any]:
+    def plain(value: Any) -> Any:
+        if isinstance(value, datetime):
+            return value.isoformat()
+        if hasattr(value, "total_seconds"):
+            return value.total_seconds()
+        if hasattr(value, "value") and not isinstance(value, int | str):
+            return value.value
+        return value if value is None or isinstance(value, int | str | float | bool) else str(value)
+
+    import attrs
+
+    return {field.name: plain(getattr(run, field.name)) for field in attrs.fields(type(run))}
+
+
+def _print_run(run: TaskRun, as_json: bool) -> None:
+    fields = _run_json(run)
+    if as_json:
+        output.print_json(fields)
+        return
+    width = max(len(k) for k in fields)
+    for key, value in fields.items():
+        say(f"{key:<{width}}  {'-' if value is None else value}")
+
+
+@tasks_app.command("show")
+@where_options(queue=True, store=False)
+def tasks_show(task_id: TaskIdArg, where: Where, as_json: JsonOpt = False) -> None:
+    """Show one task: state, attempts, times, last error (never its arguments)."""
+    from steeple.postgres import queue
+
+    target = guard(where.target)
+
+    async def show(conn: Any) -> TaskRun:
+        return await _task_or_fail(
+            queue.run_state(conn, task_id, schema=target.queue_schema), task_id
+        )
+
+    _print_run(output.on_queue(target, show), as_json)
+
+
+async def _task_or_fail(call: Awaitable[T], task_id: int) -> T:
+    from steeple.postgres.queue import TaskNotFoundError
+
+    try:
+        return await call
+    except TaskNotFoundError:
+        raise CliError(
+            f"there is no task {task_id}", code=ExitCode.FAILED, hint="see steeple tasks"
+        ) from None
+
+
+@tasks_app.command("retry")
+@where_options(queue=True, store=False)
+def tasks_retry(task_id: TaskIdArg, where: Where, as_json: JsonOpt = False) -> None:
+    """Send a failed task back to pending, to run again at once.
+
+    It keeps its id, run_id and history, and gets at least one more attempt.
+    """
+    from steeple.postgres.queue import TaskStateError, admin
+
+    target = guard(where.target)
+
+    async def retried(conn: Any) -> TaskRun:
+        try:
+            return await _task_or_fail(
+                admin.retry_failed_task(conn, task_id, schema=target.queue_schema), task_id
+            )
+        except TaskStateError as exc:
+            raise CliError(str(exc), code=ExitCode.FAILED) from None
+
+    run = output.on_queue(target, retried)
+    if as_json:
+        _print_run(run, True)
+        return
+    say(
+        f"task {run.id} ({run.task_name}) is {run.state.value} again: attempt "
+        f"{run.attempts + 1} of {run.max_attempts} runs next"
+    )
+
+
+@tasks_app.command("cancel")
+@where_options(queue=True, store=False)
+def tasks_cancel(task_id: TaskIdArg, where: Where, yes: YesOpt = False) -> None:
+    """Cancel a pending or running task (its worker is fenced out). Asks first."""
+    cancel_task(task_id, yes=yes, where=where)
+
+
+def cancel_task(task_id: int, *, yes: bool, where: Where) -> None:
+    """Confirm, then cancel task ``task_id`` (``steeple tasks cancel`` and ``cancel --task``)."""
+    from steeple.core.tasks import TaskState
+    from steeple.postgres import queue
+
+    output.confirm(f"Cancel task {task_id}?", yes=yes, what=f"cancel task {task_id}")
+    target = guard(where.target)
+    state = output.on_queue(
+        target,
+        lambda conn: _task_or_fail(
+            queue.cancel(conn, task_id, schema=target.queue_schema), task_id
+        ),
+    )
+    if state is not TaskState.CANCELLED:
+        raise fail(
+            CliError(f"task {task_id} already finished ({state.value})", code=ExitCode.FAILED)
+        )
+    say(f"cancelled task {task_id}")
+
+
+# --- enqueue ---------------------------------------------------------------------------------
+
+
+def _json_args(text: str) -> Any:
+    import json
+
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except RecursionError:
+        raise CliError("--args is nested too deeply", code=ExitCode.USAGE) from None
+    except ValueError as exc:
+        raise CliError(
+            f"--args is not JSON: {exc}",
+            code=ExitCode.USAGE,
+            hint="""write it like --args '{"to": "ada@example.com"}'""",
+        ) from None
+
+
+def _options(
+    at: str | None,
+    delay: str | None,
+    priority: int | None,
+    max_attempts: int | None,
+    dedup_key: str | None = None,
+) -> EnqueueOptions:
+    from steeple.admin._cli.recurring import _instant
+    from steeple.postgres.queue import EnqueueOptions
+
+    if at is not None and delay is not None:
+        raise CliError("give --at or --in, not both", code=ExitCode.USAGE)
+    extra: dict[str, Any] = {}
+    if priority is not None:
+        extra["priority"] = priority
+    if max_attempts is not None:
+        extra["max_attempts"] = max_attempts
+    if dedup_key is not None:
+        extra["dedup_key"] = dedup_key
+
+    def build() -> EnqueueOptions:
+        if at is not None:
+            return EnqueueOptions.at(_instant(at, "--at"), **extra)
+        if delay is not None:
+            return EnqueueOptions.after(parse_duration(delay, what="--in"), **extra)
+        return EnqueueOptions.immediate(**extra)
+
+    return output.typed(build, code=ExitCode.USAGE)
+
+
+def _encodable(kind: Any, value: Any) -> None:
+    """Refuse (usage) arguments the task cannot store: a lone surrogate, a NUL, over 1 MiB."""
+    from steeple.postgres.queue import ArgsEncodingError
+
+    try:
+        kind.encode(value)
+    except ArgsEncodingError as exc:
+        raise CliError(f"--args: {exc}", code=ExitCode.USAGE) from None
+
+
+ArgsOpt = Annotated[str, typer.Option("--args", help="The task's arguments as JSON (default: {}).")]
+PriorityOpt = Annotated[
+    int | None,
+    typer.Option("--priority", show_default=False, help="Higher runs first (default: 0)."),
+]
+MaxAttemptsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-attempts", show_default=False, help="Attempts before it fails (default: 5)."
+    ),
+]
+
+
+@where_options(queue=True, store=False)
+def enqueue(
+    task: Annotated[str, typer.Argument(help="The task name (the one its handler serves).")],
+    where: Where,
+    args: ArgsOpt = "{}",
+    at: Annotated[
+        str | None,
+        typer.Option(
+            "--at",
+            show_default=False,
+            help="Run at this ISO 8601 instant, e.g. 2026-01-31T22:00Z (server clock).",
+        ),
+    ] = None,
+    delay: Annotated[
+        str | None,
+        typer.Option("--in", show_default=False, help="Run this long from now, e.g. 10m."),
+    ] = None,
+    priority: PriorityOpt = None,
+    max_attempts: MaxAttemptsOpt = None,
+    dedup_key: Annotated[
+        str | None,
+        typer.Option(
+            "--dedup-key",
+            show_default=False,
+            help="At most one live task of this name with this key: a duplicate returns "
+            "the existing task.",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Enqueue one task (now, at a time, or after a delay)."""
+    from steeple.postgres.queue import Task
+
+    value = guard(lambda: _json_args(args))
+    options = guard(lambda: _options(at, delay, priority, max_attempts, dedup_key))
+    kind: Task[Any] = guard(lambda: output.typed(lambda: Task(task), code=ExitCode.USAGE))
+    guard(lambda: _encodable(kind, value))
+    target = guard(where.target)
+
+    async def put(conn: Any) -> Any:
+        from steeple.postgres import queue
+
+        return await queue.enqueue(conn, kind, value, options, schema=target.queue_schema)
+
+    enqueued = output.on_queue(target, put)
+    if as_json:
+        output.print_json({"task_id": enqueued.id, "deduplicated": enqueued.deduplicated})
+    elif enqueued.deduplicated:
+        say(f"task {enqueued.id} ({task}) already holds that dedup key: nothing was enqueued")
+    else:
+        due = "now" if at is None and delay is None else (at or f"in {delay}")
+        say(f"enqueued task {enqueued.id} ({task}), due {due}")
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+JobNameArg = Annotated[str, typer.Argument(help="The job's name.")]
+
+
+def _job_row(job: JobInfo) -> tuple[str, ...]:
+    return (
+        job.name,
+        job.task_name,
+        job.cron,
+        job.timezone,
+        "paused" if job.paused else "active",
+        output.when(job.next_run_at),
+    )
+
+
+def _job_json(job: JobInfo) -> dict[str, Any]:
+    return {
+        "name": job.name,
+        "task_name": job.task_name,
+        "cron": job.cron,
+        "timezone": job.timezone,
+        "paused": job.paused,
+        "next_run_at": None if job.next_run_at is None else job.next_run_at.isoformat(),
+        "priority": job.priority,
+        "max_attempts": job.max_attempts,
+        "lease_duration_seconds": job.lease_duration.total_seconds(),
+        "created_at": job.created_at.isoformat(),
+        "updated_at": job.updated_at.isoformat(),
+    }
+
+
+def _say_job(job: JobInfo, verb: str, as_json: bool) -> None:
+    if as_json:
+        output.print_json(_job_json(job))
+        return
+    state = "paused" if job.paused else f"next run {output.when(job.next_run_at)} UTC"
+    zone = "" if job.timezone == "UTC" else f" ({job.timezone})"
+    say(f"{verb} job {job.name!r}: {job.task_name} at {job.cron!r}{zone}, {state}")
+
+
+def _list_jobs(where: Where, listing: Listing) -> None:
+    output.check_limit(listing.limit)
+    target = guard(where.target)
+
+    async def page(conn: Any) -> Any:
+        from steeple.postgres.queue import admin
+
+        return await admin.list_jobs(
+            conn, schema=target.queue_schema, after=listing.after, limit=listing.limit
+        )
+
+    output.print_page(
+        output.on_queue(target, page),
+        as_json=listing.as_json,
+        to_json=_job_json,
+        title=f"recurring jobs in {target.queue_schema}",
+        columns=("name", "task", "cron", "time zone", "state", "next run (UTC)"),
+        row=_job_row,
+    )
+
+
+@jobs_app.callback()
+@where_options(queue=True, store=False)
+@listing_options()
+def jobs(ctx: typer.Context, where: Where, listing: Listing) -> None:
+    """List the work queue's recurring jobs, or run a subcommand on one."""
+    if ctx.invoked_subcommand is None:
+        _list_jobs(where, listing)
+
+
+@jobs_app.command("list")
+@where_options(queue=True, store=False)
+@listing_options()
+def jobs_list(where: Where, listing: Listing) -> None:
+    """List recurring jobs by name (their arguments are not shown)."""
+    _list_jobs(where, listing)
+
+
+def _cron(cron: str, timezone: str | None = None) -> str:
+    """Refuse (usage) a calendar the job could not have: core's own parse, zone included."""
+    from steeple.core.zoned import ZonedCalendar
+
+    if timezone is None:
+        output.typed(lambda: ZonedCalendar.parse(cron), code=ExitCode.USAGE)
+    else:
+        output.typed(lambda: ZonedCalendar.parse(cron, timezone), code=ExitCode.USAGE)
+    return cron
+
+
+def _job_call(where: Where, call: Callable[[Any, str], Awaitable[T]]) -> T:
+    target = guard(where.target)
+
+    async def op(conn: Any) -> T:
+        from steeple.postgres.queue import JobExistsError, JobNotFoundError
+
+        try:
+            return await call(conn, target.queue_schema)
+        except (JobExistsError, JobNotFoundError) as exc:
+            hint = "see steeple jobs" if isinstance(exc, JobNotFoundError) else (
+                "use steeple jobs ensure to bring it to this definition"
+            )  # fmt: skip
+            raise CliError(str(exc), code=ExitCode.FAILED, hint=hint) from None
+
+    return output.on_queue(target, op)
+
+
+def _declare(
+    verb: str,
+    name: str,
+    task: str,
+    cron: str,
+    timezone: str,
+    args: str,
+    priority: int | None,
+    max_attempts: int | None,
+    where: Where,
+    as_json: bool,
+) -> None:
+    from steeple.postgres.queue import Task, jobs
+
+    value = guard(lambda: _json_args(args))
+    guard(lambda: _cron(cron, timezone))
+    options = guard(lambda: _options(None, None, priority, max_attempts))
+    kind: Task[Any] = guard(lambda: output.typed(lambda: Task(task), code=ExitCode.USAGE))
+    guard(lambda: _encodable(kind, value))
+    declare = jobs.create if verb == "created" else jobs.ensure_job
+    job = _job_call(
+        where,
+        lambda conn, schema: declare(
+            conn, name, kind, cron, value, options, schema=schema, timezone=timezone
+        ),
+    )
+    _say_job(job, verb, as_json)
+
+
+TaskOpt = Annotated[str, typer.Option("--task", help="The task each run becomes.")]
+CronOpt = Annotated[
+    str,
+    typer.Option(
+        "--cron", help="Five-field cron expression, or @hourly, @daily, @weekly, @monthly..."
+    ),
+]
+TimezoneOpt = Annotated[
+    str,
+    typer.Option(
+        "--timezone", help="IANA time zone whose wall clock the cron follows, e.g. Europe/Berlin."
+    ),
+]
+
+
+@jobs_app.command("create")
+@where_options(queue=True, store=False)
+def jobs_create(
+    name: JobNameArg,
+    task: TaskOpt,
+    cron: CronOpt,
+    where: Where,
+    timezone: TimezoneOpt = "UTC",
+    args: ArgsOpt = "{}",
+    priority: PriorityOpt = None,
+    max_attempts: MaxAttemptsOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a recurring job; its first run is the first due time after now."""
+    _declare("created", name, task, cron, timezone, args, priority, max_attempts, where, as_json)
+
+
+@jobs_app.command("ensure")
+@where_options(queue=True, store=False)
+def jobs_ensure(
+    name: JobNameArg,
+    task: TaskOpt,
+    cron: CronOpt,
+    where: Where,
+    timezone: TimezoneOpt = "UTC",
+    args: ArgsOpt = "{}",
+    priority: PriorityOpt = None,
+    max_attempts: MaxAttemptsOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a recurring job, or bring an existing one to this definition (idempotent).
+
+    A changed cron restarts its schedule from now; a paused job stays paused.
+    """
+    _declare("ensured", name, task, cron, timezone, args, priority, max_attempts, where, as_json)
+
+
+@jobs_app.command("pause")
+@where_options(queue=True, store=False)
+def jobs_pause(name: JobNameArg, where: Where, as_json: JsonOpt = False) -> None:
+    """Stop a job making tasks (tasks it made still run). Idempotent."""
+    from steeple.postgres.queue import jobs
+
+    job = _job_call(where, lambda conn, schema: jobs.pause(conn, name, schema=schema))
+    _say_job(job, "paused", as_json)
+
+
+@jobs_app.command("resume")
+@where_options(queue=True, store=False)
+def jobs_resume(name: JobNameArg, where: Where, as_json: JsonOpt = False) -> None:
+    """Resume a paused job from now (runs due while paused are not made up). Idempotent."""
+    from steeple.postgres.queue import jobs
+
+    job = _job_call(where, lambda conn, schema: jobs.resume(conn, name, schema=schema))
+    _say_job(job, "resumed", as_json)
+
+
+@jobs_app.command("reschedule")
+@where_options(queue=True, store=False)
+def jobs_reschedule(
+    name: JobNameArg,
+    cron: Annotated[str, typer.Argument(help="The new cron expression (or @daily, ...).")],
+    where: Where,
+    timezone: Annotated[
+        str | None,
+        typer.Option(
+            "--timezone",
+            show_default=False,
+            help="A new IANA time zone for it (default: the job keeps its own).",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Give a job a new cron expression; its next run is the first due time after now."""
+    from steeple.postgres.queue import jobs
+
+    guard(lambda: _cron(cron, timezone))
+
+    def reschedule(conn: Any, schema: str) -> Awaitable[JobInfo]:
+        if timezone is None:
+            return jobs.reschedule(conn, name, cron, schema=schema)
+        return jobs.reschedule(conn, name, cron, schema=schema, timezone=timezone)
+
+    job = _job_call(where, reschedule)
+    _say_job(job, "rescheduled", as_json)
+
+
+@jobs_app.command("delete")
+@where_options(queue=True, store=False)
+def jobs_delete(name: JobNameArg, where: Where, yes: YesOpt = False) -> None:
+    """Delete a job (tasks it already made are kept). Asks first; --yes skips the question."""
+    from steeple.postgres.queue import jobs
+
+    output.confirm(f"Delete the recurring job {name!r}?", yes=yes, what=f"delete job {name!r}")
+
+    _job_call(where, lambda conn, schema: jobs.delete(conn, name, schema=schema))
+    say(f"deleted job {name!r}")

@@ -1,0 +1,41 @@
+"""``steeple worker``: run an application's recurring relay and/or task worker."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from steeple.admin._cli import output
+from steeple.admin._cli.options import Where, where_options
+from steeple.admin._cli.output import guard, say
+
+__all__ = ["register"]
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``worker`` to ``app``."""
+    app.command()(worker)
+
+
+@where_options(queue=True)
+def worker(
+    app_ref: Annotated[
+        str, typer.Option("--app", help="module:object giving a steeple.admin.WorkerApp.")
+    ],
+    where: Where,
+) -> None:
+    """Run the recurring relay and/or the task worker of your application until stopped.
+
+    SIGINT or SIGTERM stops it gracefully: in-flight work finishes, nothing new starts.
+    """
+    from steeple.admin.worker import load_worker_app, run_worker
+
+    target = guard(where.target)
+    spec = guard(lambda: load_worker_app(app_ref))
+
+    async def body() -> None:
+        await run_worker(spec, target, log=lambda line: say(line, stderr=True))
+
+    output.run(body, target)
+    say("steeple worker: stopped", stderr=True)

@@ -1,0 +1,91 @@
+"""The operator statements of the queue (listings, counts, retry), built once per schema.
+
+Kept apart from ``_sql.py`` (the worker's hot path). Every task state a statement writes or
+selects on comes from ``steeple.core.tasks``' transition table, as in ``_sql.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+
+from steeple.core.tasks import TaskEvent
+from steeple.postgres.queue._schema import validate_schema
+from steeple.postgres.queue._sql import (
+    DURABLE,
+    LIVE,
+    PRUNABLE,
+    RUN_STATE_COLUMNS,
+    _after,
+    _from,
+    _in,
+)
+from steeple.postgres.queue.jobs import _COLUMNS as JOB_COLUMNS
+
+_RETRIED = _after(TaskEvent.RETRY)
+_RETRYABLE = _in(_from(TaskEvent.RETRY))
+
+
+@attrs.frozen
+class AdminSql:
+    """The operator statements of one schema."""
+
+    list_tasks: str
+    count_by_state: str
+    retry: str
+    count_prunable: str
+    list_jobs: str
+
+
+def admin_sql(schema: str) -> AdminSql:
+    """Return the operator statements for ``schema``.
+
+    Raises:
+        QueueConfigurationError: invalid schema name.
+        QueueTypeError: a schema that is not a str.
+    """
+    validate_schema(schema)  # before the cache: an unhashable schema is a typed error too
+    return _admin_sql(schema)
+
+
+@functools.lru_cache(maxsize=64)
+def _admin_sql(schema: str) -> AdminSql:
+    s = validate_schema(schema)
+    return AdminSql(
+        # $1 exclusive id cursor, $2 state|null, $3 task name|null, $4 limit
+        list_tasks=f"""
+SELECT {RUN_STATE_COLUMNS} FROM {s}.tasks
+WHERE id > $1 AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR task_name = $3)
+ORDER BY id
+LIMIT $4""",
+        count_by_state=f"SELECT state, count(*) FROM {s}.tasks GROUP BY state",
+        # $1 id. A live task holding the same dedup key blocks the retry (the unique index
+        # allows one live task per name and key); otherwise the task is pending again, due at
+        # once on any clock (run_at = created_at, as for immediate work) and granted at least
+        # one more attempt. Its id, run_id and attempt history stay.
+        retry=f"""
+WITH target AS (
+    SELECT id, state, task_name, dedup_key FROM {s}.tasks WHERE id = $1 FOR NO KEY UPDATE
+), blocker AS (
+    SELECT d.id FROM {s}.tasks d, target
+    WHERE target.dedup_key IS NOT NULL AND d.task_name = target.task_name
+      AND d.dedup_key = target.dedup_key AND d.state IN {LIVE} AND d.id <> target.id
+    LIMIT 1
+), done AS (
+    UPDATE {s}.tasks t
+    SET state = '{_RETRIED.value}', run_at = t.created_at, finished_at = NULL,
+        max_attempts = greatest(t.max_attempts, t.attempts + 1), worker_id = NULL,
+        updated_at = clock_timestamp()
+    FROM {DURABLE}, target
+    WHERE t.id = target.id AND target.state IN {_RETRYABLE}
+      AND NOT EXISTS (SELECT 1 FROM blocker)
+    RETURNING t.id
+)
+SELECT target.state, (SELECT count(*) FROM done), (SELECT id FROM blocker) FROM target""",
+        # $1 older-than interval: what prune_terminal would remove, however many batches
+        count_prunable=f"SELECT count(*) FROM {s}.tasks WHERE {PRUNABLE}",
+        # $1 exclusive name cursor ('' for the first page), $2 limit
+        list_jobs=f"""
+SELECT {JOB_COLUMNS} FROM {s}.jobs WHERE name > $1 ORDER BY name LIMIT $2""",
+    )

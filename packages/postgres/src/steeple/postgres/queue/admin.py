@@ -1,0 +1,253 @@
+"""Operator functions of the work queue: list and count tasks, retry failed ones, list jobs.
+
+What dashboards and command lines need beyond the producer and worker API. Every function
+takes the caller's connection (an asyncpg connection or pool, or a psycopg
+``AsyncConnection``) and the queue's schema; listings page with an exclusive cursor and
+return metadata only (never a task's args or lease token). Cancelling and pruning are
+:func:`steeple.postgres.queue.cancel` and :func:`~steeple.postgres.queue.prune_terminal`.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta
+from typing import Any, Final, cast
+
+from steeple.core.records import Page
+from steeple.core.tasks import TaskEvent, TaskState, transition
+from steeple.postgres.queue import _driver
+from steeple.postgres.queue._admin_sql import admin_sql
+from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun
+from steeple.postgres.queue._schema import DEFAULT_SCHEMA, LIBRARY_SCHEMA_VERSION
+from steeple.postgres.queue._validate import (
+    INT64,
+    check_int,
+    check_name,
+    check_task_id,
+    check_timedelta,
+)
+from steeple.postgres.queue.errors import (
+    QueueConfigurationError,
+    QueueTypeError,
+    SchemaVersionMismatchError,
+    TaskNotFoundError,
+    TaskStateError,
+)
+from steeple.postgres.queue.jobs import JobInfo
+
+__all__ = [
+    "MAX_PAGE",
+    "count_by_state",
+    "count_prunable",
+    "list_jobs",
+    "list_tasks",
+    "retry_failed_task",
+    "server_time",
+]
+
+MAX_PAGE: Final = 1000
+"""The most rows one listing call returns."""
+_DIGITS: Final = re.compile(r"[0-9]{1,19}\Z")
+
+
+# undefined_table, invalid_schema_name: the queue is not installed in that schema.
+_NOT_INSTALLED: Final = frozenset({"42P01", "3F000"})
+
+
+async def _fetch(conn: Any, schema: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """Run one statement; a schema without the queue's tables is a typed error."""
+    try:
+        return await _driver.fetch(conn, sql, *args)
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) in _NOT_INSTALLED:
+            raise SchemaVersionMismatchError(schema, 0, LIBRARY_SCHEMA_VERSION) from None
+        raise
+
+
+def _task_cursor(after: object) -> int:
+    if after is None:
+        return 0
+    if not isinstance(after, str):
+        raise QueueTypeError(f"after must be a str cursor or None, not {type(after).__name__}")
+    if not _DIGITS.match(after) or int(after) > INT64:
+        raise QueueConfigurationError(
+            "after must be the next_cursor of a task listing (a task id in decimal)"
+        )
+    return int(after)
+
+
+def _state(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, TaskState):
+        return value.value
+    states = [s.value for s in TaskState]
+    if not isinstance(value, str):
+        raise QueueTypeError(
+            f"state must be a TaskState, a str or None, not {type(value).__name__}"
+        )
+    if value not in states:
+        raise QueueConfigurationError(f"state must be one of {', '.join(states)}")
+    return value
+
+
+async def list_tasks(
+    conn: Any,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    state: TaskState | str | None = None,
+    task_name: str | None = None,
+    after: str | None = None,
+    limit: int = 100,
+) -> Page[TaskRun]:
+    """List tasks in id order (oldest first), optionally of one state and one task name.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        schema: the queue's PostgreSQL schema.
+        state: only tasks in this state (a :class:`~steeple.core.tasks.TaskState` or its
+            value, e.g. ``"failed"``).
+        task_name: only tasks of this name.
+        after: the ``next_cursor`` of the previous page (exclusive); ``None`` for the first.
+        limit: the most tasks returned (1..1000).
+
+    Returns:
+        A page of tasks (metadata only); ``next_cursor`` is ``None`` on the last page.
+
+    Raises:
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
+        QueueConfigurationError: an unknown state, a malformed cursor or task name, a limit
+            outside 1..1000, or an invalid schema name.
+        QueueTypeError: an argument of the wrong type.
+    """
+    sql = admin_sql(schema)
+    position = _task_cursor(after)
+    wanted = _state(state)
+    if task_name is not None:
+        check_name(task_name, "task_name")
+    check_int(limit, "limit", 1, MAX_PAGE)
+    rows = await _fetch(conn, schema, sql.list_tasks, position, wanted, task_name, limit + 1)
+    items = [TaskRun.from_row(tuple(row)) for row in rows[:limit]]
+    cursor = str(items[-1].id) if len(rows) > limit else None
+    return Page(items=items, next_cursor=cursor)
+
+
+async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[TaskState, int]:
+    """Return how many tasks are in each state (every state present, zeros included).
+
+    Raises:
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
+        QueueConfigurationError: an invalid schema name.
+        QueueTypeError: a schema that is not a str.
+    """
+    rows = await _fetch(conn, schema, admin_sql(schema).count_by_state)
+    counts = dict.fromkeys(TaskState, 0)
+    for state, count in rows:
+        counts[TaskState(state)] = int(count)
+    return counts
+
+
+async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> TaskRun:
+    """Send a failed task back to pending, to run again at once.
+
+    The task keeps its id, ``run_id`` (the idempotency key its handler gives side effects),
+    args, snapshot and attempt history. It runs at least once more: a task that used up its
+    attempts gets one more (``max_attempts`` becomes ``attempts + 1``); a task that failed
+    permanently with attempts left keeps those. Only failed tasks are retried: a succeeded
+    or cancelled task is done for good, a pending or running one is already live.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        task_id: the failed task's id.
+        schema: the queue's PostgreSQL schema.
+
+    Returns:
+        The task as it is now (pending).
+
+    Raises:
+        TaskNotFoundError: no such task (or it was pruned).
+        TaskStateError: the task is not failed, or a live task holds its dedup key.
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
+        QueueConfigurationError: ``task_id`` beyond 64 bits, or an invalid schema name.
+        QueueTypeError: ``task_id`` is not an int.
+    """
+    sql = admin_sql(schema)
+    rows = await _fetch(conn, schema, sql.retry, check_task_id(task_id))
+    if not rows:
+        raise TaskNotFoundError(task_id)
+    before, changed, blocker = TaskState(rows[0][0]), int(rows[0][1]), rows[0][2]
+    if not changed:
+        if blocker is not None:
+            raise TaskStateError(
+                task_id,
+                before.value,
+                f"task {task_id} cannot be retried: task {blocker} of the same name holds its "
+                "dedup key and is still pending or running",
+            )
+        raise TaskStateError(
+            task_id,
+            before.value,
+            f"task {task_id} is {before.value}; only failed tasks can be retried",
+        )
+    transition(before, TaskEvent.RETRY)  # the table's move (raises if the SQL made another)
+    from steeple.postgres.queue._ops import run_state
+
+    return await run_state(conn, task_id, schema=schema)
+
+
+async def count_prunable(conn: Any, older_than: timedelta, *, schema: str = DEFAULT_SCHEMA) -> int:
+    """Count the tasks :func:`~steeple.postgres.queue.prune_terminal` would remove.
+
+    Terminal tasks (succeeded, failed, cancelled) finished more than ``older_than`` ago, by
+    the database server's clock; nothing is removed (a dry run).
+
+    Raises:
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
+        QueueConfigurationError: ``older_than`` negative or over ~100 years, or an invalid
+            schema name.
+        QueueTypeError: ``older_than`` is not a timedelta.
+    """
+    sql = admin_sql(schema)
+    check_timedelta(older_than, "older_than", timedelta(0), MAX_RETENTION)
+    rows = await _fetch(conn, schema, sql.count_prunable, older_than)
+    return int(rows[0][0])
+
+
+async def list_jobs(
+    conn: Any, *, schema: str = DEFAULT_SCHEMA, after: str | None = None, limit: int = 100
+) -> Page[JobInfo]:
+    """List recurring jobs by name (their args are not shown).
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        schema: the queue's PostgreSQL schema.
+        after: the ``next_cursor`` of the previous page (a job name, exclusive).
+        limit: the most jobs returned (1..1000).
+
+    Raises:
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
+        QueueConfigurationError: a malformed cursor, a limit outside 1..1000, or an invalid
+            schema name.
+        QueueTypeError: an argument of the wrong type.
+    """
+    sql = admin_sql(schema)
+    if after is not None:
+        check_name(after, "after")
+    check_int(limit, "limit", 1, MAX_PAGE)
+    rows = await _fetch(conn, schema, sql.list_jobs, after or "", limit + 1)
+    items = [JobInfo.from_row(tuple(row)) for row in rows[:limit]]
+    cursor = items[-1].name if len(rows) > limit else None
+    return Page(items=items, next_cursor=cursor)
+
+
+async def server_time(conn: Any) -> datetime:
+    """Return the database server's clock: the one that judges when tasks are due.
+
+    Read it to place work relative to the server (``EnqueueOptions.at(...)``, a job's
+    ``clock``) rather than this host, whose clock may disagree by any amount.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+    """
+    ((now,),) = await _driver.fetch(conn, "SELECT clock_timestamp()")
+    return cast(datetime, now)
