@@ -25,7 +25,7 @@ from steeple.sqlite.errors import (
     SqliteStorageError,
 )
 
-__all__ = ["busy_retry", "create_file", "map_error", "open_database"]
+__all__ = ["busy_retry", "create_file", "map_error", "open_database", "read_only_reason"]
 
 T = TypeVar("T")
 
@@ -39,12 +39,35 @@ def _code(exc: sqlite3.Error) -> tuple[int, str | None]:
     return (code & 0xFF if isinstance(code, int) else -1), name
 
 
-def map_error(exc: sqlite3.Error, what: str, *, interrupted: str = "") -> RecurringStorageError:
+def read_only_reason(path: Path) -> str | None:
+    """Say why ``path`` cannot be written, if the OS says it cannot."""
+    try:
+        if os.statvfs(path.parent).f_flag & os.ST_RDONLY:
+            return "its file system is mounted read-only"
+    except OSError:
+        return None
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file is not writable by this user"
+    if not os.access(path.parent, os.W_OK):
+        return "its directory is not writable by this user (WAL needs -wal and -shm files)"
+    return None
+
+
+def map_error(
+    exc: sqlite3.Error, what: str, *, path: Path | None = None, interrupted: str = ""
+) -> RecurringStorageError:
     """Return the typed error for a sqlite3 failure of ``what``; nothing was committed.
 
-    ``interrupted`` explains an ``SQLITE_INTERRUPT`` (the deadline, or a caller gone).
+    ``interrupted`` explains an ``SQLITE_INTERRUPT`` (the deadline, or a caller gone);
+    ``path`` lets a refusal to open or write be told apart as a read-only file.
     """
     primary, name = _code(exc)
+    if primary in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_IOERR):
+        reason = read_only_reason(path) if path is not None else None
+        if reason is not None:
+            return SqliteReadOnlyError(
+                f"{what}: {path} cannot be written: {reason} ({name})", sqlite_error=name
+            )
     if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
         return RecurringDeadlineError(
             f"{what}: the write lock was not free before the deadline (10 s per call): "
@@ -162,7 +185,7 @@ def open_database(
     try:
         conn = sqlite3.connect(uri, uri=True, timeout=0, isolation_level=None)
     except sqlite3.Error as exc:
-        raise map_error(exc, f"{what}: opening {path}") from None
+        raise map_error(exc, f"{what}: opening {path}", path=path) from None
     try:
         set_busy_timeout(conn, deadline)
         _check_durable(conn, path, create, deadline)
@@ -170,7 +193,7 @@ def open_database(
         conn.execute("PRAGMA trusted_schema = OFF")
     except sqlite3.Error as exc:
         conn.close()
-        raise map_error(exc, f"{what}: opening {path}") from None
+        raise map_error(exc, f"{what}: opening {path}", path=path) from None
     except BaseException:
         conn.close()
         raise

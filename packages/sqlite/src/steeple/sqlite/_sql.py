@@ -20,7 +20,6 @@ SCHEMA_VERSION = 1
 MIN_SQLITE = (3, 37, 0)
 """STRICT tables need SQLite 3.37."""
 
-_LIVE = ("dead", "leased", "pending", "retry_wait")
 _CLAIMABLE = ("leased", "pending", "retry_wait")
 
 
@@ -210,7 +209,8 @@ def claimable(rule: ClaimRule) -> str:
         arms.append(f"(state IN {_in(rule.after_lease_expiry)} AND lease_expires_at <= ?2)")
     # Repeating the partial index's condition (when it holds) lets SQLite walk the index
     # in claim order instead of sorting every live occurrence.
-    indexed = f" AND state IN {_in(_CLAIMABLE)}" if rule.states <= set(_CLAIMABLE) else ""
+    claimable_states = {s.value for s in rule.states}
+    indexed = f" AND state IN {_in(_CLAIMABLE)}" if claimable_states <= set(_CLAIMABLE) else ""
     return (
         f"SELECT {OCCURRENCE_COLUMNS} FROM recurring_occurrences"
         f" WHERE namespace = ?1 AND window_ends_at > ?2{indexed}"

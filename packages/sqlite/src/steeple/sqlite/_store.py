@@ -58,10 +58,11 @@ from steeple.sqlite._file import (
     create_file,
     map_error,
     open_database,
+    read_only_reason,
     set_busy_timeout,
 )
 from steeple.sqlite._repository import SqliteRepository, microseconds, namespace_state
-from steeple.sqlite.errors import SqliteStorageError
+from steeple.sqlite.errors import SqliteReadOnlyError, SqliteStorageError
 
 __all__ = ["SqliteRecurringStore"]
 
@@ -186,7 +187,7 @@ class _SqliteStorage:
             call.check(what)
             return fn(call)
         except sqlite3.Error as exc:
-            raise map_error(exc, what, interrupted=call.interrupted()) from exc
+            raise map_error(exc, what, path=self.path, interrupted=call.interrupted()) from exc
         except SteepleError:
             raise
         except Exception as exc:
@@ -265,9 +266,13 @@ class _SqliteStorage:
         try:
             create_file(self.path)
         except OSError as exc:
-            raise SqliteStorageError(
-                f"initialize: cannot create {self.path} ({exc.strerror or type(exc).__name__})"
-            ) from None
+            why = exc.strerror or type(exc).__name__
+            reason = read_only_reason(self.path)
+            if reason is not None:
+                raise SqliteReadOnlyError(
+                    f"initialize: cannot create {self.path}: {reason} ({why})"
+                ) from None
+            raise SqliteStorageError(f"initialize: cannot create {self.path} ({why})") from None
         conn = self.connection(call, create=True)
         self._begin(conn, call)
         try:
