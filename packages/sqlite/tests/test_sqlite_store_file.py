@@ -132,6 +132,28 @@ async def test_twenty_concurrent_initializers_of_a_new_file_converge(tmp_path: P
     assert query(path, "SELECT namespace FROM recurring_namespaces") == [(CONFIG.namespace,)]
 
 
+async def test_a_new_file_another_connection_is_writing_is_initialized_once_it_is_free(
+    tmp_path: Path,
+) -> None:
+    """SQLite refuses the switch to WAL at once ("database is locked", no busy wait) while
+    another connection holds the write lock of a file not in WAL mode yet: initialize
+    retries within its deadline."""
+    path = tmp_path / "store.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        opening = asyncio.create_task(
+            SqliteRecurringStore.initialize(path, CONFIG, KEYRING, FakeClock(START))
+        )
+        await asyncio.sleep(0.3)  # long enough for the first attempt, which used to fail
+        holder.execute("ROLLBACK")
+        async with await opening as store:
+            await store.create(definition("a"))
+    finally:
+        holder.close()
+    assert query(path, "PRAGMA journal_mode") == [("wal",)]
+
+
 INITIALIZER = """
 import asyncio, sys, time
 from datetime import UTC, datetime

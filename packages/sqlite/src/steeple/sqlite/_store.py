@@ -90,12 +90,13 @@ class _Call:
             return "the caller was cancelled"
         return f"the deadline ({_CALL_DEADLINE:g} s per call) passed"
 
-    def check(self, what: str) -> None:
+    def check(self, what: str, waiting: str = "") -> None:
         if self.abandoned:
             raise RecurringStorageError(f"{what}: the caller was cancelled; nothing was stored")
         if time.monotonic() >= self.deadline:
             raise RecurringDeadlineError(
-                f"{what}: the deadline ({_CALL_DEADLINE:g} s per call) passed; nothing was stored"
+                f"{what}: the deadline ({_CALL_DEADLINE:g} s per call) passed{waiting}; "
+                "nothing was stored"
             )
 
 
@@ -184,7 +185,7 @@ class _SqliteStorage:
     def _on_thread(self, call: _Call, what: str, fn: Callable[[_Call], T]) -> T:
         self._call = call
         try:
-            call.check(what)
+            call.check(what, " while it waited behind this store's earlier calls")
             return fn(call)
         except sqlite3.Error as exc:
             raise map_error(exc, what, path=self.path, interrupted=call.interrupted()) from exc
