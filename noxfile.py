@@ -417,6 +417,7 @@ def bench(session: nox.Session) -> None:
         "bench_zoned.py",
         "bench_queue.py",
         "bench_recurring.py",
+        "bench_simulate.py",
     ):
         if os.path.exists(f"benchmarks/{script}"):
             session.run("python", f"benchmarks/{script}", *session.posargs)

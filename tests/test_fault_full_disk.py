@@ -63,8 +63,8 @@ START = datetime(2031, 3, 4, 5, 0, 0, tzinfo=UTC)
 KEYRING = Keyring(StorageKey("k1", b"\x0c" * 32))
 CONFIG = RecurringConfig("full-disk", max_definitions=10, max_occurrences=10_000)
 QUEUE = "q"
-WORK = Task("work")
-GATED = Task("gated")
+WORK: Task[Any] = Task("work")
+GATED: Task[Any] = Task("gated")
 PAYLOAD = 16 * 1024  # the largest payload: sealed, so incompressible
 
 

@@ -52,7 +52,7 @@ START = datetime(2031, 3, 4, 5, 0, 0, tzinfo=UTC)
 KEYRING = Keyring(StorageKey("k1", b"\x0a" * 32))
 CONFIG = RecurringConfig("standby", max_definitions=10, max_occurrences=1000)
 QUEUE = "q"
-WORK = Task("work")
+WORK: Task[Any] = Task("work")
 
 
 def minutely(name: str = "minutely") -> RecurringDefinition:

@@ -48,7 +48,7 @@ def unavailable(what: str) -> None:
 
 def _bin_dir() -> Path:
     try:
-        from pgserver._commands import POSTGRES_BIN_PATH  # type: ignore[import-untyped]
+        from pgserver._commands import POSTGRES_BIN_PATH
     except ImportError:
         unavailable("pgserver (private PostgreSQL clusters)")
         raise
@@ -157,7 +157,7 @@ class Clusters:
         if os.geteuid() == 0:
             self.user = _SYSTEM_USER
             try:
-                from pgserver.utils import (  # type: ignore[import-untyped]
+                from pgserver.utils import (
                     ensure_folder_permissions,
                     ensure_prefix_permissions,
                     ensure_user_exists,

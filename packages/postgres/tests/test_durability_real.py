@@ -58,7 +58,7 @@ START = datetime(2031, 3, 4, 5, 0, 0, tzinfo=UTC)
 KEYRING = Keyring(StorageKey("k1", b"\x0b" * 32))
 CONFIG = RecurringConfig("durability", max_definitions=100, max_occurrences=1000)
 QUEUE = "q"
-WORK = Task("work")
+WORK: Task[Any] = Task("work")
 LEVELS = ["off", "local", "remote_write", "remote_apply", "on"]
 SCOPES = ["server", "database", "role", "session"]
 RECURRING_TABLES = (
@@ -368,6 +368,7 @@ def test_write_refusals_are_named_by_sqlstate(
         assert refusal is None
         return
     assert refusal is not None
+    assert words is not None
     assert refusal[0] == setting
     assert words in refusal[1]
     assert "nothing was stored" in refusal[1]

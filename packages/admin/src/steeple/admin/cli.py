@@ -26,6 +26,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from steeple.admin import simulate_cli
 from steeple.admin._backend import Target, classify, connect_store, initialize_store
 from steeple.admin.app import occurrence_json, schedule_json
 from steeple.admin.settings import (
@@ -913,6 +914,9 @@ def demo(
         lose_every=lose_every,
     )
     _run(lambda: run_demo(options, out))
+
+
+app.command(name="simulate")(simulate_cli.simulate)
 
 
 def main() -> None:

@@ -1,0 +1,423 @@
+"""``steeple simulate``: flags and definitions files, table/JSON/plot/chart, hostile input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from steeple.admin.cli import app
+from steeple.admin.definitions_file import (
+    DefinitionDefaults,
+    DefinitionsFileError,
+    load_definitions,
+)
+from steeple.admin.settings import ExitCode
+
+runner = CliRunner()
+
+RANGE = ["--from", "2026-01-30T00:00Z", "--days", "3"]
+FLAGS = [
+    "--cron",
+    "0 2 * * *",
+    "--cron",
+    "30 1 * * *",
+    "--cron",
+    "0 * * * *",
+    "--policy",
+    "catch_up",
+    "--policy",
+    "coalesce",
+    "--policy",
+    "catch_up",
+    "--name",
+    "nightly-billing",
+    "--name",
+    "nightly-report",
+    "--name",
+    "hourly-sync",
+    *RANGE,
+    "--host-outage",
+    "2026-01-31T22:00Z/PT6H",
+    "--broker-outage",
+    "2026-01-30T10:00Z/2026-01-30T10:20Z",
+    "--ack-loss-rate",
+    "0.02",
+    "--clock-regression",
+    "2026-01-30T12:00:00.5Z/PT3S",
+    "--seed",
+    "4",
+]
+
+TOML = """
+[[definitions]]
+name = "nightly-billing"
+cron = "0 2 * * *"
+policy = "catch_up"
+
+[[definitions]]
+name = "nightly-report"
+cron = "30 1 * * *"
+policy = "coalesce"
+topic = "reports"
+message_type = "report.build"
+payload = '{"kind": "nightly"}'
+headers = { team = "finance" }
+
+[[definitions]]
+name = "hourly-sync"
+cron = "0 * * * *"
+first_after = "2026-01-30T00:00:00Z"
+"""
+
+
+def invoke(args: list[str]) -> Any:
+    return runner.invoke(app, ["simulate", *args], catch_exceptions=False)
+
+
+def test_flags_give_a_table_of_every_definition_and_the_totals() -> None:
+    result = invoke(FLAGS)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "steeple simulate: 2026-01-30 00:00Z to 2026-02-02 00:00Z, seed 4" in out
+    for name in ("nightly-billing", "nightly-report", "hourly-sync", "all catch_up", "all"):
+        assert name in out
+    # The hourly catch-up definition missed six runs in the outage: worst lateness 6 h.
+    hourly = next(line for line in out.splitlines() if line.strip().startswith("hourly-sync"))
+    assert hourly.split()[-2:] == ["6h", "00m"]
+    assert "broker failures" in out
+    assert "lost acks" in out
+
+
+def test_json_is_the_api_result_and_repeats_exactly() -> None:
+    first = invoke([*FLAGS, "--json"])
+    assert first.exit_code == 0, first.output
+    again = invoke([*FLAGS, "--json"])
+    assert first.stdout == again.stdout
+    data = json.loads(first.stdout)
+    assert data["seed"] == 4
+    assert [d["name"] for d in data["definitions"]] == [
+        "nightly-billing",
+        "nightly-report",
+        "hourly-sync",
+    ]
+    overall = data["overall"]
+    assert overall["materialized"] == 77
+    assert overall["materialized"] == sum(
+        overall[k] for k in ("published", "dead", "expired", "cancelled", "live")
+    )
+    assert data["scenario"]["host_outages"] == ["2026-01-31T22:00:00Z/2026-02-01T04:00:00Z"]
+    assert data["scenario"]["clock_regressions"] == [
+        {"at": "2026-01-30T12:00:00.500000Z", "by_s": 3.0}
+    ]
+    other_seed = invoke([*FLAGS[:-1], "5", "--json"])
+    assert json.loads(other_seed.stdout)["seed"] == 5
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_a_definitions_file_gives_the_same_run_as_the_flags(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"defs{suffix}"
+    if suffix == ".toml":
+        path.write_text(TOML)
+    else:
+        import tomllib
+
+        path.write_text(json.dumps(tomllib.loads(TOML)["definitions"]))
+    from_file = invoke(["--definitions", str(path), *FLAGS[18:], "--json"])
+    from_flags = invoke([*FLAGS, "--json"])
+    assert from_file.exit_code == 0, from_file.output
+    file_data, flag_data = json.loads(from_file.stdout), json.loads(from_flags.stdout)
+    assert file_data["overall"] == flag_data["overall"]
+    assert file_data["series"] == flag_data["series"]
+    report = file_data["scenario"]["definitions"][1]
+    assert report["topic"] == "reports"
+    assert report["message_type"] == "report.build"
+
+
+def test_the_definitions_file_format_is_read_in_one_place(tmp_path: Path) -> None:
+    path = tmp_path / "defs.toml"
+    path.write_text(TOML)
+    from datetime import UTC, datetime
+
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    loaded = load_definitions(path, DefinitionDefaults(start, "t", "m"))
+    assert [d.name for d in loaded] == ["nightly-billing", "nightly-report", "hourly-sync"]
+    assert loaded[1].message.payload == b'{"kind": "nightly"}'
+    assert dict(loaded[1].message.headers) == {"team": "finance"}
+    assert loaded[0].first_after == start
+    assert loaded[2].first_after == datetime(2026, 1, 30, tzinfo=UTC)
+    # Without defaults, topic and message type are required (as `schedules create` will
+    # require them).
+    with pytest.raises(DefinitionsFileError, match="'topic' is required"):
+        load_definitions(path, DefinitionDefaults(first_after=start))
+
+
+def test_a_plot_is_written_as_png_or_deterministic_svg(tmp_path: Path) -> None:
+    png, svg, svg2 = tmp_path / "a.png", tmp_path / "a.svg", tmp_path / "b.svg"
+    assert invoke([*FLAGS, "--plot", str(png)]).exit_code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert invoke([*FLAGS, "--plot", str(svg)]).exit_code == 0
+    assert invoke([*FLAGS, "--plot", str(svg2)]).exit_code == 0
+    text = svg.read_text()
+    assert text.startswith("<?xml")
+    assert "<dc:date>" not in text
+    assert svg.read_bytes() == svg2.read_bytes()
+
+
+def test_the_terminal_chart_shows_backlog_lateness_and_outages() -> None:
+    result = invoke([*FLAGS, "--chart"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    chart = lines[next(i for i, line in enumerate(lines) if line.startswith("catch-up:")) :]
+    assert chart[1].lstrip().startswith("materialized (max ")
+    assert chart[2].lstrip().startswith("backlog (peak ")
+    assert chart[3].lstrip().startswith("lateness (worst 6.0h)")
+    assert "#" in chart[4]
+    assert chart[4].lstrip().startswith("host down")
+    assert "coalesce:" in result.stdout
+
+
+def test_without_matplotlib_a_plot_request_prints_a_terminal_chart(tmp_path: Path) -> None:
+    # A real process in which importing matplotlib fails, as on an install without the
+    # [plot] extra.
+    script = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None\n"
+        "from steeple.admin.cli import main\n"
+        "sys.argv = ['steeple', 'simulate', *sys.argv[1:]]\n"
+        "main()\n"
+    )
+    target = tmp_path / "never.svg"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEEPLE_")}
+    done = subprocess.run(
+        [sys.executable, "-c", script, *FLAGS, "--plot", str(target)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "matplotlib is not installed" in done.stderr
+    assert "steeple-admin[plot]" in done.stderr
+    assert "backlog (peak " in done.stdout
+    assert "host down" in done.stdout
+    assert not target.exists()
+
+
+def test_simulate_is_listed_in_the_command_help() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert "simulate" in result.stdout
+    assert runner.invoke(app, ["simulate", "--help"]).exit_code == 0
+
+
+BIG = "x" * 10_000
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["--cron", "61 * * * *", *RANGE], ExitCode.USAGE, "minute"),
+        (["--cron", "0 0 * * 0", *RANGE], ExitCode.USAGE, "weekday"),
+        (["--cron", BIG, *RANGE], ExitCode.USAGE, "cron"),
+        (["--cron", "0 0 30 2 *", *RANGE], ExitCode.USAGE, "never"),
+        (["--cron", "* * * * *", "--name", BIG, *RANGE], ExitCode.USAGE, "limit is 200"),
+        (["--cron", "* * * * *", "--name", "a\x00b", *RANGE], ExitCode.USAGE, "control"),
+        (["--cron", "* * * * *", "--policy", "sometimes", *RANGE], ExitCode.USAGE, "policy"),
+        (
+            [
+                "--cron",
+                "* * * * *",
+                "--cron",
+                "1 * * * *",
+                "--policy",
+                "coalesce",
+                "--policy",
+                "catch_up",
+                "--policy",
+                "coalesce",
+                *RANGE,
+            ],
+            ExitCode.USAGE,
+            "--policy",
+        ),
+        (["--cron", "* * * * *", "--failure-rate", "nan", *RANGE], ExitCode.USAGE, "rate"),
+        (["--cron", "* * * * *", "--ack-loss-rate", "inf", *RANGE], ExitCode.USAGE, "rate"),
+        (["--cron", "* * * * *", "--failure-rate", "-0.5", *RANGE], ExitCode.USAGE, "rate"),
+        (["--cron", "* * * * *", "--rate", "nan", *RANGE], ExitCode.USAGE, "--rate"),
+        (["--cron", "* * * * *", "--workers", "0", *RANGE], ExitCode.USAGE, "workers"),
+        (["--cron", "* * * * *", "--tick-budget", "0", *RANGE], ExitCode.USAGE, "budget"),
+        (["--cron", "* * * * *", "--claim-limit", "1000", *RANGE], ExitCode.USAGE, "limit"),
+        (["--cron", "* * * * *", "--tick-interval", "0s", *RANGE], ExitCode.USAGE, "interval"),
+        (
+            ["--cron", "* * * * *", "--tick-interval", "9" * 30 + "d", *RANGE],
+            ExitCode.USAGE,
+            "--tick-interval",
+        ),
+        (
+            ["--cron", "* * * * *", "--host-outage", "2026-02-01T04:00Z/2026-01-31T22:00Z", *RANGE],
+            ExitCode.USAGE,
+            "reversed",
+        ),
+        (
+            ["--cron", "* * * * *", "--host-outage", "2026-01-31T22:00/PT6H", *RANGE],
+            ExitCode.USAGE,
+            "time zone",
+        ),
+        (["--cron", "* * * * *", "--host-outage", BIG, *RANGE], ExitCode.USAGE, "interval"),
+        (
+            ["--cron", "* * * * *", "--broker-outage", "2026-01-31T22:00Z/P1M", *RANGE],
+            ExitCode.USAGE,
+            "duration",
+        ),
+        (
+            ["--cron", "* * * * *", "--clock-regression", "2026-01-30T12:00Z", *RANGE],
+            ExitCode.USAGE,
+            "instant/duration",
+        ),
+        (
+            ["--cron", "* * * * *", "--clock-regression", "2026-01-30T12:00Z/P30D", *RANGE],
+            ExitCode.USAGE,
+            "at most",
+        ),
+        (["--cron", "* * * * *", "--from", BIG, "--days", "1"], ExitCode.USAGE, "--from"),
+        (
+            ["--cron", "* * * * *", "--from", "2026-01-30", "--days", "1"],
+            ExitCode.USAGE,
+            "time zone",
+        ),
+        (
+            ["--cron", "* * * * *", "--from", "2100-12-01T00:00Z", "--days", "60"],
+            ExitCode.USAGE,
+            "2100",
+        ),
+        (
+            ["--cron", "* * * * *", "--from", "2026-01-01T00:00Z", "--to", "2150-01-01T00:00Z"],
+            ExitCode.USAGE,
+            "2100",
+        ),
+        (
+            ["--cron", "* * * * *", "--from", "2026-01-01T00:00Z", "--to", "2025-01-01T00:00Z"],
+            ExitCode.USAGE,
+            "reversed",
+        ),
+        (
+            ["--cron", "* * * * *", "--from", "2026-01-01T00:00Z", "--days", "1e9"],
+            ExitCode.USAGE,
+            "--days",
+        ),
+        (
+            ["--cron", "* * * * *", "--from", "2026-01-01T00:00Z", "--days", "nan"],
+            ExitCode.USAGE,
+            "--days",
+        ),
+        (["--cron", "* * * * *", *RANGE, "--to", "2026-02-01T00:00Z"], ExitCode.USAGE, "not both"),
+        (["--cron", "* * * * *", *RANGE, "--seed", "-1"], ExitCode.USAGE, "--seed"),
+        (["--cron", "* * * * *", *RANGE, "--seed", str(2**70)], ExitCode.USAGE, "--seed"),
+        (["--cron", "* * * * *", *RANGE, "--plot", "out.gif"], ExitCode.USAGE, ".png or .svg"),
+        (["--cron", "* * * * *", *RANGE, "--window", "0s"], ExitCode.CONFIG, "window"),
+        (["--cron", "* * * * *", *RANGE, "--lease", "1h"], ExitCode.CONFIG, "lease"),
+        (
+            ["--cron", "* * * * *", *RANGE, "--max-occurrences", "0"],
+            ExitCode.CONFIG,
+            "max_occurrences",
+        ),
+        (
+            ["--cron", "* * * * *", *RANGE, "--sample-interval", "1ms"],
+            ExitCode.USAGE,
+            "sample interval",
+        ),
+        ([*RANGE], ExitCode.USAGE, "nothing to simulate"),
+    ],
+)
+def test_hostile_input_gets_one_line_and_the_usage_or_config_code(
+    args: list[str], code: ExitCode, says: str
+) -> None:
+    result = invoke(args)
+    assert result.exit_code == code, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("steeple: error: ")
+    assert says in lines[0]
+    assert len(lines) <= 2
+    assert all(len(line) < 400 for line in lines)
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("{", "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ("[]", "no definitions"),
+        ('{"defs": []}', "unknown top-level key"),
+        ('[{"name": "a", "cron": "* * * * *", "when": 1}]', "unknown field 'when'"),
+        ('[{"cron": "* * * * *"}]', "'name' is required"),
+        ('[{"name": 5, "cron": "* * * * *"}]', "must be a string"),
+        ('[{"name": "a", "cron": "* * * * *", "policy": "never"}]', "policy"),
+        ('[{"name": "a", "cron": "* * * * *", "first_after": "2026-01-01"}]', "time zone"),
+        ('[{"name": "a", "cron": "* * * * *", "payload_base64": "%%"}]', "base64"),
+        ('[{"name": "a", "cron": "* * * * *", "payload": "' + "x" * 20_000 + '"}]', "16 KiB"),
+        ('[{"name": "a", "cron": "* * * * *", "headers": {"k": "v\\nx"}}]', "control"),
+        ('[{"name": "a", "cron": "* * * * *"}, {"name": "a", "cron": "1 * * * *"}]', "twice"),
+        ('[{"name": "\\ud800", "cron": "* * * * *"}]', "control"),
+        ("5", "list of definitions"),
+    ],
+)
+def test_bad_definitions_files_are_refused(tmp_path: Path, content: str, says: str) -> None:
+    path = tmp_path / "defs.json"
+    path.write_text(content, encoding="utf-8", errors="surrogatepass")
+    result = invoke(["--definitions", str(path), *RANGE])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("steeple: error: ")
+    assert says in first
+    assert len(first) < 400
+
+
+def test_unreadable_huge_and_binary_definitions_files_are_refused(tmp_path: Path) -> None:
+    missing = invoke(["--definitions", str(tmp_path / "nope.toml"), *RANGE])
+    assert missing.exit_code == ExitCode.USAGE
+    assert "cannot read" in missing.stderr
+    huge = tmp_path / "huge.json"
+    huge.write_bytes(b" " * (5 * 1024 * 1024))
+    assert "larger than 4 MiB" in invoke(["--definitions", str(huge), *RANGE]).stderr
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert "not UTF-8" in invoke(["--definitions", str(binary), *RANGE]).stderr
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("[[definitions]\nname=")
+    assert "not valid TOML" in invoke(["--definitions", str(bad_toml), *RANGE]).stderr
+
+
+def test_a_plot_that_cannot_be_written_fails_with_one_line(tmp_path: Path) -> None:
+    result = invoke([*FLAGS, "--plot", str(tmp_path / "missing-dir" / "out.svg")])
+    assert result.exit_code == ExitCode.FAILED
+    assert "cannot write the plot" in result.stderr
+
+
+def test_the_readme_simulation_tour_prints_what_the_readme_says() -> None:
+    snippet = Path(__file__).parent / "readme_snippets" / "simulation_tour.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEEPLE_")}
+    done = subprocess.run(
+        [sys.executable, str(snippet)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "hourly-sync: 71/71 published, 21600 s late",
+        "cache-warm: 263/263 published, 21600 s late",
+    ]
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    for line in done.stdout.splitlines():
+        assert f"`{line}" in readme.replace("\n", " ")

@@ -1,0 +1,856 @@
+"""The simulator: drives a real recurring store on a fake clock, jumping from event to event.
+
+Nothing here decides what the store does. The store (the in-memory reference store, or
+any :class:`~steeple.core.ports.RecurringStore`) materializes, leases, backs off, expires
+and dead-letters; the simulator only decides *when to call it*, the way the worker loops
+would: a ticker on a grid of ``Ticking.interval``, relay workers polling every
+``RelayCapacity.poll_interval``, each publication taking ``1 / rate`` seconds.
+
+Time advances by events, never by sleeping or stepping second by second. A poll that
+provably finds nothing is skipped, and only such a poll:
+
+- the ticker wakes at the first grid instant at or after the earliest instant any
+  definition can next be due (a lower bound from the calendar: waking early only costs an
+  empty tick); a tick that fills its budget ticks again at once;
+- an idle worker wakes when something may have become claimable: a tick materialized, a
+  retry falls due (after a failed relay the occurrences are listed before the next poll
+  instant, so the store itself says when), a lease lapses unrelayed (one its worker will
+  reach too late, or abandoned when the host went down);
+- a worker does not claim at the instant another worker's claim came back short (it took
+  everything claimable then);
+- workers acting at the same instant act in index order, never in the order their events
+  were scheduled, so skipped polls cannot reorder them;
+- skipping a poll changes nothing but the store's recorded time, which matters only to a
+  clock regression: a call is made at the last grid instant before each step back, and
+  the ticker and idle workers poll at the first grid instant after it (where a step
+  beyond the tolerance starts their backoff).
+
+A test runs busy scenarios both ways (jumping, and polling at every grid instant) and
+requires the same outcome for every occurrence.
+
+The simulated operator lists occurrences every sample interval and after every few dozen
+publications, counts the finished ones (lateness needs each due instant, which only the
+listing gives) and purges them at once, so quota hits come from live backlog only.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from typing import Final
+
+from steeple.core.config import RecurringConfig, RecurringDefinition
+from steeple.core.errors import (
+    RecurringCapacityError,
+    RecurringClockError,
+    RecurringRelayError,
+    RelayAcknowledgementError,
+    RelayLeaseLostError,
+)
+from steeple.core.occurrences import OccurrenceState
+from steeple.core.ports import Clock, RandomSource, RecurringStore
+from steeple.core.records import Lease, OccurrenceInfo
+from steeple.testing.simulation._broker import SimulatedBroker
+from steeple.testing.simulation._result import (
+    DefinitionResult,
+    Hits,
+    OccurrenceOutcome,
+    Series,
+    SimulationResult,
+    Tally,
+)
+from steeple.testing.simulation._scenario import Scenario, ScenarioError
+from steeple.testing.simulation._timeline import align_up, from_us, span_us, to_us
+
+__all__ = ["StoreFactory", "drive"]
+
+StoreFactory = Callable[[RecurringConfig, Clock, RandomSource], Awaitable[RecurringStore]]
+"""Builds the store under simulation from the namespace, the fake clock and the seeded random."""
+
+_S = OccurrenceState
+_TERMINAL: Final = {
+    _S.PUBLISHED: "published",
+    _S.DEAD: "dead",
+    _S.EXPIRED: "expired",
+    _S.CANCELLED: "cancelled",
+}
+
+# Event kinds, in the order they run when they fall on the same instant.
+# A sample runs before the ticker and the workers: it sees what was left at the end of
+# the interval, not the work falling due at that very instant.
+_HOST_UP, _HOST_DOWN, _REGRESSION, _CHANGE, _SYNC, _SAMPLE, _TICK, _SCAN, _WORKER, _END = range(10)
+
+_MAX_BACKOFF: Final = span_us(timedelta(seconds=30))
+_HARVEST_EVERY: Final = 80
+"""Publications between two operator listings: keeps the listing to about one page."""
+_PAGE: Final = 100
+_NEVER: Final = 2**62
+
+
+class _Clock:
+    """The simulation's fake clock: a :class:`~steeple.core.ports.Clock` the driver sets.
+
+    The driver only ever sets it to aware UTC instants it computed, so unlike
+    :class:`~steeple.testing.FakeClock` it checks nothing (it is read on every call).
+    """
+
+    __slots__ = ("instant",)
+
+    def __init__(self, instant: datetime) -> None:
+        self.instant = instant
+
+    def now(self) -> datetime:
+        """Return the instant the driver set."""
+        return self.instant
+
+
+class SimulationError(RuntimeError):
+    """The store did something the simulator cannot account for (a bug, never an input)."""
+
+
+class _Worker:
+    __slots__ = (
+        "full",
+        "index",
+        "leases",
+        "not_before",
+        "parked",
+        "short_at",
+        "token",
+        "waits",
+        "wake_at",
+    )
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.leases: deque[Lease] = deque()
+        self.full = False
+        self.token = 0
+        self.parked = True
+        self.not_before = 0
+        self.short_at: int | None = None
+        self.waits = 0
+        self.wake_at = _NEVER
+
+
+class _Definition:
+    __slots__ = ("active", "definition", "policy", "tally")
+
+    def __init__(self, definition: RecurringDefinition) -> None:
+        self.definition = definition
+        self.policy = definition.policy.value
+        self.active = True
+        self.tally = Tally()
+
+
+class _Driver:
+    """One run. Private: :func:`drive` builds it and returns its result."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        seed: int,
+        store: RecurringStore,
+        clock: _Clock,
+        broker: SimulatedBroker,
+        *,
+        trace: bool,
+        exhaustive: bool = False,
+    ) -> None:
+        self.scenario = scenario
+        self.exhaustive = exhaustive
+        """Poll at every grid instant instead of jumping (tests compare the two)."""
+        self.seed = seed
+        self.store = store
+        self.clock = clock
+        self.broker = broker
+        self.trace: list[OccurrenceOutcome] | None = [] if trace else None
+        self.origin = to_us(scenario.start)
+        self.end = to_us(scenario.end)
+        self.t = self.origin
+        self.offset = 0
+        self.shared = 0
+        """The highest clock reading any store call saw: the store's recorded time."""
+        self.clock_set_to = -1
+        self.tick_step = span_us(scenario.ticking.interval)
+        self.budget = scenario.ticking.budget
+        relay = scenario.relay
+        self.poll_step = span_us(relay.poll_interval)
+        self.claim_limit = relay.claim_limit
+        self.per_publication = 0 if relay.rate is None else max(1, round(1_000_000 / relay.rate))
+        self.sample_step = span_us(scenario.samples_every)
+        self.buckets = -(-(self.end - self.origin) // self.sample_step)
+        self.heap: list[tuple[int, int, int, int, int]] = []
+        self.seq = 0
+        self.hits: dict[str, int] = dict.fromkeys(Hits.__annotations__, 0)
+        self.definitions: list[_Definition] = []
+        self.by_name: dict[str, int] = {}
+        self.due_hints: list[tuple[int, int]] = []
+        self.claim_hints: list[int] = []
+        self.tick_token = 0
+        self.tick_at = _NEVER
+        self.tick_failures = 0
+        self.tick_blocked = False
+        self.down = 0
+        self.deferred: list[int] = []
+        self.workers = [_Worker(i) for i in range(relay.workers)]
+        self.published_at: dict[str, int] = {}
+        self.since_harvest = 0
+        self.retry_unknown = False
+        """A relay failed: some retry's next attempt is known only to the store."""
+        self.scan_pending = False
+        self.drained: int | None = None
+        """The instant of a short claim: it took everything claimable then (see ``work``)."""
+        self.materialized = 0
+        policies = sorted(
+            {d.policy.value for d in scenario.definitions}
+            | {d.policy.value for c in scenario.changes for d in c.create}
+        )
+        self.series_keys = [*policies, "all"]
+        self.backlog: dict[str, list[int]] = {k: [] for k in self.series_keys}
+        self.last_backlog: dict[str, int] = dict.fromkeys(self.series_keys, 0)
+        self.bucket_published: dict[str, list[int]] = {
+            k: [0] * self.buckets for k in self.series_keys
+        }
+        self.bucket_late: dict[str, list[int | None]] = {
+            k: [None] * self.buckets for k in self.series_keys
+        }
+        self.bucket_materialized: dict[str, list[int]] = {
+            k: [0] * self.buckets for k in self.series_keys
+        }
+
+    # --- events ----------------------------------------------------------------------------
+
+    def push(self, at: int, kind: int, arg: int = 0) -> None:
+        self.seq += 1
+        # Same instant: by kind, then workers by index (never by when the event was pushed,
+        # so that the order does not depend on which polls were skipped).
+        heapq.heappush(self.heap, (at, kind, arg, self.seq, self.token_of(kind, arg)))
+
+    def token_of(self, kind: int, arg: int) -> int:
+        if kind == _TICK:
+            return self.tick_token
+        if kind == _WORKER:
+            return self.workers[arg].token
+        return 0
+
+    def schedule_tick(self, at: int) -> None:
+        self.tick_token += 1
+        self.tick_at = at
+        if at < self.end:
+            self.push(at, _TICK)
+
+    def schedule_worker(self, worker: _Worker, at: int) -> None:
+        worker.token += 1
+        worker.wake_at = at
+        if at < self.end:
+            self.push(at, _WORKER, worker.index)
+
+    def regressed(self, by: timedelta) -> None:
+        """Step the host clock back: the next polls (ticker and idle workers) see it."""
+        self.offset += span_us(by)
+        self.drained = None
+        if self.down:
+            return
+        # A poller calls at the next grid instant whatever is due; if the step is beyond
+        # the tolerance that call fails and its backoff starts there, so it must be made.
+        if not self.tick_blocked and not self.tick_failures:
+            at = align_up(self.t, self.origin, self.tick_step)
+            if at < self.tick_at:
+                self.schedule_tick(at)
+        for worker in self.workers:
+            if worker.parked and not worker.waits:
+                at = max(self.t, worker.not_before)
+                if worker.short_at is not None:
+                    at = max(at, worker.short_at + 1)
+                at = align_up(at, self.origin, self.poll_step)
+                if at < worker.wake_at:
+                    self.schedule_worker(worker, at)
+
+    async def run(self) -> SimulationResult:
+        scenario = self.scenario
+        self.set_clock()
+        for definition in scenario.definitions:
+            await self.create(definition)
+        for outage in scenario.host_outages:
+            start, end = to_us(outage.start), to_us(outage.end)
+            if start < self.end and end > self.origin:
+                self.push(max(start, self.origin), _HOST_DOWN)
+                self.push(end, _HOST_UP)
+        for index, regression in enumerate(scenario.clock_regressions):
+            at = to_us(regression.at)
+            self.push(at, _REGRESSION, index)
+            # The worker loops call the store at every grid instant; the last such call
+            # before the step sets the recorded time the stepped clock is judged against.
+            self.push(align_up(at, self.origin, self.tick_step) - self.tick_step, _SYNC)
+        for index, change in enumerate(scenario.changes):
+            self.push(to_us(change.at), _CHANGE, index)
+        if self.origin + self.sample_step < self.end:
+            self.push(self.origin + self.sample_step, _SAMPLE)
+        self.push(self.end, _END)
+        self.reschedule_ticker(self.origin)
+        for worker in self.workers:
+            self.wake(worker)
+        while self.heap:
+            at, kind, arg, _, token = heapq.heappop(self.heap)
+            if at >= self.end and kind != _END:
+                continue  # the range is half-open: only the final count runs at its end
+            self.t = at
+            if kind == _WORKER:
+                worker = self.workers[arg]
+                if token == worker.token and not self.down:
+                    worker.parked = False
+                    worker.wake_at = _NEVER
+                    await self.work(worker)
+            elif kind == _TICK:
+                if token == self.tick_token and not self.down:
+                    self.tick_at = _NEVER
+                    await self.tick()
+            elif kind == _SCAN:
+                self.scan_pending = False
+                if self.retry_unknown and not self.down:
+                    await self.harvest()
+            elif kind == _SAMPLE:
+                await self.sample()
+                following = at + self.sample_step
+                if following < self.end:
+                    self.push(following, _SAMPLE)
+            elif kind == _HOST_DOWN:
+                self.host_down()
+            elif kind == _HOST_UP:
+                await self.host_up()
+            elif kind == _REGRESSION:
+                self.regressed(scenario.clock_regressions[arg].by)
+            elif kind == _SYNC:
+                if not self.down and at >= self.origin:
+                    await self.sync()
+            elif kind == _CHANGE:
+                if self.down:
+                    self.deferred.append(arg)
+                else:
+                    await self.change(arg)
+            elif kind == _END:
+                await self.finish()
+                break
+        return self.result()
+
+    # --- the store, through the fake clock -----------------------------------------------------
+
+    def set_clock(self) -> int:
+        reading = self.t - self.offset
+        if reading != self.clock_set_to:
+            self.clock.instant = from_us(reading)
+            self.clock_set_to = reading
+        self.hits["store_calls"] += 1
+        return reading
+
+    def reached(self, reading: int) -> None:
+        """Note that a call got past the store's clock check (it recorded its time)."""
+        if reading > self.shared:
+            self.shared = reading
+
+    def to_true(self, store_us: int) -> int:
+        """Return when (in true time) the store will judge ``store_us`` to have come."""
+        if store_us <= self.shared:
+            return self.t
+        return store_us + self.offset
+
+    def backoff(self, failures: int, step: int) -> int:
+        return self.t + min(step << min(failures - 1, 30), max(_MAX_BACKOFF, step))
+
+    async def create(self, definition: RecurringDefinition) -> None:
+        reading = self.set_clock()
+        await self.store.create(definition)
+        self.reached(reading)
+        index = len(self.definitions)
+        self.definitions.append(_Definition(definition))
+        self.by_name[definition.name] = index
+        first = definition.cron.next_after(definition.first_after)
+        if first is not None:
+            heapq.heappush(self.due_hints, (to_us(first), index))
+
+    async def change(self, index: int) -> None:
+        change = self.scenario.changes[index]
+        for name in change.cancel:
+            reading = self.set_clock()
+            try:
+                await self.store.cancel(name)
+            except RecurringClockError:
+                self.hits["clock_errors"] += 1
+                continue
+            self.reached(reading)
+            self.definitions[self.by_name[name]].active = False
+        for definition in change.create:
+            await self.create(definition)
+        self.reschedule_ticker(self.t)
+
+    async def sync(self) -> None:
+        reading = self.set_clock()
+        try:
+            await self.store.schedules(limit=1)
+        except RecurringClockError:
+            self.hits["clock_errors"] += 1
+            return
+        self.reached(reading)
+
+    # --- the ticker --------------------------------------------------------------------------
+
+    def next_tick(self, earliest: int) -> int | None:
+        if self.exhaustive:
+            return align_up(earliest, self.origin, self.tick_step)
+        hints = self.due_hints
+        while hints and not self.definitions[hints[0][1]].active:
+            heapq.heappop(hints)
+        if not hints:
+            return None
+        due = self.to_true(hints[0][0])
+        return align_up(max(due, earliest), self.origin, self.tick_step)
+
+    def reschedule_ticker(self, earliest: int) -> None:
+        if self.tick_blocked or self.down:
+            return
+        at = self.next_tick(earliest)
+        if at is not None:
+            self.schedule_tick(at)
+
+    async def tick(self) -> None:
+        reading = self.set_clock()
+        try:
+            result = await self.store.tick(self.budget)
+        except RecurringCapacityError:
+            self.reached(reading)
+            self.hits["capacity_errors"] += 1
+            # Only a purge makes room: the ticker retries after the next one.
+            self.tick_blocked = True
+            self.tick_token += 1
+            self.tick_at = _NEVER
+            return
+        except RecurringClockError:
+            self.hits["clock_errors"] += 1
+            self.tick_failures += 1
+            at = self.backoff(self.tick_failures, self.tick_step)
+            self.schedule_tick(align_up(at, self.origin, self.tick_step))
+            return
+        self.reached(reading)
+        self.tick_failures = 0
+        self.hits["ticks"] += 1
+        for name in result.exhausted:
+            self.definitions[self.by_name[name]].active = False
+        materialized = result.materialized
+        if materialized:
+            self.materialized += materialized
+            self.hint(self.shared)
+        if materialized >= self.budget:
+            self.hits["saturated_ticks"] += 1
+            self.schedule_tick(self.t)
+            return
+        hints = self.due_hints
+        if hints and hints[0][0] <= reading:
+            now = from_us(reading)
+            # Definitions often share a calendar: one search per expression.
+            found: dict[str, int | None] = {}
+            while hints and hints[0][0] <= reading:
+                _, index = heapq.heappop(hints)
+                record = self.definitions[index]
+                if not record.active:
+                    continue
+                cron = record.definition.cron
+                if cron.expression in found:
+                    following = found[cron.expression]
+                else:
+                    instant = cron.next_after(now)
+                    following = found[cron.expression] = None if instant is None else to_us(instant)
+                if following is not None:
+                    heapq.heappush(hints, (following, index))
+        self.reschedule_ticker(self.t + self.tick_step)
+
+    # --- relay workers -------------------------------------------------------------------------
+
+    def hint(self, store_us: int) -> None:
+        """Something may become claimable at ``store_us`` (store time): wake parked workers."""
+        self.drained = None
+        heapq.heappush(self.claim_hints, store_us)
+        for worker in self.workers:
+            if worker.parked:
+                self.wake(worker)
+
+    def wake(self, worker: _Worker) -> None:
+        hints = self.claim_hints
+        if self.exhaustive:
+            at = max(self.t, worker.not_before)
+        elif not hints:
+            worker.token += 1
+            worker.wake_at = _NEVER
+            return
+        else:
+            at = max(self.to_true(hints[0]), worker.not_before)
+        if worker.short_at is not None:
+            at = max(at, worker.short_at + 1)
+        self.schedule_worker(worker, align_up(at, self.origin, self.poll_step))
+
+    def retry_scheduled(self) -> None:
+        """Note a failed relay: list occurrences before the next poll to learn its retry time.
+
+        A polling worker would find the retry at the first poll at or after it; listing at
+        the next poll instant (before the workers act) is early enough, and one listing
+        serves every failure until then.
+        """
+        self.retry_unknown = True
+        if not self.scan_pending:
+            self.scan_pending = True
+            self.push(align_up(self.t + 1, self.origin, self.poll_step), _SCAN)
+
+    async def park(self, worker: _Worker) -> None:
+        if self.since_harvest >= _HARVEST_EVERY:
+            await self.harvest()
+        worker.parked = True
+        self.wake(worker)
+
+    async def work(self, worker: _Worker) -> None:
+        store = self.store
+        while True:
+            if not worker.leases and self.drained == self.t:
+                # Another worker's claim at this very instant came back short: it took
+                # everything claimable, and nothing became claimable since (that would
+                # have been hinted). This claim would find nothing.
+                worker.short_at = worker.not_before = self.t
+                await self.park(worker)
+                return
+            if not worker.leases:
+                reading = self.set_clock()
+                try:
+                    leases = await store.claim(self.claim_limit)
+                except RecurringClockError:
+                    self.hits["clock_errors"] += 1
+                    worker.waits += 1
+                    at = self.backoff(worker.waits, self.poll_step)
+                    self.schedule_worker(worker, align_up(at, self.origin, self.poll_step))
+                    return
+                self.reached(reading)
+                worker.waits = 0
+                self.hits["claims"] += 1
+                if len(leases) < self.claim_limit:
+                    worker.short_at = self.drained = self.t
+                    hints = self.claim_hints
+                    while hints and hints[0] <= self.shared:
+                        heapq.heappop(hints)
+                else:
+                    worker.short_at = None
+                if not leases:
+                    worker.not_before = self.t
+                    await self.park(worker)
+                    return
+                worker.leases.extend(leases)
+                worker.full = len(leases) == self.claim_limit
+                if self.per_publication:
+                    # A lease this worker will only reach after it lapsed is claimable by
+                    # the others from its expiry on: they must wake then.
+                    for position, lease in enumerate(leases):
+                        expiry = to_us(lease.expires_at)
+                        if self.t + position * self.per_publication >= self.to_true(expiry):
+                            self.hint(expiry)
+            if not await self.relay(worker, worker.leases.popleft()):
+                return
+            following = self.t + self.per_publication
+            if not worker.leases and not worker.full:
+                worker.not_before = following
+                await self.park(worker)
+                return
+            heap = self.heap
+            if following >= self.end:
+                return
+            if heap and (
+                heap[0][0] < following or (heap[0][0] == following and heap[0][1] <= _WORKER)
+            ):
+                self.schedule_worker(worker, following)
+                return
+            self.t = following
+
+    async def relay(self, worker: _Worker, lease: Lease) -> bool:
+        """Relay one lease; return False if the worker's batch was abandoned."""
+        reading = self.set_clock()
+        self.broker.now_us = self.t
+        self.hits["relays"] += 1
+        try:
+            receipt = await self.store.relay(lease, self.broker)
+        except RelayLeaseLostError:
+            self.reached(reading)
+            self.hits["leases_lost"] += 1
+            self.hint(to_us(lease.expires_at))
+            return True
+        except RelayAcknowledgementError:
+            self.reached(reading)
+            self.hits["acknowledgements_lost"] += 1
+            self.retry_scheduled()
+            return True
+        except RecurringRelayError:
+            self.reached(reading)
+            self.hits["broker_failures"] += 1
+            self.retry_scheduled()
+            return True
+        except RecurringClockError:
+            self.hits["clock_errors"] += 1
+            self.abandon(worker, lease)
+            worker.waits += 1
+            at = self.backoff(worker.waits, self.poll_step)
+            self.schedule_worker(worker, align_up(at, self.origin, self.poll_step))
+            return False
+        self.reached(reading)
+        self.published_at[lease.occurrence_id] = self.t
+        self.since_harvest += 1
+        if receipt.duplicate:
+            self.hits["duplicates"] += 1
+        self.broker.settle(receipt.idempotency_key)
+        return True
+
+    def abandon(self, worker: _Worker, *extra: Lease) -> None:
+        """Drop the worker's unrelayed leases: each is claimable again once it lapses."""
+        dropped = [*extra, *worker.leases]
+        worker.leases.clear()
+        worker.full = False
+        self.hits["leases_abandoned"] += len(dropped)
+        for lease in dropped:
+            self.hint(to_us(lease.expires_at))
+
+    # --- host outages ----------------------------------------------------------------------------
+
+    def host_down(self) -> None:
+        self.down += 1
+        if self.down > 1:
+            return
+        self.tick_token += 1
+        self.tick_at = _NEVER
+        for worker in self.workers:
+            self.abandon(worker)
+            worker.token += 1
+            worker.parked = False
+
+    async def host_up(self) -> None:
+        self.down -= 1
+        if self.down:
+            return
+        self.drained = None
+        for index in self.deferred:
+            await self.change(index)
+        self.deferred.clear()
+        if self.retry_unknown:
+            self.retry_scheduled()
+        # A restarted ticker ticks at once, restarted workers claim at once.
+        self.tick_failures = 0
+        self.schedule_tick(align_up(self.t, self.origin, self.tick_step))
+        for worker in self.workers:
+            worker.short_at = None
+            worker.not_before = self.t
+            worker.waits = 0
+            self.schedule_worker(worker, align_up(self.t, self.origin, self.poll_step))
+
+    # --- the operator: listing, counting, purging ---------------------------------------------
+
+    async def listing(self) -> list[OccurrenceInfo] | None:
+        items: list[OccurrenceInfo] = []
+        after: str | None = None
+        while True:
+            reading = self.set_clock()
+            try:
+                page = await self.store.occurrences(after=after, limit=_PAGE)
+            except RecurringClockError:
+                self.hits["clock_errors"] += 1
+                return None
+            self.reached(reading)
+            items.extend(page.items)
+            if page.next_cursor is None:
+                return items
+            after = page.next_cursor
+
+    async def harvest(self, *, final: bool = False) -> list[OccurrenceInfo] | None:
+        items = await self.listing()
+        if items is None:
+            return None
+        self.since_harvest = 0
+        self.retry_unknown = False
+        finished = 0
+        for info in items:
+            if info.state in _TERMINAL:
+                self.count(info)
+                finished += 1
+            elif final:
+                self.count(info)
+            elif info.state is _S.RETRY_WAIT and info.next_attempt_at is not None:
+                self.hint(to_us(info.next_attempt_at))
+        if finished and not final:
+            await self.purge(finished)
+        return items
+
+    async def purge(self, expected: int) -> None:
+        # Everything finished has its last update at or before the store's current time.
+        cutoff = from_us(self.shared + 1000)
+        purged = 0
+        while True:
+            reading = self.set_clock()
+            removed = await self.store.purge_terminal(cutoff, _PAGE)
+            self.reached(reading)
+            purged += removed
+            if removed < _PAGE:
+                break
+        if purged != expected:
+            raise SimulationError(
+                f"the store purged {purged} finished occurrences, {expected} were counted"
+            )
+        if self.tick_blocked:
+            self.tick_blocked = False
+            self.reschedule_ticker(self.t)
+
+    def count(self, info: OccurrenceInfo) -> None:
+        record = self.definitions[self.by_name[info.definition_name]]
+        tally = record.tally
+        tally.attempts += info.attempts
+        made = to_us(info.created_at) - self.origin
+        made_bucket = min(max(made, 0) // self.sample_step, self.buckets - 1)
+        self.bucket_materialized[record.policy][made_bucket] += 1
+        self.bucket_materialized["all"][made_bucket] += 1
+        state = info.state
+        published_at: int | None = None
+        if state is _S.PUBLISHED:
+            published_at = self.published_at.pop(info.occurrence_id, None)
+            if published_at is None:
+                raise SimulationError(
+                    f"occurrence {info.occurrence_id} is published but no relay recorded it"
+                )
+            lateness = published_at - to_us(info.due_at)
+            tally.published += 1
+            tally.lateness.append(lateness)
+            bucket = min((published_at - self.origin) // self.sample_step, self.buckets - 1)
+            for key in (record.policy, "all"):
+                self.bucket_published[key][bucket] += 1
+                worst = self.bucket_late[key][bucket]
+                if worst is None or lateness > worst:
+                    self.bucket_late[key][bucket] = lateness
+        elif state is _S.DEAD:
+            tally.dead += 1
+        elif state is _S.EXPIRED:
+            tally.expired += 1
+        elif state is _S.CANCELLED:
+            tally.cancelled += 1
+        else:
+            tally.live += 1
+        if self.trace is not None:
+            self.trace.append(
+                OccurrenceOutcome(
+                    definition_name=info.definition_name,
+                    due_at=info.due_at,
+                    state=state,
+                    attempts=info.attempts,
+                    materialized_at=info.created_at,
+                    published_at=None if published_at is None else from_us(published_at),
+                )
+            )
+
+    def note_backlog(self, items: list[OccurrenceInfo] | None) -> None:
+        if items is not None:
+            counts = dict.fromkeys(self.series_keys, 0)
+            for info in items:
+                if info.state not in _TERMINAL:
+                    counts[self.definitions[self.by_name[info.definition_name]].policy] += 1
+                    counts["all"] += 1
+            self.last_backlog = counts
+        for key in self.series_keys:
+            self.backlog[key].append(self.last_backlog[key])
+
+    async def sample(self) -> None:
+        # While the host is down nothing can change the store: the last backlog holds.
+        self.note_backlog(None if self.down else await self.harvest())
+
+    async def finish(self) -> None:
+        items = await self.harvest(final=True)
+        if items is None:
+            raise SimulationError("the final listing failed on a clock error")
+        self.note_backlog(items)
+
+    # --- the result ------------------------------------------------------------------------------
+
+    def result(self) -> SimulationResult:
+        policies: dict[str, Tally] = {}
+        overall = Tally()
+        for record in self.definitions:
+            tally = record.tally
+            tally.materialized = (
+                tally.published + tally.dead + tally.expired + tally.cancelled + tally.live
+            )
+            policies.setdefault(record.policy, Tally()).add(tally)
+            overall.add(tally)
+        if overall.materialized != self.materialized:
+            raise SimulationError(
+                f"ticks materialized {self.materialized} occurrences but the listings "
+                f"counted {overall.materialized}"
+            )
+        definitions = tuple(
+            DefinitionResult(
+                name=r.definition.name,
+                cron=r.definition.cron.expression,
+                policy=r.definition.policy,
+                stats=r.tally.freeze(),
+            )
+            for r in self.definitions
+        )
+        times = tuple(
+            from_us(min(self.origin + (k + 1) * self.sample_step, self.end))
+            for k in range(self.buckets)
+        )
+        series = Series(
+            times=times,
+            backlog={k: tuple(v) for k, v in self.backlog.items()},
+            materialized={k: tuple(v) for k, v in self.bucket_materialized.items()},
+            published={k: tuple(v) for k, v in self.bucket_published.items()},
+            max_lateness={
+                k: tuple(None if us is None else us / 1_000_000 for us in v)
+                for k, v in self.bucket_late.items()
+            },
+        )
+        outcomes = None
+        if self.trace is not None:
+            outcomes = tuple(sorted(self.trace, key=lambda o: (o.definition_name, o.due_at)))
+        return SimulationResult(
+            scenario=self.scenario,
+            seed=self.seed,
+            definitions=definitions,
+            policies={k: policies[k].freeze() for k in sorted(policies)},
+            overall=overall.freeze(),
+            series=series,
+            hits=Hits(**self.hits),
+            occurrences=outcomes,
+        )
+
+
+async def drive(
+    scenario: Scenario,
+    seed: int,
+    store_factory: StoreFactory,
+    *,
+    inner_broker: object | None = None,
+    trace: bool = False,
+    exhaustive: bool = False,
+) -> SimulationResult:
+    """Run ``scenario`` against the store ``store_factory`` builds; see :func:`simulate`."""
+    from steeple.core.ports import MessageBroker
+    from steeple.testing.entropy import DeterministicRandom
+
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ScenarioError(f"seed must be an int, not {type(seed).__name__}")
+    if not isinstance(scenario, Scenario):
+        raise ScenarioError(f"scenario must be a Scenario, not {type(scenario).__name__}")
+    if inner_broker is not None and not isinstance(inner_broker, MessageBroker):
+        raise ScenarioError("broker must implement steeple.core.ports.MessageBroker")
+    clock = _Clock(scenario.start)
+    store = await store_factory(scenario.config, clock, DeterministicRandom(seed))
+    broker = SimulatedBroker(scenario.broker, seed, inner_broker)
+    try:
+        driver = _Driver(scenario, seed, store, clock, broker, trace=trace, exhaustive=exhaustive)
+        result = await driver.run()
+    finally:
+        await store.close()
+    # One backlog sample per bucket, or the series would mislead.
+    if len(result.series.times) != len(next(iter(result.series.backlog.values()))):
+        raise SimulationError("backlog samples and buckets do not line up")
+    return result
