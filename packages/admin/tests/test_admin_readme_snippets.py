@@ -61,6 +61,12 @@ async def test_recurring_tour_runs(pg_schema: tuple[str, str]) -> None:
     assert lines[-1] == "['published', 'published', 'published']"
 
 
+async def test_conformance_tour_runs() -> None:
+    result = await _run("conformance_tour.py", _env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["the SQLite store conforms"]
+
+
 @pytest.mark.postgres
 async def test_queue_tour_runs(pg_schema: tuple[str, str]) -> None:
     dsn, schema = pg_schema
