@@ -30,6 +30,8 @@ __all__ = ["busy_retry", "create_file", "map_error", "open_database", "read_only
 T = TypeVar("T")
 
 FILE_MODE = 0o600
+LOCK_POLL_MS = 100
+"""SQLite's busy timeout: how long one attempt waits for a lock (see :func:`busy_retry`)."""
 _SYNCHRONOUS_FULL = 2
 
 
@@ -114,9 +116,11 @@ def _is_busy(exc: sqlite3.Error) -> bool:
 def busy_retry(fn: Callable[[], T], deadline: float) -> T:
     """Run ``fn`` until it is not refused as busy, sleeping a little, until ``deadline``.
 
-    Some lock conflicts fail at once without waiting for ``busy_timeout`` (two
-    connections switching a new file to WAL; a recovery in progress): they are retried
-    here, within the same deadline.
+    This loop is the store's lock wait: SQLite's own busy handler waits only
+    ``LOCK_POLL_MS`` per attempt (a busy timeout that changed with every call's deadline
+    would be a new statement text each time, flooding the statement cache). It also
+    covers the conflicts SQLite refuses at once, without a busy wait (a switch to WAL
+    while another connection writes the file; a recovery in progress).
     """
     pause = 0.002
     while True:
@@ -127,12 +131,6 @@ def busy_retry(fn: Callable[[], T], deadline: float) -> T:
                 raise
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
-
-
-def set_busy_timeout(conn: sqlite3.Connection, deadline: float) -> None:
-    """Let lock waits last until ``deadline`` at most."""
-    remaining = int((deadline - time.monotonic()) * 1000)
-    conn.execute(f"PRAGMA busy_timeout = {max(remaining, 1)}")
 
 
 def create_file(path: Path) -> None:
@@ -187,7 +185,7 @@ def open_database(
     except sqlite3.Error as exc:
         raise map_error(exc, f"{what}: opening {path}", path=path) from None
     try:
-        set_busy_timeout(conn, deadline)
+        conn.execute(f"PRAGMA busy_timeout = {LOCK_POLL_MS}")
         _check_durable(conn, path, create, deadline)
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute("PRAGMA trusted_schema = OFF")

@@ -28,7 +28,7 @@ __all__ = ["SqliteRepository", "instant", "microseconds", "namespace_state"]
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
-_CHUNK = 500  # ids per IN list, well under SQLite's bound-parameter limit
+_CHUNK = 512  # ids per IN list, well under SQLite's bound-parameter limit
 
 
 def microseconds(at: datetime | None) -> int | None:
@@ -175,7 +175,11 @@ class SqliteRepository:
         found: list[OccurrenceRow] = []
         for start in range(0, len(unique), _CHUNK):
             chunk = unique[start : start + _CHUNK]
-            rows = self._rows(_sql.read_occurrences(len(chunk)), (self._ns, *chunk))
+            # Padded to a power of two by repeating the last id: a handful of statement
+            # texts (SQLite's statement cache holds them all), whatever the batch sizes.
+            size = 1 << (len(chunk) - 1).bit_length()
+            padded = chunk + chunk[-1:] * (size - len(chunk))
+            rows = self._rows(_sql.read_occurrences(size), (self._ns, *padded))
             found.extend(_occurrence(r) for r in rows)
         return found
 

@@ -189,7 +189,7 @@ LIST_OCCURRENCES = (
 
 @functools.lru_cache(maxsize=16)
 def read_occurrences(count: int) -> str:
-    """Occurrences (content included) of ``count`` ids."""
+    """Occurrences (content included) of ``count`` ids (a power of two: few statements)."""
     marks = ", ".join("?" * count)
     return (
         f"SELECT {OCCURRENCE_COLUMNS}, content, key_id FROM recurring_occurrences"

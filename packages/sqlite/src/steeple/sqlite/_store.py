@@ -59,7 +59,6 @@ from steeple.sqlite._file import (
     map_error,
     open_database,
     read_only_reason,
-    set_busy_timeout,
 )
 from steeple.sqlite._repository import SqliteRepository, microseconds, namespace_state
 from steeple.sqlite.errors import SqliteReadOnlyError, SqliteStorageError
@@ -217,11 +216,7 @@ class _SqliteStorage:
         return self._conn
 
     def _begin(self, conn: sqlite3.Connection, call: _Call) -> None:
-        def begin() -> None:
-            set_busy_timeout(conn, call.deadline)
-            conn.execute("BEGIN IMMEDIATE")
-
-        busy_retry(begin, call.deadline)
+        busy_retry(lambda: conn.execute("BEGIN IMMEDIATE"), call.deadline)
 
     def _commit(self, conn: sqlite3.Connection, call: _Call, what: str) -> None:
         call.check(what)
