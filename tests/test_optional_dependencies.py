@@ -95,6 +95,11 @@ POSTGRES_SCRIPT = (
                 await asyncio.sleep(0.02)
             stop.set()
             await run
+            # Without opentelemetry, no trace context is written.
+            context = await conn.fetchval(
+                f'SELECT trace_context FROM "{schema}".tasks WHERE id = $1', queued.id
+            )
+            assert context is None, context
         finally:
             await conn.close()
 

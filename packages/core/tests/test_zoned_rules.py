@@ -393,6 +393,8 @@ def test_naive_and_non_datetimes_are_refused(method: str) -> None:
         ("Europe/\ud800", "not an IANA time zone name"),
         ("Europe/Berlin\u00a0", "not an IANA time zone name"),
         ("x" * 10_000, "longer than 128 characters"),
+        ("localtime", "this host's own zone"),
+        ("posixrules", "this host's own zone"),
         (5, "expected an IANA zone name"),
         (b"Europe/Berlin", "expected an IANA zone name"),
         (3.5, "expected an IANA zone name"),
@@ -410,6 +412,16 @@ def test_bad_zones_raise_the_typed_error(zone: object, reason: str) -> None:
     assert len(str(error)) < 400
     assert "\x00" not in str(error)
     str(error).encode("utf-8")  # lone surrogates are escaped, so the message prints
+
+
+def test_a_zoneinfo_of_the_hosts_own_zone_is_refused() -> None:
+    # /usr/share/zoneinfo/localtime links to /etc/localtime: a different zone on each host.
+    try:
+        zone = ZoneInfo("localtime")
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        pytest.skip("this host's tz database has no 'localtime' entry")
+    with pytest.raises(InvalidTimeZoneError, match="this host's own zone"):
+        ZonedCalendar.parse("@daily", zone)
 
 
 def test_a_zoneinfo_without_a_name_is_refused(tmp_path: Path) -> None:

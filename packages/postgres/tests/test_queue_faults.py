@@ -150,13 +150,15 @@ async def test_a_psycopg_pool_runs_the_worker_with_wakeups_and_jobs(queue: Queue
     ran: list[Any] = []
     pool = psycopg_pool.AsyncConnectionPool(dsn, min_size=3, max_size=4, open=False)
     await pool.open()
-    clock = FakeClock(datetime.now(UTC) - timedelta(hours=3))
+    # A yearly job: an hourly one would gain an occurrence whenever the real clock crosses
+    # the hour during the test.
+    clock = FakeClock(datetime.now(UTC) - timedelta(days=800))
     try:
         async with pool.connection() as pconn:
             await jobs.create(
-                pconn, "hourly", PLAIN, "0 * * * *", "job", schema=schema, clock=clock
+                pconn, "yearly", PLAIN, "0 0 1 1 *", "job", schema=schema, clock=clock
             )
-        clock.advance(timedelta(hours=3))
+        clock.advance(timedelta(days=800))
         worker = Scheduler(
             pool, worker_id="psy", schema=schema, poll_interval=5.0, maintenance_interval=0.1,
             clock=clock,

@@ -9,7 +9,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from queue_support import QueueFixture
+from queue_support import QueueFixture, wait_until
 from steeple.core.backoff import Backoff
 from steeple.core.errors import InvalidCronExpression
 from steeple.postgres.queue import (
@@ -232,9 +232,11 @@ async def test_concurrent_materializers_never_duplicate_an_occurrence(queue: Que
 async def test_the_worker_runs_recurring_jobs_end_to_end(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     real_now = datetime.now(UTC)
-    clock = FakeClock(real_now - timedelta(hours=2))
-    await jobs.ensure_job(conn, "e2e", REPORT, "0 * * * *", {"x": 1}, schema=schema, clock=clock)
-    clock.set(real_now)  # two hours of downtime: exactly one catch-up task
+    # Yearly, so that no new occurrence can fall due while the test runs (an hourly job
+    # would gain one whenever the real clock crosses the hour).
+    clock = FakeClock(real_now - timedelta(days=800))
+    await jobs.ensure_job(conn, "e2e", REPORT, "0 0 1 1 *", {"x": 1}, schema=schema, clock=clock)
+    clock.set(real_now)  # two years of downtime: exactly one catch-up task (run_once)
     seen: list[tuple[Any, datetime | None]] = []
     worker = Scheduler(
         dsn, worker_id="w", schema=schema, poll_interval=0.1, maintenance_interval=0.1, clock=clock
@@ -247,11 +249,10 @@ async def test_the_worker_runs_recurring_jobs_end_to_end(queue: QueueFixture) ->
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run_until_shutdown(stop))
     try:
-        for _ in range(200):
-            if seen:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)  # and nothing more
+        await wait_until(lambda: bool(seen))
+        # ...and nothing more, however many maintenance passes follow.
+        rounds = worker.stats.maintenance_rounds
+        await wait_until(lambda: worker.stats.maintenance_rounds >= rounds + 3)
     finally:
         stop.set()
         await task
@@ -259,6 +260,6 @@ async def test_the_worker_runs_recurring_jobs_end_to_end(queue: QueueFixture) ->
     args, due = seen[0]
     assert args == {"x": 1}
     assert due is not None
-    assert due.minute == 0
+    assert (due.month, due.day, due.hour, due.minute) == (1, 1, 0, 0)
     assert due <= real_now
     assert worker.stats.materialized == 1

@@ -74,6 +74,10 @@ _WALL_LAST_YEAR: Final = 2101
 # IANA names: ASCII letters, digits, '_', '-', '+', components separated by '/'; no dots,
 # so no '..' can walk out of the tz database directory.
 _ZONE_NAME: Final = re.compile(r"[A-Za-z0-9_+\-]+(?:/[A-Za-z0-9_+\-]+)*")
+# Files of a tz database directory that name no fixed zone: ``localtime`` is the host's own
+# zone (a link to /etc/localtime) and ``posixrules`` a build-time default. A job stored
+# with one would fire at different instants on workers of different hosts.
+_HOST_NAMES: Final = frozenset({"localtime", "posixrules"})
 _ALL_MINUTES: Final = frozenset(range(60))
 _ALL_HOURS: Final = frozenset(range(24))
 
@@ -92,6 +96,12 @@ def _expand_shorthand(expression: str) -> str:
     return fields
 
 
+def _host_zone(name: str) -> InvalidTimeZoneError:
+    return InvalidTimeZoneError(
+        name, "names this host's own zone, not an IANA zone: name the zone, e.g. 'Europe/Berlin'"
+    )
+
+
 def _load_zone(zone: object) -> tuple[str, tzinfo]:
     """Return the zone's IANA name and its tzinfo (``datetime.UTC`` for UTC itself)."""
     if zone is None or (isinstance(zone, str) and zone == DEFAULT_ZONE):
@@ -107,6 +117,8 @@ def _load_zone(zone: object) -> tuple[str, tzinfo]:
             raise InvalidTimeZoneError(
                 "<ZoneInfo>", "a ZoneInfo read from a file has no IANA name; pass the name"
             )
+        if zone.key in _HOST_NAMES:
+            raise _host_zone(zone.key)
         return (DEFAULT_ZONE, UTC) if zone.key == DEFAULT_ZONE else (zone.key, zone)
     if not isinstance(zone, str):
         raise InvalidTimeZoneError(
@@ -123,6 +135,8 @@ def _load_zone(zone: object) -> tuple[str, tzinfo]:
             "not an IANA time zone name (ASCII letters, digits, '_', '-', '+', "
             "components separated by '/', e.g. 'Europe/Berlin')",
         )
+    if zone in _HOST_NAMES:
+        raise _host_zone(zone)
     try:
         return zone, ZoneInfo(zone)
     except (ZoneInfoNotFoundError, ValueError, OSError):
@@ -205,8 +219,8 @@ class ZonedCalendar:
             InvalidCronExpression: the expression is invalid (see :meth:`CronCalendar.
                 parse`) or an unknown shorthand.
             InvalidTimeZoneError: ``zone`` is of the wrong type, longer than 128
-                characters, not of the form of an IANA name, unknown, or no tz database
-                is installed.
+                characters, not of the form of an IANA name, unknown, the host's own zone
+                (``localtime``, ``posixrules``), or no tz database is installed.
         """
         name, tz = _load_zone(zone)
         # A non-str expression goes to CronCalendar.parse, which raises the typed error.

@@ -12,18 +12,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from steeple.core.backoff import Backoff
-from steeple.postgres.queue import _metrics
+from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_either
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._execution import Executor, JobContext
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._wakeups import Wakeups
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 __all__ = ["Claimer"]
 
@@ -126,8 +129,23 @@ class Claimer:
                 status.claims_ok = True
                 status.db_ok = True
                 status.claimed_once = True
+                # Tracing (only while a tracer provider is configured) reads the enqueuers'
+                # trace contexts of the batch with one more query; none otherwise. The
+                # leases already run and are renewed only once the handlers start, so the
+                # read gets a quarter of the shortest lease at most (row[7]: the lease).
+                tracer = _tracing.tracer() if rows else None
+                contexts = (
+                    await _tracing.trace_contexts(
+                        pool,
+                        env.sql,
+                        [row[0] for row in rows],
+                        min(env.timeout, min(row[7].total_seconds() for row in rows) / 4),
+                    )
+                    if tracer is not None
+                    else None
+                )
                 for row in rows:
-                    self._start(row, sent, handlers, inst)
+                    self._start(row, sent, handlers, inst, tracer, contexts)
                 if len(rows) < wanted:
                     await wait_either(wake, stop_waiter, env.poll)
                 else:
@@ -142,6 +160,8 @@ class Claimer:
         now: float,
         handlers: asyncio.TaskGroup,
         inst: _metrics.QueueInstruments,
+        tracer: Tracer | None,
+        contexts: dict[int, str] | None,
     ) -> None:
         (task_id, name, args_text, attempt, max_attempts, run_id, token, lease,
          b_init, b_max, b_factor, b_jitter, run_at, started_at, scheduled_for) = row  # fmt: skip
@@ -170,4 +190,7 @@ class Claimer:
         inst.pickup_latency.record(max((started_at - run_at).total_seconds(), 0.0), attributes)
         env.stats.claimed += 1
         env.inflight.add(claimed)
-        env.inflight.tasks[task_id] = handlers.create_task(self._executor.execute(claimed))
+        run: Coroutine[Any, Any, None] = self._executor.execute(claimed)
+        if tracer is not None and contexts is not None:
+            run = _tracing.traced_run(tracer, claimed.ctx, contexts.get(task_id), run)
+        env.inflight.tasks[task_id] = handlers.create_task(run)

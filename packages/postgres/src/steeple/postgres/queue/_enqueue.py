@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, Final, TypeVar
 
-from steeple.postgres.queue import _driver, _metrics
+from steeple.postgres.queue import _driver, _metrics, _tracing
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA
 from steeple.postgres.queue._sql import QueueSql, queue_sql
 from steeple.postgres.queue.errors import QueueConfigurationError, QueueError, QueueTypeError
@@ -34,12 +35,22 @@ def _checked(task: object, options: object) -> EnqueueOptions:
     return options
 
 
-def _params(sql: QueueSql, task: Task[Any], args_text: str, options: EnqueueOptions) -> list[Any]:
+def _params(
+    sql: QueueSql, task: Task[Any], args_text: str, options: EnqueueOptions, trace: str | None
+) -> list[Any]:
     priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = options.snapshot()
     return [
         task.name, args_text, priority, options.run_at, max_attempts, lease,
-        b_init, b_max, b_factor, b_jitter, options.dedup_key, sql.channel, options.delay,
+        b_init, b_max, b_factor, b_jitter, options.dedup_key, sql.channel, options.delay, trace,
     ]  # fmt: skip
+
+
+def _sending(
+    task: Task[Any], options: EnqueueOptions, count: int
+) -> contextlib.AbstractContextManager[_tracing.Sending]:
+    """Open the enqueue's producer span (a no-op unless tracing is active): see ``_tracing``."""
+    # Named queues add EnqueueOptions.queue; until then the task name is the destination.
+    return _tracing.sending(task.name, count, getattr(options, "queue", None))
 
 
 @_driver.refusals_typed
@@ -79,16 +90,18 @@ async def enqueue(
     sql = queue_sql(schema)
     options = _checked(task, options)
     _driver.connection_kind(conn)
-    params = _params(sql, task, task.encode(args), options)
-    for _ in range(_DEDUP_ROUNDS):
-        rows = await _driver.fetch(conn, sql.enqueue, *params)
-        if rows:
-            _metrics.instruments().enqueued.add(1, {"task": task.name})
-            return EnqueuedTask(int(rows[0][0]), deduplicated=False)
-        found = await _driver.fetch(conn, sql.find_duplicate, task.name, options.dedup_key)
-        if found:
-            return EnqueuedTask(int(found[0][0]), deduplicated=True)
-    raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
+    args_text = task.encode(args)
+    with _sending(task, options, 1) as sending:
+        params = _params(sql, task, args_text, options, sending.carrier)
+        for _ in range(_DEDUP_ROUNDS):
+            rows = await _driver.fetch(conn, sql.enqueue, *params)
+            if rows:
+                _metrics.instruments().enqueued.add(1, {"task": task.name})
+                return _enqueued(sending, int(rows[0][0]), deduplicated=False)
+            found = await _driver.fetch(conn, sql.find_duplicate, task.name, options.dedup_key)
+            if found:
+                return _enqueued(sending, int(found[0][0]), deduplicated=True)
+        raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
 
 
 @_driver.refusals_typed_sync
@@ -114,21 +127,29 @@ def enqueue_sync(
     sql = queue_sql(schema)
     options = _checked(task, options)
     _driver.connection_kind(conn)
-    params = _params(sql, task, task.encode(args), options)
-    for _ in range(_DEDUP_ROUNDS):
-        rows = _driver.fetch_sync(conn, sql.enqueue, *params)
-        if rows:
-            _metrics.instruments().enqueued.add(1, {"task": task.name})
-            return EnqueuedTask(int(rows[0][0]), deduplicated=False)
-        found = _driver.fetch_sync(conn, sql.find_duplicate, task.name, options.dedup_key)
-        if found:
-            return EnqueuedTask(int(found[0][0]), deduplicated=True)
-    raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
+    args_text = task.encode(args)
+    with _sending(task, options, 1) as sending:
+        params = _params(sql, task, args_text, options, sending.carrier)
+        for _ in range(_DEDUP_ROUNDS):
+            rows = _driver.fetch_sync(conn, sql.enqueue, *params)
+            if rows:
+                _metrics.instruments().enqueued.add(1, {"task": task.name})
+                return _enqueued(sending, int(rows[0][0]), deduplicated=False)
+            found = _driver.fetch_sync(conn, sql.find_duplicate, task.name, options.dedup_key)
+            if found:
+                return _enqueued(sending, int(found[0][0]), deduplicated=True)
+        raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
+
+
+def _enqueued(sending: _tracing.Sending, task_id: int, *, deduplicated: bool) -> EnqueuedTask:
+    sending.enqueued(task_id, deduplicated=deduplicated)
+    return EnqueuedTask(task_id, deduplicated=deduplicated)
 
 
 def _many_params(
     task: Task[A], args_list: Sequence[A], options: EnqueueOptions | None, sql: QueueSql
-) -> list[Any]:
+) -> tuple[list[Any], EnqueueOptions]:
+    """Check and encode a batch; the parameters lack the trace context (appended last)."""
     options = _checked(task, options)
     if not isinstance(args_list, Sequence) or isinstance(args_list, str | bytes | bytearray):
         raise QueueTypeError(
@@ -141,10 +162,11 @@ def _many_params(
             f"enqueue_many takes at most {MAX_ENQUEUE_MANY} tasks per call; got {len(args_list)}"
         )
     texts = [task.encode(a) for a in args_list]
-    params = _params(sql, task, "", options)
+    params = _params(sql, task, "", options, None)
     params[1] = texts
     del params[10]  # no dedup key: the channel becomes $11, the delay $12
-    return params
+    del params[-1]  # the trace context ($13) is the producer span's, added by the caller
+    return params, options
 
 
 @_driver.refusals_typed
@@ -177,10 +199,11 @@ async def enqueue_many(
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    params = _many_params(task, args_list, options, sql)
+    params, checked = _many_params(task, args_list, options, sql)
     if not args_list:
         return []
-    rows = await _driver.fetch(conn, sql.enqueue_many, *params)
+    with _sending(task, checked, len(args_list)) as sending:
+        rows = await _driver.fetch(conn, sql.enqueue_many, *params, sending.carrier)
     _metrics.instruments().enqueued.add(len(args_list), {"task": task.name})
     return [int(i) for i in rows[0][0]]
 
@@ -205,9 +228,10 @@ def enqueue_many_sync(
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    params = _many_params(task, args_list, options, sql)
+    params, checked = _many_params(task, args_list, options, sql)
     if not args_list:
         return []
-    rows = _driver.fetch_sync(conn, sql.enqueue_many, *params)
+    with _sending(task, checked, len(args_list)) as sending:
+        rows = _driver.fetch_sync(conn, sql.enqueue_many, *params, sending.carrier)
     _metrics.instruments().enqueued.add(len(args_list), {"task": task.name})
     return [int(i) for i in rows[0][0]]

@@ -18,7 +18,7 @@ from typing import Any, Final, Generic, TypeVar
 import attrs
 
 from steeple.core.tasks import retry_decision
-from steeple.postgres.queue import _metrics
+from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import WorkerEnv
@@ -147,6 +147,7 @@ class Executor:
         self, claimed: Claimed, exc: BaseException, retryable: bool, delay: timedelta | None
     ) -> None:
         ctx = claimed.ctx
+        _tracing.record_failure(exc)  # on the run's span, when tracing is active
         text = error_text(exc)
         retry_after: timedelta | None = None
         if retryable:

@@ -47,6 +47,7 @@ class Maintainer:
                 if made:
                     env.stats.materialized += made
                     self._wakeups.wake.set()
+                env.stats.maintenance_rounds += 1
             except DB_ERRORS as exc:
                 env.status.db_ok = False
                 LOG.warning("maintenance failed: %s", exc)

@@ -55,6 +55,8 @@ class WorkerStats:
     confirmed_completions: int = 0
     lease_lost: int = 0
     materialized: int = 0
+    maintenance_rounds: int = 0
+    """Maintenance passes (lease recovery and recurring materialization) that completed."""
     failed_claims: int = 0
     """Claim rounds that failed (database error or timeout)."""
     refused_claims: int = 0

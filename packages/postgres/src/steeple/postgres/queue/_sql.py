@@ -124,6 +124,7 @@ class QueueSql:
     enqueue: str
     enqueue_many: str
     find_duplicate: str
+    trace_contexts: str
     claim: str
     claim_timed: str
     renew: str
@@ -157,21 +158,23 @@ def _queue_sql(schema: str) -> QueueSql:
         schema=schema,
         channel=notify_channel(schema),
         # $1 name, $2 args, $3 priority, $4 run_at|null, $5 max_attempts, $6 lease,
-        # $7..$10 backoff, $11 dedup key, $12 channel, $13 delay|null (from the server's now)
+        # $7..$10 backoff, $11 dedup key, $12 channel, $13 delay|null (from the server's now),
+        # $14 trace context|null (JSON text, see _tracing.py)
         enqueue=f"""
 WITH {_NOW}
-INSERT INTO {s}.tasks ({_TASK_COLUMNS}, dedup_key, created_at, updated_at)
+INSERT INTO {s}.tasks ({_TASK_COLUMNS}, dedup_key, created_at, updated_at, trace_context)
 SELECT $1, $2::text::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$13")}, $5, $6::interval,
-       $7, $8, $9, $10, $11, created.at, created.at
+       $7, $8, $9, $10, $11, created.at, created.at, $14::text::jsonb
 FROM created, {DURABLE}
 ON CONFLICT (task_name, dedup_key) WHERE dedup_key IS NOT NULL AND state IN {LIVE} DO NOTHING
 RETURNING id, pg_notify($12, {_DUE_PAYLOAD.format(run_at="run_at")})::text""",
-        # $1 name, $2 args[], $3.. as above but no dedup; $11 channel, $12 delay|null
+        # $1 name, $2 args[], $3.. as above but no dedup; $11 channel, $12 delay|null,
+        # $13 trace context|null (one for the batch)
         enqueue_many=f"""
 WITH {_NOW}, ins AS (
-    INSERT INTO {s}.tasks ({_TASK_COLUMNS}, created_at, updated_at)
+    INSERT INTO {s}.tasks ({_TASK_COLUMNS}, created_at, updated_at, trace_context)
     SELECT $1, u.a::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$12")}, $5, $6::interval,
-           $7, $8, $9, $10, created.at, created.at
+           $7, $8, $9, $10, created.at, created.at, $13::text::jsonb
     FROM created, {DURABLE}, unnest($2::text[]) WITH ORDINALITY AS u(a, n)
     ORDER BY u.n
     RETURNING id, run_at
@@ -182,6 +185,10 @@ FROM ins""",
         find_duplicate=f"""
 SELECT id FROM {s}.tasks
 WHERE task_name = $1 AND dedup_key = $2 AND state IN {LIVE}""",
+        # $1 ids[]: the enqueuers' trace contexts of claimed tasks (only while tracing)
+        trace_contexts=f"""
+SELECT id, trace_context::text FROM {s}.tasks
+WHERE id = ANY($1::bigint[]) AND trace_context IS NOT NULL""",
         # $1 names[], $2 limit, $3 worker id, $4 the claimer's give-up time (epoch s, in
         # server time). The statement lives in a function (see the migrations) that pins the
         # planner to the ordered claim index and ignores claims delivered too late.

@@ -6,6 +6,13 @@ or deletion of the job never change that task. Due jobs are locked with ``FOR UP
 LOCKED`` and a unique ``(job_id, scheduled_for)`` index on tasks, so several workers never
 materialize the same occurrence twice.
 
+A job's cron expression (five fields, or ``@hourly``, ``@daily``, ``@weekly``, ``@monthly``,
+``@yearly``) follows the wall clock of its IANA time zone (``timezone=``, default ``"UTC"``)
+with the daylight-saving rules of :class:`steeple.core.zoned.ZonedCalendar`: a time of day
+skipped by a spring-forward runs once at the first instant after the gap, a time of day
+repeated in autumn runs once (its first occurrence), and interval expressions (every
+minute or every hour of the day) follow real time. Due instants are stored in UTC.
+
 Misfire policy ``run_once``: after downtime, one task for the oldest missed due time, then
 the cursor jumps to now (the next task is the next future due time). Pausing stops
 materialization; resuming or rescheduling restarts from the current time (occurrences due
@@ -19,15 +26,17 @@ Times come from the database server's clock, the one that also judges when tasks
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import attrs
 
-from steeple.core.calendar import CronCalendar
+from steeple.core.errors import ConfigurationError
 from steeple.core.policies import MissedRunPolicy, plan_tick
 from steeple.core.ports import Clock
+from steeple.core.zoned import DEFAULT_ZONE, ZonedCalendar
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
+from steeple.postgres.queue._shared import LOG
 from steeple.postgres.queue._validate import check_int
 from steeple.postgres.queue.errors import (
     JobExistsError,
@@ -37,6 +46,11 @@ from steeple.postgres.queue.errors import (
     QueueTypeError,
 )
 from steeple.postgres.queue.tasks import EnqueueOptions, Task, _check_name
+
+if TYPE_CHECKING:
+    from zoneinfo import ZoneInfo
+
+    Zone = str | ZoneInfo | None
 
 __all__ = [
     "JobInfo",
@@ -55,12 +69,14 @@ A = TypeVar("A")
 _DEFAULT_OPTIONS: Final = EnqueueOptions()
 _COLUMNS: Final = (
     "name, task_name, cron, paused, next_run_at, cursor_at, priority, max_attempts, "
-    "lease_duration, created_at, updated_at"
+    "lease_duration, created_at, updated_at, timezone"
 )
 _TEMPLATE: Final = (
-    "task_name, cron, args, priority, max_attempts, lease_duration, backoff_initial_us, "
-    "backoff_maximum_us, backoff_factor, backoff_jitter"
+    "task_name, cron, timezone, args, priority, max_attempts, lease_duration, "
+    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter"
 )
+# The calendar: a change of either restarts the cursor from now.
+_CALENDAR_KEPT: Final = "(j.cron, j.timezone) = (EXCLUDED.cron, EXCLUDED.timezone)"
 
 _OLD_TEMPLATE: Final = ", ".join(f"j.{c}" for c in _TEMPLATE.split(", "))
 _NEW_TEMPLATE: Final = ", ".join(f"EXCLUDED.{c}" for c in _TEMPLATE.split(", "))
@@ -73,7 +89,8 @@ class JobInfo:
     Attributes:
         name: the job's unique name.
         task_name: the task each occurrence becomes.
-        cron: the five-field cron expression (UTC).
+        cron: the cron expression as given (five fields or an ``@`` shorthand), read in
+            ``timezone``.
         paused: whether materialization is paused.
         next_run_at: the next due instant (``None`` once the calendar is exhausted).
         cursor_at: the exclusive cursor (last materialized due time, or when (re)started).
@@ -82,6 +99,7 @@ class JobInfo:
         lease_duration: snapshot lease duration.
         created_at: creation time.
         updated_at: last change.
+        timezone: the IANA zone whose wall clock ``cron`` follows (``"UTC"`` by default).
     """
 
     name: str
@@ -95,6 +113,7 @@ class JobInfo:
     lease_duration: timedelta
     created_at: datetime
     updated_at: datetime
+    timezone: str = DEFAULT_ZONE
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> JobInfo:
@@ -102,12 +121,18 @@ class JobInfo:
         return cls(*row)
 
 
-def _calendar(cron: str, now: datetime) -> tuple[CronCalendar, datetime]:
-    calendar = CronCalendar.parse(cron)
+def _calendar(cron: str, zone: Zone) -> ZonedCalendar:
+    """Parse a job's calendar (core decides what is valid: fields, shorthands, zones)."""
+    return ZonedCalendar.parse(cron, zone)
+
+
+def _first_after(calendar: ZonedCalendar, now: datetime) -> datetime:
     following = calendar.next_after(now)
     if following is None:
-        raise QueueConfigurationError(f"cron expression {cron!r} never fires after {now:%Y-%m-%d}")
-    return calendar, following
+        raise QueueConfigurationError(
+            f"cron expression {calendar.expression!r} never fires after {now:%Y-%m-%d}"
+        )
+    return following
 
 
 def _check_clock(clock: object) -> Clock | None:
@@ -139,15 +164,14 @@ async def _now(conn: Any, clock: Clock | None) -> datetime:
 
 
 async def _declaration(
-    conn: Any, name: str, schema: str, cron: str, clock: Clock | None
-) -> tuple[str, datetime, datetime]:
-    """Check a declared job's name, schema and calendar; the quoted schema, now, first run."""
+    conn: Any, name: str, schema: str, cron: str, timezone: Zone, clock: Clock | None
+) -> tuple[str, ZonedCalendar, datetime, datetime]:
+    """Check a declared job; return the quoted schema, its calendar, now and its first run."""
     _check_name(name, "job name")
     s = validate_schema(schema)
-    CronCalendar.parse(cron)
+    calendar = _calendar(cron, timezone)
     now = await _now(conn, _check_clock(clock))
-    _, following = _calendar(cron, now)
-    return s, now, following
+    return s, calendar, now, _first_after(calendar, now)
 
 
 def _template(options: EnqueueOptions | None) -> EnqueueOptions:
@@ -164,12 +188,14 @@ def _template(options: EnqueueOptions | None) -> EnqueueOptions:
     return options
 
 
-def _params(task: Task[A], cron: str, args: A, options: EnqueueOptions | None) -> list[Any]:
+def _params(
+    task: Task[A], calendar: ZonedCalendar, args: A, options: EnqueueOptions | None
+) -> list[Any]:
     if not isinstance(task, Task):
         raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
     priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = _template(options).snapshot()
-    return [task.name, cron, task.encode(args), priority, max_attempts, lease,
-            b_init, b_max, b_factor, b_jitter]  # fmt: skip
+    return [task.name, calendar.expression, calendar.zone, task.encode(args), priority,
+            max_attempts, lease, b_init, b_max, b_factor, b_jitter]  # fmt: skip
 
 
 async def create(
@@ -182,6 +208,7 @@ async def create(
     *,
     schema: str = DEFAULT_SCHEMA,
     clock: Clock | None = None,
+    timezone: str | ZoneInfo | None = DEFAULT_ZONE,
 ) -> JobInfo:
     """Create a recurring job; its first occurrence is the first due time after now.
 
@@ -189,26 +216,33 @@ async def create(
         conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
         name: the job's unique name (1-200 chars, no control characters).
         task: the task every occurrence becomes.
-        cron: a five-field cron expression, evaluated in UTC.
+        cron: a five-field cron expression or ``@hourly``, ``@daily``, ``@weekly``,
+            ``@monthly``, ``@yearly``, read in the wall-clock time of ``timezone``.
         args: the args copied onto every occurrence.
         options: priority, lease, attempts and backoff copied onto every occurrence.
         schema: the queue's PostgreSQL schema.
         clock: a clock to read "now" from instead of the database server's (tests).
+        timezone: an IANA zone name (``"Europe/Berlin"``) or a ``zoneinfo.ZoneInfo``;
+            ``"UTC"`` (the default) or ``None`` for UTC. Daylight-saving rules: see
+            :class:`steeple.core.zoned.ZonedCalendar`.
 
     Raises:
         JobExistsError: a job with that name exists.
-        InvalidCronExpression: a malformed cron expression.
+        InvalidCronExpression: a malformed cron expression or unknown shorthand.
+        InvalidTimeZoneError: a zone of the wrong type, not an IANA name, unknown, or
+            no tz database installed (a ``ConfigurationError``, so a ``ValueError``).
         QueueConfigurationError: a bad name or schema, a calendar that never fires, options
             with run_at, delay or dedup_key, a clock reading out of range.
         QueueTypeError: a task, options or clock of the wrong type.
         ArgsEncodingError: args that cannot be encoded.
     """
-    s, now, following = await _declaration(conn, name, schema, cron, clock)
-    params = _params(task, cron, args, options)
+    s, calendar, now, following = await _declaration(conn, name, schema, cron, timezone, clock)
+    params = _params(task, calendar, args, options)
     rows = await _driver.fetch(
         conn,
         f"""INSERT INTO {s}.jobs (name, {_TEMPLATE}, cursor_at, next_run_at)
-        VALUES ($1, $2, $3, $4::text::jsonb, $5, $6, $7::interval, $8, $9, $10, $11, $12, $13)
+        VALUES ($1, $2, $3, $4, $5::text::jsonb, $6, $7, $8::interval, $9, $10, $11, $12,
+                $13, $14)
         ON CONFLICT (name) DO NOTHING
         RETURNING {_COLUMNS}""",
         name, *params, now, following,
@@ -228,36 +262,41 @@ async def ensure_job(
     *,
     schema: str = DEFAULT_SCHEMA,
     clock: Clock | None = None,
+    timezone: str | ZoneInfo | None = DEFAULT_ZONE,
 ) -> JobInfo:
     """Declare a recurring job at start-up: create it, or bring it to this definition.
 
     Idempotent: an identical declaration changes nothing (the cursor keeps its place). A
-    changed cron restarts the cursor from now; changed args or options apply to
-    occurrences materialized from now on. A paused job stays paused.
+    changed cron or time zone restarts the cursor from now; changed args or options apply
+    to occurrences materialized from now on. A paused job stays paused. Arguments as for
+    :func:`create`.
 
     Raises:
-        InvalidCronExpression: a malformed cron expression.
+        InvalidCronExpression: a malformed cron expression or unknown shorthand.
+        InvalidTimeZoneError: a zone of the wrong type, not an IANA name, unknown, or
+            no tz database installed.
         QueueConfigurationError: a bad name or schema, a calendar that never fires, options
             with run_at, delay or dedup_key, a clock reading out of range.
         QueueTypeError: a task, options or clock of the wrong type.
         ArgsEncodingError: args that cannot be encoded.
     """
-    s, now, following = await _declaration(conn, name, schema, cron, clock)
-    params = _params(task, cron, args, options)
+    s, calendar, now, following = await _declaration(conn, name, schema, cron, timezone, clock)
+    params = _params(task, calendar, args, options)
     rows = await _driver.fetch(
         conn,
         f"""INSERT INTO {s}.jobs AS j (name, {_TEMPLATE}, cursor_at, next_run_at)
-        VALUES ($1, $2, $3, $4::text::jsonb, $5, $6, $7::interval, $8, $9, $10, $11, $12, $13)
+        VALUES ($1, $2, $3, $4, $5::text::jsonb, $6, $7, $8::interval, $9, $10, $11, $12,
+                $13, $14)
         ON CONFLICT (name) DO UPDATE SET
-            task_name = EXCLUDED.task_name, cron = EXCLUDED.cron, args = EXCLUDED.args,
+            task_name = EXCLUDED.task_name, cron = EXCLUDED.cron, timezone = EXCLUDED.timezone,
+            args = EXCLUDED.args,
             priority = EXCLUDED.priority, max_attempts = EXCLUDED.max_attempts,
             lease_duration = EXCLUDED.lease_duration,
             backoff_initial_us = EXCLUDED.backoff_initial_us,
             backoff_maximum_us = EXCLUDED.backoff_maximum_us,
             backoff_factor = EXCLUDED.backoff_factor, backoff_jitter = EXCLUDED.backoff_jitter,
-            cursor_at = CASE WHEN j.cron = EXCLUDED.cron THEN j.cursor_at
-                             ELSE EXCLUDED.cursor_at END,
-            next_run_at = CASE WHEN j.cron = EXCLUDED.cron THEN j.next_run_at
+            cursor_at = CASE WHEN {_CALENDAR_KEPT} THEN j.cursor_at ELSE EXCLUDED.cursor_at END,
+            next_run_at = CASE WHEN {_CALENDAR_KEPT} THEN j.next_run_at
                                ELSE EXCLUDED.next_run_at END,
             updated_at = clock_timestamp()
         WHERE ({_OLD_TEMPLATE}) IS DISTINCT FROM ({_NEW_TEMPLATE})
@@ -310,27 +349,38 @@ async def pause(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInf
     return JobInfo.from_row(rows[0])
 
 
+_KEEP: Final[Any] = object()
+"""``reschedule``'s default zone: the job's own."""
+
+
 async def _restart(
-    conn: Any, name: str, schema: str, clock: Clock | None, cron: str | None
+    conn: Any, name: str, schema: str, clock: Clock | None, cron: str | None, zone: Any
 ) -> JobInfo:
+    """Resume (``cron`` None) or reschedule the job, its cursor restarted from now."""
     s = validate_schema(schema)
     _check_name(name, "job name")
-    if cron is not None:
-        CronCalendar.parse(cron)
+    wanted = None if cron is None else _calendar(cron, DEFAULT_ZONE if zone is _KEEP else zone)
     now = await _now(conn, _check_clock(clock))
     for _ in range(5):
         current = await get(conn, name, schema=schema)
-        if cron is None and not current.paused:
+        if wanted is None and not current.paused:
             return current
-        new_cron = current.cron if cron is None else cron
-        _, following = _calendar(new_cron, now)
-        # Optimistic: apply only if the cron we computed from is still the stored one.
+        if wanted is None:
+            calendar = _calendar(current.cron, current.timezone)
+        elif zone is _KEEP:
+            calendar = _calendar(wanted.expression, current.timezone)
+        else:
+            calendar = wanted
+        following = _first_after(calendar, now)
+        # Optimistic: apply only if the calendar we computed from is still the stored one.
         rows = await _driver.fetch(
             conn,
-            f"""UPDATE {s}.jobs SET cron = $2, paused = CASE WHEN $5 THEN false ELSE paused END,
+            f"""UPDATE {s}.jobs SET cron = $2, timezone = $7,
+                paused = CASE WHEN $5 THEN false ELSE paused END,
                 cursor_at = $3, next_run_at = $4, updated_at = clock_timestamp()
-            WHERE name = $1 AND cron = $6 RETURNING {_COLUMNS}""",
-            name, new_cron, now, following, cron is None, current.cron,
+            WHERE name = $1 AND cron = $6 AND timezone = $8 RETURNING {_COLUMNS}""",
+            name, calendar.expression, now, following, cron is None, current.cron,
+            calendar.zone, current.timezone,
         )  # fmt: skip
         if rows:
             return JobInfo.from_row(rows[0])
@@ -348,8 +398,9 @@ async def resume(
         JobNotFoundError: no such job.
         QueueConfigurationError: its calendar never fires again; a malformed name or schema.
         QueueTypeError: a name or clock of the wrong type.
+        InvalidTimeZoneError: this host's tz database does not know the job's zone.
     """
-    return await _restart(conn, name, schema, clock, None)
+    return await _restart(conn, name, schema, clock, None, _KEEP)
 
 
 async def reschedule(
@@ -359,18 +410,29 @@ async def reschedule(
     *,
     schema: str = DEFAULT_SCHEMA,
     clock: Clock | None = None,
+    timezone: str | ZoneInfo | None = _KEEP,
 ) -> JobInfo:
     """Give the job a new cron expression; the next occurrence is its first after now.
 
     Tasks already materialized keep their time and snapshot. A paused job stays paused.
 
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        name: the job's name.
+        cron: the new expression (five fields or an ``@`` shorthand).
+        schema: the queue's PostgreSQL schema.
+        clock: a clock to read "now" from instead of the database server's (tests).
+        timezone: the new IANA zone (``"UTC"`` or ``None`` for UTC); when not given, the
+            job keeps its zone.
+
     Raises:
         JobNotFoundError: no such job.
-        InvalidCronExpression: a malformed cron expression.
+        InvalidCronExpression: a malformed cron expression or unknown shorthand.
+        InvalidTimeZoneError: a zone of the wrong type, not an IANA name or unknown.
         QueueConfigurationError: a calendar that never fires; a malformed name or schema.
         QueueTypeError: a name or clock of the wrong type.
     """
-    return await _restart(conn, name, schema, clock, cron)
+    return await _restart(conn, name, schema, clock, cron, timezone)
 
 
 async def delete(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> None:
@@ -426,7 +488,7 @@ async def materialize_due(
             conn,
             f"""SELECT id, cron, cursor_at, args::text, priority, max_attempts, lease_duration,
                        backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter,
-                       task_name
+                       task_name, timezone
             FROM {s}.jobs
             WHERE NOT paused AND next_run_at IS NOT NULL AND next_run_at <= $1
             ORDER BY next_run_at
@@ -436,8 +498,16 @@ async def materialize_due(
             limit,
         )
         for (job_id, cron, cursor_at, args, priority, max_attempts, lease,
-             b_init, b_max, b_factor, b_jitter, task_name) in due_jobs:  # fmt: skip
-            plan = plan_tick(MissedRunPolicy.RUN_ONCE, CronCalendar.parse(cron), cursor_at, now, 1)
+             b_init, b_max, b_factor, b_jitter, task_name, zone) in due_jobs:  # fmt: skip
+            try:
+                calendar = _calendar(cron, zone)
+            except ConfigurationError as exc:
+                # Validated when stored, so this host's tz database lacks the zone (or the
+                # row was written by hand). Left as it is: a worker whose database knows
+                # the zone materializes it; the others say why they cannot.
+                LOG.warning("recurring job %s cannot be materialized here: %s", job_id, exc)
+                continue
+            plan = plan_tick(MissedRunPolicy.RUN_ONCE, calendar, cursor_at, now, 1)
             for due in plan.due:
                 inserted = await _driver.fetch(
                     conn,

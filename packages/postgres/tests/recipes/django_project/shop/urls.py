@@ -1,0 +1,7 @@
+"""The recipe project's URLs."""
+
+from django.urls import path
+
+from . import views
+
+urlpatterns = [path("orders", views.place_order)]
