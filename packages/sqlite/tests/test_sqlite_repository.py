@@ -7,12 +7,13 @@ import random
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import attrs
 import pytest
 
 from sqlite_support import CONFIG, KEYRING, START, definition
-from steeple.engine import OccurrenceRow, RecurringRepository
+from steeple.engine import DefinitionRow, OccurrenceRow, RecurringRepository
 from steeple.sqlite import SqliteRecurringStore
-from steeple.sqlite._repository import instant, microseconds
+from steeple.sqlite._repository import SqliteRepository, instant, microseconds
 from steeple.testing import FakeClock
 
 
@@ -59,3 +60,33 @@ async def test_reads_by_id_of_any_batch_size(tmp_path: Path) -> None:
             rows = await store._storage.transaction("read", read)
             assert sorted(r.occurrence_id for r in rows) == sorted(wanted)
             assert all(r.content is not None and r.key_id == "k1" for r in rows)
+
+
+async def test_definitions_are_read_by_name_and_inserted_in_batches(tmp_path: Path) -> None:
+    async with await SqliteRecurringStore.initialize(
+        tmp_path / "store.db", CONFIG, KEYRING, FakeClock(START)
+    ) as store:
+        names = [f"d{i}" for i in range(8)]
+        for name in names[:5]:
+            await store.create(definition(name))
+
+        async def copy_three(repo: RecurringRepository) -> list[DefinitionRow]:
+            # Three new rows in one call, made from stored ones under new names.
+            assert isinstance(repo, SqliteRepository)
+            rows = list(await repo.definitions_named(names[:3]))
+            await repo.insert_definitions(
+                [attrs.evolve(r, name=n) for r, n in zip(rows, names[5:], strict=True)]
+            )
+            return rows
+
+        await store._storage.transaction("insert", copy_three)
+        for asked in ([], names[:1], names, [*names, "missing", names[0]]):
+
+            async def read(
+                repo: RecurringRepository, asked: list[str] = asked
+            ) -> list[DefinitionRow]:
+                assert isinstance(repo, SqliteRepository)
+                return list(await repo.definitions_named(asked))
+
+            rows = await store._storage.transaction("read", read)
+            assert sorted(r.name for r in rows) == sorted(n for n in set(asked) if n in names)

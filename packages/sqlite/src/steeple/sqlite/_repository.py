@@ -8,7 +8,7 @@ the transaction it opened: they never suspend. Nothing here decides anything.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -99,6 +99,21 @@ class SqliteRepository:
     def _rows(self, sql: str, params: Sequence[Any]) -> list[Any]:
         return self._conn.execute(sql, params).fetchall()
 
+    def _by_keys(self, query: Callable[[int], str], keys: Sequence[str]) -> list[Any]:
+        """Rows whose key is in ``keys`` (repeats ignored), ``_CHUNK`` keys per statement.
+
+        Each list is padded to a power of two by repeating its last key: a handful of
+        statement texts (SQLite's statement cache holds them all), whatever the batch sizes.
+        """
+        unique = list(dict.fromkeys(keys))
+        rows: list[Any] = []
+        for start in range(0, len(unique), _CHUNK):
+            chunk = unique[start : start + _CHUNK]
+            size = 1 << (len(chunk) - 1).bit_length()
+            padded = chunk + chunk[-1:] * (size - len(chunk))
+            rows.extend(self._rows(query(size), (self._ns, *padded)))
+        return rows
+
     @property
     def namespace(self) -> NamespaceState:
         """The control row as read under the lock."""
@@ -132,24 +147,35 @@ class SqliteRepository:
         rows = self._rows(_sql.DUE_DEFINITIONS, (self._ns, microseconds(due_by), limit))
         return [_definition(r) for r in rows]
 
+    async def definitions_named(self, names: Sequence[str]) -> Sequence[DefinitionRow]:
+        """Return the definitions with these names."""
+        return [_definition(r) for r in self._by_keys(_sql.definitions_named, names)]
+
     async def insert_definition(self, row: DefinitionRow) -> None:
         """Store a new definition."""
-        self._conn.execute(
+        await self.insert_definitions([row])
+
+    async def insert_definitions(self, rows: Sequence[DefinitionRow]) -> None:
+        """Store new definitions (one prepared statement)."""
+        self._conn.executemany(
             _sql.INSERT_DEFINITION,
-            (
-                self._ns,
-                row.name,
-                row.sealed,
-                row.key_id,
-                row.cron,
-                row.policy.value,
-                microseconds(row.first_after),
-                row.state,
-                microseconds(row.cursor),
-                microseconds(row.next_due_at),
-                microseconds(row.created_at),
-                microseconds(row.cancelled_at),
-            ),
+            [
+                (
+                    self._ns,
+                    r.name,
+                    r.sealed,
+                    r.key_id,
+                    r.cron,
+                    r.policy.value,
+                    microseconds(r.first_after),
+                    r.state,
+                    microseconds(r.cursor),
+                    microseconds(r.next_due_at),
+                    microseconds(r.created_at),
+                    microseconds(r.cancelled_at),
+                )
+                for r in rows
+            ],
         )
 
     async def update_definitions(self, updates: Sequence[DefinitionUpdate]) -> None:
@@ -171,17 +197,7 @@ class SqliteRepository:
 
     async def occurrences(self, ids: Sequence[str]) -> Sequence[OccurrenceRow]:
         """Return the occurrences with these ids, content included."""
-        unique = list(dict.fromkeys(ids))
-        found: list[OccurrenceRow] = []
-        for start in range(0, len(unique), _CHUNK):
-            chunk = unique[start : start + _CHUNK]
-            # Padded to a power of two by repeating the last id: a handful of statement
-            # texts (SQLite's statement cache holds them all), whatever the batch sizes.
-            size = 1 << (len(chunk) - 1).bit_length()
-            padded = chunk + chunk[-1:] * (size - len(chunk))
-            rows = self._rows(_sql.read_occurrences(size), (self._ns, *padded))
-            found.extend(_occurrence(r) for r in rows)
-        return found
+        return [_occurrence(r) for r in self._by_keys(_sql.read_occurrences, ids)]
 
     async def occurrence_page(
         self, after: tuple[datetime, str] | None, limit: int

@@ -188,6 +188,16 @@ LIST_OCCURRENCES = (
 
 
 @functools.lru_cache(maxsize=16)
+def definitions_named(count: int) -> str:
+    """Definitions with ``count`` names (a power of two: few statements)."""
+    marks = ", ".join("?" * count)
+    return (
+        f"SELECT {DEFINITION_COLUMNS} FROM recurring_definitions"
+        f" WHERE namespace = ? AND name IN ({marks})"
+    )
+
+
+@functools.lru_cache(maxsize=16)
 def read_occurrences(count: int) -> str:
     """Occurrences (content included) of ``count`` ids (a power of two: few statements)."""
     marks = ", ".join("?" * count)
