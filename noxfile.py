@@ -447,6 +447,7 @@ def bench(session: nox.Session) -> None:
         "bench_zoned.py",
         "bench_queue.py",
         "bench_recurring.py",
+        "bench_recurring_pipeline.py",
         "bench_simulate.py",
     ):
         if os.path.exists(f"benchmarks/{script}"):

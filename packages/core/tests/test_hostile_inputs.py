@@ -56,6 +56,7 @@ from steeple.core import (
     RecurringDefinition,
     RelayAcknowledgementError,
     RelayBrokerTimeoutError,
+    RelayOutcome,
     RetryDecision,
     ScheduledMessage,
     ScheduleInfo,
@@ -394,6 +395,12 @@ CASES = [
         covers=("BrokerReceipt",),
     ),
     Case("Lease", Lease, ("id", "instant", "revision", "bytes16"), covers=("Lease",)),
+    Case(
+        "RelayOutcome",
+        lambda i, r, e: RelayOutcome(i, receipt=r, error=e).result(),
+        ("id", "optional_text", "optional_text"),
+        covers=("RelayOutcome",),
+    ),
     Case("SystemClock.now", lambda: SystemClock().now(), covers=("SystemClock",)),
     Case(
         "SystemRandom.token_bytes",

@@ -514,14 +514,30 @@ async def test_call_deadline_of_ten_seconds(
 ) -> None:
     dsn, schema = pg_schema
     await store.create(every_minute("m", 5))
-    # each statement stays under the 5 s statement_timeout; together they pass 10 s
-    await _slow_trigger(dsn, schema, "recurring_occurrences", 3.5)
-    await _slow_trigger(dsn, schema, "recurring_definitions", 3.5)
-    await _slow_trigger(dsn, schema, "recurring_namespaces", 3.5)
-    started = time.monotonic()
-    with pytest.raises(RecurringDeadlineError, match="10 s"):
-        await store.tick(100)
-    assert 9.5 <= time.monotonic() - started < 13
+    # Each wait stays under its own 5 s limit (lock_timeout, statement_timeout); together
+    # they pass 10 s: the control row is held for 3 s, then the insert of the occurrences
+    # takes 4 s and the last write (the definitions' cursors, sent with the namespace's
+    # recorded time) another 4 s.
+    await _slow_trigger(dsn, schema, "recurring_occurrences", 4)
+    await _slow_trigger(dsn, schema, "recurring_definitions", 4)
+    holder = await asyncpg.connect(dsn)
+    held = holder.transaction()
+    await held.start()
+    await holder.execute(f'SELECT 1 FROM "{schema}".recurring_namespaces FOR UPDATE')
+
+    async def release_after_a_while() -> None:
+        await holder.execute("SELECT pg_sleep(3)")
+        await held.commit()
+
+    releasing = asyncio.create_task(release_after_a_while())
+    try:
+        started = time.monotonic()
+        with pytest.raises(RecurringDeadlineError, match="10 s"):
+            await store.tick(100)
+        assert 9.5 <= time.monotonic() - started < 13
+    finally:
+        await releasing
+        await holder.close()
     assert await count_rows(dsn, schema) == 0
     await asyncio.sleep(0.2)
     assert await idle_in_transaction(dsn, schema) == 0

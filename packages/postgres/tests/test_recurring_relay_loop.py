@@ -148,7 +148,7 @@ async def test_keyring_trouble_stops_the_loop(
     assert isinstance(info.value.__cause__, UnknownKeyIdError)
 
 
-async def test_graceful_shutdown_finishes_the_current_relay(
+async def test_graceful_shutdown_finishes_the_current_batch(
     store: PostgresRecurringStore,
 ) -> None:
     await store.create(every_minute("a", 10))
@@ -164,16 +164,18 @@ async def test_graceful_shutdown_finishes_the_current_relay(
 
     broker = Slow()
     stop = asyncio.Event()
-    relay = RecurringRelay(store, broker, idle_interval=0.02)
+    # The claimed batch is relayed at once (relay_many): the in-flight batch completes,
+    # no new round claims more.
+    relay = RecurringRelay(store, broker, claim_limit=4, idle_interval=0.02)
     task = asyncio.create_task(relay.run(stop))
     await started.wait()
     stop.set()
     async with asyncio.timeout(5):
         await task
-    assert len(broker.published) == 1  # the in-flight one completed, no new one started
+    assert len(broker.published) == 4
     states = sorted(o.state.value for o in (await store.occurrences()).items)
-    assert states.count("published") == 1
-    assert states.count("leased") == 9
+    assert states.count("published") == 4
+    assert states.count("pending") == 6
 
 
 def test_relay_arguments_validated() -> None:

@@ -13,7 +13,7 @@ import pytest
 from sqlite_support import CONFIG, KEYRING, START, definition
 from steeple.engine import DefinitionRow, OccurrenceRow, RecurringRepository
 from steeple.sqlite import SqliteRecurringStore
-from steeple.sqlite._repository import SqliteRepository, instant, microseconds
+from steeple.sqlite._repository import instant, microseconds
 from steeple.testing import FakeClock
 
 
@@ -72,7 +72,6 @@ async def test_definitions_are_read_by_name_and_inserted_in_batches(tmp_path: Pa
 
         async def copy_three(repo: RecurringRepository) -> list[DefinitionRow]:
             # Three new rows in one call, made from stored ones under new names.
-            assert isinstance(repo, SqliteRepository)
             rows = list(await repo.definitions_named(names[:3]))
             await repo.insert_definitions(
                 [attrs.evolve(r, name=n) for r, n in zip(rows, names[5:], strict=True)]
@@ -85,7 +84,6 @@ async def test_definitions_are_read_by_name_and_inserted_in_batches(tmp_path: Pa
             async def read(
                 repo: RecurringRepository, asked: list[str] = asked
             ) -> list[DefinitionRow]:
-                assert isinstance(repo, SqliteRepository)
                 return list(await repo.definitions_named(asked))
 
             rows = await store._storage.transaction("read", read)

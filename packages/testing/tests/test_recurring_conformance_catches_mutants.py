@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -17,7 +18,7 @@ from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, Step, sta
 from steeple.core.policies import MissedRunPolicy
 from steeple.core.policies import plan_tick as real_plan_tick
 from steeple.core.ports import Clock, MessageBroker, RecurringStore
-from steeple.core.records import Lease, ScheduleInfo
+from steeple.core.records import Lease, RelayOutcome, ScheduleInfo
 from steeple.testing import InMemoryRecurringStore
 from steeple.testing.conformance.recurring import run_recurring_conformance
 
@@ -75,6 +76,15 @@ class IgnoresBackoff(InMemoryRecurringStore):
         return await super().claim(limit)
 
 
+class BatchOutOfOrder(InMemoryRecurringStore):
+    """Returns a batched relay's outcomes in reverse order."""
+
+    async def relay_many(
+        self, leases: Sequence[Lease], broker: MessageBroker, *, concurrency: int = 32
+    ) -> list[RelayOutcome]:
+        return list(reversed(await super().relay_many(leases, broker, concurrency=concurrency)))
+
+
 def _factory(store_type: type[InMemoryRecurringStore]) -> Any:
     async def make(config: RecurringConfig, clock: Clock) -> RecurringStore:
         return store_type(config, clock)
@@ -83,7 +93,9 @@ def _factory(store_type: type[InMemoryRecurringStore]) -> Any:
 
 
 @pytest.mark.parametrize(
-    "store_type", [UnstableKey, ReplayRestamps, IgnoresBackoff], ids=lambda t: t.__name__
+    "store_type",
+    [UnstableKey, ReplayRestamps, IgnoresBackoff, BatchOutOfOrder],
+    ids=lambda t: t.__name__,
 )
 def test_suite_fails_a_broken_store(store_type: type[InMemoryRecurringStore]) -> None:
     with pytest.raises(AssertionError):

@@ -261,8 +261,10 @@ class JetStreamBroker(AsyncLifecycle):
         """
         if self._closed:
             raise BrokerUnavailableError("nats: this broker was closed")
+        if self._started():
+            return  # the lock is for the first start only; every publish asks
         async with self._start_lock:
-            if self._js is not None:
+            if self._started():
                 return
             nc = await _connect(self._url, self._connect_timeout, "steeple-publisher")
             try:
@@ -272,6 +274,9 @@ class JetStreamBroker(AsyncLifecycle):
                 await nc.close()
                 raise
             self._nc, self._js = nc, js
+
+    def _started(self) -> bool:
+        return self._js is not None
 
     async def _check_stream(self, js: JetStreamContext) -> None:
         required = self._required.total_seconds()
@@ -396,8 +401,11 @@ class JetStreamBroker(AsyncLifecycle):
             # A message over max_payload makes the server close the whole connection.
             check_size(size, self._limit(), "the nats server")
 
+        if self._js is not None:
+            # Started: check the size now; no connection step (nor its deadline) to run.
+            check_size(size, self._limit(), "the nats server")
         return await publish_guarded(
-            prepare=prepare,
+            prepare=prepare if self._js is None else None,
             broker="nats",
             key=key,
             timeout=seconds,

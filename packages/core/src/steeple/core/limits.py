@@ -27,6 +27,8 @@ POOL_DEADLINE = timedelta(seconds=5)
 """Acquisition, statement and lock-wait deadline."""
 PUBLISH_DEADLINE = timedelta(seconds=10)
 """Broker publication is bounded by the remaining lease and at most 10 seconds."""
+RELAY_CONCURRENCY = 32
+"""A batched relay runs at most this many publications at once (by default)."""
 CLOCK_TOLERANCE = timedelta(seconds=5)
 """An instance trailing the recorded time by at most this adopts it; more is a clock error."""
 MAX_NAME_LENGTH = 200

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 from steeple.core.config import RecurringDefinition
+from steeple.core.errors import RecurringConflictError
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
-from steeple.core.records import Lease, OccurrenceInfo, Page, ScheduleInfo, TickResult
+from steeple.core.records import (
+    Lease,
+    OccurrenceInfo,
+    Page,
+    RelayOutcome,
+    ScheduleInfo,
+    TickResult,
+)
 
 __all__ = ["Clock", "MessageBroker", "RandomSource", "RecurringStore", "Sealer"]
 
@@ -75,6 +84,12 @@ class RecurringStore(Protocol):
         """Create an immutable definition, or replay an identical earlier creation."""
         ...
 
+    async def create_many(
+        self, definitions: Sequence[RecurringDefinition]
+    ) -> list[ScheduleInfo | RecurringConflictError]:
+        """Create up to 100 definitions at once: replay or conflict per entry, all or none."""
+        ...
+
     async def tick(self, budget: int) -> TickResult:
         """Materialize due occurrences, at most ``budget`` (1-100), atomically."""
         ...
@@ -85,6 +100,18 @@ class RecurringStore(Protocol):
 
     async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
         """Publish the leased occurrence and record the outcome."""
+        ...
+
+    async def relay_many(
+        self, leases: Sequence[Lease], broker: MessageBroker, *, concurrency: int = ...
+    ) -> list[RelayOutcome]:
+        """Publish up to 100 leased occurrences concurrently; one outcome per lease, in order."""
+        ...
+
+    async def claim_and_relay(
+        self, limit: int, broker: MessageBroker, *, concurrency: int = ...
+    ) -> list[RelayOutcome]:
+        """Claim up to ``limit`` occurrences and relay them (claim and check in one step)."""
         ...
 
     async def cancel(self, name: str) -> ScheduleInfo:

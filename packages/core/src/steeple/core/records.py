@@ -15,7 +15,9 @@ from steeple.core.errors import (
     ConfigurationError,
     ConfigurationTypeError,
     RecurringConfigurationError,
+    SteepleError,
 )
+from steeple.core.messages import BrokerReceipt
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
 
@@ -25,6 +27,7 @@ __all__ = [
     "Lease",
     "OccurrenceInfo",
     "Page",
+    "RelayOutcome",
     "ScheduleInfo",
     "ScheduleState",
     "TickResult",
@@ -38,14 +41,18 @@ _MAX_OCCURRENCE_ID_LENGTH = 128
 _MAX_CAPABILITY_BYTES = 1024
 
 
+def _is_token(value: str) -> bool:
+    """Whether ``value`` is printable ASCII without spaces ("!" to "~")."""
+    # str methods run in C: this is checked on every lease a relay handles.
+    return value.isascii() and value.isprintable() and " " not in value
+
+
 def _check_occurrence_id(_: object, __: object, value: Any) -> None:
     if not isinstance(value, str):
         raise ConfigurationTypeError(f"occurrence_id must be a str, not {type(value).__name__}")
     # Stores issue 32 hex characters; anything outside printable ASCII is no id of theirs
     # and would only fail later, inside a driver.
-    if not 1 <= len(value) <= _MAX_OCCURRENCE_ID_LENGTH or not all(
-        "!" <= ch <= "~" for ch in value
-    ):
+    if not 1 <= len(value) <= _MAX_OCCURRENCE_ID_LENGTH or not _is_token(value):
         raise ConfigurationError(
             f"occurrence_id must be 1-{_MAX_OCCURRENCE_ID_LENGTH} printable ASCII characters"
         )
@@ -143,6 +150,59 @@ class TickResult:
     materialized: int
     occurrence_ids: Sequence[str] = ()
     exhausted: Sequence[str] = ()
+
+
+@attrs.frozen(repr=False)
+class RelayOutcome:
+    """What relaying one lease came to (one per lease of a batched relay, in order).
+
+    Exactly one of ``receipt`` and ``error`` is set.
+
+    Raises:
+        ConfigurationError: neither or both are set, they have the wrong types, or the
+            occurrence id is not 1-128 printable ASCII characters.
+
+    Attributes:
+        occurrence_id: the lease's occurrence (as the lease named it).
+        receipt: the broker's receipt when the publication was accepted and recorded (or
+            accepted while its definition was cancelled: the occurrence stays cancelled).
+        error: otherwise, the typed error a single ``relay`` of this lease raises: a
+            :class:`~steeple.core.errors.RecurringRelayError` (lease lost, broker failure
+            or timeout, uncertain acknowledgement carrying the receipt), a
+            :class:`~steeple.core.errors.RecurringKeyringError` (content that cannot be
+            opened), or the storage error that kept a failure from being recorded.
+    """
+
+    occurrence_id: str = attrs.field(validator=_check_occurrence_id)
+    receipt: BrokerReceipt | None = None
+    error: SteepleError | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.receipt is None) == (self.error is None):
+            raise ConfigurationError("a RelayOutcome holds either a receipt or an error")
+        if self.receipt is not None and not isinstance(self.receipt, BrokerReceipt):
+            raise ConfigurationTypeError("receipt must be a BrokerReceipt")
+        if self.error is not None and not isinstance(self.error, SteepleError):
+            raise ConfigurationTypeError("error must be a SteepleError")
+
+    @property
+    def ok(self) -> bool:
+        """Whether the broker accepted the message and the store recorded it."""
+        return self.error is None
+
+    def result(self) -> BrokerReceipt:
+        """Return the receipt, or raise the error (what a single ``relay`` does).
+
+        Raises:
+            SteepleError: ``error``, as it is (with its ``__cause__``).
+        """
+        if self.error is not None:
+            raise self.error
+        return self.receipt  # type: ignore[return-value]  # set when error is not
+
+    def __repr__(self) -> str:
+        what = "ok" if self.error is None else type(self.error).__name__
+        return f"RelayOutcome(occurrence_id={self.occurrence_id!r}, {what})"
 
 
 # --- identities and cursors a boundary can check before anything reaches storage -------------

@@ -8,10 +8,10 @@ binding, does the operation's reads, decisions (all in :mod:`steeple.core`) and 
 and records the shared time re-read just before the commit. Calls that hand out
 time-bounded work (``claim``, ``relay``) judge it once more after the commit.
 
-A relay is three steps: a transaction that re-checks the live lease, opens the content
-and counts the attempt; the publication, outside any transaction, bounded by the
-remaining lease and 10 s; a transaction that records the outcome, fenced by the lease's
-capability and revision. Whatever the broker raises is classified
+A relay is three steps: a transaction that re-checks the live lease and counts the
+attempt; the publication (the content opened after that commit), outside any
+transaction, bounded by the remaining lease and 10 s; a transaction that records the
+outcome, fenced by the lease's capability and revision. Whatever the broker raises is classified
 (:func:`steeple.core.publication.classify_publication_failure`) and recorded, so no
 broker can leave an occurrence leased; when the broker accepted and recording the
 outcome fails, the caller gets :class:`RelayAcknowledgementError` carrying the receipt.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TypeVar
 
@@ -45,6 +45,7 @@ from steeple.core.errors import (
     RecurringStorageError,
     RelayAcknowledgementError,
     RelayLeaseLostError,
+    SteepleError,
     recurring_keyring_error,
     shown,
 )
@@ -76,6 +77,7 @@ from steeple.core.records import (
     Lease,
     OccurrenceInfo,
     Page,
+    RelayOutcome,
     ScheduleInfo,
     ScheduleState,
     TickResult,
@@ -121,6 +123,22 @@ def _is_occurrence_id(value: object) -> bool:
     return True
 
 
+def _same_definition(
+    stored: RecurringDefinition, definition: RecurringDefinition, content: bytes
+) -> bool:
+    """Whether ``definition`` replays ``stored`` (``content``: its encoded message).
+
+    The calendar is compared by meaning (``*/1`` is ``*``); the content in constant time.
+    """
+    return (
+        stored.name == definition.name
+        and stored.cron == definition.cron
+        and stored.first_after == definition.first_after
+        and stored.policy is definition.policy
+        and hmac.compare_digest(codec.encode_message(stored.message), content)
+    )
+
+
 @attrs.define
 class _Tx:
     """One locked transaction as the engine sees it.
@@ -137,13 +155,47 @@ class _Tx:
 
 
 @attrs.frozen(repr=False)
+class _Checked:
+    """A lease that passed the relay's check, with its occurrence's sealed content."""
+
+    lease: Lease
+    content: bytes | None
+    definition_name: str
+    due_at: datetime
+    expires_at: datetime
+
+
+@attrs.frozen(repr=False)
 class _Prepared:
-    """A lease that passed the relay's check: what to publish, under which key, until when."""
+    """A checked lease, opened: what to publish, under which key, until when."""
 
     lease: Lease
     message: ScheduledMessage
     key: str
     expires_at: datetime
+
+
+@attrs.frozen(repr=False)
+class _Attempt:
+    """Relay step two for one lease: the receipt, the classified failure, or no attempt."""
+
+    receipt: BrokerReceipt | None = None
+    failure: PublicationFailure | None = None
+    raised: BaseException | None = None
+    error: SteepleError | None = None
+    """Set when nothing was published (the lease lapsed before the publication started)."""
+    unopenable: SteepleError | None = None
+    """Set when the content cannot be opened: nothing was published, a dead letter."""
+
+
+_Error = TypeVar("_Error", bound=BaseException)
+
+
+def _caused(error: _Error, cause: BaseException) -> _Error:
+    """Return ``error`` with ``cause`` as its ``__cause__`` (``raise error from cause``)."""
+    error.__cause__ = cause
+    error.__suppress_context__ = True
+    return error
 
 
 @attrs.define(repr=False)
@@ -171,6 +223,7 @@ class RecurringEngine:
     _sealer: Sealer
     _clock: Clock
     _random: RandomSource = attrs.field(factory=SystemRandom)
+    _verified_binding: bytes | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self._config, RecurringConfig):
@@ -200,7 +253,11 @@ class RecurringEngine:
             # The clock is read only now, after the lock was granted.
             now = adopt_time(state.recorded_time, self._clock.now())
             if state.binding is not None:
-                verify_binding(self._sealer, self._config, state.binding)
+                if state.binding != self._verified_binding:
+                    # The same sealed bytes, opened with the same keyring for the same
+                    # configuration, verify the same way: opened once per distinct value.
+                    verify_binding(self._sealer, self._config, state.binding)
+                    self._verified_binding = bytes(state.binding)
                 if state.binding_key_id != self._sealer.primary_key_id:
                     # First operation after a rotation: re-seal under the current primary
                     # so the initial key is no longer needed for the binding.
@@ -271,6 +328,8 @@ class RecurringEngine:
     async def create(self, definition: RecurringDefinition) -> ScheduleInfo:
         """Create an immutable definition, or replay an identical earlier creation.
 
+        A batch of one: :meth:`create_many` with ``[definition]``, a conflict raised.
+
         Returns:
             The definition's metadata (the original metadata on a replay).
 
@@ -287,52 +346,110 @@ class RecurringEngine:
         """
         if not isinstance(definition, RecurringDefinition):
             raise RecurringConfigurationError("create needs a RecurringDefinition")
-        name = definition.name
-        plaintext = codec.encode_definition(definition)
-        content = codec.encode_message(definition.message)
+        [result] = await self.create_many([definition])
+        if isinstance(result, RecurringConflictError):
+            raise result
+        return result
 
-        async def body(tx: _Tx) -> ScheduleInfo:
-            row = await tx.repo.definition(name)
-            if row is not None:
-                stored = self._open_definition(row)
-                # The calendar is compared by meaning (``*/1`` is ``*``); the content in
-                # constant time.
-                same = (
-                    stored.name == definition.name
-                    and stored.cron == definition.cron
-                    and stored.first_after == definition.first_after
-                    and stored.policy is definition.policy
-                    and hmac.compare_digest(codec.encode_message(stored.message), content)
-                )
-                if not same:
-                    raise RecurringConflictError(
-                        f"definition {name!r} already exists with different content; "
-                        "definitions are immutable: cancel it and create a new name"
-                    )
-                return codec.schedule_info(row, stored.message)
-            if tx.definition_count >= self._config.max_definitions:
+    async def create_many(
+        self, definitions: Sequence[RecurringDefinition]
+    ) -> list[ScheduleInfo | RecurringConflictError]:
+        """Create up to 100 definitions in one transaction; each judged as :meth:`create`.
+
+        Each definition is created, replays an identical stored one (or an identical
+        earlier entry of the same batch), or conflicts with a different one of its name;
+        a conflict is that entry's result and does not stop the others. The quota holds
+        for the batch as a whole: if the new definitions do not all fit, none is created.
+
+        Returns:
+            One result per definition, in the order given: its metadata (the original
+            metadata on a replay), or the :class:`RecurringConflictError` a single
+            :meth:`create` raises.
+
+        Raises:
+            RecurringConfigurationError: ``definitions`` is not a sequence of at most 100
+                RecurringDefinitions.
+            RecurringCapacityError: the new definitions of the batch would exceed
+                ``max_definitions``; nothing was created.
+            RecurringKeyringError: a stored definition cannot be opened (e.g. its key is
+                missing: also an ``UnknownKeyIdError`` naming the key id).
+            RecurringStorageError: the storage failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        if not isinstance(definitions, Sequence):
+            raise RecurringConfigurationError("create_many needs a sequence of definitions")
+        if len(definitions) > limits.MAX_BATCH:
+            raise RecurringConfigurationError(
+                f"create_many takes at most {limits.MAX_BATCH} definitions; got {len(definitions)}"
+            )
+        if not all(isinstance(d, RecurringDefinition) for d in definitions):
+            raise RecurringConfigurationError("create_many needs RecurringDefinitions")
+        if not definitions:
+            return []
+        # Encoded outside the transaction: the control row is held for storage work only.
+        contents = [codec.encode_message(d.message) for d in definitions]
+        documents: dict[str, bytes] = {}  # the first entry of a name is the one created
+        for d in definitions:
+            documents.setdefault(d.name, codec.encode_definition(d))
+
+        async def body(tx: _Tx) -> list[ScheduleInfo | RecurringConflictError]:
+            names = list(dict.fromkeys(d.name for d in definitions))
+            stored = {
+                row.name: (row, self._open_definition(row))
+                for row in await tx.repo.definitions_named(names)
+            }
+            new: dict[str, RecurringDefinition] = {}
+            for definition in definitions:
+                if definition.name not in stored:
+                    new.setdefault(definition.name, definition)
+            if new and tx.definition_count + len(new) > self._config.max_definitions:
                 raise RecurringCapacityError(
                     f"namespace {self._config.namespace!r} holds {tx.definition_count} "
-                    f"definitions (cancelled ones included), its quota of "
-                    f"{self._config.max_definitions}"
+                    f"definitions (cancelled ones included); {len(new)} more would exceed "
+                    f"its quota of {self._config.max_definitions}; nothing was created"
                 )
-            created = DefinitionRow(
-                name=name,
-                sealed=self._seal(plaintext, PURPOSE_DEFINITION, name, f"definition {name!r}"),
-                key_id=self._sealer.primary_key_id,
-                cron=definition.cron.expression,
-                policy=definition.policy,
-                first_after=definition.first_after,
-                state=ScheduleState.ACTIVE,
-                cursor=definition.first_after,
-                next_due_at=definition.first_due,
-                created_at=tx.now,
-            )
-            await tx.repo.insert_definition(created)
-            tx.definition_delta = 1
-            return codec.schedule_info(created, definition.message)
+            created = {
+                name: self._definition_row(d, documents[name], tx.now) for name, d in new.items()
+            }
+            if created:
+                await tx.repo.insert_definitions(list(created.values()))
+                tx.definition_delta = len(created)
+            stored |= {name: (created[name], d) for name, d in new.items()}
+            results: list[ScheduleInfo | RecurringConflictError] = []
+            for definition, content in zip(definitions, contents, strict=True):
+                row, existing = stored[definition.name]
+                if _same_definition(existing, definition, content):
+                    results.append(codec.schedule_info(row, existing.message))
+                else:
+                    results.append(
+                        RecurringConflictError(
+                            f"definition {definition.name!r} already exists with different "
+                            "content; definitions are immutable: cancel it and create a new "
+                            "name"
+                        )
+                    )
+            return results
 
         return (await self._run("create", body))[0]
+
+    def _definition_row(
+        self, definition: RecurringDefinition, document: bytes, now: datetime
+    ) -> DefinitionRow:
+        """Return the row that stores a new ``definition`` (``document``: its encoding)."""
+        name = definition.name
+        return DefinitionRow(
+            name=name,
+            sealed=self._seal(document, PURPOSE_DEFINITION, name, f"definition {name!r}"),
+            key_id=self._sealer.primary_key_id,
+            cron=definition.cron.expression,
+            policy=definition.policy,
+            first_after=definition.first_after,
+            state=ScheduleState.ACTIVE,
+            cursor=definition.first_after,
+            next_due_at=definition.first_due,
+            created_at=now,
+        )
 
     async def cancel(self, name: str) -> ScheduleInfo:
         """Cancel a definition permanently; its name stays reserved and counts to the quota.
@@ -509,29 +626,9 @@ class RecurringEngine:
             RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         limit = validate_budget(limit, "limit")
-        lease_duration = self._config.lease_duration
 
         async def body(tx: _Tx) -> list[Lease]:
-            await self._classify_expired(tx)
-            granted: list[Lease] = []
-            changes: list[OccurrenceChange] = []
-            for row in await tx.repo.claimable(CLAIM_RULE, tx.now, limit):
-                expires = lease_expiry(tx.now, lease_duration, row.window_ends_at)
-                if expires is None:
-                    continue
-                capability = new_capability(self._random)
-                revision = row.lease_revision + 1
-                changes.append(
-                    apply_step(
-                        row,
-                        step(row.state, _E.CLAIM),
-                        tx.now,
-                        lease_expires_at=expires,
-                        lease_revision=revision,
-                        lease_digest=capability_digest(capability),
-                    )
-                )
-                granted.append(Lease(row.occurrence_id, expires, revision, capability))
+            granted, changes = await self._grant(tx, limit)
             if changes:
                 await tx.repo.update_occurrences(changes)
             return granted
@@ -542,13 +639,39 @@ class RecurringEngine:
         after = max(recorded, self._clock.now())
         return [lease for lease in granted if is_live(lease.expires_at, after)]
 
+    async def _grant(self, tx: _Tx, limit: int) -> tuple[list[Lease], list[OccurrenceChange]]:
+        """Claim's reads and decisions: the leases to grant and their changes (unwritten)."""
+        await self._classify_expired(tx)
+        lease_duration = self._config.lease_duration
+        granted: list[Lease] = []
+        changes: list[OccurrenceChange] = []
+        for row in await tx.repo.claimable(CLAIM_RULE, tx.now, limit):
+            expires = lease_expiry(tx.now, lease_duration, row.window_ends_at)
+            if expires is None:
+                continue
+            capability = new_capability(self._random)
+            revision = row.lease_revision + 1
+            changes.append(
+                apply_step(
+                    row,
+                    step(row.state, _E.CLAIM),
+                    tx.now,
+                    lease_expires_at=expires,
+                    lease_revision=revision,
+                    lease_digest=capability_digest(capability),
+                )
+            )
+            granted.append(Lease(row.occurrence_id, expires, revision, capability))
+        return granted, changes
+
     # --- relay ---------------------------------------------------------------------------
 
     async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
         """Publish a leased occurrence and record the outcome.
 
-        Transaction one re-checks the live lease, opens the content and counts the
-        attempt; after its commit the lease is judged once more. The broker is called
+        A batch of one: :meth:`relay_many` with ``[lease]``, its outcome's error raised.
+        Transaction one re-checks the live lease and counts the attempt; after its commit
+        the content is opened and the lease judged once more. The broker is called
         outside any transaction, bounded by the remaining lease and 10 s, always with the
         same message and idempotency key. Transaction two records the outcome, fenced by
         the lease's capability and revision. Whatever the broker raises (an
@@ -579,195 +702,434 @@ class RecurringEngine:
         """
         if not isinstance(lease, Lease):
             raise RecurringConfigurationError("relay needs a Lease returned by claim")
+        [outcome] = await self.relay_many([lease], broker)
+        return outcome.result()
+
+    async def relay_many(
+        self,
+        leases: Sequence[Lease],
+        broker: MessageBroker,
+        *,
+        concurrency: int = limits.RELAY_CONCURRENCY,
+    ) -> list[RelayOutcome]:
+        """Publish a batch of leased occurrences and record each outcome.
+
+        Three steps for the whole batch, each lease judged on its own:
+
+        1. one transaction checks every lease (current capability and revision, state
+           leased, not expired) and counts the attempt; after its commit the content is
+           opened (content that cannot be opened is recorded as a dead letter in step 3);
+        2. after the commit, the publications run concurrently (at most ``concurrency``
+           at once), outside any transaction; each is judged again when it starts and
+           bounded by its remaining lease and 10 s;
+        3. one transaction records the outcomes, each fenced by its own capability and
+           revision (a fenced lease records nothing).
+
+        A lease that appears twice in a batch is relayed once; its other entries are
+        refused (lease lost).
+
+        Returns:
+            One :class:`RelayOutcome` per lease, in the order given: the receipt, or the
+            error a single :meth:`relay` of that lease raises (an uncertain
+            acknowledgement carries the receipt, its ``__cause__`` the storage error when
+            recording failed).
+
+        Raises:
+            RecurringConfigurationError: ``leases`` is not a sequence of at most 100
+                Leases, ``broker`` has no ``publish``, or ``concurrency`` is outside
+                1..100.
+            RecurringStorageError, RecurringDeadlineError, RecurringClockError: the check
+                (step 1) failed: nothing was published.
+        """
+        if not isinstance(leases, Sequence):
+            raise RecurringConfigurationError("relay_many needs a sequence of Leases")
+        if len(leases) > limits.MAX_BATCH:
+            raise RecurringConfigurationError(
+                f"relay_many takes at most {limits.MAX_BATCH} leases; got {len(leases)}"
+            )
+        if not all(isinstance(lease, Lease) for lease in leases):
+            raise RecurringConfigurationError("relay_many needs Leases returned by claim")
         if not callable(getattr(broker, "publish", None)):
             raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")
-        [prepared], checked_at = await self._prepare([lease])
-        if isinstance(prepared, BaseException):
-            raise prepared
-        # Judged again after the check committed: a lease that lapsed meanwhile publishes
-        # nothing (the occurrence is reclaimed normally).
-        remaining = prepared.expires_at - max(checked_at, self._clock.now())
-        if remaining <= timedelta(0):
-            raise RelayLeaseLostError(
-                f"the lease on occurrence {lease.occurrence_id} expired while its check "
-                "committed; nothing was published"
-            )
-        timeout = min(remaining, limits.PUBLISH_DEADLINE).total_seconds()
-        try:
-            async with asyncio.timeout(timeout):
-                receipt = await broker.publish(
-                    prepared.message, idempotency_key=prepared.key, timeout=timeout
-                )
-            if not isinstance(receipt, BrokerReceipt):
-                raise TypeError(f"publish returned a {type(receipt).__name__}, not a receipt")
-        except BaseException as exc:
-            failure = classify_publication_failure(exc)
-            if failure is None:
-                raise  # cancellation and interpreter exit are not publication failures
+        concurrency = validate_budget(concurrency, "concurrency")
+        if not leases:
+            return []
+        checked, checked_at = await self._prepare(leases)
+        return await self._publish_and_record(leases, checked, checked_at, broker, concurrency)
+
+    async def claim_and_relay(
+        self,
+        limit: int,
+        broker: MessageBroker,
+        *,
+        concurrency: int = limits.RELAY_CONCURRENCY,
+    ) -> list[RelayOutcome]:
+        """Claim up to ``limit`` occurrences and relay them: :meth:`claim`, then :meth:`relay_many`.
+
+        The claim and the relay's check are one transaction (the check of a lease granted
+        in the same transaction, under the same lock, at the same time); the publications
+        and the recording are :meth:`relay_many`'s. One transaction fewer per batch, the
+        same rules: every lease is fenced, judged again after the commit and when its
+        publication starts, and its outcome recorded under its own capability and revision.
+
+        Returns:
+            One :class:`RelayOutcome` per occurrence claimed, oldest due first.
+
+        Raises:
+            RecurringConfigurationError: ``limit`` or ``concurrency`` outside 1..100, or
+                ``broker`` has no ``publish``.
+            RecurringStorageError, RecurringDeadlineError, RecurringClockError: the claim
+                failed: nothing was claimed or published.
+        """
+        limit = validate_budget(limit, "limit")
+        if not callable(getattr(broker, "publish", None)):
+            raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")
+        concurrency = validate_budget(concurrency, "concurrency")
+
+        async def body(tx: _Tx) -> tuple[list[Lease], list[_Checked | SteepleError]]:
+            granted, changes = await self._grant(tx, limit)
+            if not granted:
+                return granted, []
+            # The claimed rows as they are once leased, with their content.
+            stored = {
+                r.occurrence_id: r
+                for r in await tx.repo.occurrences([c.occurrence_id for c in changes])
+            }
+            leased = {c.occurrence_id: c.applied_to(stored[c.occurrence_id]) for c in changes}
+            checked, checks = self._check(tx, granted, leased)
+            # A check's change is made from the leased row, so it carries the lease: one
+            # write per occurrence.
+            final = {c.occurrence_id: c for c in changes} | {c.occurrence_id: c for c in checks}
+            await tx.repo.update_occurrences(list(final.values()))
+            return granted, checked
+
+        (granted, checked), checked_at = await self._run("claim", body)
+        return await self._publish_and_record(granted, checked, checked_at, broker, concurrency)
+
+    async def _publish_and_record(
+        self,
+        leases: Sequence[Lease],
+        checked: Sequence[_Checked | SteepleError],
+        checked_at: datetime,
+        broker: MessageBroker,
+        concurrency: int,
+    ) -> list[RelayOutcome]:
+        """Relay steps two and three for checked leases: open, publish concurrently, record.
+
+        The content is opened here, after the check committed: decryption, decoding and
+        the idempotency key are not done while the control row is held. Content that
+        cannot be opened is recorded as a dead letter in step three (fenced, like every
+        outcome) and reported as the keyring (or storage) error.
+        """
+        outcomes: list[RelayOutcome | None] = [None] * len(leases)
+        ready: list[tuple[int, _Prepared]] = []
+        unopenable: list[tuple[int, Lease, _Attempt]] = []
+        for index, entry in enumerate(checked):
+            if not isinstance(entry, _Checked):
+                outcomes[index] = RelayOutcome(leases[index].occurrence_id, error=entry)
+                continue
             try:
-                outcome = await self._record_failure(lease, failure)
-            except RecurringError as stored:
-                if failure.kind is not FailureKind.ACKNOWLEDGEMENT:
-                    raise
-                raise exc from stored  # the broker's error carries the receipt
-            error = publication_error(failure, exc, lease.occurrence_id, outcome)
-            if error is exc:
-                raise
-            raise error from exc
-        try:
-            await self._record_published(lease)
-        except RecurringError as exc:
-            raise RelayAcknowledgementError(
-                receipt,
-                f"recording the publication of occurrence {lease.occurrence_id} failed "
-                f"({type(exc).__name__}); it will be republished under the same idempotency "
-                "key",
-            ) from exc
-        return receipt
+                ready.append((index, self._opened(entry)))
+            except (RecurringKeyringError, RecurringStorageError) as exc:
+                unopenable.append((index, entry.lease, _Attempt(unopenable=exc)))
+        attempts: list[_Attempt] = []
+        if ready:
+            limit = asyncio.Semaphore(concurrency)
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(self._publish(prepared, broker, checked_at, limit))
+                    for _, prepared in ready
+                ]
+            attempts = [task.result() for task in tasks]
+        entries = [(i, p.lease, a) for (i, p), a in zip(ready, attempts, strict=True)]
+        entries += unopenable
+        if entries:
+            recorded = await self._record_outcomes([(lease, a) for _, lease, a in entries])
+            for (index, _, _), outcome in zip(entries, recorded, strict=True):
+                outcomes[index] = outcome
+        return [outcome for outcome in outcomes if outcome is not None]
+
+    def _opened(self, checked: _Checked) -> _Prepared:
+        """Open a checked lease's content; derive its idempotency key.
+
+        Raises:
+            RecurringKeyringError: the content cannot be opened (missing key, tampering).
+            RecurringStorageError: the occurrence has no content.
+        """
+        lease = checked.lease
+        if checked.content is None:
+            raise RecurringStorageError(f"occurrence {lease.occurrence_id} has no content")
+        opened = self._open(
+            checked.content,
+            PURPOSE_OCCURRENCE,
+            lease.occurrence_id,
+            f"occurrence {lease.occurrence_id}",
+        )
+        key = idempotency_key(
+            purpose=PUBLISH_PURPOSE,
+            namespace=self._config.namespace,
+            definition_name=checked.definition_name,
+            due_at=checked.due_at,
+            generation=bytes.fromhex(lease.occurrence_id),
+        )
+        return _Prepared(lease, codec.decode_message(opened), key, checked.expires_at)
+
+    async def _publish(
+        self,
+        prepared: _Prepared,
+        broker: MessageBroker,
+        checked_at: datetime,
+        limit: asyncio.Semaphore,
+    ) -> _Attempt:
+        """Relay step two for one lease: publish within what remains of it (and 10 s)."""
+        async with limit:
+            # Judged again when the publication starts (after the check committed, and
+            # after waiting for a turn): a lease that lapsed publishes nothing.
+            remaining = prepared.expires_at - max(checked_at, self._clock.now())
+            if remaining <= timedelta(0):
+                return _Attempt(
+                    error=RelayLeaseLostError(
+                        f"the lease on occurrence {prepared.lease.occurrence_id} expired "
+                        "while its check committed (or while waiting for its turn to "
+                        "publish); nothing was published"
+                    )
+                )
+            timeout = min(remaining, limits.PUBLISH_DEADLINE).total_seconds()
+            try:
+                async with asyncio.timeout(timeout):
+                    receipt = await broker.publish(
+                        prepared.message, idempotency_key=prepared.key, timeout=timeout
+                    )
+                if not isinstance(receipt, BrokerReceipt):
+                    raise TypeError(f"publish returned a {type(receipt).__name__}, not a receipt")
+            except BaseException as exc:
+                failure = classify_publication_failure(exc)
+                if failure is None:
+                    raise  # cancellation and interpreter exit are not publication failures
+                return _Attempt(failure=failure, raised=exc)
+            return _Attempt(receipt=receipt)
 
     async def _prepare(
         self, leases: Sequence[Lease]
-    ) -> tuple[list[_Prepared | BaseException], datetime]:
-        """Relay step one for a batch: check each lease, open its content, count the attempt.
+    ) -> tuple[list[_Checked | SteepleError], datetime]:
+        """Relay step one for a batch: check each lease and count the attempt.
 
-        An occurrence whose content cannot be opened becomes a dead letter (committed);
-        its entry is the error to raise. Returns the entries and the recorded time.
+        Returns the entries (a checked lease with its sealed content, or the error to
+        report) and the recorded time.
         """
 
-        async def body(tx: _Tx) -> list[_Prepared | BaseException]:
+        async def body(tx: _Tx) -> list[_Checked | SteepleError]:
             ids = [lease.occurrence_id for lease in leases]
-            ids = [i for i in ids if _is_occurrence_id(i)]
+            ids = list(dict.fromkeys(i for i in ids if _is_occurrence_id(i)))
             rows = {r.occurrence_id: r for r in await tx.repo.occurrences(ids)} if ids else {}
-            results: list[_Prepared | BaseException] = []
-            changes: list[OccurrenceChange] = []
-            for lease in leases:
-                row = rows.get(lease.occurrence_id)
-                if (
-                    row is None
-                    or not holds_lease(
-                        row.lease_digest, row.lease_revision, lease.capability, lease.revision
-                    )
-                    or row.state is not OccurrenceState.LEASED
-                    or row.lease_expires_at is None
-                    or not is_live(row.lease_expires_at, tx.now)
-                ):
-                    results.append(
-                        RelayLeaseLostError(
-                            f"the lease on occurrence {lease.occurrence_id} is no longer live "
-                            "(expired, fenced by a newer claim, or the occurrence moved on)"
-                        )
-                    )
-                    continue
-                try:
-                    if row.content is None:
-                        raise RecurringStorageError(
-                            f"occurrence {row.occurrence_id} has no content"
-                        )
-                    opened = self._open(
-                        row.content,
-                        PURPOSE_OCCURRENCE,
-                        row.occurrence_id,
-                        f"occurrence {row.occurrence_id}",
-                    )
-                    message = codec.decode_message(opened)
-                except (RecurringKeyringError, RecurringStorageError) as exc:
-                    cause = exc.__cause__ if isinstance(exc.__cause__, KeyringError) else exc
-                    changes.append(
-                        apply_step(
-                            row,
-                            step(row.state, _E.PUBLISH_FAILED_FINAL),
-                            tx.now,
-                            last_error=f"content cannot be opened ({type(cause).__name__})",
-                        )
-                    )
-                    results.append(exc)
-                    continue
-                changes.append(
-                    OccurrenceChange.of(row, attempts=row.attempts + 1, updated_at=tx.now)
-                )
-                key = idempotency_key(
-                    purpose=PUBLISH_PURPOSE,
-                    namespace=self._config.namespace,
-                    definition_name=row.definition_name,
-                    due_at=row.due_at,
-                    generation=bytes.fromhex(row.occurrence_id),
-                )
-                results.append(_Prepared(lease, message, key, row.lease_expires_at))
+            results, changes = self._check(tx, leases, rows)
             if changes:
                 await tx.repo.update_occurrences(changes)
             return results
 
         return await self._run("relay", body)
 
-    async def _record_published(self, lease: Lease) -> None:
-        """Relay step three after acceptance: record the publication (fenced)."""
+    def _check(
+        self, tx: _Tx, leases: Sequence[Lease], rows: Mapping[str, OccurrenceRow]
+    ) -> tuple[list[_Checked | SteepleError], list[OccurrenceChange]]:
+        """Relay step one's decisions: check each lease against its row (content loaded).
 
-        async def body(tx: _Tx) -> None:
-            row = await self._held_row(tx, lease)
-            if row is None:
-                raise RelayLeaseLostError(
-                    f"occurrence {lease.occurrence_id} was published, but its lease was fenced "
-                    "by a newer claim while publishing; the broker accepted it under the same "
-                    "idempotency key and the new holder records the outcome"
+        Returns one entry per lease (the checked lease with its sealed content, or the
+        error to report) and the changes to write: the attempt counted.
+        """
+        results: list[_Checked | SteepleError] = []
+        changes: list[OccurrenceChange] = []
+        taken: set[str] = set()
+        for lease in leases:
+            row = rows.get(lease.occurrence_id)
+            if (
+                row is None
+                or lease.occurrence_id in taken
+                or not holds_lease(
+                    row.lease_digest, row.lease_revision, lease.capability, lease.revision
                 )
-            try:
-                published = step(row.state, _E.PUBLISHED)
-            except InvalidTransitionError:
-                raise RelayLeaseLostError(
-                    f"occurrence {lease.occurrence_id} is {row.state.value}; this lease cannot "
-                    "record its publication"
-                ) from None
-            await tx.repo.update_occurrences([apply_step(row, published, tx.now)])
-
-        await self._run("relay", body)
-
-    async def _record_failure(self, lease: Lease, failure: PublicationFailure) -> str:
-        """Relay step three after a failure: record it (fenced); describe what follows."""
-
-        async def body(tx: _Tx) -> str:
-            row = await self._held_row(tx, lease)
-            # A stale (fenced) holder records nothing: it can neither retry nor bury the
-            # new holder's occurrence. The caller still learns what the broker said.
-            if row is None:
-                return "nothing recorded: the lease was fenced by a newer claim"
-            try:
-                step(row.state, _E.PUBLISH_FAILED_RETRYABLE)
-            except InvalidTransitionError:
-                return f"nothing recorded: the occurrence was {row.state.value} meanwhile"
-            decision = after_publish_failure(
-                max(row.attempts, 1),
-                tx.now,
-                row.window_ends_at,
-                failure.permanent,
-                draw=self._random.random(),
+                or row.state is not OccurrenceState.LEASED
+                or row.lease_expires_at is None
+                or not is_live(row.lease_expires_at, tx.now)
+            ):
+                results.append(
+                    RelayLeaseLostError(
+                        f"the lease on occurrence {lease.occurrence_id} is no longer live "
+                        "(expired, fenced by a newer claim, the occurrence moved on, or "
+                        "it is relayed by an earlier entry of the same batch)"
+                    )
+                )
+                continue
+            taken.add(lease.occurrence_id)
+            changes.append(OccurrenceChange.of(row, attempts=row.attempts + 1, updated_at=tx.now))
+            results.append(
+                _Checked(lease, row.content, row.definition_name, row.due_at, row.lease_expires_at)
             )
-            event = (
-                _E.PUBLISH_FAILED_RETRYABLE
-                if decision.state is OccurrenceState.RETRY_WAIT
-                else _E.PUBLISH_FAILED_FINAL
-            )
-            change = apply_step(
-                row,
-                step(row.state, event),
-                tx.now,
-                next_attempt_at=decision.next_attempt_at,
-                last_error=failure.error,
-            )
-            await tx.repo.update_occurrences([change])
-            if decision.next_attempt_at is not None:
-                return f"retry after {decision.next_attempt_at.isoformat()}"
-            return f"dead letter ({decision.reason})"
+        return results, changes
 
-        return (await self._run("relay", body))[0]
+    async def _record_outcomes(
+        self, attempted: Sequence[tuple[Lease, _Attempt]]
+    ) -> list[RelayOutcome]:
+        """Relay step three for a batch: record each outcome, fenced by its own lease.
 
-    async def _held_row(self, tx: _Tx, lease: Lease) -> OccurrenceRow | None:
-        """Return the occurrence if ``lease`` is still its current lease (fencing)."""
-        if not _is_occurrence_id(lease.occurrence_id):
-            return None
-        for row in await tx.repo.occurrences([lease.occurrence_id]):
-            if holds_lease(row.lease_digest, row.lease_revision, lease.capability, lease.revision):
-                return row
-        return None
+        A publication that never started (its lease lapsed first) records nothing. If the
+        transaction fails, an accepted publication is reported as an uncertain
+        acknowledgement carrying its receipt, a lost broker acknowledgement as itself
+        (the storage error as its ``__cause__``), any other outcome as the storage error.
+        """
+        if all(attempt.error is not None for _, attempt in attempted):
+            return [self._reported(lease, a, None) for lease, a in attempted]
+
+        async def body(tx: _Tx) -> list[str | SteepleError | None]:
+            ids = [lease.occurrence_id for lease, a in attempted if a.error is None]
+            rows = {r.occurrence_id: r for r in await tx.repo.occurrences(ids)}
+            changes: list[OccurrenceChange] = []
+            notes: list[str | SteepleError | None] = []
+            for lease, attempt in attempted:
+                if attempt.error is not None:
+                    notes.append(None)
+                    continue
+                row = rows.get(lease.occurrence_id)
+                if row is not None and not holds_lease(
+                    row.lease_digest, row.lease_revision, lease.capability, lease.revision
+                ):
+                    row = None
+                note: str | SteepleError | None
+                if attempt.unopenable is not None:
+                    note, change = self._unopenable_change(tx, row, attempt.unopenable)
+                elif attempt.receipt is not None:
+                    note, change = self._published_change(tx, lease, row)
+                else:
+                    assert attempt.failure is not None
+                    note, change = self._failure_change(tx, row, attempt.failure)
+                notes.append(note)
+                if change is not None:
+                    changes.append(change)
+            if changes:
+                await tx.repo.update_occurrences(changes)
+            return notes
+
+        try:
+            notes = (await self._run("relay", body))[0]
+        except RecurringError as stored:
+            return [self._reported(lease, a, stored) for lease, a in attempted]
+        return [
+            self._reported(lease, a, None, note)
+            for (lease, a), note in zip(attempted, notes, strict=True)
+        ]
+
+    def _unopenable_change(
+        self, tx: _Tx, row: OccurrenceRow | None, error: SteepleError
+    ) -> tuple[SteepleError, OccurrenceChange | None]:
+        """Record content that cannot be opened: a dead letter (fenced, like any outcome)."""
+        if row is None:
+            return error, None
+        try:
+            dead = step(row.state, _E.PUBLISH_FAILED_FINAL)
+        except InvalidTransitionError:
+            return error, None  # cancelled meanwhile: nothing to bury
+        cause = error.__cause__ if isinstance(error.__cause__, KeyringError) else error
+        change = apply_step(
+            row, dead, tx.now, last_error=f"content cannot be opened ({type(cause).__name__})"
+        )
+        return error, change
+
+    def _published_change(
+        self, tx: _Tx, lease: Lease, row: OccurrenceRow | None
+    ) -> tuple[SteepleError | None, OccurrenceChange | None]:
+        """Record an accepted publication (``row`` is ``None`` when the lease was fenced)."""
+        if row is None:
+            return RelayLeaseLostError(
+                f"occurrence {lease.occurrence_id} was published, but its lease was fenced "
+                "by a newer claim while publishing; the broker accepted it under the same "
+                "idempotency key and the new holder records the outcome"
+            ), None
+        try:
+            published = step(row.state, _E.PUBLISHED)
+        except InvalidTransitionError:
+            return RelayLeaseLostError(
+                f"occurrence {lease.occurrence_id} is {row.state.value}; this lease cannot "
+                "record its publication"
+            ), None
+        return None, apply_step(row, published, tx.now)
+
+    def _failure_change(
+        self, tx: _Tx, row: OccurrenceRow | None, failure: PublicationFailure
+    ) -> tuple[str, OccurrenceChange | None]:
+        """Record a failed publication; describe what follows."""
+        # A stale (fenced) holder records nothing: it can neither retry nor bury the
+        # new holder's occurrence. The caller still learns what the broker said.
+        if row is None:
+            return "nothing recorded: the lease was fenced by a newer claim", None
+        try:
+            step(row.state, _E.PUBLISH_FAILED_RETRYABLE)
+        except InvalidTransitionError:
+            return f"nothing recorded: the occurrence was {row.state.value} meanwhile", None
+        decision = after_publish_failure(
+            max(row.attempts, 1),
+            tx.now,
+            row.window_ends_at,
+            failure.permanent,
+            draw=self._random.random(),
+        )
+        event = (
+            _E.PUBLISH_FAILED_RETRYABLE
+            if decision.state is OccurrenceState.RETRY_WAIT
+            else _E.PUBLISH_FAILED_FINAL
+        )
+        change = apply_step(
+            row,
+            step(row.state, event),
+            tx.now,
+            next_attempt_at=decision.next_attempt_at,
+            last_error=failure.error,
+        )
+        if decision.next_attempt_at is not None:
+            return f"retry after {decision.next_attempt_at.isoformat()}", change
+        return f"dead letter ({decision.reason})", change
+
+    def _reported(
+        self,
+        lease: Lease,
+        attempt: _Attempt,
+        stored: RecurringError | None,
+        note: str | SteepleError | None = None,
+    ) -> RelayOutcome:
+        """Return one lease's outcome, from its attempt and what recording it came to."""
+        occurrence_id = lease.occurrence_id
+        if attempt.error is not None:
+            return RelayOutcome(occurrence_id, error=attempt.error)
+        if attempt.unopenable is not None:
+            return RelayOutcome(occurrence_id, error=stored or attempt.unopenable)
+        if attempt.receipt is not None:
+            if stored is not None:
+                return RelayOutcome(
+                    occurrence_id,
+                    error=_caused(
+                        RelayAcknowledgementError(
+                            attempt.receipt,
+                            f"recording the publication of occurrence {occurrence_id} failed "
+                            f"({type(stored).__name__}); it will be republished under the "
+                            "same idempotency key",
+                        ),
+                        stored,
+                    ),
+                )
+            if isinstance(note, SteepleError):
+                return RelayOutcome(occurrence_id, error=note)
+            return RelayOutcome(occurrence_id, receipt=attempt.receipt)
+        failure, raised = attempt.failure, attempt.raised
+        assert failure is not None
+        assert raised is not None
+        if stored is not None:
+            if failure.kind is FailureKind.ACKNOWLEDGEMENT and isinstance(raised, SteepleError):
+                # The broker's own error carries the receipt.
+                return RelayOutcome(occurrence_id, error=_caused(raised, stored))
+            return RelayOutcome(occurrence_id, error=stored)
+        error = publication_error(failure, raised, occurrence_id, str(note))
+        return RelayOutcome(
+            occurrence_id, error=error if error is raised else _caused(error, raised)
+        )
 
     # --- operator actions and listings ---------------------------------------------------
 

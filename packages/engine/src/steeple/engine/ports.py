@@ -304,8 +304,12 @@ class RecurringRepository(Protocol):
         """
         ...
 
-    async def insert_definition(self, row: DefinitionRow) -> None:
-        """Store a new definition (its name is not stored yet)."""
+    async def definitions_named(self, names: Sequence[str]) -> Sequence[DefinitionRow]:
+        """Return the definitions with these names that exist (any order)."""
+        ...
+
+    async def insert_definitions(self, rows: Sequence[DefinitionRow]) -> None:
+        """Store new definitions (their names are not stored yet, and distinct)."""
         ...
 
     async def update_definitions(self, updates: Sequence[DefinitionUpdate]) -> None:

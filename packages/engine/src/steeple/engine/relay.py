@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import timedelta
+from typing import Any
 
 import attrs
 
@@ -19,6 +20,7 @@ from steeple.core.errors import (
 )
 from steeple.core.policies import validate_budget
 from steeple.core.ports import MessageBroker, RandomSource, RecurringStore
+from steeple.core.records import RelayOutcome
 
 __all__ = ["RecurringRelay", "RelayStatistics"]
 
@@ -63,7 +65,10 @@ class RelayStatistics:
 
 @attrs.define
 class RecurringRelay:
-    """Runs a store's work: tick, claim, relay each lease, repeat until told to stop.
+    """Runs a store's work: tick, claim, relay the claimed batch, repeat until told to stop.
+
+    Each claimed batch is relayed with the store's ``relay_many`` (one transaction checks
+    the leases, the publications run concurrently, one transaction records the outcomes).
 
     Relay failures are recorded by the store (retry with backoff, dead letters) and only
     logged here: whatever a broker raises reaches the loop as a relay error, so no broker
@@ -121,7 +126,7 @@ class RecurringRelay:
             raise RecurringConfigurationError("idle_interval must be a positive number")
 
     async def run_once(self, stop: asyncio.Event | None = None) -> int:
-        """Run one round: tick, claim, relay every lease; return how much work was seen.
+        """Run one round: tick, claim, relay the batch; return how much work was seen.
 
         Raises:
             RecurringStorageError, RecurringClockError: the store failed (``run`` backs off).
@@ -138,27 +143,61 @@ class RecurringRelay:
             stats.ticks += 1
             stats.materialized += materialized
             done += materialized
-        leases = await self.store.claim(self.claim_limit)
-        stats.claimed += len(leases)
-        for lease in leases:
-            if stop is not None and stop.is_set():
-                break  # unpublished leases lapse and are reclaimed by another round
-            try:
-                receipt = await self.store.relay(lease, self.broker)
+        if stop is not None and stop.is_set():
+            return done
+        outcomes = await self._claim_and_relay()
+        stats.claimed += len(outcomes)
+        trouble: Exception | None = None
+        for outcome in outcomes:
+            error = outcome.error
+            if error is None:
                 stats.published += 1
-                stats.duplicates += bool(receipt.duplicate)
-            except RecurringRelayError as exc:
+                stats.duplicates += bool(outcome.receipt is not None and outcome.receipt.duplicate)
+            elif isinstance(error, RecurringRelayError):
                 stats.relay_failures += 1
-                _log.info("relay of %s failed: %s", lease.occurrence_id, type(exc).__name__)
-            except KeyringError as exc:
+                _log.info("relay of %s failed: %s", outcome.occurrence_id, type(error).__name__)
+            elif isinstance(error, KeyringError):
                 stats.relay_failures += 1
                 _log.error(
                     "occurrence %s cannot be opened (%s); it is a dead letter until its key "
                     "is restored and an operator retries it",
-                    lease.occurrence_id,
-                    type(exc).__name__,
+                    outcome.occurrence_id,
+                    type(error).__name__,
                 )
-        return done + len(leases)
+            elif trouble is None:
+                # Recording a failed publication failed: the storage (or the clock) is in
+                # trouble, and ``run`` backs off once the batch is counted. The lease
+                # lapses and the occurrence is reclaimed.
+                trouble = error
+        if trouble is not None:
+            raise trouble
+        return done + len(outcomes)
+
+    async def _claim_and_relay(self) -> list[RelayOutcome]:
+        """Claim a batch and relay it with the store's batched calls.
+
+        ``claim_and_relay`` (claim and check in one transaction, the publications
+        concurrent, one transaction recording them) when the store has it.
+        """
+        store: Any = self.store
+        if hasattr(store, "claim_and_relay"):
+            outcomes: list[RelayOutcome] = await store.claim_and_relay(
+                self.claim_limit, self.broker
+            )
+            return outcomes
+        # A store written before the batched calls: claim, then one relay per lease.
+        leases = await store.claim(self.claim_limit)
+        if hasattr(store, "relay_many"):
+            return list(await store.relay_many(leases, self.broker))
+        results: list[RelayOutcome] = []
+        for lease in leases:
+            try:
+                receipt = await store.relay(lease, self.broker)
+            except (RecurringRelayError, KeyringError) as exc:
+                results.append(RelayOutcome(lease.occurrence_id, error=exc))
+            else:
+                results.append(RelayOutcome(lease.occurrence_id, receipt=receipt))
+        return results
 
     async def run(self, stop: asyncio.Event) -> None:
         """Work until ``stop`` is set; finish the current relay, then return.

@@ -151,10 +151,6 @@ class SqliteRepository:
         """Return the definitions with these names."""
         return [_definition(r) for r in self._by_keys(_sql.definitions_named, names)]
 
-    async def insert_definition(self, row: DefinitionRow) -> None:
-        """Store a new definition."""
-        await self.insert_definitions([row])
-
     async def insert_definitions(self, rows: Sequence[DefinitionRow]) -> None:
         """Store new definitions (one prepared statement)."""
         self._conn.executemany(

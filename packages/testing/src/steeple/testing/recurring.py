@@ -22,15 +22,27 @@ from typing import Final, TypeVar
 
 import attrs
 
+from steeple.core import limits
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.entropy import SystemRandom
-from steeple.core.errors import RecurringConfigurationError, RecurringStorageError
+from steeple.core.errors import (
+    RecurringConfigurationError,
+    RecurringConflictError,
+    RecurringStorageError,
+)
 from steeple.core.leases import ClaimRule
 from steeple.core.messages import BrokerReceipt
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
 from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
-from steeple.core.records import Lease, OccurrenceInfo, Page, ScheduleInfo, TickResult
+from steeple.core.records import (
+    Lease,
+    OccurrenceInfo,
+    Page,
+    RelayOutcome,
+    ScheduleInfo,
+    TickResult,
+)
 from steeple.engine import (
     DefinitionRow,
     DefinitionUpdate,
@@ -150,10 +162,14 @@ class _Repository:
         )
         return [self.definitions_[name].row() for _, name in due[:limit]]
 
-    async def insert_definition(self, row: DefinitionRow) -> None:
-        if row.name in self.definitions_:
-            raise RecurringStorageError(f"definition {row.name!r} is stored already")
-        self.definitions_[row.name] = _Definition(**attrs.asdict(row, recurse=False))
+    async def definitions_named(self, names: Sequence[str]) -> Sequence[DefinitionRow]:
+        return [self.definitions_[n].row() for n in dict.fromkeys(names) if n in self.definitions_]
+
+    async def insert_definitions(self, rows: Sequence[DefinitionRow]) -> None:
+        for row in rows:
+            if row.name in self.definitions_:
+                raise RecurringStorageError(f"definition {row.name!r} is stored already")
+            self.definitions_[row.name] = _Definition(**attrs.asdict(row, recurse=False))
 
     async def update_definitions(self, updates: Sequence[DefinitionUpdate]) -> None:
         for u in updates:
@@ -358,6 +374,12 @@ class InMemoryRecurringStore:
         """Run :meth:`steeple.engine.RecurringEngine.create` (same results and errors)."""
         return await self._engine.create(definition)
 
+    async def create_many(
+        self, definitions: Sequence[RecurringDefinition]
+    ) -> list[ScheduleInfo | RecurringConflictError]:
+        """Run :meth:`steeple.engine.RecurringEngine.create_many` (same results and errors)."""
+        return await self._engine.create_many(definitions)
+
     async def tick(self, budget: int) -> TickResult:
         """Run :meth:`steeple.engine.RecurringEngine.tick` (same results and errors)."""
         return await self._engine.tick(budget)
@@ -369,6 +391,22 @@ class InMemoryRecurringStore:
     async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
         """Run :meth:`steeple.engine.RecurringEngine.relay` (same results and errors)."""
         return await self._engine.relay(lease, broker)
+
+    async def relay_many(
+        self,
+        leases: Sequence[Lease],
+        broker: MessageBroker,
+        *,
+        concurrency: int = limits.RELAY_CONCURRENCY,
+    ) -> list[RelayOutcome]:
+        """Run :meth:`steeple.engine.RecurringEngine.relay_many` (same results and errors)."""
+        return await self._engine.relay_many(leases, broker, concurrency=concurrency)
+
+    async def claim_and_relay(
+        self, limit: int, broker: MessageBroker, *, concurrency: int = limits.RELAY_CONCURRENCY
+    ) -> list[RelayOutcome]:
+        """Run :meth:`steeple.engine.RecurringEngine.claim_and_relay` (same results and errors)."""
+        return await self._engine.claim_and_relay(limit, broker, concurrency=concurrency)
 
     async def cancel(self, name: str) -> ScheduleInfo:
         """Run :meth:`steeple.engine.RecurringEngine.cancel` (same results and errors)."""

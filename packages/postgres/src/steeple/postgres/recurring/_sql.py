@@ -77,7 +77,8 @@ class Queries:
     insert_namespace: str
     read_version: str
     select_definition: str
-    insert_definition: str
+    select_definitions: str
+    insert_definitions: str
     due_definitions: str
     update_definitions: str
     list_definitions: str
@@ -91,6 +92,13 @@ class Queries:
         """Fill the quoted schema name into every statement."""
         filled = {k: v.replace("{schema}", quoted_schema) for k, v in _TEMPLATES.items()}
         return cls(schema=quoted_schema, **filled)
+
+    def with_touch(self, write: str, parameters: int) -> str:
+        """``write`` (namespace ``$1``, ``parameters`` in all) and ``touch_namespace`` in one.
+
+        The touch's recorded time and counter deltas follow as the next three parameters.
+        """
+        return _with_touch(self.schema, write, parameters)
 
     def claimable(self, rule: ClaimRule) -> str:
         """Occurrences ``rule`` admits at ``$2``, oldest first, at most ``$3``."""
@@ -107,6 +115,18 @@ class Queries:
     def purge(self, states: frozenset[OccurrenceState]) -> str:
         """Delete at most ``$3`` occurrences in ``states`` finished before ``$2``."""
         return _purge(self.schema, states)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_touch(schema: str, write: str, parameters: int) -> str:
+    # A data-modifying WITH runs exactly once, to completion, before the commit, whether
+    # or not the outer statement reads it; the outer UPDATE touches another table.
+    n = parameters
+    return (
+        f"WITH written AS ({write}) UPDATE {schema}.recurring_namespaces"
+        f" SET recorded_time = ${n + 1}, definition_count = definition_count + ${n + 2},"
+        f" occurrence_count = occurrence_count + ${n + 3} WHERE namespace = $1"
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,10 +204,18 @@ _TEMPLATES: dict[str, str] = {
         f"SELECT {DEFINITION_COLUMNS} FROM {{schema}}.recurring_definitions"
         " WHERE namespace = $1 AND name = $2"
     ),
-    "insert_definition": (
+    "select_definitions": (
+        f"SELECT {DEFINITION_COLUMNS} FROM {{schema}}.recurring_definitions"
+        " WHERE namespace = $1 AND name = ANY($2::text[])"
+    ),
+    "insert_definitions": (
         "INSERT INTO {schema}.recurring_definitions (namespace, name, sealed, key_id, cron,"
         " policy, first_after, state, cursor_at, next_due_at, created_at, cancelled_at)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+        " SELECT $1, u.* FROM unnest($2::text[], $3::bytea[], $4::text[], $5::text[],"
+        " $6::text[], $7::timestamptz[], $8::text[], $9::timestamptz[], $10::timestamptz[],"
+        " $11::timestamptz[], $12::timestamptz[])"
+        " AS u(name, sealed, key_id, cron, policy, first_after, state, cursor_at,"
+        " next_due_at, created_at, cancelled_at)"
     ),
     "due_definitions": (
         # Only active definitions have a next due time; saying so uses the partial index.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Self, TypeVar
 
@@ -28,6 +28,7 @@ from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
     KeyringError,
     RecurringConfigurationError,
+    RecurringConflictError,
     RecurringDeadlineError,
     RecurringError,
     RecurringNotFoundError,
@@ -38,7 +39,14 @@ from steeple.core.errors import (
 from steeple.core.leases import adopt_time
 from steeple.core.messages import BrokerReceipt
 from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
-from steeple.core.records import Lease, OccurrenceInfo, Page, ScheduleInfo, TickResult
+from steeple.core.records import (
+    Lease,
+    OccurrenceInfo,
+    Page,
+    RelayOutcome,
+    ScheduleInfo,
+    TickResult,
+)
 from steeple.engine import RecurringEngine, RecurringRepository, seal_binding, verify_binding
 from steeple.postgres._durability import (
     AnyConnection,
@@ -489,6 +497,30 @@ class PostgresRecurringStore:
         """
         return await self._engine.create(definition)
 
+    async def create_many(
+        self, definitions: Sequence[RecurringDefinition]
+    ) -> list[ScheduleInfo | RecurringConflictError]:
+        """Create up to 100 definitions in one transaction; each judged as ``create``.
+
+        Each entry is created, replays an identical definition (stored, or earlier in the
+        batch) or conflicts; a conflict is that entry's result. The quota holds for the
+        batch: if the new definitions do not all fit, none is created.
+
+        Returns:
+            One result per definition, in order: its metadata, or the
+            :class:`RecurringConflictError` a single ``create`` raises.
+
+        Raises:
+            RecurringConfigurationError: not a sequence of at most 100 definitions.
+            RecurringCapacityError: the new definitions would exceed ``max_definitions``;
+                nothing was created.
+            RecurringKeyringError: a stored definition cannot be opened.
+            RecurringStorageError: the database failed.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        return await self._engine.create_many(definitions)
+
     async def cancel(self, name: str) -> ScheduleInfo:
         """Cancel a definition permanently; its name stays reserved and counts to the quota.
 
@@ -554,7 +586,7 @@ class PostgresRecurringStore:
     async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
         """Publish a leased occurrence and record the outcome.
 
-        Transaction one re-checks the live lease and opens the content, then commits; the
+        Transaction one re-checks the live lease and counts the attempt, then commits; the
         lease is judged again after the commit. The broker is called outside any
         transaction, bounded by the remaining lease and 10 s, always with the same
         message and idempotency key; transaction two records the outcome, fenced by the
@@ -582,6 +614,57 @@ class PostgresRecurringStore:
             RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         return await self._engine.relay(lease, broker)
+
+    async def relay_many(
+        self,
+        leases: Sequence[Lease],
+        broker: MessageBroker,
+        *,
+        concurrency: int = limits.RELAY_CONCURRENCY,
+    ) -> list[RelayOutcome]:
+        """Publish up to 100 leased occurrences and record each outcome (three steps).
+
+        One transaction checks every lease (the content is opened after its commit); the
+        publications run concurrently (at most ``concurrency`` at once) outside any
+        transaction, each bounded by its remaining lease and 10 s; one transaction records
+        the outcomes, each fenced by its own capability and revision.
+
+        Returns:
+            One :class:`RelayOutcome` per lease, in order: the receipt, or the error a
+            single ``relay`` of that lease raises.
+
+        Raises:
+            RecurringConfigurationError: not a sequence of at most 100 Leases, no
+                ``publish`` on ``broker``, or ``concurrency`` outside 1..100.
+            RecurringStorageError: the database failed before anything was published.
+            RecurringDeadlineError: a storage deadline passed before publication.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        return await self._engine.relay_many(leases, broker, concurrency=concurrency)
+
+    async def claim_and_relay(
+        self,
+        limit: int,
+        broker: MessageBroker,
+        *,
+        concurrency: int = limits.RELAY_CONCURRENCY,
+    ) -> list[RelayOutcome]:
+        """Claim up to ``limit`` (1-100) occurrences and relay them (``claim`` + ``relay_many``).
+
+        The claim and the relay's check of the new leases are one transaction; the
+        publications and the recording are ``relay_many``'s.
+
+        Returns:
+            One :class:`RelayOutcome` per occurrence claimed, oldest due first.
+
+        Raises:
+            RecurringConfigurationError: ``limit`` or ``concurrency`` outside 1..100, or
+                no ``publish`` on ``broker``.
+            RecurringStorageError: the database failed; nothing was claimed or published.
+            RecurringDeadlineError: a storage deadline passed.
+            RecurringClockError: the clock trails the recorded time by more than 5 s.
+        """
+        return await self._engine.claim_and_relay(limit, broker, concurrency=concurrency)
 
     async def retry_failed(self, occurrence_id: str) -> OccurrenceInfo:
         """Give a dead occurrence a fresh automatic attempt budget inside its window.
@@ -730,5 +813,6 @@ class _PostgresStorage:
             )
         repository = PostgresRepository(conn, self.queries, self.namespace, namespace_state(row))
         result = await work(repository)
+        await repository.flush()  # a write the work queued after its last call
         await transaction.commit()
         return result

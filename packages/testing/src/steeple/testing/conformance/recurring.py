@@ -2,8 +2,9 @@
 
 :class:`RecurringStoreConformance` drives the store under test through random sequences
 of the contract's operations (create, replayed and conflicting create, tick, claim, relay
-through a :class:`~steeple.testing.MemoryBroker` with injected faults, cancel,
-retry_failed, purge, clock moves forward and small/large regressions) beside an
+through a :class:`~steeple.testing.MemoryBroker` with injected faults, batched relays
+with ``relay_many`` and ``claim_and_relay``, cancel, retry_failed, purge, clock moves
+forward and small/large regressions) beside an
 independent model made of plain dicts. The model shares no code with any store: it has
 its own calendar arithmetic (the suite only uses ``*/n``-minute calendars), its own
 planning, lease and backoff rules. After every step it checks that
@@ -36,7 +37,11 @@ last update first (then due time, then name); every call except
 and an expired occurrence's last update (what purge cutoffs compare) is its window end;
 an occurrence whose lease lapsed stays ``leased`` until reclaimed; ``attempts`` counts
 publication attempts and ``retry_failed`` resets it to zero; cancelling twice is not an
-error; relay failures back off by ``RELAY_BACKOFF`` (1 s doubling to 5 min, no jitter).
+error; relay failures back off by ``RELAY_BACKOFF`` (1 s doubling to 5 min, no jitter);
+``relay_many`` returns one outcome per lease in the order given, publishes each live lease
+once (a repeated lease once, stale ones never), and starts the publications in the
+batch's order (the queued broker faults apply in that order); ``claim_and_relay``
+returns one outcome per occurrence claimed, oldest due first.
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ from steeple.core.errors import (
 from steeple.core.messages import ScheduledMessage
 from steeple.core.policies import MissedRunPolicy
 from steeple.core.ports import Clock, RecurringStore
-from steeple.core.records import Lease, OccurrenceInfo, ScheduleInfo
+from steeple.core.records import Lease, OccurrenceInfo, RelayOutcome, ScheduleInfo
 from steeple.testing.broker import BrokerFault, MemoryBroker
 from steeple.testing.clock import FakeClock
 
@@ -562,9 +567,9 @@ class RecurringStoreConformance(RuleBasedStateMachine):
         for position in range(fresh):
             self._relay(self.leases[len(self.leases) - fresh + position])
 
-    def _claim_and_check(self, limit: int) -> None:
-        now = self._now()
-        ready = [
+    def _ready(self, now: datetime) -> list[str]:
+        """Return the publishable occurrences at ``now``, oldest (due, then name) first."""
+        return [
             o.occurrence_id
             for o in sorted(self.occurrences.values(), key=self._order)
             if o.state == "pending"
@@ -575,6 +580,10 @@ class RecurringStoreConformance(RuleBasedStateMachine):
             )
             or (o.state == "leased" and o.lease is not None and o.lease.expires_at <= now)
         ]
+
+    def _claim_and_check(self, limit: int) -> None:
+        now = self._now()
+        ready = self._ready(now)
         outcome = self._try(self._store.claim(limit))
         assert outcome.error is None, f"claim failed: {outcome.error!r}"
         leases: list[Lease] = outcome.value
@@ -667,12 +676,7 @@ class RecurringStoreConformance(RuleBasedStateMachine):
     def _relay(self, lease: Lease) -> None:
         now = self._now()
         occ = self.occurrences.get(lease.occurrence_id)
-        holder = (
-            occ is not None
-            and occ.state == "leased"
-            and occ.lease == lease
-            and now < lease.expires_at
-        )
+        holder = self._holds(occ, lease, now)
         attempts_before = self.broker.attempts
         outcome = self._try(self._store.relay(lease, self.broker))
         if not holder or occ is None:
@@ -682,7 +686,77 @@ class RecurringStoreConformance(RuleBasedStateMachine):
             assert self.broker.attempts == attempts_before, "a stale lease reached the broker"
             return
         assert self.broker.attempts == attempts_before + 1, "relay did not publish exactly once"
-        key = self.broker.keys_attempted[-1]
+        self._relayed(occ, self.broker.keys_attempted[-1], outcome, now)
+
+    @staticmethod
+    def _holds(occ: _Occurrence | None, lease: Lease, now: datetime) -> bool:
+        """Whether ``lease`` is the live lease of ``occ`` at ``now`` (the model's fencing)."""
+        return (
+            occ is not None
+            and occ.state == "leased"
+            and occ.lease == lease
+            and now < lease.expires_at
+        )
+
+    @precondition(lambda self: bool(self.leases))
+    @rule(indexes=st.lists(st.integers(0, 99), min_size=1, max_size=6))
+    def relay_batch(self, indexes: list[int]) -> None:
+        """Relay a batch of leases at once (live, stale, repeated): one outcome each, in order.
+
+        The live leases publish in the batch's order (so the queued broker faults apply in
+        that order); a repeated lease publishes once; stale ones are refused and record
+        nothing.
+        """
+        batch = [self.leases[-1 - i % len(self.leases)] for i in indexes]
+        now = self._now()
+        attempts_before = self.broker.attempts
+        outcome = self._try(self._store.relay_many(batch, self.broker))
+        assert outcome.error is None, f"relay_many failed: {outcome.error!r}"
+        results: list[RelayOutcome] = outcome.value
+        assert [r.occurrence_id for r in results] == [lease.occurrence_id for lease in batch], (
+            "relay_many's outcomes are not one per lease, in order"
+        )
+        live: list[tuple[_Occurrence, RelayOutcome]] = []
+        taken: set[str] = set()
+        for lease, result in zip(batch, results, strict=True):
+            occ = self.occurrences.get(lease.occurrence_id)
+            if occ is None or lease.occurrence_id in taken or not self._holds(occ, lease, now):
+                assert isinstance(result.error, RelayLeaseLostError), (
+                    f"a stale, expired or repeated lease was not refused: {result!r}"
+                )
+                continue
+            taken.add(lease.occurrence_id)
+            live.append((occ, result))
+        assert self.broker.attempts == attempts_before + len(live), (
+            "relay_many did not publish each live lease exactly once"
+        )
+        keys = self.broker.keys_attempted[attempts_before:]
+        for (occ, result), key in zip(live, keys, strict=True):
+            self._relayed(occ, key, _Outcome(value=result.receipt, error=result.error), now)
+
+    @rule(limit=st.integers(1, 6))
+    def claim_and_relay_at_once(self, limit: int) -> None:
+        """Claim and relay in one call: the oldest publishable occurrences, each published."""
+        now = self._now()
+        ready = self._ready(now)[:limit]
+        attempts_before = self.broker.attempts
+        outcome = self._try(self._store.claim_and_relay(limit, self.broker))
+        assert outcome.error is None, f"claim_and_relay failed: {outcome.error!r}"
+        results: list[RelayOutcome] = outcome.value
+        assert [r.occurrence_id for r in results] == ready, (
+            "claim_and_relay did not take the oldest publishable occurrences in order"
+        )
+        assert self.broker.attempts == attempts_before + len(ready), (
+            "claim_and_relay did not publish each claimed occurrence exactly once"
+        )
+        keys = self.broker.keys_attempted[attempts_before:]
+        for result, key in zip(results, keys, strict=True):
+            occ = self.occurrences[result.occurrence_id]
+            self._move(occ, "leased", now)
+            self._relayed(occ, key, _Outcome(value=result.receipt, error=result.error), now)
+
+    def _relayed(self, occ: _Occurrence, key: str, outcome: _Outcome, now: datetime) -> None:
+        """Check what one publication by the lease's holder came to; update the model."""
         if occ.key is None:
             assert key not in self.key_owner, "two occurrences share an idempotency key"
             occ.key = key
