@@ -162,6 +162,36 @@ async def main():
 
 asyncio.run(main())
 """,
+    "sqlite": """
+import asyncio, sys, tempfile
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from steeple.core import (
+    MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage, SystemClock,
+)
+from steeple.sqlite import SqliteRecurringStore
+
+class Sealer:  # the keyring is the caller's: steeple-sqlite does not depend on it
+    primary_key_id = "k1"
+    def seal(self, plaintext, *, namespace, purpose, identity):
+        return b"sealed:" + plaintext
+    def open(self, sealed, *, namespace, purpose, identity):
+        return sealed.removeprefix(b"sealed:")
+
+async def main():
+    path = Path(tempfile.mkdtemp()) / "recurring.db"
+    config = RecurringConfig("smoke", max_definitions=10, max_occurrences=100)
+    async with await SqliteRecurringStore.initialize(path, config, Sealer(), SystemClock()) as s:
+        await s.create(RecurringDefinition(
+            "every-minute", "* * * * *", datetime.now(UTC) - timedelta(minutes=3),
+            MissedRunPolicy.CATCH_UP, ScheduledMessage("t", "m", b"p"),
+        ))
+    async with await SqliteRecurringStore.connect(path, config, Sealer(), SystemClock()) as s:
+        assert (await s.tick(100)).materialized == 3
+    assert not {"asyncpg", "psycopg", "cryptography"} & set(sys.modules), sys.modules.keys()
+
+asyncio.run(main())
+""",
     "testing": """
 from datetime import UTC, datetime, timedelta
 from steeple.testing import FakeClock

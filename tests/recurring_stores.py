@@ -121,6 +121,53 @@ async def _postgres_set_content(store: Any, occurrence_id: str, content: bytes |
         )
 
 
+# --- SQLite -------------------------------------------------------------------------------
+
+
+async def _open_sqlite(
+    fixtures: dict[str, Any],
+    config: RecurringConfig,
+    clock: Clock,
+    random: RandomSource | None,
+) -> Any:
+    from steeple.sqlite import SqliteRecurringStore
+
+    # One file per test, as PostgreSQL gives one schema per test.
+    path = fixtures["tmp_path"] / "recurring.db"
+    return await SqliteRecurringStore.initialize(path, config, KEYRING, clock, random=random)
+
+
+async def _sqlite_contents(store: Any) -> dict[str, bytes | None]:
+    # A test-only peek on the store's own thread and connection.
+    storage = store._storage
+
+    def peek(call: Any) -> dict[str, bytes | None]:
+        rows = (
+            storage.connection(call)
+            .execute(
+                "SELECT id, content FROM recurring_occurrences WHERE namespace = ?",
+                (store.namespace,),
+            )
+            .fetchall()
+        )
+        return {i: None if c is None else bytes(c) for i, c in rows}
+
+    result: dict[str, bytes | None] = await storage.run("peek", peek)
+    return result
+
+
+async def _sqlite_set_content(store: Any, occurrence_id: str, content: bytes | None) -> None:
+    storage = store._storage
+
+    def tamper(call: Any) -> None:
+        storage.connection(call).execute(
+            "UPDATE recurring_occurrences SET content = ? WHERE namespace = ? AND id = ?",
+            (content, store.namespace, occurrence_id),
+        )
+
+    await storage.run("tamper", tamper)
+
+
 STORE_KINDS: tuple[StoreKind, ...] = (
     StoreKind("memory", _open_memory, _memory_contents, _memory_set_content),
     StoreKind(
@@ -131,7 +178,6 @@ STORE_KINDS: tuple[StoreKind, ...] = (
         needs=("pg_schema",),
         marks=(pytest.mark.postgres,),
     ),
-    # The SQLite store (issue 11, item 2) joins here:
-    # StoreKind("sqlite", _open_sqlite, _sqlite_contents, _sqlite_set_content),
+    StoreKind("sqlite", _open_sqlite, _sqlite_contents, _sqlite_set_content, needs=("tmp_path",)),
 )
 """Every store the operation tests (``test_recurring_store_operations.py``) run on."""

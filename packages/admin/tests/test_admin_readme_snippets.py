@@ -72,6 +72,12 @@ def check_recurring_tour(result: subprocess.CompletedProcess[str], *, first: boo
     assert len(published) == len(consumed) == materialized
 
 
+async def test_conformance_tour_runs(tmp_path: Path) -> None:
+    result = await _run("conformance_tour.py", _env(), tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["the SQLite store conforms"]
+
+
 def check_queue_tour(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

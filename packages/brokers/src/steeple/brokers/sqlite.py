@@ -20,6 +20,7 @@ import json
 import secrets
 import sqlite3
 import struct
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -105,6 +106,25 @@ def _map_sqlite_error(exc: sqlite3.Error, what: str) -> BrokerError:
             "(another connection or process holds it); nothing was written",
         )
     return BrokerUnavailableError(f"sqlite journal: {what} failed: {exc}")
+
+
+def _switch_to_wal(conn: sqlite3.Connection, deadline: float) -> str:
+    """Switch the file to WAL (a no-op once it is); return the journal mode SQLite reports.
+
+    While another connection holds the write lock of a file not yet in WAL mode (another
+    journal opening the same new file, say), SQLite refuses the switch at once with
+    "database is locked" instead of waiting for the busy timeout: retried here until it.
+    """
+    pause = 0.002
+    while True:
+        try:
+            return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            busy = "locked" in str(exc).lower() or "busy" in str(exc).lower()
+            if not busy or time.monotonic() + pause >= deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 class SqliteJournalBroker(AsyncLifecycle):
@@ -351,7 +371,7 @@ class SqliteJournalBroker(AsyncLifecycle):
             raise BrokerUnavailableError(f"sqlite journal: cannot open the file: {exc}") from None
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self._busy.total_seconds() * 1000)}")
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            mode = _switch_to_wal(conn, time.monotonic() + self._busy.total_seconds())
             if str(mode).lower() != "wal":
                 raise BrokerUnavailableError(
                     f"sqlite journal: the file system refused WAL mode (got {mode!r})"
