@@ -240,8 +240,10 @@ def check(result: Any, where: object) -> None:
 
 
 def test_every_option_with_hostile_values(
-    seeded: Any, tmp_path: Path, drop_queue_schema: list[str]
+    seeded: Any, tmp_path: Path, drop_queue_schema: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # `keys generate --out VALUE` writes a file named VALUE: keep those in the test's own dir
+    monkeypatch.chdir(tmp_path)
     env = {**seeded.env(), "STEEPLE_ADMIN_TOKEN": "t" * 20}
     # an empty --queue-schema means the default, <schema>_queue, which migrate creates
     drop_queue_schema.append(f"{seeded.schema}_queue")
