@@ -120,6 +120,15 @@ BODY_SLOTS: list[tuple[str, str, list[object]]] = [
     ("tasks/cancel", "task_id", [0]),
     ("tasks/purge", "older_than_seconds", [100 * 366 * 86400]),
     ("tasks/purge", "limit", [0, 101]),
+    ("tasks/purge", "older_than_days", [36_501, "7"]),
+    ("tasks/retry", "task_id", [0]),
+    ("tasks/bulk-cancel", "task_ids", [[0], [2**63], list(range(1, 102))]),
+    ("tasks/bulk-retry", "task_ids", [[-1]]),
+    ("tasks/bulk-cancel", "state", ["PENDING"]),
+    ("jobs/pause", "name", []),
+    ("jobs/resume", "name", []),
+    ("jobs/delete", "name", []),
+    ("jobs/reschedule", "name", []),
 ]
 POST_ROUTES = tuple(sorted({route for route, _, _ in BODY_SLOTS}))
 RAW_BODIES: list[bytes] = [
@@ -303,7 +312,9 @@ class Harness:
               (SELECT string_agg(id || '/' || state || '/' || attempts, ',' ORDER BY id)
                  FROM "{s}".recurring_occurrences),
               (SELECT count(*) FROM "{s}".tasks),
-              (SELECT string_agg(id || '/' || state, ',' ORDER BY id) FROM "{s}".tasks)"""
+              (SELECT string_agg(id || '/' || state, ',' ORDER BY id) FROM "{s}".tasks),
+              (SELECT string_agg(name || '/' || paused || '/' || cron, ',' ORDER BY name)
+                 FROM "{s}".jobs)"""
         )
         assert row is not None
         return tuple(row)
@@ -320,6 +331,11 @@ class Harness:
         assert status < 500, (case, status, response.text[:300])
         if not (case.may_read and status == 200):
             assert 400 <= status < 500, (case, status, response.text[:300])
+            if response.headers["content-type"].startswith("text/html"):
+                # a page for a browser: the friendly error page, with the reason
+                assert '<p class="detail">' in response.text, (case, response.text[:300])
+                assert "<script" not in response.text
+                return
             reason = response.json()
             assert isinstance(reason.get("detail"), str), (case, reason)
             assert "\n" not in reason["detail"]

@@ -294,20 +294,34 @@ async def test_dashboard_renders_rows_without_inline_code(live: dict[str, Any]) 
     seeded = live["seeded"]
     app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"])
     async with client(app) as http:
-        page = await http.get("/ui/ops")
+        pages = {
+            path: await http.get(path)
+            for path in ("/ui/ops", "/ui/ops/tasks", "/ui/ops/schedules", "/ui/ops/jobs")
+        }
+        task_page = await http.get(f"/ui/ops/tasks/{seeded.task_ids[0]}")
         css = await http.get("/static/admin.css")
-    assert page.status_code == 200
-    assert page.headers["content-type"].startswith("text/html")
-    assert_security_headers(page)
-    html = page.text
-    assert html.count('class="row schedule"') == 2
-    assert html.count('class="row occurrence"') == len(seeded.occurrence_ids)
-    assert html.count('class="row task"') == len(seeded.task_ids)
-    assert "<script" not in html
-    assert "style=" not in html
-    assert "<style" not in html
-    assert "http://" not in html
-    assert "https://" not in html
+    for response in (*pages.values(), task_page):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/html")
+        assert_security_headers(response)
+        html = response.text
+        # The only script is the app's own file; no inline code or style, nothing remote.
+        assert html.count("<script") == 1
+        assert '<script src="/static/admin.js" defer></script>' in html
+        assert "style=" not in html
+        assert "<style" not in html
+        assert "http://" not in html
+        assert "https://" not in html
+        assert "all times UTC" in html
+    assert pages["/ui/ops"].text.count('class="row schedule"') == 2
+    assert 'id="throughput"' in pages["/ui/ops"].text
+    assert pages["/ui/ops/schedules"].text.count('class="row occurrence"') == len(
+        seeded.occurrence_ids
+    )
+    assert pages["/ui/ops/tasks"].text.count('class="row task"') == len(seeded.task_ids)
+    assert "send-report" in task_page.text
+    assert "args can hold secrets" in task_page.text  # hidden: not opted in
+    assert '{"n":' not in task_page.text
     assert css.status_code == 200
     assert css.headers["content-type"].startswith("text/css")
 
@@ -336,7 +350,7 @@ async def test_in_memory_store_and_html_escaping() -> None:
 
     app = create_admin_app(authorize=allow, stores=stores, now=clock.now)
     async with client(app) as http:
-        page = await http.get("/ui/mem")
+        page = await http.get("/ui/mem/schedules")
         tasks = await http.get("/api/mem/tasks")
     assert "<script>alert" not in page.text
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
@@ -373,6 +387,7 @@ async def test_token_app_of_admin_serve(live: dict[str, Any]) -> None:
         browser = await http.get("/ui/ops", headers={"authorization": f"Basic {basic}"})
         api = await http.get("/api/ops/tasks", headers={"authorization": "Bearer " + "t" * 20})
         other = await http.get("/api/zzz/tasks", headers={"authorization": "Bearer " + "t" * 20})
+        other_page = await http.get("/ui/zzz", headers={"authorization": f"Basic {basic}"})
     assert anonymous.status_code == 401
     assert "Basic" in anonymous.headers["www-authenticate"]
     assert_security_headers(anonymous)
@@ -380,7 +395,11 @@ async def test_token_app_of_admin_serve(live: dict[str, Any]) -> None:
     assert browser.status_code == 200
     assert 'class="row schedule"' in browser.text
     assert api.status_code == 200
-    assert other.status_code == 403
+    # The token grants; the namespace only selects, and this app serves "ops" alone.
+    assert other.status_code == 404
+    assert other_page.status_code == 404
+    assert other_page.headers["content-type"].startswith("text/html")
+    assert 'href="/ui/ops"' in other_page.text
 
 
 async def test_failures_keep_the_security_headers() -> None:
@@ -391,6 +410,9 @@ async def test_failures_keep_the_security_headers() -> None:
             self.error = error
 
         async def tasks(self, **_: Any) -> Any:
+            raise self.error
+
+        async def overview(self) -> Any:
             raise self.error
 
     async def allow(request: Request, action: str, namespace: str) -> bool:
@@ -418,7 +440,10 @@ async def test_failures_keep_the_security_headers() -> None:
     api, page = outcomes["bug"]
     assert api.status_code == 500
     assert page.status_code == 500
+    assert page.headers["content-type"].startswith("text/html")  # a page, for a browser
+    assert "Something went wrong" in page.text
     assert "secret detail" not in api.text
+    assert "secret detail" not in page.text
     for api, page in outcomes.values():
         assert_security_headers(api)
         assert_security_headers(page)
@@ -455,30 +480,35 @@ async def test_dashboard_actions_post_what_the_buttons_carry(live: dict[str, Any
     app = create_admin_app(
         authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
     )
+    pattern = r'<button type="button" class="act[^"]*" data-action="([^"]+)" data-body="([^"]+)"'
     async with client(app) as http:
-        page = await http.get("/ui/ops")
+        page = await http.get("/ui/ops/schedules")
+        tasks_page = await http.get("/ui/ops/tasks")
         script = await http.get("/static/admin.js")
-        buttons = re.findall(
-            r'<button type="button" class="act" data-action="([^"]+)" data-body="([^"]+)"',
-            page.text,
-        )
-        # what admin.js does on a click: POST ../api/{ns}/{action} with the page's token
+        buttons = re.findall(pattern, page.text)
+        task_buttons = re.findall(pattern, tasks_page.text)
+        # what admin.js does on a click: POST {data-api}/{action} with the page's token
         token = re.search(r'<meta name="steeple-csrf" content="([^"]+)">', page.text)
+        api = re.search(r'data-api="([^"]+)"', page.text)
         assert token
+        assert api
         retry = [(a, html_module.unescape(b)) for a, b in buttons if a == "occurrences/retry"]
         assert len(retry) == 1
         clicked = await http.post(
-            f"/api/ops/{retry[0][0]}",
+            f"{api.group(1)}/{retry[0][0]}",
             content=retry[0][1],
             headers={"content-type": "application/json", CSRF_HEADER: token.group(1)},
         )
-        after = await http.get("/ui/ops")
+        after = await http.get("/ui/ops/schedules")
     assert page.status_code == 200
-    assert '<script src="../static/admin.js" defer></script>' in page.text
+    assert api.group(1) == "/api/ops"
     assert "<script>" not in page.text  # nothing inline
     actions = [a for a, _ in buttons]
     assert actions.count("schedules/cancel") == 2
-    assert actions.count("tasks/cancel") == len(seeded.task_ids)
+    assert actions.count("occurrences/purge") == 1
+    task_actions = [a for a, _ in task_buttons]
+    assert task_actions.count("tasks/cancel") == len(seeded.task_ids)
+    assert "tasks/bulk-cancel" in task_actions
     assert script.status_code == 200
     assert script.headers["content-type"].startswith("text/javascript")
     assert "X-Steeple-CSRF" in script.text

@@ -1,7 +1,8 @@
 """Operator access to the PostgreSQL work queue: :class:`TaskAdmin` over ``steeple.postgres``.
 
 An adapter: the SQL lives in :mod:`steeple.postgres.queue.admin` (listings, counts,
-retries) and :mod:`steeple.postgres.queue` (cancel, prune), which also keep the fencing.
+retries, attempts, throughput), :mod:`steeple.postgres.queue` (cancel, prune) and
+:mod:`steeple.postgres.queue.jobs` (recurring jobs), which also keep the fencing.
 """
 
 from __future__ import annotations
@@ -13,15 +14,25 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from steeple.admin.tasks import TaskRecord, validate_task_id
+from steeple.admin.tasks import (
+    AttemptRecord,
+    JobRecord,
+    Overview,
+    TaskFilter,
+    TaskRecord,
+    validate_task_id,
+)
 from steeple.core.errors import ConfigurationError
 from steeple.core.policies import validate_budget
 from steeple.core.records import Page
 
 if TYPE_CHECKING:
     from steeple.postgres.queue import TaskRun
+    from steeple.postgres.queue.jobs import JobInfo
 
-__all__ = ["PostgresTaskAdmin", "task_record"]
+__all__ = ["PostgresTaskAdmin", "job_record", "task_record"]
+
+_JOB_VERBS = ("pause", "resume", "reschedule", "delete")
 
 
 def task_record(run: TaskRun) -> TaskRecord:
@@ -37,6 +48,27 @@ def task_record(run: TaskRun) -> TaskRecord:
         # The latest instant a run records: finished, else started, else created.
         updated_at=run.finished_at or run.started_at or run.created_at,
         last_error=run.last_error,
+        priority=run.priority,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+        worker_id=run.worker_id,
+        run_id=str(run.run_id),
+        job_id=run.job_id,
+        scheduled_for=run.scheduled_for,
+    )
+
+
+def job_record(job: JobInfo) -> JobRecord:
+    """Return the admin's view of a recurring job (no args)."""
+    return JobRecord(
+        name=job.name,
+        task_name=job.task_name,
+        cron=job.cron,
+        timezone=job.timezone,
+        paused=job.paused,
+        next_run_at=job.next_run_at,
+        created_at=job.created_at,
+        updated_at=job.updated_at,
     )
 
 
@@ -74,18 +106,36 @@ class PostgresTaskAdmin:
             await pool.close()
 
     async def tasks(
-        self, *, after: str | None = None, limit: int = 100, state: str | None = None
+        self,
+        *,
+        after: str | None = None,
+        limit: int = 100,
+        state: str | None = None,
+        where: TaskFilter | None = None,
+        newest_first: bool = False,
     ) -> Page[TaskRecord]:
-        """List tasks by id after the exclusive cursor (a task id), optionally by state.
+        """List tasks by id after the exclusive cursor (a task id), optionally filtered.
 
         Raises:
-            ConfigurationError: a bad cursor, limit or state.
+            ConfigurationError: a bad cursor, limit, state, name or instant, or two states
+                that disagree.
         """
         from steeple.postgres.queue import admin
 
         validate_budget(limit, "limit")
+        where = where or TaskFilter()
+        if state is not None and where.state is not None and state != where.state:
+            raise ConfigurationError("give one task state, not two different ones")
         page = await admin.list_tasks(
-            self.pool, schema=self.schema, state=state, after=after, limit=limit
+            self.pool,
+            schema=self.schema,
+            state=state or where.state,
+            task_name=where.name,
+            after=after,
+            limit=limit,
+            created_after=where.since,
+            created_before=where.until,
+            newest_first=newest_first,
         )
         return Page(items=[task_record(t) for t in page.items], next_cursor=page.next_cursor)
 
@@ -163,3 +213,107 @@ class PostgresTaskAdmin:
             raise ConfigurationError("older_than must be a timezone-aware datetime")
         age = max(datetime.now(UTC) - older_than, timedelta(0))
         return int(await queue.prune_terminal(self.pool, age, limit, schema=self.schema))
+
+    async def attempts(self, task_id: int) -> list[AttemptRecord]:
+        """Return the task's latest 100 finished attempts, newest first.
+
+        Raises:
+            ConfigurationError: not a task id.
+        """
+        from steeple.postgres.queue import admin
+
+        validate_task_id(task_id)
+        return [
+            AttemptRecord(a.attempt, a.outcome, a.worker_id, a.started_at, a.finished_at, a.error)
+            for a in await admin.list_attempts(self.pool, task_id, schema=self.schema)
+        ]
+
+    async def args(self, task_id: int) -> str | None:
+        """Return the task's args as stored (JSON text), or ``None`` for no such task.
+
+        Raises:
+            ConfigurationError: not a task id.
+        """
+        from steeple.postgres import queue
+
+        validate_task_id(task_id)
+        try:
+            return await queue.admin.task_args(self.pool, task_id, schema=self.schema)
+        except queue.TaskNotFoundError:
+            return None
+
+    async def overview(self) -> Overview:
+        """Return counts per state and tasks finished per minute over the last hour."""
+        from steeple.postgres.queue import admin
+
+        counts = await self.counts()
+        seen = await admin.throughput(self.pool, schema=self.schema)
+        return Overview(
+            counts=counts,
+            ends_at=seen.ends_at,
+            bucket_seconds=seen.bucket.total_seconds(),
+            finished={state.value: counts for state, counts in seen.finished.items()},
+        )
+
+    async def jobs(self, *, after: str | None = None, limit: int = 100) -> Page[JobRecord]:
+        """List the queue's recurring jobs by name (never their args).
+
+        Raises:
+            ConfigurationError: a bad cursor or limit.
+        """
+        from steeple.postgres.queue import admin
+
+        validate_budget(limit, "limit")
+        page = await admin.list_jobs(self.pool, schema=self.schema, after=after, limit=limit)
+        return Page(items=[job_record(j) for j in page.items], next_cursor=page.next_cursor)
+
+    async def create_job(
+        self, name: str, task_name: str, cron: str, args: Any, timezone: str = "UTC"
+    ) -> JobRecord:
+        """Create a recurring job whose occurrences run ``task_name`` with the JSON ``args``.
+
+        Raises:
+            ConfigurationError: a bad name, task name, cron expression, zone or args.
+            JobExistsError: a job of that name exists.
+        """
+        from steeple.postgres.queue import Task, jobs
+
+        task: Task[Any] = Task(task_name)
+        return job_record(
+            await jobs.create(
+                self.pool, name, task, cron, args, schema=self.schema, timezone=timezone
+            )
+        )
+
+    async def change_job(
+        self, verb: str, name: str, cron: str | None = None, timezone: str | None = None
+    ) -> JobRecord | None:
+        """Pause, resume, reschedule or delete a job (see :mod:`steeple.postgres.queue.jobs`).
+
+        Returns:
+            The job afterwards; ``None`` once deleted.
+
+        Raises:
+            ConfigurationError: an unknown verb, a bad name, cron expression or zone.
+            JobNotFoundError: no such job.
+        """
+        from steeple.postgres.queue import jobs
+
+        if verb not in _JOB_VERBS:
+            raise ConfigurationError(f"a job change is one of {', '.join(_JOB_VERBS)}")
+        if verb == "pause":
+            return job_record(await jobs.pause(self.pool, name, schema=self.schema))
+        if verb == "resume":
+            return job_record(await jobs.resume(self.pool, name, schema=self.schema))
+        if verb == "delete":
+            await jobs.delete(self.pool, name, schema=self.schema)
+            return None
+        if cron is None:
+            raise ConfigurationError("reschedule needs a cron expression")
+        if timezone is None:
+            changed = await jobs.reschedule(self.pool, name, cron, schema=self.schema)
+        else:
+            changed = await jobs.reschedule(
+                self.pool, name, cron, schema=self.schema, timezone=timezone
+            )
+        return job_record(changed)

@@ -1,7 +1,9 @@
-"""Operator access to work-queue tasks: the port the admin app and the CLI use.
+"""Operator access to the work queue: the port the admin app and the CLI use.
 
 The work queue's own API (``steeple.postgres.queue``) inspects and cancels single tasks;
-operators also need a listing. :class:`TaskAdmin` is the small interface both surfaces use.
+operators also need listings, attempt history, throughput and the queue's recurring jobs.
+:class:`TaskAdmin` is the small interface both surfaces use; the records here are plain
+metadata (never a task's args unless asked for with :meth:`TaskAdmin.args`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from steeple.core.tasks import TaskState
 
 __all__ = [
     "MAX_TASK_ID",
+    "AttemptRecord",
+    "JobRecord",
+    "Overview",
     "TaskAdmin",
+    "TaskFilter",
     "TaskRecord",
     "parse_task_cursor",
     "validate_task_id",
@@ -81,6 +87,13 @@ class TaskRecord:
     created_at: datetime | None
     updated_at: datetime | None = None
     last_error: str | None = None
+    priority: int = 0
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    worker_id: str | None = None
+    run_id: str | None = None
+    job_id: int | None = None
+    scheduled_for: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -94,6 +107,108 @@ class TaskRecord:
             "created_at": _iso(self.created_at),
             "updated_at": _iso(self.updated_at),
             "last_error": self.last_error,
+            "priority": self.priority,
+            "started_at": _iso(self.started_at),
+            "finished_at": _iso(self.finished_at),
+            "worker_id": self.worker_id,
+            "run_id": self.run_id,
+            "job_id": self.job_id,
+            "scheduled_for": _iso(self.scheduled_for),
+        }
+
+
+@attrs.frozen
+class TaskFilter:
+    """Which tasks a listing (or a bulk action) selects; ``None`` fields select all.
+
+    Attributes:
+        state: one task state.
+        name: one task name.
+        since: created at or after this instant (timezone-aware).
+        until: created before this instant (timezone-aware).
+    """
+
+    state: str | None = None
+    name: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+
+@attrs.frozen
+class AttemptRecord:
+    """One finished attempt of a task (newest first in listings)."""
+
+    attempt: int
+    outcome: str
+    worker_id: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return {
+            "attempt": self.attempt,
+            "outcome": self.outcome,
+            "worker_id": self.worker_id,
+            "started_at": _iso(self.started_at),
+            "finished_at": _iso(self.finished_at),
+            "error": self.error,
+        }
+
+
+@attrs.frozen
+class Overview:
+    """Counts per state and tasks finished per minute over the last hour.
+
+    Attributes:
+        counts: tasks per state (every state, zeros included).
+        ends_at: the end of the throughput window (the database server's clock).
+        bucket_seconds: the width of one throughput bucket.
+        finished: per terminal state, counts per bucket, oldest first.
+    """
+
+    counts: dict[str, int]
+    ends_at: datetime
+    bucket_seconds: float
+    finished: dict[str, tuple[int, ...]]
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return {
+            "counts": self.counts,
+            "throughput": {
+                "ends_at": _iso(self.ends_at),
+                "bucket_seconds": self.bucket_seconds,
+                "finished": {k: list(v) for k, v in self.finished.items()},
+            },
+        }
+
+
+@attrs.frozen
+class JobRecord:
+    """A recurring job of the queue (its args are not shown)."""
+
+    name: str
+    task_name: str
+    cron: str
+    timezone: str
+    paused: bool
+    next_run_at: datetime | None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return {
+            "name": self.name,
+            "task_name": self.task_name,
+            "cron": self.cron,
+            "timezone": self.timezone,
+            "paused": self.paused,
+            "next_run_at": _iso(self.next_run_at),
+            "created_at": _iso(self.created_at),
+            "updated_at": _iso(self.updated_at),
         }
 
 
@@ -102,17 +217,24 @@ def _iso(value: datetime | None) -> str | None:
 
 
 class TaskAdmin(Protocol):
-    """Listing, cancelling and pruning tasks for operators."""
+    """Listing, cancelling, retrying and pruning tasks, and the queue's recurring jobs."""
 
     async def tasks(
-        self, *, after: str | None = None, limit: int = 100, state: str | None = None
+        self,
+        *,
+        after: str | None = None,
+        limit: int = 100,
+        state: str | None = None,
+        where: TaskFilter | None = None,
+        newest_first: bool = False,
     ) -> Page[TaskRecord]:
-        """List tasks after the exclusive cursor, newest id last, optionally by state.
+        """List tasks after the exclusive cursor by id, optionally filtered.
 
-        The cursor is a task id in decimal (see :func:`parse_task_cursor`).
+        The cursor is a task id in decimal (see :func:`parse_task_cursor`); ``state`` and
+        ``where.state`` must agree when both are given.
 
         Raises:
-            ConfigurationError: a bad cursor, limit or state.
+            ConfigurationError: a bad cursor, limit, state, name or instant.
         """
         ...
 
@@ -131,4 +253,44 @@ class TaskAdmin(Protocol):
 
     async def prune(self, older_than: datetime, limit: int = 100) -> int:
         """Delete at most ``limit`` terminal tasks finished before ``older_than``."""
+        ...
+
+    async def retry(self, task_id: int) -> TaskRecord | None:
+        """Send a failed task back to pending; ``None`` when there is no such task.
+
+        Raises:
+            SteepleError: the task is not failed (or a live task holds its dedup key).
+        """
+        ...
+
+    async def attempts(self, task_id: int) -> list[AttemptRecord]:
+        """Return the task's latest finished attempts, newest first."""
+        ...
+
+    async def args(self, task_id: int) -> str | None:
+        """Return the task's args as stored (JSON text), or ``None`` for no such task."""
+        ...
+
+    async def overview(self) -> Overview:
+        """Return counts per state and the last hour's throughput."""
+        ...
+
+    async def jobs(self, *, after: str | None = None, limit: int = 100) -> Page[JobRecord]:
+        """List the queue's recurring jobs by name."""
+        ...
+
+    async def create_job(
+        self, name: str, task_name: str, cron: str, args: Any, timezone: str = "UTC"
+    ) -> JobRecord:
+        """Create a recurring job whose occurrences run ``task_name`` with ``args``."""
+        ...
+
+    async def change_job(
+        self, verb: str, name: str, cron: str | None = None, timezone: str | None = None
+    ) -> JobRecord | None:
+        """``pause``, ``resume``, ``reschedule`` (to ``cron``/``timezone``) or ``delete``.
+
+        Returns:
+            The job afterwards (``None`` once deleted).
+        """
         ...
