@@ -381,7 +381,7 @@ def args_section(task: TaskRecord, revealable: bool) -> str:
     return (
         heading("Args")
         + f'<button type="button" class="act" id="reveal-args" data-reveal="{task.task_id}">'
-        'show args</button><pre class="args" id="args" hidden></pre>'
+        'show args</button><pre class="args" id="args-text" hidden></pre>'
     )
 
 

@@ -162,7 +162,7 @@
           throw new Error(await detailOf(response));
         }
         const data = await response.json();
-        const pre = document.getElementById("args");
+        const pre = document.getElementById("args-text");
         pre.textContent = JSON.stringify(data.args, null, 2);
         pre.hidden = false;
         reveal.hidden = true;
