@@ -516,3 +516,162 @@ async def test_dashboard_actions_post_what_the_buttons_carry(live: dict[str, Any
     assert clicked.status_code == 200
     assert json.loads(retry[0][1]) == {"occurrence_id": seeded.dead_id}
     assert "occurrences/retry" not in after.text  # no dead occurrence is left to retry
+
+
+async def _fail_one(seeded: Any, name: str, error: str) -> int:
+    """Enqueue a task named ``name`` and fail it for good, as a worker would."""
+    from steeple.postgres import queue
+    from steeple.postgres.queue._sql import queue_sql
+
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        task: queue.Task[Any] = queue.Task(name)
+        enqueued = await queue.enqueue(
+            conn, task, {"card": "4111"}, queue.EnqueueOptions.immediate(), schema=seeded.schema
+        )
+        sql = queue_sql(seeded.schema)
+        give_up = await conn.fetchval(
+            "SELECT extract(epoch FROM clock_timestamp())::double precision + 60"
+        )
+        (row,) = await conn.fetch(sql.claim, [name], 1, "w1", give_up)
+        assert await conn.fetch(sql.fail, enqueued.id, row["lease_token"], error, "w1")
+        return enqueued.id
+    finally:
+        await conn.close()
+
+
+@pytest.mark.postgres
+async def test_task_detail_routes_attempts_args_and_overview(live: dict[str, Any]) -> None:
+    seeded = live["seeded"]
+    failed = await _fail_one(seeded, "charge", "CardDeclined: no")
+    recorder = Recorder()
+    app = create_admin_app(
+        authorize=recorder,
+        stores=live["stores"],
+        tasks=live["tasks"],
+        csrf_token=CSRF,
+        reveal_args={"charge"},
+    )
+    async with client(app) as http:
+        attempts = await http.get(f"/api/ops/tasks/{failed}/attempts")
+        args = await http.get(f"/api/ops/tasks/{failed}/args")
+        hidden = await http.get(f"/api/ops/tasks/{seeded.task_ids[0]}/args")
+        missing = await http.get("/api/ops/tasks/999999/args")
+        overview = await http.get("/api/ops/overview")
+        listing = await http.get("/api/ops/tasks", params={"state": "failed", "newest": "1"})
+        named = await http.get("/api/ops/tasks", params={"name": "charge"})
+        future = await http.get("/api/ops/tasks", params={"since": "2999-01-01"})
+        bad_since = await http.get("/api/ops/tasks", params={"since": "yesterday"})
+        bad_newest = await http.get("/api/ops/tasks", params={"newest": "yes"})
+        retried = await http.post(
+            "/api/ops/tasks/retry", json={"task_id": failed}, headers=post_headers()
+        )
+        again = await http.post(
+            "/api/ops/tasks/retry", json={"task_id": failed}, headers=post_headers()
+        )
+    assert attempts.status_code == 200
+    ((attempt),) = attempts.json()["items"]
+    assert (attempt["outcome"], attempt["error"], attempt["worker_id"]) == (
+        "failed",
+        "CardDeclined: no",
+        "w1",
+    )
+    assert args.json() == {"task_id": failed, "args": {"card": "4111"}}
+    assert ("tasks.args", "ops") in recorder.calls
+    assert hidden.status_code == 403  # send-report is not opted in
+    assert "4111" not in hidden.text
+    assert missing.status_code == 404
+    body = overview.json()
+    assert body["counts"]["failed"] == 1
+    assert body["counts"]["pending"] == len(seeded.task_ids)
+    assert sum(body["throughput"]["finished"]["failed"]) == 1
+    assert body["throughput"]["bucket_seconds"] == 60
+    assert [t["task_id"] for t in listing.json()["items"]] == [failed]
+    assert [t["task_id"] for t in named.json()["items"]] == [failed]
+    assert future.json()["items"] == []
+    assert bad_since.status_code == 422
+    assert "2026-12-01 08:30" in bad_since.json()["detail"]
+    assert bad_newest.status_code == 422
+    assert retried.status_code == 200
+    assert retried.json()["state"] == "pending"
+    assert again.status_code == 409  # only failed tasks are retried
+    assert "only failed tasks" in again.json()["detail"]
+
+
+@pytest.mark.postgres
+async def test_bulk_actions_preview_then_act_on_the_confirmed_ids(live: dict[str, Any]) -> None:
+    seeded = live["seeded"]
+    failed = [await _fail_one(seeded, "charge", f"no {n}") for n in range(2)]
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
+    async with client(app) as http:
+
+        async def bulk(verb: str, body: dict[str, Any]) -> httpx.Response:
+            return await http.post(f"/api/ops/tasks/bulk-{verb}", json=body, headers=post_headers())
+
+        preview = await bulk("cancel", {"name": "send-report"})
+        unchanged = (await http.get("/api/ops/tasks", params={"state": "pending"})).json()
+        wrong_state = await bulk("cancel", {"state": "failed"})
+        retry_preview = await bulk("retry", {})
+        retried = await bulk("retry", {"task_ids": retry_preview.json()["task_ids"]})
+        cancelled = await bulk("cancel", {"task_ids": [*seeded.task_ids, 999999]})
+        mixed = await bulk("cancel", {"task_ids": [1], "name": "x"})
+        too_many = await bulk("cancel", {"task_ids": list(range(1, 102))})
+        empty_name = await bulk("cancel", {"name": " "})
+        no_token = await http.post(
+            "/api/ops/tasks/bulk-cancel",
+            json={"task_ids": [seeded.task_ids[0]]},
+            headers={"content-type": "application/json"},
+        )
+    assert preview.json() == {"task_ids": list(seeded.task_ids), "more": False}
+    assert len(unchanged["items"]) == len(seeded.task_ids)  # a preview changes nothing
+    assert wrong_state.json() == {"task_ids": [], "more": False}
+    assert retry_preview.json()["task_ids"] == failed
+    assert retried.json() == {"retried": failed, "skipped": {}}
+    assert cancelled.status_code == 200
+    assert cancelled.json()["cancelled"] == list(seeded.task_ids)
+    assert cancelled.json()["skipped"] == {"999999": "no such task"}
+    assert mixed.status_code == 400
+    assert too_many.status_code == 422
+    assert empty_name.status_code == 422
+    assert no_token.status_code == 403
+
+
+@pytest.mark.postgres
+async def test_job_routes_create_change_and_refuse(live: dict[str, Any]) -> None:
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
+    job = {"name": "nightly", "task": "report", "cron": "0 3 * * *", "args": {"k": 1}}
+    async with client(app) as http:
+
+        async def post(path: str, body: dict[str, Any]) -> httpx.Response:
+            return await http.post(f"/api/ops/jobs/{path}", json=body, headers=post_headers())
+
+        created = await post("create", job)
+        duplicate = await post("create", job)
+        bad_cron = await post("create", {**job, "name": "other", "cron": "every day"})
+        bad_zone = await post("create", {**job, "name": "other", "timezone": "Mars/Base"})
+        no_args = await post("create", {k: v for k, v in job.items() if k != "args"})
+        paused = await post("pause", {"name": "nightly"})
+        resumed = await post("resume", {"name": "nightly"})
+        moved = await post("reschedule", {"name": "nightly", "cron": "@hourly", "timezone": "UTC"})
+        unknown = await post("pause", {"name": "nope"})
+        listing = await http.get("/api/ops/jobs")
+        deleted = await post("delete", {"name": "nightly"})
+        gone = await post("delete", {"name": "nightly"})
+    assert created.status_code == 200
+    assert created.json()["cron"] == "0 3 * * *"
+    assert "args" not in created.json()
+    assert duplicate.status_code == 409
+    assert bad_cron.status_code == 422
+    assert bad_zone.status_code == 422
+    assert no_args.status_code == 400
+    assert paused.json()["paused"] is True
+    assert resumed.json()["paused"] is False
+    assert moved.json()["cron"] == "@hourly"
+    assert unknown.status_code == 404
+    assert [j["name"] for j in listing.json()["items"]] == ["nightly"]
+    assert deleted.json() == {"deleted": True}
+    assert gone.status_code == 404

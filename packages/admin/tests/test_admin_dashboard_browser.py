@@ -412,6 +412,7 @@ def test_task_list_filters_search_pages_and_actions(
     question = click_action(browser, 'button[data-action="tasks/bulk-retry"]')
     assert question.startswith("Retry 3 task(s)")
     until(lambda: all(task_state(site, t) == "pending" for t in again), "the bulk retry")
+    assert "retried 3 task(s)" in flash(browser)
 
     # Cancel one task from its row.
     (single,) = enqueue(site, "single", 1)

@@ -626,9 +626,8 @@ def create_admin_app(
                     done.append(task_id)
                 else:
                     skipped[str(task_id)] = reason
-            return JSONResponse(
-                {verb + ("led" if verb == "cancel" else "d"): done, "skipped": skipped}
-            )
+            key = "cancelled" if verb == "cancel" else "retried"
+            return JSONResponse({key: done, "skipped": skipped})
 
         return handler
 
