@@ -565,3 +565,46 @@ async def test_a_body_at_the_limit_is_read() -> None:
     assert fits.status_code == 404
     assert seen == [name]
     assert over.status_code == 413
+
+
+# --- the dashboard's filters: any value is a page, never a 5xx -------------------------------
+
+
+@pytest.mark.postgres
+def test_hostile_filters_answer_a_page_or_a_refusal_and_change_nothing(seeded: Any) -> None:
+    """A filter value may be a valid read (a task name can be "2024-01-01"): never a 5xx."""
+    slots = [
+        (path, name)
+        for path in ("/ui/ops/tasks", "/api/ops/tasks")
+        for name in ("state", "name", "since", "until", "after", "newest")
+    ] + [("/ui/ops/tasks", "id")]
+    strings = [v for v in HOSTILE if isinstance(v, str)] + [
+        "2026-02-30",
+        "9999-12-31T23:59:59",
+        "0001-01-01T00:00:00+05:00",
+        "9999-12-31T23:59:59-05:00",
+    ]
+
+    def drive(harness: Harness, runner: asyncio.Runner) -> None:
+        async def go() -> None:
+            before = await harness.snapshot()
+            for path, name in slots:
+                for value in strings:
+                    target = f"{path}?{name}={escape(value)}"
+                    response = await harness.http.get(target)
+                    status = response.status_code
+                    assert status < 500, (target, status, response.text[:300])
+                    assert status in (200, 303, 400, 404, 422), (target, status)
+                    page = path.startswith("/ui/")
+                    kind = response.headers.get("content-type", "")
+                    if page and status != 303:
+                        assert kind.startswith("text/html"), (target, kind)
+                    if page and status >= 400:
+                        assert '<p class="detail">' in response.text
+                    if not page:
+                        assert kind.startswith("application/json"), (target, kind)
+            assert await harness.snapshot() == before
+
+        runner.run(go())
+
+    run_cases(seeded, drive)

@@ -887,9 +887,12 @@ def _instant(raw: str, name: str) -> datetime:
         raise _invalid(f"{name} is too long for an instant (e.g. 2026-12-01 08:30)")
     try:
         value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        # In UTC at once: an offset may carry an instant out of the calendar's range.
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
     except ValueError:
         raise _invalid(f"{name} is not an instant: write it like 2026-12-01 08:30 (UTC)") from None
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+    except OverflowError:
+        raise _invalid(f"{name} is out of range: write it like 2026-12-01 08:30 (UTC)") from None
 
 
 def _task_filter(params: Mapping[str, Any], strict: Mapping[str, Any] | None = None) -> TaskFilter:
