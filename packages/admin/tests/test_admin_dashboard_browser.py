@@ -297,9 +297,23 @@ def open_page(driver: Any, url: str) -> None:
     until(lambda: driver.execute_script("return document.readyState") == "complete", url)
 
 
+def click(driver: Any, selector: str) -> None:
+    """Click what ``selector`` finds; found again if a live refresh replaced it meanwhile."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    def attempt() -> bool:
+        try:
+            by_css(driver, selector).click()
+        except StaleElementReferenceException:
+            return False
+        return True
+
+    until(attempt, f"a click on {selector}")
+
+
 def click_action(driver: Any, selector: str, fields: dict[str, str] | None = None) -> str:
     """Click an action button, fill the confirmation's fields, confirm; return its question."""
-    by_css(driver, selector).click()
+    click(driver, selector)
     until(lambda: by_css(driver, "#confirm").get_attribute("open") is not None, "the dialog")
     question = str(by_css(driver, "#confirm-text").text)
     for name, value in (fields or {}).items():
@@ -569,7 +583,17 @@ def test_narrow_screen_keeps_the_action_column(browser: Any, site: Site, tmp_pat
         assert table_width > 420  # the table scrolls sideways, the action column stays
         screenshot(browser, tmp_path / "narrow.png", PENDING)
         task_id = int(button.get_attribute("data-body").split(":")[1].strip(" }"))
+        # Backing out of the confirmation changes nothing.
         button.click()
+        until(lambda: by_css(browser, "#confirm").get_attribute("open") is not None, "dialog")
+        by_css(browser, "#confirm-cancel").click()
+        until(lambda: by_css(browser, "#confirm").get_attribute("open") is None, "closed")
+        assert browser.execute_script("return document.activeElement.id") != "confirm-ok"
+        assert task_state(site, task_id) == "pending"
+        assert by_css(browser, "#flash").text == ""
+        # (the rows may have been refreshed meanwhile: find the button again)
+        again = f'button[data-action="tasks/cancel"][data-body=\'{{"task_id": {task_id}}}\']'
+        click(browser, again)
         until(lambda: by_css(browser, "#confirm").get_attribute("open") is not None, "dialog")
         by_css(browser, "#confirm-ok").click()
         until(lambda: task_state(site, task_id) == "cancelled", "the cancel")
