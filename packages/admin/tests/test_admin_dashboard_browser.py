@@ -206,10 +206,18 @@ def site(seeded: Any) -> Iterator[Site]:
 
 
 def until(check: Callable[[], T], what: str, timeout: float = 15) -> T:
-    """Poll ``check`` until it answers truthy (state, not time: the deadline is a backstop)."""
+    """Poll ``check`` until it answers truthy (state, not time: the deadline is a backstop).
+
+    An element a live refresh replaced while ``check`` read it counts as not yet.
+    """
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.monotonic() + timeout
     while True:
-        value = check()
+        try:
+            value = check()
+        except StaleElementReferenceException:
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:
@@ -299,13 +307,9 @@ def open_page(driver: Any, url: str) -> None:
 
 def click(driver: Any, selector: str) -> None:
     """Click what ``selector`` finds; found again if a live refresh replaced it meanwhile."""
-    from selenium.common.exceptions import StaleElementReferenceException
 
     def attempt() -> bool:
-        try:
-            by_css(driver, selector).click()
-        except StaleElementReferenceException:
-            return False
+        by_css(driver, selector).click()
         return True
 
     until(attempt, f"a click on {selector}")
