@@ -24,6 +24,7 @@ __all__ = [
     "MAX_RUNNING_LIMIT",
     "QueueInfo",
     "TaskLimits",
+    "check_limits",
     "limit_queue",
     "limit_task",
     "list_queues",
@@ -83,9 +84,16 @@ class TaskLimits:
     rate_period: timedelta | None
 
 
-def _limits(
+def check_limits(
     max_running: object, rate_limit: object, per: object
 ) -> tuple[int | None, int | None, timedelta | None]:
+    """Check limits as :func:`limit_queue` takes them; return them with ``per`` a timedelta.
+
+    Raises:
+        QueueConfigurationError: a limit out of range, ``rate_limit`` without ``per`` (or
+            the reverse).
+        QueueTypeError: a value of the wrong type.
+    """
     if max_running is not None:
         check_int(max_running, "max_running", 1, MAX_RUNNING_LIMIT)
     if (rate_limit is None) != (per is None):
@@ -228,7 +236,7 @@ async def limit_queue(
         QueueTypeError: an argument of the wrong type.
     """
     check_queue(queue)
-    limits = _limits(max_running, rate_limit, per)
+    limits = check_limits(max_running, rate_limit, per)
     row = await _write(
         conn, schema, _SET_LIMITS.format(scope=_QUEUE, settings=_SETTINGS), queue, *limits
     )
@@ -249,7 +257,7 @@ async def limit_task(
     Arguments and errors as for :func:`limit_queue`; ``None`` everywhere removes them.
     """
     check_name(task_name, "task_name")
-    limits = _limits(max_running, rate_limit, per)
+    limits = check_limits(max_running, rate_limit, per)
     row = await _write(
         conn, schema, _SET_LIMITS.format(scope=_TASK, settings=_SETTINGS), task_name, *limits
     )

@@ -24,6 +24,7 @@ from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun
 from steeple.postgres.queue._queues import (
     QueueInfo,
     TaskLimits,
+    check_limits,
     limit_queue,
     limit_task,
     list_queues,
@@ -52,6 +53,7 @@ __all__ = [
     "MAX_PAGE",
     "QueueInfo",
     "TaskLimits",
+    "check_limits",
     "count_by_state",
     "count_prunable",
     "limit_queue",
