@@ -314,7 +314,9 @@ class Harness:
               (SELECT count(*) FROM "{s}".tasks),
               (SELECT string_agg(id || '/' || state, ',' ORDER BY id) FROM "{s}".tasks),
               (SELECT string_agg(name || '/' || paused || '/' || cron, ',' ORDER BY name)
-                 FROM "{s}".jobs)"""
+                 FROM "{s}".jobs),
+              (SELECT string_agg(scope || '/' || name || '/' || paused, ',' ORDER BY name)
+                 FROM "{s}".settings)"""
         )
         assert row is not None
         return tuple(row)
@@ -576,7 +578,7 @@ def test_hostile_filters_answer_a_page_or_a_refusal_and_change_nothing(seeded: A
     slots = [
         (path, name)
         for path in ("/ui/ops/tasks", "/api/ops/tasks")
-        for name in ("state", "name", "since", "until", "after", "newest")
+        for name in ("state", "name", "since", "until", "after", "newest", "queue")
     ] + [("/ui/ops/tasks", "id")]
     strings = [v for v in HOSTILE if isinstance(v, str)] + [
         "2026-02-30",
@@ -604,6 +606,32 @@ def test_hostile_filters_answer_a_page_or_a_refusal_and_change_nothing(seeded: A
                     if not page:
                         assert kind.startswith("application/json"), (target, kind)
             assert await harness.snapshot() == before
+
+        runner.run(go())
+
+    run_cases(seeded, drive)
+
+
+@pytest.mark.postgres
+def test_queue_pause_refuses_names_no_queue_can_have(seeded: Any) -> None:
+    """Any name a queue may have can be paused ahead of its first task; others are refused."""
+    refused: list[object] = ["", "\x00", "a\x00b", "\ud800", "x" * 10_240, 5, None, [], {}]
+
+    def drive(harness: Harness, runner: asyncio.Runner) -> None:
+        async def go() -> None:
+            headers = {"content-type": "application/json", CSRF_HEADER: CSRF}
+            for route in ("queues/pause", "queues/resume"):
+                for value in refused:
+                    await harness.check(body_case(route, "queue", value))
+            paused = await harness.http.post(
+                f"/api/{NAMESPACE}/queues/pause", json={"queue": "later"}, headers=headers
+            )
+            assert paused.status_code == 200
+            assert paused.json()["paused"] is True
+            resumed = await harness.http.post(
+                f"/api/{NAMESPACE}/queues/resume", json={"queue": "later"}, headers=headers
+            )
+            assert resumed.json()["paused"] is False
 
         runner.run(go())
 

@@ -228,8 +228,12 @@ def until(check: Callable[[], T], what: str, timeout: float = 15) -> T:
 # --- data the pages show ---------------------------------------------------------------------
 
 
-def enqueue(site: Site, name: str, count: int, args: object = None) -> list[int]:
+def enqueue(
+    site: Site, name: str, count: int, args: object = None, queue_name: str | None = None
+) -> list[int]:
     from steeple.postgres import queue
+
+    named = queue_name
 
     async def run() -> list[int]:
         conn = await asyncpg.connect(site.seeded.dsn)
@@ -243,6 +247,7 @@ def enqueue(site: Site, name: str, count: int, args: object = None) -> list[int]
                     {"n": n} if args is None else args,
                     queue.EnqueueOptions.immediate(),
                     schema=site.seeded.schema,
+                    queue=named,
                 )
                 ids.append(enqueued.id)
             return ids
@@ -451,6 +456,32 @@ def test_task_list_filters_search_pages_and_actions(
     open_page(browser, site.page("/tasks"))
     assert "Delete finished tasks" in click_action(browser, click_purge, {"older_than_days": "0"})
     until(lambda: task_state(site, single) == "None", "the purge")
+
+
+def test_queues_pause_resume_and_filter(browser: Any, site: Site, tmp_path: Path) -> None:
+    def paused() -> Any:
+        return site.value(
+            "SELECT paused FROM {s}.settings WHERE scope = 'queue' AND name = 'emails'"
+        )
+
+    mails = enqueue(site, "send-mail", 2, queue_name="emails")
+    open_page(browser, site.page())
+    assert texts(browser, "#queues tr.row.queue a") == ["default", "emails"]
+    counts = texts(browser, "#queues tr.row.queue td:nth-child(3)")
+    assert counts == [str(len(site.seeded.task_ids)), "2"]  # pending per queue
+    assert "Pause queue emails" in click_action(
+        browser, 'button[data-action="queues/pause"][data-body=\'{"queue": "emails"}\']'
+    )
+    until(lambda: paused() is True, "the pause")
+    until(lambda: all_css(browser, 'button[data-action="queues/resume"]'), "the resume button")
+    screenshot(browser, tmp_path / "queues.png", CANCELLED)  # the paused badge
+    click_action(browser, 'button[data-action="queues/resume"]')
+    until(lambda: paused() is None, "the resume (a queue without settings has no row)")
+    # The queue's link opens the task list filtered by queue.
+    click(browser, "#queues a[href*='queue=emails']")
+    until(lambda: "queue=emails" in browser.current_url, "the filtered list")
+    assert texts(browser, "tr.row.task a") == [str(i) for i in reversed(mails)]
+    assert by_css(browser, "input[name=queue]").get_attribute("value") == "emails"
 
 
 def test_task_page_attempts_args_and_timings(browser: Any, site: Site, tmp_path: Path) -> None:

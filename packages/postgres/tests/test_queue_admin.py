@@ -298,6 +298,11 @@ async def test_list_tasks_newest_first_and_by_creation_time(queue: Any) -> None:
     assert [t.id for t in window.items] == [ids[2]]
     later = await admin.list_tasks(conn, schema=schema, created_after=fourth.created_at)
     assert [t.id for t in later.items] == ids[3:]
+    task: Task[Any] = Task("n")
+    mailed = await enqueue(conn, task, {}, EnqueueOptions(), schema=schema, queue="mail")
+    only_mail = await admin.list_tasks(conn, schema=schema, queue="mail", newest_first=True)
+    assert [(t.id, t.queue) for t in only_mail.items] == [(mailed.id, "mail")]
+    assert len((await admin.list_tasks(conn, schema=schema, queue="default")).items) == 5
 
 
 @pytest.mark.parametrize(
@@ -307,6 +312,8 @@ async def test_list_tasks_newest_first_and_by_creation_time(queue: Any) -> None:
         ({"created_before": "2026-01-01"}, pq.QueueTypeError),
         ({"newest_first": "yes"}, pq.QueueTypeError),
         ({"newest_first": True, "after": "-1"}, pq.QueueConfigurationError),
+        ({"queue": ""}, pq.QueueConfigurationError),
+        ({"queue": 5}, pq.QueueTypeError),
     ],
 )
 async def test_list_tasks_refuses_hostile_ranges(

@@ -20,6 +20,7 @@ from steeple.admin.tasks import (
     AttemptRecord,
     JobRecord,
     Overview,
+    QueueRecord,
     TaskFilter,
     TaskRecord,
 )
@@ -86,6 +87,8 @@ def filter_query(where: TaskFilter) -> dict[str, str]:
         query["since"] = utc(where.since)
     if where.until:
         query["until"] = utc(where.until)
+    if where.queue:
+        query["queue"] = where.queue
     return query
 
 
@@ -214,6 +217,7 @@ def tasks_table(links: Links, items: Sequence[TaskRecord], actions: bool) -> str
         [
             f'<a href="{esc(links.task(t.task_id))}">{t.task_id}</a>',
             esc(t.name),
+            esc(t.queue),
             badge(t.state),
             f"{t.attempts}/{t.max_attempts}",
             esc(utc(t.created_at)),
@@ -226,7 +230,7 @@ def tasks_table(links: Links, items: Sequence[TaskRecord], actions: bool) -> str
     ]
     return table(
         "task",
-        ["id", "name", "state", "attempts", "created", "run at", "finished", "last error"],
+        ["id", "name", "queue", "state", "attempts", "created", "run at", "finished", "last error"],
         rows,
         actions,
     )
@@ -244,6 +248,8 @@ def filter_form(links: Links, where: TaskFilter) -> str:
         f'<form class="filters" method="get" action="{esc(links.ui)}/tasks">'
         f'<label>state <select name="state">{options}</select></label>'
         f'<label>task name <input name="name" value="{esc(where.name or "")}" '
+        'maxlength="200" autocomplete="off"></label>'
+        f'<label>queue <input name="queue" value="{esc(where.queue or "")}" '
         'maxlength="200" autocomplete="off"></label>'
         f'<label>created from (UTC) <input name="since" value="{esc(since)}" '
         'placeholder="2026-12-01 00:00" maxlength="40"></label>'
@@ -309,6 +315,7 @@ def task_detail(task: TaskRecord, actions: bool) -> str:
     rows = [
         ("state", badge(task.state)),
         ("task name", esc(task.name)),
+        ("queue", esc(task.queue)),
         ("attempts", f"{task.attempts} of {task.max_attempts}"),
         ("priority", esc(task.priority)),
         ("created (UTC)", esc(utc(task.created_at))),
@@ -405,6 +412,41 @@ def counts_section(links: Links, overview: Overview) -> str:
         for s in TASK_STATES
     )
     return heading("Tasks by state", total) + f'<div class="cards">{cards}</div>'
+
+
+def queues_section(links: Links, queues: Sequence[QueueRecord], actions: bool) -> str:
+    """Render the named queues: live tasks per queue, limits, pause and resume."""
+    rows = []
+    for q in queues:
+        limits = []
+        if q.max_running is not None:
+            limits.append(f"at most {q.max_running} running")
+        if q.rate_limit is not None and q.rate_period_seconds is not None:
+            limits.append(f"{q.rate_limit} starts per {q.rate_period_seconds:g} s")
+        row = [
+            f'<a href="{esc(links.tasks(TaskFilter(queue=q.name)))}">{esc(q.name)}</a>',
+            badge("paused" if q.paused else "active"),
+            esc(q.pending),
+            esc(q.running),
+            esc(", ".join(limits) or "-"),
+        ]
+        if actions:
+            button = (
+                Button("queues/resume", {"queue": q.name}, "resume", f"Resume queue {q.name}?")
+                if q.paused
+                else Button(
+                    "queues/pause",
+                    {"queue": q.name},
+                    "pause",
+                    f"Pause queue {q.name}? No worker starts its tasks until it is resumed "
+                    "(running ones finish).",
+                )
+            )
+            row.append(button.render())
+        rows.append(row)
+    return heading("Queues", len(queues), "with live tasks or settings") + table(
+        "queue", ["queue", "state", "pending", "running", "limits"], rows, actions
+    )
 
 
 def chart_section(overview: Overview) -> str:

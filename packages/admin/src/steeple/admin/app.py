@@ -105,6 +105,9 @@ ACTIONS = (
     "jobs.resume",
     "jobs.reschedule",
     "jobs.delete",
+    "queues.read",
+    "queues.pause",
+    "queues.resume",
     "dashboard.read",
     "static.read",
 )
@@ -522,6 +525,20 @@ def create_admin_app(
     async def overview_json(request: Request, namespace: str) -> Response:
         return JSONResponse((await (await tasks_of(namespace)).overview()).to_json())
 
+    async def list_queues(request: Request, namespace: str) -> Response:
+        overview = await (await tasks_of(namespace)).overview()
+        return JSONResponse({"items": [q.to_json() for q in overview.queues]})
+
+    def pause_queue(paused: bool) -> Callable[[Request, str], Awaitable[Response]]:
+        async def handler(request: Request, namespace: str) -> Response:
+            body = await json_body(request)
+            _fields(body, ("queue",))
+            name = _string_field(body, "queue")
+            record = await (await tasks_of(namespace)).pause_queue(name, paused)
+            return JSONResponse(record.to_json())
+
+        return handler
+
     async def list_jobs(request: Request, namespace: str) -> Response:
         after, limit = _paging(request)
         page = await (await tasks_of(namespace)).jobs(after=after, limit=limit)
@@ -586,7 +603,7 @@ def create_admin_app(
 
         async def handler(request: Request, namespace: str) -> Response:
             body = await json_body(request)
-            _fields(body, ("state", "name", "since", "until", "task_ids"))
+            _fields(body, ("state", "name", "since", "until", "queue", "task_ids"))
             admin = await tasks_of(namespace)
             if "task_ids" not in body:
                 where = _task_filter(
@@ -683,6 +700,8 @@ def create_admin_app(
                     _pages.Section("counts", _pages.counts_section(links, overview), live=True)
                 )
                 sections.append(_pages.Section("chart", _pages.chart_section(overview), live=True))
+                queues = _pages.queues_section(links, overview.queues, actions_enabled)
+                sections.append(_pages.Section("queues", queues, live=True))
         if stores is not None:
             store = await store_of(namespace)
             schedules = (await store.schedules(limit=100)).items
@@ -794,6 +813,7 @@ def create_admin_app(
         Route("/api/{namespace}/tasks", endpoint("tasks.read", list_tasks)),
         Route("/api/{namespace}/overview", endpoint("tasks.read", overview_json)),
         Route("/api/{namespace}/jobs", endpoint("jobs.read", list_jobs)),
+        Route("/api/{namespace}/queues", endpoint("queues.read", list_queues)),
         post("schedules/cancel", "schedules.cancel", cancel_schedule),
         post("occurrences/retry", "occurrences.retry", retry_occurrence),
         post("occurrences/purge", "occurrences.purge", purge_occurrences),
@@ -803,6 +823,8 @@ def create_admin_app(
         post("tasks/bulk-cancel", "tasks.cancel", bulk("cancel")),
         post("tasks/bulk-retry", "tasks.retry", bulk("retry")),
         post("jobs/create", "jobs.create", create_job),
+        post("queues/pause", "queues.pause", pause_queue(True)),
+        post("queues/resume", "queues.resume", pause_queue(False)),
         post("jobs/pause", "jobs.pause", change_job("pause")),
         post("jobs/resume", "jobs.resume", change_job("resume")),
         post("jobs/reschedule", "jobs.reschedule", change_job("reschedule")),
@@ -898,7 +920,7 @@ def _instant(raw: str, name: str) -> datetime:
 def _task_filter(params: Mapping[str, Any], strict: Mapping[str, Any] | None = None) -> TaskFilter:
     """Read a task filter from query parameters (or a JSON body: ``strict`` checks types)."""
     if strict is not None:
-        for key in ("state", "name", "since", "until"):
+        for key in ("state", "name", "since", "until", "queue"):
             if key in strict and not isinstance(strict[key], str):
                 raise _bad_request(f"{key} must be a string")
             if key in strict and not strict[key].strip():
@@ -907,11 +929,13 @@ def _task_filter(params: Mapping[str, Any], strict: Mapping[str, Any] | None = N
     if state is not None:
         _valid(validate_task_state, state)
     name = params.get("name") or None
+    queue = params.get("queue") or None
     since = params.get("since") or None
     until = params.get("until") or None
     return TaskFilter(
         state=state,
         name=name.strip() if name and name.strip() else None,
+        queue=queue.strip() if queue and queue.strip() else None,
         since=None if since is None or not since.strip() else _instant(since, "since"),
         until=None if until is None or not until.strip() else _instant(until, "until"),
     )

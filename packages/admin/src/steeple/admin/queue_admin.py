@@ -18,6 +18,7 @@ from steeple.admin.tasks import (
     AttemptRecord,
     JobRecord,
     Overview,
+    QueueRecord,
     TaskFilter,
     TaskRecord,
     validate_task_id,
@@ -28,9 +29,10 @@ from steeple.core.records import Page
 
 if TYPE_CHECKING:
     from steeple.postgres.queue import TaskRun
+    from steeple.postgres.queue.admin import QueueInfo
     from steeple.postgres.queue.jobs import JobInfo
 
-__all__ = ["PostgresTaskAdmin", "job_record", "task_record"]
+__all__ = ["PostgresTaskAdmin", "job_record", "queue_record", "task_record"]
 
 _JOB_VERBS = ("pause", "resume", "reschedule", "delete")
 
@@ -55,6 +57,21 @@ def task_record(run: TaskRun) -> TaskRecord:
         run_id=str(run.run_id),
         job_id=run.job_id,
         scheduled_for=run.scheduled_for,
+        queue=run.queue,
+    )
+
+
+def queue_record(info: QueueInfo) -> QueueRecord:
+    """Return the admin's view of a named queue."""
+    period = info.rate_period
+    return QueueRecord(
+        name=info.name,
+        paused=info.paused,
+        pending=info.pending,
+        running=info.running,
+        max_running=info.max_running,
+        rate_limit=info.rate_limit,
+        rate_period_seconds=None if period is None else period.total_seconds(),
     )
 
 
@@ -136,6 +153,7 @@ class PostgresTaskAdmin:
             created_after=where.since,
             created_before=where.until,
             newest_first=newest_first,
+            queue=where.queue,
         )
         return Page(items=[task_record(t) for t in page.items], next_cursor=page.next_cursor)
 
@@ -246,14 +264,27 @@ class PostgresTaskAdmin:
         """Return counts per state and tasks finished per minute over the last hour."""
         from steeple.postgres.queue import admin
 
-        counts = await self.counts()
+        counts = await self.counts()  # first: a typed error when the queue is not installed
         seen = await admin.throughput(self.pool, schema=self.schema)
+        queues = await admin.list_queues(self.pool, schema=self.schema)
         return Overview(
             counts=counts,
             ends_at=seen.ends_at,
             bucket_seconds=seen.bucket.total_seconds(),
-            finished={state.value: counts for state, counts in seen.finished.items()},
+            finished={state.value: per for state, per in seen.finished.items()},
+            queues=tuple(queue_record(q) for q in queues),
         )
+
+    async def pause_queue(self, name: str, paused: bool) -> QueueRecord:
+        """Pause (``paused=True``) or resume a named queue for every worker.
+
+        Raises:
+            ConfigurationError: an invalid queue name.
+        """
+        from steeple.postgres.queue import admin
+
+        change = admin.pause_queue if paused else admin.resume_queue
+        return queue_record(await change(self.pool, name, schema=self.schema))
 
     async def jobs(self, *, after: str | None = None, limit: int = 100) -> Page[JobRecord]:
         """List the queue's recurring jobs by name (never their args).

@@ -23,6 +23,7 @@ __all__ = [
     "AttemptRecord",
     "JobRecord",
     "Overview",
+    "QueueRecord",
     "TaskAdmin",
     "TaskFilter",
     "TaskRecord",
@@ -94,6 +95,7 @@ class TaskRecord:
     run_id: str | None = None
     job_id: int | None = None
     scheduled_for: datetime | None = None
+    queue: str = "default"
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -114,6 +116,7 @@ class TaskRecord:
             "run_id": self.run_id,
             "job_id": self.job_id,
             "scheduled_for": _iso(self.scheduled_for),
+            "queue": self.queue,
         }
 
 
@@ -126,12 +129,14 @@ class TaskFilter:
         name: one task name.
         since: created at or after this instant (timezone-aware).
         until: created before this instant (timezone-aware).
+        queue: one named queue.
     """
 
     state: str | None = None
     name: str | None = None
     since: datetime | None = None
     until: datetime | None = None
+    queue: str | None = None
 
 
 @attrs.frozen
@@ -158,6 +163,31 @@ class AttemptRecord:
 
 
 @attrs.frozen
+class QueueRecord:
+    """A named queue: paused or not, its limits across all workers, its live tasks."""
+
+    name: str
+    paused: bool
+    pending: int
+    running: int
+    max_running: int | None = None
+    rate_limit: int | None = None
+    rate_period_seconds: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return {
+            "name": self.name,
+            "paused": self.paused,
+            "pending": self.pending,
+            "running": self.running,
+            "max_running": self.max_running,
+            "rate_limit": self.rate_limit,
+            "rate_period_seconds": self.rate_period_seconds,
+        }
+
+
+@attrs.frozen
 class Overview:
     """Counts per state and tasks finished per minute over the last hour.
 
@@ -166,17 +196,20 @@ class Overview:
         ends_at: the end of the throughput window (the database server's clock).
         bucket_seconds: the width of one throughput bucket.
         finished: per terminal state, counts per bucket, oldest first.
+        queues: the named queues with live tasks or settings, by name.
     """
 
     counts: dict[str, int]
     ends_at: datetime
     bucket_seconds: float
     finished: dict[str, tuple[int, ...]]
+    queues: tuple[QueueRecord, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
         return {
             "counts": self.counts,
+            "queues": [q.to_json() for q in self.queues],
             "throughput": {
                 "ends_at": _iso(self.ends_at),
                 "bucket_seconds": self.bucket_seconds,
@@ -272,7 +305,11 @@ class TaskAdmin(Protocol):
         ...
 
     async def overview(self) -> Overview:
-        """Return counts per state and the last hour's throughput."""
+        """Return counts per state and per queue, and the last hour's throughput."""
+        ...
+
+    async def pause_queue(self, name: str, paused: bool) -> QueueRecord:
+        """Pause (``paused=True``) or resume a named queue for every worker."""
         ...
 
     async def jobs(self, *, after: str | None = None, limit: int = 100) -> Page[JobRecord]:

@@ -136,6 +136,7 @@
       return;
     }
     busy = true;
+    flash("", ""); // the outcome shown is always this action's
     try {
       await work();
     } catch (error) {

@@ -59,12 +59,12 @@ def _admin_sql(schema: str) -> AdminSql:
     s = validate_schema(schema)
     return AdminSql(
         # $1 exclusive id cursor, $2 state|null, $3 task name|null, $4 limit,
-        # $5/$6 created at or after / before (null: unbounded)
+        # $5/$6 created at or after / before (null: unbounded), $7 queue|null
         list_tasks=f"""
 SELECT {RUN_STATE_COLUMNS} FROM {s}.tasks
 WHERE id > $1 AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR task_name = $3)
   AND ($5::timestamptz IS NULL OR created_at >= $5)
-  AND ($6::timestamptz IS NULL OR created_at < $6)
+  AND ($6::timestamptz IS NULL OR created_at < $6) AND ($7::text IS NULL OR queue = $7)
 ORDER BY id
 LIMIT $4""",
         # The same, newest first: $1 is the exclusive upper id cursor (null: from the top).
@@ -73,7 +73,7 @@ SELECT {RUN_STATE_COLUMNS} FROM {s}.tasks
 WHERE ($1::bigint IS NULL OR id < $1) AND ($2::text IS NULL OR state = $2)
   AND ($3::text IS NULL OR task_name = $3)
   AND ($5::timestamptz IS NULL OR created_at >= $5)
-  AND ($6::timestamptz IS NULL OR created_at < $6)
+  AND ($6::timestamptz IS NULL OR created_at < $6) AND ($7::text IS NULL OR queue = $7)
 ORDER BY id DESC
 LIMIT $4""",
         count_by_state=f"SELECT state, count(*) FROM {s}.tasks GROUP BY state",

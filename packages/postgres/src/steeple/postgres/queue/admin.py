@@ -1,4 +1,7 @@
-"""Operator functions of the work queue: list, count and retry tasks, their attempts, throughput.
+"""Operator functions of the work queue: tasks, jobs, and queues (pause, resume, limits).
+
+Tasks are listed, counted and retried, with their attempts and the recent throughput;
+jobs listed; queues listed, paused, resumed and limited across all workers.
 
 What dashboards and command lines need beyond the producer and worker API. Every function
 takes the caller's connection (an asyncpg connection or pool, or a psycopg
@@ -21,12 +24,24 @@ from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._admin_sql import admin_sql
 from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun
+from steeple.postgres.queue._queues import (
+    QueueInfo,
+    TaskLimits,
+    check_limits,
+    limit_queue,
+    limit_task,
+    list_queues,
+    list_task_limits,
+    pause_queue,
+    resume_queue,
+)
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, LIBRARY_SCHEMA_VERSION
 from steeple.postgres.queue._validate import (
     INT64,
     check_bool,
     check_int,
     check_name,
+    check_queue,
     check_task_id,
     check_timedelta,
 )
@@ -42,12 +57,21 @@ from steeple.postgres.queue.jobs import JobInfo
 __all__ = [
     "MAX_PAGE",
     "AttemptInfo",
+    "QueueInfo",
+    "TaskLimits",
     "Throughput",
+    "check_limits",
     "count_by_state",
     "count_prunable",
+    "limit_queue",
+    "limit_task",
     "list_attempts",
     "list_jobs",
+    "list_queues",
+    "list_task_limits",
     "list_tasks",
+    "pause_queue",
+    "resume_queue",
     "retry_failed_task",
     "server_time",
     "task_args",
@@ -125,8 +149,9 @@ async def list_tasks(
     created_after: datetime | None = None,
     created_before: datetime | None = None,
     newest_first: bool = False,
+    queue: str | None = None,
 ) -> Page[TaskRun]:
-    """List tasks in id order, optionally of one state, one task name and a creation range.
+    """List tasks in id order, optionally of one state, task name, queue and creation range.
 
     Args:
         conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
@@ -139,6 +164,7 @@ async def list_tasks(
         created_after: only tasks created at or after this instant (timezone-aware).
         created_before: only tasks created before this instant (timezone-aware).
         newest_first: descending ids (the newest task first); the cursor then pages down.
+        queue: only tasks of this named queue.
 
     Returns:
         A page of tasks (metadata only); ``next_cursor`` is ``None`` on the last page.
@@ -159,8 +185,10 @@ async def list_tasks(
     since = _instant(created_after, "created_after")
     until = _instant(created_before, "created_before")
     statement = sql.list_tasks_newest if newest_first else sql.list_tasks
+    if queue is not None:
+        check_queue(queue)
     rows = await _fetch(
-        conn, schema, statement, position, wanted, task_name, limit + 1, since, until
+        conn, schema, statement, position, wanted, task_name, limit + 1, since, until, queue
     )
     items = [TaskRun.from_row(tuple(row)) for row in rows[:limit]]
     cursor = str(items[-1].id) if len(rows) > limit else None
