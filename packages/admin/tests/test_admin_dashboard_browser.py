@@ -337,18 +337,27 @@ def flash(driver: Any) -> str:
     return str(until(lambda: by_css(driver, "#flash").text, "the outcome message"))
 
 
-def screenshot(driver: Any, path: Path, *colours: tuple[int, int, int]) -> None:
-    """Save a screenshot; check it is not blank and shows each of ``colours`` somewhere."""
+def screenshot(
+    driver: Any, path: Path, *colours: tuple[int, int, int], part: str | None = None
+) -> None:
+    """Save a screenshot (of the page, or of the element ``part`` selects); check it is not
+    blank and shows each of ``colours`` somewhere."""
     from PIL import Image
 
-    driver.execute_script("window.scrollTo(0, 0)")  # a click may have scrolled the page
-    driver.save_screenshot(str(path))
+    if part is None:
+        driver.execute_script("window.scrollTo(0, 0)")  # a click may have scrolled the page
+        driver.save_screenshot(str(path))
+    else:
+        element = by_css(driver, part)
+        driver.execute_script("arguments[0].scrollIntoView()", element)
+        path.write_bytes(element.screenshot_as_png)
     image = Image.open(io.BytesIO(path.read_bytes())).convert("RGB")
     found = {
         tuple(rgb) for _, rgb in image.getcolors(maxcolors=1 << 20) or [] if isinstance(rgb, tuple)
     }
     assert len(found) > 20, f"{path.name} looks blank ({len(found)} colours)"
-    assert image.getpixel((5, 5)) == HEADER, f"{path.name}: no header band (stylesheet?)"
+    if part is None:
+        assert image.getpixel((5, 5)) == HEADER, f"{path.name}: no header band (stylesheet?)"
     for colour in colours:
         assert colour in found, f"{path.name} shows no {colour}"
 
@@ -474,7 +483,8 @@ def test_queues_pause_resume_and_filter(browser: Any, site: Site, tmp_path: Path
     )
     until(lambda: paused() is True, "the pause")
     until(lambda: all_css(browser, 'button[data-action="queues/resume"]'), "the resume button")
-    screenshot(browser, tmp_path / "queues.png", CANCELLED)  # the paused badge
+    screenshot(browser, tmp_path / "overview.png")
+    screenshot(browser, tmp_path / "queues.png", CANCELLED, part="#queues")  # paused badge
     click_action(browser, 'button[data-action="queues/resume"]')
     until(lambda: paused() is None, "the resume (a queue without settings has no row)")
     # The queue's link opens the task list filtered by queue.

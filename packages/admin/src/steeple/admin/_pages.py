@@ -333,8 +333,7 @@ def task_detail(task: TaskRecord, actions: bool) -> str:
     dl = "".join(f"<dt>{esc(k)}</dt><dd>{v}</dd>" for k, v in rows)
     buttons = "".join(task_buttons(task)) if actions else ""
     return (
-        f'{heading(f"Task {task.task_id}")}<dl class="detail">{dl}</dl>'
-        f'<div class="task-actions">{buttons}</div>'
+        f'{heading("Details")}<dl class="detail">{dl}</dl><div class="task-actions">{buttons}</div>'
     )
 
 
