@@ -24,6 +24,7 @@ from steeple.postgres.queue import (
     LeaseLostError,
     QueueConfigurationError,
     QueueError,
+    QueueTypeError,
     Scheduler,
     Task,
     UnknownTaskError,
@@ -402,6 +403,46 @@ async def test_hard_stop_after_the_drain_deadline_hands_work_back(queue: QueueFi
         f'%"{schema}"%',
     )
     assert idle == 0
+
+
+@pytest.mark.parametrize("before_stop", [False, True])
+async def test_hard_stop_hands_work_back_at_once(queue: QueueFixture, before_stop: bool) -> None:
+    """``hard_stop`` (a second SIGTERM in ``steeple worker``) ends a long drain now."""
+    dsn, schema, conn = queue
+    started = asyncio.Event()
+    done = await enqueue(conn, PLAIN, 1, schema=schema)
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        started.set()
+        await asyncio.sleep(600)
+
+    worker.register(PLAIN, handler)
+    stop, hard = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=600, hard_stop=hard))
+    await asyncio.wait_for(started.wait(), 10)
+    if not before_stop:
+        stop.set()
+        await asyncio.sleep(0)
+        assert not task.done()  # draining: the handler keeps running
+    hard.set()  # a hard stop alone stops claiming too
+    await asyncio.wait_for(task, 15)
+    row = await run_state(conn, done.id, schema=schema)
+    assert (row.state.value, row.attempts) == ("pending", 0)
+    assert worker.stats.released == 1
+    assert (worker.stats.succeeded, worker.stats.claimed) == (0, 1)
+
+
+async def test_a_hard_stop_that_is_not_an_event_is_refused(queue: QueueFixture) -> None:
+    dsn, schema, _conn = queue
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        return None
+
+    worker.register(PLAIN, handler)
+    with pytest.raises(QueueTypeError, match=r"hard_stop must be an asyncio\.Event"):
+        await worker.run_until_shutdown(asyncio.Event(), hard_stop=True)  # type: ignore[arg-type]
 
 
 async def test_unregistered_task_names_are_left_alone(queue: QueueFixture) -> None:

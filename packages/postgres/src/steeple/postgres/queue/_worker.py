@@ -38,7 +38,7 @@ from steeple.core.entropy import SystemRandom
 from steeple.core.errors import ConfigurationError
 from steeple.core.ports import Clock, RandomSource
 from steeple.postgres.queue import _driver
-from steeple.postgres.queue._aio import wait_event
+from steeple.postgres.queue._aio import wait_either
 from steeple.postgres.queue._claiming import Claimer
 from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._db import (
@@ -52,7 +52,7 @@ from steeple.postgres.queue._execution import Executor, Handler, JobContext, Reg
 from steeple.postgres.queue._maintenance import Maintainer
 from steeple.postgres.queue._renewal import Renewer
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
-from steeple.postgres.queue._shared import Health, WorkerEnv, WorkerStats, WorkerStatus
+from steeple.postgres.queue._shared import LOG, Health, WorkerEnv, WorkerStats, WorkerStatus
 from steeple.postgres.queue._sql import queue_sql
 from steeple.postgres.queue._validate import check_bool, check_int, check_name, check_seconds
 from steeple.postgres.queue._wakeups import Wakeups
@@ -229,13 +229,22 @@ class Scheduler:
     # --- lifecycle -----------------------------------------------------------------------
 
     async def run_until_shutdown(
-        self, stop: asyncio.Event, *, drain_timeout: float | timedelta = 30.0
+        self,
+        stop: asyncio.Event,
+        *,
+        drain_timeout: float | timedelta = 30.0,
+        hard_stop: asyncio.Event | None = None,
     ) -> None:
         """Work until ``stop`` is set, then drain gracefully within ``drain_timeout``.
 
         After ``stop``: no new claims; running handlers get ``drain_timeout`` to finish;
         the rest are cancelled and their tasks handed back (pending, attempt refunded);
         buffered completions are written; the pool (if the worker opened it) is closed.
+        Setting ``hard_stop`` (say on a second SIGTERM) ends the drain at once: it stops
+        claiming as ``stop`` does, and the handlers still running are cancelled and their
+        tasks handed back now. A task whose release cannot be written is left to its lease,
+        which lapses; it is recovered and run again, never completed twice (every outcome
+        is fenced by the lease token).
 
         Raises:
             SchemaVersionMismatchError: the queue schema is missing or another version.
@@ -243,13 +252,18 @@ class Scheduler:
             QueueUnavailableError: the database failed or was unreachable at start-up.
             QueueConfigurationError: a pool too small for the worker; a ``drain_timeout``
                 that is NaN, infinite, negative or over a day; a DSN that cannot be parsed.
-            QueueTypeError: ``stop`` is not an ``asyncio.Event``, or a wrong-typed
-                ``drain_timeout``.
+            QueueTypeError: ``stop`` or ``hard_stop`` is not an ``asyncio.Event``, or a
+                wrong-typed ``drain_timeout``.
             UnknownTaskError: no handler is registered.
             QueueError: called twice.
         """
         if not isinstance(stop, asyncio.Event):
             raise QueueTypeError(f"stop must be an asyncio.Event, not {type(stop).__name__}")
+        if hard_stop is not None and not isinstance(hard_stop, asyncio.Event):
+            raise QueueTypeError(
+                f"hard_stop must be an asyncio.Event, not {type(hard_stop).__name__}"
+            )
+        hard = hard_stop if hard_stop is not None else asyncio.Event()
         drain = check_seconds(drain_timeout, "drain_timeout", 0.0, _MAX_DRAIN)
         if self._started:
             raise QueueError("a Scheduler runs once; create a new one")
@@ -284,10 +298,15 @@ class Scheduler:
                 services.create_task(Renewer(env).renew_forever())
                 services.create_task(Maintainer(env, wakeups, self._maintenance).maintain_forever())
                 services.create_task(completions.flush_forever())
+                # A hard stop stops claiming too (the claim loop watches one event).
+                claiming = asyncio.Event()
+                if stop.is_set() or hard.is_set():
+                    claiming.set()
+                services.create_task(_either(stop, hard, claiming, env.closing))
                 try:
                     async with asyncio.TaskGroup() as handlers:
-                        await claimer.claim_until(stop, handlers)
-                        await self._drain(executor, drain)
+                        await claimer.claim_until(claiming, handlers)
+                        await self._drain(executor, drain, hard)
                     await completions.release_unfinished()
                 finally:
                     env.closing.set()
@@ -349,7 +368,34 @@ class Scheduler:
 
         await db.with_connection(check, timeout=self._env.timeout)
 
-    async def _drain(self, executor: Executor, timeout: float) -> None:
+    async def _drain(self, executor: Executor, timeout: float, hard: asyncio.Event) -> None:
         inflight = self._env.inflight
-        if inflight.running and not await wait_event(inflight.idle, timeout):
+        if not inflight.running:
+            return
+        idle = asyncio.ensure_future(inflight.idle.wait())
+        try:
+            await wait_either(hard, idle, timeout)
+        finally:
+            idle.cancel()
+        if inflight.running:
+            LOG.warning(
+                "%s: handing back %d running task(s) (%s)",
+                self.worker_id,
+                len(inflight.running),
+                "hard stop" if hard.is_set() else f"the {timeout:g} s drain deadline passed",
+            )
             executor.cancel_all()
+
+
+async def _either(
+    first: asyncio.Event, second: asyncio.Event, then: asyncio.Event, closing: asyncio.Event
+) -> None:
+    """Set ``then`` once ``first`` or ``second`` is set (unless ``closing`` comes first)."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in (first, second, closing)]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    if not closing.is_set():
+        then.set()
