@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 import queue_support
-from worker_fault_support import World, world
+from pg_cluster import Clusters
+from worker_fault_support import World, private_database, world
 
+# Each test runs on a private cluster: worker processes and their pools only.
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 TASKS = 4
@@ -50,7 +52,7 @@ async def _everything_done_once(w: World, task_ids: list[int], finisher: str) ->
     occurrences = await w.occurrences()
     assert len(occurrences) >= OCCURRENCES
     assert {o["state"] for o in occurrences} == {"published"}
-    accepted = Counter(await w.traces("accepted"))
+    accepted = Counter(w.accepted())
     assert len(accepted) == len(occurrences)
     assert set(accepted.values()) == {1}  # one delivery per idempotency key
     # every publication attempt of any worker used the key that was delivered
@@ -58,9 +60,9 @@ async def _everything_done_once(w: World, task_ids: list[int], finisher: str) ->
 
 
 async def test_sigterm_drains_in_flight_work_and_records_it_once(
-    pg_schema: tuple[str, str], tmp_path: Path
+    pg_clusters: Clusters, tmp_path: Path
 ) -> None:
-    dsn, schema = pg_schema
+    dsn, schema = private_database(pg_clusters)
     async with world(
         dsn, schema, tmp_path, lease=timedelta(seconds=5), occurrences=OCCURRENCES
     ) as w:
@@ -71,11 +73,11 @@ async def test_sigterm_drains_in_flight_work_and_records_it_once(
         await worker.wait_for_line("SIGTERM received, stopping gracefully")
         # Still running, still publishing: the signal stopped nothing that was in flight.
         assert await w.traces("end") == []
-        assert await w.traces("accepted") == []
+        assert w.accepted() == []
         w.open_gate()
         assert await worker.exited() == 0, worker.stderr
         assert "stopping hard" not in worker.stderr
-        assert "handed back" not in worker.stderr
+        assert f"tasks: {TASKS} succeeded, 0 retried, 0 failed, 0 handed back" in worker.stderr
         assert "steeple worker: stopped" in worker.stderr
         # the handlers outlived their 1 s leases only through renewals during the drain
         assert {a[3] for a in await w.attempts()} == {"draining"}
@@ -84,9 +86,9 @@ async def test_sigterm_drains_in_flight_work_and_records_it_once(
 
 @pytest.mark.parametrize("how", ["second-signal", "deadline"])
 async def test_hard_stop_hands_work_back_and_another_worker_finishes_it_once(
-    pg_schema: tuple[str, str], tmp_path: Path, how: str
+    pg_clusters: Clusters, tmp_path: Path, how: str
 ) -> None:
-    dsn, schema = pg_schema
+    dsn, schema = private_database(pg_clusters)
     async with world(
         dsn, schema, tmp_path, lease=timedelta(seconds=3), occurrences=OCCURRENCES
     ) as w:
@@ -103,7 +105,7 @@ async def test_hard_stop_hands_work_back_and_another_worker_finishes_it_once(
         else:
             await worker.wait_for_line("the 1 s drain deadline passed; stopping hard")
         assert await worker.exited(timeout=20) == 0, worker.stderr
-        assert f"handed back {TASKS} running task(s)" in worker.stderr
+        assert f"{TASKS} handed back" in worker.stderr
         assert "relay round cancelled" in worker.stderr
         # Handed back: pending again with the attempt refunded, nothing finished.
         tasks = await w.tasks()
@@ -112,7 +114,7 @@ async def test_hard_stop_hands_work_back_and_another_worker_finishes_it_once(
         assert {a[2] for a in await w.attempts()} == {"released"}
         # The relay leases were left to lapse; nothing reached the broker.
         assert {o["state"] for o in await w.occurrences()} == {"leased"}
-        assert await w.traces("accepted") == []
+        assert w.accepted() == []
 
         w.open_gate()
         finisher = await w.spawn("finisher")
@@ -129,4 +131,4 @@ async def test_hard_stop_hands_work_back_and_another_worker_finishes_it_once(
         assert await finisher.exited() == 0, finisher.stderr
         await _everything_done_once(w, task_ids, "finisher")
         # republished under the same idempotency keys the stopped worker had used
-        assert keys <= set(await w.traces("accepted", "finisher"))
+        assert keys <= set(w.accepted("finisher"))

@@ -3,8 +3,9 @@ broker wait on a gate file, a trace table they write to, and helpers to read the
 
 The application (:data:`APP`, written into the test's ``tmp_path``) runs one task name,
 ``slow``, whose handler traces ``start``, waits for the gate, then traces ``end``; and a
-broker whose ``publish`` traces ``publish-start``, waits for the gate, then ``accepted``.
-With ``FAULT_BLOCKING=1`` the wait is a synchronous ``time.sleep`` loop, which blocks the
+broker whose ``publish`` traces ``publish-start``, waits for the gate, then accepts the
+message (a line in ``accepted.txt``, the broker's store shared by the processes). With
+``FAULT_BLOCKING=1`` the wait is a synchronous ``time.sleep`` loop, which blocks the
 worker's event loop for as long as the gate stays shut (RELIABILITY.md row 14). Every
 trace row names the worker process that wrote it.
 """
@@ -24,6 +25,7 @@ from typing import Any
 import asyncpg
 import attrs
 
+from pg_cluster import Clusters
 from steeple.core import (
     MissedRunPolicy,
     RecurringConfig,
@@ -35,7 +37,7 @@ from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
 from steeple.postgres import queue as q
 
-__all__ = ["APP", "WorkerProc", "World", "world"]
+__all__ = ["APP", "WorkerProc", "World", "private_database", "world"]
 
 STEEPLE = [sys.executable, "-c", "from steeple.admin.cli import main; main()"]
 
@@ -54,6 +56,7 @@ SCHEMA = os.environ["STEEPLE_QUEUE_SCHEMA"]
 GATE = Path(os.environ["FAULT_GATE"])
 BLOCKING = os.environ.get("FAULT_BLOCKING") == "1"
 WORKER = os.environ["FAULT_WORKER"]
+ACCEPTED = Path(__file__).with_name("accepted.txt")
 
 
 async def trace(event, key):
@@ -92,7 +95,10 @@ class GatedBroker:
     async def publish(self, message, *, idempotency_key, timeout):
         await trace("publish-start", idempotency_key)
         await wait_for_gate()
-        await trace("accepted", idempotency_key)
+        # Accepted: written down before returning, with no await in between (an await
+        # after a blocked loop would meet the publication's expired deadline first).
+        with ACCEPTED.open("a") as journal:
+            journal.write(f"{WORKER} {idempotency_key}\\n")
         return BrokerReceipt("gated", idempotency_key)
 
 
@@ -102,6 +108,7 @@ def make():
         tasks=[(Task("slow"), slow_task)],
         worker_id=WORKER,
         drain_timeout=float(os.environ.get("FAULT_DRAIN", "60")),
+        loop_lag_threshold=float(os.environ.get("FAULT_LAG", "0.5")),
     )
 """
 
@@ -250,18 +257,40 @@ class World:
         )
         return [(r[0], r[1], r[2], r[3]) for r in rows]
 
+    def accepted(self, worker: str | None = None) -> list[str]:
+        """Idempotency keys the broker accepted (from ``worker``, or from any), in order."""
+        journal = self.home / "accepted.txt"
+        lines = journal.read_text().splitlines() if journal.exists() else []
+        pairs = [line.split(" ", 1) for line in lines]
+        return [key for who, key in pairs if worker is None or who == worker]
+
     async def occurrences(self) -> list[asyncpg.Record]:
         return await self.fetch(
             "SELECT id, state, attempts, lease_revision FROM {s}.recurring_occurrences ORDER BY id"
         )
 
 
+def private_database(clusters: Clusters) -> tuple[str, str]:
+    """A private cluster's DSN and a schema name for one test (nothing else connects)."""
+    cluster = clusters.new("primary", settings={"max_connections": "80"})
+    return cluster.dsn(), "steeple_fault"
+
+
 @contextlib.asynccontextmanager
 async def world(
     dsn: str, schema: str, home: Path, *, lease: timedelta, occurrences: int
 ) -> AsyncIterator[World]:
-    """A recurring namespace with ``occurrences`` due (``lease`` long leases), the work
-    queue in the same schema, the trace table, the application; worker processes reaped."""
+    """Set up ``schema`` (created if missing) and yield the test's :class:`World`.
+
+    In it: a recurring namespace with ``occurrences`` due (``lease`` long leases), the
+    work queue, the trace table; in ``home``: the application and ``steeple.toml``. Every
+    worker process started is reaped at the end.
+    """
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+    finally:
+        await conn.close()
     key = StorageKey.generate("k1")
     config = RecurringConfig("default", 1000, 100_000, lease_duration=lease)
     store = await PostgresRecurringStore.initialize(

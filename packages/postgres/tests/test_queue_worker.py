@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -649,3 +650,71 @@ async def test_a_batch_of_completions_is_counted_under_each_tasks_name(
     assert any(len({names[i] for i in batch}) == 2 for batch in batches), batches
     assert recorders["succeeded"].per_task() == {"plain": 20, "other": 20}
     assert recorders["claimed"].per_task() == {"plain": 20, "other": 20}
+
+
+async def test_a_handler_that_blocks_the_loop_is_counted_and_named(
+    queue: QueueFixture, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's loop-lag monitor: ``stats.loop_stalls``, the histogram, the log line."""
+    import threading
+
+    from steeple.postgres.queue import _metrics
+
+    dsn, schema, conn = queue
+    recorders = {field.name: _Recorder() for field in _metrics.QueueInstruments.__attrs_attrs__}
+    monkeypatch.setattr(_metrics, "instruments", lambda: _metrics.QueueInstruments(**recorders))
+    reported = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "has been blocked" in record.getMessage():
+                reported.set()
+
+    watch = Watch()
+    logging.getLogger("steeple.engine.looplag").addHandler(watch)
+    done = await enqueue(conn, PLAIN, 1, schema=schema)
+    worker = worker_for(dsn, schema, loop_lag_threshold=0.05)
+
+    async def careless_handler(ctx: JobContext, args: Any) -> None:
+        # Blocks the event loop until the monitor's watchdog has seen it blocked.
+        assert reported.wait(30)
+
+    worker.register(PLAIN, careless_handler)
+    try:
+        with caplog.at_level(logging.WARNING, "steeple.engine.looplag"):
+            async with running(worker):
+                await wait_until(lambda: worker.stats.succeeded == 1)
+                await wait_until(lambda: worker.stats.loop_stalls >= 1)
+    finally:
+        logging.getLogger("steeple.engine.looplag").removeHandler(watch)
+    assert await _state(conn, schema, done.id) == "succeeded"
+    stalled = [r.getMessage() for r in caplog.records if "stalled for" in r.getMessage()]
+    assert len(stalled) == worker.stats.loop_stalls
+    assert any(
+        f"task \"steeple task 'plain' #{done.id} attempt 1\"" in m and "careless_handler" in m
+        for m in stalled
+    ), stalled
+    assert len(recorders["loop_stall"].calls) == worker.stats.loop_stalls
+    assert all(lag > 0.05 for lag, _ in recorders["loop_stall"].calls)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 0.0, 0.001, 7200, "0.5", True])
+def test_a_bad_loop_lag_threshold_is_refused(bad: Any) -> None:
+    with pytest.raises((QueueConfigurationError, QueueTypeError), match="loop_lag_threshold"):
+        Scheduler("postgresql://h/db", worker_id="w", loop_lag_threshold=bad)
+
+
+async def test_loop_lag_detection_can_be_turned_off(queue: QueueFixture) -> None:
+    import threading
+
+    dsn, schema, conn = queue
+    await enqueue(conn, PLAIN, 1, schema=schema)
+    worker = worker_for(dsn, schema, loop_lag_threshold=None)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        return None
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.succeeded == 1)
+        assert "steeple loop-lag watchdog" not in {t.name for t in threading.enumerate()}

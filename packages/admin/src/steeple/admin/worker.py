@@ -48,6 +48,9 @@ class WorkerApp:
         relay_batch: leases claimed per relay round (1-100).
         drain_timeout: seconds in-flight handlers and the relay's current round get
             after a stop signal, before the hard stop.
+        loop_lag_threshold: seconds of event-loop lag reported as a stall, with a
+            warning naming the handler or broker call that blocked the loop; ``None``
+            turns the detection off (see :mod:`steeple.engine.looplag`).
     """
 
     broker: MessageBroker | None = None
@@ -56,6 +59,7 @@ class WorkerApp:
     concurrency: int = 16
     relay_batch: int = 20
     drain_timeout: float = 30.0
+    loop_lag_threshold: float | None = 0.5
 
 
 def load_worker_app(reference: str) -> Any:
@@ -151,6 +155,7 @@ async def run_worker(
                 worker_id=worker_app.worker_id,
                 schema=target.queue_schema,
                 concurrency=worker_app.concurrency,
+                loop_lag_threshold=worker_app.loop_lag_threshold,
             )
             for task, handler in worker_app.tasks:
                 scheduler.register(task, handler)
@@ -166,7 +171,12 @@ async def run_worker(
             if store is not None and worker_app.broker is not None:
                 from steeple.postgres import RecurringRelay
 
-                relay = RecurringRelay(store, worker_app.broker, claim_limit=worker_app.relay_batch)
+                relay = RecurringRelay(
+                    store,
+                    worker_app.broker,
+                    claim_limit=worker_app.relay_batch,
+                    loop_lag_threshold=worker_app.loop_lag_threshold,
+                )
                 relay_task = group.create_task(relay.run(stop), name="steeple relay")
                 work.append(relay_task)
             if scheduler is not None:
@@ -191,8 +201,13 @@ async def run_worker(
         log(
             f"steeple worker: relayed {relay.published} occurrences ({relay.failed} relay failures)"
         )
-    if scheduler is not None and scheduler.stats.released:
-        log(f"steeple worker: handed back {scheduler.stats.released} running task(s)")
+    if scheduler is not None:
+        stats = scheduler.stats
+        log(
+            f"steeple worker: tasks: {stats.succeeded} succeeded, {stats.retried} retried, "
+            f"{stats.failed} failed, {stats.released} handed back, "
+            f"{stats.rejected_completions} outcomes rejected (lease lost)"
+        )
 
 
 async def _supervise(

@@ -37,7 +37,8 @@ from steeple.core.dsn import check_dsn
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import ConfigurationError
 from steeple.core.ports import Clock, RandomSource
-from steeple.postgres.queue import _driver
+from steeple.engine.looplag import DEFAULT_LOOP_LAG_THRESHOLD, LoopStall, watching_event_loop
+from steeple.postgres.queue import _driver, _metrics
 from steeple.postgres.queue._aio import wait_either
 from steeple.postgres.queue._claiming import Claimer
 from steeple.postgres.queue._completions import Completions
@@ -106,9 +107,15 @@ class Scheduler:
             clock and this host's monotonic clock, so stepping either wall clock (NTP,
             an operator, a failover to a server whose clock differs) never stops claims.
         random: randomness for backoff jitter (default: the OS).
+        loop_lag_threshold: seconds of event-loop lag reported as a stall: a warning names
+            the handler (task and code) that blocked the loop, and ``stats.loop_stalls``
+            and the ``steeple.queue.loop_stall`` histogram count it. ``None`` turns the
+            detection off (see :mod:`steeple.engine.looplag`). A handler that blocks the
+            loop past its lease loses it: another worker runs the task and this one's
+            late outcome is rejected.
 
     Intervals and timeouts are seconds (int or float) or timedeltas: poll and maintenance
-    intervals 0.001 s .. 1 h, query_timeout 0.1 s .. 1 h.
+    intervals 0.001 s .. 1 h, query_timeout 0.1 s .. 1 h, loop_lag_threshold 0.01 s .. 1 h.
 
     Raises:
         QueueConfigurationError: an invalid worker id, schema, count or interval (NaN,
@@ -132,6 +139,7 @@ class Scheduler:
         require_durable: bool = True,
         clock: Clock | None = None,
         random: RandomSource | None = None,
+        loop_lag_threshold: float | timedelta | None = DEFAULT_LOOP_LAG_THRESHOLD,
     ) -> None:
         check_name(worker_id, "worker_id")
         validate_schema(schema)
@@ -143,6 +151,11 @@ class Scheduler:
             maintenance_interval, "maintenance_interval", 0.001, _MAX_INTERVAL
         )
         query = check_seconds(query_timeout, "query_timeout", 0.1, _MAX_INTERVAL)
+        self._loop_lag = (
+            None
+            if loop_lag_threshold is None
+            else check_seconds(loop_lag_threshold, "loop_lag_threshold", 0.01, _MAX_INTERVAL)
+        )
         check_bool(listen, "listen")
         check_bool(require_durable, "require_durable")
         if clock is not None and not callable(getattr(clock, "now", None)):
@@ -292,7 +305,10 @@ class Scheduler:
                 wakeups=wakeups,
                 executor=executor,
             )
-            async with asyncio.TaskGroup() as services:
+            async with (
+                watching_event_loop(self._loop_lag, on_stall=self._stalled),
+                asyncio.TaskGroup() as services,
+            ):
                 if self._listen:
                     services.create_task(wakeups.listen_forever())
                 services.create_task(Renewer(env).renew_forever())
@@ -316,6 +332,11 @@ class Scheduler:
             env.status.stopped()
             if owned and env.db_or_none is not None:
                 await env.db_or_none.close()
+
+    def _stalled(self, stall: LoopStall) -> None:
+        # The monitor logged it, naming the culprit; counted here for this worker.
+        self.stats.loop_stalls += 1
+        _metrics.instruments().loop_stall.record(stall.lag)
 
     async def _open(self) -> WorkerDb:
         if isinstance(self._source, str):
