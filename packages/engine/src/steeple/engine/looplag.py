@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -59,7 +60,6 @@ DEFAULT_LOOP_LAG_THRESHOLD: Final = 0.5
 _MIN_THRESHOLD, _MAX_THRESHOLD = 0.01, 3600.0
 _FRAMES_SHOWN: Final = 3
 _FRAMES_SEARCHED: Final = 200
-_STDLIB: Final = sysconfig.get_paths()["stdlib"] + os.sep
 # Frames of the event loop's own machinery are not the culprit: skipped when naming it.
 _MACHINERY: Final = (
     os.path.dirname(asyncio.__file__) + os.sep,
@@ -247,8 +247,13 @@ def _library(filename: str) -> bool:
     return any(f"{os.sep}{d}{os.sep}" in filename for d in ("site-packages", "dist-packages"))
 
 
+@functools.cache
+def _stdlib_dir() -> str:
+    return sysconfig.get_paths()["stdlib"] + os.sep
+
+
 def _stdlib(filename: str) -> bool:
-    return filename.startswith(_STDLIB) and not _library(filename)
+    return filename.startswith(_stdlib_dir()) and not _library(filename)
 
 
 def _culprit(loop: asyncio.AbstractEventLoop, thread_id: int) -> tuple[str | None, str | None]:
