@@ -26,6 +26,9 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 TASKS = 4
 OCCURRENCES = 3
+# Renewed every second while the handlers wait; long enough that a loaded machine's
+# pauses never let one lapse (a lapse would let the worker's own maintenance rerun it).
+TASK_LEASE = timedelta(seconds=3)
 wait_until = functools.partial(queue_support.wait_until, interval=0.05, timeout=60)
 
 
@@ -64,9 +67,9 @@ async def test_sigterm_drains_in_flight_work_and_records_it_once(
 ) -> None:
     dsn, schema = private_database(pg_clusters)
     async with world(
-        dsn, schema, tmp_path, lease=timedelta(seconds=5), occurrences=OCCURRENCES
+        dsn, schema, tmp_path, lease=timedelta(seconds=10), occurrences=OCCURRENCES
     ) as w:
-        task_ids = await w.enqueue(TASKS, lease=timedelta(seconds=1))
+        task_ids = await w.enqueue(TASKS, lease=TASK_LEASE)
         worker = await w.spawn("draining")
         await _in_flight(w, "draining")
         worker.signal(signal.SIGTERM)
@@ -79,7 +82,6 @@ async def test_sigterm_drains_in_flight_work_and_records_it_once(
         assert "stopping hard" not in worker.stderr
         assert f"tasks: {TASKS} succeeded, 0 retried, 0 failed, 0 handed back" in worker.stderr
         assert "steeple worker: stopped" in worker.stderr
-        # the handlers outlived their 1 s leases only through renewals during the drain
         assert {a[3] for a in await w.attempts()} == {"draining"}
         await _everything_done_once(w, task_ids, "draining")
 
@@ -90,9 +92,9 @@ async def test_hard_stop_hands_work_back_and_another_worker_finishes_it_once(
 ) -> None:
     dsn, schema = private_database(pg_clusters)
     async with world(
-        dsn, schema, tmp_path, lease=timedelta(seconds=3), occurrences=OCCURRENCES
+        dsn, schema, tmp_path, lease=timedelta(seconds=6), occurrences=OCCURRENCES
     ) as w:
-        task_ids = await w.enqueue(TASKS, lease=timedelta(seconds=1))
+        task_ids = await w.enqueue(TASKS, lease=TASK_LEASE)
         drain = "60" if how == "second-signal" else "1"
         worker = await w.spawn("stopped", FAULT_DRAIN=drain)
         await _in_flight(w, "stopped")
