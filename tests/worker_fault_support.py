@@ -297,13 +297,16 @@ async def world(
         dsn, config, Keyring(key), SystemClock(), schema=schema
     )
     try:
-        if occurrences:
+        # Each definition fires once, a few minutes ago, and next a year later: exactly
+        # ``occurrences`` are due whenever the test runs (a minute boundary adds none).
+        now = datetime.now(UTC).replace(second=0, microsecond=0)
+        for n in range(occurrences):
+            due = now - timedelta(minutes=2 + n)
             await store.create(
                 RecurringDefinition(
-                    "minutely",
-                    "* * * * *",
-                    datetime.now(UTC).replace(second=0, microsecond=0)
-                    - timedelta(minutes=occurrences, seconds=-1),
+                    f"once-{n}",
+                    f"{due.minute} {due.hour} {due.day} {due.month} *",
+                    due - timedelta(seconds=1),
                     MissedRunPolicy.CATCH_UP,
                     ScheduledMessage("t", "T", b"{}"),
                 )
