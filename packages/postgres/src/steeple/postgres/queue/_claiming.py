@@ -233,4 +233,7 @@ class Claimer:
         run: Coroutine[Any, Any, None] = self._executor.execute(claimed)
         if tracer is not None and contexts is not None:
             run = _tracing.traced_run(tracer, claimed.ctx, contexts.get(task_id), run)
-        env.inflight.tasks[task_id] = handlers.create_task(run)
+        # Named for the loop-lag monitor, which reports the task that blocks the loop.
+        env.inflight.tasks[task_id] = handlers.create_task(
+            run, name=f"steeple task {name!r} #{task_id} attempt {attempt}"
+        )

@@ -133,7 +133,7 @@ class Completions:
                     env.status.db_ok = True
                 except DB_ERRORS as exc:
                     env.status.db_ok = False
-                    LOG.warning("could not record %d completions: %s", len(batch), exc)
+                    LOG.warning("could not record %d completions: %r", len(batch), exc)
                     for claimed in batch:
                         claimed.unsure = True
                     buffer[:0] = batch
