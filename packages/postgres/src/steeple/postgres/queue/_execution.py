@@ -1,14 +1,21 @@
 """Handler execution: what a handler sees (:class:`JobContext`), running it, its outcome.
 
-A handler's return is a success (buffered for the completion flusher); a
-:class:`~steeple.postgres.queue.JobError` or any other exception is a failure, turned here
-into the text and retry time the completion room records. When the drain's deadline
-passes, running handlers are cancelled and their tasks handed back.
+A handler is an ``async def`` (run on the event loop) or a plain ``def`` (run in the
+worker's bounded thread pool, with the same context); :func:`check_handler` refuses at
+registration what cannot run. A handler's return is a success (buffered for the
+completion flusher); a :class:`~steeple.postgres.queue.JobError` or any other exception
+is a failure, turned here into the text and retry time the completion room records. When
+the drain's deadline passes, running handlers are cancelled and their tasks handed back
+(a thread cannot be interrupted: its ``ctx.lease_lost`` is set so it can stop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
+import functools
+import inspect
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -23,14 +30,15 @@ from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import WorkerEnv
 from steeple.postgres.queue._validate import storable_text
-from steeple.postgres.queue.errors import JobError, LeaseLostError
+from steeple.postgres.queue.errors import JobError, LeaseLostError, QueueTypeError
 from steeple.postgres.queue.tasks import Task
 
-__all__ = ["Executor", "Handler", "JobContext", "Registration"]
+__all__ = ["Executor", "Handler", "JobContext", "Registration", "check_handler"]
 
 A = TypeVar("A")
-Handler = Callable[["JobContext", A], Awaitable[object]]
-"""An async handler: ``async def handle(ctx: JobContext, args) -> None``."""
+Handler = Callable[["JobContext", A], Awaitable[object] | object]
+"""A handler: ``async def handle(ctx: JobContext, args)`` (run on the event loop) or
+``def handle(ctx: JobContext, args)`` (run in the worker's thread pool)."""
 
 _MAX_ERROR_TEXT: Final = 2000
 
@@ -76,10 +84,79 @@ class JobContext:
 
 @attrs.frozen
 class Registration(Generic[A]):
-    """A task and the handler that runs it."""
+    """A task and the handler that runs it (``run_async``: on the loop, else in a thread)."""
 
     task: Task[A]
     handler: Handler[A]
+    run_async: bool
+
+
+def _name_of(handler: object) -> str:
+    name = getattr(handler, "__qualname__", None) or type(handler).__name__
+    return name if isinstance(name, str) and len(name) <= 200 else type(handler).__name__
+
+
+def check_handler(handler: object) -> bool:
+    """Check that ``handler`` can run as ``handler(ctx, args)``; return whether it is async.
+
+    ``async def`` functions (and callables whose ``__call__`` is one, and partials of
+    them) run on the event loop; any other function runs in the worker's thread pool.
+
+    Raises:
+        QueueTypeError: not callable (a coroutine object, a value), a class, a generator
+            or async generator function, or a callable that cannot take exactly two
+            positional arguments ``(ctx, args)``.
+    """
+    if inspect.iscoroutine(handler) or inspect.isawaitable(handler):
+        raise QueueTypeError(
+            "handler is a coroutine (an awaitable), not a function: pass the function "
+            "itself, e.g. register(task, handle) rather than register(task, handle(...))"
+        )
+    if not callable(handler):
+        raise QueueTypeError(
+            f"handler must be a function (ctx, args), async or not, not {type(handler).__name__}"
+        )
+    if isinstance(handler, type):
+        raise QueueTypeError(
+            f"handler must be a function (ctx, args), not the class {_name_of(handler)}"
+        )
+    target: Any = handler
+    while isinstance(target, functools.partial):
+        target = target.func
+    # A callable object runs its class's __call__ (looked up by name, not to test callability).
+    call = (
+        target
+        if inspect.isroutine(target)
+        else inspect.getattr_static(type(target), "__call__", target)
+    )
+    if inspect.isasyncgenfunction(target) or inspect.isasyncgenfunction(call):
+        raise QueueTypeError(
+            f"handler {_name_of(handler)} is an async generator function (it yields): a "
+            "handler runs once and returns; use return instead of yield"
+        )
+    if inspect.isgeneratorfunction(target) or inspect.isgeneratorfunction(call):
+        raise QueueTypeError(
+            f"handler {_name_of(handler)} is a generator function (it yields): a handler "
+            "runs once and returns; use return instead of yield"
+        )
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):
+        signature = None  # some builtins have no signature: they are judged when they run
+    if signature is not None:
+        try:
+            signature.bind(None, None)
+        except TypeError:
+            raise QueueTypeError(
+                f"handler {_name_of(handler)} must take two positional arguments (ctx, args); "
+                f"its signature is {_shown_signature(signature)}"
+            ) from None
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
+
+
+def _shown_signature(signature: inspect.Signature) -> str:
+    text = str(signature)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def error_text(exc: BaseException) -> str:
@@ -103,17 +180,41 @@ class Executor:
         env: WorkerEnv,
         registry: Mapping[str, Registration[Any]],
         completions: Completions,
+        threads: concurrent.futures.Executor | None = None,
     ) -> None:
         self._env = env
         self._registry = registry
         self._completions = completions
+        self._threads = threads
         self._hard_stop = False
 
     def cancel_all(self) -> None:
-        """Cancel every running handler; their tasks are handed back (the drain timed out)."""
+        """Cancel every running handler; their tasks are handed back (the drain timed out).
+
+        A handler running in a thread cannot be interrupted: its ``ctx.lease_lost`` is set
+        (as for every handler) so it can see that whatever it does next is not recorded.
+        """
         self._hard_stop = True
+        for claimed in list(self._env.inflight.running.values()):
+            claimed.ctx.lease_lost.set()
         for task in list(self._env.inflight.tasks.values()):
             task.cancel()
+
+    async def _run(self, registration: Registration[Any], ctx: JobContext, args: Any) -> object:
+        """Run the handler: awaited on the loop, or called in the thread pool."""
+        if registration.run_async:
+            return await registration.handler(ctx, args)  # type: ignore[misc]
+        loop = asyncio.get_running_loop()
+        # The thread sees the context variables of this run (its tracing span among them).
+        value = await loop.run_in_executor(
+            self._threads,
+            functools.partial(contextvars.copy_context().run, registration.handler, ctx, args),
+        )
+        if inspect.isawaitable(value):
+            # A plain function that returns an awaitable (a lambda around a coroutine, a
+            # decorator that hid ``async``): the awaitable runs on the loop.
+            value = await value
+        return value
 
     async def execute(self, claimed: Claimed) -> None:
         """Run ``claimed``'s handler and record its outcome."""
@@ -125,7 +226,7 @@ class Executor:
         try:
             try:
                 args = registration.task.decode(claimed.args_text)
-                await registration.handler(ctx, args)
+                await self._run(registration, ctx, args)
             except asyncio.CancelledError:
                 if self._hard_stop:
                     self._completions.hand_back(claimed)
