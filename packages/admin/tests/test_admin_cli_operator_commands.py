@@ -56,7 +56,7 @@ async def fail_task(dsn: str, schema: str, name: str = "flaky") -> int:
         sql = queue_sql(schema)
         give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
         (row,) = await conn.fetch(sql.claim, [name], 1, "w", give_up)
-        await conn.fetch(sql.fail, task_id, row["lease_token"], "boom", "w")
+        await conn.fetch(sql.fail, task_id, row["lease_token"], "boom", "w", None, None, None)
         return int(task_id)
     finally:
         await conn.close()

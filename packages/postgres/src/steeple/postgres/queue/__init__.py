@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from steeple.postgres.queue import admin, jobs
 from steeple.postgres.queue._enqueue import enqueue, enqueue_many, enqueue_many_sync, enqueue_sync
-from steeple.postgres.queue._ops import TaskRun, cancel, prune_terminal, run_state
+from steeple.postgres.queue._ops import (
+    Progress,
+    TaskAttempt,
+    TaskRun,
+    cancel,
+    prune_terminal,
+    run_state,
+)
 from steeple.postgres.queue._schema import (
     DEFAULT_SCHEMA,
     LIBRARY_SCHEMA_VERSION,
@@ -29,6 +36,7 @@ from steeple.postgres.queue.errors import (
     QueueError,
     QueueTypeError,
     QueueUnavailableError,
+    ResultEncodingError,
     SchemaVersionMismatchError,
     TaskNotFoundError,
     TaskStateError,
@@ -36,7 +44,7 @@ from steeple.postgres.queue.errors import (
     UnknownTaskError,
     UnsupportedConnectionError,
 )
-from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, Task
+from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, RetryPolicy, Task
 
 __all__ = [
     "DEFAULT_SCHEMA",
@@ -51,13 +59,17 @@ __all__ = [
     "JobExistsError",
     "JobNotFoundError",
     "LeaseLostError",
+    "Progress",
     "QueueConfigurationError",
     "QueueError",
     "QueueTypeError",
     "QueueUnavailableError",
+    "ResultEncodingError",
+    "RetryPolicy",
     "Scheduler",
     "SchemaVersionMismatchError",
     "Task",
+    "TaskAttempt",
     "TaskNotFoundError",
     "TaskRun",
     "TaskStateError",

@@ -11,6 +11,8 @@ Module map of the worker (``steeple.postgres.queue``), one room per concern:
 - ``_completions.py`` Completions: the batched success flusher, confirming lost replies,
                       writing failures/retries, fencing, releasing at shutdown.
 - ``_renewal.py``     Renewer: token-guarded lease renewal, lease-lost/cancelled signals.
+- ``_progress.py``    ProgressWriter: handlers' reported progress, batched, token-fenced.
+- ``_failures.py``    what a failed attempt records: exception type, message, traceback.
 - ``_wakeups.py``     Wakeups: the claim loop's wake event, LISTEN/NOTIFY, due-time timers.
 - ``_maintenance.py`` Maintainer: expired-lease recovery, recurring-job materialization.
 - ``_inflight.py``    Claimed (one running attempt) and InFlight (all of them, slots, idle).
@@ -57,6 +59,7 @@ from steeple.postgres.queue._execution import (
     check_handler,
 )
 from steeple.postgres.queue._maintenance import Maintainer
+from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._renewal import Renewer
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
 from steeple.postgres.queue._shared import Health, WorkerEnv, WorkerStats, WorkerStatus
@@ -297,7 +300,8 @@ class Scheduler:
             env.status.started()
             wakeups = Wakeups(env)
             completions = Completions(env, wakeups)
-            executor = Executor(env, self._registry, completions, threads)
+            progress = ProgressWriter(env)
+            executor = Executor(env, self._registry, completions, threads, progress)
             claimer = Claimer(
                 env,
                 list(self._registry),
@@ -312,6 +316,7 @@ class Scheduler:
                 services.create_task(Renewer(env).renew_forever())
                 services.create_task(Maintainer(env, wakeups, self._maintenance).maintain_forever())
                 services.create_task(completions.flush_forever())
+                services.create_task(progress.write_forever())
                 try:
                     async with asyncio.TaskGroup() as handlers:
                         await claimer.claim_until(stop, handlers)
@@ -320,6 +325,7 @@ class Scheduler:
                 finally:
                     env.closing.set()
                     completions.stop()
+                    progress.stop()
                     wakeups.cancel_timers()
         finally:
             env.status.stopped()
