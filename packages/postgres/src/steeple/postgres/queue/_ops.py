@@ -33,6 +33,10 @@ MAX_HISTORY: Final = 1000
 """The most attempts :func:`run_state` returns (the latest; ``history=`` chooses fewer)."""
 
 
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
 @attrs.frozen
 class Progress:
     """The latest progress a handler reported with ``ctx.report_progress``.
@@ -44,6 +48,13 @@ class Progress:
 
     fraction: float
     message: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict (``message`` only when there is one)."""
+        shown: dict[str, Any] = {"fraction": self.fraction}
+        if self.message is not None:
+            shown["message"] = self.message
+        return shown
 
     @classmethod
     def from_json(cls, text: str | None) -> Progress | None:
@@ -78,6 +89,19 @@ class TaskAttempt:
     error: str | None = None
     error_type: str | None = None
     traceback: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict (instants in ISO 8601)."""
+        return {
+            "attempt": self.attempt,
+            "outcome": self.outcome,
+            "worker_id": self.worker_id,
+            "started_at": _iso(self.started_at),
+            "finished_at": _iso(self.finished_at),
+            "error": self.error,
+            "error_type": self.error_type,
+            "traceback": self.traceback,
+        }
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> TaskAttempt:
@@ -144,6 +168,31 @@ class TaskRun:
     progress: Progress | None = None
     result: Any = None
     history: tuple[TaskAttempt, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict of every field (instants in ISO 8601, never args)."""
+        return {
+            "id": self.id,
+            "task_name": self.task_name,
+            "state": self.state.value,
+            "priority": self.priority,
+            "run_at": _iso(self.run_at),
+            "attempts": self.attempts,
+            "max_attempts": self.max_attempts,
+            "run_id": str(self.run_id),
+            "worker_id": self.worker_id,
+            "lease_expires_at": _iso(self.lease_expires_at),
+            "dedup_key": self.dedup_key,
+            "job_id": self.job_id,
+            "scheduled_for": _iso(self.scheduled_for),
+            "created_at": _iso(self.created_at),
+            "started_at": _iso(self.started_at),
+            "finished_at": _iso(self.finished_at),
+            "last_error": self.last_error,
+            "progress": None if self.progress is None else self.progress.to_json(),
+            "result": self.result,
+            "history": [a.to_json() for a in self.history],
+        }
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> TaskRun:
