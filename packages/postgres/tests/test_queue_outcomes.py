@@ -321,7 +321,7 @@ def test_retry_policy_becomes_the_snapshot_unless_options_say_otherwise() -> Non
         factor=3, jitter=0.5,
     )  # fmt: skip
     assert policy.backoff == Backoff(timedelta(seconds=2), timedelta(seconds=30), 3, 0.5)
-    assert EnqueueOptions().snapshot(policy)[1:] == (
+    assert EnqueueOptions().snapshot(Task("t", retry=policy))[1:] == (
         7,
         timedelta(seconds=60),
         2_000_000,
@@ -330,7 +330,15 @@ def test_retry_policy_becomes_the_snapshot_unless_options_say_otherwise() -> Non
         0.5,
     )
     assert EnqueueOptions().snapshot()[1] == 5
-    assert EnqueueOptions(max_attempts=2).snapshot(policy)[1] == 2
+    assert EnqueueOptions(max_attempts=2).snapshot(Task("t", retry=policy))[1] == 2
+    assert EnqueueOptions().snapshot(Task("t", max_attempts=9))[1] == 9
+    assert EnqueueOptions().snapshot(Task("t", max_attempts=7, retry=policy))[1] == 7
+    with pytest.raises(QueueConfigurationError, match="give it once"):
+        Task("t", max_attempts=3, retry=policy)
+    with pytest.raises(QueueConfigurationError, match="max_attempts"):
+        Task("t", max_attempts=0)
+    with pytest.raises(QueueTypeError, match="max_attempts"):
+        Task("t", max_attempts="3")  # type: ignore[arg-type]
     with pytest.raises(QueueTypeError, match="retry must be a RetryPolicy"):
         Task("t", retry=3)  # type: ignore[arg-type]
 

@@ -1,10 +1,11 @@
 """``steeple worker --app module:object``: run an application's relay and task handlers.
 
-The object is a :class:`WorkerApp`, or a callable (sync or async, no arguments) returning
-one. A ``broker`` runs :class:`steeple.postgres.RecurringRelay` (tick, claim, relay) for the
-namespace; ``tasks``
-run the work-queue worker. SIGINT / SIGTERM stop both gracefully: nothing new is claimed,
-in-flight work finishes (within ``drain_timeout``), then the process exits 0.
+The object is a :class:`WorkerApp` or a work-queue :class:`steeple.postgres.queue.App`
+(every task it declares is served, on its schema), or a callable (sync or async, no
+arguments) returning one. A ``broker`` runs :class:`steeple.postgres.RecurringRelay`
+(tick, claim, relay) for the namespace; ``tasks`` run the work-queue worker. SIGINT /
+SIGTERM stop both gracefully: nothing new is claimed, in-flight work finishes (within
+``drain_timeout``), then the process exits 0.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class WorkerApp:
         concurrency: the most task handlers running at once.
         relay_batch: leases claimed per relay round (1-100).
         drain_timeout: seconds in-flight handlers get after a stop signal.
+        queue_schema: the work queue's schema (default: the command's ``--queue-schema``);
+            set from a ``steeple.postgres.queue.App``'s schema.
     """
 
     broker: MessageBroker | None = None
@@ -49,6 +52,7 @@ class WorkerApp:
     concurrency: int = 16
     relay_batch: int = 20
     drain_timeout: float = 30.0
+    queue_schema: str | None = None
 
 
 def load_worker_app(reference: str) -> Any:
@@ -89,15 +93,26 @@ def load_worker_app(reference: str) -> Any:
 
 
 async def _resolve(value: Any) -> WorkerApp:
-    if not isinstance(value, WorkerApp) and callable(value):
+    from steeple.postgres.queue import App
+
+    if not isinstance(value, WorkerApp | App) and callable(value):
         value = value()
         if inspect.isawaitable(value):
             value = await value
+    if isinstance(value, App):
+        if not value.tasks:
+            raise CliError(
+                "the queue App declares no task: nothing to run",
+                code=ExitCode.CONFIG,
+                hint="decorate a handler with @app.task in the module --app imports",
+            )
+        value = WorkerApp(tasks=value.handlers(), queue_schema=value.schema)
     if not isinstance(value, WorkerApp):
         raise CliError(
-            f"--app gave a {type(value).__name__}, not a steeple.admin.WorkerApp",
+            f"--app gave a {type(value).__name__}, not a steeple.admin.WorkerApp or a "
+            "steeple.postgres.queue.App",
             code=ExitCode.CONFIG,
-            hint="return WorkerApp(broker=..., tasks=[(task, handler), ...])",
+            hint="return WorkerApp(broker=..., tasks=[(task, handler), ...]) or a queue App",
         )
     if value.broker is None and not value.tasks:
         raise CliError(
@@ -135,13 +150,14 @@ async def run_worker(
     try:
         if worker_app.broker is not None:
             store = await connect_store(target)
+        queue_schema = _queue_schema(worker_app, target)
         if worker_app.tasks:
             from steeple.postgres.queue import Scheduler
 
             scheduler = Scheduler(
                 target.dsn,
                 worker_id=worker_app.worker_id,
-                schema=target.queue_schema,
+                schema=queue_schema,
                 concurrency=worker_app.concurrency,
             )
             for task, handler in worker_app.tasks:
@@ -150,7 +166,7 @@ async def run_worker(
         if store is not None:
             parts.append(f"relay for namespace {target.namespace!r}")
         if scheduler is not None:
-            parts.append(f"task worker on {target.queue_schema!r}")
+            parts.append(f"task worker on {queue_schema!r}")
         log(f"steeple worker: running {' and '.join(parts)}; Ctrl-C or SIGTERM to stop")
         async with asyncio.TaskGroup() as group:
             if store is not None and worker_app.broker is not None:
@@ -171,6 +187,21 @@ async def run_worker(
         log(
             f"steeple worker: relayed {relay.published} occurrences ({relay.failed} relay failures)"
         )
+
+
+def _queue_schema(worker_app: WorkerApp, target: Target) -> str:
+    """Return the queue schema to serve: the app's, unless the command named another."""
+    chosen = worker_app.queue_schema
+    if chosen is None:
+        return target.queue_schema
+    override = target.queue_schema_override
+    if override is not None and override != chosen:
+        raise CliError(
+            f"--queue-schema {override!r} differs from the app's schema {chosen!r}",
+            code=ExitCode.CONFIG,
+            hint="drop --queue-schema, or build the App with App(schema=...) to match",
+        )
+    return chosen
 
 
 def _stopper(stop: asyncio.Event, log: Callable[[str], None], signum: int) -> Callable[[], None]:

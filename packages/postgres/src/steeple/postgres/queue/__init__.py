@@ -1,7 +1,10 @@
 """steeple's PostgreSQL work queue: immediate, delayed and recurring work as durable task rows.
 
-Produce with :func:`enqueue` on your own connection (asyncpg or psycopg, in your own
-transaction); run with a :class:`Scheduler`; declare recurring work with :mod:`.jobs`.
+Declare tasks with their handlers on an :class:`App` (``@app.task``), produce with
+``await my_task.enqueue(conn, args)`` on your own connection (asyncpg or psycopg, in your
+own transaction), run them with ``app.scheduler(...)``. The explicit API stays: a
+:class:`Task`, :func:`enqueue`, a :class:`Scheduler` and its ``register``. Declare
+recurring work with :mod:`.jobs`.
 Install the schema explicitly with :func:`install` first. Operators list, count and retry
 tasks and list jobs with :mod:`.admin`.
 """
@@ -9,6 +12,7 @@ tasks and list jobs with :mod:`.admin`.
 from __future__ import annotations
 
 from steeple.postgres.queue import admin, jobs
+from steeple.postgres.queue._app import App, TaskFunction
 from steeple.postgres.queue._enqueue import enqueue, enqueue_many, enqueue_many_sync, enqueue_sync
 from steeple.postgres.queue._ops import (
     Progress,
@@ -49,6 +53,7 @@ from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, RetryPoli
 __all__ = [
     "DEFAULT_SCHEMA",
     "LIBRARY_SCHEMA_VERSION",
+    "App",
     "ArgsEncodingError",
     "EnqueueOptions",
     "EnqueuedTask",
@@ -70,6 +75,7 @@ __all__ = [
     "SchemaVersionMismatchError",
     "Task",
     "TaskAttempt",
+    "TaskFunction",
     "TaskNotFoundError",
     "TaskRun",
     "TaskStateError",

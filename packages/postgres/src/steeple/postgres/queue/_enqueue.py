@@ -38,7 +38,7 @@ def _checked(task: object, options: object) -> EnqueueOptions:
 def _params(
     sql: QueueSql, task: Task[Any], args_text: str, options: EnqueueOptions, trace: str | None
 ) -> list[Any]:
-    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = options.snapshot(task.retry)
+    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = options.snapshot(task)
     return [
         task.name, args_text, priority, options.run_at, max_attempts, lease,
         b_init, b_max, b_factor, b_jitter, options.dedup_key, sql.channel, options.delay, trace,

@@ -194,7 +194,7 @@ def _params(
     if not isinstance(task, Task):
         raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
     priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = _template(options).snapshot(
-        task.retry
+        task
     )
     return [task.name, calendar.expression, calendar.zone, task.encode(args), priority,
             max_attempts, lease, b_init, b_max, b_factor, b_jitter]  # fmt: skip

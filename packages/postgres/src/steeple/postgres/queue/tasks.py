@@ -117,6 +117,11 @@ class RetryPolicy:
         )
 
 
+def _check_task_attempts(_i: object, _a: object, value: Any) -> None:
+    if value is not None:
+        check_int(value, "max_attempts", 1, 10_000)
+
+
 def _check_retry(_i: object, _a: object, value: Any) -> None:
     if value is not None and not isinstance(value, RetryPolicy):
         raise QueueTypeError(f"retry must be a RetryPolicy or None, not {type(value).__name__}")
@@ -129,21 +134,37 @@ class Task(Generic[A]):
     ``args_type`` may be an attrs class, a dataclass (flat: fields are JSON values), or
     ``None`` for plain JSON values (dicts, lists, strings, numbers, booleans, null).
     ``retry`` (keyword) makes the handler's plain exceptions retryable (see
-    :class:`RetryPolicy`); without it only ``JobError.retry`` retries.
+    :class:`RetryPolicy`); without it only ``JobError.retry`` retries. ``max_attempts``
+    (keyword, 1..10000) is the attempt limit its enqueues snapshot when their options
+    leave it unset (without either: 5).
 
     Raises:
         QueueConfigurationError: an empty or too long name, or one with a control character
             or lone surrogate.
         QueueTypeError: a name that is not a str; an args type that is neither an attrs
-            class nor a dataclass; a ``retry`` that is not a RetryPolicy.
+            class nor a dataclass; a ``retry`` that is not a RetryPolicy; a
+            ``max_attempts`` that is not an int.
     """
 
     name: str
     args_type: type[A] | None = None
     retry: RetryPolicy | None = attrs.field(default=None, kw_only=True, validator=_check_retry)
+    max_attempts: int | None = attrs.field(
+        default=None, kw_only=True, validator=_check_task_attempts
+    )
 
     def __attrs_post_init__(self) -> None:
         _check_name(self.name, "task name")
+        retry = self.retry
+        if (
+            retry is not None
+            and self.max_attempts is not None
+            and retry.max_attempts != self.max_attempts
+        ):
+            raise QueueConfigurationError(
+                f"task {self.name!r}: max_attempts={self.max_attempts} differs from its "
+                f"retry policy's max_attempts={retry.max_attempts}; give it once"
+            )
         kind = self.args_type
         if kind is not None and not (
             isinstance(kind, type) and (attrs.has(kind) or dataclasses.is_dataclass(kind))
@@ -385,15 +406,19 @@ class EnqueueOptions:
         return cls._build(options, delay=delay)
 
     def snapshot(
-        self, retry: RetryPolicy | None = None
+        self, task: Task[Any] | None = None
     ) -> tuple[int, int, timedelta, int, int, int, float]:
         """(priority, max_attempts, lease, backoff initial us, max us, factor, jitter).
 
-        What these options leave unset (``None``) comes from the task's ``retry`` policy,
-        else the defaults (5 attempts, ``Backoff()``).
+        What these options leave unset (``None``) comes from ``task`` (its
+        ``max_attempts``, its ``retry`` policy), else the defaults (5 attempts,
+        ``Backoff()``).
         """
+        retry = None if task is None else task.retry
         if self.max_attempts is not None:
             max_attempts = self.max_attempts
+        elif task is not None and task.max_attempts is not None:
+            max_attempts = task.max_attempts
         else:
             max_attempts = _DEFAULT_ATTEMPTS if retry is None else retry.max_attempts
         if self.backoff is not None:
