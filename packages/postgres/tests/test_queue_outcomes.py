@@ -519,3 +519,44 @@ async def test_report_progress_refuses_hostile_values_and_stores_nothing(
     assert len(errors) == len(cases)
     assert all("progress" in text for text, _ in errors)
     assert (await run_state(conn, done.id, schema=schema)).progress == Progress(1.0)
+
+
+async def test_outcomes_through_a_psycopg_pool_and_connection(queue: QueueFixture) -> None:
+    """The same writes and reads on psycopg: result and progress arrays with NULLs, failures."""
+    import psycopg
+    import psycopg_pool
+
+    dsn, schema, conn = queue
+    task: Task[Any] = Task("psy", retry=FAST)
+
+    def handle(ctx: JobContext, args: Any) -> Any:
+        if args == "progress-only":
+            ctx.report_progress(0.5)
+            return None
+        if args == "fail":
+            raise ValueError("psycopg failure")
+        return {"echo": args}
+
+    ids = [
+        (await enqueue(conn, task, a, schema=schema)).id
+        for a in ("progress-only", "fail", "value", "value2")
+    ]
+    pool = psycopg_pool.AsyncConnectionPool(dsn, min_size=3, max_size=4, open=False)
+    await pool.open()
+    try:
+        worker = Scheduler(pool, worker_id="psy-w", schema=schema, poll_interval=0.05)
+        worker.register(task, handle)
+        async with running(worker):
+            await wait_until(lambda: worker.stats.succeeded == 3 and worker.stats.failed == 1)
+    finally:
+        await pool.close()
+    async with await psycopg.AsyncConnection.connect(dsn) as pconn:
+        runs = [await run_state(pconn, i, schema=schema) for i in ids]
+    assert [(r.state.value, r.result, r.progress) for r in runs] == [
+        ("succeeded", None, Progress(0.5)),
+        ("failed", None, None),
+        ("succeeded", {"echo": "value"}, None),
+        ("succeeded", {"echo": "value2"}, None),
+    ]
+    assert [a.error_type for a in runs[1].history] == ["ValueError"] * 3
+    assert runs[1].history[0].started_at is not None

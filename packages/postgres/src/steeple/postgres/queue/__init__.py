@@ -4,9 +4,10 @@ Declare tasks with their handlers on an :class:`App` (``@app.task``), produce wi
 ``await my_task.enqueue(conn, args)`` on your own connection (asyncpg or psycopg, in your
 own transaction), run them with ``app.scheduler(...)``. The explicit API stays: a
 :class:`Task`, :func:`enqueue`, a :class:`Scheduler` and its ``register``. Declare
-recurring work with :mod:`.jobs`.
-Install the schema explicitly with :func:`install` first. Operators list, count and retry
-tasks and list jobs with :mod:`.admin`.
+recurring work with :mod:`.jobs`. Install the schema explicitly with :func:`install`
+first. Tasks wait in named queues; :func:`pause_queue`, :func:`resume_queue`,
+:func:`limit_queue` and :func:`limit_task` set what every worker obeys. Operators list,
+count and retry tasks and list jobs and queues with :mod:`.admin`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ from steeple.postgres.queue._ops import (
     cancel,
     prune_terminal,
     run_state,
+)
+from steeple.postgres.queue._queues import (
+    QueueInfo,
+    TaskLimits,
+    limit_queue,
+    limit_task,
+    list_queues,
+    pause_queue,
+    resume_queue,
 )
 from steeple.postgres.queue._schema import (
     DEFAULT_SCHEMA,
@@ -67,6 +77,7 @@ __all__ = [
     "Progress",
     "QueueConfigurationError",
     "QueueError",
+    "QueueInfo",
     "QueueTypeError",
     "QueueUnavailableError",
     "ResultEncodingError",
@@ -76,6 +87,7 @@ __all__ = [
     "Task",
     "TaskAttempt",
     "TaskFunction",
+    "TaskLimits",
     "TaskNotFoundError",
     "TaskRun",
     "TaskStateError",
@@ -92,7 +104,12 @@ __all__ = [
     "enqueue_sync",
     "install",
     "jobs",
+    "limit_queue",
+    "limit_task",
+    "list_queues",
+    "pause_queue",
     "prune_terminal",
+    "resume_queue",
     "run_state",
     "schema_version",
 ]

@@ -14,9 +14,14 @@ from typing import Any, Protocol
 
 import attrs
 
-__all__ = ["Counter", "Histogram", "QueueInstruments", "instruments"]
+__all__ = ["Counter", "Histogram", "QueueInstruments", "instruments", "task_attributes"]
 
 Attributes = Mapping[str, str] | None
+
+
+def task_attributes(task_name: str, queue: str) -> dict[str, str]:
+    """Return the attributes every per-task measurement carries: the task name and queue."""
+    return {"task": task_name, "queue": queue}
 
 
 class Counter(Protocol):

@@ -141,6 +141,7 @@ class TaskRun:
         started_at: when the latest attempt started.
         finished_at: when it reached a terminal state.
         last_error: the latest failure's text.
+        queue: the named queue it belongs to.
         progress: the latest progress its handler reported, or ``None``.
         result: the JSON value its handler returned (``None``: it returned ``None``, has
             not succeeded, or this came from a listing, which leaves results out).
@@ -165,6 +166,7 @@ class TaskRun:
     started_at: datetime | None
     finished_at: datetime | None
     last_error: str | None
+    queue: str = "default"
     progress: Progress | None = None
     result: Any = None
     history: tuple[TaskAttempt, ...] = ()
@@ -189,6 +191,7 @@ class TaskRun:
             "started_at": _iso(self.started_at),
             "finished_at": _iso(self.finished_at),
             "last_error": self.last_error,
+            "queue": self.queue,
             "progress": None if self.progress is None else self.progress.to_json(),
             "result": self.result,
             "history": [a.to_json() for a in self.history],
@@ -202,10 +205,10 @@ class TaskRun:
         """
         values = list(row)
         values[2] = TaskState(values[2])
-        values[17] = Progress.from_json(values[17])
-        if len(values) > 18:
-            values[18] = None if values[18] is None else json.loads(values[18])
-            values[19] = tuple(TaskAttempt.from_json(a) for a in json.loads(values[19]))
+        values[18] = Progress.from_json(values[18])
+        if len(values) > 19:
+            values[19] = None if values[19] is None else json.loads(values[19])
+            values[20] = tuple(TaskAttempt.from_json(a) for a in json.loads(values[20]))
         return cls(*values)
 
 

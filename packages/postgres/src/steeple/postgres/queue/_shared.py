@@ -57,6 +57,8 @@ class WorkerStats:
     materialized: int = 0
     maintenance_rounds: int = 0
     """Maintenance passes (lease recovery and recurring materialization) that completed."""
+    claim_rounds: int = 0
+    """Claim queries answered (with or without tasks): each applied the queues' settings."""
     failed_claims: int = 0
     """Claim rounds that failed (database error or timeout)."""
     refused_claims: int = 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Final, TypeVar
 
@@ -64,7 +65,14 @@ from steeple.postgres.queue._renewal import Renewer
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
 from steeple.postgres.queue._shared import Health, WorkerEnv, WorkerStats, WorkerStatus
 from steeple.postgres.queue._sql import queue_sql
-from steeple.postgres.queue._validate import check_bool, check_int, check_name, check_seconds
+from steeple.postgres.queue._validate import (
+    DEFAULT_QUEUE,
+    check_bool,
+    check_int,
+    check_name,
+    check_queue,
+    check_seconds,
+)
 from steeple.postgres.queue._wakeups import Wakeups
 from steeple.postgres.queue.errors import (
     QueueConfigurationError,
@@ -84,6 +92,30 @@ _MAX_DRAIN: Final = 86_400.0
 _MAX_CONCURRENCY: Final = 100_000
 _MAX_THREADS: Final = 1024
 _DEFAULT_THREADS: Final = 32
+_MAX_QUEUES: Final = 100
+
+
+def _served(queues: object, concurrency: int) -> list[tuple[str, int]]:
+    """Check the queues a worker serves; return (name, its limit in this worker) pairs."""
+    if isinstance(queues, Mapping):
+        pairs = list(queues.items())
+    elif isinstance(queues, Sequence) and not isinstance(queues, str | bytes | bytearray):
+        pairs = [(name, concurrency) for name in queues]
+    else:
+        raise QueueTypeError(
+            "queues must be a list of queue names or a mapping of name to concurrency, "
+            f"not {type(queues).__name__}"
+        )
+    if not 1 <= len(pairs) <= _MAX_QUEUES:
+        raise QueueConfigurationError(f"a worker serves 1..{_MAX_QUEUES} queues, got {len(pairs)}")
+    seen: set[str] = set()
+    for name, limit in pairs:
+        check_queue(name)
+        check_int(limit, f"the concurrency of queue {name!r}", 1, _MAX_CONCURRENCY)
+        if name in seen:
+            raise QueueConfigurationError(f"queue {name!r} is listed twice")
+        seen.add(name)
+    return [(name, min(limit, concurrency)) for name, limit in pairs]
 
 
 def _encodable(text: str) -> bool:
@@ -95,7 +127,7 @@ def _encodable(text: str) -> bool:
 
 
 class Scheduler:
-    """A worker running registered handlers for due tasks of one queue schema.
+    """A worker running registered handlers for due tasks of named queues in one schema.
 
     Args:
         pool_or_dsn: an asyncpg pool or a psycopg_pool ``AsyncConnectionPool`` (the
@@ -103,10 +135,15 @@ class Scheduler:
         worker_id: this worker's name, recorded on claimed tasks (1-200 chars).
         schema: the queue's PostgreSQL schema.
         poll_interval: seconds (or timedelta) between polls when no NOTIFY arrives.
-        concurrency: the most handlers running at once.
+        concurrency: the most handlers running at once in this worker.
         threads: the size of the thread pool that runs plain ``def`` handlers (1..1024;
             default ``min(concurrency, 32)``). Created only when such a handler is
             registered; sync handlers beyond it wait for a thread (their leases are kept).
+        queues: the named queues served: a list of names (each may use all of
+            ``concurrency``), or a mapping of name to the most of its tasks running at
+            once in this worker (capped by ``concurrency``). Default: ``["default"]``.
+            Limits across all workers, pauses and rate limits are stored in the database
+            (see :mod:`steeple.postgres.queue.admin`) and applied by every claim.
         batch_size: the most tasks claimed per query (default: ``concurrency``).
         maintenance_interval: seconds between expired-lease recovery and job materialization.
         listen: use LISTEN/NOTIFY wake-ups (polling alone when False).
@@ -126,8 +163,9 @@ class Scheduler:
     intervals 0.001 s .. 1 h, query_timeout 0.1 s .. 1 h.
 
     Raises:
-        QueueConfigurationError: an invalid worker id, schema, count or interval (NaN,
-            infinite, negative, zero or too large), or an invalid DSN (see
+        QueueConfigurationError: an invalid worker id, schema, queue name, count or
+            interval (NaN, infinite, negative, zero or too large), no queue or a queue
+            listed twice, or an invalid DSN (see
             :func:`steeple.core.dsn.check_dsn`; the message never quotes the DSN).
         QueueTypeError: an option of the wrong type.
     """
@@ -141,6 +179,7 @@ class Scheduler:
         poll_interval: float | timedelta = 1.0,
         concurrency: int = 16,
         threads: int | None = None,
+        queues: Sequence[str] | Mapping[str, int] = (DEFAULT_QUEUE,),
         batch_size: int | None = None,
         maintenance_interval: float | timedelta = 1.0,
         listen: bool = True,
@@ -154,6 +193,7 @@ class Scheduler:
         check_int(concurrency, "concurrency", 1, _MAX_CONCURRENCY)
         pool_size = min(concurrency, _DEFAULT_THREADS) if threads is None else threads
         check_int(pool_size, "threads", 1, _MAX_THREADS)
+        self._queues = _served(queues, concurrency)
         batch = concurrency if batch_size is None else batch_size
         check_int(batch, "batch_size", 1, 1000)
         poll = check_seconds(poll_interval, "poll_interval", 0.001, _MAX_INTERVAL)
@@ -209,6 +249,11 @@ class Scheduler:
 
     def __repr__(self) -> str:
         return f"Scheduler(worker_id={self.worker_id!r}, schema={self.schema!r})"
+
+    @property
+    def queues(self) -> dict[str, int]:
+        """The queues this worker serves, each with its concurrency limit in this worker."""
+        return dict(self._queues)
 
     @property
     def _db(self) -> WorkerDb | None:
@@ -305,6 +350,7 @@ class Scheduler:
             claimer = Claimer(
                 env,
                 list(self._registry),
+                queues=self._queues,
                 concurrency=self._concurrency,
                 batch=self._batch,
                 wakeups=wakeups,
@@ -377,7 +423,9 @@ class Scheduler:
             await check_schema(conn, self.schema)
             if self._require_durable:
                 await check_durable(
-                    conn, self.schema, ("schema_migrations", "tasks", "attempts", "jobs")
+                    conn,
+                    self.schema,
+                    ("schema_migrations", "tasks", "attempts", "jobs", "settings"),
                 )
             # Claims carry a give-up time on the server's clock: anchor the estimate of it.
             ((server,),) = await _driver.fetch(

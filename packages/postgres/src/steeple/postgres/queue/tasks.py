@@ -11,7 +11,14 @@ from typing import Any, Final, Generic, TypeVar, cast
 import attrs
 
 from steeple.core.backoff import Backoff
-from steeple.postgres.queue._validate import INT32, check_int, check_name, check_timedelta
+from steeple.postgres.queue._validate import (
+    DEFAULT_QUEUE,
+    INT32,
+    check_int,
+    check_name,
+    check_queue,
+    check_timedelta,
+)
 from steeple.postgres.queue.errors import (
     MAX_RETRY_DELAY,
     ArgsEncodingError,
@@ -320,8 +327,13 @@ def _check_backoff(_i: object, _a: object, value: Any) -> None:
 _DEFAULT_ATTEMPTS: Final = 5
 _DEFAULT_BACKOFF: Final = Backoff()
 
+
+def _check_queue(_i: object, _a: object, value: Any) -> None:
+    check_queue(value)
+
+
 _OPTION_NAMES: Final = frozenset(
-    {"priority", "lease_duration", "max_attempts", "backoff", "dedup_key"}
+    {"priority", "lease_duration", "max_attempts", "backoff", "dedup_key", "queue"}
 )
 
 
@@ -344,6 +356,8 @@ class EnqueueOptions:
         backoff: delay policy between retries (maximum at most 366 days); ``None``: the
             task's :class:`RetryPolicy`'s, else ``Backoff()`` (1 s doubling to 5 min).
         dedup_key: at most one live (pending or running) task per task name and key.
+        queue: the named queue it waits in (1-200 chars, default ``"default"``); workers
+            serve the queues they are given (see :class:`Scheduler`).
 
     Raises:
         QueueConfigurationError: any value out of range; a naive ``run_at``; both
@@ -358,6 +372,7 @@ class EnqueueOptions:
     max_attempts: int | None = attrs.field(default=None, validator=_check_attempts)
     backoff: Backoff | None = attrs.field(default=None, validator=_check_backoff)
     dedup_key: str | None = attrs.field(default=None, validator=_check_dedup)
+    queue: str = attrs.field(default=DEFAULT_QUEUE, validator=_check_queue)
 
     def __attrs_post_init__(self) -> None:
         if self.run_at is not None and self.delay is not None:
