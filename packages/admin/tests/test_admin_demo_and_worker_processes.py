@@ -602,7 +602,7 @@ from steeple.postgres import queue
 DONE = Path(__file__).with_name("done.txt")
 app = queue.App(schema=os.environ["APP_SCHEMA"])
 
-@app.task(name="write-report", max_attempts=2)
+@app.task(name="write-report", max_attempts=2, queue="reports")
 def write_report(ctx, args):  # a plain def: runs in the worker's thread pool
     ctx.report_progress(1.0, "written")
     with DONE.open("a") as fh:
@@ -622,7 +622,15 @@ async def test_worker_serves_a_queue_app_and_refuses_another_schema(
     try:
         await queue.install(conn, schema=schema)
         ids = [
-            (await queue.enqueue(conn, queue.Task("write-report"), {"n": n}, schema=schema)).id
+            (
+                await queue.enqueue(
+                    conn,
+                    queue.Task("write-report"),
+                    {"n": n},
+                    queue.EnqueueOptions(queue="reports"),  # served: the app's task is there
+                    schema=schema,
+                )
+            ).id
             for n in range(3)
         ]
     finally:

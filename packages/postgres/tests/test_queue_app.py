@@ -191,3 +191,49 @@ async def test_enqueue_refuses_bad_options_and_args_and_stores_nothing(
     with pytest.raises(UnsupportedConnectionError):
         await strict.enqueue(object(), Email("a@example.com"))
     assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".tasks') == 0
+
+
+async def test_a_task_declared_in_a_named_queue_goes_there_and_is_served(
+    queue: QueueFixture,
+) -> None:
+    dsn, schema, conn = queue
+    app = App(schema=schema)
+    ran: list[Any] = []
+
+    @app.task(name="mail", queue="emails")
+    async def mail(ctx: JobContext, args: Any) -> None:
+        ran.append(args)
+
+    @app.task(name="plain")
+    def plain(ctx: JobContext, args: Any) -> None:
+        ran.append(args)
+
+    assert app.queues == ["emails", "default"]
+    ids = [
+        (await mail.enqueue(conn, "kw")).id,
+        (await mail.enqueue(conn, "opts", EnqueueOptions(priority=1))).id,
+        (await mail.enqueue(conn, "other", queue="bulk")).id,  # an enqueue may name another
+        (await mail.enqueue(conn, "other2", EnqueueOptions(queue="bulk"))).id,
+        (await plain.enqueue(conn, "plain")).id,
+    ]
+    ids += await mail.enqueue_many(conn, ["many"])
+    queues = [
+        await conn.fetchval(f'SELECT queue FROM "{schema}".tasks WHERE id = $1', i) for i in ids
+    ]
+    assert queues == ["emails", "emails", "bulk", "bulk", "default", "emails"]
+    worker = app.scheduler(dsn, worker_id="q-w", poll_interval=0.05)  # emails and default
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run_until_shutdown(stop))
+    try:
+        await wait_until(lambda: worker.stats.succeeded == 4 or run.done())
+    finally:
+        stop.set()
+        await asyncio.wait_for(run, 30)
+    assert sorted(ran) == ["kw", "many", "opts", "plain"]  # "bulk" is not served
+    bad_queues: list[Any] = ["", "x" * 201, "a\x00", "\ud800", 3, None]
+    for bad in bad_queues:
+        with pytest.raises(QueueConfigurationError):
+            app.task(name="bad-queue", queue=bad)
+        with pytest.raises(QueueConfigurationError):
+            await mail.enqueue(conn, "x", queue=bad)
+    assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".tasks') == len(ids)

@@ -44,6 +44,8 @@ class WorkerApp:
         drain_timeout: seconds in-flight handlers get after a stop signal.
         queue_schema: the work queue's schema (default: the command's ``--queue-schema``);
             set from a ``steeple.postgres.queue.App``'s schema.
+        queues: the named queues the task worker serves (default: ``"default"`` only);
+            set from the queues an App's tasks are declared in.
     """
 
     broker: MessageBroker | None = None
@@ -53,6 +55,7 @@ class WorkerApp:
     relay_batch: int = 20
     drain_timeout: float = 30.0
     queue_schema: str | None = None
+    queues: Sequence[str] | None = None
 
 
 def load_worker_app(reference: str) -> Any:
@@ -106,7 +109,7 @@ async def _resolve(value: Any) -> WorkerApp:
                 code=ExitCode.CONFIG,
                 hint="decorate a handler with @app.task in the module --app imports",
             )
-        value = WorkerApp(tasks=value.handlers(), queue_schema=value.schema)
+        value = WorkerApp(tasks=value.handlers(), queue_schema=value.schema, queues=value.queues)
     if not isinstance(value, WorkerApp):
         raise CliError(
             f"--app gave a {type(value).__name__}, not a steeple.admin.WorkerApp or a "
@@ -159,6 +162,7 @@ async def run_worker(
                 worker_id=worker_app.worker_id,
                 schema=queue_schema,
                 concurrency=worker_app.concurrency,
+                queues=["default"] if worker_app.queues is None else list(worker_app.queues),
             )
             for task, handler in worker_app.tasks:
                 scheduler.register(task, handler)

@@ -19,9 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Generic, TypeVar, overload
 
+import attrs
+
 from steeple.postgres.queue._enqueue import enqueue, enqueue_many, enqueue_many_sync, enqueue_sync
 from steeple.postgres.queue._execution import Handler, check_handler
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, validate_schema
+from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_queue
 from steeple.postgres.queue._worker import Scheduler
 from steeple.postgres.queue.errors import QueueConfigurationError, QueueTypeError
 from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, RetryPolicy, Task
@@ -31,8 +34,11 @@ __all__ = ["App", "TaskFunction"]
 A = TypeVar("A")
 F = TypeVar("F", bound=Callable[..., Any])
 _OPTION_KEYWORDS: Final = frozenset(
-    {"run_at", "delay", "priority", "lease_duration", "max_attempts", "backoff", "dedup_key"}
-)
+    {
+        "run_at", "delay", "priority", "lease_duration", "max_attempts", "backoff",
+        "dedup_key", "queue",
+    }
+)  # fmt: skip
 
 
 class TaskFunction(Generic[A]):
@@ -45,12 +51,16 @@ class TaskFunction(Generic[A]):
         task: the :class:`Task` (name, args type, retry policy, attempt limit).
         handler: the decorated function.
         app: the :class:`App` that declared it (its schema is where tasks go).
+        queue: the named queue its tasks wait in unless an enqueue names another.
     """
 
-    def __init__(self, app: App, task: Task[A], handler: Handler[A]) -> None:
+    def __init__(
+        self, app: App, task: Task[A], handler: Handler[A], queue: str = DEFAULT_QUEUE
+    ) -> None:
         self.app = app
         self.task = task
         self.handler = handler
+        self.queue = queue
         self.__name__ = getattr(handler, "__name__", task.name)
         self.__qualname__ = getattr(handler, "__qualname__", task.name)
         self.__doc__ = getattr(handler, "__doc__", None)
@@ -71,6 +81,9 @@ class TaskFunction(Generic[A]):
     def options(self, options: EnqueueOptions | None = None, **keywords: Any) -> EnqueueOptions:
         """Return the options of one enqueue: ``options``, or ``EnqueueOptions(**keywords)``.
 
+        Either goes to the task's declared queue unless it names another: an
+        :class:`EnqueueOptions` whose ``queue`` is left at ``"default"`` takes the task's.
+
         Raises:
             QueueTypeError: both given; an unknown keyword; a wrong type.
             QueueConfigurationError: a value out of range.
@@ -86,12 +99,17 @@ class TaskFunction(Generic[A]):
                     f"unknown enqueue options {unknown}; expected some of "
                     f"{sorted(_OPTION_KEYWORDS)}"
                 )
+            keywords.setdefault("queue", self.queue)
             return EnqueueOptions(**keywords)
         if options is not None and not isinstance(options, EnqueueOptions):
             raise QueueTypeError(
                 f"options must be EnqueueOptions or None, not {type(options).__name__}"
             )
-        return options if options is not None else EnqueueOptions()
+        if options is None:
+            return EnqueueOptions(queue=self.queue)
+        if options.queue == DEFAULT_QUEUE and self.queue != DEFAULT_QUEUE:
+            return attrs.evolve(options, queue=self.queue)
+        return options
 
     async def enqueue(
         self, conn: Any, args: A, options: EnqueueOptions | None = None, **keywords: Any
@@ -138,7 +156,8 @@ class TaskFunction(Generic[A]):
             UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
             UnfitDatabaseError: the server refused the write; nothing was stored.
         """
-        return await enqueue_many(conn, self.task, args_list, options, schema=self.app.schema)
+        chosen = self.options(options)
+        return await enqueue_many(conn, self.task, args_list, chosen, schema=self.app.schema)
 
     def enqueue_many_sync(
         self, conn: Any, args_list: Sequence[A], options: EnqueueOptions | None = None
@@ -152,7 +171,8 @@ class TaskFunction(Generic[A]):
             UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
             UnfitDatabaseError: the server refused the write; nothing was stored.
         """
-        return enqueue_many_sync(conn, self.task, args_list, options, schema=self.app.schema)
+        chosen = self.options(options)
+        return enqueue_many_sync(conn, self.task, args_list, chosen, schema=self.app.schema)
 
 
 class App:
@@ -193,6 +213,7 @@ class App:
         args_type: type[Any] | None = None,
         max_attempts: int | None = None,
         retry: RetryPolicy | None = None,
+        queue: str = DEFAULT_QUEUE,
     ) -> Callable[[F], TaskFunction[Any]]: ...
 
     def task(
@@ -204,8 +225,7 @@ class App:
         args_type: type[Any] | None = None,
         max_attempts: int | None = None,
         retry: RetryPolicy | None = None,
-        # TODO(h-qqueues): `queue: str = "default"`, passed to Task/EnqueueOptions once
-        # named queues (migration 0006) are merged; the lead wires it after that merge.
+        queue: str = DEFAULT_QUEUE,
     ) -> TaskFunction[Any] | Callable[[F], TaskFunction[Any]]:
         """Declare a task and its handler: ``@app.task`` or ``@app.task(name=..., ...)``.
 
@@ -222,6 +242,8 @@ class App:
                 or the retry policy's).
             retry: retry plain exceptions with this :class:`RetryPolicy` (default: only
                 ``JobError.retry`` retries, as in seed 002).
+            queue: the named queue its tasks wait in (default ``"default"``); an enqueue
+                may name another. :meth:`scheduler` serves the queues of every task.
 
         Returns:
             A :class:`TaskFunction` (bare use), or a decorator returning one.
@@ -232,6 +254,7 @@ class App:
             QueueConfigurationError: an invalid name or option; a name the app already
                 declared; ``max_attempts`` that contradicts ``retry``.
         """
+        check_queue(queue)
 
         def declare(fn: Callable[..., Any]) -> TaskFunction[Any]:
             check_handler(fn)
@@ -245,13 +268,18 @@ class App:
                 raise QueueConfigurationError(
                     f"this app already declares a task named {declared.name!r}"
                 )
-            function: TaskFunction[Any] = TaskFunction(self, declared, fn)
+            function: TaskFunction[Any] = TaskFunction(self, declared, fn, queue)
             self._tasks[declared.name] = function
             return function
 
         if handler is not None:
             return declare(handler)
         return declare
+
+    @property
+    def queues(self) -> list[str]:
+        """The named queues its tasks are declared in, in declaration order."""
+        return list(dict.fromkeys(f.queue for f in self._tasks.values()))
 
     def handlers(self) -> list[tuple[Task[Any], Handler[Any]]]:
         """Return ``(task, handler)`` for every declared task (what a worker registers)."""
@@ -264,7 +292,8 @@ class App:
             pool_or_dsn: as for :class:`Scheduler`.
             worker_id: this worker's name.
             **options: any other :class:`Scheduler` option (``concurrency``, ``threads``,
-                ``poll_interval``...), except ``schema`` (the app's).
+                ``poll_interval``...), except ``schema`` (the app's). ``queues`` defaults
+                to the queues the app's tasks are declared in.
 
         Raises:
             QueueConfigurationError: no task declared, a ``schema`` option, or any error
@@ -277,6 +306,7 @@ class App:
             )
         if not self._tasks:
             raise QueueConfigurationError("the app declares no task: decorate one with @app.task")
+        options.setdefault("queues", self.queues)
         worker = Scheduler(pool_or_dsn, worker_id=worker_id, schema=self.schema, **options)
         for task, handler in self.handlers():
             worker.register(task, handler)
