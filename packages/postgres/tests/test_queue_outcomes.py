@@ -560,3 +560,24 @@ async def test_outcomes_through_a_psycopg_pool_and_connection(queue: QueueFixtur
     ]
     assert [a.error_type for a in runs[1].history] == ["ValueError"] * 3
     assert runs[1].history[0].started_at is not None
+
+
+async def test_job_error_msg_with_hostile_messages_is_recorded(queue: QueueFixture) -> None:
+    dsn, schema, conn = queue
+    task: Task[Any] = Task("msg", retry=FAST)
+    messages: list[Any] = ["nul \x00", "\ud800", "é" * 5000, "", 42, None]
+
+    async def handle(ctx: JobContext, args: Any) -> None:
+        raise JobError.msg(messages[args])
+
+    ids = [(await enqueue(conn, task, i, schema=schema)).id for i in range(len(messages))]
+    worker = worker_for(dsn, schema)
+    worker.register(task, handle)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.failed == len(messages))
+    for task_id in ids:
+        run = await run_state(conn, task_id, schema=schema)
+        assert (run.state.value, run.attempts) == ("failed", 1)  # msg is terminal
+        assert run.last_error is not None
+        assert run.last_error.startswith("JobError: ")
+        assert len(run.last_error) <= 2000

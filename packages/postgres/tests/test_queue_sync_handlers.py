@@ -314,3 +314,17 @@ def test_threads_is_validated(threads: Any) -> None:
         return
     with pytest.raises(QueueConfigurationError, match="threads"):
         Scheduler("postgresql://h/db", worker_id="w", threads=threads)
+
+
+class _HostileSignature:
+    @property
+    def __signature__(self) -> Any:
+        raise RuntimeError("no signature for you")
+
+    def __call__(self, ctx: Any, args: Any) -> None:
+        return None
+
+
+def test_register_refuses_a_handler_whose_signature_cannot_be_read() -> None:
+    with pytest.raises(QueueTypeError, match="could not be read"):
+        Scheduler("postgresql://h/db", worker_id="w").register(SYNC, _HostileSignature())

@@ -221,6 +221,11 @@ def check_handler(handler: object) -> bool:
         signature = inspect.signature(handler)
     except (TypeError, ValueError):
         signature = None  # some builtins have no signature: they are judged when they run
+    except Exception as exc:  # a hostile __signature__ or __wrapped__
+        raise QueueTypeError(
+            f"the signature of handler {_name_of(handler)} could not be read "
+            f"({type(exc).__name__}); pass a plain function (ctx, args)"
+        ) from None
     if signature is not None:
         try:
             signature.bind(None, None)
