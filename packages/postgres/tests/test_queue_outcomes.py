@@ -562,7 +562,10 @@ async def test_outcomes_through_a_psycopg_pool_and_connection(queue: QueueFixtur
     assert runs[1].history[0].started_at is not None
 
 
-async def test_job_error_msg_with_hostile_messages_is_recorded(queue: QueueFixture) -> None:
+async def test_job_error_msg_with_hostile_messages_is_recorded(
+    queue: QueueFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A JobError is logged without a traceback (a verdict, not a crash); the history has it."""
     dsn, schema, conn = queue
     task: Task[Any] = Task("msg", retry=FAST)
     messages: list[Any] = ["nul \x00", "\ud800", "é" * 5000, "", 42, None]
@@ -573,11 +576,18 @@ async def test_job_error_msg_with_hostile_messages_is_recorded(queue: QueueFixtu
     ids = [(await enqueue(conn, task, i, schema=schema)).id for i in range(len(messages))]
     worker = worker_for(dsn, schema)
     worker.register(task, handle)
-    async with running(worker):
-        await wait_until(lambda: worker.stats.failed == len(messages))
+    with caplog.at_level(logging.WARNING, logger="steeple.postgres.queue"):
+        async with running(worker):
+            await wait_until(lambda: worker.stats.failed == len(messages))
+    logged = [r for r in caplog.records if "(msg) attempt" in r.getMessage()]
+    assert len(logged) == len(messages)
+    assert all(r.exc_info is None for r in logged)
+    assert "Traceback" not in caplog.text
     for task_id in ids:
         run = await run_state(conn, task_id, schema=schema)
         assert (run.state.value, run.attempts) == ("failed", 1)  # msg is terminal
         assert run.last_error is not None
         assert run.last_error.startswith("JobError: ")
         assert len(run.last_error) <= 2000
+        assert run.history[0].traceback is not None
+        assert "Traceback (most recent call last)" in run.history[0].traceback

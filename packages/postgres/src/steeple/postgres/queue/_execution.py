@@ -343,8 +343,9 @@ class Executor:
                     summary=f"attempts exhausted ({ctx.attempt}/{ctx.max_attempts}): "
                     + failure.summary,
                 )
-        # The task's identity and the handler's own exception, traceback included; never
-        # the task's args.
+        # The task's identity and the handler's own exception, traceback included for an
+        # unexpected one (a JobError is the handler's deliberate verdict: its message says
+        # it, and its traceback is in the attempt history); never the task's args.
         what = (
             f"retries in {retry_after.total_seconds():.3f} s"
             if retry_after is not None
@@ -360,7 +361,7 @@ class Executor:
             ctx.run_id,
             what,
             failure.summary,
-            exc_info=(type(exc), exc, exc.__traceback__),
+            exc_info=None if isinstance(exc, JobError) else (type(exc), exc, exc.__traceback__),
             extra={
                 "task_id": ctx.task_id,
                 "task_name": ctx.task_name,
