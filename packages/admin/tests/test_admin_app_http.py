@@ -534,7 +534,9 @@ async def _fail_one(seeded: Any, name: str, error: str) -> int:
             "SELECT extract(epoch FROM clock_timestamp())::double precision + 60"
         )
         (row,) = await conn.fetch(sql.claim, [name], 1, "w1", give_up)
-        assert await conn.fetch(sql.fail, enqueued.id, row["lease_token"], error, "w1")
+        assert await conn.fetch(
+            sql.fail, enqueued.id, row["lease_token"], error, "w1", "CardDeclined", "Tb...", None
+        )
         return enqueued.id
     finally:
         await conn.close()
@@ -576,6 +578,7 @@ async def test_task_detail_routes_attempts_args_and_overview(live: dict[str, Any
         "CardDeclined: no",
         "w1",
     )
+    assert (attempt["error_type"], attempt["traceback"]) == ("CardDeclined", "Tb...")
     assert args.json() == {"task_id": failed, "args": {"card": "4111"}}
     assert ("tasks.args", "ops") in recorder.calls
     assert hidden.status_code == 403  # send-report is not opted in

@@ -30,6 +30,7 @@ from steeple.core.tasks import TaskState
 __all__ = ["Button", "Links", "Section", "error_page", "page"]
 
 _MAX_ERROR_CELL = 160
+_MAX_RESULT_SHOWN = 20_000
 LIVE_TASK_STATES = ("pending", "running")
 """Task states a cancel applies to."""
 TASK_STATES = tuple(s.value for s in TaskState)
@@ -211,6 +212,18 @@ def task_buttons(task: TaskRecord) -> list[str]:
     return []
 
 
+def progress_cell(task: TaskRecord) -> str:
+    """Render a task's latest reported progress: a bar, the percentage and its message."""
+    if task.progress is None:
+        return '<span class="none">-</span>'
+    shown = f"{task.progress:.0%}"
+    message = f" {esc(task.progress_message)}" if task.progress_message else ""
+    return (
+        f'<progress max="1" value="{task.progress:.4f}">{shown}</progress> '
+        f'<span class="progress">{shown}{message}</span>'
+    )
+
+
 def tasks_table(links: Links, items: Sequence[TaskRecord], actions: bool) -> str:
     """Render the task list's table (state colours, links to each task's page)."""
     rows = [
@@ -220,6 +233,7 @@ def tasks_table(links: Links, items: Sequence[TaskRecord], actions: bool) -> str
             esc(t.queue),
             badge(t.state),
             f"{t.attempts}/{t.max_attempts}",
+            progress_cell(t),
             esc(utc(t.created_at)),
             esc(utc(t.run_at)),
             esc(utc(t.finished_at)),
@@ -230,7 +244,18 @@ def tasks_table(links: Links, items: Sequence[TaskRecord], actions: bool) -> str
     ]
     return table(
         "task",
-        ["id", "name", "queue", "state", "attempts", "created", "run at", "finished", "last error"],
+        [
+            "id",
+            "name",
+            "queue",
+            "state",
+            "attempts",
+            "progress",
+            "created",
+            "run at",
+            "finished",
+            "last error",
+        ],
         rows,
         actions,
     )
@@ -350,6 +375,19 @@ def _span(start: datetime | None, end: datetime | None) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+def _attempt_error(attempt: AttemptRecord) -> str:
+    if not attempt.error:
+        return '<span class="none">-</span>'
+    text = f'<span class="error">{esc(attempt.error)}</span>'
+    if attempt.traceback:
+        kind = f" ({esc(attempt.error_type)})" if attempt.error_type else ""
+        text += (
+            f'<details class="trace"><summary>traceback{kind}</summary>'
+            f'<pre class="trace">{esc(attempt.traceback)}</pre></details>'
+        )
+    return text
+
+
 def attempts_table(attempts: Sequence[AttemptRecord]) -> str:
     """Render the attempt history, newest first, each error in full (tracebacks too)."""
     rows = [
@@ -360,9 +398,7 @@ def attempts_table(attempts: Sequence[AttemptRecord]) -> str:
             esc(utc(a.started_at)),
             esc(utc(a.finished_at)),
             esc(_span(a.started_at, a.finished_at)),
-            f'<pre class="trace">{esc(a.error)}</pre>'
-            if a.error
-            else '<span class="none">-</span>',
+            _attempt_error(a),
         ]
         for a in attempts
     ]
@@ -391,12 +427,16 @@ def args_section(task: TaskRecord, revealable: bool) -> str:
     )
 
 
-def result_section() -> str:
-    """Render result and progress (shown once the queue records them)."""
-    return (
-        heading("Result and progress")
-        + '<p class="note">not recorded by this version of the queue</p>'
-    )
+def result_section(task: TaskRecord) -> str:
+    """Render the task's progress and, once it succeeded, the JSON value it returned."""
+    if task.state == "succeeded":
+        text = json.dumps(task.result, indent=2, ensure_ascii=False)
+        if len(text) > _MAX_RESULT_SHOWN:
+            text = text[:_MAX_RESULT_SHOWN] + "\n... (cut here; the API has all of it)"
+        result = f'<pre class="result" id="result-text">{esc(text)}</pre>'
+    else:
+        result = f'<p class="note">none yet: the task is {esc(task.state)}</p>'
+    return heading("Progress and result") + f'<p id="progress">{progress_cell(task)}</p>' + result
 
 
 # --- overview ------------------------------------------------------------------------------

@@ -751,7 +751,7 @@ def create_admin_app(
         attempts = await admin.attempts(task_id)
         sections = [
             _pages.Section("task", _pages.task_detail(record, actions_enabled), live=True),
-            _pages.Section("result", _pages.result_section(), live=True),
+            _pages.Section("result", _pages.result_section(record), live=True),
             _pages.Section("attempts", _pages.attempts_table(attempts), live=True),
             _pages.Section("args", _pages.args_section(record, revealable(record.name))),
         ]

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["PostgresTaskAdmin", "job_record", "queue_record", "task_record"]
 
 _JOB_VERBS = ("pause", "resume", "reschedule", "delete")
+_HISTORY = 100  # attempts shown on a task's page
 
 
 def task_record(run: TaskRun) -> TaskRecord:
@@ -58,6 +59,8 @@ def task_record(run: TaskRun) -> TaskRecord:
         job_id=run.job_id,
         scheduled_for=run.scheduled_for,
         queue=run.queue,
+        progress=None if run.progress is None else run.progress.fraction,
+        progress_message=None if run.progress is None else run.progress.message,
     )
 
 
@@ -158,7 +161,7 @@ class PostgresTaskAdmin:
         return Page(items=[task_record(t) for t in page.items], next_cursor=page.next_cursor)
 
     async def task(self, task_id: int) -> TaskRecord | None:
-        """Return one task's metadata, or ``None``.
+        """Return one task with its result and progress (never its args), or ``None``.
 
         Raises:
             ConfigurationError: not a task id.
@@ -167,9 +170,10 @@ class PostgresTaskAdmin:
 
         validate_task_id(task_id)
         try:
-            return task_record(await queue.run_state(self.pool, task_id, schema=self.schema))
+            run = await queue.admin.task_detail(self.pool, task_id, schema=self.schema, history=0)
         except queue.TaskNotFoundError:
             return None
+        return attrs.evolve(task_record(run), result=run.result)
 
     async def counts(self) -> dict[str, int]:
         """Return how many tasks are in each state."""
@@ -233,17 +237,32 @@ class PostgresTaskAdmin:
         return int(await queue.prune_terminal(self.pool, age, limit, schema=self.schema))
 
     async def attempts(self, task_id: int) -> list[AttemptRecord]:
-        """Return the task's latest 100 finished attempts, newest first.
+        """Return the task's latest 100 finished attempts, newest first, tracebacks included.
 
         Raises:
             ConfigurationError: not a task id.
         """
-        from steeple.postgres.queue import admin
+        from steeple.postgres import queue
 
         validate_task_id(task_id)
+        try:
+            run = await queue.admin.task_detail(
+                self.pool, task_id, schema=self.schema, history=_HISTORY
+            )
+        except queue.TaskNotFoundError:
+            return []
         return [
-            AttemptRecord(a.attempt, a.outcome, a.worker_id, a.started_at, a.finished_at, a.error)
-            for a in await admin.list_attempts(self.pool, task_id, schema=self.schema)
+            AttemptRecord(
+                a.attempt,
+                a.outcome,
+                a.worker_id,
+                a.started_at,
+                a.finished_at,
+                a.error,
+                a.error_type,
+                a.traceback,
+            )
+            for a in reversed(run.history)
         ]
 
     async def args(self, task_id: int) -> str | None:

@@ -96,6 +96,11 @@ class TaskRecord:
     job_id: int | None = None
     scheduled_for: datetime | None = None
     queue: str = "default"
+    progress: float | None = None
+    """The latest progress its handler reported, a fraction within [0, 1]."""
+    progress_message: str | None = None
+    result: Any = None
+    """The JSON value its handler returned (``None`` in listings, which leave it out)."""
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -117,6 +122,9 @@ class TaskRecord:
             "job_id": self.job_id,
             "scheduled_for": _iso(self.scheduled_for),
             "queue": self.queue,
+            "progress": self.progress,
+            "progress_message": self.progress_message,
+            "result": self.result,
         }
 
 
@@ -149,6 +157,8 @@ class AttemptRecord:
     started_at: datetime | None
     finished_at: datetime | None
     error: str | None
+    error_type: str | None = None
+    traceback: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -159,6 +169,8 @@ class AttemptRecord:
             "started_at": _iso(self.started_at),
             "finished_at": _iso(self.finished_at),
             "error": self.error,
+            "error_type": self.error_type,
+            "traceback": self.traceback,
         }
 
 
@@ -272,7 +284,7 @@ class TaskAdmin(Protocol):
         ...
 
     async def task(self, task_id: int) -> TaskRecord | None:
-        """Return one task's metadata, or ``None`` if there is no such task."""
+        """Return one task (with its result and progress), or ``None`` if there is none."""
         ...
 
     async def cancel(self, task_id: int) -> str | None:
@@ -297,7 +309,7 @@ class TaskAdmin(Protocol):
         ...
 
     async def attempts(self, task_id: int) -> list[AttemptRecord]:
-        """Return the task's latest finished attempts, newest first."""
+        """Return the task's latest finished attempts, newest first (tracebacks included)."""
         ...
 
     async def args(self, task_id: int) -> str | None:

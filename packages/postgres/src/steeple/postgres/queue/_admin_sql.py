@@ -36,7 +36,6 @@ class AdminSql:
     list_tasks_newest: str
     count_by_state: str
     throughput: str
-    list_attempts: str
     task_args: str
     retry: str
     count_prunable: str
@@ -91,10 +90,6 @@ FROM {s}.tasks t, now
 WHERE t.state IN {TERMINAL} AND t.finished_at > now.at - $1::interval
   AND t.finished_at <= now.at
 GROUP BY now.at, t.state, 3""",
-        # $1 task id, $2 limit: the latest attempts, newest first
-        list_attempts=f"""
-SELECT attempt, worker_id, outcome, started_at, finished_at, error
-FROM {s}.attempts WHERE task_id = $1 ORDER BY attempt DESC, id DESC LIMIT $2""",
         # $1 task id: the args as stored (JSON text)
         task_args=f"SELECT args::text FROM {s}.tasks WHERE id = $1",
         # $1 id. A live task holding the same dedup key blocks the retry (the unique index

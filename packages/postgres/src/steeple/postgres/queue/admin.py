@@ -1,6 +1,7 @@
 """Operator functions of the work queue: tasks, jobs, and queues (pause, resume, limits).
 
-Tasks are listed, counted and retried, with their attempts and the recent throughput;
+Tasks are listed, counted, shown (result, progress, attempts) and retried, with the recent
+throughput;
 jobs listed; queues listed, paused, resumed and limited across all workers.
 
 What dashboards and command lines need beyond the producer and worker API. Every function
@@ -23,7 +24,7 @@ from steeple.core.tasks import TERMINAL_TASK_STATES as _TERMINAL
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._admin_sql import admin_sql
-from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun
+from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun, run_state
 from steeple.postgres.queue._queues import (
     QueueInfo,
     TaskLimits,
@@ -56,7 +57,6 @@ from steeple.postgres.queue.jobs import JobInfo
 
 __all__ = [
     "MAX_PAGE",
-    "AttemptInfo",
     "QueueInfo",
     "TaskLimits",
     "Throughput",
@@ -65,7 +65,6 @@ __all__ = [
     "count_prunable",
     "limit_queue",
     "limit_task",
-    "list_attempts",
     "list_jobs",
     "list_queues",
     "list_task_limits",
@@ -75,6 +74,7 @@ __all__ = [
     "retry_failed_task",
     "server_time",
     "task_args",
+    "task_detail",
     "throughput",
 ]
 
@@ -195,6 +195,36 @@ async def list_tasks(
     return Page(items=items, next_cursor=cursor)
 
 
+async def task_detail(
+    conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA, history: int = 50
+) -> TaskRun:
+    """Return one task for an operator: state, progress, result and attempt history.
+
+    :func:`~steeple.postgres.queue.run_state`, with a missing queue reported as such.
+    Each failed attempt of ``history`` carries its exception type, message and traceback;
+    the task's args and lease token are never read. ``TaskRun.to_json()`` renders it.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        task_id: the task id.
+        schema: the queue's PostgreSQL schema.
+        history: how many of its latest attempts to return (0..1000).
+
+    Raises:
+        TaskNotFoundError: no such task (or it was pruned).
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
+        QueueConfigurationError: ``task_id`` beyond 64 bits, ``history`` outside 0..1000,
+            or an invalid schema name.
+        QueueTypeError: ``task_id`` or ``history`` is not an int.
+    """
+    try:
+        return await run_state(conn, task_id, schema=schema, history=history)
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) in _NOT_INSTALLED:
+            raise SchemaVersionMismatchError(schema, 0, LIBRARY_SCHEMA_VERSION) from None
+        raise
+
+
 async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[TaskState, int]:
     """Return how many tasks are in each state (every state present, zeros included).
 
@@ -253,8 +283,6 @@ async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SC
             f"task {task_id} is {before.value}; only failed tasks can be retried",
         )
     transition(before, TaskEvent.RETRY)  # the table's move (raises if the SQL made another)
-    from steeple.postgres.queue._ops import run_state
-
     return await run_state(conn, task_id, schema=schema)
 
 
@@ -314,46 +342,6 @@ async def server_time(conn: Any) -> datetime:
     """
     ((now,),) = await _driver.fetch(conn, "SELECT clock_timestamp()")
     return cast(datetime, now)
-
-
-@attrs.frozen
-class AttemptInfo:
-    """One recorded attempt of a task (see :func:`list_attempts`).
-
-    Attributes:
-        attempt: the attempt's number (1 for the first).
-        worker_id: the worker that ran it.
-        outcome: ``succeeded``, ``retried``, ``failed``, ``lease_expired`` or ``released``.
-        started_at: when it started (``None`` if unknown).
-        finished_at: when its outcome was recorded.
-        error: the failure's text, if it failed.
-    """
-
-    attempt: int
-    worker_id: str | None
-    outcome: str
-    started_at: datetime | None
-    finished_at: datetime
-    error: str | None
-
-
-async def list_attempts(
-    conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA, limit: int = 100
-) -> list[AttemptInfo]:
-    """Return a task's latest recorded attempts, newest first (an unknown task has none).
-
-    A running attempt is recorded when it ends; the task itself says what runs now.
-
-    Raises:
-        SchemaVersionMismatchError: the queue is not installed in ``schema``.
-        QueueConfigurationError: ``task_id`` beyond 64 bits, a limit outside 1..1000, or an
-            invalid schema name.
-        QueueTypeError: an argument of the wrong type.
-    """
-    sql = admin_sql(schema)
-    check_int(limit, "limit", 1, MAX_PAGE)
-    rows = await _fetch(conn, schema, sql.list_attempts, check_task_id(task_id), limit)
-    return [AttemptInfo(*tuple(row)) for row in rows]
 
 
 async def task_args(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> str:
