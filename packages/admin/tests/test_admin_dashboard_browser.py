@@ -589,7 +589,8 @@ def test_progress_result_and_traceback_from_a_real_worker(
     assert "100% all rows" in by_css(browser, "#progress").text
     assert by_css(browser, "#progress progress").get_attribute("value") == "1"
     assert '"rows": 3' in by_css(browser, "#result-text").text
-    screenshot(browser, tmp_path / "task-result.png", SUCCEEDED)
+    screenshot(browser, tmp_path / "task-succeeded.png", SUCCEEDED)
+    screenshot(browser, tmp_path / "task-result.png", part="#result")
     open_page(browser, site.page("/tasks?name=crunch"))
     assert "100% all rows" in by_css(browser, "tr.row.task").text
 
@@ -603,7 +604,8 @@ def test_progress_result_and_traceback_from_a_real_worker(
     until(trace.is_displayed, "the traceback")
     assert "Traceback (most recent call last)" in trace.text
     assert "_parse_row" in trace.text
-    screenshot(browser, tmp_path / "task-traceback.png", FAILED)
+    screenshot(browser, tmp_path / "task-failed.png", FAILED)
+    screenshot(browser, tmp_path / "task-traceback.png", FAILED, part="#attempts")
 
 
 def test_recurring_jobs_create_pause_resume_reschedule_delete(
