@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from steeple.core.backoff import Backoff
+from steeple.core.crashpoints import crash_point
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_either
 from steeple.postgres.queue._db import DB_ERRORS
@@ -92,6 +93,7 @@ class Claimer:
                 # runs later than that takes nothing, instead of leasing tasks to nobody.
                 give_up = server_clock.at_least(sent + env.timeout)
                 try:
+                    crash_point("queue.claim.before")
                     answer = await pool.fetch(
                         env.sql.claim_timed,
                         names,
@@ -108,6 +110,7 @@ class Claimer:
                     LOG.warning("claim failed (%s); retrying after the poll interval", exc)
                     await wait_either(wake, stop_waiter, env.poll)
                     continue
+                crash_point("queue.claim.committed")
                 server_now = float(answer[0][0])
                 server_clock.observe(server_now, time.monotonic())
                 rows = [row[1:] for row in answer if row[1] is not None]

@@ -13,6 +13,7 @@ import collections
 from datetime import timedelta
 from typing import Final
 
+from steeple.core.crashpoints import crash_point
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._db import DB_ERRORS
@@ -60,6 +61,7 @@ class Completions:
         attributes = {"task": ctx.task_name}
         try:
             if retry_after is not None:
+                crash_point("queue.retry.before")
                 rows = await pool.fetch(
                     env.sql.retry,
                     ctx.task_id,
@@ -69,6 +71,7 @@ class Completions:
                     env.worker_id,
                     timeout=env.timeout,
                 )
+                crash_point("queue.retry.committed")
                 outcome = _AFTER_RETRY
             else:
                 rows = await pool.fetch(
@@ -121,6 +124,7 @@ class Completions:
                 batch = buffer[:_FLUSH_BATCH]
                 del buffer[:_FLUSH_BATCH]
                 try:
+                    crash_point("queue.complete.before")
                     rows = await pool.fetch(
                         env.sql.complete,
                         [c.ctx.task_id for c in batch],
@@ -128,6 +132,7 @@ class Completions:
                         env.worker_id,
                         timeout=env.timeout,
                     )
+                    crash_point("queue.complete.committed")
                     env.status.db_ok = True
                 except DB_ERRORS as exc:
                     env.status.db_ok = False
