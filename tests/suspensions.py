@@ -37,10 +37,19 @@ class Cut:
 
 
 class _Counting:
-    def __init__(self, coro: Coroutine[Any, Any, Any], k: int, cut: Cut) -> None:
+    def __init__(
+        self,
+        coro: Coroutine[Any, Any, Any],
+        k: int,
+        cut: Cut,
+        gate: asyncio.Future[None] | None = None,
+        paused: asyncio.Event | None = None,
+    ) -> None:
         self._coro = coro
         self._k = k
         self._cut = cut
+        self._gate = gate
+        self._paused = paused
 
     def __await__(self) -> Generator[Any, Any, Any]:
         coro = self._coro
@@ -52,7 +61,13 @@ class _Counting:
             except StopIteration as stop:
                 return stop.value
             self._cut.suspensions += 1
-            if self._cut.suspensions == self._k:
+            if self._cut.suspensions == self._k and self._gate is not None:
+                # Paused here (between its awaits, its I/O in flight) until the gate opens.
+                assert self._paused is not None
+                self._paused.set()
+                self._gate._asyncio_future_blocking = True
+                yield self._gate
+            elif self._cut.suspensions == self._k:
                 task = asyncio.current_task()
                 assert task is not None
                 task.cancel()
@@ -108,3 +123,32 @@ async def every_suspension(
         # like any other outcome, and the next k goes on past it).
         assert cut.cancelled or cut.completed, cut
     raise AssertionError("the operation never completed")
+
+
+class Paused:
+    """An operation running in its own task, held at its k-th suspension until released."""
+
+    def __init__(self, k: int, operation: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        self.cut = Cut(k)
+        self.paused = asyncio.Event()
+        self._gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        counting = _Counting(operation(), k, self.cut, self._gate, self.paused)
+
+        async def driven() -> Any:
+            return await counting
+
+        self.task: asyncio.Task[Any] = asyncio.create_task(driven())
+
+    async def reached(self) -> bool:
+        """Wait until it is paused (True) or finished without reaching k (False)."""
+        waiter = asyncio.ensure_future(self.paused.wait())
+        try:
+            await asyncio.wait({waiter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        return self.paused.is_set()
+
+    def release(self) -> None:
+        """Let it go on."""
+        if not self._gate.done():
+            self._gate.set_result(None)
