@@ -150,6 +150,8 @@ class Runner:
         finally:
             for conn in sessions.values():
                 conn.terminate()
+            # A step left waiting by an impossible order fails with its connection.
+            await asyncio.gather(*blocked.values(), return_exceptions=True)
 
     async def _settle(
         self,
