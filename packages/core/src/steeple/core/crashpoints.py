@@ -62,6 +62,8 @@ CRASH_POINTS: Final[dict[str, str]] = {
     "queue.complete.committed": "queue completion: committed (acknowledged), before counted",
     "queue.retry.before": "queue failure: before the retry is recorded",
     "queue.retry.committed": "queue failure: retry recorded, before the worker knows",
+    "queue.recover.before": "lease recovery: before expired leases are taken back",
+    "queue.recover.committed": "lease recovery: expired tasks made pending, before the wake-up",
     "queue.materialize.begin": "recurring jobs: before the materializing transaction",
     "queue.materialize.inserted": "recurring jobs: a task inserted, the job's cursor not advanced",
     "queue.materialize.committed": "recurring jobs: tasks and cursors committed",
