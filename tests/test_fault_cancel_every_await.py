@@ -311,7 +311,13 @@ async def test_a_queue_claim_cut_at_any_await_is_all_or_nothing(queue: Queue) ->
     async def op() -> Any:
         assert queue.db is not None
         return await queue.db.fetch(
-            queue.sql.claim_timed, [names[-1]], 2, "w", time.time() + 3600, timeout=10
+            queue.sql.claim_timed,
+            ["default"],
+            [2],
+            [names[-1]],
+            "w",
+            time.time() + 3600,
+            timeout=10,
         )
 
     async def check(cut: Cut) -> None:

@@ -8,3 +8,4 @@ GRANT SELECT ON {schema}.schema_migrations TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.tasks TO {role};
 GRANT INSERT ON {schema}.attempts TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.jobs TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.settings TO {role};

@@ -851,8 +851,12 @@ class RecurringEngine:
         if ready:
             limit = asyncio.Semaphore(concurrency)
             async with asyncio.TaskGroup() as group:
+                # Named for the loop-lag monitor, which reports the task that blocks.
                 tasks = [
-                    group.create_task(self._publish(prepared, broker, checked_at, limit))
+                    group.create_task(
+                        self._publish(prepared, broker, checked_at, limit),
+                        name=f"steeple relay: publish occurrence {prepared.lease.occurrence_id}",
+                    )
                     for _, prepared in ready
                 ]
             attempts = [task.result() for task in tasks]

@@ -2,8 +2,10 @@
 
 Produce with :func:`enqueue` on your own connection (asyncpg or psycopg, in your own
 transaction); run with a :class:`Scheduler`; declare recurring work with :mod:`.jobs`.
-Install the schema explicitly with :func:`install` first. Operators list, count and retry
-tasks and list jobs with :mod:`.admin`.
+Install the schema explicitly with :func:`install` first. Tasks wait in named queues;
+:func:`pause_queue`, :func:`resume_queue`, :func:`limit_queue` and :func:`limit_task` set what
+every worker obeys. Operators list, count and retry tasks and list jobs and queues with
+:mod:`.admin`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,15 @@ from __future__ import annotations
 from steeple.postgres.queue import admin, jobs
 from steeple.postgres.queue._enqueue import enqueue, enqueue_many, enqueue_many_sync, enqueue_sync
 from steeple.postgres.queue._ops import TaskRun, cancel, prune_terminal, run_state
+from steeple.postgres.queue._queues import (
+    QueueInfo,
+    TaskLimits,
+    limit_queue,
+    limit_task,
+    list_queues,
+    pause_queue,
+    resume_queue,
+)
 from steeple.postgres.queue._schema import (
     DEFAULT_SCHEMA,
     LIBRARY_SCHEMA_VERSION,
@@ -53,11 +64,13 @@ __all__ = [
     "LeaseLostError",
     "QueueConfigurationError",
     "QueueError",
+    "QueueInfo",
     "QueueTypeError",
     "QueueUnavailableError",
     "Scheduler",
     "SchemaVersionMismatchError",
     "Task",
+    "TaskLimits",
     "TaskNotFoundError",
     "TaskRun",
     "TaskStateError",
@@ -74,7 +87,12 @@ __all__ = [
     "enqueue_sync",
     "install",
     "jobs",
+    "limit_queue",
+    "limit_task",
+    "list_queues",
+    "pause_queue",
     "prune_terminal",
+    "resume_queue",
     "run_state",
     "schema_version",
 ]

@@ -58,7 +58,7 @@ class Completions:
         pool = env.db
         ctx = claimed.ctx
         inst = _metrics.instruments()
-        attributes = {"task": ctx.task_name}
+        attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         try:
             if retry_after is not None:
                 crash_point("queue.retry.before")
@@ -102,7 +102,9 @@ class Completions:
     def fenced(self, claimed: Claimed) -> None:
         """Count an outcome the database rejected: the lease was lost or the task cancelled."""
         self._env.stats.rejected_completions += 1
-        _metrics.instruments().lease_lost.add(1, {"task": claimed.ctx.task_name})
+        _metrics.instruments().lease_lost.add(
+            1, _metrics.task_attributes(claimed.ctx.task_name, claimed.ctx.queue)
+        )
         claimed.ctx.lease_lost.set()
         LOG.info(
             "task %s: the outcome of attempt %s was rejected (lease lost or cancelled)",
@@ -136,7 +138,7 @@ class Completions:
                     env.status.db_ok = True
                 except DB_ERRORS as exc:
                     env.status.db_ok = False
-                    LOG.warning("could not record %d completions: %s", len(batch), exc)
+                    LOG.warning("could not record %d completions: %r", len(batch), exc)
                     for claimed in batch:
                         claimed.unsure = True
                     buffer[:0] = batch
@@ -149,20 +151,20 @@ class Completions:
                 done = {r[0] for r in rows}
                 missed = [c for c in batch if c.ctx.task_id not in done]
                 confirmed = await self._confirm_completed([c for c in missed if c.unsure])
-                # Counted per task name: a batch mixes the names of everything that finished.
-                per_name: collections.Counter[str] = collections.Counter()
+                # Counted per task name and queue: a batch mixes everything that finished.
+                per_name: collections.Counter[tuple[str, str]] = collections.Counter()
                 for claimed in batch:
                     if claimed.ctx.task_id in done:
                         stats.succeeded += 1
-                        per_name[claimed.ctx.task_name] += 1
+                        per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
                     elif claimed.ctx.task_id in confirmed:
                         stats.succeeded += 1
                         stats.confirmed_completions += 1
-                        per_name[claimed.ctx.task_name] += 1
+                        per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
                     else:
                         self.fenced(claimed)
-                for name, count in per_name.items():
-                    inst.succeeded.add(count, {"task": name})
+                for (name, queue), count in per_name.items():
+                    inst.succeeded.add(count, _metrics.task_attributes(name, queue))
             if env.closing.is_set() and not buffer:
                 return
 

@@ -47,6 +47,7 @@ class JobContext:
         max_attempts: the task's snapshotted attempt limit.
         worker_id: the worker running it.
         scheduled_for: the recurring due instant, for tasks materialized from a job.
+        queue: the named queue the task was claimed from.
         lease_lost: set when the worker no longer holds the lease (expired, re-claimed by
             another worker, or cancelled): stop and do not start new side effects.
         cancelled: set (with ``lease_lost``) when the task was cancelled.
@@ -59,6 +60,7 @@ class JobContext:
     max_attempts: int
     worker_id: str
     scheduled_for: datetime | None = None
+    queue: str = "default"
     lease_lost: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
     cancelled: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
 
@@ -120,7 +122,7 @@ class Executor:
         ctx = claimed.ctx
         registration = self._registry[ctx.task_name]
         inst = _metrics.instruments()
-        attributes = {"task": ctx.task_name}
+        attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         started = time.monotonic()
         try:
             try:

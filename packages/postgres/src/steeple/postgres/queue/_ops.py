@@ -43,6 +43,7 @@ class TaskRun:
         started_at: when the latest attempt started.
         finished_at: when it reached a terminal state.
         last_error: the latest failure's text.
+        queue: the named queue it belongs to.
     """
 
     id: int
@@ -62,6 +63,7 @@ class TaskRun:
     started_at: datetime | None
     finished_at: datetime | None
     last_error: str | None
+    queue: str = "default"
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> TaskRun:

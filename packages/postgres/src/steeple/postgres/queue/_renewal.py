@@ -54,7 +54,7 @@ class Renewer:
                 env.status.db_ok = True
             except DB_ERRORS as exc:
                 env.status.db_ok = False
-                LOG.warning("lease renewal failed: %s", exc)
+                LOG.warning("lease renewal failed: %r", exc)
                 for claimed in due:
                     if time.monotonic() >= claimed.expires_at:
                         self._lose(claimed, cancelled=False)

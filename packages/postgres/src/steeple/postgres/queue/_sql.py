@@ -114,12 +114,12 @@ _RUN_AT = "coalesce({run_at}::timestamptz, created.at + coalesce({delay}::interv
 RUN_STATE_COLUMNS: Final = (
     "id, task_name, state, priority, run_at, attempts, max_attempts, run_id, worker_id, "
     "lease_expires_at, dedup_key, job_id, scheduled_for, created_at, started_at, finished_at, "
-    "last_error"
+    "last_error, queue"
 )
 """The columns of a ``TaskRun`` (``TaskRun.from_row``), in order: ``run_state`` and listings."""
 _TASK_COLUMNS = (
     "task_name, args, priority, run_at, max_attempts, lease_duration, "
-    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter"
+    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter, queue"
 )
 
 
@@ -167,22 +167,22 @@ def _queue_sql(schema: str) -> QueueSql:
         channel=notify_channel(schema),
         # $1 name, $2 args, $3 priority, $4 run_at|null, $5 max_attempts, $6 lease,
         # $7..$10 backoff, $11 dedup key, $12 channel, $13 delay|null (from the server's now),
-        # $14 trace context|null (JSON text, see _tracing.py)
+        # $14 trace context|null (JSON text, see _tracing.py), $15 queue
         enqueue=f"""
 WITH {_NOW}
 INSERT INTO {s}.tasks ({_TASK_COLUMNS}, dedup_key, created_at, updated_at, trace_context)
 SELECT $1, $2::text::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$13")}, $5, $6::interval,
-       $7, $8, $9, $10, $11, created.at, created.at, $14::text::jsonb
+       $7, $8, $9, $10, $15, $11, created.at, created.at, $14::text::jsonb
 FROM created, {DURABLE}
 ON CONFLICT (task_name, dedup_key) WHERE dedup_key IS NOT NULL AND state IN {LIVE} DO NOTHING
 RETURNING id, pg_notify($12, {_DUE_PAYLOAD.format(run_at="run_at")})::text""",
         # $1 name, $2 args[], $3.. as above but no dedup; $11 channel, $12 delay|null,
-        # $13 trace context|null (one for the batch)
+        # $13 queue, $14 trace context|null (one for the batch)
         enqueue_many=f"""
 WITH {_NOW}, ins AS (
     INSERT INTO {s}.tasks ({_TASK_COLUMNS}, created_at, updated_at, trace_context)
     SELECT $1, u.a::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$12")}, $5, $6::interval,
-           $7, $8, $9, $10, created.at, created.at, $13::text::jsonb
+           $7, $8, $9, $10, $13, created.at, created.at, $14::text::jsonb
     FROM created, {DURABLE}, unnest($2::text[]) WITH ORDINALITY AS u(a, n)
     ORDER BY u.n
     RETURNING id, run_at
@@ -198,15 +198,22 @@ WHERE task_name = $1 AND dedup_key = $2 AND state IN {LIVE}""",
 SELECT id, trace_context::text FROM {s}.tasks
 WHERE id = ANY($1::bigint[]) AND trace_context IS NOT NULL""",
         # $1 names[], $2 limit, $3 worker id, $4 the claimer's give-up time (epoch s, in
-        # server time). The statement lives in a function (see the migrations) that pins the
-        # planner to the ordered claim index and ignores claims delivered too late.
-        claim=f"SELECT * FROM {s}.claim($1::text[], $2::integer, $3::text, $4::double precision)",
-        # The worker's claim: the same, plus the server's clock read after the claim ran
-        # (epoch s) as the first column, and one row of NULLs when nothing was claimed, so
-        # every answer re-anchors the worker's estimate of the server's clock.
+        # server time): a claim from the default queue (operators' and tests' one-off
+        # claims). The statement lives in a function (see the migrations) that pins the
+        # planner to the ordered claim index, applies pauses and global limits and ignores
+        # claims delivered too late. Rows of id NULL (a limit held some back) are dropped.
+        claim=f"""
+SELECT * FROM {s}.claim(ARRAY['default'], ARRAY[$2::integer], $1::text[], $3::text,
+                        $4::double precision) AS c
+WHERE c.id IS NOT NULL""",
+        # The worker's claim: $1 queues[], $2 wanted per queue[], $3 names[], $4 worker id,
+        # $5 give-up time; plus the server's clock read after the claim ran (epoch s) as the
+        # first column, and one row of NULLs when nothing was claimed, so every answer
+        # re-anchors the worker's estimate of the server's clock.
         claim_timed=f"""
 WITH claimed AS (
-    SELECT * FROM {s}.claim($1::text[], $2::integer, $3::text, $4::double precision)
+    SELECT * FROM {s}.claim($1::text[], $2::integer[], $3::text[], $4::text,
+                            $5::double precision)
 )
 SELECT extract(epoch FROM clock_timestamp())::double precision, claimed.*
 FROM (SELECT) AS one LEFT JOIN claimed ON true""",

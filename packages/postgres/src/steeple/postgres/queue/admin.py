@@ -1,4 +1,7 @@
-"""Operator functions of the work queue: list and count tasks, retry failed ones, list jobs.
+"""Operator functions of the work queue: tasks, jobs, and queues (pause, resume, limits).
+
+Tasks are listed, counted and retried; jobs listed; queues listed, paused, resumed and
+limited across all workers.
 
 What dashboards and command lines need beyond the producer and worker API. Every function
 takes the caller's connection (an asyncpg connection or pool, or a psycopg
@@ -18,6 +21,17 @@ from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._admin_sql import admin_sql
 from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun
+from steeple.postgres.queue._queues import (
+    QueueInfo,
+    TaskLimits,
+    check_limits,
+    limit_queue,
+    limit_task,
+    list_queues,
+    list_task_limits,
+    pause_queue,
+    resume_queue,
+)
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, LIBRARY_SCHEMA_VERSION
 from steeple.postgres.queue._validate import (
     INT64,
@@ -37,10 +51,19 @@ from steeple.postgres.queue.jobs import JobInfo
 
 __all__ = [
     "MAX_PAGE",
+    "QueueInfo",
+    "TaskLimits",
+    "check_limits",
     "count_by_state",
     "count_prunable",
+    "limit_queue",
+    "limit_task",
     "list_jobs",
+    "list_queues",
+    "list_task_limits",
     "list_tasks",
+    "pause_queue",
+    "resume_queue",
     "retry_failed_task",
     "server_time",
 ]

@@ -11,7 +11,14 @@ from typing import Any, Final, Generic, TypeVar, cast
 import attrs
 
 from steeple.core.backoff import Backoff
-from steeple.postgres.queue._validate import INT32, check_int, check_name, check_timedelta
+from steeple.postgres.queue._validate import (
+    DEFAULT_QUEUE,
+    INT32,
+    check_int,
+    check_name,
+    check_queue,
+    check_timedelta,
+)
 from steeple.postgres.queue.errors import (
     MAX_RETRY_DELAY,
     ArgsEncodingError,
@@ -211,8 +218,12 @@ def _check_backoff(_i: object, _a: object, value: Any) -> None:
     check_int(value.factor, "backoff factor", 1, INT32)
 
 
+def _check_queue(_i: object, _a: object, value: Any) -> None:
+    check_queue(value)
+
+
 _OPTION_NAMES: Final = frozenset(
-    {"priority", "lease_duration", "max_attempts", "backoff", "dedup_key"}
+    {"priority", "lease_duration", "max_attempts", "backoff", "dedup_key", "queue"}
 )
 
 
@@ -233,6 +244,8 @@ class EnqueueOptions:
         max_attempts: attempts before a retryable failure becomes final (1..10000).
         backoff: delay policy between retries (maximum at most 366 days).
         dedup_key: at most one live (pending or running) task per task name and key.
+        queue: the named queue it waits in (1-200 chars, default ``"default"``); workers
+            serve the queues they are given (see :class:`Scheduler`).
 
     Raises:
         QueueConfigurationError: any value out of range; a naive ``run_at``; both
@@ -247,6 +260,7 @@ class EnqueueOptions:
     max_attempts: int = attrs.field(default=5, validator=_check_attempts)
     backoff: Backoff = attrs.field(factory=Backoff, validator=_check_backoff)
     dedup_key: str | None = attrs.field(default=None, validator=_check_dedup)
+    queue: str = attrs.field(default=DEFAULT_QUEUE, validator=_check_queue)
 
     def __attrs_post_init__(self) -> None:
         if self.run_at is not None and self.delay is not None:
