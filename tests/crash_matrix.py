@@ -14,6 +14,7 @@ import random
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,6 +33,12 @@ def sample(scenarios: Sequence[T], size: int, salt: str) -> list[T]:
     if EVERYTHING or size >= len(scenarios):
         return list(scenarios)
     return random.Random(f"{SEED}:{salt}").sample(list(scenarios), size)
+
+
+def yearly_cron(fired: datetime) -> str:
+    """A cron expression that fired at ``fired`` (UTC, to the minute) and next fires a
+    year later: a minute boundary during a test adds no occurrence."""
+    return f"{fired.minute} {fired.hour} {fired.day} {fired.month} *"
 
 
 def read_lines(path: Path) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from crash_matrix import yearly_cron
 from crash_worker import CONFIG, KEY_BYTES, FileBroker
 from pg_cluster import poll
 from queue_support import installed_queue
@@ -188,8 +189,10 @@ async def test_every_registered_crash_point_is_reached(
     async with installed_queue(dsn, schema) as conn:
         await enqueue(conn, task, {"sleep": 0.5}, options, schema=schema)
         await enqueue(conn, task, {"fail_first": True}, options, schema=schema)
-        past = FakeClock(datetime.now(UTC) - timedelta(minutes=5))
-        await jobs.create(conn, "job", task, "* * * * *", {}, options, schema=schema, clock=past)
+        now = datetime.now(UTC)
+        past = FakeClock(now - timedelta(minutes=5))
+        cron = yearly_cron(now - timedelta(minutes=3))  # one occurrence owed, the next in a year
+        await jobs.create(conn, "job", task, cron, {}, options, schema=schema, clock=past)
         worker = Scheduler(
             dsn, worker_id="registry", schema=schema, poll_interval=0.05, maintenance_interval=0.1
         )

@@ -199,6 +199,11 @@ async def _check(
     published = [json.loads(line) for line in read_lines(journal)]
     assert {key for key, _, _ in published} == set(expected), reproduce()
     assert all(expected[key] == payload for key, payload, _ in published)
+    # whatever the dead worker held when it died was re-claimed under a higher revision
+    if how == "kill":
+        for occurrence_id, (_, _, state, revision) in at_crash.items():
+            if state == "leased":
+                assert rows[occurrence_id][3] > revision, (occurrence_id, reproduce())
     # the crashed worker's leases are fenced: refused, nothing published
     store = await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, SystemClock(), schema=schema)
     probe = FileBroker(str(journal.with_name("probe.jsonl")))

@@ -30,7 +30,15 @@ from typing import Any
 import asyncpg
 import pytest
 
-from crash_matrix import SEED, Crashing, idle_in_transaction, read_lines, reproduce, sample
+from crash_matrix import (
+    SEED,
+    Crashing,
+    idle_in_transaction,
+    read_lines,
+    reproduce,
+    sample,
+    yearly_cron,
+)
 from crash_worker import append
 from pg_cluster import Cluster, Clusters, poll
 from queue_support import installed_queue
@@ -76,10 +84,13 @@ async def _prepare(dsn: str, schema: str) -> None:
     async with installed_queue(dsn, schema, connect_timeout=30) as conn:
         for args in ARGS:
             await enqueue(conn, TASK, args, OPTIONS, schema=schema)
-        # Created as if five minutes ago: each job owes one occurrence (missed runs run once).
-        past = FakeClock(datetime.now(UTC) - timedelta(minutes=5))
+        # Created as if five minutes ago, due three minutes ago, next due a year later:
+        # each job owes exactly one occurrence.
+        now = datetime.now(UTC)
+        past = FakeClock(now - timedelta(minutes=5))
+        cron = yearly_cron(now - timedelta(minutes=3))
         for name in JOBS:
-            await jobs.create(conn, name, TASK, "* * * * *", {}, OPTIONS, schema=schema, clock=past)
+            await jobs.create(conn, name, TASK, cron, {}, OPTIONS, schema=schema, clock=past)
 
 
 async def _tasks(dsn: str, schema: str) -> dict[int, tuple[str, int, Any, int | None]]:
