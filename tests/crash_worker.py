@@ -10,7 +10,7 @@ appends each execution to JOURNAL (fsynced) before it returns; a task whose args
 ``{"fail_first": true}`` fails its first attempt with a retry.
 
 Both print ``ready`` once connected and stop on SIGTERM. The crash points are armed by the
-environment (``STEEPLE_CRASH_AT``/``STEEPLE_CRASH_PAUSE``, see steeple.core.crashpoints).
+environment (``STEEPLE_CRASH_AT``/``STEEPLE_CRASH_PAUSE``, see steeple.engine.crashpoints).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from datetime import timedelta
 from typing import Any
 
 from steeple.core import RecurringConfig, ScheduledMessage, SystemClock
-from steeple.core.crashpoints import crash_point
 from steeple.core.errors import RecurringClockError, RecurringStorageError
 from steeple.core.messages import BrokerReceipt
+from steeple.engine.crashpoints import crash_point
 
 KEY_BYTES = b"\x0c" * 32
 CONFIG = RecurringConfig(

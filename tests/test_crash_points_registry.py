@@ -1,6 +1,6 @@
 """The crash-point registry: every registered point is reached, every call names one.
 
-One in-process scenario (the hook armed with :func:`steeple.core.crashpoints.arm`) drives
+One in-process scenario (the hook armed with :func:`steeple.engine.crashpoints.arm`) drives
 the recurring store both ways (batched relay, and tick/claim/relay_many) and a queue
 worker through claims, renewals, completions, a retry and a recurring job; every
 registered name must be reached. The environment switches are checked here too.
@@ -30,9 +30,9 @@ from steeple.core import (
     RecurringDefinition,
     ScheduledMessage,
     SystemClock,
-    crashpoints,
 )
-from steeple.core.crashpoints import CRASH_POINTS, arm, crash_point, disarm
+from steeple.engine import crashpoints
+from steeple.engine.crashpoints import CRASH_POINTS, arm, crash_point, disarm
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore, RecurringRelay
 from steeple.postgres.queue import (
@@ -115,7 +115,7 @@ def test_a_traced_hook_records_each_name_once_and_refuses_unregistered(tmp_path:
 def test_the_nth_arrival_kills_the_process(tmp_path: Path) -> None:
     trace = tmp_path / "trace"
     program = (
-        "from steeple.core.crashpoints import crash_point\n"
+        "from steeple.engine.crashpoints import crash_point\n"
         "crash_point('tick.begin'); print('first', flush=True)\n"
         "crash_point('tick.begin'); print('second', flush=True)\n"
     )
@@ -131,7 +131,7 @@ def test_the_nth_arrival_kills_the_process(tmp_path: Path) -> None:
 def test_a_paused_process_waits_for_its_release(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "release")
     program = (
-        "from steeple.core.crashpoints import crash_point\n"
+        "from steeple.engine.crashpoints import crash_point\n"
         "crash_point('claim.committed'); print('released', flush=True)\n"
     )
     env = {

@@ -1,6 +1,6 @@
 """Crash points of the recurring store, systematically (RELIABILITY rows 1, 2, 3, 12).
 
-For each named crash point of tick, claim and relay (steeple.core.crashpoints), a relay
+For each named crash point of tick, claim and relay (steeple.engine.crashpoints), a relay
 worker process either SIGKILLs itself there, or freezes there while the PostgreSQL server
 under it is restarted with ``pg_ctl -m immediate`` and is then let go. A fresh worker then
 finishes the work. After each scenario the checker asserts:
@@ -40,9 +40,9 @@ from steeple.core import (
     ScheduledMessage,
     SystemClock,
 )
-from steeple.core.crashpoints import CRASH_POINTS
 from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
 from steeple.core.records import Lease
+from steeple.engine.crashpoints import CRASH_POINTS
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore, RecurringRelay
 

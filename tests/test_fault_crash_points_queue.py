@@ -42,7 +42,7 @@ from crash_matrix import (
 from crash_worker import append
 from pg_cluster import Cluster, Clusters, poll
 from queue_support import installed_queue
-from steeple.core.crashpoints import CRASH_POINTS
+from steeple.engine.crashpoints import CRASH_POINTS
 from steeple.postgres.queue import EnqueueOptions, JobContext, Scheduler, Task, enqueue, jobs
 from steeple.postgres.queue._sql import queue_sql
 from steeple.testing import FakeClock

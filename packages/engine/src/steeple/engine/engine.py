@@ -31,7 +31,6 @@ import attrs
 from steeple.core import limits
 from steeple.core.calendar import CronCalendar
 from steeple.core.config import RecurringConfig, RecurringDefinition, is_definition_name
-from steeple.core.crashpoints import crash_point
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
     InvalidTransitionError,
@@ -86,6 +85,7 @@ from steeple.core.records import (
 )
 from steeple.engine import codec
 from steeple.engine.binding import seal_binding, verify_binding
+from steeple.engine.crashpoints import crash_point
 from steeple.engine.ports import (
     DefinitionRow,
     DefinitionUpdate,
@@ -252,7 +252,7 @@ class RecurringEngine:
         """Run ``body`` in one locked transaction; return its result and the recorded time.
 
         ``points`` names the crash points of the transaction's steps (``<points>.begin``,
-        ``.written`` and ``.committed``; see :mod:`steeple.core.crashpoints`).
+        ``.written`` and ``.committed``; see :mod:`steeple.engine.crashpoints`).
         """
 
         async def work(repo: RecurringRepository) -> tuple[T, datetime]:

@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from steeple.core.backoff import Backoff
-from steeple.core.crashpoints import crash_point
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_any, wait_either
 from steeple.postgres.queue._db import DB_ERRORS

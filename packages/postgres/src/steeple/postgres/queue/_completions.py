@@ -13,8 +13,8 @@ import collections
 from datetime import timedelta
 from typing import Final
 
-from steeple.core.crashpoints import crash_point
 from steeple.core.tasks import TaskEvent, TaskState, transition
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._failures import Failure

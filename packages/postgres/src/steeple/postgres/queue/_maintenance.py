@@ -7,7 +7,7 @@ Recovery's target state per task is core's: ``transition(RUNNING, lease_expiry_e
 
 from __future__ import annotations
 
-from steeple.core.crashpoints import crash_point
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-from steeple.core.crashpoints import crash_point
 from steeple.core.tasks import TaskState
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._inflight import Claimed

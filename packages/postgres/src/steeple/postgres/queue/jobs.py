@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import attrs
 
-from steeple.core.crashpoints import crash_point
 from steeple.core.errors import ConfigurationError
 from steeple.core.policies import MissedRunPolicy, plan_tick
 from steeple.core.ports import Clock
 from steeple.core.zoned import DEFAULT_ZONE, ZonedCalendar
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
 from steeple.postgres.queue._shared import LOG

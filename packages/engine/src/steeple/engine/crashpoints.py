@@ -17,7 +17,8 @@ hook is armed only by environment variables read once, when this module is first
     Appends each name to ``path`` the first time it is reached (the registry test reads it
     to prove every registered point is reached by some scenario).
 
-Only the standard library's ``os`` and ``signal`` are used: no clock, no threads.
+Only the standard library's ``os`` and ``signal`` are used: no clock, no threads. It lives in the
+engine, beside the core, because it does I/O (signals, files) and the core does none.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def disarm() -> None:
 def _target(spec: str) -> tuple[str, int]:
     name, _, nth = spec.partition(":")
     if name not in CRASH_POINTS:
-        raise ValueError(f"unknown crash point {name!r} (see steeple.core.crashpoints)")
+        raise ValueError(f"unknown crash point {name!r} (see steeple.engine.crashpoints)")
     count = int(nth) if nth else 1
     if count < 1:
         raise ValueError(f"crash point {spec!r}: the count must be 1 or more")
