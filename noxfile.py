@@ -455,6 +455,26 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def crashmatrix(session: nox.Session) -> None:
+    """Every crash point x (SIGKILL, immediate PostgreSQL restart), not the per-run sample.
+
+    Needs ``STEEPLE_TEST_DSN`` (the SIGKILL half) and pgserver (private clusters for the
+    restarts). ``STEEPLE_CRASH_SEED`` is irrelevant here: nothing is sampled.
+    """
+    _sync(session)
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_fault_crash_points.py",
+        "tests/test_fault_crash_points_queue.py",
+        "tests/test_crash_points_registry.py",
+        *session.posargs,
+        env={"STEEPLE_CRASH_MATRIX": "all"},
+    )
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     _sync(session)
     session.run("steeple", "demo", *session.posargs)

@@ -31,6 +31,7 @@ import attrs
 from steeple.core import limits
 from steeple.core.calendar import CronCalendar
 from steeple.core.config import RecurringConfig, RecurringDefinition, is_definition_name
+from steeple.core.crashpoints import crash_point
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
     InvalidTransitionError,
@@ -245,8 +246,14 @@ class RecurringEngine:
 
     # --- the transaction every call runs in ----------------------------------------------
 
-    async def _run(self, what: str, body: Callable[[_Tx], Awaitable[T]]) -> tuple[T, datetime]:
-        """Run ``body`` in one locked transaction; return its result and the recorded time."""
+    async def _run(
+        self, what: str, body: Callable[[_Tx], Awaitable[T]], *, points: str | None = None
+    ) -> tuple[T, datetime]:
+        """Run ``body`` in one locked transaction; return its result and the recorded time.
+
+        ``points`` names the crash points of the transaction's steps (``<points>.begin``,
+        ``.written`` and ``.committed``; see :mod:`steeple.core.crashpoints`).
+        """
 
         async def work(repo: RecurringRepository) -> tuple[T, datetime]:
             state = repo.namespace
@@ -271,9 +278,16 @@ class RecurringEngine:
             # this transaction, and never moves backwards.
             recorded = adopt_time(now, self._clock.now())
             await repo.record_namespace(recorded, tx.definition_delta, tx.occurrence_delta)
+            if points is not None:
+                crash_point(points + ".written")
             return result, recorded
 
-        return await self._storage.transaction(what, work)
+        if points is None:
+            return await self._storage.transaction(what, work)
+        crash_point(points + ".begin")
+        done = await self._storage.transaction(what, work)
+        crash_point(points + ".committed")
+        return done
 
     def _seal_with(self, seal: Callable[[], bytes], record: str) -> bytes:
         try:
@@ -587,6 +601,7 @@ class RecurringEngine:
                 )
             if created:
                 await tx.repo.insert_occurrences(created)
+                crash_point("tick.inserted")
             if plan.advanced:
                 await tx.repo.update_definitions(
                     [
@@ -607,7 +622,7 @@ class RecurringEngine:
                 exhausted=plan.exhausted,
             )
 
-        return (await self._run("tick", body))[0]
+        return (await self._run("tick", body, points="tick"))[0]
 
     # --- claim ---------------------------------------------------------------------------
 
@@ -633,7 +648,7 @@ class RecurringEngine:
                 await tx.repo.update_occurrences(changes)
             return granted
 
-        granted, recorded = await self._run("claim", body)
+        granted, recorded = await self._run("claim", body, points="claim")
         # Judged after the commit: a lease that lapsed while the claim committed is not
         # handed out; its occurrence stays claimable for the next claim.
         after = max(recorded, self._clock.now())
@@ -803,7 +818,7 @@ class RecurringEngine:
             await tx.repo.update_occurrences(list(final.values()))
             return granted, checked
 
-        (granted, checked), checked_at = await self._run("claim", body)
+        (granted, checked), checked_at = await self._run("claim", body, points="claim")
         return await self._publish_and_record(granted, checked, checked_at, broker, concurrency)
 
     async def _publish_and_record(
@@ -836,8 +851,12 @@ class RecurringEngine:
         if ready:
             limit = asyncio.Semaphore(concurrency)
             async with asyncio.TaskGroup() as group:
+                # Named for the loop-lag monitor, which reports the task that blocks.
                 tasks = [
-                    group.create_task(self._publish(prepared, broker, checked_at, limit))
+                    group.create_task(
+                        self._publish(prepared, broker, checked_at, limit),
+                        name=f"steeple relay: publish occurrence {prepared.lease.occurrence_id}",
+                    )
                     for _, prepared in ready
                 ]
             attempts = [task.result() for task in tasks]
@@ -896,10 +915,12 @@ class RecurringEngine:
                 )
             timeout = min(remaining, limits.PUBLISH_DEADLINE).total_seconds()
             try:
+                crash_point("relay.before_publish")
                 async with asyncio.timeout(timeout):
                     receipt = await broker.publish(
                         prepared.message, idempotency_key=prepared.key, timeout=timeout
                     )
+                crash_point("relay.after_confirm")
                 if not isinstance(receipt, BrokerReceipt):
                     raise TypeError(f"publish returned a {type(receipt).__name__}, not a receipt")
             except BaseException as exc:
@@ -927,7 +948,7 @@ class RecurringEngine:
                 await tx.repo.update_occurrences(changes)
             return results
 
-        return await self._run("relay", body)
+        return await self._run("relay", body, points="relay.check")
 
     def _check(
         self, tx: _Tx, leases: Sequence[Lease], rows: Mapping[str, OccurrenceRow]
@@ -1010,7 +1031,7 @@ class RecurringEngine:
             return notes
 
         try:
-            notes = (await self._run("relay", body))[0]
+            notes = (await self._run("relay", body, points="relay.record"))[0]
         except RecurringError as stored:
             return [self._reported(lease, a, stored) for lease, a in attempted]
         return [

@@ -33,6 +33,8 @@ def worker(
     """Run the recurring relay and/or the task worker of your application until stopped.
 
     SIGINT or SIGTERM stops it gracefully: in-flight work finishes, nothing new starts.
+    A second signal (or the app's drain_timeout) stops it hard: running tasks are handed
+    back, relay leases left to lapse.
     """
     from steeple.admin.worker import load_worker_app, run_worker
 
