@@ -380,7 +380,13 @@ async def test_a_completion_cut_at_any_await_is_all_or_nothing(queue: Queue) -> 
     async def op() -> Any:
         assert queue.db is not None
         return await queue.db.fetch(
-            queue.sql.complete, [current["id"]], [current["token"]], "w", timeout=10
+            queue.sql.complete,
+            [current["id"]],
+            [current["token"]],
+            "w",
+            [None],  # no result
+            [None],  # no progress
+            timeout=10,
         )
 
     async def check(cut: Cut) -> None:

@@ -169,7 +169,7 @@ async def _check(
         for task_id, (state, attempts, token, _) in at_crash.items():
             if state != "running":
                 continue
-            assert await conn.fetch(sql.complete, [task_id], [token], "stale") == []
+            assert await conn.fetch(sql.complete, [task_id], [token], "stale", [None], [None]) == []
             assert await conn.fetch(sql.renew, [task_id], [token]) == []
             if how == "kill":
                 assert tasks[task_id][1] > attempts, (task_id, reproduce())

@@ -196,10 +196,15 @@ async def _live(conn: asyncpg.Connection, s: str, sql: QueueSql) -> None:
 
 
 CLAIM: tuple[str, tuple[Any, ...]] = ("claim", (["iso"], 1, "w", 1e12))
-COMPLETE: tuple[str, tuple[Any, ...]] = ("complete", ([1], [UUID(TOKEN)], "w"))
+# $4 results[], $5 progress[] (schema version 7): none here.
+COMPLETE: tuple[str, tuple[Any, ...]] = ("complete", ([1], [UUID(TOKEN)], "w", [None], [None]))
 RENEW: tuple[str, tuple[Any, ...]] = ("renew", ([1], [UUID(TOKEN)]))
 RECOVER: tuple[str, tuple[Any, ...]] = ("recover_expired", (100,))
-RETRY: tuple[str, tuple[Any, ...]] = ("retry", (1, UUID(TOKEN), timedelta(0), "failed once", "w"))
+RETRY: tuple[str, tuple[Any, ...]] = (
+    "retry",
+    # $6 error type, $7 traceback, $8 progress (schema version 7)
+    (1, UUID(TOKEN), timedelta(0), "failed once", "w", "RuntimeError", None, None),
+)
 
 SPECS = [
     # two workers claim the one pending task: exactly one gets it, attempt 1
