@@ -382,6 +382,8 @@ class TcpProxy:
         self._links: set[_Link] = set()
         self.stalled = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self.peak = 0
+        """Most connections open through the proxy at once, so far."""
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -402,6 +404,7 @@ class TcpProxy:
             return
         link = _Link(self, writer, up_writer)
         self._links.add(link)
+        self.peak = max(self.peak, len(self._links))
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(link.pump(reader, up_writer, upstream=True))
@@ -411,6 +414,11 @@ class TcpProxy:
         finally:
             self._links.discard(link)
             link.close()
+
+    @property
+    def connections(self) -> int:
+        """Connections open through the proxy now."""
+        return len(self._links)
 
     def stall(self) -> None:
         """Hold every byte in both directions (a frozen network), new connections too."""

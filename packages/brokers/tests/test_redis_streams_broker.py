@@ -17,6 +17,7 @@ from broker_suite import (
     ProxiedHarness,
     TcpProxy,
     drain_deliveries,
+    eventually,
     message,
     new_key,
     running_proxy,
@@ -202,6 +203,53 @@ async def test_concurrent_relays_on_one_key_store_one_entry(harness: RedisHarnes
     assert sum(not r.duplicate for r in receipts) == 1
     assert len({r.location for r in receipts}) == 1
     assert await harness.drain() == [(key, message(7))]
+
+
+async def test_a_batch_of_first_publications_opens_one_client(
+    harness: RedisHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by the relay stress test: a relay batch's first publications all call
+    ``start`` at once, and each opened a client of its own (its connection never closed)
+    and logged the persistence warnings again."""
+    broker = RedisStreamBroker(harness.proxy.url("redis", path="/0"), stream=harness.stream)
+    harness.brokers.append(broker)
+    with caplog.at_level(logging.WARNING, logger="steeple.brokers.redis"):
+        await asyncio.gather(*(broker.start() for _ in range(10)))
+        assert harness.proxy.connections == 1
+        keys = [new_key() for _ in range(10)]
+        receipts = await asyncio.gather(
+            *(broker.publish(message(i), idempotency_key=k, timeout=5) for i, k in enumerate(keys))
+        )
+    assert [r.idempotency_key for r in receipts] == keys
+    report = broker.persistence
+    assert report is not None
+    reported = [r for r in caplog.records if r.name == "steeple.brokers.redis"]
+    assert len(reported) == len(report.warnings)  # checked once
+    await broker.close()
+    await eventually(lambda: _no_connections(harness.proxy))  # nothing left open
+
+
+async def test_closed_while_starting_leaves_nothing_open(harness: RedisHarness) -> None:
+    broker = RedisStreamBroker(harness.proxy.url("redis", path="/0"), stream=harness.stream)
+    harness.brokers.append(broker)
+    harness.proxy.stall()  # the PING waits on the wire
+    starting = asyncio.create_task(broker.start())
+    await eventually(lambda: _has_connections(harness.proxy))  # connecting
+    await broker.close()
+    harness.proxy.stalled = False  # the held bytes flow again: the start completes
+    with pytest.raises(BrokerUnavailableError, match="closed"):
+        await starting
+    await eventually(lambda: _no_connections(harness.proxy))
+    with pytest.raises(BrokerUnavailableError, match="closed"):
+        await broker.publish(message(0), idempotency_key=new_key(), timeout=5)
+
+
+async def _no_connections(proxy: TcpProxy) -> bool:
+    return proxy.connections == 0
+
+
+async def _has_connections(proxy: TcpProxy) -> bool:
+    return proxy.connections > 0
 
 
 async def test_consumer_redelivers_after_the_visibility_timeout(

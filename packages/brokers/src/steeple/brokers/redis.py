@@ -17,6 +17,7 @@ tag (``{orders}``) and the default prefix ``<stream>:dedup:`` follows it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import timedelta
 from typing import Any
@@ -189,6 +190,9 @@ class RedisStreamBroker(AsyncLifecycle):
         self._script: Any = None
         self._report: PersistenceReport | None = None
         self._closed = False
+        # The first publications of a relay batch all call start at once: one connects,
+        # the others wait for it (each would otherwise open, and leak, a client of its own).
+        self._start_lock = asyncio.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -228,7 +232,19 @@ class RedisStreamBroker(AsyncLifecycle):
         if self._closed:
             raise BrokerUnavailableError("redis: this broker was closed")
         if self._client is not None:
-            return
+            return  # the lock is for the first start only; every publish asks
+        async with self._start_lock:
+            if self._client is None and not self._closed:
+                await self._connect()
+            if self._was_closed():
+                await self.close()  # closed while connecting: nothing may stay open
+                raise BrokerUnavailableError("redis: this broker was closed")
+
+    def _was_closed(self) -> bool:
+        """Whether :meth:`close` ran (read afresh after an await)."""
+        return self._closed
+
+    async def _connect(self) -> None:
         client = aioredis.Redis.from_url(
             self._url,
             socket_connect_timeout=self._connect_timeout,
@@ -243,18 +259,18 @@ class RedisStreamBroker(AsyncLifecycle):
                 raise BrokerUnavailableError(
                     f"redis: cannot connect to {redact_url(self._url)} ({type(exc).__name__})"
                 ) from None
-            self._client = client
-            self._script = client.register_script(_PUBLISH_SCRIPT)
-            report = await self.check_persistence()
+            report = await self._check_persistence(client)
             if self._strict and report.warnings:
                 raise BrokerConfigurationError(
                     "redis: the server cannot keep dedup markers durably: "
                     + " ".join(report.warnings)
                 )
         except BaseException:
-            self._client = None
             await client.aclose()
             raise
+        # Published only once checked: a publication never sees a half-started broker.
+        self._script = client.register_script(_PUBLISH_SCRIPT)
+        self._client = client
 
     async def check_persistence(self) -> PersistenceReport:
         """Read the settings the dedup promise relies on and report what falls short.
@@ -267,6 +283,9 @@ class RedisStreamBroker(AsyncLifecycle):
         client = self._client
         if client is None:
             raise BrokerUnavailableError("redis: not started")
+        return await self._check_persistence(client)
+
+    async def _check_persistence(self, client: aioredis.Redis) -> PersistenceReport:
         values: dict[str, str | None] = {}
         warnings: list[str] = []
         for name in ("appendonly", "appendfsync", "maxmemory-policy"):
