@@ -384,6 +384,8 @@ class TcpProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self.peak = 0
         """Most connections open through the proxy at once, so far."""
+        self.held = 0
+        """Chunks read while stalled (held back, then dropped by :meth:`heal`)."""
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -470,6 +472,8 @@ class _Link:
             data = await reader.read(65536)
             if not data:
                 break
+            if self.proxy.stalled:
+                self.proxy.held += 1
             while self.proxy.stalled and not self.is_closed():  # noqa: ASYNC110 - a test proxy
                 await asyncio.sleep(0.02)
             if self.is_closed():
