@@ -253,6 +253,33 @@ async def test_a_connection_lost_with_the_request_out_is_no_slow_broker(
     assert [k for k, _ in await harness.drain()][-1] == key
 
 
+async def test_a_lost_reply_costs_only_its_own_connection(harness: RedisHarness) -> None:
+    """Found by the relay stress test: after a lost reply the adapter reset its whole
+    connection pool (on the cancellation and again for the lookup), cutting every other
+    publication in flight on that client; under a relay's 32 concurrent publications one
+    lost reply failed them all, and occurrences spent up to 7 of their 10 attempts."""
+    broker = await harness.make_broker()
+    await asyncio.gather(
+        *(broker.publish(message(i), idempotency_key=new_key(), timeout=5) for i in range(8))
+    )
+    pooled = harness.proxy.connections  # the pool's connections, idle now
+    assert pooled > 1
+    harness.proxy.drop_replies()  # whichever connection the next publication takes
+    key = new_key()
+    with pytest.raises(RelayAcknowledgementError) as info:
+        await broker.publish(message(99), idempotency_key=key, timeout=2)
+    assert info.value.receipt.idempotency_key == key
+    # Only the connection whose reply was lost is closed; the lookup's own is gone too.
+    await eventually(lambda: _connections_are(harness.proxy, pooled - 1))
+    harness.proxy.reset_all()
+    again = await broker.publish(message(99), idempotency_key=key, timeout=5)
+    assert again.duplicate is True
+
+
+async def _connections_are(proxy: TcpProxy, n: int) -> bool:
+    return proxy.connections == n
+
+
 async def _held(proxy: TcpProxy) -> bool:
     return proxy.held > 0
 

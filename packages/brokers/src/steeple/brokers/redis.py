@@ -409,28 +409,32 @@ class RedisStreamBroker(AsyncLifecycle):
         except (rexc.TimeoutError, rexc.ConnectionError, rexc.RedisError, OSError) as exc:
             # The script may have run: the reply is what is missing (or unreadable).
             raise AckUncertainError(type(exc).__name__) from None
-        except BaseException:
-            # A cancelled command leaves its connection's reply stream unknown.
-            await self._reset_connections()
-            raise
+        # A cancelled command leaves its connection's reply stream unknown: redis-py
+        # disconnects that connection itself (and only it). Resetting the whole pool here
+        # cut every other publication in flight (found by the relay stress test).
         entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         return BrokerReceipt("redis", key, duplicate=bool(duplicate), location=entry)
 
-    async def _reset_connections(self) -> None:
-        client = self._client
-        if client is not None:
-            await client.connection_pool.disconnect()
-
     async def _probe(self, key: str) -> BrokerReceipt | None:
-        """Look the marker up on a fresh connection."""
-        await self._reset_connections()
-        client = self._client
-        if client is None:
+        """Look the marker up on a connection of its own, opened for this lookup.
+
+        Not from the pool, and without touching it: the pool's other connections carry
+        other publications.
+        """
+        if self._client is None:
             return None
+        client = aioredis.Redis.from_url(
+            self._url,
+            socket_connect_timeout=self._connect_timeout,
+            health_check_interval=0,
+            single_connection_client=True,
+        )
         try:
             entry = await client.get(self.marker_key(key))
         except (rexc.RedisError, OSError) as exc:
             raise BrokerUnavailableError(f"redis: {type(exc).__name__}") from None
+        finally:
+            await client.aclose()
         if entry is None:
             return None
         text = entry.decode() if isinstance(entry, bytes) else str(entry)
