@@ -1,4 +1,5 @@
-"""nox sessions for steeple: lint, typecheck, tests, core (driverless), isolated, bench, demo.
+"""nox sessions for steeple: lint, typecheck, tests, stress, core (driverless), isolated, bench,
+demo.
 
 Sessions reuse uv for speed and never download an interpreter.
 
@@ -437,6 +438,26 @@ def _try(
     except nox.command.CommandFailed as exc:
         return [f"{what}: {exc.reason or 'failed'}"]
     return []
+
+
+@nox.session
+def stress(session: nox.Session) -> None:
+    """The full relay stress run: 60 s of kills and broker connection cuts per broker.
+
+    The test suite runs the same test for 10 s per broker; ``STEEPLE_RELAY_STRESS_SEED``
+    replays a printed seed. Needs PostgreSQL (``STEEPLE_TEST_DSN``), NATS, Redis and
+    RabbitMQ, like the suite.
+    """
+    _sync(session)
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-s",
+        "packages/brokers/tests/test_relay_stress.py",
+        *session.posargs,
+        env={"STEEPLE_RELAY_STRESS_SECONDS": os.environ.get("STEEPLE_RELAY_STRESS_SECONDS", "60")},
+    )
 
 
 @nox.session

@@ -185,6 +185,9 @@ class _Attempt:
     raised: BaseException | None = None
     error: SteepleError | None = None
     """Set when nothing was published (the lease lapsed before the publication started)."""
+    unsent: bool = False
+    """The lease lapsed while waiting for its turn: nothing was sent, so the attempt the
+    check counted is given back (if the lease is still the latest)."""
     unopenable: SteepleError | None = None
     """Set when the content cannot be opened: nothing was published, a dead letter."""
 
@@ -911,7 +914,8 @@ class RecurringEngine:
                         f"the lease on occurrence {prepared.lease.occurrence_id} expired "
                         "while its check committed (or while waiting for its turn to "
                         "publish); nothing was published"
-                    )
+                    ),
+                    unsent=True,
                 )
             timeout = min(remaining, limits.PUBLISH_DEADLINE).total_seconds()
             try:
@@ -993,28 +997,37 @@ class RecurringEngine:
     ) -> list[RelayOutcome]:
         """Relay step three for a batch: record each outcome, fenced by its own lease.
 
-        A publication that never started (its lease lapsed first) records nothing. If the
+        A publication that never started (its lease lapsed first) records nothing but
+        gives back the attempt its check counted, while the lease is still the latest: a
+        batch that outlasts its leases (a slow broker, a claim larger than the broker's
+        pace) must not spend the occurrences' attempt budget (ten) on nothing sent. If the
         transaction fails, an accepted publication is reported as an uncertain
         acknowledgement carrying its receipt, a lost broker acknowledgement as itself
         (the storage error as its ``__cause__``), any other outcome as the storage error.
         """
-        if all(attempt.error is not None for _, attempt in attempted):
+        if all(a.error is not None and not a.unsent for _, a in attempted):
             return [self._reported(lease, a, None) for lease, a in attempted]
 
         async def body(tx: _Tx) -> list[str | SteepleError | None]:
-            ids = [lease.occurrence_id for lease, a in attempted if a.error is None]
+            ids = [lease.occurrence_id for lease, a in attempted if a.error is None or a.unsent]
             rows = {r.occurrence_id: r for r in await tx.repo.occurrences(ids)}
             changes: list[OccurrenceChange] = []
             notes: list[str | SteepleError | None] = []
             for lease, attempt in attempted:
-                if attempt.error is not None:
-                    notes.append(None)
-                    continue
                 row = rows.get(lease.occurrence_id)
                 if row is not None and not holds_lease(
                     row.lease_digest, row.lease_revision, lease.capability, lease.revision
                 ):
                     row = None
+                if attempt.error is not None:
+                    if attempt.unsent and row is not None and row.state is OccurrenceState.LEASED:
+                        changes.append(
+                            OccurrenceChange.of(
+                                row, attempts=max(row.attempts - 1, 0), updated_at=tx.now
+                            )
+                        )
+                    notes.append(None)
+                    continue
                 note: str | SteepleError | None
                 if attempt.unopenable is not None:
                     note, change = self._unopenable_change(tx, row, attempt.unopenable)
