@@ -6,8 +6,9 @@ per task) and starts a handler for each, never more than ``concurrency`` at once
 than a queue's own limit in this worker. The free slots are shared out among the queues,
 starting from a different queue each round so none starves the others. The claim function
 applies what is stored for all workers (paused queues, global concurrency and rate limits)
-and says when a limit held work back: the loop then also retries when one of its own
-handlers ends (that may have freed the global slot it waits for). Every
+and says when a limit held work back: the loop then also retries as soon as this worker
+writes an outcome (that freed a global slot); slots freed by other workers are seen at the
+next poll or wake-up. Every
 claim carries a give-up time on the server's clock (estimated from this host's monotonic
 clock, re-anchored by every answer): a claim the server runs later than that takes nothing.
 """
@@ -115,6 +116,7 @@ class Claimer:
                     await wait_either(inflight.slot_freed, stop_waiter, None)
                     continue
                 wake.clear()
+                inflight.outcome_written.clear()
                 wanted = sum(wants)
                 sent = time.monotonic()
                 # The give-up time, on the server's clock: what it surely reads when this
@@ -180,10 +182,10 @@ class Claimer:
                 )
                 for row in rows:
                     self._start(row, sent, handlers, inst, tracer, contexts)
-                if held and inflight.running:
-                    # A global limit may free up when one of this worker's handlers ends.
-                    inflight.slot_freed.clear()
-                    await wait_any((wake, inflight.slot_freed), stop_waiter, env.poll)
+                if held:
+                    # A global limit frees up when an outcome of this worker is written
+                    # (perhaps while the claim ran: the event was cleared before it).
+                    await wait_any((wake, inflight.outcome_written), stop_waiter, env.poll)
                 elif len(rows) < wanted:
                     await wait_either(wake, stop_waiter, env.poll)
                 else:
