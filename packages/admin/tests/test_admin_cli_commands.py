@@ -376,6 +376,11 @@ def test_unreachable_database_is_exit_4() -> None:
         ["keys", "show"],
         ["admin"],
         ["admin", "serve"],
+        ["queues"],
+        ["queues", "list"],
+        ["queues", "pause"],
+        ["queues", "resume"],
+        ["queues", "limit"],
     ],
 )
 def test_help_everywhere(command: list[str]) -> None:
