@@ -22,7 +22,7 @@ from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import WorkerEnv
-from steeple.postgres.queue._validate import storable_text
+from steeple.postgres.queue._validate import DEFAULT_QUEUE, storable_text
 from steeple.postgres.queue.errors import JobError, LeaseLostError
 from steeple.postgres.queue.tasks import Task
 
@@ -60,7 +60,7 @@ class JobContext:
     max_attempts: int
     worker_id: str
     scheduled_for: datetime | None = None
-    queue: str = "default"
+    queue: str = DEFAULT_QUEUE
     lease_lost: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
     cancelled: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
 
