@@ -428,3 +428,29 @@ async def test_a_version_5_schema_upgrades_and_its_tasks_join_the_default_queue(
             await conn.execute(f"UPDATE \"{schema}\".tasks SET queue = ''")
     finally:
         await conn.close()
+
+
+async def test_a_claim_held_by_a_rate_limit_says_when_the_window_frees_a_start(
+    queue: QueueFixture,
+) -> None:
+    _dsn, schema, conn = queue
+    from steeple.postgres.queue._sql import queue_sql
+
+    sql = queue_sql(schema)
+    await limit_queue(conn, "default", rate_limit=2, per=timedelta(minutes=1), schema=schema)
+    await enqueue_many(conn, JOB, [{}] * 3, schema=schema)
+    give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
+    rows = await conn.fetch(sql.claim_timed, ["default"], [5], [JOB.name], "w", give_up)
+    claimed = [r for r in rows if r["id"] is not None]
+    (held,) = [r for r in rows if r["id"] is None]
+    assert len(claimed) == 2
+    assert held["held"] is True
+    # Both starts share the claim's instant; the first leaves the window one period later.
+    assert {r["started_at"] for r in claimed} == {held["run_at"] - timedelta(minutes=1)}
+    # A second claim in the window takes nothing and says the same.
+    again = await conn.fetch(sql.claim_timed, ["default"], [5], [JOB.name], "w", give_up)
+    assert [(r["id"], r["held"], r["run_at"]) for r in again] == [(None, True, held["run_at"])]
+    # Without the limit, the third task is claimed and nothing is held.
+    await limit_queue(conn, "default", schema=schema)
+    last = await conn.fetch(sql.claim_timed, ["default"], [5], [JOB.name], "w", give_up)
+    assert [(r["held"], r["queue"]) for r in last] == [(False, "default")]

@@ -145,8 +145,11 @@ class Claimer:
                 server_now = float(answer[0][0])
                 server_clock.observe(server_now, time.monotonic())
                 rows = [row[1:] for row in answer if row[1] is not None]
-                # A row of id NULL and held true: a pause or global limit held work back.
-                held = any(row[1] is None and row[-1] for row in answer)
+                # A row of id NULL and held true: a global limit held work back; its run_at
+                # (when set) is when a rate window frees a start.
+                held = next((row for row in answer if row[1] is None and row[-1]), None)
+                if held is not None and held[13] is not None:
+                    self._wakeups.wake_at(held[13].timestamp() - server_now)
                 if not rows and server_now >= give_up:
                     # Refused as too late: the server's clock moved under the estimate, or
                     # the request sat in the network. The answer re-anchored the estimate:
@@ -182,7 +185,7 @@ class Claimer:
                 )
                 for row in rows:
                     self._start(row, sent, handlers, inst, tracer, contexts)
-                if held:
+                if held is not None:
                     # A global limit frees up when an outcome of this worker is written
                     # (perhaps while the claim ran: the event was cleared before it).
                     await wait_any((wake, inflight.outcome_written), stop_waiter, env.poll)
