@@ -23,6 +23,8 @@ from steeple.postgres.queue import (
     admin,
     enqueue,
     enqueue_many,
+    enqueue_many_sync,
+    enqueue_sync,
     install,
     jobs,
     limit_queue,
@@ -114,6 +116,8 @@ async def test_hostile_queue_names_are_refused_everywhere_and_nothing_is_stored(
         lambda: EnqueueOptions.immediate(queue=bad),
         lambda: enqueue(conn, JOB, {}, schema=schema, queue=bad),  # type: ignore[arg-type]
         lambda: enqueue_many(conn, JOB, [{}], schema=schema, queue=bad),  # type: ignore[arg-type]
+        lambda: enqueue_sync(conn, JOB, {}, schema=schema, queue=bad),  # type: ignore[arg-type]
+        lambda: enqueue_many_sync(conn, JOB, [{}], schema=schema, queue=bad),  # type: ignore[arg-type]
         lambda: jobs.create(conn, "j", JOB, "* * * * *", {}, schema=schema, queue=bad),  # type: ignore[arg-type]
         lambda: pause_queue(conn, bad, schema=schema),  # type: ignore[arg-type]
         lambda: resume_queue(conn, bad, schema=schema),  # type: ignore[arg-type]
