@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from steeple.core.backoff import Backoff
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_any, wait_either
 from steeple.postgres.queue._db import DB_ERRORS
@@ -124,6 +125,7 @@ class Claimer:
                 # runs later than that takes nothing, instead of leasing tasks to nobody.
                 give_up = server_clock.at_least(sent + env.timeout)
                 try:
+                    crash_point("queue.claim.before")
                     answer = await pool.fetch(
                         env.sql.claim_timed,
                         queues,
@@ -141,6 +143,7 @@ class Claimer:
                     LOG.warning("claim failed (%s); retrying after the poll interval", exc)
                     await wait_either(wake, stop_waiter, env.poll)
                     continue
+                crash_point("queue.claim.committed")
                 stats.claim_rounds += 1
                 server_now = float(answer[0][0])
                 server_clock.observe(server_now, time.monotonic())
@@ -238,4 +241,7 @@ class Claimer:
         run: Coroutine[Any, Any, None] = self._executor.execute(claimed)
         if tracer is not None and contexts is not None:
             run = _tracing.traced_run(tracer, claimed.ctx, contexts.get(task_id), run)
-        env.inflight.tasks[task_id] = handlers.create_task(run)
+        # Named for the loop-lag monitor, which reports the task that blocks the loop.
+        env.inflight.tasks[task_id] = handlers.create_task(
+            run, name=f"steeple task {name!r} #{task_id} attempt {attempt}"
+        )

@@ -14,8 +14,10 @@ from datetime import timedelta
 from typing import Final
 
 from steeple.core.tasks import TaskEvent, TaskState, transition
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._failures import Failure
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._wakeups import Wakeups
@@ -38,8 +40,9 @@ class Completions:
         self._to_release: list[Claimed] = []
         self._flush_wake = asyncio.Event()
 
-    def succeeded(self, claimed: Claimed) -> None:
-        """Buffer the success of ``claimed`` for the flusher."""
+    def succeeded(self, claimed: Claimed, result: str | None = None) -> None:
+        """Buffer the success of ``claimed`` (and its result's JSON text) for the flusher."""
+        claimed.result = result
         self._buffer.append(claimed)
         self._flush_wake.set()
 
@@ -51,7 +54,9 @@ class Completions:
         """Let the flusher write what is buffered and return (``env.closing`` is set)."""
         self._flush_wake.set()
 
-    async def failed(self, claimed: Claimed, text: str, retry_after: timedelta | None) -> None:
+    async def failed(
+        self, claimed: Claimed, failure: Failure, retry_after: timedelta | None
+    ) -> None:
         """Record a failed attempt: run again after ``retry_after``, or fail for good."""
         env = self._env
         pool = env.db
@@ -60,23 +65,31 @@ class Completions:
         attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         try:
             if retry_after is not None:
+                crash_point("queue.retry.before")
                 rows = await pool.fetch(
                     env.sql.retry,
                     ctx.task_id,
                     claimed.token,
                     retry_after,
-                    text,
+                    failure.summary,
                     env.worker_id,
+                    failure.error_type,
+                    failure.traceback,
+                    ctx.progress_text,
                     timeout=env.timeout,
                 )
+                crash_point("queue.retry.committed")
                 outcome = _AFTER_RETRY
             else:
                 rows = await pool.fetch(
                     env.sql.fail,
                     ctx.task_id,
                     claimed.token,
-                    text,
+                    failure.summary,
                     env.worker_id,
+                    failure.error_type,
+                    failure.traceback,
+                    ctx.progress_text,
                     timeout=env.timeout,
                 )
                 outcome = _AFTER_FAILURE
@@ -124,18 +137,22 @@ class Completions:
                 batch = buffer[:_FLUSH_BATCH]
                 del buffer[:_FLUSH_BATCH]
                 try:
+                    crash_point("queue.complete.before")
                     rows = await pool.fetch(
                         env.sql.complete,
                         [c.ctx.task_id for c in batch],
                         [c.token for c in batch],
                         env.worker_id,
+                        [c.result for c in batch],
+                        [c.ctx.progress_text for c in batch],
                         timeout=env.timeout,
                     )
+                    crash_point("queue.complete.committed")
                     env.status.db_ok = True
                     env.inflight.outcome_written.set()
                 except DB_ERRORS as exc:
                     env.status.db_ok = False
-                    LOG.warning("could not record %d completions: %s", len(batch), exc)
+                    LOG.warning("could not record %d completions: %r", len(batch), exc)
                     for claimed in batch:
                         claimed.unsure = True
                     buffer[:0] = batch

@@ -64,11 +64,12 @@ class QueueInstruments:
     recovered: Counter
     run_time: Histogram
     pickup_latency: Histogram
+    loop_stall: Histogram
 
 
 def _off() -> QueueInstruments:
     off = _Off()
-    return QueueInstruments(off, off, off, off, off, off, off, off, off, off)
+    return QueueInstruments(off, off, off, off, off, off, off, off, off, off, off)
 
 
 @functools.cache
@@ -104,4 +105,7 @@ def instruments() -> QueueInstruments:
         recovered=counter("recovered", "Expired leases recovered"),
         run_time=histogram("steeple.queue.run_time", "s", "Handler run time"),
         pickup_latency=histogram("steeple.queue.pickup_latency", "s", "Due time to claim"),
+        loop_stall=histogram(
+            "steeple.queue.loop_stall", "s", "Event-loop stalls past the loop-lag threshold"
+        ),
     )

@@ -65,6 +65,9 @@ class WorkerStats:
     """Claim rounds the server refused as arriving after the worker had given up on them
     (its clock moved, or the network held the request): each re-anchors the worker's
     estimate of the server's clock from the answer."""
+    loop_stalls: int = 0
+    """Times the event loop stalled past ``loop_lag_threshold`` while the worker ran (a
+    handler, or other code on its loop, blocked it); each is logged naming the culprit."""
 
 
 class _Phase(enum.Enum):
