@@ -42,12 +42,23 @@ PROCRASTINATE_CONCURRENCY = 20
 PROCRASTINATE_MAX_N = 5000
 LIMIT_SESSIONS = 2
 LIMIT_BATCH = 1000
+GLOBAL_LIMIT = 50
+STEEPLE_TUNED: dict[str, Any] = {
+    "concurrency": 200,
+    "batch_size": 200,
+    "poll_interval": 1.0,
+    "maintenance_interval": 5.0,
+}
 
 
 class Result:
     def __init__(self) -> None:
         self.enqueue: float | None = None
         self.process: float | None = None
+        # processing at the library's default worker settings
+        self.process_defaults: float | None = None
+        # processing under a global concurrency limit of GLOBAL_LIMIT on the one queue
+        self.process_limited: float | None = None
         self.p50: float | None = None
         self.p99: float | None = None
         self.error: str | None = None
@@ -95,8 +106,49 @@ async def measure_latency(
 # --- steeple --------------------------------------------------------------------------
 
 
+async def steeple_drain(
+    dsn: str, schema: str, conn: asyncpg.Connection, n: int, settings: dict[str, Any]
+) -> float:
+    """Process the ``n`` pending no-op tasks with one worker of ``settings``; tasks/s."""
+    from steeple.postgres.queue import Scheduler, Task
+
+    done = asyncio.Event()
+    count = 0
+
+    async def handler(ctx: Any, args: Any) -> None:
+        nonlocal count
+        count += 1
+        if count >= n:
+            done.set()
+
+    worker = Scheduler(dsn, worker_id="bench", schema=schema, **settings)
+    worker.register(Task("noop"), handler)
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    run = asyncio.create_task(worker.run_until_shutdown(stop))
+    await asyncio.wait_for(done.wait(), 3600)
+    # wait until the completions are recorded, too
+    while worker.stats.succeeded < n:  # noqa: ASYNC110 (a counter, polled)
+        await asyncio.sleep(0.001)
+    rate = n / (time.perf_counter() - t0)
+    stop.set()
+    await run
+    stuck = await conn.fetchval(
+        f"SELECT count(*) FROM \"{schema}\".tasks WHERE state <> 'succeeded'"
+    )
+    assert stuck == 0, f"{stuck} tasks not succeeded"
+    return rate
+
+
 async def bench_steeple(dsn: str, n: int, samples: int) -> Result:
-    from steeple.postgres.queue import Scheduler, Task, enqueue, enqueue_many, install
+    from steeple.postgres.queue import (
+        Scheduler,
+        Task,
+        enqueue,
+        enqueue_many,
+        install,
+        limit_queue,
+    )
 
     schema = SCHEMAS["steeple"]
     result = Result()
@@ -120,15 +172,7 @@ async def bench_steeple(dsn: str, n: int, samples: int) -> Result:
                 done.set()
 
         def make_worker() -> Scheduler:
-            worker = Scheduler(
-                dsn,
-                worker_id="bench",
-                schema=schema,
-                concurrency=200,
-                batch_size=200,
-                poll_interval=1.0,
-                maintenance_interval=5.0,
-            )
+            worker = Scheduler(dsn, worker_id="bench", schema=schema, **STEEPLE_TUNED)
             worker.register(noop, handler)
             return worker
 
@@ -149,21 +193,20 @@ async def bench_steeple(dsn: str, n: int, samples: int) -> Result:
         result.enqueue = n / (time.perf_counter() - t0)
 
         latency_mode = False
-        worker = make_worker()
-        stop = asyncio.Event()
-        t0 = time.perf_counter()
-        run = asyncio.create_task(worker.run_until_shutdown(stop))
-        await asyncio.wait_for(done.wait(), 3600)
-        # wait until the completions are recorded, too
-        while worker.stats.succeeded < n:  # noqa: ASYNC110 (a counter, polled)
-            await asyncio.sleep(0.001)
-        result.process = n / (time.perf_counter() - t0)
-        stop.set()
-        await run
-        stuck = await conn.fetchval(
-            f"SELECT count(*) FROM \"{schema}\".tasks WHERE state <> 'succeeded'"
-        )
-        assert stuck == 0, f"{stuck} tasks not succeeded"
+        result.process = await steeple_drain(dsn, schema, conn, n, STEEPLE_TUNED)
+        for label, settings, limit in (
+            ("defaults", {}, None),  # Scheduler's defaults: concurrency 16, poll 1 s
+            ("limited", STEEPLE_TUNED, GLOBAL_LIMIT),
+        ):
+            for start in range(0, n, CHUNK):
+                await enqueue_many(conn, noop, payloads[start : start + CHUNK], schema=schema)
+            await limit_queue(conn, "default", max_running=limit, schema=schema)
+            rate = await steeple_drain(dsn, schema, conn, n, settings)
+            await limit_queue(conn, "default", schema=schema)
+            if label == "defaults":
+                result.process_defaults = rate
+            else:
+                result.process_limited = rate
     finally:
         await conn.close()
         await drop_schema(dsn, schema)
@@ -173,13 +216,44 @@ async def bench_steeple(dsn: str, n: int, samples: int) -> Result:
 # --- PgQueuer --------------------------------------------------------------------------
 
 
+async def pgqueuer_drain(
+    dsn: str, n: int, *, batch_size: int | None, concurrency_limit: int = 0
+) -> float:
+    """Process the ``n`` pending PgQueuer jobs with one QueueManager in drain mode; jobs/s.
+
+    ``batch_size`` None keeps ``QueueManager.run``'s default; ``concurrency_limit`` is the
+    entrypoint's (PgQueuer's limit of jobs of that entrypoint running at once).
+    """
+    from datetime import timedelta
+
+    from pgqueuer import AsyncpgDriver, Job, Queries, QueueManager
+    from pgqueuer.types import QueueExecutionMode
+
+    worker_conn = await asyncpg.connect(dsn)
+    try:
+        qm = QueueManager(Queries(AsyncpgDriver(worker_conn)))
+
+        @qm.entrypoint("noop", concurrency_limit=concurrency_limit)
+        async def noop(job: Job) -> None:
+            return None
+
+        tuning: dict[str, Any] = {}
+        if batch_size is not None:
+            tuning = {"batch_size": batch_size, "log_aggregation_interval": timedelta(0)}
+        t0 = time.perf_counter()
+        # drain mode ends the run when the queue is empty (the timeout bounds that wait)
+        await qm.run(mode=QueueExecutionMode.drain, dequeue_timeout=timedelta(seconds=1), **tuning)
+        return n / (time.perf_counter() - t0)
+    finally:
+        await worker_conn.close()
+
+
 async def bench_pgqueuer(dsn: str, n: int, samples: int) -> Result:
     schema = SCHEMAS["pgqueuer"]
     os.environ["PGQUEUER_SCHEMA"] = schema
     from datetime import timedelta
 
     from pgqueuer import AsyncpgDriver, Job, Queries, QueueManager
-    from pgqueuer.types import QueueExecutionMode
 
     result = Result()
     await drop_schema(dsn, schema)  # PgQueuer creates its schema itself
@@ -213,24 +287,17 @@ async def bench_pgqueuer(dsn: str, n: int, samples: int) -> Result:
             await queries.enqueue(["noop"] * m, [None] * m, [0] * m)
         result.enqueue = n / (time.perf_counter() - t0)
 
-        worker_conn = await asyncpg.connect(dsn)
-        try:
-            qm = QueueManager(Queries(AsyncpgDriver(worker_conn)))
-
-            @qm.entrypoint("noop")
-            async def noop(job: Job) -> None:
-                return None
-
-            t0 = time.perf_counter()
-            await qm.run(
-                mode=QueueExecutionMode.drain,
-                batch_size=PGQUEUER_BATCH,
-                dequeue_timeout=timedelta(seconds=1),
-                log_aggregation_interval=timedelta(0),
-            )
-            result.process = n / (time.perf_counter() - t0)
-        finally:
-            await worker_conn.close()
+        result.process = await pgqueuer_drain(dsn, n, batch_size=PGQUEUER_BATCH)
+        for label in ("defaults", "limited"):
+            for start in range(0, n, CHUNK):
+                m = min(CHUNK, n - start)
+                await queries.enqueue(["noop"] * m, [None] * m, [0] * m)
+            if label == "defaults":  # QueueManager.run's default batch size (10)
+                result.process_defaults = await pgqueuer_drain(dsn, n, batch_size=None)
+            else:
+                result.process_limited = await pgqueuer_drain(
+                    dsn, n, batch_size=PGQUEUER_BATCH, concurrency_limit=GLOBAL_LIMIT
+                )
         left = await conn.fetchval(f'SELECT count(*) FROM "{schema}".pgqueuer')
         assert left == 0, f"{left} PgQueuer jobs left"
     finally:
@@ -320,8 +387,9 @@ BEGIN
         -- steeple's own claim function (it commits the claim asynchronously, as steeple's
         -- worker does); the completion below commits durably
         SELECT array_agg(c.id), array_agg(c.lease_token) INTO claimed, tokens
-        FROM {s}.claim(ARRAY['noop'], batch, 'sql',
-                       extract(epoch FROM clock_timestamp())::double precision + 60) AS c;
+        FROM {s}.claim(ARRAY['default'], ARRAY[batch], ARRAY['noop'], 'sql',
+                       extract(epoch FROM clock_timestamp())::double precision + 60) AS c
+        WHERE c.id IS NOT NULL;
         EXIT WHEN claimed IS NULL;
         COMMIT;
         SET LOCAL synchronous_commit = on;
@@ -381,8 +449,8 @@ async def bench_limit(dsn: str, n: int, samples: int) -> Result:
         await listener.add_listener(channel, lambda *_: wake.set())
         started: asyncio.Queue[float] = asyncio.Queue()
         claim = (
-            f"SELECT id FROM {s}.claim(ARRAY['noop'], 10, 'sql', "
-            "extract(epoch FROM clock_timestamp())::double precision + 60)"
+            f"SELECT id FROM {s}.claim(ARRAY['default'], ARRAY[10], ARRAY['noop'], 'sql', "
+            "extract(epoch FROM clock_timestamp())::double precision + 60) WHERE id IS NOT NULL"
         )
         worker_conn = await asyncpg.connect(dsn)
         stop = asyncio.Event()
@@ -445,9 +513,19 @@ def print_table(results: dict[str, Result], n: int, samples: int) -> None:
         + [ratio(s.enqueue, p.enqueue), ratio(s.enqueue, lim.enqueue)]
     )
     rows.append(
-        ["processing (tasks/s, 1 worker)"]
+        ["processing, tuned (tasks/s, 1 worker)"]
         + [fmt(results[k].process) for k in names]
         + [ratio(s.process, p.process), ratio(s.process, lim.process)]
+    )
+    rows.append(
+        ["processing, defaults (tasks/s)"]
+        + [fmt(results[k].process_defaults) for k in names]
+        + [ratio(s.process_defaults, p.process_defaults), "-"]
+    )
+    rows.append(
+        [f"processing, global limit {GLOBAL_LIMIT} (tasks/s)"]
+        + [fmt(results[k].process_limited) for k in names]
+        + [ratio(s.process_limited, p.process_limited), "-"]
     )
     # for latency, lower is better: ratios are speed-ups (peer / steeple)
     rows.append(

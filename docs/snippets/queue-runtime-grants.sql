@@ -2,7 +2,8 @@
 -- {schema} is the queue schema (default steeple_queue), {role} the runtime role.
 -- Run as the role that installed the schema (`steeple migrate` / queue.install).
 -- Executed by packages/postgres/tests/test_queue_documented.py, which runs enqueue,
--- a worker, cancel, prune_terminal and every jobs operation as a role holding only these.
+-- a worker, cancel, prune_terminal, every jobs operation and the queue settings (pause,
+-- resume, limits, which every claim then locks and updates) as a role holding only these.
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT SELECT ON {schema}.schema_migrations TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.tasks TO {role};

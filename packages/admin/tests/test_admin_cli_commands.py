@@ -388,6 +388,11 @@ def test_an_earlier_invocations_secrets_do_not_mask_this_ones_output() -> None:
         ["keys", "show"],
         ["admin"],
         ["admin", "serve"],
+        ["queues"],
+        ["queues", "list"],
+        ["queues", "pause"],
+        ["queues", "resume"],
+        ["queues", "limit"],
     ],
 )
 def test_help_everywhere(command: list[str]) -> None:

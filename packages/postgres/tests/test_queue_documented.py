@@ -115,6 +115,12 @@ async def test_runtime_role_with_the_documented_grants_runs_the_queue(
             schema=schema,
         )
         many = await pgq.enqueue_many(runtime, task, [{"do": "succeed"}] * 3, schema=schema)
+        # Queue settings: the worker's claims then lock and update them (the limited path).
+        assert (await pgq.pause_queue(runtime, "other", schema=schema)).paused
+        assert not (await pgq.resume_queue(runtime, "other", schema=schema)).paused
+        await pgq.limit_queue(runtime, "default", max_running=100, schema=schema)
+        await pgq.limit_task(runtime, "documented", rate_limit=1000, per=1.0, schema=schema)
+        assert [q.name for q in await pgq.list_queues(runtime, schema=schema)] == ["default"]
         started = asyncio.Event()
 
         async def handle(ctx: JobContext, args: dict[str, str]) -> None:

@@ -24,6 +24,8 @@ from steeple.postgres.queue import (
     admin,
     enqueue,
     enqueue_many,
+    enqueue_many_sync,
+    enqueue_sync,
     install,
     jobs,
     limit_queue,
@@ -115,6 +117,8 @@ async def test_hostile_queue_names_are_refused_everywhere_and_nothing_is_stored(
         lambda: EnqueueOptions.immediate(queue=bad),
         lambda: enqueue(conn, JOB, {}, schema=schema, queue=bad),  # type: ignore[arg-type]
         lambda: enqueue_many(conn, JOB, [{}], schema=schema, queue=bad),  # type: ignore[arg-type]
+        lambda: enqueue_sync(conn, JOB, {}, schema=schema, queue=bad),  # type: ignore[arg-type]
+        lambda: enqueue_many_sync(conn, JOB, [{}], schema=schema, queue=bad),  # type: ignore[arg-type]
         lambda: jobs.create(conn, "j", JOB, "* * * * *", {}, schema=schema, queue=bad),  # type: ignore[arg-type]
         lambda: pause_queue(conn, bad, schema=schema),  # type: ignore[arg-type]
         lambda: resume_queue(conn, bad, schema=schema),  # type: ignore[arg-type]
@@ -430,3 +434,64 @@ async def test_a_version_5_schema_upgrades_and_its_tasks_join_the_default_queue(
             await conn.execute(f"UPDATE \"{schema}\".tasks SET queue = ''")
     finally:
         await conn.close()
+
+
+async def test_a_claim_held_by_a_rate_limit_says_when_the_window_frees_a_start(
+    queue: QueueFixture,
+) -> None:
+    _dsn, schema, conn = queue
+    from steeple.postgres.queue._sql import queue_sql
+
+    sql = queue_sql(schema)
+    await limit_queue(conn, "default", rate_limit=2, per=timedelta(minutes=1), schema=schema)
+    await enqueue_many(conn, JOB, [{}] * 3, schema=schema)
+    give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
+    rows = await conn.fetch(sql.claim_timed, ["default"], [5], [JOB.name], "w", give_up)
+    claimed = [r for r in rows if r["id"] is not None]
+    (held,) = [r for r in rows if r["id"] is None]
+    assert len(claimed) == 2
+    assert held["held"] is True
+    # Both starts share the claim's instant; the first leaves the window one period later.
+    assert {r["started_at"] for r in claimed} == {held["run_at"] - timedelta(minutes=1)}
+    # A second claim in the window takes nothing and says the same.
+    again = await conn.fetch(sql.claim_timed, ["default"], [5], [JOB.name], "w", give_up)
+    assert [(r["id"], r["held"], r["run_at"]) for r in again] == [(None, True, held["run_at"])]
+    # Without the limit, the third task is claimed and nothing is held.
+    await limit_queue(conn, "default", schema=schema)
+    last = await conn.fetch(sql.claim_timed, ["default"], [5], [JOB.name], "w", give_up)
+    assert [(r["held"], r["queue"]) for r in last] == [(False, "default")]
+
+
+@pytest.mark.parametrize("limited", [False, True])
+async def test_the_claim_walks_the_index_of_its_queue_and_never_scans_the_table(
+    queue: QueueFixture, limited: bool
+) -> None:
+    dsn, schema, conn = queue
+    from steeple.postgres.queue._sql import queue_sql
+
+    sql = queue_sql(schema)
+    # A big backlog in another queue, a little work in ours (no ANALYZE: stale statistics).
+    await enqueue_many(conn, JOB, [{}] * 5000, schema=schema, queue="big")
+    mine = await enqueue_many(conn, JOB, [{}] * 3, schema=schema, queue="small")
+    if limited:
+        await limit_queue(conn, "small", max_running=2, schema=schema)
+    # A fresh session: a backend's counters may still hold its earlier transactions' scans.
+    fresh = await asyncpg.connect(dsn)
+    try:
+        give_up = await fresh.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
+        async with fresh.transaction():
+            rows = await fresh.fetch(sql.claim_timed, ["small"], [10], [JOB.name], "w", give_up)
+            scans = await fresh.fetchrow(
+                "SELECT seq_scan, idx_scan, idx_tup_fetch FROM pg_stat_xact_user_tables "
+                "WHERE relid = $1::regclass",
+                f'"{schema}".tasks',
+            )
+    finally:
+        await fresh.close()
+    assert scans is not None
+    claimed = [r["id"] for r in rows if r["id"] is not None]
+    assert claimed == mine[: 2 if limited else 3]
+    assert scans["seq_scan"] == 0, dict(scans)
+    assert scans["idx_scan"] >= 1, dict(scans)
+    # The queue leads the index: the walk never reads the 5,000 tasks queued before ours.
+    assert scans["idx_tup_fetch"] < 50, dict(scans)

@@ -114,10 +114,11 @@ METRICS_SCRIPT = textwrap.dedent(
         conn = await asyncpg.connect(dsn)
         ok, bad = Task("ok"), Task("bad")
         await enqueue_many(conn, ok, [1, 2, 3], schema=schema)
-        await enqueue(conn, bad, 1, schema=schema)
+        await enqueue(conn, bad, 1, schema=schema, queue="other")
         doomed = await enqueue(conn, Task("never"), 1, schema=schema)
         await cancel(conn, doomed.id, schema=schema)
-        worker = Scheduler(dsn, worker_id="m", schema=schema, poll_interval=0.05)
+        worker = Scheduler(dsn, worker_id="m", schema=schema, poll_interval=0.05,
+                           queues=["default", "other"])
         async def fine(ctx, args): return None
         async def fail(ctx, args): raise JobError.permanent("no")
         worker.register(ok, fine)
@@ -135,6 +136,10 @@ METRICS_SCRIPT = textwrap.dedent(
                     points = m.data.data_points
                     totals[m.name] = sum(getattr(p, "value", None) or getattr(p, "count", 0)
                                          for p in points)
+                    labels = sorted({(p.attributes.get("task"), p.attributes.get("queue"))
+                                     for p in points if "queue" in p.attributes})
+                    if labels:
+                        print("labels:" + m.name, repr(labels).replace(" ", ""))
         for name in sorted(totals):
             print(name, totals[name])
 
@@ -154,6 +159,15 @@ async def test_metrics_are_exported_when_an_sdk_is_configured(queue: QueueFixtur
         check=True,
     )
     totals = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines())
+    # Each per-task measurement carries the task name and its queue.
+    both = "[('bad','other'),('ok','default')]"
+    assert totals["labels:steeple.queue.tasks.enqueued"] == (
+        "[('bad','other'),('never','default'),('ok','default')]"
+    )
+    assert totals["labels:steeple.queue.tasks.claimed"] == both
+    assert totals["labels:steeple.queue.tasks.succeeded"] == "[('ok','default')]"
+    assert totals["labels:steeple.queue.tasks.failed"] == "[('bad','other')]"
+    assert totals["labels:steeple.queue.run_time"] == both
     assert float(totals["steeple.queue.tasks.enqueued"]) == 5
     assert float(totals["steeple.queue.tasks.claimed"]) == 4
     assert float(totals["steeple.queue.tasks.succeeded"]) == 3

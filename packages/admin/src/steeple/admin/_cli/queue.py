@@ -135,10 +135,11 @@ def _list_tasks(where: Where, listing: Listing, state: str | None, name: str | N
         as_json=listing.as_json,
         to_json=lambda t: task_record(t).to_json(),
         title=f"tasks in {target.queue_schema}",
-        columns=("id", "name", "state", "attempts", "run at (UTC)", "last error"),
+        columns=("id", "name", "queue", "state", "attempts", "run at (UTC)", "last error"),
         row=lambda t: (
             str(t.id),
             t.task_name,
+            t.queue,
             t.state.value,
             f"{t.attempts}/{t.max_attempts}",
             output.when(t.run_at),

@@ -6,8 +6,9 @@ per task) and starts a handler for each, never more than ``concurrency`` at once
 than a queue's own limit in this worker. The free slots are shared out among the queues,
 starting from a different queue each round so none starves the others. The claim function
 applies what is stored for all workers (paused queues, global concurrency and rate limits)
-and says when a limit held work back: the loop then also retries when one of its own
-handlers ends (that may have freed the global slot it waits for). Every
+and says when a limit held work back: the loop then also retries as soon as this worker
+writes an outcome (that freed a global slot); slots freed by other workers are seen at the
+next poll or wake-up. Every
 claim carries a give-up time on the server's clock (estimated from this host's monotonic
 clock, re-anchored by every answer): a claim the server runs later than that takes nothing.
 """
@@ -116,6 +117,7 @@ class Claimer:
                     await wait_either(inflight.slot_freed, stop_waiter, None)
                     continue
                 wake.clear()
+                inflight.outcome_written.clear()
                 wanted = sum(wants)
                 sent = time.monotonic()
                 # The give-up time, on the server's clock: what it surely reads when this
@@ -146,8 +148,11 @@ class Claimer:
                 server_now = float(answer[0][0])
                 server_clock.observe(server_now, time.monotonic())
                 rows = [row[1:] for row in answer if row[1] is not None]
-                # A row of id NULL and held true: a pause or global limit held work back.
-                held = any(row[1] is None and row[-1] for row in answer)
+                # A row of id NULL and held true: a global limit held work back; its run_at
+                # (when set) is when a rate window frees a start.
+                held = next((row for row in answer if row[1] is None and row[-1]), None)
+                if held is not None and held[13] is not None:
+                    self._wakeups.wake_at(held[13].timestamp() - server_now)
                 if not rows and server_now >= give_up:
                     # Refused as too late: the server's clock moved under the estimate, or
                     # the request sat in the network. The answer re-anchored the estimate:
@@ -183,10 +188,10 @@ class Claimer:
                 )
                 for row in rows:
                     self._start(row, sent, handlers, inst, tracer, contexts)
-                if held and inflight.running:
-                    # A global limit may free up when one of this worker's handlers ends.
-                    inflight.slot_freed.clear()
-                    await wait_any((wake, inflight.slot_freed), stop_waiter, env.poll)
+                if held is not None:
+                    # A global limit frees up when an outcome of this worker is written
+                    # (perhaps while the claim ran: the event was cleared before it).
+                    await wait_any((wake, inflight.outcome_written), stop_waiter, env.poll)
                 elif len(rows) < wanted:
                     await wait_either(wake, stop_waiter, env.poll)
                 else:

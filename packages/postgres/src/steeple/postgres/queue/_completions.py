@@ -98,6 +98,7 @@ class Completions:
             env.status.db_ok = False
             LOG.warning("could not record the failure of task %s: %s", ctx.task_id, exc2)
             return
+        env.inflight.outcome_written.set()
         if not rows:
             self.fenced(claimed)
         elif outcome is TaskState.PENDING:
@@ -148,6 +149,7 @@ class Completions:
                     )
                     crash_point("queue.complete.committed")
                     env.status.db_ok = True
+                    env.inflight.outcome_written.set()
                 except DB_ERRORS as exc:
                     env.status.db_ok = False
                     LOG.warning("could not record %d completions: %r", len(batch), exc)

@@ -34,7 +34,7 @@ from steeple.postgres.queue._failures import describe
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._shared import LOG, WorkerEnv
-from steeple.postgres.queue._validate import check_name
+from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_name
 from steeple.postgres.queue.errors import (
     ArgsEncodingError,
     JobError,
@@ -94,7 +94,7 @@ class JobContext:
     max_attempts: int
     worker_id: str
     scheduled_for: datetime | None = None
-    queue: str = "default"
+    queue: str = DEFAULT_QUEUE
     lease_lost: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
     cancelled: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
     # The latest progress reported: (sequence number, JSON text); the worker writes it.

@@ -57,6 +57,11 @@ class InFlight:
         """Set while nothing runs."""
         self.slot_freed = asyncio.Event()
         """Set when a handler ends (the claim loop clears it before waiting)."""
+        self.outcome_written = asyncio.Event()
+        """Set when an attempt's outcome was written: a global limit's slot may be free.
+
+        The claim loop clears it before each claim and, when a limit held work back, waits
+        for it (a write during the claim sets it again, so none is missed)."""
         self.per_queue: collections.Counter[str] = collections.Counter()
         """How many attempts run per named queue."""
 

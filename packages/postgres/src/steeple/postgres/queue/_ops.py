@@ -13,7 +13,12 @@ from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver, _metrics
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA
 from steeple.postgres.queue._sql import queue_sql
-from steeple.postgres.queue._validate import check_int, check_task_id, check_timedelta
+from steeple.postgres.queue._validate import (
+    DEFAULT_QUEUE,
+    check_int,
+    check_task_id,
+    check_timedelta,
+)
 from steeple.postgres.queue.errors import TaskNotFoundError
 
 __all__ = [
@@ -166,7 +171,7 @@ class TaskRun:
     started_at: datetime | None
     finished_at: datetime | None
     last_error: str | None
-    queue: str = "default"
+    queue: str = DEFAULT_QUEUE
     progress: Progress | None = None
     result: Any = None
     history: tuple[TaskAttempt, ...] = ()

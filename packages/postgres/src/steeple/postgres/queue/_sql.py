@@ -34,6 +34,7 @@ from steeple.core.tasks import (
     transition,
 )
 from steeple.postgres.queue._schema import notify_channel, validate_schema
+from steeple.postgres.queue._validate import DEFAULT_QUEUE
 
 
 def _after(event: TaskEvent) -> TaskState:
@@ -204,7 +205,7 @@ WHERE id = ANY($1::bigint[]) AND trace_context IS NOT NULL""",
         # planner to the ordered claim index, applies pauses and global limits and ignores
         # claims delivered too late. Rows of id NULL (a limit held some back) are dropped.
         claim=f"""
-SELECT * FROM {s}.claim(ARRAY['default'], ARRAY[$2::integer], $1::text[], $3::text,
+SELECT * FROM {s}.claim(ARRAY['{DEFAULT_QUEUE}'], ARRAY[$2::integer], $1::text[], $3::text,
                         $4::double precision) AS c
 WHERE c.id IS NOT NULL""",
         # The worker's claim: $1 queues[], $2 wanted per queue[], $3 names[], $4 worker id,

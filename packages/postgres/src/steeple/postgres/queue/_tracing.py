@@ -34,6 +34,7 @@ import attrs
 
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._shared import LOG
+from steeple.postgres.queue._validate import DEFAULT_QUEUE
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -143,7 +144,7 @@ class _TracedSending(Sending):
 
 
 def sending(
-    task_name: str, count: int, queue: str = "default"
+    task_name: str, count: int, queue: str = DEFAULT_QUEUE
 ) -> contextlib.AbstractContextManager[Sending]:
     """Trace an enqueue of ``count`` tasks named ``task_name`` (the insert runs inside).
 

@@ -55,7 +55,8 @@ CREATE TABLE __SCHEMA__.settings (
 -- first, one name at a time (bounded by their budgets), then the queue's other names.
 --
 -- A row with id NULL and held = true says a limit held back part of what was asked for
--- (the worker then also retries when one of its own tasks ends).
+-- (the worker then claims again when it writes an outcome); its run_at, when not NULL, is
+-- when the oldest start in a rate window leaves it (the worker claims again then).
 DROP FUNCTION __SCHEMA__.claim(text[], integer, text, double precision);
 
 CREATE FUNCTION __SCHEMA__.claim(
@@ -81,6 +82,7 @@ DECLARE
     v_ids bigint[] := '{}';
     v_now timestamptz;
     v_held boolean := false;
+    v_next timestamptz;
     v_free text[];
     v_limited text[];
     v_taken integer[];
@@ -153,6 +155,11 @@ BEGIN
                     v_budget := least(v_budget, v_s.rate_limit - (
                         SELECT count(*) FROM unnest(v_s.recent_starts) AS r(at)
                         WHERE r.at > v_now - v_s.rate_period)::integer);
+                    -- The oldest start in the window leaves it first (this claim's
+                    -- starts, at v_now, when the window is empty).
+                    v_next := least(v_next, coalesce((
+                        SELECT min(r.at) FROM unnest(v_s.recent_starts) AS r(at)
+                        WHERE r.at > v_now - v_s.rate_period), v_now) + v_s.rate_period);
                 END IF;
                 IF v_budget < p_wants[v_i] THEN
                     v_held := true;
@@ -174,6 +181,11 @@ BEGIN
                     v_nb := least(v_nb, v_s.rate_limit - v_taken[v_j] - (
                         SELECT count(*) FROM unnest(v_s.recent_starts) AS r(at)
                         WHERE r.at > v_now - v_s.rate_period)::integer);
+                    -- The oldest start in the window leaves it first (this claim's
+                    -- starts, at v_now, when the window is empty).
+                    v_next := least(v_next, coalesce((
+                        SELECT min(r.at) FROM unnest(v_s.recent_starts) AS r(at)
+                        WHERE r.at > v_now - v_s.rate_period), v_now) + v_s.rate_period);
                 END IF;
                 IF v_nb < v_budget - v_qgot THEN
                     v_held := true;
@@ -243,7 +255,7 @@ BEGIN
     )
     SELECT * FROM claimed
     UNION ALL
-    SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+    SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, v_next, NULL,
            NULL, NULL, true
     WHERE v_held;
 END
