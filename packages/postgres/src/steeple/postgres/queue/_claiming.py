@@ -133,7 +133,7 @@ class Claimer:
                     )
                 except DB_ERRORS as exc:
                     status.claims_ok = False
-                    status.db_ok = False
+                    status.failed("claims", exc)
                     status.claimed_once = True
                     stats.failed_claims += 1
                     LOG.warning("claim failed (%s); retrying after the poll interval", exc)
@@ -161,7 +161,7 @@ class Claimer:
                         await wait_either(wake, stop_waiter, env.poll)
                     continue
                 status.claims_ok = True
-                status.db_ok = True
+                status.succeeded("claims")
                 status.claimed_once = True
                 # Tracing (only while a tracer provider is configured) reads the enqueuers'
                 # trace contexts of the batch with one more query; none otherwise. The

@@ -82,9 +82,10 @@ class Completions:
                 outcome = _AFTER_FAILURE
         except DB_ERRORS as exc2:
             # Nothing recorded: the lease expires and the task is recovered and rerun.
-            env.status.db_ok = False
+            env.status.failed("completions", exc2)
             LOG.warning("could not record the failure of task %s: %s", ctx.task_id, exc2)
             return
+        env.status.succeeded("completions")
         if not rows:
             self.fenced(claimed)
         elif outcome is TaskState.PENDING:
@@ -130,9 +131,9 @@ class Completions:
                         env.worker_id,
                         timeout=env.timeout,
                     )
-                    env.status.db_ok = True
+                    env.status.succeeded("completions")
                 except DB_ERRORS as exc:
-                    env.status.db_ok = False
+                    env.status.failed("completions", exc)
                     LOG.warning("could not record %d completions: %r", len(batch), exc)
                     for claimed in batch:
                         claimed.unsure = True

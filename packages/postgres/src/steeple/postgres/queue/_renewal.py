@@ -48,9 +48,9 @@ class Renewer:
                     [c.token for c in due],
                     timeout=deadline,
                 )
-                env.status.db_ok = True
+                env.status.succeeded("renewals")
             except DB_ERRORS as exc:
-                env.status.db_ok = False
+                env.status.failed("renewals", exc)
                 LOG.warning("lease renewal failed: %r", exc)
                 for claimed in due:
                     if time.monotonic() >= claimed.expires_at:

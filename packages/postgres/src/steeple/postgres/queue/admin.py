@@ -20,6 +20,7 @@ from steeple.core.records import Page
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._admin_sql import admin_sql
+from steeple.postgres.queue._driver import errors_typed
 from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun
 from steeple.postgres.queue._queues import (
     QueueInfo,
@@ -114,6 +115,7 @@ def _state(value: object) -> str | None:
     return value
 
 
+@errors_typed
 async def list_tasks(
     conn: Any,
     *,
@@ -155,6 +157,7 @@ async def list_tasks(
     return Page(items=items, next_cursor=cursor)
 
 
+@errors_typed
 async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[TaskState, int]:
     """Return how many tasks are in each state (every state present, zeros included).
 
@@ -170,6 +173,7 @@ async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[Tas
     return counts
 
 
+@errors_typed
 async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> TaskRun:
     """Send a failed task back to pending, to run again at once.
 
@@ -218,6 +222,7 @@ async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SC
     return await run_state(conn, task_id, schema=schema)
 
 
+@errors_typed
 async def count_prunable(conn: Any, older_than: timedelta, *, schema: str = DEFAULT_SCHEMA) -> int:
     """Count the tasks :func:`~steeple.postgres.queue.prune_terminal` would remove.
 
@@ -236,6 +241,7 @@ async def count_prunable(conn: Any, older_than: timedelta, *, schema: str = DEFA
     return int(rows[0][0])
 
 
+@errors_typed
 async def list_jobs(
     conn: Any, *, schema: str = DEFAULT_SCHEMA, after: str | None = None, limit: int = 100
 ) -> Page[JobInfo]:
@@ -263,6 +269,7 @@ async def list_jobs(
     return Page(items=items, next_cursor=cursor)
 
 
+@errors_typed
 async def server_time(conn: Any) -> datetime:
     """Return the database server's clock: the one that judges when tasks are due.
 

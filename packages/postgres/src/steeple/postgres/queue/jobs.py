@@ -35,6 +35,7 @@ from steeple.core.policies import MissedRunPolicy, plan_tick
 from steeple.core.ports import Clock
 from steeple.core.zoned import DEFAULT_ZONE, ZonedCalendar
 from steeple.postgres.queue import _driver
+from steeple.postgres.queue._driver import errors_typed
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
 from steeple.postgres.queue._shared import LOG
 from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_int, check_queue
@@ -207,6 +208,7 @@ def _params(
             max_attempts, lease, b_init, b_max, b_factor, b_jitter, template.queue]  # fmt: skip
 
 
+@errors_typed
 async def create(
     conn: Any,
     name: str,
@@ -264,6 +266,7 @@ async def create(
     return JobInfo.from_row(rows[0])
 
 
+@errors_typed
 async def ensure_job(
     conn: Any,
     name: str,
@@ -325,6 +328,7 @@ async def ensure_job(
 ensure = ensure_job
 
 
+@errors_typed
 async def get(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
     """Return the job named ``name``.
 
@@ -341,6 +345,7 @@ async def get(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
     return JobInfo.from_row(rows[0])
 
 
+@errors_typed
 async def pause(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
     """Stop materializing the job (already materialized tasks still run). Idempotent.
 
@@ -401,6 +406,7 @@ async def _restart(
     raise QueueError(f"job {name!r} kept changing; try again")
 
 
+@errors_typed
 async def resume(
     conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA, clock: Clock | None = None
 ) -> JobInfo:
@@ -417,6 +423,7 @@ async def resume(
     return await _restart(conn, name, schema, clock, None, _KEEP)
 
 
+@errors_typed
 async def reschedule(
     conn: Any,
     name: str,
@@ -449,6 +456,7 @@ async def reschedule(
     return await _restart(conn, name, schema, clock, cron, timezone)
 
 
+@errors_typed
 async def delete(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> None:
     """Delete the job. Tasks it already materialized are not touched.
 
@@ -464,6 +472,7 @@ async def delete(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> None:
         raise JobNotFoundError(name)
 
 
+@errors_typed
 async def materialize_due(
     conn: Any, *, schema: str = DEFAULT_SCHEMA, clock: Clock | None = None, limit: int = 100
 ) -> int:
