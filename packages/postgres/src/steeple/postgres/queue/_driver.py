@@ -156,7 +156,11 @@ def _is_lost_connection(exc: BaseException) -> bool:
     if module.startswith("asyncpg"):
         import asyncpg
 
-        return isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc)
+        # A backend ended under an idle connection (pg_terminate_backend) leaves asyncpg's
+        # protocol mid-state: its next call reports InternalClientError, not a SQLSTATE.
+        return isinstance(exc, asyncpg.exceptions.InternalClientError) or (
+            isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc)
+        )
     if module.startswith("psycopg"):
         import psycopg
 
