@@ -28,6 +28,7 @@ from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._execution import Executor, JobContext
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._sql import text_array
 from steeple.postgres.queue._wakeups import Wakeups
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ class Claimer:
                     answer = await pool.fetch(
                         env.sql.claim_timed,
                         queues,
-                        wants,
+                        text_array(wants),
                         names,
                         env.worker_id,
                         give_up,

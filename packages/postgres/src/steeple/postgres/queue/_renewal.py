@@ -15,6 +15,7 @@ from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._sql import text_array
 
 __all__ = ["Renewer"]
 
@@ -44,8 +45,8 @@ class Renewer:
             try:
                 rows = await pool.fetch(
                     env.sql.renew,
-                    [c.ctx.task_id for c in due],
-                    [c.token for c in due],
+                    text_array(c.ctx.task_id for c in due),
+                    text_array(c.token for c in due),
                     timeout=deadline,
                 )
                 env.status.succeeded("renewals")
@@ -66,7 +67,9 @@ class Renewer:
                 cancelled: set[int] = set()
                 with contextlib.suppress(*DB_ERRORS):
                     states = await pool.fetch(
-                        env.sql.lost_states, [c.ctx.task_id for c in lost], timeout=env.timeout
+                        env.sql.lost_states,
+                        text_array(c.ctx.task_id for c in lost),
+                        timeout=env.timeout,
                     )
                     cancelled = {r[0] for r in states if r[1] == TaskState.CANCELLED.value}
                 for claimed in lost:
