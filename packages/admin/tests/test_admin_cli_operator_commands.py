@@ -56,7 +56,7 @@ async def fail_task(dsn: str, schema: str, name: str = "flaky") -> int:
         sql = queue_sql(schema)
         give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
         (row,) = await conn.fetch(sql.claim, [name], 1, "w", give_up)
-        await conn.fetch(sql.fail, task_id, row["lease_token"], "boom", "w")
+        await conn.fetch(sql.fail, task_id, row["lease_token"], "boom", "w", None, None, None)
         return int(task_id)
     finally:
         await conn.close()
@@ -581,3 +581,70 @@ async def _task_state(dsn: str, schema: str, task_id: int) -> str:
         )
     finally:
         await conn.close()
+
+
+# --- tasks show: result, progress, attempts, traceback (issue 13.4, 13.5) -----------------------
+
+
+async def _run_tasks(dsn: str, schema: str) -> tuple[int, int]:
+    """Run one task that reports progress and returns a result, one that fails twice."""
+    from steeple.postgres import queue
+
+    def lookup(ctx: queue.JobContext, args: Any) -> Any:
+        ctx.report_progress(0.5, "halfway")
+        if args == "fail":
+            raise LookupError("no such customer \x1b[31m (an escape in a message)")
+        return {"customer": "ada", "total": 3}
+
+    task: queue.Task[Any] = queue.Task(
+        "lookup", retry=queue.RetryPolicy(max_attempts=2, base_delay=timedelta(milliseconds=1))
+    )
+    conn = await asyncpg.connect(dsn)
+    try:
+        ok = (await queue.enqueue(conn, task, "ok", schema=schema)).id
+        bad = (await queue.enqueue(conn, task, "fail", schema=schema)).id
+        worker = queue.Scheduler(dsn, worker_id="cli-w", schema=schema, poll_interval=0.05)
+        worker.register(task, lookup)
+        stop = asyncio.Event()
+        run = asyncio.create_task(worker.run_until_shutdown(stop))
+        try:
+            for _ in range(600):
+                if (worker.stats.succeeded, worker.stats.failed) == (1, 1) or run.done():
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await asyncio.wait_for(run, 30)
+        return int(ok), int(bad)
+    finally:
+        await conn.close()
+
+
+async def test_tasks_show_prints_result_progress_attempts_and_the_traceback(seeded: Any) -> None:
+    env = {**seeded.env(), "COLUMNS": "200"}
+    ok, bad = await _run_tasks(seeded.dsn, seeded.schema)
+    shown = await ainvoke(["tasks", "show", str(ok)], env)
+    assert shown.exit_code == 0, shown.output
+    assert "result" in shown.stdout
+    assert '"customer":"ada"' in shown.stdout  # jsonb keeps its own key order
+    assert "progress" in shown.stdout
+    assert "50% halfway" in shown.stdout
+    assert "#1 succeeded on cli-w" in shown.stdout
+    detail = json.loads((await ainvoke(["tasks", "show", str(ok), "--json"], env)).stdout)
+    assert detail["result"] == {"customer": "ada", "total": 3}
+    assert detail["progress"] == {"fraction": 0.5, "message": "halfway"}
+    assert [a["outcome"] for a in detail["history"]] == ["succeeded"]
+
+    failed = await ainvoke(["tasks", "show", str(bad)], env)
+    assert failed.exit_code == 0, failed.output
+    text = failed.stdout
+    assert "#1 retried on cli-w" in text
+    assert "#2 failed on cli-w" in text
+    assert "traceback of attempt 2 (LookupError):" in text
+    assert "in lookup" in text
+    assert "\x1b" not in text  # a handler's message cannot steer the terminal
+    detail = json.loads((await ainvoke(["tasks", "show", str(bad), "--json"], env)).stdout)
+    assert detail["state"] == "failed"
+    assert [a["error_type"] for a in detail["history"]] == ["LookupError", "LookupError"]
+    assert "Traceback (most recent call last)" in detail["history"][-1]["traceback"]
+    assert "args" not in detail

@@ -13,6 +13,7 @@ import pytest
 
 from queue_support import QueueFixture, wait_until
 from steeple.postgres.queue import (
+    LIBRARY_SCHEMA_VERSION,
     EnqueueOptions,
     JobContext,
     QueueConfigurationError,
@@ -416,7 +417,8 @@ async def test_a_version_5_schema_upgrades_and_its_tasks_join_the_default_queue(
             VALUES ('old', 'named-job', '* * * * *', '{{}}', 0, 3, interval '60 s', 1000000,
                     60000000, 2, 0.1, clock_timestamp(), clock_timestamp())"""
         )
-        assert await install(conn, schema=schema) == 6
+        # Migrates to 6, and the versions after it.
+        assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
         assert (await run_state(conn, pending, schema=schema)).queue == "default"
         assert (await jobs.get(conn, "old", schema=schema)).queue == "default"
         sql = __import__("steeple.postgres.queue._sql", fromlist=["queue_sql"]).queue_sql(schema)

@@ -40,7 +40,7 @@ async def _failed_task(conn: asyncpg.Connection, schema: str) -> int:
     sql = queue_sql(schema)
     give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
     (row,) = await conn.fetch(sql.claim, ["typed.failed"], 1, "w", give_up)
-    assert await conn.fetch(sql.fail, task_id, row["lease_token"], "boom", "w")
+    assert await conn.fetch(sql.fail, task_id, row["lease_token"], "boom", "w", None, None, None)
     return task_id
 
 

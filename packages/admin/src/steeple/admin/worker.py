@@ -1,10 +1,11 @@
 """``steeple worker --app module:object``: run an application's relay and task handlers.
 
-The object is a :class:`WorkerApp`, or a callable (sync or async, no arguments) returning
-one. A ``broker`` runs :class:`steeple.postgres.RecurringRelay` (tick, claim, relay) for the
-namespace; ``tasks``
-run the work-queue worker. SIGINT / SIGTERM stop both gracefully: nothing new is claimed,
-in-flight work finishes (within ``drain_timeout``), then the process exits 0.
+The object is a :class:`WorkerApp` or a work-queue :class:`steeple.postgres.queue.App`
+(every task it declares is served, on its schema), or a callable (sync or async, no
+arguments) returning one. A ``broker`` runs :class:`steeple.postgres.RecurringRelay`
+(tick, claim, relay) for the namespace; ``tasks`` run the work-queue worker. SIGINT /
+SIGTERM stop both gracefully: nothing new is claimed, in-flight work finishes (within
+``drain_timeout``), then the process exits 0.
 
 When the drain deadline passes, or a second SIGINT / SIGTERM arrives, the stop is hard:
 running handlers are cancelled and their tasks handed back (pending, attempt refunded;
@@ -51,6 +52,10 @@ class WorkerApp:
         loop_lag_threshold: seconds of event-loop lag reported as a stall, with a
             warning naming the handler or broker call that blocked the loop; ``None``
             turns the detection off (see :mod:`steeple.engine.looplag`).
+        queue_schema: the work queue's schema (default: the command's ``--queue-schema``);
+            set from a ``steeple.postgres.queue.App``'s schema.
+        queues: the named queues the task worker serves (default: ``"default"`` only);
+            set from the queues an App's tasks are declared in.
     """
 
     broker: MessageBroker | None = None
@@ -60,6 +65,8 @@ class WorkerApp:
     relay_batch: int = 20
     drain_timeout: float = 30.0
     loop_lag_threshold: float | None = 0.5
+    queue_schema: str | None = None
+    queues: Sequence[str] | None = None
 
 
 def load_worker_app(reference: str) -> Any:
@@ -100,15 +107,26 @@ def load_worker_app(reference: str) -> Any:
 
 
 async def _resolve(value: Any) -> WorkerApp:
-    if not isinstance(value, WorkerApp) and callable(value):
+    from steeple.postgres.queue import App
+
+    if not isinstance(value, WorkerApp | App) and callable(value):
         value = value()
         if inspect.isawaitable(value):
             value = await value
+    if isinstance(value, App):
+        if not value.tasks:
+            raise CliError(
+                "the queue App declares no task: nothing to run",
+                code=ExitCode.CONFIG,
+                hint="decorate a handler with @app.task in the module --app imports",
+            )
+        value = WorkerApp(tasks=value.handlers(), queue_schema=value.schema, queues=value.queues)
     if not isinstance(value, WorkerApp):
         raise CliError(
-            f"--app gave a {type(value).__name__}, not a steeple.admin.WorkerApp",
+            f"--app gave a {type(value).__name__}, not a steeple.admin.WorkerApp or a "
+            "steeple.postgres.queue.App",
             code=ExitCode.CONFIG,
-            hint="return WorkerApp(broker=..., tasks=[(task, handler), ...])",
+            hint="return WorkerApp(broker=..., tasks=[(task, handler), ...]) or a queue App",
         )
     if value.broker is None and not value.tasks:
         raise CliError(
@@ -147,15 +165,17 @@ async def run_worker(
     try:
         if worker_app.broker is not None:
             store = await connect_store(target)
+        queue_schema = _queue_schema(worker_app, target)
         if worker_app.tasks:
             from steeple.postgres.queue import Scheduler
 
             scheduler = Scheduler(
                 target.dsn,
                 worker_id=worker_app.worker_id,
-                schema=target.queue_schema,
+                schema=queue_schema,
                 concurrency=worker_app.concurrency,
                 loop_lag_threshold=worker_app.loop_lag_threshold,
+                queues=["default"] if worker_app.queues is None else list(worker_app.queues),
             )
             for task, handler in worker_app.tasks:
                 scheduler.register(task, handler)
@@ -163,7 +183,7 @@ async def run_worker(
         if store is not None:
             parts.append(f"relay for namespace {target.namespace!r}")
         if scheduler is not None:
-            parts.append(f"task worker on {target.queue_schema!r}")
+            parts.append(f"task worker on {queue_schema!r}")
         log(f"steeple worker: running {' and '.join(parts)}; Ctrl-C or SIGTERM to stop")
         async with asyncio.TaskGroup() as group:
             relay_task: asyncio.Task[None] | None = None
@@ -208,6 +228,21 @@ async def run_worker(
             f"{stats.failed} failed, {stats.released} handed back, "
             f"{stats.rejected_completions} outcomes rejected (lease lost)"
         )
+
+
+def _queue_schema(worker_app: WorkerApp, target: Target) -> str:
+    """Return the queue schema to serve: the app's, unless the command named another."""
+    chosen = worker_app.queue_schema
+    if chosen is None:
+        return target.queue_schema
+    override = target.queue_schema_override
+    if override is not None and override != chosen:
+        raise CliError(
+            f"--queue-schema {override!r} differs from the app's schema {chosen!r}",
+            code=ExitCode.CONFIG,
+            hint="drop --queue-schema, or build the App with App(schema=...) to match",
+        )
+    return chosen
 
 
 async def _supervise(

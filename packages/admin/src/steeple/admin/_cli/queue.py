@@ -6,8 +6,8 @@ delete; queues: list, pause, resume, limit.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
@@ -175,42 +175,62 @@ def tasks_list(
     _list_tasks(where, listing, state, name)
 
 
-def _run_json(run: TaskRun) -> dict[str, Any]:
-    def plain(value: Any) -> Any:
-        if isinstance(value, datetime):
-            return value.isoformat()
-        if hasattr(value, "total_seconds"):
-            return value.total_seconds()
-        if hasattr(value, "value") and not isinstance(value, int | str):
-            return value.value
-        return value if value is None or isinstance(value, int | str | float | bool) else str(value)
-
-    import attrs
-
-    return {field.name: plain(getattr(run, field.name)) for field in attrs.fields(type(run))}
+_MAX_SHOWN_RESULT = 2000
 
 
 def _print_run(run: TaskRun, as_json: bool) -> None:
-    fields = _run_json(run)
+    fields = run.to_json()
     if as_json:
         output.print_json(fields)
         return
+    history = fields.pop("history")
+    fields.pop("result")
+    progress = fields.pop("progress")
     width = max(len(k) for k in fields)
     for key, value in fields.items():
         say(f"{key:<{width}}  {'-' if value is None else value}")
+    if progress is not None:
+        shown = f"{progress['fraction']:.0%}"
+        if "message" in progress:
+            shown += f" {progress['message']}"
+        say(f"{'progress':<{width}}  {shown}")
+    if run.result is not None:
+        # Compact JSON escapes control characters: a result cannot steer the terminal.
+        text = json.dumps(run.result, separators=(",", ":"))
+        if len(text) > _MAX_SHOWN_RESULT:
+            text = text[: _MAX_SHOWN_RESULT - 3] + "... (see --json)"
+        say(f"{'result':<{width}}  {text}")
+    if history:
+        say("attempts:")
+        for attempt in history:
+            error = f"  {attempt['error']}" if attempt["error"] else ""
+            say(
+                f"  #{attempt['attempt']} {attempt['outcome']} on {attempt['worker_id'] or '-'}"
+                f" at {attempt['finished_at']}{error}"
+            )
+    failed = [a for a in history if a["traceback"]]
+    if failed:
+        latest = failed[-1]
+        say(f"traceback of attempt {latest['attempt']} ({latest['error_type']}):")
+        for line in latest["traceback"].splitlines():
+            # say() makes each line printable: a handler's message cannot steer the terminal.
+            say(line)
 
 
 @tasks_app.command("show")
 @where_options(queue=True, store=False)
 def tasks_show(task_id: TaskIdArg, where: Where, as_json: JsonOpt = False) -> None:
-    """Show one task: state, attempts, times, last error (never its arguments)."""
+    """Show one task: state, progress, result, attempts, the latest traceback.
+
+    Never its arguments.
+    """
     from steeple.postgres import queue
 
     target = guard(where.target)
 
     async def show(conn: Any) -> TaskRun:
         return await _task_or_fail(
-            queue.run_state(conn, task_id, schema=target.queue_schema), task_id
+            queue.admin.task_detail(conn, task_id, schema=target.queue_schema), task_id
         )
 
     _print_run(output.on_queue(target, show), as_json)

@@ -21,7 +21,12 @@ def register(app: typer.Typer) -> None:
 @where_options(queue=True)
 def worker(
     app_ref: Annotated[
-        str, typer.Option("--app", help="module:object giving a steeple.admin.WorkerApp.")
+        str,
+        typer.Option(
+            "--app",
+            help="module:object giving a steeple.admin.WorkerApp or a "
+            "steeple.postgres.queue.App (or a function returning one).",
+        ),
     ],
     where: Where,
 ) -> None:

@@ -16,8 +16,10 @@ from typing import Final
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._failures import Failure
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._sql import text_array
 from steeple.postgres.queue._wakeups import Wakeups
 
 __all__ = ["Completions"]
@@ -38,8 +40,9 @@ class Completions:
         self._to_release: list[Claimed] = []
         self._flush_wake = asyncio.Event()
 
-    def succeeded(self, claimed: Claimed) -> None:
-        """Buffer the success of ``claimed`` for the flusher."""
+    def succeeded(self, claimed: Claimed, result: str | None = None) -> None:
+        """Buffer the success of ``claimed`` (and its result's JSON text) for the flusher."""
+        claimed.result = result
         self._buffer.append(claimed)
         self._flush_wake.set()
 
@@ -51,7 +54,9 @@ class Completions:
         """Let the flusher write what is buffered and return (``env.closing`` is set)."""
         self._flush_wake.set()
 
-    async def failed(self, claimed: Claimed, text: str, retry_after: timedelta | None) -> None:
+    async def failed(
+        self, claimed: Claimed, failure: Failure, retry_after: timedelta | None
+    ) -> None:
         """Record a failed attempt: run again after ``retry_after``, or fail for good."""
         env = self._env
         pool = env.db
@@ -65,8 +70,11 @@ class Completions:
                     ctx.task_id,
                     claimed.token,
                     retry_after,
-                    text,
+                    failure.summary,
                     env.worker_id,
+                    failure.error_type,
+                    failure.traceback,
+                    ctx.progress_text,
                     timeout=env.timeout,
                 )
                 outcome = _AFTER_RETRY
@@ -75,8 +83,11 @@ class Completions:
                     env.sql.fail,
                     ctx.task_id,
                     claimed.token,
-                    text,
+                    failure.summary,
                     env.worker_id,
+                    failure.error_type,
+                    failure.traceback,
+                    ctx.progress_text,
                     timeout=env.timeout,
                 )
                 outcome = _AFTER_FAILURE
@@ -126,9 +137,11 @@ class Completions:
                 try:
                     rows = await pool.fetch(
                         env.sql.complete,
-                        [c.ctx.task_id for c in batch],
-                        [c.token for c in batch],
+                        text_array(c.ctx.task_id for c in batch),
+                        text_array(c.token for c in batch),
                         env.worker_id,
+                        [c.result for c in batch],
+                        [c.ctx.progress_text for c in batch],
                         timeout=env.timeout,
                     )
                     env.status.succeeded("completions")
@@ -178,9 +191,9 @@ class Completions:
         try:
             rows = await env.db.fetch(
                 env.sql.completed_by,
-                [c.ctx.task_id for c in unsure],
-                [c.ctx.attempt for c in unsure],
-                [c.started_at for c in unsure],
+                text_array(c.ctx.task_id for c in unsure),
+                text_array(c.ctx.attempt for c in unsure),
+                text_array(c.started_at for c in unsure),
                 env.worker_id,
                 timeout=env.timeout,
             )

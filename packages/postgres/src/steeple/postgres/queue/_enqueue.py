@@ -46,7 +46,7 @@ def _checked(task: object, options: object, queue: object = None) -> EnqueueOpti
 def _params(
     sql: QueueSql, task: Task[Any], args_text: str, options: EnqueueOptions, trace: str | None
 ) -> list[Any]:
-    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = options.snapshot()
+    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = options.snapshot(task)
     return [
         task.name, args_text, priority, options.run_at, max_attempts, lease,
         b_init, b_max, b_factor, b_jitter, options.dedup_key, sql.channel, options.delay, trace,

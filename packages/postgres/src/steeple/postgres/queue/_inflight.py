@@ -41,6 +41,10 @@ class Claimed:
     lost: bool = False
     # A completion write for it failed with an unknown outcome (it may have committed).
     unsure: bool = False
+    # The handler's result as JSON text, once it succeeded (None: it returned None).
+    result: str | None = attrs.field(default=None, repr=False)
+    # The sequence number of the latest progress written for it (see _progress.py).
+    progress_written: int = 0
 
 
 class InFlight:

@@ -115,7 +115,7 @@ _RUN_AT = "coalesce({run_at}::timestamptz, created.at + coalesce({delay}::interv
 RUN_STATE_COLUMNS: Final = (
     "id, task_name, state, priority, run_at, attempts, max_attempts, run_id, worker_id, "
     "lease_expires_at, dedup_key, job_id, scheduled_for, created_at, started_at, finished_at, "
-    "last_error, queue"
+    "last_error, queue, progress::text"
 )
 """The columns of a ``TaskRun`` (``TaskRun.from_row``), in order: ``run_state`` and listings."""
 _TASK_COLUMNS = (
@@ -154,6 +154,7 @@ class QueueSql:
     completed_by: str
     retry: str
     fail: str
+    progress: str
     release: str
     recover_expired: str
     lost_states: str
@@ -238,13 +239,17 @@ SET lease_expires_at = clock_timestamp() + t.lease_duration
 FROM {RELAXED}, unnest($1::text[]::bigint[], $2::text[]::uuid[]) AS h(id, token)
 WHERE t.id = h.id AND t.lease_token = h.token
 RETURNING t.id""",
-        # $1 ids[], $2 tokens[], $3 worker id
+        # $1 ids[], $2 tokens[], $3 worker id, $4 results[] (JSON text|null), $5 latest
+        # progress[] (JSON text|null: keep what was written)
         complete=f"""
 WITH done AS (
     UPDATE {s}.tasks t
     SET state = {_lit(SUCCEEDED)}, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
-        lease_token = NULL, lease_expires_at = NULL
-    FROM {DURABLE}, unnest($1::bigint[], $2::uuid[]) AS h(id, token)
+        lease_token = NULL, lease_expires_at = NULL, result = h.result::jsonb,
+        progress = coalesce(h.progress::jsonb, t.progress)
+    FROM {DURABLE},
+         unnest($1::text[]::bigint[], $2::text[]::uuid[], $4::text[], $5::text[])
+             AS h(id, token, result, progress)
     WHERE t.id = h.id AND t.lease_token = h.token
     RETURNING t.id, t.attempts, t.started_at, t.finished_at
 ), history AS (
@@ -261,34 +266,50 @@ JOIN unnest($1::text[]::bigint[], $2::text[]::integer[], $3::text[]::timestamptz
   ON t.id = h.id
 WHERE t.state = {_lit(SUCCEEDED)} AND t.attempts = h.attempt AND t.started_at = h.started_at
   AND t.worker_id = $4""",
-        # $1 id, $2 token, $3 delay interval, $4 error, $5 worker id
+        # $1 id, $2 token, $3 delay interval, $4 error, $5 worker id, $6 error type,
+        # $7 traceback, $8 latest progress (JSON text|null: keep what was written)
         retry=f"""
 WITH done AS (
     UPDATE {s}.tasks t
     SET state = {_lit(_RETRIED)}, run_at = clock_timestamp() + $3::interval, lease_token = NULL,
-        lease_expires_at = NULL, worker_id = NULL, last_error = $4, updated_at = clock_timestamp()
+        lease_expires_at = NULL, worker_id = NULL, last_error = $4, updated_at = clock_timestamp(),
+        progress = coalesce($8::text::jsonb, t.progress)
     FROM {DURABLE}
     WHERE t.id = $1 AND t.lease_token = $2
     RETURNING t.id, t.attempts, t.started_at
 ), history AS (
-    INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
-    SELECT id, attempts, $5, {_OUTCOME[TaskEvent.FAIL_RETRYABLE]}, started_at, $4 FROM done
+    INSERT INTO {s}.attempts
+        (task_id, attempt, worker_id, outcome, started_at, error, error_type, traceback)
+    SELECT id, attempts, $5, {_OUTCOME[TaskEvent.FAIL_RETRYABLE]}, started_at, $4, $6, $7
+    FROM done
 )
 SELECT id FROM done""",
-        # $1 id, $2 token, $3 error, $4 worker id
+        # $1 id, $2 token, $3 error, $4 worker id, $5 error type, $6 traceback,
+        # $7 latest progress (JSON text|null: keep what was written)
         fail=f"""
 WITH done AS (
     UPDATE {s}.tasks t
     SET state = {_lit(_FAILED)}, finished_at = clock_timestamp(), lease_token = NULL,
-        lease_expires_at = NULL, last_error = $3, updated_at = clock_timestamp()
+        lease_expires_at = NULL, last_error = $3, updated_at = clock_timestamp(),
+        progress = coalesce($7::text::jsonb, t.progress)
     FROM {DURABLE}
     WHERE t.id = $1 AND t.lease_token = $2
     RETURNING t.id, t.attempts, t.started_at
 ), history AS (
-    INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
-    SELECT id, attempts, $4, {_OUTCOME[TaskEvent.FAIL_PERMANENT]}, started_at, $3 FROM done
+    INSERT INTO {s}.attempts
+        (task_id, attempt, worker_id, outcome, started_at, error, error_type, traceback)
+    SELECT id, attempts, $4, {_OUTCOME[TaskEvent.FAIL_PERMANENT]}, started_at, $3, $5, $6
+    FROM done
 )
 SELECT id FROM done""",
+        # $1 ids[], $2 tokens[], $3 progress[] (JSON text): the handlers' latest progress
+        progress=f"""
+UPDATE {s}.tasks t
+SET progress = h.progress::jsonb
+FROM {RELAXED}, unnest($1::text[]::bigint[], $2::text[]::uuid[], $3::text[])
+    AS h(id, token, progress)
+WHERE t.id = h.id AND t.lease_token = h.token
+RETURNING t.id""",
         # $1 id, $2 token, $3 worker id: hand back unfinished work at shutdown, attempt refunded.
         # It keeps its run_at: it was due, and stays due whatever the server's clock does.
         release=f"""
@@ -331,7 +352,16 @@ WITH expired AS (
 )
 SELECT id, state FROM done""",
         lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::text[]::bigint[])",
-        run_state=f"SELECT {RUN_STATE_COLUMNS} FROM {s}.tasks WHERE id = $1",
+        # $1 id, $2 the most attempts of its history returned (the latest ones)
+        run_state=f"""
+SELECT {RUN_STATE_COLUMNS}, result::text, (
+    SELECT coalesce(json_agg(h ORDER BY h.id), '[]'::json)::text FROM (
+        SELECT a.id, a.attempt, a.outcome, a.worker_id, a.started_at, a.finished_at, a.error,
+               a.error_type, a.traceback
+        FROM {s}.attempts a WHERE a.task_id = t.id ORDER BY a.id DESC LIMIT $2
+    ) AS h
+)
+FROM {s}.tasks t WHERE t.id = $1""",
         cancel=f"""
 WITH target AS (
     SELECT id, state FROM {s}.tasks WHERE id = $1 FOR NO KEY UPDATE

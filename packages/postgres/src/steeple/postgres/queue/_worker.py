@@ -11,6 +11,8 @@ Module map of the worker (``steeple.postgres.queue``), one room per concern:
 - ``_completions.py`` Completions: the batched success flusher, confirming lost replies,
                       writing failures/retries, fencing, releasing at shutdown.
 - ``_renewal.py``     Renewer: token-guarded lease renewal, lease-lost/cancelled signals.
+- ``_progress.py``    ProgressWriter: handlers' reported progress, batched, token-fenced.
+- ``_failures.py``    what a failed attempt records: exception type, message, traceback.
 - ``_wakeups.py``     Wakeups: the claim loop's wake event, LISTEN/NOTIFY, due-time timers.
 - ``_maintenance.py`` Maintainer: expired-lease recovery, recurring-job materialization.
 - ``_inflight.py``    Claimed (one running attempt) and InFlight (all of them, slots, idle).
@@ -26,6 +28,7 @@ lease cannot finish, fail, renew or release anything.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -50,8 +53,15 @@ from steeple.postgres.queue._db import (
     check_durable,
     open_db,
 )
-from steeple.postgres.queue._execution import Executor, Handler, JobContext, Registration
+from steeple.postgres.queue._execution import (
+    Executor,
+    Handler,
+    JobContext,
+    Registration,
+    check_handler,
+)
 from steeple.postgres.queue._maintenance import Maintainer
+from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._renewal import Renewer
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
 from steeple.postgres.queue._shared import LOG, Health, WorkerEnv, WorkerStats, WorkerStatus
@@ -81,6 +91,8 @@ A = TypeVar("A")
 _MAX_INTERVAL: Final = 3600.0  # the longest poll / maintenance interval and query timeout
 _MAX_DRAIN: Final = 86_400.0
 _MAX_CONCURRENCY: Final = 100_000
+_MAX_THREADS: Final = 1024
+_DEFAULT_THREADS: Final = 32
 _MAX_QUEUES: Final = 100
 
 
@@ -125,6 +137,9 @@ class Scheduler:
         schema: the queue's PostgreSQL schema.
         poll_interval: seconds (or timedelta) between polls when no NOTIFY arrives.
         concurrency: the most handlers running at once in this worker.
+        threads: the size of the thread pool that runs plain ``def`` handlers (1..1024;
+            default ``min(concurrency, 32)``). Created only when such a handler is
+            registered; sync handlers beyond it wait for a thread (their leases are kept).
         queues: the named queues served: a list of names (each may use all of
             ``concurrency``), or a mapping of name to the most of its tasks running at
             once in this worker (capped by ``concurrency``). Default: ``["default"]``.
@@ -170,6 +185,7 @@ class Scheduler:
         schema: str = DEFAULT_SCHEMA,
         poll_interval: float | timedelta = 1.0,
         concurrency: int = 16,
+        threads: int | None = None,
         queues: Sequence[str] | Mapping[str, int] = (DEFAULT_QUEUE,),
         batch_size: int | None = None,
         maintenance_interval: float | timedelta = 1.0,
@@ -183,6 +199,8 @@ class Scheduler:
         check_name(worker_id, "worker_id")
         validate_schema(schema)
         check_int(concurrency, "concurrency", 1, _MAX_CONCURRENCY)
+        pool_size = min(concurrency, _DEFAULT_THREADS) if threads is None else threads
+        check_int(pool_size, "threads", 1, _MAX_THREADS)
         self._queues = _served(queues, concurrency)
         batch = concurrency if batch_size is None else batch_size
         check_int(batch, "batch_size", 1, 1000)
@@ -223,6 +241,7 @@ class Scheduler:
         self._sql = queue_sql(schema)
         self._maintenance = maintenance
         self._concurrency = concurrency
+        self._threads = pool_size
         self._batch = batch
         self._listen = listen
         self._require_durable = require_durable
@@ -256,22 +275,27 @@ class Scheduler:
     def register(self, task: Task[A], handler: Handler[A]) -> None:
         """Run ``handler`` for tasks named ``task.name``.
 
+        ``handler(ctx, args)`` is an ``async def`` (run on the event loop) or a plain
+        ``def`` (run in the worker's thread pool of ``threads``, with the same
+        :class:`JobContext`: read ``ctx.lease_lost.is_set()`` / ``ctx.cancelled.is_set()``
+        or call ``ctx.check_lease()`` from the thread). A plain function that returns an
+        awaitable has it awaited on the event loop.
+
         Raises:
             UnknownTaskError: that task name already has a handler.
-            QueueTypeError: ``task`` is not a Task, or ``handler`` is not callable.
+            QueueTypeError: ``task`` is not a Task; ``handler`` is not a function that can
+                be called as ``handler(ctx, args)`` (not callable, a coroutine object, a
+                class, a generator or async generator function, another arity).
             QueueError: the worker has already started.
         """
         if not isinstance(task, Task):
             raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
-        if not callable(handler):
-            raise QueueTypeError(
-                f"handler must be an async callable (ctx, args), not {type(handler).__name__}"
-            )
+        run_async = check_handler(handler)
         if self._started:
             raise QueueError("register handlers before run_until_shutdown")
         if task.name in self._registry:
             raise UnknownTaskError(f"task {task.name!r} already has a handler")
-        self._registry[task.name] = Registration(task, handler)
+        self._registry[task.name] = Registration(task, handler, run_async)
 
     def health(self) -> Health:
         """Report starting / healthy / degraded / stopped.
@@ -341,6 +365,13 @@ class Scheduler:
         self._started = True
         env = self._env
         owned = isinstance(self._source, str)
+        threads = (
+            concurrent.futures.ThreadPoolExecutor(
+                max_workers=self._threads, thread_name_prefix="steeple-handler"
+            )
+            if any(not r.run_async for r in self._registry.values())
+            else None
+        )
         try:
             try:
                 env.db_or_none = await self._open()
@@ -352,7 +383,8 @@ class Scheduler:
             env.status.started()
             wakeups = Wakeups(env)
             completions = Completions(env, wakeups)
-            executor = Executor(env, self._registry, completions)
+            progress = ProgressWriter(env)
+            executor = Executor(env, self._registry, completions, threads, progress)
             claimer = Claimer(
                 env,
                 list(self._registry),
@@ -371,6 +403,7 @@ class Scheduler:
                 services.create_task(Renewer(env).renew_forever())
                 services.create_task(Maintainer(env, wakeups, self._maintenance).maintain_forever())
                 services.create_task(completions.flush_forever())
+                services.create_task(progress.write_forever())
                 # A hard stop stops claiming too (the claim loop watches one event).
                 claiming = asyncio.Event()
                 if stop.is_set() or hard.is_set():
@@ -384,9 +417,14 @@ class Scheduler:
                 finally:
                     env.closing.set()
                     completions.stop()
+                    progress.stop()
                     wakeups.cancel_timers()
         finally:
             env.status.stopped()
+            if threads is not None:
+                # Threads the drain gave up on keep running (a thread cannot be stopped);
+                # their ctx.lease_lost is set and nothing they do is recorded.
+                threads.shutdown(wait=False, cancel_futures=True)
             if owned and env.db_or_none is not None:
                 await env.db_or_none.close()
 

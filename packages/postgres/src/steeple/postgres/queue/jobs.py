@@ -203,7 +203,7 @@ def _params(
     if not isinstance(task, Task):
         raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
     template = _template(options, queue)
-    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = template.snapshot()
+    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = template.snapshot(task)
     return [task.name, calendar.expression, calendar.zone, task.encode(args), priority,
             max_attempts, lease, b_init, b_max, b_factor, b_jitter, template.queue]  # fmt: skip
 
