@@ -591,3 +591,30 @@ async def test_job_error_msg_with_hostile_messages_is_recorded(
         assert len(run.last_error) <= 2000
         assert run.history[0].traceback is not None
         assert "Traceback (most recent call last)" in run.history[0].traceback
+
+
+async def test_undecodable_args_stay_terminal_under_a_retry_policy(queue: QueueFixture) -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Shape:
+        side: int
+
+    dsn, schema, conn = queue
+    producer: Task[Any] = Task("shape")  # an older producer: plain JSON of another shape
+    done = await enqueue(conn, producer, {"radius": 3}, schema=schema)
+    consumer: Task[Any] = Task("shape", Shape, retry=FAST)
+    calls: list[Any] = []
+
+    async def handle(ctx: JobContext, args: Shape) -> None:
+        calls.append(args)
+
+    worker = worker_for(dsn, schema)
+    worker.register(consumer, handle)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.failed == 1)
+    run = await run_state(conn, done.id, schema=schema)
+    assert (run.state.value, run.attempts, calls) == ("failed", 1, [])
+    assert run.last_error is not None
+    assert run.last_error.startswith("ArgsEncodingError: stored args of task 'shape'")
+    assert run.history[0].error_type == "steeple.postgres.queue.errors.ArgsEncodingError"

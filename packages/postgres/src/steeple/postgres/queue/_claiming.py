@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from steeple.core.backoff import Backoff
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_any, wait_either
 from steeple.postgres.queue._db import DB_ERRORS
@@ -123,6 +124,7 @@ class Claimer:
                 # runs later than that takes nothing, instead of leasing tasks to nobody.
                 give_up = server_clock.at_least(sent + env.timeout)
                 try:
+                    crash_point("queue.claim.before")
                     answer = await pool.fetch(
                         env.sql.claim_timed,
                         queues,
@@ -140,6 +142,7 @@ class Claimer:
                     LOG.warning("claim failed (%s); retrying after the poll interval", exc)
                     await wait_either(wake, stop_waiter, env.poll)
                     continue
+                crash_point("queue.claim.committed")
                 stats.claim_rounds += 1
                 server_now = float(answer[0][0])
                 server_clock.observe(server_now, time.monotonic())

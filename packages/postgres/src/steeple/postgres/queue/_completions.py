@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Final
 
 from steeple.core.tasks import TaskEvent, TaskState, transition
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._failures import Failure
@@ -65,6 +66,7 @@ class Completions:
         attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         try:
             if retry_after is not None:
+                crash_point("queue.retry.before")
                 rows = await pool.fetch(
                     env.sql.retry,
                     ctx.task_id,
@@ -77,6 +79,7 @@ class Completions:
                     ctx.progress_text,
                     timeout=env.timeout,
                 )
+                crash_point("queue.retry.committed")
                 outcome = _AFTER_RETRY
             else:
                 rows = await pool.fetch(
@@ -135,6 +138,7 @@ class Completions:
                 batch = buffer[:_FLUSH_BATCH]
                 del buffer[:_FLUSH_BATCH]
                 try:
+                    crash_point("queue.complete.before")
                     rows = await pool.fetch(
                         env.sql.complete,
                         text_array(c.ctx.task_id for c in batch),
@@ -144,6 +148,7 @@ class Completions:
                         [c.ctx.progress_text for c in batch],
                         timeout=env.timeout,
                     )
+                    crash_point("queue.complete.committed")
                     env.status.succeeded("completions")
                 except DB_ERRORS as exc:
                     env.status.failed("completions", exc)

@@ -36,6 +36,7 @@ from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._validate import check_name
 from steeple.postgres.queue.errors import (
+    ArgsEncodingError,
     JobError,
     LeaseLostError,
     QueueConfigurationError,
@@ -299,7 +300,11 @@ class Executor:
         started = time.monotonic()
         try:
             try:
-                args = registration.task.decode(claimed.args_text)
+                try:
+                    args = registration.task.decode(claimed.args_text)
+                except ArgsEncodingError as exc:
+                    # Stored args that no longer fit the args type: running again cannot help.
+                    raise _Terminal(exc) from exc
                 value = await self._run(registration, ctx, args)
                 result = encode_result(ctx.task_name, value)
             except asyncio.CancelledError:
@@ -313,6 +318,9 @@ class Executor:
             except ResultEncodingError as exc:  # running again would return the same
                 inst.run_time.record(time.monotonic() - started, attributes)
                 await self._failed(claimed, exc, False, None)
+            except _Terminal as wrapped:
+                inst.run_time.record(time.monotonic() - started, attributes)
+                await self._failed(claimed, wrapped.error, False, None)
             except Exception as exc:  # a handler's failure is data: recorded on the task
                 inst.run_time.record(time.monotonic() - started, attributes)
                 # Plain exceptions are terminal (seed 002) unless the task opted in.
@@ -370,6 +378,14 @@ class Executor:
             },
         )
         await self._completions.failed(claimed, failure, retry_after)
+
+
+class _Terminal(Exception):
+    """Carries a failure that fails the task for good whatever its retry policy."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
 
 
 def encode_result(task_name: str, value: object) -> str | None:

@@ -34,6 +34,7 @@ from steeple.core.errors import ConfigurationError
 from steeple.core.policies import MissedRunPolicy, plan_tick
 from steeple.core.ports import Clock
 from steeple.core.zoned import DEFAULT_ZONE, ZonedCalendar
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._driver import errors_typed
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
@@ -502,6 +503,7 @@ async def materialize_due(
     _check_clock(clock)
     check_int(limit, "limit", 1, 10_000)
     created = 0
+    crash_point("queue.materialize.begin")
     async with conn.transaction():
         ((_, server_now),) = await _driver.fetch(
             conn, "SELECT set_config('synchronous_commit', 'on', true), clock_timestamp()"
@@ -545,6 +547,7 @@ async def materialize_due(
                     b_factor, b_jitter, job_id, queue,
                 )  # fmt: skip
                 created += len(inserted)
+                crash_point("queue.materialize.inserted")
             await _driver.fetch(
                 conn,
                 f"""UPDATE {s}.jobs SET cursor_at = coalesce($2, cursor_at), next_run_at = $3,
@@ -555,4 +558,5 @@ async def materialize_due(
             )
         if created:
             await _driver.fetch(conn, "SELECT pg_notify($1, '')", notify_channel(schema))
+    crash_point("queue.materialize.committed")
     return created
