@@ -310,3 +310,54 @@ async def test_completions_that_keep_failing_degrade_health_while_claims_succeed
             assert worker.health_reasons() == ()
     finally:
         await locker.close()
+
+
+async def test_renewals_that_keep_failing_degrade_health_until_one_succeeds(
+    queue: queue_support.QueueFixture,
+) -> None:
+    """A lock held on a running task's row: its lease renewals time out, health names them.
+
+    Renewals every second (a 3 s lease); claims touch other rows and keep succeeding.
+    """
+    dsn, schema, conn = queue
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def long(ctx: JobContext, args: Any) -> None:
+        started.set()
+        await release.wait()
+
+    worker = Scheduler(
+        dsn, worker_id="unrenewed", schema=schema, poll_interval=0.2, query_timeout=1
+    )
+    worker.register(LONG, long)
+    held = await enqueue(
+        conn, LONG, {}, EnqueueOptions(lease_duration=timedelta(seconds=3)), schema=schema
+    )
+    locker = await asyncpg.connect(dsn)
+    try:
+        async with running(worker):
+            await asyncio.wait_for(started.wait(), 20)
+            await wait_until(lambda: worker.health() is Health.HEALTHY)
+            lock = locker.transaction()
+            await lock.start()
+            await locker.execute(
+                f'SELECT 1 FROM "{schema}".tasks WHERE id = $1 FOR UPDATE', held.id
+            )
+            await wait_until(lambda: any("renewals" in r for r in worker.health_reasons()))
+            rounds = worker.stats.claim_rounds
+            await wait_until(lambda: worker.stats.claim_rounds > rounds)
+            assert worker.health() is Health.DEGRADED
+            assert any(
+                r.startswith("renewals failing: the database did not answer in time")
+                for r in worker.health_reasons()
+            ), worker.health_reasons()
+            # Released: the next renewal succeeds (or, had the lease lapsed meanwhile,
+            # nothing is left to renew); either way no renewal is failing any more.
+            await lock.rollback()
+            await wait_until(lambda: worker.health() is Health.HEALTHY)
+            assert worker.health_reasons() == ()
+            release.set()
+    finally:
+        release.set()
+        await locker.close()

@@ -38,6 +38,11 @@ class Renewer:
             if await wait_event(env.closing, tick):
                 return
             now = time.monotonic()
+            if all(c.lost for c in running.values()):
+                # No lease left to renew (finished, or lost after failed renewals): no
+                # renewal is failing any more, so health must not stay degraded for it.
+                env.status.succeeded("renewals")
+                continue
             due = [c for c in running.values() if not c.lost and now >= c.renew_at]
             if not due:
                 continue
