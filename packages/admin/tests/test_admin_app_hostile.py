@@ -120,6 +120,15 @@ BODY_SLOTS: list[tuple[str, str, list[object]]] = [
     ("tasks/cancel", "task_id", [0]),
     ("tasks/purge", "older_than_seconds", [100 * 366 * 86400]),
     ("tasks/purge", "limit", [0, 101]),
+    ("tasks/purge", "older_than_days", [36_501, "7"]),
+    ("tasks/retry", "task_id", [0]),
+    ("tasks/bulk-cancel", "task_ids", [[0], [2**63], list(range(1, 102))]),
+    ("tasks/bulk-retry", "task_ids", [[-1]]),
+    ("tasks/bulk-cancel", "state", ["PENDING"]),
+    ("jobs/pause", "name", []),
+    ("jobs/resume", "name", []),
+    ("jobs/delete", "name", []),
+    ("jobs/reschedule", "name", []),
 ]
 POST_ROUTES = tuple(sorted({route for route, _, _ in BODY_SLOTS}))
 RAW_BODIES: list[bytes] = [
@@ -303,7 +312,11 @@ class Harness:
               (SELECT string_agg(id || '/' || state || '/' || attempts, ',' ORDER BY id)
                  FROM "{s}".recurring_occurrences),
               (SELECT count(*) FROM "{s}".tasks),
-              (SELECT string_agg(id || '/' || state, ',' ORDER BY id) FROM "{s}".tasks)"""
+              (SELECT string_agg(id || '/' || state, ',' ORDER BY id) FROM "{s}".tasks),
+              (SELECT string_agg(name || '/' || paused || '/' || cron, ',' ORDER BY name)
+                 FROM "{s}".jobs),
+              (SELECT string_agg(scope || '/' || name || '/' || paused, ',' ORDER BY name)
+                 FROM "{s}".settings)"""
         )
         assert row is not None
         return tuple(row)
@@ -320,6 +333,11 @@ class Harness:
         assert status < 500, (case, status, response.text[:300])
         if not (case.may_read and status == 200):
             assert 400 <= status < 500, (case, status, response.text[:300])
+            if response.headers["content-type"].startswith("text/html"):
+                # a page for a browser: the friendly error page, with the reason
+                assert '<p class="detail">' in response.text, (case, response.text[:300])
+                assert "<script" not in response.text
+                return
             reason = response.json()
             assert isinstance(reason.get("detail"), str), (case, reason)
             assert "\n" not in reason["detail"]
@@ -549,3 +567,72 @@ async def test_a_body_at_the_limit_is_read() -> None:
     assert fits.status_code == 404
     assert seen == [name]
     assert over.status_code == 413
+
+
+# --- the dashboard's filters: any value is a page, never a 5xx -------------------------------
+
+
+@pytest.mark.postgres
+def test_hostile_filters_answer_a_page_or_a_refusal_and_change_nothing(seeded: Any) -> None:
+    """A filter value may be a valid read (a task name can be "2024-01-01"): never a 5xx."""
+    slots = [
+        (path, name)
+        for path in ("/ui/ops/tasks", "/api/ops/tasks")
+        for name in ("state", "name", "since", "until", "after", "newest", "queue")
+    ] + [("/ui/ops/tasks", "id")]
+    strings = [v for v in HOSTILE if isinstance(v, str)] + [
+        "2026-02-30",
+        "9999-12-31T23:59:59",
+        "0001-01-01T00:00:00+05:00",
+        "9999-12-31T23:59:59-05:00",
+    ]
+
+    def drive(harness: Harness, runner: asyncio.Runner) -> None:
+        async def go() -> None:
+            before = await harness.snapshot()
+            for path, name in slots:
+                for value in strings:
+                    target = f"{path}?{name}={escape(value)}"
+                    response = await harness.http.get(target)
+                    status = response.status_code
+                    assert status < 500, (target, status, response.text[:300])
+                    assert status in (200, 303, 400, 404, 422), (target, status)
+                    page = path.startswith("/ui/")
+                    kind = response.headers.get("content-type", "")
+                    if page and status != 303:
+                        assert kind.startswith("text/html"), (target, kind)
+                    if page and status >= 400:
+                        assert '<p class="detail">' in response.text
+                    if not page:
+                        assert kind.startswith("application/json"), (target, kind)
+            assert await harness.snapshot() == before
+
+        runner.run(go())
+
+    run_cases(seeded, drive)
+
+
+@pytest.mark.postgres
+def test_queue_pause_refuses_names_no_queue_can_have(seeded: Any) -> None:
+    """Any name a queue may have can be paused ahead of its first task; others are refused."""
+    refused: list[object] = ["", "\x00", "a\x00b", "\ud800", "x" * 10_240, 5, None, [], {}]
+
+    def drive(harness: Harness, runner: asyncio.Runner) -> None:
+        async def go() -> None:
+            headers = {"content-type": "application/json", CSRF_HEADER: CSRF}
+            for route in ("queues/pause", "queues/resume"):
+                for value in refused:
+                    await harness.check(body_case(route, "queue", value))
+            paused = await harness.http.post(
+                f"/api/{NAMESPACE}/queues/pause", json={"queue": "later"}, headers=headers
+            )
+            assert paused.status_code == 200
+            assert paused.json()["paused"] is True
+            resumed = await harness.http.post(
+                f"/api/{NAMESPACE}/queues/resume", json={"queue": "later"}, headers=headers
+            )
+            assert resumed.json()["paused"] is False
+
+        runner.run(go())
+
+    run_cases(seeded, drive)

@@ -294,20 +294,34 @@ async def test_dashboard_renders_rows_without_inline_code(live: dict[str, Any]) 
     seeded = live["seeded"]
     app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"])
     async with client(app) as http:
-        page = await http.get("/ui/ops")
+        pages = {
+            path: await http.get(path)
+            for path in ("/ui/ops", "/ui/ops/tasks", "/ui/ops/schedules", "/ui/ops/jobs")
+        }
+        task_page = await http.get(f"/ui/ops/tasks/{seeded.task_ids[0]}")
         css = await http.get("/static/admin.css")
-    assert page.status_code == 200
-    assert page.headers["content-type"].startswith("text/html")
-    assert_security_headers(page)
-    html = page.text
-    assert html.count('class="row schedule"') == 2
-    assert html.count('class="row occurrence"') == len(seeded.occurrence_ids)
-    assert html.count('class="row task"') == len(seeded.task_ids)
-    assert "<script" not in html
-    assert "style=" not in html
-    assert "<style" not in html
-    assert "http://" not in html
-    assert "https://" not in html
+    for response in (*pages.values(), task_page):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/html")
+        assert_security_headers(response)
+        html = response.text
+        # The only script is the app's own file; no inline code or style, nothing remote.
+        assert html.count("<script") == 1
+        assert '<script src="/static/admin.js" defer></script>' in html
+        assert "style=" not in html
+        assert "<style" not in html
+        assert "http://" not in html
+        assert "https://" not in html
+        assert "all times UTC" in html
+    assert pages["/ui/ops"].text.count('class="row schedule"') == 2
+    assert 'id="throughput"' in pages["/ui/ops"].text
+    assert pages["/ui/ops/schedules"].text.count('class="row occurrence"') == len(
+        seeded.occurrence_ids
+    )
+    assert pages["/ui/ops/tasks"].text.count('class="row task"') == len(seeded.task_ids)
+    assert "send-report" in task_page.text
+    assert "args can hold secrets" in task_page.text  # hidden: not opted in
+    assert '{"n":' not in task_page.text
     assert css.status_code == 200
     assert css.headers["content-type"].startswith("text/css")
 
@@ -336,7 +350,7 @@ async def test_in_memory_store_and_html_escaping() -> None:
 
     app = create_admin_app(authorize=allow, stores=stores, now=clock.now)
     async with client(app) as http:
-        page = await http.get("/ui/mem")
+        page = await http.get("/ui/mem/schedules")
         tasks = await http.get("/api/mem/tasks")
     assert "<script>alert" not in page.text
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
@@ -373,6 +387,7 @@ async def test_token_app_of_admin_serve(live: dict[str, Any]) -> None:
         browser = await http.get("/ui/ops", headers={"authorization": f"Basic {basic}"})
         api = await http.get("/api/ops/tasks", headers={"authorization": "Bearer " + "t" * 20})
         other = await http.get("/api/zzz/tasks", headers={"authorization": "Bearer " + "t" * 20})
+        other_page = await http.get("/ui/zzz", headers={"authorization": f"Basic {basic}"})
     assert anonymous.status_code == 401
     assert "Basic" in anonymous.headers["www-authenticate"]
     assert_security_headers(anonymous)
@@ -380,7 +395,11 @@ async def test_token_app_of_admin_serve(live: dict[str, Any]) -> None:
     assert browser.status_code == 200
     assert 'class="row schedule"' in browser.text
     assert api.status_code == 200
-    assert other.status_code == 403
+    # The token grants; the namespace only selects, and this app serves "ops" alone.
+    assert other.status_code == 404
+    assert other_page.status_code == 404
+    assert other_page.headers["content-type"].startswith("text/html")
+    assert 'href="/ui/ops"' in other_page.text
 
 
 async def test_failures_keep_the_security_headers() -> None:
@@ -391,6 +410,9 @@ async def test_failures_keep_the_security_headers() -> None:
             self.error = error
 
         async def tasks(self, **_: Any) -> Any:
+            raise self.error
+
+        async def overview(self) -> Any:
             raise self.error
 
     async def allow(request: Request, action: str, namespace: str) -> bool:
@@ -418,7 +440,10 @@ async def test_failures_keep_the_security_headers() -> None:
     api, page = outcomes["bug"]
     assert api.status_code == 500
     assert page.status_code == 500
+    assert page.headers["content-type"].startswith("text/html")  # a page, for a browser
+    assert "Something went wrong" in page.text
     assert "secret detail" not in api.text
+    assert "secret detail" not in page.text
     for api, page in outcomes.values():
         assert_security_headers(api)
         assert_security_headers(page)
@@ -455,30 +480,35 @@ async def test_dashboard_actions_post_what_the_buttons_carry(live: dict[str, Any
     app = create_admin_app(
         authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
     )
+    pattern = r'<button type="button" class="act[^"]*" data-action="([^"]+)" data-body="([^"]+)"'
     async with client(app) as http:
-        page = await http.get("/ui/ops")
+        page = await http.get("/ui/ops/schedules")
+        tasks_page = await http.get("/ui/ops/tasks")
         script = await http.get("/static/admin.js")
-        buttons = re.findall(
-            r'<button type="button" class="act" data-action="([^"]+)" data-body="([^"]+)"',
-            page.text,
-        )
-        # what admin.js does on a click: POST ../api/{ns}/{action} with the page's token
+        buttons = re.findall(pattern, page.text)
+        task_buttons = re.findall(pattern, tasks_page.text)
+        # what admin.js does on a click: POST {data-api}/{action} with the page's token
         token = re.search(r'<meta name="steeple-csrf" content="([^"]+)">', page.text)
+        api = re.search(r'data-api="([^"]+)"', page.text)
         assert token
+        assert api
         retry = [(a, html_module.unescape(b)) for a, b in buttons if a == "occurrences/retry"]
         assert len(retry) == 1
         clicked = await http.post(
-            f"/api/ops/{retry[0][0]}",
+            f"{api.group(1)}/{retry[0][0]}",
             content=retry[0][1],
             headers={"content-type": "application/json", CSRF_HEADER: token.group(1)},
         )
-        after = await http.get("/ui/ops")
+        after = await http.get("/ui/ops/schedules")
     assert page.status_code == 200
-    assert '<script src="../static/admin.js" defer></script>' in page.text
+    assert api.group(1) == "/api/ops"
     assert "<script>" not in page.text  # nothing inline
     actions = [a for a, _ in buttons]
     assert actions.count("schedules/cancel") == 2
-    assert actions.count("tasks/cancel") == len(seeded.task_ids)
+    assert actions.count("occurrences/purge") == 1
+    task_actions = [a for a, _ in task_buttons]
+    assert task_actions.count("tasks/cancel") == len(seeded.task_ids)
+    assert "tasks/bulk-cancel" in task_actions
     assert script.status_code == 200
     assert script.headers["content-type"].startswith("text/javascript")
     assert "X-Steeple-CSRF" in script.text
@@ -486,3 +516,165 @@ async def test_dashboard_actions_post_what_the_buttons_carry(live: dict[str, Any
     assert clicked.status_code == 200
     assert json.loads(retry[0][1]) == {"occurrence_id": seeded.dead_id}
     assert "occurrences/retry" not in after.text  # no dead occurrence is left to retry
+
+
+async def _fail_one(seeded: Any, name: str, error: str) -> int:
+    """Enqueue a task named ``name`` and fail it for good, as a worker would."""
+    from steeple.postgres import queue
+    from steeple.postgres.queue._sql import queue_sql
+
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        task: queue.Task[Any] = queue.Task(name)
+        enqueued = await queue.enqueue(
+            conn, task, {"card": "4111"}, queue.EnqueueOptions.immediate(), schema=seeded.schema
+        )
+        sql = queue_sql(seeded.schema)
+        give_up = await conn.fetchval(
+            "SELECT extract(epoch FROM clock_timestamp())::double precision + 60"
+        )
+        (row,) = await conn.fetch(sql.claim, [name], 1, "w1", give_up)
+        assert await conn.fetch(
+            sql.fail, enqueued.id, row["lease_token"], error, "w1", "CardDeclined", "Tb...", None
+        )
+        return enqueued.id
+    finally:
+        await conn.close()
+
+
+@pytest.mark.postgres
+async def test_task_detail_routes_attempts_args_and_overview(live: dict[str, Any]) -> None:
+    seeded = live["seeded"]
+    failed = await _fail_one(seeded, "charge", "CardDeclined: no")
+    recorder = Recorder()
+    app = create_admin_app(
+        authorize=recorder,
+        stores=live["stores"],
+        tasks=live["tasks"],
+        csrf_token=CSRF,
+        reveal_args={"charge"},
+    )
+    async with client(app) as http:
+        attempts = await http.get(f"/api/ops/tasks/{failed}/attempts")
+        args = await http.get(f"/api/ops/tasks/{failed}/args")
+        hidden = await http.get(f"/api/ops/tasks/{seeded.task_ids[0]}/args")
+        missing = await http.get("/api/ops/tasks/999999/args")
+        overview = await http.get("/api/ops/overview")
+        listing = await http.get("/api/ops/tasks", params={"state": "failed", "newest": "1"})
+        named = await http.get("/api/ops/tasks", params={"name": "charge"})
+        future = await http.get("/api/ops/tasks", params={"since": "2999-01-01"})
+        bad_since = await http.get("/api/ops/tasks", params={"since": "yesterday"})
+        bad_newest = await http.get("/api/ops/tasks", params={"newest": "yes"})
+        retried = await http.post(
+            "/api/ops/tasks/retry", json={"task_id": failed}, headers=post_headers()
+        )
+        again = await http.post(
+            "/api/ops/tasks/retry", json={"task_id": failed}, headers=post_headers()
+        )
+    assert attempts.status_code == 200
+    ((attempt),) = attempts.json()["items"]
+    assert (attempt["outcome"], attempt["error"], attempt["worker_id"]) == (
+        "failed",
+        "CardDeclined: no",
+        "w1",
+    )
+    assert (attempt["error_type"], attempt["traceback"]) == ("CardDeclined", "Tb...")
+    assert args.json() == {"task_id": failed, "args": {"card": "4111"}}
+    assert ("tasks.args", "ops") in recorder.calls
+    assert hidden.status_code == 403  # send-report is not opted in
+    assert "4111" not in hidden.text
+    assert missing.status_code == 404
+    body = overview.json()
+    assert body["counts"]["failed"] == 1
+    assert body["counts"]["pending"] == len(seeded.task_ids)
+    assert sum(body["throughput"]["finished"]["failed"]) == 1
+    assert body["throughput"]["bucket_seconds"] == 60
+    assert [t["task_id"] for t in listing.json()["items"]] == [failed]
+    assert [t["task_id"] for t in named.json()["items"]] == [failed]
+    assert future.json()["items"] == []
+    assert bad_since.status_code == 422
+    assert "2026-12-01 08:30" in bad_since.json()["detail"]
+    assert bad_newest.status_code == 422
+    assert retried.status_code == 200
+    assert retried.json()["state"] == "pending"
+    assert again.status_code == 409  # only failed tasks are retried
+    assert "only failed tasks" in again.json()["detail"]
+
+
+@pytest.mark.postgres
+async def test_bulk_actions_preview_then_act_on_the_confirmed_ids(live: dict[str, Any]) -> None:
+    seeded = live["seeded"]
+    failed = [await _fail_one(seeded, "charge", f"no {n}") for n in range(2)]
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
+    async with client(app) as http:
+
+        async def bulk(verb: str, body: dict[str, Any]) -> httpx.Response:
+            return await http.post(f"/api/ops/tasks/bulk-{verb}", json=body, headers=post_headers())
+
+        preview = await bulk("cancel", {"name": "send-report"})
+        unchanged = (await http.get("/api/ops/tasks", params={"state": "pending"})).json()
+        wrong_state = await bulk("cancel", {"state": "failed"})
+        retry_preview = await bulk("retry", {})
+        retried = await bulk("retry", {"task_ids": retry_preview.json()["task_ids"]})
+        cancelled = await bulk("cancel", {"task_ids": [*seeded.task_ids, 999999]})
+        mixed = await bulk("cancel", {"task_ids": [1], "name": "x"})
+        too_many = await bulk("cancel", {"task_ids": list(range(1, 102))})
+        empty_name = await bulk("cancel", {"name": " "})
+        no_token = await http.post(
+            "/api/ops/tasks/bulk-cancel",
+            json={"task_ids": [seeded.task_ids[0]]},
+            headers={"content-type": "application/json"},
+        )
+    assert preview.json() == {"task_ids": list(seeded.task_ids), "more": False}
+    assert len(unchanged["items"]) == len(seeded.task_ids)  # a preview changes nothing
+    assert wrong_state.json() == {"task_ids": [], "more": False}
+    assert retry_preview.json()["task_ids"] == failed
+    assert retried.json() == {"retried": failed, "skipped": {}}
+    assert cancelled.status_code == 200
+    assert cancelled.json()["cancelled"] == list(seeded.task_ids)
+    assert cancelled.json()["skipped"] == {"999999": "no such task"}
+    assert mixed.status_code == 400
+    assert too_many.status_code == 422
+    assert empty_name.status_code == 422
+    assert no_token.status_code == 403
+
+
+@pytest.mark.postgres
+async def test_job_routes_create_change_and_refuse(live: dict[str, Any]) -> None:
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
+    job = {"name": "nightly", "task": "report", "cron": "0 3 * * *", "args": {"k": 1}}
+    async with client(app) as http:
+
+        async def post(path: str, body: dict[str, Any]) -> httpx.Response:
+            return await http.post(f"/api/ops/jobs/{path}", json=body, headers=post_headers())
+
+        created = await post("create", job)
+        duplicate = await post("create", job)
+        bad_cron = await post("create", {**job, "name": "other", "cron": "every day"})
+        bad_zone = await post("create", {**job, "name": "other", "timezone": "Mars/Base"})
+        no_args = await post("create", {k: v for k, v in job.items() if k != "args"})
+        paused = await post("pause", {"name": "nightly"})
+        resumed = await post("resume", {"name": "nightly"})
+        moved = await post("reschedule", {"name": "nightly", "cron": "@hourly", "timezone": "UTC"})
+        unknown = await post("pause", {"name": "nope"})
+        listing = await http.get("/api/ops/jobs")
+        deleted = await post("delete", {"name": "nightly"})
+        gone = await post("delete", {"name": "nightly"})
+    assert created.status_code == 200
+    assert created.json()["cron"] == "0 3 * * *"
+    assert "args" not in created.json()
+    assert duplicate.status_code == 409
+    assert bad_cron.status_code == 422
+    assert bad_zone.status_code == 422
+    assert no_args.status_code == 400
+    assert paused.json()["paused"] is True
+    assert resumed.json()["paused"] is False
+    assert moved.json()["cron"] == "@hourly"
+    assert unknown.status_code == 404
+    assert [j["name"] for j in listing.json()["items"]] == ["nightly"]
+    assert deleted.json() == {"deleted": True}
+    assert gone.status_code == 404

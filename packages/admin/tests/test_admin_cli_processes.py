@@ -271,7 +271,8 @@ async def test_admin_serve_for_queue_only_users(
         async with httpx.AsyncClient(base_url=base, timeout=10) as http:
             tasks = await http.get(f"/api/{namespace}/tasks", headers=bearer)
             schedules = await http.get(f"/api/{namespace}/schedules", headers=bearer)
-            page = await http.get(f"/ui/{namespace}", headers=bearer)
+            overview = await http.get(f"/ui/{namespace}", headers=bearer)
+            page = await http.get(f"/ui/{namespace}/tasks", headers=bearer)
     finally:
         code, text = await _interrupt(proc)
     assert code == 0, text  # Ctrl-C stops a server: exit 0
@@ -281,9 +282,11 @@ async def test_admin_serve_for_queue_only_users(
     assert tasks.status_code == 200, tasks.text
     assert [t["task_id"] for t in tasks.json()["items"]] == list(seeded.task_ids)
     assert schedules.status_code == 404
+    assert overview.status_code == 200
+    assert "queue-only mode" in overview.text
+    assert "Recurring publications" not in overview.text
     assert page.status_code == 200
-    assert 'class="row task"' in page.text
-    assert "Recurring publications" not in page.text
+    assert page.text.count('class="row task"') == len(seeded.task_ids)
 
 
 # --- warnings where they apply ------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -282,3 +282,77 @@ async def test_server_time_is_the_servers_clock(queue: Any) -> None:
     after = await conn.fetchval("SELECT clock_timestamp()")
     assert before <= read <= after
     assert read.utcoffset() is not None
+
+
+async def test_list_tasks_newest_first_and_by_creation_time(queue: Any) -> None:
+    _, schema, conn = queue
+    ids = [await _enqueue(conn, schema, "n") for _ in range(5)]
+    first = await admin.list_tasks(conn, schema=schema, newest_first=True, limit=2)
+    assert [t.id for t in first.items] == ids[:-3:-1]
+    rest = await admin.list_tasks(
+        conn, schema=schema, newest_first=True, after=first.next_cursor, limit=100
+    )
+    assert [t.id for t in rest.items] == ids[-3::-1]
+    assert rest.next_cursor is None
+    third = await pq.run_state(conn, ids[2], schema=schema)
+    fourth = await pq.run_state(conn, ids[3], schema=schema)
+    window = await admin.list_tasks(
+        conn, schema=schema, created_after=third.created_at, created_before=fourth.created_at
+    )
+    assert [t.id for t in window.items] == [ids[2]]
+    later = await admin.list_tasks(conn, schema=schema, created_after=fourth.created_at)
+    assert [t.id for t in later.items] == ids[3:]
+    task: Task[Any] = Task("n")
+    mailed = await enqueue(conn, task, {}, EnqueueOptions(), schema=schema, queue="mail")
+    only_mail = await admin.list_tasks(conn, schema=schema, queue="mail", newest_first=True)
+    assert [(t.id, t.queue) for t in only_mail.items] == [(mailed.id, "mail")]
+    assert len((await admin.list_tasks(conn, schema=schema, queue="default")).items) == 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"created_after": datetime(2026, 1, 1)}, pq.QueueConfigurationError),
+        ({"created_before": "2026-01-01"}, pq.QueueTypeError),
+        ({"newest_first": "yes"}, pq.QueueTypeError),
+        ({"newest_first": True, "after": "-1"}, pq.QueueConfigurationError),
+        ({"queue": ""}, pq.QueueConfigurationError),
+        ({"queue": 5}, pq.QueueTypeError),
+    ],
+)
+async def test_list_tasks_refuses_hostile_ranges(
+    queue: Any, kwargs: dict[str, Any], error: type[Exception]
+) -> None:
+    _, schema, conn = queue
+    with pytest.raises(error):
+        await admin.list_tasks(conn, schema=schema, **kwargs)
+
+
+async def test_args_and_throughput(queue: Any) -> None:
+    _, schema, conn = queue
+    failed = await _fail(conn, schema, "t")
+    pending = await _enqueue(conn, schema, "t")
+    assert await pq.cancel(conn, pending, schema=schema) is TaskState.CANCELLED
+    assert SECRET in await admin.task_args(conn, failed, schema=schema)
+    with pytest.raises(pq.TaskNotFoundError):
+        await admin.task_args(conn, 2**62, schema=schema)
+    seen = await admin.throughput(conn, schema=schema)
+    assert seen.bucket == timedelta(minutes=1)
+    assert seen.finished[TaskState.FAILED][-1] == 1
+    assert seen.finished[TaskState.CANCELLED][-1] == 1
+    assert sum(seen.finished[TaskState.SUCCEEDED]) == 0
+    assert all(len(counts) == 60 for counts in seen.finished.values())
+    # A task finished two hours ago is outside the window.
+    await conn.execute(
+        f"UPDATE \"{schema}\".tasks SET finished_at = finished_at - interval '2 hours'"
+        " WHERE id = $1",
+        failed,
+    )
+    later = await admin.throughput(conn, schema=schema, window=timedelta(minutes=10), buckets=5)
+    assert later.bucket == timedelta(minutes=2)
+    assert later.finished[TaskState.FAILED] == (0, 0, 0, 0, 0)
+    assert later.ends_at >= seen.ends_at
+    with pytest.raises(pq.QueueConfigurationError):
+        await admin.throughput(conn, schema=schema, window=timedelta(0))
+    with pytest.raises(pq.QueueConfigurationError):
+        await admin.throughput(conn, schema=schema, buckets=0)

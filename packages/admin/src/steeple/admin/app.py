@@ -1,4 +1,10 @@
-"""The admin ASGI app (Starlette): a JSON API and a small HTML dashboard for operators.
+"""The admin ASGI app (Starlette): a JSON API and an HTML dashboard for operators.
+
+The dashboard (``/ui/{namespace}``: overview, tasks, one task, recurring jobs,
+publications) is rendered by the app and refreshed in place by its own ``admin.js``
+(polling the page's ``?live=1`` JSON); no CDN, no inline script or style. It serves the
+work queue alone (queue-only mode: no keys, no recurring namespace) or beside a
+namespace's recurring publications. A refused page request gets an HTML error page.
 
 Mount it in any ASGI host. The host owns authentication: every request goes through the
 ``authorize(request, action, namespace)`` callback, and without one the app refuses
@@ -18,26 +24,26 @@ not ``application/json``, 422 for a value no store could hold or a listing never
 from __future__ import annotations
 
 import hmac
-import html
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from steeple.admin import _pages
 from steeple.admin.tasks import (
     TaskAdmin,
-    TaskRecord,
+    TaskFilter,
     parse_task_cursor,
     validate_task_id,
     validate_task_state,
@@ -46,7 +52,6 @@ from steeple.core.config import validate_definition_name, validate_namespace
 from steeple.core.errors import (
     ConfigurationError,
     RecurringInvalidStateError,
-    RecurringNotFoundError,
     RecurringStorageError,
     SteepleError,
 )
@@ -61,6 +66,7 @@ from steeple.core.records import (
 
 __all__ = [
     "ACTIONS",
+    "BULK_LIMIT",
     "CSRF_HEADER",
     "MAX_BODY_BYTES",
     "SECURITY_HEADERS",
@@ -90,7 +96,18 @@ ACTIONS = (
     "occurrences.purge",
     "tasks.read",
     "tasks.cancel",
+    "tasks.retry",
     "tasks.purge",
+    "tasks.args",
+    "jobs.read",
+    "jobs.create",
+    "jobs.pause",
+    "jobs.resume",
+    "jobs.reschedule",
+    "jobs.delete",
+    "queues.read",
+    "queues.pause",
+    "queues.resume",
     "dashboard.read",
     "static.read",
 )
@@ -286,6 +303,9 @@ def create_admin_app(
     tasks: TaskProvider | None = None,
     csrf_token: str | None = None,
     now: Callable[[], datetime] | None = None,
+    reveal_args: Collection[str] | Callable[[str], bool] = (),
+    namespaces: Sequence[str] = (),
+    refresh_seconds: float = 5.0,
 ) -> Starlette:
     """Build the admin app.
 
@@ -293,19 +313,38 @@ def create_admin_app(
         authorize: the host's ``authorize(request, action, namespace)``; ``None`` (or any
             answer but ``True``) refuses with 403. ``action`` is one of :data:`ACTIONS`.
         stores: returns the recurring store of a namespace (the host opens and closes it;
-            the app never closes it). ``None``: recurring routes answer 404.
+            the app never closes it). ``None``: recurring routes answer 404 and the
+            dashboard serves the work queue alone (queue-only mode).
         tasks: returns the task access of a namespace. ``None``: task routes answer 404.
         csrf_token: the value state-changing requests must send in ``X-Steeple-CSRF``
-            (at least 16 characters). ``None``: every state-changing request is refused.
+            (at least 16 characters). ``None``: every state-changing request is refused
+            and the dashboard shows no action buttons.
         now: the clock for purge cutoffs (defaults to the system clock).
+        reveal_args: the task names whose args the task page may show (on request, and
+            only to who ``authorize`` allows ``tasks.args``), or a predicate over the
+            name. Args can hold secrets: by default no task's args are ever shown.
+        namespaces: namespaces to link to from error pages (e.g. an unknown namespace).
+        refresh_seconds: how often an open dashboard page refreshes its live parts.
 
     Raises:
-        ConfigurationError: a ``csrf_token`` shorter than 16 characters.
+        ConfigurationError: a ``csrf_token`` shorter than 16 characters, or a refresh
+            period outside 1..3600 seconds.
     """
     if csrf_token is not None and len(csrf_token) < 16:
         raise ConfigurationError("csrf_token must be at least 16 characters of random text")
+    if (
+        isinstance(refresh_seconds, bool)
+        or not isinstance(refresh_seconds, int | float)
+        or not 1 <= refresh_seconds <= 3600
+    ):
+        raise ConfigurationError("refresh_seconds must be a number from 1 to 3600")
     clock = now or (lambda: datetime.now(UTC))
     expected_token = None if csrf_token is None else csrf_token.encode("utf-8")
+    revealable: Callable[[str], bool] = (
+        reveal_args if callable(reveal_args) else frozenset(reveal_args).__contains__
+    )
+    homes = tuple(namespaces)
+    actions_enabled = csrf_token is not None
 
     async def gate(request: Request, action: str, namespace: str) -> None:
         # Refuse before looking at anything else: no callback means no access at all.
@@ -347,35 +386,82 @@ def create_admin_app(
         except LookupError:
             raise _Refusal(404, "not_found", "no such namespace") from None
 
+    async def known(namespace: str) -> None:
+        """Refuse a namespace no provider serves (a page must not look empty instead)."""
+        for provider in (stores, tasks):
+            if provider is None:
+                continue
+            try:
+                await provider(namespace)
+            except LookupError:
+                raise _Refusal(404, "not_found", f"no such namespace: {namespace}") from None
+            return
+        raise _Refusal(404, "not_found", "this app serves neither tasks nor publications")
+
     def endpoint(
-        action: str, handler: Callable[[Request, str], Awaitable[Response]]
+        action: str, handler: Callable[[Request, str], Awaitable[Response]], page: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
             namespace = str(request.path_params.get("namespace", ""))
+            refusal: tuple[int, str, str]
             try:
                 await gate(request, action, namespace)
                 return await handler(request, namespace)
-            except _Refusal as refusal:
-                return _json_error(refusal.status, refusal.error, refusal.detail)
-            except RecurringNotFoundError as exc:
-                return _json_error(404, "not_found", str(exc))
+            except _Refusal as exc:
+                refusal = (exc.status, exc.error, exc.detail)
             except RecurringInvalidStateError as exc:
-                return _json_error(409, "invalid_state", str(exc))
+                refusal = (409, "invalid_state", str(exc))
             except ConfigurationError as exc:
                 # The library's typed refusal of a value (the app validates first; a
                 # provider or store may know more rules).
-                return _json_error(422, "invalid", str(exc))
+                refusal = (422, "invalid", str(exc))
             except (RecurringStorageError, OSError, TimeoutError):
-                return _json_error(503, "unavailable", "storage is unavailable; try again")
+                refusal = (503, "unavailable", "storage is unavailable; try again")
             except SteepleError as exc:
-                return _json_error(409, "refused", str(exc))
+                # No such task, job, schedule or occurrence is a 404; the rest a refusal.
+                found = not isinstance(exc, LookupError)
+                refusal = (409, "refused", str(exc)) if found else (404, "not_found", str(exc))
             except Exception:
                 # Answered here (not by Starlette's outer error handler) so that even a
                 # failure carries the security headers; details go to the log only.
                 _log.exception("admin %s on namespace %r failed", action, namespace)
-                return _json_error(500, "internal", "internal error")
+                refusal = (500, "internal", "internal error")
+            if page and request.query_params.get("live") != "1":
+                return _html_error(request, *refusal, homes=homes)
+            return _json_error(*refusal)
 
         return run
+
+    def links_of(request: Request, namespace: str) -> _pages.Links:
+        return _pages.Links(str(request.scope.get("root_path", "")).rstrip("/"), namespace)
+
+    def render(
+        request: Request,
+        namespace: str,
+        title: str,
+        current: str,
+        sections: list[_pages.Section],
+    ) -> Response:
+        if request.query_params.get("live") == "1":
+            return JSONResponse({**_pages.live_json(sections), "at": clock().isoformat()})
+        modes = " + ".join(
+            label
+            for label, provider in (("work queue", tasks), ("recurring publications", stores))
+            if provider is not None
+        )
+        if stores is None:
+            modes += " (queue-only mode)"
+        return HTMLResponse(
+            _pages.page(
+                links_of(request, namespace),
+                title,
+                current,
+                sections,
+                csrf_token=csrf_token,
+                refresh_seconds=refresh_seconds,
+                modes=modes,
+            )
+        )
 
     # --- reads -------------------------------------------------------------------------
 
@@ -400,10 +486,11 @@ def create_admin_app(
     async def list_tasks(request: Request, namespace: str) -> Response:
         after, limit = _paging(request)
         _valid(parse_task_cursor, after)
-        state = request.query_params.get("state") or None
-        if state is not None:
-            _valid(validate_task_state, state)
-        page = await (await tasks_of(namespace)).tasks(after=after, limit=limit, state=state)
+        where = _task_filter(request.query_params)
+        newest = _flag(request.query_params.get("newest"), "newest")
+        page = await (await tasks_of(namespace)).tasks(
+            after=after, limit=limit, where=where, newest_first=newest
+        )
         return JSONResponse(
             {"items": [t.to_json() for t in page.items], "next_cursor": page.next_cursor}
         )
@@ -414,6 +501,50 @@ def create_admin_app(
         if record is None:
             return _json_error(404, "not_found", "no such task")
         return JSONResponse(record.to_json())
+
+    async def task_attempts(request: Request, namespace: str) -> Response:
+        task_id = _path_task_id(str(request.path_params.get("task_id", "")))
+        admin = await tasks_of(namespace)
+        if await admin.task(task_id) is None:
+            return _json_error(404, "not_found", "no such task")
+        return JSONResponse({"items": [a.to_json() for a in await admin.attempts(task_id)]})
+
+    async def task_args(request: Request, namespace: str) -> Response:
+        task_id = _path_task_id(str(request.path_params.get("task_id", "")))
+        admin = await tasks_of(namespace)
+        record = await admin.task(task_id)
+        if record is None:
+            return _json_error(404, "not_found", "no such task")
+        if not revealable(record.name):
+            raise _Refusal(403, "forbidden", f"the args of {record.name} tasks are not shown")
+        stored = await admin.args(task_id)
+        if stored is None:
+            return _json_error(404, "not_found", "no such task")
+        return JSONResponse({"task_id": task_id, "args": json.loads(stored)})
+
+    async def overview_json(request: Request, namespace: str) -> Response:
+        return JSONResponse((await (await tasks_of(namespace)).overview()).to_json())
+
+    async def list_queues(request: Request, namespace: str) -> Response:
+        overview = await (await tasks_of(namespace)).overview()
+        return JSONResponse({"items": [q.to_json() for q in overview.queues]})
+
+    def pause_queue(paused: bool) -> Callable[[Request, str], Awaitable[Response]]:
+        async def handler(request: Request, namespace: str) -> Response:
+            body = await json_body(request)
+            _fields(body, ("queue",))
+            name = _string_field(body, "queue")
+            record = await (await tasks_of(namespace)).pause_queue(name, paused)
+            return JSONResponse(record.to_json())
+
+        return handler
+
+    async def list_jobs(request: Request, namespace: str) -> Response:
+        after, limit = _paging(request)
+        page = await (await tasks_of(namespace)).jobs(after=after, limit=limit)
+        return JSONResponse(
+            {"items": [j.to_json() for j in page.items], "next_cursor": page.next_cursor}
+        )
 
     # --- changes -----------------------------------------------------------------------
 
@@ -448,35 +579,220 @@ def create_admin_app(
             return _json_error(409, "invalid_state", f"the task already finished ({state})")
         return JSONResponse({"task_id": task_id, "state": state})
 
+    async def retry_task(request: Request, namespace: str) -> Response:
+        body = await json_body(request)
+        _fields(body, ("task_id",))
+        task_id = _valid(validate_task_id, _int_field(body, "task_id", 0))
+        record = await (await tasks_of(namespace)).retry(task_id)
+        if record is None:
+            return _json_error(404, "not_found", "no such task")
+        return JSONResponse(record.to_json())
+
     async def purge_tasks(request: Request, namespace: str) -> Response:
         body = await json_body(request)
         older_than, limit = _purge_args(body, clock())
         removed = await (await tasks_of(namespace)).prune(older_than, limit)
         return JSONResponse({"purged": removed})
 
+    def bulk(verb: str) -> Callable[[Request, str], Awaitable[Response]]:
+        # Two steps, so an operator confirms exactly what is acted on: without task_ids the
+        # answer lists the matching tasks this action applies to (at most BULK_LIMIT) and
+        # changes nothing; with task_ids it acts on those ids only (each still checked by
+        # the queue: a task that finished or was retried meanwhile is reported, not forced).
+        states = _pages.LIVE_TASK_STATES if verb == "cancel" else ("failed",)
+
+        async def handler(request: Request, namespace: str) -> Response:
+            body = await json_body(request)
+            _fields(body, ("state", "name", "since", "until", "queue", "task_ids"))
+            admin = await tasks_of(namespace)
+            if "task_ids" not in body:
+                where = _task_filter(
+                    {k: v for k, v in body.items() if isinstance(v, str)}, strict=body
+                )
+                if where.state is not None and where.state not in states:
+                    return JSONResponse({"task_ids": [], "more": False})
+                found: list[int] = []
+                more = False
+                for state in [where.state] if where.state else list(states):
+                    page = await admin.tasks(
+                        limit=BULK_LIMIT, where=attrs.evolve(where, state=state)
+                    )
+                    found += [t.task_id for t in page.items]
+                    more = more or page.next_cursor is not None
+                more = more or len(found) > BULK_LIMIT
+                return JSONResponse({"task_ids": sorted(found)[:BULK_LIMIT], "more": more})
+            if len(body) != 1:
+                raise _bad_request("send task_ids alone (the confirmed ids), or only a filter")
+            chosen = _task_ids(body["task_ids"])
+            done: list[int] = []
+            skipped: dict[str, str] = {}
+            for task_id in chosen:
+                try:
+                    if verb == "cancel":
+                        after_cancel = await admin.cancel(task_id)
+                        ok = after_cancel == "cancelled"
+                        reason = f"it is {after_cancel}" if after_cancel else "no such task"
+                    else:
+                        ok = await admin.retry(task_id) is not None
+                        reason = "no such task"
+                except SteepleError as exc:
+                    if isinstance(exc, ConfigurationError):
+                        raise
+                    ok, reason = False, str(exc)
+                if ok:
+                    done.append(task_id)
+                else:
+                    skipped[str(task_id)] = reason
+            key = "cancelled" if verb == "cancel" else "retried"
+            return JSONResponse({key: done, "skipped": skipped})
+
+        return handler
+
+    async def create_job(request: Request, namespace: str) -> Response:
+        body = await json_body(request)
+        _fields(body, ("name", "task", "cron", "timezone", "args"))
+        if "args" not in body:
+            raise _bad_request('give the job\'s "args" (any JSON value, e.g. {})')
+        timezone = body.get("timezone", "UTC")
+        if not isinstance(timezone, str):
+            raise _bad_request("timezone must be a string (an IANA name such as UTC)")
+        job = await (await tasks_of(namespace)).create_job(
+            _string_field(body, "name"),
+            _string_field(body, "task"),
+            _string_field(body, "cron"),
+            body["args"],
+            timezone or "UTC",
+        )
+        return JSONResponse(job.to_json())
+
+    def change_job(verb: str) -> Callable[[Request, str], Awaitable[Response]]:
+        async def handler(request: Request, namespace: str) -> Response:
+            body = await json_body(request)
+            allowed = ("name", "cron", "timezone") if verb == "reschedule" else ("name",)
+            _fields(body, allowed)
+            cron = _string_field(body, "cron") if verb == "reschedule" else None
+            timezone = body.get("timezone") or None
+            if timezone is not None and not isinstance(timezone, str):
+                raise _bad_request("timezone must be a string (an IANA name such as UTC)")
+            job = await (await tasks_of(namespace)).change_job(
+                verb, _string_field(body, "name"), cron, timezone
+            )
+            return JSONResponse({"deleted": True} if job is None else job.to_json())
+
+        return handler
+
     # --- dashboard ---------------------------------------------------------------------
 
-    async def dashboard(request: Request, namespace: str) -> Response:
-        sections: list[str] = []
-        actions = csrf_token is not None
-        if stores is not None:
-            store = await store_of(namespace)
-            schedules = (await store.schedules(limit=100)).items
-            occurrences = (await store.occurrences(limit=100)).items
-            sections.append(_schedules_table(schedules, actions))
-            sections.append(_occurrences_table(occurrences, actions))
+    async def overview_page(request: Request, namespace: str) -> Response:
+        await known(namespace)
+        links = links_of(request, namespace)
+        sections: list[_pages.Section] = []
         if tasks is not None:
             try:
-                records = (await (await tasks_of(namespace)).tasks(limit=100)).items
+                overview = await (await tasks_of(namespace)).overview()
             except SteepleError as exc:
                 # e.g. the queue schema is not migrated: the rest of the page still helps.
                 sections.append(
-                    f'<section id="task"><h2>Tasks</h2><p class="unavailable">'
-                    f"unavailable: {html.escape(str(exc))}</p></section>"
+                    _pages.Section("counts", _pages.unavailable("Tasks", str(exc)), live=True)
                 )
             else:
-                sections.append(_tasks_table(records, actions))
-        return HTMLResponse(_page(namespace, sections, csrf_token))
+                sections.append(
+                    _pages.Section("counts", _pages.counts_section(links, overview), live=True)
+                )
+                sections.append(_pages.Section("chart", _pages.chart_section(overview), live=True))
+                queues = _pages.queues_section(links, overview.queues, actions_enabled)
+                sections.append(_pages.Section("queues", queues, live=True))
+        if stores is not None:
+            store = await store_of(namespace)
+            schedules = (await store.schedules(limit=100)).items
+            sections.append(
+                _pages.Section(
+                    "schedules", _pages.schedules_table(schedules, actions_enabled), live=True
+                )
+            )
+        return render(request, namespace, "Overview", "overview", sections)
+
+    async def tasks_page(request: Request, namespace: str) -> Response:
+        params = request.query_params
+        links = links_of(request, namespace)
+        raw_id = (params.get("id") or "").strip()
+        if raw_id:
+            return RedirectResponse(links.task(_path_task_id(raw_id)), status_code=303)
+        where = _task_filter(params)
+        after = params.get("after") or None
+        _valid(parse_task_cursor, after)
+        admin = await tasks_of(namespace)
+        try:
+            page = await admin.tasks(after=after, limit=PAGE_SIZE, where=where, newest_first=True)
+        except SteepleError as exc:
+            if isinstance(exc, ConfigurationError):
+                raise
+            listing = _pages.Section("tasks", _pages.unavailable("Tasks", str(exc)), live=True)
+            return render(request, namespace, "Tasks", "tasks", [listing])
+        sections = [
+            _pages.Section("filters", _pages.filter_form(links, where)),
+            _pages.Section(
+                "tasks",
+                _pages.heading("Tasks", len(page.items), "newest first; times UTC")
+                + (_pages.bulk_bar(where, BULK_LIMIT) if actions_enabled else "")
+                + _pages.tasks_table(links, page.items, actions_enabled)
+                + _pages.pager(links, where, after, page.next_cursor),
+                live=True,
+            ),
+        ]
+        return render(request, namespace, "Tasks", "tasks", sections)
+
+    async def task_page(request: Request, namespace: str) -> Response:
+        task_id = _path_task_id(str(request.path_params.get("task_id", "")))
+        admin = await tasks_of(namespace)
+        record = await admin.task(task_id)
+        if record is None:
+            raise _Refusal(404, "not_found", f"no task {task_id} (it may have been purged)")
+        attempts = await admin.attempts(task_id)
+        sections = [
+            _pages.Section("task", _pages.task_detail(record, actions_enabled), live=True),
+            _pages.Section("result", _pages.result_section(record), live=True),
+            _pages.Section("attempts", _pages.attempts_table(attempts), live=True),
+            _pages.Section("args", _pages.args_section(record, revealable(record.name))),
+        ]
+        return render(request, namespace, f"Task {task_id}", "tasks", sections)
+
+    async def jobs_page(request: Request, namespace: str) -> Response:
+        admin = await tasks_of(namespace)
+        try:
+            jobs = (await admin.jobs(limit=100)).items
+        except SteepleError as exc:
+            listing = _pages.Section("jobs", _pages.unavailable("Recurring jobs", str(exc)), True)
+            return render(request, namespace, "Recurring jobs", "jobs", [listing])
+        sections = [_pages.Section("jobs", _pages.jobs_table(jobs, actions_enabled), live=True)]
+        if actions_enabled:
+            sections.append(_pages.Section("new-job", _pages.job_form()))
+        return render(request, namespace, "Recurring jobs", "jobs", sections)
+
+    async def schedules_page(request: Request, namespace: str) -> Response:
+        if stores is None:
+            await known(namespace)
+            note = (
+                '<p class="note" id="queue-only">queue-only mode: recurring publications are '
+                "not served here (start <code>steeple admin serve</code> with storage keys "
+                "for an initialized namespace)</p>"
+            )
+            sections = [_pages.Section("schedules", _pages.heading("Publications") + note)]
+            return render(request, namespace, "Recurring publications", "publications", sections)
+        store = await store_of(namespace)
+        schedules = (await store.schedules(limit=100)).items
+        occurrences = (await store.occurrences(limit=100)).items
+        sections = [
+            _pages.Section(
+                "schedules", _pages.schedules_table(schedules, actions_enabled), live=True
+            ),
+            _pages.Section(
+                "occurrences",
+                _pages.occurrences_table(occurrences, actions_enabled, BULK_LIMIT),
+                live=True,
+            ),
+        ]
+        return render(request, namespace, "Recurring publications", "publications", sections)
 
     async def stylesheet(request: Request, namespace: str) -> Response:
         css = resources.files("steeple.admin").joinpath("static/admin.css").read_text("utf-8")
@@ -486,43 +802,88 @@ def create_admin_app(
         js = resources.files("steeple.admin").joinpath("static/admin.js").read_text("utf-8")
         return Response(js, media_type="text/javascript")
 
+    def post(
+        path: str, action: str, handler: Callable[[Request, str], Awaitable[Response]]
+    ) -> Route:
+        return Route(f"/api/{{namespace}}/{path}", endpoint(action, handler), methods=["POST"])
+
     routes = [
         Route("/api/{namespace}/schedules", endpoint("schedules.read", list_schedules)),
         Route("/api/{namespace}/occurrences", endpoint("occurrences.read", list_occurrences)),
         Route("/api/{namespace}/tasks", endpoint("tasks.read", list_tasks)),
+        Route("/api/{namespace}/overview", endpoint("tasks.read", overview_json)),
+        Route("/api/{namespace}/jobs", endpoint("jobs.read", list_jobs)),
+        Route("/api/{namespace}/queues", endpoint("queues.read", list_queues)),
+        post("schedules/cancel", "schedules.cancel", cancel_schedule),
+        post("occurrences/retry", "occurrences.retry", retry_occurrence),
+        post("occurrences/purge", "occurrences.purge", purge_occurrences),
+        post("tasks/cancel", "tasks.cancel", cancel_task),
+        post("tasks/retry", "tasks.retry", retry_task),
+        post("tasks/purge", "tasks.purge", purge_tasks),
+        post("tasks/bulk-cancel", "tasks.cancel", bulk("cancel")),
+        post("tasks/bulk-retry", "tasks.retry", bulk("retry")),
+        post("jobs/create", "jobs.create", create_job),
+        post("queues/pause", "queues.pause", pause_queue(True)),
+        post("queues/resume", "queues.resume", pause_queue(False)),
+        post("jobs/pause", "jobs.pause", change_job("pause")),
+        post("jobs/resume", "jobs.resume", change_job("resume")),
+        post("jobs/reschedule", "jobs.reschedule", change_job("reschedule")),
+        post("jobs/delete", "jobs.delete", change_job("delete")),
         Route("/api/{namespace}/tasks/{task_id}", endpoint("tasks.read", show_task)),
-        Route(
-            "/api/{namespace}/schedules/cancel",
-            endpoint("schedules.cancel", cancel_schedule),
-            methods=["POST"],
-        ),
-        Route(
-            "/api/{namespace}/occurrences/retry",
-            endpoint("occurrences.retry", retry_occurrence),
-            methods=["POST"],
-        ),
-        Route(
-            "/api/{namespace}/occurrences/purge",
-            endpoint("occurrences.purge", purge_occurrences),
-            methods=["POST"],
-        ),
-        Route(
-            "/api/{namespace}/tasks/cancel", endpoint("tasks.cancel", cancel_task), methods=["POST"]
-        ),
-        Route(
-            "/api/{namespace}/tasks/purge", endpoint("tasks.purge", purge_tasks), methods=["POST"]
-        ),
-        Route("/ui/{namespace}", endpoint("dashboard.read", dashboard)),
+        Route("/api/{namespace}/tasks/{task_id}/attempts", endpoint("tasks.read", task_attempts)),
+        Route("/api/{namespace}/tasks/{task_id}/args", endpoint("tasks.args", task_args)),
+        Route("/ui/{namespace}", endpoint("dashboard.read", overview_page, page=True)),
+        Route("/ui/{namespace}/tasks", endpoint("dashboard.read", tasks_page, page=True)),
+        Route("/ui/{namespace}/tasks/{task_id}", endpoint("dashboard.read", task_page, page=True)),
+        Route("/ui/{namespace}/jobs", endpoint("dashboard.read", jobs_page, page=True)),
+        Route("/ui/{namespace}/schedules", endpoint("dashboard.read", schedules_page, page=True)),
         Route("/static/admin.css", endpoint("static.read", stylesheet)),
         Route("/static/admin.js", endpoint("static.read", script)),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        if request.url.path.startswith("/ui/") and request.query_params.get("live") != "1":
+            status = exc.status_code if isinstance(exc, HTTPException) else 500
+            detail = "no such page" if status == 404 else "this page cannot answer that"
+            return _html_error(request, status, "", detail, homes=homes)
+        return await _http_error(request, exc)
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: not_found})
     app.router.redirect_slashes = False  # "/tasks/" names no task: 404, not a redirect
     app.add_middleware(_SecurityHeaders)
     return app
 
 
 T = TypeVar("T")
+
+PAGE_SIZE: Final = 50
+"""Tasks per page of the dashboard's task list."""
+BULK_LIMIT: Final = 100
+"""The most tasks one bulk cancel or retry acts on (the operator confirms each batch)."""
+_ERROR_TITLES: Final = {
+    400: "Bad request",
+    401: "Sign in first",
+    403: "Not allowed",
+    404: "Not found",
+    405: "Not allowed",
+    409: "Refused",
+    413: "Too large",
+    415: "Unsupported",
+    422: "Invalid request",
+    500: "Something went wrong",
+    503: "Storage unavailable",
+}
+_MAX_INSTANT_TEXT: Final = 40
+
+
+def _html_error(
+    request: Request, status: int, error: str, detail: str, *, homes: Sequence[str]
+) -> HTMLResponse:
+    """Answer a browser's page request with a friendly error page, not the JSON refusal."""
+    line = " ".join(detail.split()).encode("utf-8", "replace").decode("utf-8")[:_MAX_DETAIL]
+    root = str(request.scope.get("root_path", "")).rstrip("/")
+    title = _ERROR_TITLES.get(status, "Refused")
+    return HTMLResponse(_pages.error_page(status, title, line, root, homes), status_code=status)
 
 
 def _valid(check: Callable[[Any], T], value: object, reason: str | None = None) -> T:
@@ -531,6 +892,61 @@ def _valid(check: Callable[[Any], T], value: object, reason: str | None = None) 
         return check(value)
     except ConfigurationError as exc:
         raise _invalid(reason or str(exc)) from None
+
+
+def _flag(raw: str | None, name: str) -> bool:
+    if raw in (None, "", "0", "false"):
+        return False
+    if raw in ("1", "true"):
+        return True
+    raise _invalid(f"{name} is 1 or 0")
+
+
+def _instant(raw: str, name: str) -> datetime:
+    """Parse an instant an operator typed; one without an offset is UTC (the page says so)."""
+    text = raw.strip()
+    if len(text) > _MAX_INSTANT_TEXT:
+        raise _invalid(f"{name} is too long for an instant (e.g. 2026-12-01 08:30)")
+    try:
+        value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        # In UTC at once: an offset may carry an instant out of the calendar's range.
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except ValueError:
+        raise _invalid(f"{name} is not an instant: write it like 2026-12-01 08:30 (UTC)") from None
+    except OverflowError:
+        raise _invalid(f"{name} is out of range: write it like 2026-12-01 08:30 (UTC)") from None
+
+
+def _task_filter(params: Mapping[str, Any], strict: Mapping[str, Any] | None = None) -> TaskFilter:
+    """Read a task filter from query parameters (or a JSON body: ``strict`` checks types)."""
+    if strict is not None:
+        for key in ("state", "name", "since", "until", "queue"):
+            if key in strict and not isinstance(strict[key], str):
+                raise _bad_request(f"{key} must be a string")
+            if key in strict and not strict[key].strip():
+                raise _invalid(f"{key} is empty: leave it out to select every task")
+    state = params.get("state") or None
+    if state is not None:
+        _valid(validate_task_state, state)
+    name = params.get("name") or None
+    queue = params.get("queue") or None
+    since = params.get("since") or None
+    until = params.get("until") or None
+    return TaskFilter(
+        state=state,
+        name=name.strip() if name and name.strip() else None,
+        queue=queue.strip() if queue and queue.strip() else None,
+        since=None if since is None or not since.strip() else _instant(since, "since"),
+        until=None if until is None or not until.strip() else _instant(until, "until"),
+    )
+
+
+def _task_ids(value: object) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise _bad_request("task_ids must be a non-empty list of task ids")
+    if len(value) > BULK_LIMIT:
+        raise _invalid(f"at most {BULK_LIMIT} task ids at a time")
+    return sorted({_valid(validate_task_id, v) for v in value})
 
 
 def _paging(request: Request) -> tuple[str | None, int]:
@@ -551,163 +967,19 @@ def _path_task_id(raw: str) -> int:
 
 
 def _purge_args(body: dict[str, Any], now: datetime) -> tuple[datetime, int]:
-    _fields(body, ("older_than_seconds", "limit"))
-    seconds = _int_field(body, "older_than_seconds", 7 * 86400)
+    _fields(body, ("older_than_seconds", "older_than_days", "limit"))
+    if "older_than_days" in body:
+        if "older_than_seconds" in body:
+            raise _bad_request("give older_than_seconds or older_than_days, not both")
+        days = body["older_than_days"]
+        if isinstance(days, bool) or not isinstance(days, int):
+            raise _bad_request("older_than_days must be a whole number")
+        if not 0 <= days <= _MAX_AGE_SECONDS // 86400:
+            raise _invalid(f"older_than_days must be from 0 to {_MAX_AGE_SECONDS // 86400}")
+        seconds = days * 86400
+    else:
+        seconds = _int_field(body, "older_than_seconds", 7 * 86400)
     limit = _valid(validate_budget, _int_field(body, "limit", 100))
     if not 0 <= seconds <= _MAX_AGE_SECONDS:
         raise _invalid(f"older_than_seconds must be from 0 to {_MAX_AGE_SECONDS}")
     return now - timedelta(seconds=seconds), limit
-
-
-# --- HTML (escaped text only; no inline script or style: the CSP forbids them) ------------
-
-
-@attrs.frozen
-class _Button:
-    """An operator action in a dashboard row (wired by the app's own admin.js)."""
-
-    action: str
-    body: dict[str, Any]
-    label: str
-    confirm: str
-
-
-def _cell(value: object) -> str:
-    if isinstance(value, _Button):
-        return (
-            '<td><button type="button" class="act" '
-            f'data-action="{html.escape(value.action)}" '
-            f'data-body="{html.escape(json.dumps(value.body))}" '
-            f'data-confirm="{html.escape(value.confirm)}">{html.escape(value.label)}</button>'
-            "</td>"
-        )
-    if value is None:
-        return '<td class="none">-</td>'
-    if isinstance(value, datetime):
-        value = value.strftime("%Y-%m-%d %H:%M:%S")
-    return f"<td>{html.escape(str(value))}</td>"
-
-
-def _table(title: str, kind: str, headings: Sequence[str], rows: list[list[object]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headings)
-    if rows:
-        body = "".join(
-            f'<tr class="row {kind}">' + "".join(_cell(v) for v in row) + "</tr>" for row in rows
-        )
-    else:
-        body = f'<tr><td class="empty" colspan="{len(headings)}">none</td></tr>'
-    return (
-        f'<section id="{kind}"><h2>{html.escape(title)} <span class="count">'
-        f"{len(rows)}</span></h2><table><thead><tr>{head}</tr></thead>"
-        f"<tbody>{body}</tbody></table></section>"
-    )
-
-
-def _with_actions(
-    headings: list[str], rows: list[list[object]], buttons: list[_Button | None], enabled: bool
-) -> tuple[list[str], list[list[object]]]:
-    if not enabled:
-        return headings, rows
-    return [*headings, "action"], [
-        [*row, button] for row, button in zip(rows, buttons, strict=True)
-    ]
-
-
-def _schedules_table(items: Sequence[ScheduleInfo], actions: bool = False) -> str:
-    headings, rows = _with_actions(
-        ["name", "cron", "policy", "state", "topic", "next due"],
-        [[s.name, s.cron, s.policy.value, s.state, s.topic, s.next_due_at] for s in items],
-        [
-            _Button(
-                "schedules/cancel",
-                {"name": s.name},
-                "cancel",
-                f"Cancel {s.name} for good? Its name stays reserved.",
-            )
-            if s.state == "active"
-            else None
-            for s in items
-        ],
-        actions,
-    )
-    return _table("Recurring publications", "schedule", headings, rows)
-
-
-def _occurrences_table(items: Sequence[OccurrenceInfo], actions: bool = False) -> str:
-    headings, rows = _with_actions(
-        ["id", "definition", "due", "state", "attempts", "last error"],
-        [
-            [o.occurrence_id, o.definition_name, o.due_at, o.state.value, o.attempts, o.last_error]
-            for o in items
-        ],
-        [
-            _Button(
-                "occurrences/retry",
-                {"occurrence_id": o.occurrence_id},
-                "retry",
-                f"Retry dead occurrence {o.occurrence_id}?",
-            )
-            if o.state.value == "dead"
-            else None
-            for o in items
-        ],
-        actions,
-    )
-    return _table("Occurrences", "occurrence", headings, rows)
-
-
-def _progress(task: TaskRecord) -> str:
-    if task.progress is None:
-        return ""
-    shown = f"{task.progress:.0%}"
-    return shown if task.progress_message is None else f"{shown} {task.progress_message}"
-
-
-def _tasks_table(items: Sequence[TaskRecord], actions: bool = False) -> str:
-    headings, rows = _with_actions(
-        ["id", "name", "state", "attempts", "progress", "run at", "last error"],
-        [
-            [
-                t.task_id,
-                t.name,
-                t.state,
-                f"{t.attempts}/{t.max_attempts}",
-                _progress(t),
-                t.run_at,
-                t.last_error,
-            ]
-            for t in items
-        ],
-        [
-            _Button("tasks/cancel", {"task_id": t.task_id}, "cancel", f"Cancel task {t.task_id}?")
-            if t.state in ("pending", "running")
-            else None
-            for t in items
-        ],
-        actions,
-    )
-    return _table("Tasks", "task", headings, rows)
-
-
-def _page(namespace: str, sections: list[str], csrf_token: str | None) -> str:
-    ns = html.escape(namespace)
-    # With state changes enabled, the page carries the CSRF token for its own script (the
-    # synchronizer-token pattern); other origins cannot read the page, so cannot learn it.
-    script = (
-        ""
-        if csrf_token is None
-        else (
-            f'<meta name="steeple-csrf" content="{html.escape(csrf_token)}">'
-            '<script src="../static/admin.js" defer></script>'
-        )
-    )
-    return (
-        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>steeple · {ns}</title>"
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f'<link rel="stylesheet" href="../static/admin.css">{script}</head>'
-        f'<body data-namespace="{ns}">'
-        f"<header><h1>steeple</h1><p>namespace <strong>{ns}</strong></p></header><main>"
-        + "".join(sections)
-        + "</main></body></html>"
-    )

@@ -1,7 +1,8 @@
 """Operator access to the PostgreSQL work queue: :class:`TaskAdmin` over ``steeple.postgres``.
 
 An adapter: the SQL lives in :mod:`steeple.postgres.queue.admin` (listings, counts,
-retries) and :mod:`steeple.postgres.queue` (cancel, prune), which also keep the fencing.
+retries, attempts, throughput), :mod:`steeple.postgres.queue` (cancel, prune) and
+:mod:`steeple.postgres.queue.jobs` (recurring jobs), which also keep the fencing.
 """
 
 from __future__ import annotations
@@ -13,15 +14,28 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from steeple.admin.tasks import TaskRecord, validate_task_id
+from steeple.admin.tasks import (
+    AttemptRecord,
+    JobRecord,
+    Overview,
+    QueueRecord,
+    TaskFilter,
+    TaskRecord,
+    validate_task_id,
+)
 from steeple.core.errors import ConfigurationError
 from steeple.core.policies import validate_budget
 from steeple.core.records import Page
 
 if TYPE_CHECKING:
     from steeple.postgres.queue import TaskRun
+    from steeple.postgres.queue.admin import QueueInfo
+    from steeple.postgres.queue.jobs import JobInfo
 
-__all__ = ["PostgresTaskAdmin", "task_record"]
+__all__ = ["PostgresTaskAdmin", "job_record", "queue_record", "task_record"]
+
+_JOB_VERBS = ("pause", "resume", "reschedule", "delete")
+_HISTORY = 100  # attempts shown on a task's page
 
 
 def task_record(run: TaskRun) -> TaskRecord:
@@ -37,8 +51,44 @@ def task_record(run: TaskRun) -> TaskRecord:
         # The latest instant a run records: finished, else started, else created.
         updated_at=run.finished_at or run.started_at or run.created_at,
         last_error=run.last_error,
+        priority=run.priority,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+        worker_id=run.worker_id,
+        run_id=str(run.run_id),
+        job_id=run.job_id,
+        scheduled_for=run.scheduled_for,
+        queue=run.queue,
         progress=None if run.progress is None else run.progress.fraction,
         progress_message=None if run.progress is None else run.progress.message,
+    )
+
+
+def queue_record(info: QueueInfo) -> QueueRecord:
+    """Return the admin's view of a named queue."""
+    period = info.rate_period
+    return QueueRecord(
+        name=info.name,
+        paused=info.paused,
+        pending=info.pending,
+        running=info.running,
+        max_running=info.max_running,
+        rate_limit=info.rate_limit,
+        rate_period_seconds=None if period is None else period.total_seconds(),
+    )
+
+
+def job_record(job: JobInfo) -> JobRecord:
+    """Return the admin's view of a recurring job (no args)."""
+    return JobRecord(
+        name=job.name,
+        task_name=job.task_name,
+        cron=job.cron,
+        timezone=job.timezone,
+        paused=job.paused,
+        next_run_at=job.next_run_at,
+        created_at=job.created_at,
+        updated_at=job.updated_at,
     )
 
 
@@ -76,23 +126,42 @@ class PostgresTaskAdmin:
             await pool.close()
 
     async def tasks(
-        self, *, after: str | None = None, limit: int = 100, state: str | None = None
+        self,
+        *,
+        after: str | None = None,
+        limit: int = 100,
+        state: str | None = None,
+        where: TaskFilter | None = None,
+        newest_first: bool = False,
     ) -> Page[TaskRecord]:
-        """List tasks by id after the exclusive cursor (a task id), optionally by state.
+        """List tasks by id after the exclusive cursor (a task id), optionally filtered.
 
         Raises:
-            ConfigurationError: a bad cursor, limit or state.
+            ConfigurationError: a bad cursor, limit, state, name or instant, or two states
+                that disagree.
         """
         from steeple.postgres.queue import admin
 
         validate_budget(limit, "limit")
+        where = where or TaskFilter()
+        if state is not None and where.state is not None and state != where.state:
+            raise ConfigurationError("give one task state, not two different ones")
         page = await admin.list_tasks(
-            self.pool, schema=self.schema, state=state, after=after, limit=limit
+            self.pool,
+            schema=self.schema,
+            state=state or where.state,
+            task_name=where.name,
+            after=after,
+            limit=limit,
+            created_after=where.since,
+            created_before=where.until,
+            newest_first=newest_first,
+            queue=where.queue,
         )
         return Page(items=[task_record(t) for t in page.items], next_cursor=page.next_cursor)
 
     async def task(self, task_id: int) -> TaskRecord | None:
-        """Return one task's metadata, or ``None``.
+        """Return one task with its result and progress (never its args), or ``None``.
 
         Raises:
             ConfigurationError: not a task id.
@@ -101,9 +170,10 @@ class PostgresTaskAdmin:
 
         validate_task_id(task_id)
         try:
-            return task_record(await queue.run_state(self.pool, task_id, schema=self.schema))
+            run = await queue.admin.task_detail(self.pool, task_id, schema=self.schema, history=0)
         except queue.TaskNotFoundError:
             return None
+        return attrs.evolve(task_record(run), result=run.result)
 
     async def counts(self) -> dict[str, int]:
         """Return how many tasks are in each state."""
@@ -165,3 +235,135 @@ class PostgresTaskAdmin:
             raise ConfigurationError("older_than must be a timezone-aware datetime")
         age = max(datetime.now(UTC) - older_than, timedelta(0))
         return int(await queue.prune_terminal(self.pool, age, limit, schema=self.schema))
+
+    async def attempts(self, task_id: int) -> list[AttemptRecord]:
+        """Return the task's latest 100 finished attempts, newest first, tracebacks included.
+
+        Raises:
+            ConfigurationError: not a task id.
+        """
+        from steeple.postgres import queue
+
+        validate_task_id(task_id)
+        try:
+            run = await queue.admin.task_detail(
+                self.pool, task_id, schema=self.schema, history=_HISTORY
+            )
+        except queue.TaskNotFoundError:
+            return []
+        return [
+            AttemptRecord(
+                a.attempt,
+                a.outcome,
+                a.worker_id,
+                a.started_at,
+                a.finished_at,
+                a.error,
+                a.error_type,
+                a.traceback,
+            )
+            for a in reversed(run.history)
+        ]
+
+    async def args(self, task_id: int) -> str | None:
+        """Return the task's args as stored (JSON text), or ``None`` for no such task.
+
+        Raises:
+            ConfigurationError: not a task id.
+        """
+        from steeple.postgres import queue
+
+        validate_task_id(task_id)
+        try:
+            return await queue.admin.task_args(self.pool, task_id, schema=self.schema)
+        except queue.TaskNotFoundError:
+            return None
+
+    async def overview(self) -> Overview:
+        """Return counts per state and tasks finished per minute over the last hour."""
+        from steeple.postgres.queue import admin
+
+        counts = await self.counts()  # first: a typed error when the queue is not installed
+        seen = await admin.throughput(self.pool, schema=self.schema)
+        queues = await admin.list_queues(self.pool, schema=self.schema)
+        return Overview(
+            counts=counts,
+            ends_at=seen.ends_at,
+            bucket_seconds=seen.bucket.total_seconds(),
+            finished={state.value: per for state, per in seen.finished.items()},
+            queues=tuple(queue_record(q) for q in queues),
+        )
+
+    async def pause_queue(self, name: str, paused: bool) -> QueueRecord:
+        """Pause (``paused=True``) or resume a named queue for every worker.
+
+        Raises:
+            ConfigurationError: an invalid queue name.
+        """
+        from steeple.postgres.queue import admin
+
+        change = admin.pause_queue if paused else admin.resume_queue
+        return queue_record(await change(self.pool, name, schema=self.schema))
+
+    async def jobs(self, *, after: str | None = None, limit: int = 100) -> Page[JobRecord]:
+        """List the queue's recurring jobs by name (never their args).
+
+        Raises:
+            ConfigurationError: a bad cursor or limit.
+        """
+        from steeple.postgres.queue import admin
+
+        validate_budget(limit, "limit")
+        page = await admin.list_jobs(self.pool, schema=self.schema, after=after, limit=limit)
+        return Page(items=[job_record(j) for j in page.items], next_cursor=page.next_cursor)
+
+    async def create_job(
+        self, name: str, task_name: str, cron: str, args: Any, timezone: str = "UTC"
+    ) -> JobRecord:
+        """Create a recurring job whose occurrences run ``task_name`` with the JSON ``args``.
+
+        Raises:
+            ConfigurationError: a bad name, task name, cron expression, zone or args.
+            JobExistsError: a job of that name exists.
+        """
+        from steeple.postgres.queue import Task, jobs
+
+        task: Task[Any] = Task(task_name)
+        return job_record(
+            await jobs.create(
+                self.pool, name, task, cron, args, schema=self.schema, timezone=timezone
+            )
+        )
+
+    async def change_job(
+        self, verb: str, name: str, cron: str | None = None, timezone: str | None = None
+    ) -> JobRecord | None:
+        """Pause, resume, reschedule or delete a job (see :mod:`steeple.postgres.queue.jobs`).
+
+        Returns:
+            The job afterwards; ``None`` once deleted.
+
+        Raises:
+            ConfigurationError: an unknown verb, a bad name, cron expression or zone.
+            JobNotFoundError: no such job.
+        """
+        from steeple.postgres.queue import jobs
+
+        if verb not in _JOB_VERBS:
+            raise ConfigurationError(f"a job change is one of {', '.join(_JOB_VERBS)}")
+        if verb == "pause":
+            return job_record(await jobs.pause(self.pool, name, schema=self.schema))
+        if verb == "resume":
+            return job_record(await jobs.resume(self.pool, name, schema=self.schema))
+        if verb == "delete":
+            await jobs.delete(self.pool, name, schema=self.schema)
+            return None
+        if cron is None:
+            raise ConfigurationError("reschedule needs a cron expression")
+        if timezone is None:
+            changed = await jobs.reschedule(self.pool, name, cron, schema=self.schema)
+        else:
+            changed = await jobs.reschedule(
+                self.pool, name, cron, schema=self.schema, timezone=timezone
+            )
+        return job_record(changed)

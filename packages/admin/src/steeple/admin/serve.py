@@ -15,7 +15,7 @@ import hmac
 import os
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -85,17 +85,28 @@ def token_app(
     stores: Any,
     tasks: Any,
     csrf_token: str | None,
+    reveal_args: Collection[str] = (),
 ) -> ASGIApp:
-    """Build the admin app whose only grant is: this token, this one namespace."""
+    """Build the admin app whose only grant is: this token, on this one namespace.
+
+    The token grants every action; the providers (``stores``, ``tasks``) serve ``namespace``
+    alone, so any other namespace is answered 404 (an HTML page linking to this one).
+    ``reveal_args`` names the tasks whose args the task page may show.
+    """
     expected = token.encode("utf-8")
 
     async def authorize(request: Request, action: str, requested: str) -> bool:
         presented = (presented_token(request) or "").encode("utf-8")
-        if not hmac.compare_digest(presented, expected):
-            return False
-        return action == "static.read" or requested == namespace
+        return hmac.compare_digest(presented, expected)
 
-    inner = create_admin_app(authorize=authorize, stores=stores, tasks=tasks, csrf_token=csrf_token)
+    inner = create_admin_app(
+        authorize=authorize,
+        stores=stores,
+        tasks=tasks,
+        csrf_token=csrf_token,
+        reveal_args=reveal_args,
+        namespaces=(namespace,),
+    )
     return _Challenge(inner)
 
 
@@ -151,13 +162,14 @@ async def serve(
     csrf_token: str | None,
     sock: socket.socket,
     announce: Callable[[str], None],
+    reveal_args: Collection[str] = (),
 ) -> None:
     """Run the admin app on ``sock`` under uvicorn until SIGINT or SIGTERM (then return).
 
     With a ``keyring`` the namespace's recurring publications are served beside the tasks;
     without one (or when the namespace is not initialized) only the tasks are: the
     queue-only mode. ``announce`` gets one line per thing to say, the URL last, once the
-    app is ready.
+    app is ready. ``reveal_args`` names the tasks whose args the task page may show.
 
     Raises:
         CliError: the store cannot be opened (classified).
@@ -211,6 +223,7 @@ async def serve(
         stores=stores if store is not None else None,
         tasks=tasks,
         csrf_token=csrf_token,
+        reveal_args=reveal_args,
     )
 
     class _Server(uvicorn.Server):

@@ -1,7 +1,9 @@
-"""Operator access to work-queue tasks: the port the admin app and the CLI use.
+"""Operator access to the work queue: the port the admin app and the CLI use.
 
 The work queue's own API (``steeple.postgres.queue``) inspects and cancels single tasks;
-operators also need a listing. :class:`TaskAdmin` is the small interface both surfaces use.
+operators also need listings, attempt history, throughput and the queue's recurring jobs.
+:class:`TaskAdmin` is the small interface both surfaces use; the records here are plain
+metadata (never a task's args unless asked for with :meth:`TaskAdmin.args`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from steeple.core.tasks import TaskState
 
 __all__ = [
     "MAX_TASK_ID",
+    "AttemptRecord",
+    "JobRecord",
+    "Overview",
+    "QueueRecord",
     "TaskAdmin",
+    "TaskFilter",
     "TaskRecord",
     "parse_task_cursor",
     "validate_task_id",
@@ -81,9 +88,19 @@ class TaskRecord:
     created_at: datetime | None
     updated_at: datetime | None = None
     last_error: str | None = None
+    priority: int = 0
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    worker_id: str | None = None
+    run_id: str | None = None
+    job_id: int | None = None
+    scheduled_for: datetime | None = None
+    queue: str = "default"
     progress: float | None = None
     """The latest progress its handler reported, a fraction within [0, 1]."""
     progress_message: str | None = None
+    result: Any = None
+    """The JSON value its handler returned (``None`` in listings, which leave it out)."""
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -97,8 +114,146 @@ class TaskRecord:
             "created_at": _iso(self.created_at),
             "updated_at": _iso(self.updated_at),
             "last_error": self.last_error,
+            "priority": self.priority,
+            "started_at": _iso(self.started_at),
+            "finished_at": _iso(self.finished_at),
+            "worker_id": self.worker_id,
+            "run_id": self.run_id,
+            "job_id": self.job_id,
+            "scheduled_for": _iso(self.scheduled_for),
+            "queue": self.queue,
             "progress": self.progress,
             "progress_message": self.progress_message,
+            "result": self.result,
+        }
+
+
+@attrs.frozen
+class TaskFilter:
+    """Which tasks a listing (or a bulk action) selects; ``None`` fields select all.
+
+    Attributes:
+        state: one task state.
+        name: one task name.
+        since: created at or after this instant (timezone-aware).
+        until: created before this instant (timezone-aware).
+        queue: one named queue.
+    """
+
+    state: str | None = None
+    name: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    queue: str | None = None
+
+
+@attrs.frozen
+class AttemptRecord:
+    """One finished attempt of a task (newest first in listings)."""
+
+    attempt: int
+    outcome: str
+    worker_id: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: str | None
+    error_type: str | None = None
+    traceback: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return {
+            "attempt": self.attempt,
+            "outcome": self.outcome,
+            "worker_id": self.worker_id,
+            "started_at": _iso(self.started_at),
+            "finished_at": _iso(self.finished_at),
+            "error": self.error,
+            "error_type": self.error_type,
+            "traceback": self.traceback,
+        }
+
+
+@attrs.frozen
+class QueueRecord:
+    """A named queue: paused or not, its limits across all workers, its live tasks."""
+
+    name: str
+    paused: bool
+    pending: int
+    running: int
+    max_running: int | None = None
+    rate_limit: int | None = None
+    rate_period_seconds: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return {
+            "name": self.name,
+            "paused": self.paused,
+            "pending": self.pending,
+            "running": self.running,
+            "max_running": self.max_running,
+            "rate_limit": self.rate_limit,
+            "rate_period_seconds": self.rate_period_seconds,
+        }
+
+
+@attrs.frozen
+class Overview:
+    """Counts per state and tasks finished per minute over the last hour.
+
+    Attributes:
+        counts: tasks per state (every state, zeros included).
+        ends_at: the end of the throughput window (the database server's clock).
+        bucket_seconds: the width of one throughput bucket.
+        finished: per terminal state, counts per bucket, oldest first.
+        queues: the named queues with live tasks or settings, by name.
+    """
+
+    counts: dict[str, int]
+    ends_at: datetime
+    bucket_seconds: float
+    finished: dict[str, tuple[int, ...]]
+    queues: tuple[QueueRecord, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return {
+            "counts": self.counts,
+            "queues": [q.to_json() for q in self.queues],
+            "throughput": {
+                "ends_at": _iso(self.ends_at),
+                "bucket_seconds": self.bucket_seconds,
+                "finished": {k: list(v) for k, v in self.finished.items()},
+            },
+        }
+
+
+@attrs.frozen
+class JobRecord:
+    """A recurring job of the queue (its args are not shown)."""
+
+    name: str
+    task_name: str
+    cron: str
+    timezone: str
+    paused: bool
+    next_run_at: datetime | None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return {
+            "name": self.name,
+            "task_name": self.task_name,
+            "cron": self.cron,
+            "timezone": self.timezone,
+            "paused": self.paused,
+            "next_run_at": _iso(self.next_run_at),
+            "created_at": _iso(self.created_at),
+            "updated_at": _iso(self.updated_at),
         }
 
 
@@ -107,22 +262,29 @@ def _iso(value: datetime | None) -> str | None:
 
 
 class TaskAdmin(Protocol):
-    """Listing, cancelling and pruning tasks for operators."""
+    """Listing, cancelling, retrying and pruning tasks, and the queue's recurring jobs."""
 
     async def tasks(
-        self, *, after: str | None = None, limit: int = 100, state: str | None = None
+        self,
+        *,
+        after: str | None = None,
+        limit: int = 100,
+        state: str | None = None,
+        where: TaskFilter | None = None,
+        newest_first: bool = False,
     ) -> Page[TaskRecord]:
-        """List tasks after the exclusive cursor, newest id last, optionally by state.
+        """List tasks after the exclusive cursor by id, optionally filtered.
 
-        The cursor is a task id in decimal (see :func:`parse_task_cursor`).
+        The cursor is a task id in decimal (see :func:`parse_task_cursor`); ``state`` and
+        ``where.state`` must agree when both are given.
 
         Raises:
-            ConfigurationError: a bad cursor, limit or state.
+            ConfigurationError: a bad cursor, limit, state, name or instant.
         """
         ...
 
     async def task(self, task_id: int) -> TaskRecord | None:
-        """Return one task's metadata, or ``None`` if there is no such task."""
+        """Return one task (with its result and progress), or ``None`` if there is none."""
         ...
 
     async def cancel(self, task_id: int) -> str | None:
@@ -136,4 +298,48 @@ class TaskAdmin(Protocol):
 
     async def prune(self, older_than: datetime, limit: int = 100) -> int:
         """Delete at most ``limit`` terminal tasks finished before ``older_than``."""
+        ...
+
+    async def retry(self, task_id: int) -> TaskRecord | None:
+        """Send a failed task back to pending; ``None`` when there is no such task.
+
+        Raises:
+            SteepleError: the task is not failed (or a live task holds its dedup key).
+        """
+        ...
+
+    async def attempts(self, task_id: int) -> list[AttemptRecord]:
+        """Return the task's latest finished attempts, newest first (tracebacks included)."""
+        ...
+
+    async def args(self, task_id: int) -> str | None:
+        """Return the task's args as stored (JSON text), or ``None`` for no such task."""
+        ...
+
+    async def overview(self) -> Overview:
+        """Return counts per state and per queue, and the last hour's throughput."""
+        ...
+
+    async def pause_queue(self, name: str, paused: bool) -> QueueRecord:
+        """Pause (``paused=True``) or resume a named queue for every worker."""
+        ...
+
+    async def jobs(self, *, after: str | None = None, limit: int = 100) -> Page[JobRecord]:
+        """List the queue's recurring jobs by name."""
+        ...
+
+    async def create_job(
+        self, name: str, task_name: str, cron: str, args: Any, timezone: str = "UTC"
+    ) -> JobRecord:
+        """Create a recurring job whose occurrences run ``task_name`` with ``args``."""
+        ...
+
+    async def change_job(
+        self, verb: str, name: str, cron: str | None = None, timezone: str | None = None
+    ) -> JobRecord | None:
+        """``pause``, ``resume``, ``reschedule`` (to ``cron``/``timezone``) or ``delete``.
+
+        Returns:
+            The job afterwards (``None`` once deleted).
+        """
         ...

@@ -64,6 +64,15 @@ def admin_serve(
             help="Serve the work queue's tasks only (no keys or recurring namespace needed).",
         ),
     ] = False,
+    show_args: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--show-args",
+            metavar="TASK",
+            help="Let the task page show the args of tasks named TASK (repeatable; args "
+            "can hold secrets, so none are shown by default).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the admin app for one namespace (sign in with STEEPLE_ADMIN_TOKEN).
 
@@ -99,6 +108,7 @@ def admin_serve(
                 csrf_token=csrf,
                 sock=sock,
                 announce=lambda line: say(line, stderr=True),
+                reveal_args=tuple(show_args or ()),
             ),
             target,
         )

@@ -17,6 +17,7 @@ from steeple.postgres.queue._sql import (
     LIVE,
     PRUNABLE,
     RUN_STATE_COLUMNS,
+    TERMINAL,
     _after,
     _from,
     _in,
@@ -32,7 +33,10 @@ class AdminSql:
     """The operator statements of one schema."""
 
     list_tasks: str
+    list_tasks_newest: str
     count_by_state: str
+    throughput: str
+    task_args: str
     retry: str
     count_prunable: str
     list_jobs: str
@@ -53,13 +57,41 @@ def admin_sql(schema: str) -> AdminSql:
 def _admin_sql(schema: str) -> AdminSql:
     s = validate_schema(schema)
     return AdminSql(
-        # $1 exclusive id cursor, $2 state|null, $3 task name|null, $4 limit
+        # $1 exclusive id cursor, $2 state|null, $3 task name|null, $4 limit,
+        # $5/$6 created at or after / before (null: unbounded), $7 queue|null
         list_tasks=f"""
 SELECT {RUN_STATE_COLUMNS} FROM {s}.tasks
 WHERE id > $1 AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR task_name = $3)
+  AND ($5::timestamptz IS NULL OR created_at >= $5)
+  AND ($6::timestamptz IS NULL OR created_at < $6) AND ($7::text IS NULL OR queue = $7)
 ORDER BY id
 LIMIT $4""",
+        # The same, newest first: $1 is the exclusive upper id cursor (null: from the top).
+        list_tasks_newest=f"""
+SELECT {RUN_STATE_COLUMNS} FROM {s}.tasks
+WHERE ($1::bigint IS NULL OR id < $1) AND ($2::text IS NULL OR state = $2)
+  AND ($3::text IS NULL OR task_name = $3)
+  AND ($5::timestamptz IS NULL OR created_at >= $5)
+  AND ($6::timestamptz IS NULL OR created_at < $6) AND ($7::text IS NULL OR queue = $7)
+ORDER BY id DESC
+LIMIT $4""",
         count_by_state=f"SELECT state, count(*) FROM {s}.tasks GROUP BY state",
+        # $1 window (interval), $2 bucket width (interval). Terminal tasks by how many whole
+        # buckets ago they finished, on the server's clock (read once); the terminal index
+        # on finished_at serves the range. The first row carries the clock even when empty.
+        throughput=f"""
+WITH now AS (SELECT clock_timestamp() AS at)
+SELECT now.at, NULL::text, NULL::integer, 0::bigint FROM now
+UNION ALL
+SELECT now.at, t.state,
+       floor(extract(epoch FROM now.at - t.finished_at) / extract(epoch FROM $2::interval))::int,
+       count(*)
+FROM {s}.tasks t, now
+WHERE t.state IN {TERMINAL} AND t.finished_at > now.at - $1::interval
+  AND t.finished_at <= now.at
+GROUP BY now.at, t.state, 3""",
+        # $1 task id: the args as stored (JSON text)
+        task_args=f"SELECT args::text FROM {s}.tasks WHERE id = $1",
         # $1 id. A live task holding the same dedup key blocks the retry (the unique index
         # allows one live task per name and key); otherwise the task is pending again, due at
         # once on any clock (run_at = created_at, as for immediate work) and granted at least

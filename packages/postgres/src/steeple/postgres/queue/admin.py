@@ -1,7 +1,8 @@
 """Operator functions of the work queue: tasks, jobs, and queues (pause, resume, limits).
 
-Tasks are listed, counted and retried; jobs listed; queues listed, paused, resumed and
-limited across all workers.
+Tasks are listed, counted, shown (result, progress, attempts) and retried, with the recent
+throughput;
+jobs listed; queues listed, paused, resumed and limited across all workers.
 
 What dashboards and command lines need beyond the producer and worker API. Every function
 takes the caller's connection (an asyncpg connection or pool, or a psycopg
@@ -16,7 +17,10 @@ import re
 from datetime import datetime, timedelta
 from typing import Any, Final, cast
 
+import attrs
+
 from steeple.core.records import Page
+from steeple.core.tasks import TERMINAL_TASK_STATES as _TERMINAL
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._admin_sql import admin_sql
@@ -36,8 +40,10 @@ from steeple.postgres.queue._queues import (
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, LIBRARY_SCHEMA_VERSION
 from steeple.postgres.queue._validate import (
     INT64,
+    check_bool,
     check_int,
     check_name,
+    check_queue,
     check_task_id,
     check_timedelta,
 )
@@ -54,6 +60,7 @@ __all__ = [
     "MAX_PAGE",
     "QueueInfo",
     "TaskLimits",
+    "Throughput",
     "check_limits",
     "count_by_state",
     "count_prunable",
@@ -67,7 +74,9 @@ __all__ = [
     "resume_queue",
     "retry_failed_task",
     "server_time",
+    "task_args",
     "task_detail",
+    "throughput",
 ]
 
 MAX_PAGE: Final = 1000
@@ -101,6 +110,20 @@ def _task_cursor(after: object) -> int:
     return int(after)
 
 
+def _newest_cursor(after: object) -> int | None:
+    return None if after is None else _task_cursor(after)
+
+
+def _instant(value: object, what: str) -> datetime | None:
+    if value is None:
+        return None
+    if not isinstance(value, datetime):
+        raise QueueTypeError(f"{what} must be a datetime or None, not {type(value).__name__}")
+    if value.utcoffset() is None:
+        raise QueueConfigurationError(f"{what} must be timezone-aware (steeple works in UTC)")
+    return value
+
+
 def _state(value: object) -> str | None:
     if value is None:
         return None
@@ -125,8 +148,12 @@ async def list_tasks(
     task_name: str | None = None,
     after: str | None = None,
     limit: int = 100,
+    created_after: datetime | None = None,
+    created_before: datetime | None = None,
+    newest_first: bool = False,
+    queue: str | None = None,
 ) -> Page[TaskRun]:
-    """List tasks in id order (oldest first), optionally of one state and one task name.
+    """List tasks in id order, optionally of one state, task name, queue and creation range.
 
     Args:
         conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
@@ -136,6 +163,10 @@ async def list_tasks(
         task_name: only tasks of this name.
         after: the ``next_cursor`` of the previous page (exclusive); ``None`` for the first.
         limit: the most tasks returned (1..1000).
+        created_after: only tasks created at or after this instant (timezone-aware).
+        created_before: only tasks created before this instant (timezone-aware).
+        newest_first: descending ids (the newest task first); the cursor then pages down.
+        queue: only tasks of this named queue.
 
     Returns:
         A page of tasks (metadata only); ``next_cursor`` is ``None`` on the last page.
@@ -143,16 +174,24 @@ async def list_tasks(
     Raises:
         SchemaVersionMismatchError: the queue is not installed in ``schema``.
         QueueConfigurationError: an unknown state, a malformed cursor or task name, a limit
-            outside 1..1000, or an invalid schema name.
+            outside 1..1000, a naive instant, or an invalid schema name.
         QueueTypeError: an argument of the wrong type.
     """
     sql = admin_sql(schema)
-    position = _task_cursor(after)
+    check_bool(newest_first, "newest_first")
+    position = _newest_cursor(after) if newest_first else _task_cursor(after)
     wanted = _state(state)
     if task_name is not None:
         check_name(task_name, "task_name")
     check_int(limit, "limit", 1, MAX_PAGE)
-    rows = await _fetch(conn, schema, sql.list_tasks, position, wanted, task_name, limit + 1)
+    since = _instant(created_after, "created_after")
+    until = _instant(created_before, "created_before")
+    statement = sql.list_tasks_newest if newest_first else sql.list_tasks
+    if queue is not None:
+        check_queue(queue)
+    rows = await _fetch(
+        conn, schema, statement, position, wanted, task_name, limit + 1, since, until, queue
+    )
     items = [TaskRun.from_row(tuple(row)) for row in rows[:limit]]
     cursor = str(items[-1].id) if len(rows) > limit else None
     return Page(items=items, next_cursor=cursor)
@@ -311,3 +350,75 @@ async def server_time(conn: Any) -> datetime:
     """
     ((now,),) = await _driver.fetch(conn, "SELECT clock_timestamp()")
     return cast(datetime, now)
+
+
+async def task_args(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> str:
+    """Return a task's args as stored: the JSON text its producer encoded.
+
+    Args can hold secrets: listings never return them; show them only to who may see them.
+
+    Raises:
+        TaskNotFoundError: no such task (or it was pruned).
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
+        QueueConfigurationError: ``task_id`` beyond 64 bits, or an invalid schema name.
+        QueueTypeError: ``task_id`` is not an int.
+    """
+    sql = admin_sql(schema)
+    rows = await _fetch(conn, schema, sql.task_args, check_task_id(task_id))
+    if not rows:
+        raise TaskNotFoundError(task_id)
+    return str(rows[0][0])
+
+
+@attrs.frozen
+class Throughput:
+    """Tasks finished per time bucket over a recent window, by terminal state.
+
+    Attributes:
+        ends_at: the end of the window: the database server's clock when it was read.
+        bucket: the width of one bucket.
+        finished: per terminal state, the count of each bucket, oldest bucket first (the
+            last bucket ends at ``ends_at``).
+    """
+
+    ends_at: datetime
+    bucket: timedelta
+    finished: dict[TaskState, tuple[int, ...]]
+
+
+async def throughput(
+    conn: Any,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    window: timedelta = timedelta(hours=1),
+    buckets: int = 60,
+) -> Throughput:
+    """Count the tasks that finished in each of ``buckets`` equal slices of the last ``window``.
+
+    Judged on the database server's clock (the one that stamps ``finished_at``).
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        schema: the queue's PostgreSQL schema.
+        window: how far back to look (1 second to 31 days).
+        buckets: how many slices (1..1000).
+
+    Raises:
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
+        QueueConfigurationError: a window or bucket count out of range, or an invalid
+            schema name.
+        QueueTypeError: an argument of the wrong type.
+    """
+    sql = admin_sql(schema)
+    check_timedelta(window, "window", timedelta(seconds=1), timedelta(days=31))
+    check_int(buckets, "buckets", 1, MAX_PAGE)
+    width = window / buckets
+    rows = await _fetch(conn, schema, sql.throughput, window, width)
+    ends_at = rows[0][0]
+    finished = {s: [0] * buckets for s in TaskState if s in _TERMINAL}
+    for _, state, ago, count in rows:
+        if state is None:
+            continue  # the row that carries the clock
+        index = buckets - 1 - min(max(int(ago), 0), buckets - 1)
+        finished[TaskState(state)][index] += int(count)
+    return Throughput(ends_at, width, {s: tuple(c) for s, c in finished.items()})
