@@ -5,7 +5,8 @@ held past ``lock_timeout``, a statement past ``statement_timeout`` and a backend
 ``pg_terminate_backend`` are each provoked for real, for every entry point: jobs, cancel,
 prune, retry, queue settings, the admin listings and enqueue. Each raises
 ``UnfitDatabaseError`` / ``QueueDeadlineError`` / ``QueueUnavailableError`` (the driver's
-error as its cause), never a raw asyncpg error, and nothing in the schema changed.
+error as its cause), never a raw asyncpg error, and nothing in the schema changed. The same
+through psycopg connections for a sample of writers.
 """
 
 from __future__ import annotations
@@ -216,3 +217,41 @@ async def test_server_time_on_a_terminated_backend_is_unavailable(
             await admin.server_time(victim)
     finally:
         await victim.close()
+
+
+# The same translation through psycopg (its errors carry the same SQLSTATEs; a lost
+# connection is an OperationalError).
+PSYCOPG_CASES = {
+    "read-only": ("-c default_transaction_read_only=on", UnfitDatabaseError, "read-only"),
+    "lock_timeout": ("-c lock_timeout=200", QueueDeadlineError, "lock_timeout"),
+    "statement_timeout": ("-c statement_timeout=200", QueueDeadlineError, "statement_timeout"),
+    "terminated": ("", QueueUnavailableError, "connection was lost"),
+}
+
+
+@pytest.mark.parametrize("entry", ["jobs.pause", "cancel", "retry_failed_task", "enqueue"])
+@pytest.mark.parametrize("case", sorted(PSYCOPG_CASES))
+async def test_psycopg_connections_get_the_same_typed_errors(
+    prepared: tuple[str, str, asyncpg.Connection, dict[str, int]], entry: str, case: str
+) -> None:
+    import psycopg
+
+    dsn, schema, conn, ids = prepared
+    options, expected, fragment = PSYCOPG_CASES[case]
+    before = await _snapshot(conn, schema)
+    victim = await psycopg.AsyncConnection.connect(dsn, autocommit=True, options=options)
+    try:
+        if case == "terminated":
+            pid = victim.info.backend_pid
+            assert await conn.fetchval("SELECT pg_terminate_backend($1)", pid)
+            await queue_support.wait_until(lambda: _gone(conn, pid), timeout=20.0)
+        async with conn.transaction():
+            if case.endswith("timeout"):
+                await _lock_everything(conn, schema)
+            with pytest.raises(expected) as err:
+                await WRITERS[entry](victim, schema, ids)  # type: ignore[arg-type]
+    finally:
+        await victim.close()
+    assert fragment in str(err.value)
+    assert isinstance(err.value.__cause__, psycopg.Error)
+    assert await _snapshot(conn, schema) == before
