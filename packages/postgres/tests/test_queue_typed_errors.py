@@ -69,6 +69,9 @@ READERS: dict[str, Call] = {
     "admin.count_by_state": lambda c, s, ids: admin.count_by_state(c, schema=s),
     "admin.count_prunable": lambda c, s, ids: admin.count_prunable(c, timedelta(0), schema=s),
     "admin.list_jobs": lambda c, s, ids: admin.list_jobs(c, schema=s),
+    "admin.task_detail": lambda c, s, ids: admin.task_detail(c, ids["failed"], schema=s),
+    "admin.task_args": lambda c, s, ids: admin.task_args(c, ids["pending"], schema=s),
+    "admin.throughput": lambda c, s, ids: admin.throughput(c, schema=s),
     "list_queues": lambda c, s, ids: pq.list_queues(c, schema=s),
     "list_task_limits": lambda c, s, ids: admin.list_task_limits(c, schema=s),
 }

@@ -352,6 +352,7 @@ async def server_time(conn: Any) -> datetime:
     return cast(datetime, now)
 
 
+@errors_typed
 async def task_args(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> str:
     """Return a task's args as stored: the JSON text its producer encoded.
 
@@ -386,6 +387,7 @@ class Throughput:
     finished: dict[TaskState, tuple[int, ...]]
 
 
+@errors_typed
 async def throughput(
     conn: Any,
     *,
