@@ -357,6 +357,18 @@ def test_unreachable_database_is_exit_4() -> None:
     assert "PostgreSQL is running" in result.stderr
 
 
+def test_an_earlier_invocations_secrets_do_not_mask_this_ones_output() -> None:
+    # A password that equals the host is scrubbed from that invocation's output; a later
+    # invocation in the same process (with another DSN) still names its host.
+    first = invoke(
+        ["schedules", "--dsn", "postgresql://u:127.0.0.1@127.0.0.1:1/test"],
+        {"STEEPLE_KEYS": fresh_key()},
+    )
+    assert first.exit_code == ExitCode.UNAVAILABLE
+    assert "127.0.0.1" not in first.stderr
+    test_unreachable_database_is_exit_4()
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -53,9 +53,12 @@ class _SteepleGroup(TyperGroup):
 
         if not standalone_mode:
             return run()
-        from steeple.admin._cli.options import stop_embedded
+        from steeple.admin._cli.options import given_dsns, stop_embedded
         from steeple.admin._cli.output import one_line
 
+        # The DSNs to scrub are this invocation's: an earlier one in the same process (an
+        # embedding program, a test runner) must not mask hosts that are not secrets now.
+        given_dsns.clear()
         try:
             code = run()
         except Exception as exc:
