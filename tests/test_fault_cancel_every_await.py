@@ -31,7 +31,7 @@ from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
 from steeple.postgres.queue._db import open_db
-from steeple.postgres.queue._sql import queue_sql
+from steeple.postgres.queue._sql import queue_sql, text_array
 from steeple.testing import FakeClock, MemoryBroker
 from suspensions import Cut, every_suspension
 
@@ -313,7 +313,7 @@ async def test_a_queue_claim_cut_at_any_await_is_all_or_nothing(queue: Queue) ->
         return await queue.db.fetch(
             queue.sql.claim_timed,
             ["default"],
-            [2],
+            text_array([2]),
             [names[-1]],
             "w",
             time.time() + 3600,
@@ -349,7 +349,10 @@ async def test_a_renewal_cut_at_any_await_leaves_the_lease_whole(queue: Queue) -
     async def op() -> Any:
         assert queue.db is not None
         return await queue.db.fetch(
-            queue.sql.renew, [current["id"]], [current["token"]], timeout=10
+            queue.sql.renew,
+            text_array([current["id"]]),
+            text_array([current["token"]]),
+            timeout=10,
         )
 
     async def check(cut: Cut) -> None:
@@ -381,8 +384,8 @@ async def test_a_completion_cut_at_any_await_is_all_or_nothing(queue: Queue) -> 
         assert queue.db is not None
         return await queue.db.fetch(
             queue.sql.complete,
-            [current["id"]],
-            [current["token"]],
+            text_array([current["id"]]),
+            text_array([current["token"]]),
             "w",
             [None],  # no result
             [None],  # no progress

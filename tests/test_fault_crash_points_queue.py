@@ -44,7 +44,7 @@ from pg_cluster import Cluster, Clusters, poll
 from queue_support import installed_queue
 from steeple.engine.crashpoints import CRASH_POINTS
 from steeple.postgres.queue import EnqueueOptions, JobContext, Scheduler, Task, enqueue, jobs
-from steeple.postgres.queue._sql import queue_sql
+from steeple.postgres.queue._sql import queue_sql, text_array
 from steeple.testing import FakeClock
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -169,8 +169,18 @@ async def _check(
         for task_id, (state, attempts, token, _) in at_crash.items():
             if state != "running":
                 continue
-            assert await conn.fetch(sql.complete, [task_id], [token], "stale", [None], [None]) == []
-            assert await conn.fetch(sql.renew, [task_id], [token]) == []
+            assert (
+                await conn.fetch(
+                    sql.complete,
+                    text_array([task_id]),
+                    text_array([token]),
+                    "stale",
+                    [None],
+                    [None],
+                )
+                == []
+            )
+            assert await conn.fetch(sql.renew, text_array([task_id]), text_array([token])) == []
             if how == "kill":
                 assert tasks[task_id][1] > attempts, (task_id, reproduce())
     finally:

@@ -9,7 +9,8 @@ Every case runs on a small tmpfs mounted for the test and filled with a filler f
 - the same tablespace under the work queue: ``enqueue_many`` of large arguments fails with
   ``UnfitDatabaseError(setting="disk_full")``, nothing partial; 300 running handlers finish
   while the disk is full and their completions are refused, kept and retried by the worker;
-  after the space is freed every task enqueued runs and finishes exactly once;
+  health is degraded naming the full disk, and a job's creation is refused with the same
+  typed error; after the space is freed every task enqueued runs and finishes exactly once;
 - the WAL directory (``initdb --waldir``) on a tmpfs: PostgreSQL PANICs when it cannot
   write WAL and recovers once space is freed; the store's failure is typed, no tick is
   half stored, and afterwards every due occurrence exists exactly once;
@@ -54,6 +55,7 @@ from steeple.postgres.queue import (
     UnfitDatabaseError,
     enqueue_many,
     install,
+    jobs,
 )
 from steeple.testing import FakeClock, MemoryBroker
 
@@ -267,6 +269,15 @@ async def test_queue_tablespace_full_mid_enqueue_and_mid_completion(
             "the completions to be refused for lack of space",
             lambda: _logged(caplog, "could not record 300 completions"),
         )
+        # Claims of nothing still answer; the refused completions alone degrade health,
+        # and the reason names the full disk.
+        await poll("health to name the full disk", lambda: _degraded_by_full_disk(worker))
+        # The admin paths' writes are refused with the same typed error, nothing stored.
+        with pytest.raises(UnfitDatabaseError, match="disk full") as job_full:
+            await jobs.create(conn, "big", WORK, "0 0 1 1 *", big_args(64), schema=QUEUE)
+        assert job_full.value.setting == "disk_full"
+        assert isinstance(job_full.value.__cause__, asyncpg.DiskFullError)
+        assert await conn.fetchval(f"SELECT count(*) FROM {QUEUE}.jobs") == 0
 
         filler.unlink()
         second = await enqueue_many(conn, WORK, batch, schema=QUEUE)
@@ -280,6 +291,13 @@ async def test_queue_tablespace_full_mid_enqueue_and_mid_completion(
 
 async def _logged(caplog: pytest.LogCaptureFixture, text: str) -> bool:
     return any(text in r.getMessage() and "space" in r.getMessage() for r in caplog.records)
+
+
+async def _degraded_by_full_disk(worker: Worker) -> bool:
+    reasons = worker.scheduler.health_reasons()
+    return worker.scheduler.health() is Health.DEGRADED and any(
+        r.startswith("completions failing: PostgreSQL is out of disk space") for r in reasons
+    )
 
 
 async def _healthy(worker: Worker) -> bool:

@@ -99,8 +99,8 @@ async def test_renewals_slower_than_the_lease_lose_it_and_the_late_completion_is
 
         # One handler at a time: the slow worker claims nothing more while it runs. Its
         # query_timeout is the default 30 s: a statement's first use on a fresh asyncpg
-        # connection costs 8 round trips here, 12 s (asyncpg introspects bigint[] and
-        # uuid[]), and every statement that times out closes its connection.
+        # connection costs 2 round trips here (array parameters go as text[], so asyncpg
+        # introspects no types), and every statement that times out closes its connection.
         stale = Scheduler(
             proxy.dsn(),
             worker_id="slow",

@@ -31,7 +31,7 @@ import pytest
 
 from queue_support import installed_queue
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
-from steeple.postgres.queue._sql import QueueSql, queue_sql
+from steeple.postgres.queue._sql import QueueSql, queue_sql, text_array
 
 pytestmark = [pytest.mark.postgres]
 
@@ -197,8 +197,11 @@ async def _live(conn: asyncpg.Connection, s: str, sql: QueueSql) -> None:
 
 CLAIM: tuple[str, tuple[Any, ...]] = ("claim", (["iso"], 1, "w", 1e12))
 # $4 results[], $5 progress[] (schema version 7): none here.
-COMPLETE: tuple[str, tuple[Any, ...]] = ("complete", ([1], [UUID(TOKEN)], "w", [None], [None]))
-RENEW: tuple[str, tuple[Any, ...]] = ("renew", ([1], [UUID(TOKEN)]))
+COMPLETE: tuple[str, tuple[Any, ...]] = (
+    "complete",
+    (text_array([1]), text_array([UUID(TOKEN)]), "w", [None], [None]),
+)
+RENEW: tuple[str, tuple[Any, ...]] = ("renew", (text_array([1]), text_array([UUID(TOKEN)])))
 RECOVER: tuple[str, tuple[Any, ...]] = ("recover_expired", (100,))
 RETRY: tuple[str, tuple[Any, ...]] = (
     "retry",

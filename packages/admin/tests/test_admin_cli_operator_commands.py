@@ -544,6 +544,45 @@ async def test_jobs_with_time_zones_and_shorthands(seeded: Any) -> None:
         assert refused.exit_code == ExitCode.USAGE, (bad, refused.output)
 
 
+async def test_queue_commands_on_a_read_only_session_say_so_in_one_line(seeded: Any) -> None:
+    # asyncpg passes unknown DSN parameters as session settings: every session of this DSN
+    # is read-only, as on a standby.
+    env = {**seeded.env(), "STEEPLE_DATABASE_URL": seeded.dsn + "?default_transaction_read_only=on"}
+    failed = await fail_task(seeded.dsn, seeded.schema)
+    for args in (["tasks", "retry", str(failed)], ["jobs", "pause", "nightly"]):
+        result = await ainvoke(args, env)
+        assert result.exit_code == ExitCode.UNAVAILABLE, result.output
+        line = one_error(result)
+        assert "read-only (SQLSTATE 25006" in line, line
+        assert "Traceback" not in result.output
+    assert await _task_state(seeded.dsn, seeded.schema, failed) == "failed"
+
+
+async def test_queue_commands_past_lock_timeout_say_so_in_one_line(seeded: Any) -> None:
+    env = {**seeded.env(), "STEEPLE_DATABASE_URL": seeded.dsn + "?lock_timeout=200"}
+    failed = await fail_task(seeded.dsn, seeded.schema)
+    holder = await asyncpg.connect(seeded.dsn)
+    try:
+        async with holder.transaction():
+            await holder.execute(f'LOCK TABLE "{seeded.schema}".tasks IN ACCESS EXCLUSIVE MODE')
+            result = await ainvoke(["tasks", "retry", str(failed)], env)
+    finally:
+        await holder.close()
+    assert result.exit_code == ExitCode.UNAVAILABLE, result.output
+    assert "lock_timeout (SQLSTATE 55P03)" in one_error(result)
+    assert await _task_state(seeded.dsn, seeded.schema, failed) == "failed"
+
+
+async def _task_state(dsn: str, schema: str, task_id: int) -> str:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return str(
+            await conn.fetchval(f'SELECT state FROM "{schema}".tasks WHERE id = $1', task_id)
+        )
+    finally:
+        await conn.close()
+
+
 # --- tasks show: result, progress, attempts, traceback (issue 13.4, 13.5) -----------------------
 
 

@@ -13,7 +13,7 @@ import pytest
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres import queue as pq
 from steeple.postgres.queue import EnqueueOptions, Task, admin, enqueue
-from steeple.postgres.queue._sql import queue_sql
+from steeple.postgres.queue._sql import queue_sql, text_array
 
 pytestmark = pytest.mark.postgres
 
@@ -134,7 +134,9 @@ async def test_retry_sends_a_failed_task_back_to_pending_for_another_attempt(que
     # a worker takes it again: attempt 2 of 2
     claimed, token = await _claim(conn, schema, "r")
     assert claimed == exhausted
-    assert await conn.fetch(queue_sql(schema).complete, [claimed], [token], "w", [None], [None])
+    assert await conn.fetch(
+        queue_sql(schema).complete, text_array([claimed]), text_array([token]), "w", [None], [None]
+    )
     done = await pq.run_state(conn, exhausted, schema=schema)
     assert (done.state, done.attempts) == (TaskState.SUCCEEDED, 2)
     outcomes = await conn.fetch(
@@ -160,7 +162,9 @@ async def test_retry_refuses_tasks_that_are_not_failed_and_changes_nothing(queue
     await queue_module_cancel(conn, schema, cancelled)
     succeeded = await _enqueue(conn, schema, "ok")
     claimed, token = await _claim(conn, schema, "ok")
-    await conn.fetch(queue_sql(schema).complete, [claimed], [token], "w", [None], [None])
+    await conn.fetch(
+        queue_sql(schema).complete, text_array([claimed]), text_array([token]), "w", [None], [None]
+    )
     for task_id, state in (
         (pending, TaskState.PENDING),
         (running, TaskState.RUNNING),

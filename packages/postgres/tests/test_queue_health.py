@@ -253,3 +253,111 @@ async def test_a_listener_that_cannot_listen_means_degraded_polling(
         _open_all(gates)
         stop.set()
         await asyncio.wait_for(run, 30)
+
+
+async def test_completions_that_keep_failing_degrade_health_while_claims_succeed(
+    queue: queue_support.QueueFixture,
+) -> None:
+    """A lock held on the finished task's row: its completion (and renewal) time out.
+
+    Claims touch other rows and keep succeeding; they used to mark the database healthy
+    again after each failed completion, so health said healthy while nothing landed.
+    """
+    dsn, schema, conn = queue
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def long(ctx: JobContext, args: Any) -> None:
+        started.set()
+        await release.wait()
+
+    worker = Scheduler(
+        dsn, worker_id="unwritten", schema=schema, poll_interval=0.2, query_timeout=1
+    )
+    worker.register(LONG, long)
+    # A long lease: the lock must fail writes, not lapse the lease.
+    held = await enqueue(
+        conn, LONG, {}, EnqueueOptions(lease_duration=timedelta(seconds=60)), schema=schema
+    )
+    locker = await asyncpg.connect(dsn)
+    try:
+        async with running(worker):
+            await asyncio.wait_for(started.wait(), 20)
+            await wait_until(lambda: worker.health() is Health.HEALTHY)
+            assert worker.health_reasons() == ()
+            lock = locker.transaction()
+            await lock.start()
+            await locker.execute(
+                f'SELECT 1 FROM "{schema}".tasks WHERE id = $1 FOR UPDATE', held.id
+            )
+            release.set()  # the handler returns; its completion waits on the lock
+            await wait_until(lambda: any("completions" in r for r in worker.health_reasons()))
+            assert worker.health() is Health.DEGRADED
+            for _ in range(3):
+                # Right after each successful claim round, still degraded.
+                rounds = worker.stats.claim_rounds
+                await wait_until(lambda: worker.stats.claim_rounds > rounds)  # noqa: B023
+                assert worker.health() is Health.DEGRADED
+                reasons = worker.health_reasons()
+                assert any(
+                    r.startswith("completions failing: the database did not answer in time")
+                    for r in reasons
+                ), reasons
+            assert await _state(conn, schema, held.id, "running")
+            await lock.rollback()
+            await wait_until(lambda: _state(conn, schema, held.id, "succeeded"))
+            await wait_until(lambda: worker.health() is Health.HEALTHY)
+            assert worker.health_reasons() == ()
+    finally:
+        await locker.close()
+
+
+async def test_renewals_that_keep_failing_degrade_health_until_one_succeeds(
+    queue: queue_support.QueueFixture,
+) -> None:
+    """A lock held on a running task's row: its lease renewals time out, health names them.
+
+    Renewals every second (a 3 s lease); claims touch other rows and keep succeeding.
+    """
+    dsn, schema, conn = queue
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def long(ctx: JobContext, args: Any) -> None:
+        started.set()
+        await release.wait()
+
+    worker = Scheduler(
+        dsn, worker_id="unrenewed", schema=schema, poll_interval=0.2, query_timeout=1
+    )
+    worker.register(LONG, long)
+    held = await enqueue(
+        conn, LONG, {}, EnqueueOptions(lease_duration=timedelta(seconds=3)), schema=schema
+    )
+    locker = await asyncpg.connect(dsn)
+    try:
+        async with running(worker):
+            await asyncio.wait_for(started.wait(), 20)
+            await wait_until(lambda: worker.health() is Health.HEALTHY)
+            lock = locker.transaction()
+            await lock.start()
+            await locker.execute(
+                f'SELECT 1 FROM "{schema}".tasks WHERE id = $1 FOR UPDATE', held.id
+            )
+            await wait_until(lambda: any("renewals" in r for r in worker.health_reasons()))
+            rounds = worker.stats.claim_rounds
+            await wait_until(lambda: worker.stats.claim_rounds > rounds)
+            assert worker.health() is Health.DEGRADED
+            assert any(
+                r.startswith("renewals failing: the database did not answer in time")
+                for r in worker.health_reasons()
+            ), worker.health_reasons()
+            # Released: the next renewal succeeds (or, had the lease lapsed meanwhile,
+            # nothing is left to renew); either way no renewal is failing any more.
+            await lock.rollback()
+            await wait_until(lambda: worker.health() is Health.HEALTHY)
+            assert worker.health_reasons() == ()
+            release.set()
+    finally:
+        release.set()
+        await locker.close()

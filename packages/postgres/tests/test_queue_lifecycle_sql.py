@@ -28,7 +28,7 @@ from steeple.core.tasks import (
 )
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
 from steeple.postgres.queue._admin_sql import admin_sql
-from steeple.postgres.queue._sql import queue_sql
+from steeple.postgres.queue._sql import queue_sql, text_array
 
 NAME = "lifecycle"
 CLAIM_SOURCES = {s for (s, e) in TASK_TRANSITIONS if e is TaskEvent.CLAIM}
@@ -167,8 +167,25 @@ async def test_each_statement_makes_the_move_of_its_event(queue: Any) -> None:
 
     ok = await db.enqueue()
     token = await db.claim(ok)
-    await db.moved(ok, TaskEvent.SUCCEED, sql.complete, [ok], [token], "w", [None], [None])
-    assert (await conn.fetch(sql.completed_by, [ok], [1], [await _started(db, ok)], "w")) != []
+    await db.moved(
+        ok,
+        TaskEvent.SUCCEED,
+        sql.complete,
+        text_array([ok]),
+        text_array([token]),
+        "w",
+        [None],
+        [None],
+    )
+    assert (
+        await conn.fetch(
+            sql.completed_by,
+            text_array([ok]),
+            text_array([1]),
+            text_array([await _started(db, ok)]),
+            "w",
+        )
+    ) != []
 
     retried = await db.enqueue()
     token = await db.claim(retried)

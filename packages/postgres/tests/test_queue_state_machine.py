@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue, install
-from steeple.postgres.queue._sql import queue_sql
+from steeple.postgres.queue._sql import queue_sql, text_array
 from steeple.testing.conformance.queue import (
     ClaimedTask,
     QueueDriver,
@@ -74,10 +74,14 @@ class PostgresQueueDriver:
         return uuid.uuid4()
 
     async def renew(self, task_id: int, token: Hashable) -> bool:
-        return bool(await self.rows(self.sql.renew, [task_id], [token]))
+        return bool(await self.rows(self.sql.renew, text_array([task_id]), text_array([token])))
 
     async def complete(self, task_id: int, token: Hashable) -> bool:
-        return bool(await self.rows(self.sql.complete, [task_id], [token], "w", [None], [None]))
+        return bool(
+            await self.rows(
+                self.sql.complete, text_array([task_id]), text_array([token]), "w", [None], [None]
+            )
+        )
 
     async def retry(self, task_id: int, token: Hashable) -> bool:
         return bool(

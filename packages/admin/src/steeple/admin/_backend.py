@@ -420,6 +420,26 @@ def _connection_problem(driver: BaseException, target: Target | None) -> CliErro
     return None
 
 
+# The work queue's typed storage errors (steeple.postgres.queue.errors), told apart by name
+# like SchemaVersionMismatchError: the queue's own message names the cause in one line.
+_QUEUE_UNAVAILABLE = {"QueueUnavailableError", "QueueDeadlineError"}
+_QUEUE_REFUSALS = {"read_only", "disk_full", "insufficient_resources"}
+
+
+def _queue_storage_problem(exc: BaseException) -> str | None:
+    """Return a hint when ``exc`` is the queue's typed storage failure, else ``None``."""
+    name = type(exc).__name__
+    if name == "QueueDeadlineError":
+        return "try again; if it persists, find the session holding the lock (pg_locks)"
+    if name in _QUEUE_UNAVAILABLE:
+        return "try again; check the server's log if it persists"
+    if name == "UnfitDatabaseError" and getattr(exc, "setting", None) in _QUEUE_REFUSALS:
+        if exc.setting == "read_only":  # type: ignore[attr-defined]
+            return "connect to the writable primary (the DSN names a standby or read-only session)"
+        return "free space or resources on the server, then try again"
+    return None
+
+
 def _is_data_exception(exc: BaseException | None) -> bool:
     """Whether ``exc`` is a driver error of SQLSTATE class 22 (data exception)."""
     if exc is None or not _from_driver(exc):
@@ -525,6 +545,9 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
         return CliError(text + where, code=ExitCode.UNAVAILABLE)
     if isinstance(exc, BrokerError):
         return CliError(str(exc), code=ExitCode.UNAVAILABLE, hint="check the broker")
+    queue_storage = _queue_storage_problem(exc)
+    if queue_storage is not None:
+        return CliError(str(exc) + where, code=ExitCode.UNAVAILABLE, hint=queue_storage)
     if isinstance(exc, SteepleError):
         return CliError(str(exc), code=ExitCode.FAILED)
     if _from_driver(exc):

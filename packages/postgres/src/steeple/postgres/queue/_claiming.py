@@ -30,6 +30,7 @@ from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._execution import Executor, JobContext
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._sql import text_array
 from steeple.postgres.queue._wakeups import Wakeups
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ class Claimer:
                     answer = await pool.fetch(
                         env.sql.claim_timed,
                         queues,
-                        wants,
+                        text_array(wants),
                         names,
                         env.worker_id,
                         give_up,
@@ -137,7 +138,7 @@ class Claimer:
                     )
                 except DB_ERRORS as exc:
                     status.claims_ok = False
-                    status.db_ok = False
+                    status.failed("claims", exc)
                     status.claimed_once = True
                     stats.failed_claims += 1
                     LOG.warning("claim failed (%s); retrying after the poll interval", exc)
@@ -169,7 +170,7 @@ class Claimer:
                         await wait_either(wake, stop_waiter, env.poll)
                     continue
                 status.claims_ok = True
-                status.db_ok = True
+                status.succeeded("claims")
                 status.claimed_once = True
                 # Tracing (only while a tracer provider is configured) reads the enqueuers'
                 # trace contexts of the batch with one more query; none otherwise. The

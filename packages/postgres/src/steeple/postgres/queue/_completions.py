@@ -20,6 +20,7 @@ from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._failures import Failure
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._sql import text_array
 from steeple.postgres.queue._wakeups import Wakeups
 
 __all__ = ["Completions"]
@@ -95,9 +96,10 @@ class Completions:
                 outcome = _AFTER_FAILURE
         except DB_ERRORS as exc2:
             # Nothing recorded: the lease expires and the task is recovered and rerun.
-            env.status.db_ok = False
+            env.status.failed("completions", exc2)
             LOG.warning("could not record the failure of task %s: %s", ctx.task_id, exc2)
             return
+        env.status.succeeded("completions")
         env.inflight.outcome_written.set()
         if not rows:
             self.fenced(claimed)
@@ -140,18 +142,18 @@ class Completions:
                     crash_point("queue.complete.before")
                     rows = await pool.fetch(
                         env.sql.complete,
-                        [c.ctx.task_id for c in batch],
-                        [c.token for c in batch],
+                        text_array(c.ctx.task_id for c in batch),
+                        text_array(c.token for c in batch),
                         env.worker_id,
                         [c.result for c in batch],
                         [c.ctx.progress_text for c in batch],
                         timeout=env.timeout,
                     )
                     crash_point("queue.complete.committed")
-                    env.status.db_ok = True
+                    env.status.succeeded("completions")
                     env.inflight.outcome_written.set()
                 except DB_ERRORS as exc:
-                    env.status.db_ok = False
+                    env.status.failed("completions", exc)
                     LOG.warning("could not record %d completions: %r", len(batch), exc)
                     for claimed in batch:
                         claimed.unsure = True
@@ -196,9 +198,9 @@ class Completions:
         try:
             rows = await env.db.fetch(
                 env.sql.completed_by,
-                [c.ctx.task_id for c in unsure],
-                [c.ctx.attempt for c in unsure],
-                [c.started_at for c in unsure],
+                text_array(c.ctx.task_id for c in unsure),
+                text_array(c.ctx.attempt for c in unsure),
+                text_array(c.started_at for c in unsure),
                 env.worker_id,
                 timeout=env.timeout,
             )

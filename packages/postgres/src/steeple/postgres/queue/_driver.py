@@ -10,10 +10,16 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, Final, Literal, ParamSpec, TypeVar
 
 from steeple.postgres._durability import write_refusal
-from steeple.postgres.queue.errors import UnfitDatabaseError, UnsupportedConnectionError
+from steeple.postgres.queue.errors import (
+    QueueDeadlineError,
+    QueueError,
+    QueueUnavailableError,
+    UnfitDatabaseError,
+    UnsupportedConnectionError,
+)
 
 Kind = Literal["asyncpg", "psycopg_async", "psycopg_sync"]
 P = ParamSpec("P")
@@ -92,19 +98,103 @@ def fetch_sync(conn: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in cur.fetchall()]
 
 
-def _refused(exc: Exception) -> UnfitDatabaseError | None:
+# SQLSTATEs meaning the session is gone: class 08 (connection exception), and the server
+# ending it (57P01 admin_shutdown, e.g. pg_terminate_backend; 57P02 crash_shutdown; 57P03
+# cannot_connect_now).
+_SESSION_ENDED: Final = ("57P01", "57P02", "57P03")
+
+
+def typed_db_error(exc: BaseException) -> QueueError | None:
+    """Translate a driver's failure into the queue's typed error, or ``None``.
+
+    ``None``: not a database failure of the kinds below (leave it as it is). This is the
+    one translation every queue function run on a caller's connection goes through (and
+    the worker's health reasons): a refused write (read-only, disk full, resources) is an
+    :class:`UnfitDatabaseError`; a lock or statement timeout, or no answer in time, a
+    :class:`QueueDeadlineError`; a lost connection a :class:`QueueUnavailableError`.
+    Works for asyncpg and psycopg alike (both carry ``sqlstate``).
+    """
+    if isinstance(exc, QueueError):
+        return exc
     refusal = write_refusal(exc)
-    if refusal is None:
-        return None
-    setting, message = refusal
-    return UnfitDatabaseError(message, setting=setting)
+    if refusal is not None:
+        setting, message = refusal
+        return UnfitDatabaseError(message, setting=setting)
+    state = getattr(exc, "sqlstate", None)
+    state = state if isinstance(state, str) else ""
+    if state == "55P03":
+        return QueueDeadlineError(
+            "a lock wait exceeded lock_timeout (SQLSTATE 55P03): another session holds the "
+            "rows or table; nothing was changed, try again"
+        )
+    if state == "57014":
+        return QueueDeadlineError(
+            "the statement exceeded statement_timeout or was cancelled (SQLSTATE 57014); "
+            "nothing was changed, try again"
+        )
+    if isinstance(exc, TimeoutError):
+        return QueueDeadlineError(
+            "the database did not answer in time; a write's outcome is unknown, read it back"
+        )
+    if state.startswith("08") or state in _SESSION_ENDED:
+        return QueueUnavailableError(
+            f"the database connection was lost (SQLSTATE {state}: terminated by an "
+            "administrator, a server shutdown or the network); a write's outcome is unknown, "
+            "read it back on a new connection"
+        )
+    if isinstance(exc, OSError) or _is_lost_connection(exc):
+        return QueueUnavailableError(
+            f"the database connection was lost ({type(exc).__name__}); a write's outcome is "
+            "unknown, read it back on a new connection"
+        )
+    return None
 
 
-def refusals_typed(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-    """Turn a server's refusal to store (read-only, disk full) into UnfitDatabaseError.
+def _is_lost_connection(exc: BaseException) -> bool:
+    """Tell whether a driver error without a SQLSTATE means the connection is closed."""
+    module = type(exc).__module__
+    if module.startswith("asyncpg"):
+        import asyncpg
 
-    For the functions that write on a caller's connection: the driver's error stays the
-    ``__cause__``; the caller's transaction is aborted either way.
+        # A backend ended under an idle connection (pg_terminate_backend) leaves asyncpg's
+        # protocol mid-state: its next call reports InternalClientError, not a SQLSTATE.
+        return isinstance(exc, asyncpg.exceptions.InternalClientError) or (
+            isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc)
+        )
+    if module.startswith("psycopg"):
+        import psycopg
+
+        return isinstance(exc, psycopg.OperationalError) or (
+            isinstance(exc, psycopg.InterfaceError) and "closed" in str(exc)
+        )
+    return False
+
+
+def describe_db_error(exc: BaseException) -> str:
+    """Say in one line what a database failure was (for logs and health reasons).
+
+    Never the driver's full text (it can quote values): the typed error's message, or the
+    error's type and SQLSTATE.
+    """
+    typed = typed_db_error(exc)
+    if typed is not None:
+        return str(typed)
+    state = getattr(exc, "sqlstate", None)
+    if isinstance(state, str):
+        return f"PostgreSQL failed (SQLSTATE {state}, {type(exc).__name__})"
+    return f"{type(exc).__name__}"
+
+
+def _typed(exc: Exception) -> QueueError | None:
+    typed = typed_db_error(exc)
+    return None if typed is exc else typed
+
+
+def errors_typed(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Raise the queue's typed error (see :func:`typed_db_error`) for a database failure.
+
+    For every public function run on a caller's connection: the driver's error stays the
+    ``__cause__``; the caller's transaction, if any, is aborted either way.
     """
 
     @functools.wraps(fn)
@@ -112,7 +202,7 @@ def refusals_typed(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         try:
             return await fn(*args, **kwargs)
         except Exception as exc:
-            typed = _refused(exc)
+            typed = _typed(exc)
             if typed is None:
                 raise
             raise typed from exc
@@ -120,15 +210,15 @@ def refusals_typed(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     return wrapper
 
 
-def refusals_typed_sync(fn: Callable[P, R]) -> Callable[P, R]:
-    """Like :func:`refusals_typed`, for the psycopg (sync) functions."""
+def errors_typed_sync(fn: Callable[P, R]) -> Callable[P, R]:
+    """Like :func:`errors_typed`, for the psycopg (sync) functions."""
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            typed = _refused(exc)
+            typed = _typed(exc)
             if typed is None:
                 raise
             raise typed from exc

@@ -61,7 +61,7 @@ def _sending(
     return _tracing.sending(task.name, count, options.queue)
 
 
-@_driver.refusals_typed
+@_driver.errors_typed
 async def enqueue(
     conn: Any,
     task: Task[A],
@@ -118,7 +118,7 @@ async def enqueue(
         raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
 
 
-@_driver.refusals_typed_sync
+@_driver.errors_typed_sync
 def enqueue_sync(
     conn: Any,
     task: Task[A],
@@ -191,7 +191,7 @@ def _many_params(
     return params, options  # ... after the queue ($13)
 
 
-@_driver.refusals_typed
+@_driver.errors_typed
 async def enqueue_many(
     conn: Any,
     task: Task[A],
@@ -235,7 +235,7 @@ async def enqueue_many(
     return [int(i) for i in rows[0][0]]
 
 
-@_driver.refusals_typed_sync
+@_driver.errors_typed_sync
 def enqueue_many_sync(
     conn: Any,
     task: Task[A],

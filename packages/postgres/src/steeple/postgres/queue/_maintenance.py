@@ -51,8 +51,9 @@ class Maintainer:
                     env.stats.materialized += made
                     self._wakeups.wake.set()
                 env.stats.maintenance_rounds += 1
+                env.status.succeeded("maintenance")
             except DB_ERRORS as exc:
-                env.status.db_ok = False
+                env.status.failed("maintenance", exc)
                 LOG.warning("maintenance failed: %s", exc)
             if await wait_event(env.closing, self._interval):
                 return

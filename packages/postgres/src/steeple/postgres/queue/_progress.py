@@ -16,6 +16,7 @@ from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._sql import text_array
 
 __all__ = ["ProgressWriter"]
 
@@ -70,8 +71,8 @@ class ProgressWriter:
         try:
             await env.db.fetch(
                 env.sql.progress,
-                [c.ctx.task_id for c, _, _ in changed],
-                [c.token for c, _, _ in changed],
+                text_array(c.ctx.task_id for c, _, _ in changed),
+                text_array(c.token for c, _, _ in changed),
                 [text for _, _, text in changed],
                 timeout=env.timeout,
             )

@@ -14,6 +14,7 @@ from typing import Any, Final
 import attrs
 
 from steeple.postgres.queue import _driver
+from steeple.postgres.queue._driver import errors_typed
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
 from steeple.postgres.queue._sql import DURABLE, PENDING, RUNNING
 from steeple.postgres.queue._validate import check_int, check_name, check_queue, check_seconds
@@ -151,6 +152,7 @@ async def _queue_info(conn: Any, schema: str, row: list[Any]) -> QueueInfo:
     return QueueInfo(name, paused, max_running, rate_limit, rate_period, pending, running)
 
 
+@errors_typed
 async def pause_queue(conn: Any, queue: str, *, schema: str = DEFAULT_SCHEMA) -> QueueInfo:
     """Pause ``queue`` for every worker: no claim that starts after this commits takes from it.
 
@@ -178,6 +180,7 @@ async def pause_queue(conn: Any, queue: str, *, schema: str = DEFAULT_SCHEMA) ->
     return await _queue_info(conn, schema, row)
 
 
+@errors_typed
 async def resume_queue(conn: Any, queue: str, *, schema: str = DEFAULT_SCHEMA) -> QueueInfo:
     """Resume a paused ``queue`` and wake the workers; idempotent (a queue never paused too).
 
@@ -208,6 +211,7 @@ _SET_LIMITS: Final = """INSERT INTO {{s}}.settings AS t (scope, name, max_runnin
     RETURNING t.scope, t.name, {settings}"""
 
 
+@errors_typed
 async def limit_queue(
     conn: Any,
     queue: str,
@@ -243,6 +247,7 @@ async def limit_queue(
     return await _queue_info(conn, schema, row)
 
 
+@errors_typed
 async def limit_task(
     conn: Any,
     task_name: str,
@@ -264,6 +269,7 @@ async def limit_task(
     return TaskLimits(row[0], *row[2:5])
 
 
+@errors_typed
 async def list_queues(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> list[QueueInfo]:
     """List the queues that hold live tasks or have settings, by name (at most 1000).
 
@@ -291,6 +297,7 @@ async def list_queues(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> list[QueueI
     return [QueueInfo(*row) for row in rows]
 
 
+@errors_typed
 async def list_task_limits(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> list[TaskLimits]:
     """List the task names that have limits, by name (at most 1000).
 

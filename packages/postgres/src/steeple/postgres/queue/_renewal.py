@@ -16,6 +16,7 @@ from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._sql import text_array
 
 __all__ = ["Renewer"]
 
@@ -37,6 +38,11 @@ class Renewer:
             if await wait_event(env.closing, tick):
                 return
             now = time.monotonic()
+            if all(c.lost for c in running.values()):
+                # No lease left to renew (finished, or lost after failed renewals): no
+                # renewal is failing any more, so health must not stay degraded for it.
+                env.status.succeeded("renewals")
+                continue
             due = [c for c in running.values() if not c.lost and now >= c.renew_at]
             if not due:
                 continue
@@ -46,14 +52,14 @@ class Renewer:
                 crash_point("queue.renew.before")
                 rows = await pool.fetch(
                     env.sql.renew,
-                    [c.ctx.task_id for c in due],
-                    [c.token for c in due],
+                    text_array(c.ctx.task_id for c in due),
+                    text_array(c.token for c in due),
                     timeout=deadline,
                 )
                 crash_point("queue.renew.committed")
-                env.status.db_ok = True
+                env.status.succeeded("renewals")
             except DB_ERRORS as exc:
-                env.status.db_ok = False
+                env.status.failed("renewals", exc)
                 LOG.warning("lease renewal failed: %r", exc)
                 for claimed in due:
                     if time.monotonic() >= claimed.expires_at:
@@ -69,7 +75,9 @@ class Renewer:
                 cancelled: set[int] = set()
                 with contextlib.suppress(*DB_ERRORS):
                     states = await pool.fetch(
-                        env.sql.lost_states, [c.ctx.task_id for c in lost], timeout=env.timeout
+                        env.sql.lost_states,
+                        text_array(c.ctx.task_id for c in lost),
+                        timeout=env.timeout,
                     )
                     cancelled = {r[0] for r in states if r[1] == TaskState.CANCELLED.value}
                 for claimed in lost:

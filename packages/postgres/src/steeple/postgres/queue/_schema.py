@@ -13,7 +13,7 @@ from steeple.postgres._durability import (
     require_writable,
 )
 from steeple.postgres._ident import quote_ident, shown_name
-from steeple.postgres.queue._driver import refusals_typed
+from steeple.postgres.queue._driver import errors_typed
 from steeple.postgres.queue.errors import (
     QueueConfigurationError,
     QueueTypeError,
@@ -72,7 +72,7 @@ def _migration_sql(directory: str, quoted_schema: str) -> str:
     return text.replace("__SCHEMA__", quoted_schema)
 
 
-@refusals_typed
+@errors_typed
 async def install(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> int:
     """Create or migrate the queue schema; idempotent and safe to run concurrently.
 
@@ -147,6 +147,7 @@ async def schema_version(conn: Any, schema: str) -> int:
     return int(version)
 
 
+@errors_typed
 async def check_schema(conn: Any, schema: str = DEFAULT_SCHEMA) -> None:
     """Fail unless the database holds exactly this library's queue schema version.
 

@@ -17,6 +17,7 @@ import attrs
 from steeple.core.ports import Clock, RandomSource
 from steeple.core.remote_clock import RemoteClockEstimate
 from steeple.postgres.queue._db import WorkerDb
+from steeple.postgres.queue._driver import describe_db_error
 from steeple.postgres.queue._inflight import InFlight
 from steeple.postgres.queue._sql import QueueSql
 from steeple.postgres.queue.errors import QueueError
@@ -35,8 +36,9 @@ class Health(enum.Enum):
     HEALTHY = "healthy"
     """Claiming, with the database and the wake-up listener working."""
     DEGRADED = "degraded"
-    """Running, but claims are failing or being refused, the database failed recently, or
-    the listener is down (polling)."""
+    """Running, but claims, completions, lease renewals or maintenance keep failing (or
+    claims are being refused), or the listener is down (polling); ``health_reasons()``
+    names the cause."""
     STOPPED = "stopped"
     """``run_until_shutdown`` returned (or never ran and was closed)."""
 
@@ -81,8 +83,10 @@ class WorkerStatus:
 
     def __init__(self, *, listen: bool) -> None:
         self.phase = _Phase.NEW
-        self.db_ok = True
-        """False after a database failure, until a write succeeds again."""
+        self.failing: dict[str, str] = {}
+        """What keeps failing (claims, completions, renewals, maintenance) and why: each
+        entry stays until that same activity succeeds again (another one succeeding says
+        nothing about it: claims can work while every completion times out on a lock)."""
         self.claims_ok = True
         """Whether the latest claim round succeeded."""
         self.claimed_once = False
@@ -91,6 +95,28 @@ class WorkerStatus:
         """The wake-up listener is LISTENing (always true without one)."""
         self.listener_settled = not listen
         """LISTEN is in place, or its first attempt failed and the worker polls."""
+
+    def failed(self, activity: str, exc: BaseException) -> None:
+        """Record that ``activity`` failed with ``exc`` (degraded until it succeeds)."""
+        self.failing[activity] = f"{activity} failing: {describe_db_error(exc)}"
+
+    def succeeded(self, activity: str) -> None:
+        """Record that ``activity`` succeeded (its failure, if any, is over)."""
+        self.failing.pop(activity, None)
+
+    def reasons(self) -> tuple[str, ...]:
+        """Say why the worker is not healthy (empty when it is, or is starting/stopped)."""
+        if self.phase is not _Phase.RUNNING or not self.claimed_once:
+            return ()
+        reasons = list(self.failing.values())
+        if not self.claims_ok and "claims" not in self.failing:
+            reasons.append(
+                "claims refused: the server answered after the worker's give-up time (its "
+                "clock moved, or the network delays requests)"
+            )
+        if self.listener_settled and not self.listener_ok:
+            reasons.append("wake-up listener down: polling until it reconnects")
+        return tuple(reasons)
 
     def started(self) -> None:
         """Record that the worker is set up and its loops are starting."""
@@ -106,7 +132,7 @@ class WorkerStatus:
             return Health.STOPPED
         if self.phase is _Phase.NEW or not (self.claimed_once and self.listener_settled):
             return Health.STARTING
-        if self.claims_ok and self.db_ok and self.listener_ok:
+        if self.claims_ok and not self.failing and self.listener_ok:
             return Health.HEALTHY
         return Health.DEGRADED
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Final
 
 import attrs
@@ -124,6 +125,19 @@ _TASK_COLUMNS = (
 )
 
 
+def text_array(values: Iterable[object]) -> list[str]:
+    """Spell an array parameter as text: the statement casts it (``$1::text[]::bigint[]``).
+
+    asyncpg knows ``text[]`` without asking the server, but on a fresh connection its
+    first use of a statement with a ``bigint[]``, ``uuid[]``, ``integer[]`` or
+    ``timestamptz[]`` parameter introspects the type first: extra round trips (8 instead
+    of 2 measured through a delaying proxy), and a statement that times out closes its
+    connection, so on a slow link the next one is fresh and slow again. Datetimes are
+    written in ISO 8601 with their offset, which the server reads whatever its DateStyle.
+    """
+    return [v.isoformat() if isinstance(v, datetime) else str(v) for v in values]
+
+
 @attrs.frozen
 class QueueSql:
     """The statements of one schema."""
@@ -198,7 +212,7 @@ WHERE task_name = $1 AND dedup_key = $2 AND state IN {LIVE}""",
         # $1 ids[]: the enqueuers' trace contexts of claimed tasks (only while tracing)
         trace_contexts=f"""
 SELECT id, trace_context::text FROM {s}.tasks
-WHERE id = ANY($1::bigint[]) AND trace_context IS NOT NULL""",
+WHERE id = ANY($1::text[]::bigint[]) AND trace_context IS NOT NULL""",
         # $1 names[], $2 limit, $3 worker id, $4 the claimer's give-up time (epoch s, in
         # server time): a claim from the default queue (operators' and tests' one-off
         # claims). The statement lives in a function (see the migrations) that pins the
@@ -214,7 +228,7 @@ WHERE c.id IS NOT NULL""",
         # re-anchors the worker's estimate of the server's clock.
         claim_timed=f"""
 WITH claimed AS (
-    SELECT * FROM {s}.claim($1::text[], $2::integer[], $3::text[], $4::text,
+    SELECT * FROM {s}.claim($1::text[], $2::text[]::integer[], $3::text[], $4::text,
                             $5::double precision)
 )
 SELECT extract(epoch FROM clock_timestamp())::double precision, claimed.*
@@ -223,7 +237,7 @@ FROM (SELECT) AS one LEFT JOIN claimed ON true""",
         renew=f"""
 UPDATE {s}.tasks t
 SET lease_expires_at = clock_timestamp() + t.lease_duration
-FROM {RELAXED}, unnest($1::bigint[], $2::uuid[]) AS h(id, token)
+FROM {RELAXED}, unnest($1::text[]::bigint[], $2::text[]::uuid[]) AS h(id, token)
 WHERE t.id = h.id AND t.lease_token = h.token
 RETURNING t.id""",
         # $1 ids[], $2 tokens[], $3 worker id, $4 results[] (JSON text|null), $5 latest
@@ -235,7 +249,8 @@ WITH done AS (
         lease_token = NULL, lease_expires_at = NULL, result = h.result::jsonb,
         progress = coalesce(h.progress::jsonb, t.progress)
     FROM {DURABLE},
-         unnest($1::bigint[], $2::uuid[], $4::text[], $5::text[]) AS h(id, token, result, progress)
+         unnest($1::text[]::bigint[], $2::text[]::uuid[], $4::text[], $5::text[])
+             AS h(id, token, result, progress)
     WHERE t.id = h.id AND t.lease_token = h.token
     RETURNING t.id, t.attempts, t.started_at, t.finished_at
 ), history AS (
@@ -247,7 +262,8 @@ SELECT id FROM done""",
         # claims did complete (their token is gone; no later claim keeps attempt and start)
         completed_by=f"""
 SELECT t.id FROM {s}.tasks t
-JOIN unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, attempt, started_at)
+JOIN unnest($1::text[]::bigint[], $2::text[]::integer[], $3::text[]::timestamptz[])
+  AS h(id, attempt, started_at)
   ON t.id = h.id
 WHERE t.state = {_lit(SUCCEEDED)} AND t.attempts = h.attempt AND t.started_at = h.started_at
   AND t.worker_id = $4""",
@@ -291,7 +307,8 @@ SELECT id FROM done""",
         progress=f"""
 UPDATE {s}.tasks t
 SET progress = h.progress::jsonb
-FROM {RELAXED}, unnest($1::bigint[], $2::uuid[], $3::text[]) AS h(id, token, progress)
+FROM {RELAXED}, unnest($1::text[]::bigint[], $2::text[]::uuid[], $3::text[])
+    AS h(id, token, progress)
 WHERE t.id = h.id AND t.lease_token = h.token
 RETURNING t.id""",
         # $1 id, $2 token, $3 worker id: hand back unfinished work at shutdown, attempt refunded.
@@ -335,7 +352,7 @@ WITH expired AS (
     FROM done
 )
 SELECT id, state FROM done""",
-        lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::bigint[])",
+        lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::text[]::bigint[])",
         # $1 id, $2 the most attempts of its history returned (the latest ones)
         run_state=f"""
 SELECT {RUN_STATE_COLUMNS}, result::text, (

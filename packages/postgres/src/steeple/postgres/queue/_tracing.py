@@ -34,6 +34,7 @@ import attrs
 
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._shared import LOG
+from steeple.postgres.queue._sql import text_array
 from steeple.postgres.queue._validate import DEFAULT_QUEUE
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ async def trace_contexts(
     A failure is logged and costs the runs their parent, never the runs themselves.
     """
     try:
-        rows = await db.fetch(sql.trace_contexts, ids, timeout=timeout)
+        rows = await db.fetch(sql.trace_contexts, text_array(ids), timeout=timeout)
     except DB_ERRORS as exc:
         LOG.warning("could not read the trace context of claimed tasks: %s", exc)
         return {}

@@ -303,10 +303,21 @@ class Scheduler:
         Starting until the first claim round has finished and the wake-up listener is
         LISTENing (or its first attempt failed and the worker polls). Then healthy, or
         degraded while the latest claim round failed or was refused (until a claim
-        succeeds again), after another database failure (until a write succeeds), or while
-        the wake-up listener is down.
+        succeeds again), while completions, lease renewals or maintenance keep failing
+        (each until that same activity succeeds again: claims that work say nothing about
+        completions that time out), or while the wake-up listener is down.
+        :meth:`health_reasons` says which.
         """
         return self._env.status.health()
+
+    def health_reasons(self) -> tuple[str, ...]:
+        """Say why :meth:`health` is degraded: one line per cause, empty when it is not.
+
+        Each line names the activity and the cause, e.g. ``"completions failing: PostgreSQL
+        refused the write because the session is read-only (SQLSTATE 25006 ...)"`` or
+        ``"wake-up listener down: polling until it reconnects"``.
+        """
+        return self._env.status.reasons()
 
     # --- lifecycle -----------------------------------------------------------------------
 

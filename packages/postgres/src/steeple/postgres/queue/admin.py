@@ -24,6 +24,7 @@ from steeple.core.tasks import TERMINAL_TASK_STATES as _TERMINAL
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._admin_sql import admin_sql
+from steeple.postgres.queue._driver import errors_typed
 from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun, run_state
 from steeple.postgres.queue._queues import (
     QueueInfo,
@@ -138,6 +139,7 @@ def _state(value: object) -> str | None:
     return value
 
 
+@errors_typed
 async def list_tasks(
     conn: Any,
     *,
@@ -195,6 +197,7 @@ async def list_tasks(
     return Page(items=items, next_cursor=cursor)
 
 
+@errors_typed
 async def task_detail(
     conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA, history: int = 50
 ) -> TaskRun:
@@ -225,6 +228,7 @@ async def task_detail(
         raise
 
 
+@errors_typed
 async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[TaskState, int]:
     """Return how many tasks are in each state (every state present, zeros included).
 
@@ -240,6 +244,7 @@ async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[Tas
     return counts
 
 
+@errors_typed
 async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> TaskRun:
     """Send a failed task back to pending, to run again at once.
 
@@ -286,6 +291,7 @@ async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SC
     return await run_state(conn, task_id, schema=schema)
 
 
+@errors_typed
 async def count_prunable(conn: Any, older_than: timedelta, *, schema: str = DEFAULT_SCHEMA) -> int:
     """Count the tasks :func:`~steeple.postgres.queue.prune_terminal` would remove.
 
@@ -304,6 +310,7 @@ async def count_prunable(conn: Any, older_than: timedelta, *, schema: str = DEFA
     return int(rows[0][0])
 
 
+@errors_typed
 async def list_jobs(
     conn: Any, *, schema: str = DEFAULT_SCHEMA, after: str | None = None, limit: int = 100
 ) -> Page[JobInfo]:
@@ -331,6 +338,7 @@ async def list_jobs(
     return Page(items=items, next_cursor=cursor)
 
 
+@errors_typed
 async def server_time(conn: Any) -> datetime:
     """Return the database server's clock: the one that judges when tasks are due.
 
@@ -344,6 +352,7 @@ async def server_time(conn: Any) -> datetime:
     return cast(datetime, now)
 
 
+@errors_typed
 async def task_args(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> str:
     """Return a task's args as stored: the JSON text its producer encoded.
 
@@ -378,6 +387,7 @@ class Throughput:
     finished: dict[TaskState, tuple[int, ...]]
 
 
+@errors_typed
 async def throughput(
     conn: Any,
     *,

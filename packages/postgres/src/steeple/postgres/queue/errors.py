@@ -15,6 +15,7 @@ __all__ = [
     "JobNotFoundError",
     "LeaseLostError",
     "QueueConfigurationError",
+    "QueueDeadlineError",
     "QueueError",
     "QueueTypeError",
     "QueueUnavailableError",
@@ -74,7 +75,22 @@ class SchemaVersionMismatchError(QueueError):
 
 
 class QueueUnavailableError(QueueError, ConnectionError):
-    """The database could not be reached, or failed, while the worker was starting."""
+    """The database could not be reached or its connection was lost.
+
+    Raised when a worker cannot start, and by every queue function run on a caller's
+    connection when that connection is lost mid-call (terminated by an administrator, a
+    server shutdown, a cut network). The driver's error is the ``__cause__``.
+    """
+
+
+class QueueDeadlineError(QueueUnavailableError, TimeoutError):
+    """The database did not answer in time.
+
+    A lock wait passed ``lock_timeout``, a statement passed ``statement_timeout`` (or was
+    cancelled), or no answer came before a deadline. The server rolled back a statement it
+    cancelled; after a deadline with no answer the outcome of a write is unknown (read it
+    back).
+    """
 
 
 class UnfitDatabaseError(QueueError):

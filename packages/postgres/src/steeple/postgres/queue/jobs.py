@@ -36,6 +36,7 @@ from steeple.core.ports import Clock
 from steeple.core.zoned import DEFAULT_ZONE, ZonedCalendar
 from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _driver
+from steeple.postgres.queue._driver import errors_typed
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
 from steeple.postgres.queue._shared import LOG
 from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_int, check_queue
@@ -208,6 +209,7 @@ def _params(
             max_attempts, lease, b_init, b_max, b_factor, b_jitter, template.queue]  # fmt: skip
 
 
+@errors_typed
 async def create(
     conn: Any,
     name: str,
@@ -265,6 +267,7 @@ async def create(
     return JobInfo.from_row(rows[0])
 
 
+@errors_typed
 async def ensure_job(
     conn: Any,
     name: str,
@@ -326,6 +329,7 @@ async def ensure_job(
 ensure = ensure_job
 
 
+@errors_typed
 async def get(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
     """Return the job named ``name``.
 
@@ -342,6 +346,7 @@ async def get(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
     return JobInfo.from_row(rows[0])
 
 
+@errors_typed
 async def pause(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
     """Stop materializing the job (already materialized tasks still run). Idempotent.
 
@@ -402,6 +407,7 @@ async def _restart(
     raise QueueError(f"job {name!r} kept changing; try again")
 
 
+@errors_typed
 async def resume(
     conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA, clock: Clock | None = None
 ) -> JobInfo:
@@ -418,6 +424,7 @@ async def resume(
     return await _restart(conn, name, schema, clock, None, _KEEP)
 
 
+@errors_typed
 async def reschedule(
     conn: Any,
     name: str,
@@ -450,6 +457,7 @@ async def reschedule(
     return await _restart(conn, name, schema, clock, cron, timezone)
 
 
+@errors_typed
 async def delete(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> None:
     """Delete the job. Tasks it already materialized are not touched.
 
@@ -465,6 +473,7 @@ async def delete(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> None:
         raise JobNotFoundError(name)
 
 
+@errors_typed
 async def materialize_due(
     conn: Any, *, schema: str = DEFAULT_SCHEMA, clock: Clock | None = None, limit: int = 100
 ) -> int:
