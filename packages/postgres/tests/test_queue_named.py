@@ -440,13 +440,13 @@ async def test_a_claim_held_by_a_rate_limit_says_when_the_window_frees_a_start(
     queue: QueueFixture,
 ) -> None:
     _dsn, schema, conn = queue
-    from steeple.postgres.queue._sql import queue_sql
+    from steeple.postgres.queue._sql import queue_sql, text_array
 
     sql = queue_sql(schema)
     await limit_queue(conn, "default", rate_limit=2, per=timedelta(minutes=1), schema=schema)
     await enqueue_many(conn, JOB, [{}] * 3, schema=schema)
     give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
-    rows = await conn.fetch(sql.claim_timed, ["default"], [5], [JOB.name], "w", give_up)
+    rows = await conn.fetch(sql.claim_timed, ["default"], text_array([5]), [JOB.name], "w", give_up)
     claimed = [r for r in rows if r["id"] is not None]
     (held,) = [r for r in rows if r["id"] is None]
     assert len(claimed) == 2
@@ -454,11 +454,13 @@ async def test_a_claim_held_by_a_rate_limit_says_when_the_window_frees_a_start(
     # Both starts share the claim's instant; the first leaves the window one period later.
     assert {r["started_at"] for r in claimed} == {held["run_at"] - timedelta(minutes=1)}
     # A second claim in the window takes nothing and says the same.
-    again = await conn.fetch(sql.claim_timed, ["default"], [5], [JOB.name], "w", give_up)
+    again = await conn.fetch(
+        sql.claim_timed, ["default"], text_array([5]), [JOB.name], "w", give_up
+    )
     assert [(r["id"], r["held"], r["run_at"]) for r in again] == [(None, True, held["run_at"])]
     # Without the limit, the third task is claimed and nothing is held.
     await limit_queue(conn, "default", schema=schema)
-    last = await conn.fetch(sql.claim_timed, ["default"], [5], [JOB.name], "w", give_up)
+    last = await conn.fetch(sql.claim_timed, ["default"], text_array([5]), [JOB.name], "w", give_up)
     assert [(r["held"], r["queue"]) for r in last] == [(False, "default")]
 
 
@@ -467,7 +469,7 @@ async def test_the_claim_walks_the_index_of_its_queue_and_never_scans_the_table(
     queue: QueueFixture, limited: bool
 ) -> None:
     dsn, schema, conn = queue
-    from steeple.postgres.queue._sql import queue_sql
+    from steeple.postgres.queue._sql import queue_sql, text_array
 
     sql = queue_sql(schema)
     # A big backlog in another queue, a little work in ours (no ANALYZE: stale statistics).
@@ -480,7 +482,9 @@ async def test_the_claim_walks_the_index_of_its_queue_and_never_scans_the_table(
     try:
         give_up = await fresh.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
         async with fresh.transaction():
-            rows = await fresh.fetch(sql.claim_timed, ["small"], [10], [JOB.name], "w", give_up)
+            rows = await fresh.fetch(
+                sql.claim_timed, ["small"], text_array([10]), [JOB.name], "w", give_up
+            )
             scans = await fresh.fetchrow(
                 "SELECT seq_scan, idx_scan, idx_tup_fetch FROM pg_stat_xact_user_tables "
                 "WHERE relid = $1::regclass",
