@@ -55,6 +55,10 @@ def aware_utc(value: object, what: str) -> datetime:
         ConfigurationError: ``value`` is naive, or its offset is broken, or converting it
             to UTC leaves the datetime range (``datetime.min`` with a positive offset).
     """
+    if type(value) is datetime and value.tzinfo is UTC:
+        # Already what is asked for (astimezone would return it as is): every instant the
+        # stores pass around is one, and this runs several times per call.
+        return value
     if not isinstance(value, datetime):
         raise ConfigurationTypeError(f"{what} must be a datetime, not {type(value).__name__}")
     try:
