@@ -172,6 +172,8 @@ def byte_string(value: object, what: str, *, max_len: int) -> bytes:
         ConfigurationTypeError: not bytes, bytearray or memoryview (a str included).
         ConfigurationError: longer than ``max_len``.
     """
+    if type(value) is bytes and len(value) <= max_len:
+        return value  # what bytes(value) would return, as is (checked on every lease)
     if not isinstance(value, bytes | bytearray | memoryview):
         raise ConfigurationTypeError(f"{what} must be bytes, not {type(value).__name__}")
     raw = bytes(value)

@@ -132,11 +132,17 @@ class _Repository:
             current = storage.definitions[u.name]
             storage.put_definition(
                 u.name,
-                attrs.evolve(
-                    current,
+                DefinitionRow(
+                    name=current.name,
+                    sealed=current.sealed,
+                    key_id=current.key_id,
+                    cron=current.cron,
+                    policy=current.policy,
+                    first_after=current.first_after,
                     state=u.state,
                     cursor=u.cursor,
                     next_due_at=u.next_due_at,
+                    created_at=current.created_at,
                     cancelled_at=u.cancelled_at,
                 ),
             )
@@ -262,15 +268,22 @@ class InMemoryRecurringStorage:
     def _place(
         self, occurrence_id: str, old: OccurrenceRow | None, row: OccurrenceRow | None
     ) -> None:
-        if old is not None:
-            self._by_state[old.state].pop(occurrence_id, None)
-            self.identities.discard((old.definition_name, old.due_at))
-            if row is None:
+        if row is None:
+            if old is not None:
                 del self.occurrences[occurrence_id]
-        if row is not None:
-            self.occurrences[occurrence_id] = row
-            self._by_state[row.state][occurrence_id] = None
+                self._by_state[old.state].pop(occurrence_id, None)
+                self.identities.discard((old.definition_name, old.due_at))
+            return
+        self.occurrences[occurrence_id] = row
+        if old is None:
             self.identities.add((row.definition_name, row.due_at))
+        elif old.definition_name != row.definition_name or old.due_at != row.due_at:
+            self.identities.discard((old.definition_name, old.due_at))
+            self.identities.add((row.definition_name, row.due_at))
+        if old is None or old.state is not row.state:
+            if old is not None:
+                self._by_state[old.state].pop(occurrence_id, None)
+            self._by_state[row.state][occurrence_id] = None
 
     def _roll_back(self, undo: list[_Undo]) -> None:
         for is_occurrence, key, before in reversed(undo):
