@@ -282,13 +282,12 @@ class RecurringEngine:
             raise recurring_keyring_error(exc, record) from exc
 
     def _seal(self, plaintext: bytes, purpose: str, identity: str, record: str) -> bytes:
-        namespace = self._config.namespace
-        return self._seal_with(
-            lambda: self._sealer.seal(
-                plaintext, namespace=namespace, purpose=purpose, identity=identity
-            ),
-            record,
-        )
+        try:
+            return self._sealer.seal(
+                plaintext, namespace=self._config.namespace, purpose=purpose, identity=identity
+            )
+        except KeyringError as exc:
+            raise recurring_keyring_error(exc, record) from exc
 
     def _open(self, sealed: bytes, purpose: str, identity: str, record: str) -> bytes:
         try:
