@@ -240,7 +240,8 @@ class InMemoryRecurringStorage:
         self.identities: set[tuple[str, datetime]] = set()
         self.recorded: datetime | None = None
         self.closed = False
-        self._by_state: dict[OccurrenceState, dict[str, None]] = {s: {} for s in OccurrenceState}
+        # Keyed by the state's value: a str hashes in C, an enum member in Python.
+        self._by_state: dict[str, dict[str, None]] = {s._value_: {} for s in OccurrenceState}
         self._undo: list[_Undo] | None = None
         self._lock = asyncio.Lock()
 
@@ -249,7 +250,7 @@ class InMemoryRecurringStorage:
         stored = self.occurrences
         by_state = self._by_state
         for state in states:
-            for occurrence_id in by_state[state]:
+            for occurrence_id in by_state[state._value_]:
                 yield stored[occurrence_id]
 
     def put_definition(self, name: str, row: DefinitionRow) -> None:
@@ -271,7 +272,7 @@ class InMemoryRecurringStorage:
         if row is None:
             if old is not None:
                 del self.occurrences[occurrence_id]
-                self._by_state[old.state].pop(occurrence_id, None)
+                self._by_state[old.state._value_].pop(occurrence_id, None)
                 self.identities.discard((old.definition_name, old.due_at))
             return
         self.occurrences[occurrence_id] = row
@@ -282,8 +283,8 @@ class InMemoryRecurringStorage:
             self.identities.add((row.definition_name, row.due_at))
         if old is None or old.state is not row.state:
             if old is not None:
-                self._by_state[old.state].pop(occurrence_id, None)
-            self._by_state[row.state][occurrence_id] = None
+                self._by_state[old.state._value_].pop(occurrence_id, None)
+            self._by_state[row.state._value_][occurrence_id] = None
 
     def _roll_back(self, undo: list[_Undo]) -> None:
         for is_occurrence, key, before in reversed(undo):
