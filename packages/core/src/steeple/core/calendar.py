@@ -274,6 +274,7 @@ def _check_expression(_instance: object, _attribute: object, value: Any) -> None
 
 
 _MEMO_SIZE = 4096
+_UNKNOWN: Final = object()
 """Answers of :meth:`CronCalendar.next_after` a calendar remembers (then starts over)."""
 
 
@@ -427,12 +428,14 @@ class CronCalendar:
             utc = instant.astimezone(UTC)
             start = utc.replace(second=0, microsecond=0) + _ONE_MINUTE
         found = self._found
-        if start in found:
-            return found[start]
+        # One lookup (not `in` then a read): another thread may clear the memo between two.
+        answer = found.get(start, _UNKNOWN)
+        if answer is not _UNKNOWN:
+            return answer  # type: ignore[return-value]  # a datetime or None once stored
         if len(found) >= _MEMO_SIZE:
             found.clear()  # bounded; refilled by the instants in use
-        answer = found[start] = self._first_at_or_after(start)
-        return answer
+        computed = found[start] = self._first_at_or_after(start)
+        return computed
 
     def iter_after(self, instant: datetime) -> Iterator[datetime]:
         """Every fire time strictly after ``instant``, in order, until the calendar ends.
