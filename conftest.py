@@ -128,7 +128,12 @@ def _in_thread(make: Callable[[], Awaitable[_T]]) -> _T:
 
 
 _SERVER_OBJECTS = {
-    "schema": "SELECT nspname FROM pg_namespace",
+    # pg_temp_N / pg_toast_temp_N are PostgreSQL's own: made for the first TEMP table of a
+    # backend slot and kept for reuse, they are not something a test left behind.
+    "schema": (
+        "SELECT nspname FROM pg_namespace"
+        " WHERE nspname !~ '^pg_temp_[0-9]+$' AND nspname !~ '^pg_toast_temp_[0-9]+$'"
+    ),
     "role": "SELECT rolname FROM pg_roles",
     "database": "SELECT datname FROM pg_database",
 }

@@ -1,4 +1,5 @@
-"""nox sessions for steeple: lint, typecheck, tests, core (driverless), isolated, bench, demo.
+"""nox sessions for steeple: lint, typecheck, tests, stress, core (driverless), isolated, bench,
+demo.
 
 Sessions reuse uv for speed and never download an interpreter.
 
@@ -440,6 +441,26 @@ def _try(
 
 
 @nox.session
+def stress(session: nox.Session) -> None:
+    """The full relay stress run: 60 s of kills and broker connection cuts per broker.
+
+    The test suite runs the same test for 10 s per broker; ``STEEPLE_RELAY_STRESS_SEED``
+    replays a printed seed. Needs PostgreSQL (``STEEPLE_TEST_DSN``), NATS, Redis and
+    RabbitMQ, like the suite.
+    """
+    _sync(session)
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-s",
+        "packages/brokers/tests/test_relay_stress.py",
+        *session.posargs,
+        env={"STEEPLE_RELAY_STRESS_SECONDS": os.environ.get("STEEPLE_RELAY_STRESS_SECONDS", "60")},
+    )
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     _sync(session)
     for script in (
@@ -452,6 +473,26 @@ def bench(session: nox.Session) -> None:
     ):
         if os.path.exists(f"benchmarks/{script}"):
             session.run("python", f"benchmarks/{script}", *session.posargs)
+
+
+@nox.session
+def crashmatrix(session: nox.Session) -> None:
+    """Every crash point x (SIGKILL, immediate PostgreSQL restart), not the per-run sample.
+
+    Needs ``STEEPLE_TEST_DSN`` (the SIGKILL half) and pgserver (private clusters for the
+    restarts). ``STEEPLE_CRASH_SEED`` is irrelevant here: nothing is sampled.
+    """
+    _sync(session)
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_fault_crash_points.py",
+        "tests/test_fault_crash_points_queue.py",
+        "tests/test_crash_points_registry.py",
+        *session.posargs,
+        env={"STEEPLE_CRASH_MATRIX": "all"},
+    )
 
 
 @nox.session

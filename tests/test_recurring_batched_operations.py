@@ -265,6 +265,9 @@ async def test_leases_fenced_during_publication_record_nothing(
     assert broker.attempts == 1
     occurrences = await listed(store)
     assert {o.state for o in occurrences.values()} == {S.LEASED}
+    # "b" was never sent, but its lease was already taken over: the stale holder cannot
+    # give its attempt back (the new holder's check counts its own).
+    assert occurrences["b"].attempts == 1
     assert len(newer) == 2
     # The new holder publishes under the same keys (the broker deduplicates "a").
     broker.script.clear()
@@ -273,6 +276,34 @@ async def test_leases_fenced_during_publication_record_nothing(
     receipts = {o.occurrence_id: o.receipt for o in again}
     assert receipts[leases["a"].occurrence_id].duplicate
     assert len(broker.published) == 2
+
+
+async def test_a_lease_that_lapses_before_its_turn_spends_no_attempt(
+    store: Any, clock: FakeClock
+) -> None:
+    """Found by the relay stress test: a batch of 100 leases published a few at a time
+    by a slow broker outlasted its leases, and every lapsed lease, never sent, still
+    spent one of the occurrence's ten attempts (9 of 10 spent in a 60 s run, a dead
+    letter at the next broker failure)."""
+    leases = await leases_of(store, "a", "b")
+
+    async def slow() -> None:
+        clock.advance(timedelta(seconds=61))  # "b" waits for its turn past its lease
+
+    broker = ScriptedBroker({b"a": slow})
+    _, second = await store.relay_many([leases["a"], leases["b"]], broker, concurrency=1)
+    assert isinstance(second.error, RelayLeaseLostError)
+    assert "nothing was published" in str(second.error)
+    assert broker.keys_attempted == [broker.published[0][1]]  # "a" only
+    occurrences = await listed(store)
+    assert (occurrences["b"].state, occurrences["b"].attempts) == (S.LEASED, 0)
+    assert occurrences["a"].attempts == 1
+    # The next holder's attempt is the first.
+    [again] = await store.claim(100)
+    assert again.occurrence_id == leases["b"].occurrence_id
+    assert (await store.relay_many([again], MemoryBroker()))[0].ok
+    occurrences = await listed(store)
+    assert (occurrences["b"].state, occurrences["b"].attempts) == (S.PUBLISHED, 1)
 
 
 async def test_a_failed_recording_keeps_every_receipt(store: Any) -> None:

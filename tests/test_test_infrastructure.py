@@ -113,3 +113,30 @@ async def test_a_session_that_leaves_a_schema_or_a_role_fails(pg_dsn: str, tmp_p
         )
     finally:
         await conn.close()
+
+
+@pytest.mark.postgres
+async def test_temp_schemas_postgresql_keeps_are_not_leftovers(pg_dsn: str) -> None:
+    # A TEMP table makes PostgreSQL create pg_temp_N / pg_toast_temp_N, which it keeps for
+    # the backend slot after the session ends: the private server's inventory must not count
+    # them, or a suite that uses TEMP tables fails on a machine with no PostgreSQL.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    assert spec is not None
+    assert spec.loader is not None
+    root_conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root_conftest)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("CREATE TEMP TABLE steeple_probe (x int)")
+        temp_schema = await conn.fetchval(
+            "SELECT nspname FROM pg_namespace WHERE oid = pg_my_temp_schema()"
+        )
+        assert re.fullmatch(r"pg_temp_[0-9]+", temp_schema)
+        found = await asyncio.to_thread(root_conftest._server_objects, pg_dsn)
+        assert temp_schema not in found["schema"]
+        assert not any(name.startswith("pg_toast_temp_") for name in found["schema"])
+        assert "public" in found["schema"]  # the inventory still lists real schemas
+    finally:
+        await conn.close()

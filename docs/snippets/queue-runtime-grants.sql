@@ -6,5 +6,7 @@
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT SELECT ON {schema}.schema_migrations TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.tasks TO {role};
-GRANT INSERT ON {schema}.attempts TO {role};
+-- SELECT on attempts: run_state returns the attempt history (schema version 7 and later).
+GRANT SELECT, INSERT ON {schema}.attempts TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.jobs TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.settings TO {role};

@@ -56,7 +56,7 @@ async def fail_task(dsn: str, schema: str, name: str = "flaky") -> int:
         sql = queue_sql(schema)
         give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
         (row,) = await conn.fetch(sql.claim, [name], 1, "w", give_up)
-        await conn.fetch(sql.fail, task_id, row["lease_token"], "boom", "w")
+        await conn.fetch(sql.fail, task_id, row["lease_token"], "boom", "w", None, None, None)
         return int(task_id)
     finally:
         await conn.close()
@@ -275,7 +275,10 @@ async def test_enqueue_now_later_and_deduplicated(seeded: Any) -> None:
     dedup = ["enqueue", "report", "--dedup-key", "daily", "--json"]
     one = json.loads((await ainvoke(dedup, env)).stdout)
     two = json.loads((await ainvoke(dedup, env)).stdout)
-    assert (one["deduplicated"], two) == (False, {"task_id": one["task_id"], "deduplicated": True})
+    assert (one["deduplicated"], two) == (
+        False,
+        {"task_id": one["task_id"], "deduplicated": True, "queue": "default"},
+    )
 
     conn = await asyncpg.connect(seeded.dsn)
     try:
@@ -310,6 +313,9 @@ async def test_enqueue_now_later_and_deduplicated(seeded: Any) -> None:
         (["--priority", str(2**40)], "priority"),
         (["--max-attempts", "0"], "max_attempts"),
         (["--dedup-key", "a\x00b"], "dedup_key"),
+        (["--queue", ""], "queue must be a str of 1..200"),
+        (["--queue", "a\x00b"], "queue must not contain a control character"),
+        (["--queue", "q" * 10_240], "queue must be a str of 1..200"),
     ],
 )
 def test_enqueue_refuses_bad_arguments_before_connecting(args: list[str], fragment: str) -> None:
@@ -323,10 +329,70 @@ async def test_enqueue_and_tasks_on_an_unmigrated_queue_say_to_migrate(
 ) -> None:
     dsn, schema = pg_schema
     env = {"STEEPLE_DATABASE_URL": dsn, "STEEPLE_QUEUE_SCHEMA": schema}
-    for args in (["enqueue", "t"], ["tasks"], ["jobs"], ["tasks", "retry", "1"]):
+    for args in (["enqueue", "t"], ["tasks"], ["jobs"], ["tasks", "retry", "1"], ["queues"]):
         result = await ainvoke(args, env)
         assert result.exit_code == ExitCode.CONFIG, (args, result.output)
         assert "steeple migrate" in result.stderr
+
+
+# --- queues ------------------------------------------------------------------------------------
+
+
+async def test_queues_enqueue_list_pause_limit_resume(seeded: Any) -> None:
+    env = seeded.env()
+
+    async def pending() -> dict[str, int]:
+        listed = json.loads((await ainvoke(["queues", "--json"], env)).stdout)
+        assert not any(q["paused"] for q in listed)
+        return {q["name"]: q["pending"] for q in listed}
+
+    before = await pending()
+    put = await ainvoke(["enqueue", "send-report", "--queue", "reports", "--json"], env)
+    assert put.exit_code == 0, put.output
+    assert json.loads(put.stdout)["queue"] == "reports"
+    said = await ainvoke(["enqueue", "send-report"], env)
+    assert "in queue 'default'" in said.stdout
+    assert await pending() == {"default": before.get("default", 0) + 1, "reports": 1}
+    refused = await ainvoke(["queues", "pause", "reports"], env)  # no terminal, no --yes
+    assert refused.exit_code == ExitCode.USAGE
+    paused = await ainvoke(["queues", "pause", "reports", "--yes"], env)
+    assert paused.exit_code == 0, paused.output
+    assert "paused queue 'reports': paused" in paused.stdout
+    limited = await ainvoke(
+        ["queues", "limit", "reports", "--max-running", "5", "--rate", "10", "--per", "1m"], env
+    )
+    assert limited.exit_code == 0, limited.output
+    assert "at most 5 running, at most 10 starts per 60 s" in limited.stdout
+    table = await ainvoke(["queues", "list"], {**env, "COLUMNS": "200"})
+    assert "paused" in table.stdout
+    assert "at most 5 running" in table.stdout
+    resumed = json.loads((await ainvoke(["queues", "resume", "reports", "--json"], env)).stdout)
+    assert (resumed["paused"], resumed["max_running"], resumed["rate_period_seconds"]) == (
+        False,
+        5,
+        60.0,
+    )
+    cleared = json.loads((await ainvoke(["queues", "limit", "reports", "--json"], env)).stdout)
+    assert (cleared["max_running"], cleared["rate_limit"]) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["queues", "pause", "", "--yes"], "queue must be a str of 1..200"),
+        (["queues", "resume", "a\x00b"], "control character"),
+        (["queues", "limit", "q", "--max-running", "0"], "max_running"),
+        (["queues", "limit", "q", "--rate", "5"], "together"),
+        (["queues", "limit", "q", "--rate", "5", "--per", "soon"], "--per"),
+        (["queues", "limit", "q", "--rate", "0", "--per", "1s"], "rate_limit"),
+    ],
+)
+def test_queue_commands_refuse_bad_arguments_before_connecting(
+    args: list[str], fragment: str
+) -> None:
+    result = invoke([*args, "--dsn", "postgresql://u@127.0.0.1:1/x"])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert fragment in one_error(result)
 
 
 # --- jobs --------------------------------------------------------------------------------------
@@ -476,3 +542,70 @@ async def test_jobs_with_time_zones_and_shorthands(seeded: Any) -> None:
         args = ["jobs", "create", "bad", "--task", "t", "--cron", "0 1 * * *", *bad]
         refused = await ainvoke(args, env)
         assert refused.exit_code == ExitCode.USAGE, (bad, refused.output)
+
+
+# --- tasks show: result, progress, attempts, traceback (issue 13.4, 13.5) -----------------------
+
+
+async def _run_tasks(dsn: str, schema: str) -> tuple[int, int]:
+    """Run one task that reports progress and returns a result, one that fails twice."""
+    from steeple.postgres import queue
+
+    def lookup(ctx: queue.JobContext, args: Any) -> Any:
+        ctx.report_progress(0.5, "halfway")
+        if args == "fail":
+            raise LookupError("no such customer \x1b[31m (an escape in a message)")
+        return {"customer": "ada", "total": 3}
+
+    task: queue.Task[Any] = queue.Task(
+        "lookup", retry=queue.RetryPolicy(max_attempts=2, base_delay=timedelta(milliseconds=1))
+    )
+    conn = await asyncpg.connect(dsn)
+    try:
+        ok = (await queue.enqueue(conn, task, "ok", schema=schema)).id
+        bad = (await queue.enqueue(conn, task, "fail", schema=schema)).id
+        worker = queue.Scheduler(dsn, worker_id="cli-w", schema=schema, poll_interval=0.05)
+        worker.register(task, lookup)
+        stop = asyncio.Event()
+        run = asyncio.create_task(worker.run_until_shutdown(stop))
+        try:
+            for _ in range(600):
+                if (worker.stats.succeeded, worker.stats.failed) == (1, 1) or run.done():
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await asyncio.wait_for(run, 30)
+        return int(ok), int(bad)
+    finally:
+        await conn.close()
+
+
+async def test_tasks_show_prints_result_progress_attempts_and_the_traceback(seeded: Any) -> None:
+    env = {**seeded.env(), "COLUMNS": "200"}
+    ok, bad = await _run_tasks(seeded.dsn, seeded.schema)
+    shown = await ainvoke(["tasks", "show", str(ok)], env)
+    assert shown.exit_code == 0, shown.output
+    assert "result" in shown.stdout
+    assert '"customer":"ada"' in shown.stdout  # jsonb keeps its own key order
+    assert "progress" in shown.stdout
+    assert "50% halfway" in shown.stdout
+    assert "#1 succeeded on cli-w" in shown.stdout
+    detail = json.loads((await ainvoke(["tasks", "show", str(ok), "--json"], env)).stdout)
+    assert detail["result"] == {"customer": "ada", "total": 3}
+    assert detail["progress"] == {"fraction": 0.5, "message": "halfway"}
+    assert [a["outcome"] for a in detail["history"]] == ["succeeded"]
+
+    failed = await ainvoke(["tasks", "show", str(bad)], env)
+    assert failed.exit_code == 0, failed.output
+    text = failed.stdout
+    assert "#1 retried on cli-w" in text
+    assert "#2 failed on cli-w" in text
+    assert "traceback of attempt 2 (LookupError):" in text
+    assert "in lookup" in text
+    assert "\x1b" not in text  # a handler's message cannot steer the terminal
+    detail = json.loads((await ainvoke(["tasks", "show", str(bad), "--json"], env)).stdout)
+    assert detail["state"] == "failed"
+    assert [a["error_type"] for a in detail["history"]] == ["LookupError", "LookupError"]
+    assert "Traceback (most recent call last)" in detail["history"][-1]["traceback"]
+    assert "args" not in detail

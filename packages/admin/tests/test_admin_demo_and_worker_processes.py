@@ -21,6 +21,8 @@ from typing import Any
 import asyncpg
 import pytest
 
+from steeple.admin.settings import ExitCode
+
 STEEPLE = [sys.executable, "-c", "from steeple.admin.cli import main; main()"]
 
 
@@ -590,3 +592,81 @@ async def test_worker_survives_a_broker_raising_type_error(
         assert int(relayed.group(2)) >= 2
     finally:
         await store.close()
+
+
+QUEUE_APP = """
+import os
+from pathlib import Path
+from steeple.postgres import queue
+
+DONE = Path(__file__).with_name("done.txt")
+app = queue.App(schema=os.environ["APP_SCHEMA"])
+
+@app.task(name="write-report", max_attempts=2, queue="reports")
+def write_report(ctx, args):  # a plain def: runs in the worker's thread pool
+    ctx.report_progress(1.0, "written")
+    with DONE.open("a") as fh:
+        fh.write(f"{args['n']}\\n")
+    return {"written": args["n"]}
+"""
+
+
+@pytest.mark.postgres
+async def test_worker_serves_a_queue_app_and_refuses_another_schema(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    from steeple.postgres import queue
+
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    try:
+        await queue.install(conn, schema=schema)
+        ids = [
+            (
+                await queue.enqueue(
+                    conn,
+                    queue.Task("write-report"),
+                    {"n": n},
+                    queue.EnqueueOptions(queue="reports"),  # served: the app's task is there
+                    schema=schema,
+                )
+            ).id
+            for n in range(3)
+        ]
+    finally:
+        await conn.close()
+    (tmp_path / "myqueue.py").write_text(textwrap.dedent(QUEUE_APP))
+    # The app's schema is served (no --queue-schema needed; STEEPLE_SCHEMA is another one).
+    env = _env(STEEPLE_DATABASE_URL=dsn, STEEPLE_SCHEMA="unrelated", APP_SCHEMA=schema)
+    proc = await _spawn(["worker", "--app", "myqueue:app"], env, tmp_path)
+    done = tmp_path / "done.txt"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if done.exists() and len(done.read_text().split()) == 3:
+                break
+            await asyncio.sleep(0.2)
+        _, raw_stderr = await _stop(proc)
+    finally:
+        await _reap(proc)
+    stderr = raw_stderr.decode()
+    assert proc.returncode == 0, stderr
+    assert f"task worker on {schema!r}" in stderr
+    assert sorted(done.read_text().split()) == ["0", "1", "2"]
+    conn = await asyncpg.connect(dsn)
+    try:
+        for n, task_id in enumerate(ids):
+            run = await queue.run_state(conn, task_id, schema=schema)
+            assert (run.state.value, run.result) == ("succeeded", {"written": n})
+            assert run.progress == queue.Progress(1.0, "written")
+    finally:
+        await conn.close()
+
+    other = _env(STEEPLE_DATABASE_URL=dsn, STEEPLE_QUEUE_SCHEMA="not_the_apps", APP_SCHEMA=schema)
+    proc = await _spawn(["worker", "--app", "myqueue:app"], other, tmp_path)
+    try:
+        _, raw_stderr = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await _reap(proc)
+    assert proc.returncode == ExitCode.CONFIG, raw_stderr
+    assert "differs from the app's schema" in raw_stderr.decode()

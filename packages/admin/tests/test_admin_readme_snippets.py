@@ -83,7 +83,8 @@ def check_queue_tour(result: subprocess.CompletedProcess[str]) -> None:
     lines = result.stdout.splitlines()
     sent = sorted(line.split()[2] for line in lines if line.startswith("sent to"))
     assert sent == ["ada@example.com", "flaky@example.com", "later@example.com"]
-    assert lines[-1] == "succeeded"
+    assert "{'width': 256} Progress(fraction=1.0, message='tile 4 of 4')" in lines
+    assert lines[-3:] == ["1 retried TimeoutError", "2 succeeded ", "succeeded"]
 
 
 @pytest.mark.postgres

@@ -382,6 +382,10 @@ class TcpProxy:
         self._links: set[_Link] = set()
         self.stalled = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self.peak = 0
+        """Most connections open through the proxy at once, so far."""
+        self.held = 0
+        """Chunks read while stalled (held back, then dropped by :meth:`heal`)."""
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -402,6 +406,7 @@ class TcpProxy:
             return
         link = _Link(self, writer, up_writer)
         self._links.add(link)
+        self.peak = max(self.peak, len(self._links))
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(link.pump(reader, up_writer, upstream=True))
@@ -411,6 +416,11 @@ class TcpProxy:
         finally:
             self._links.discard(link)
             link.close()
+
+    @property
+    def connections(self) -> int:
+        """Connections open through the proxy now."""
+        return len(self._links)
 
     def stall(self) -> None:
         """Hold every byte in both directions (a frozen network), new connections too."""
@@ -462,6 +472,8 @@ class _Link:
             data = await reader.read(65536)
             if not data:
                 break
+            if self.proxy.stalled:
+                self.proxy.held += 1
             while self.proxy.stalled and not self.is_closed():  # noqa: ASYNC110 - a test proxy
                 await asyncio.sleep(0.02)
             if self.is_closed():

@@ -17,6 +17,7 @@ from broker_suite import (
     ProxiedHarness,
     TcpProxy,
     drain_deliveries,
+    eventually,
     message,
     new_key,
     running_proxy,
@@ -25,6 +26,7 @@ from broker_suite import (
 from steeple.brokers.redis import RedisStreamBroker, RedisStreamConsumer
 from steeple.core.errors import (
     BrokerConfigurationError,
+    BrokerTimeoutError,
     BrokerUnavailableError,
     RelayAcknowledgementError,
 )
@@ -202,6 +204,107 @@ async def test_concurrent_relays_on_one_key_store_one_entry(harness: RedisHarnes
     assert sum(not r.duplicate for r in receipts) == 1
     assert len({r.location for r in receipts}) == 1
     assert await harness.drain() == [(key, message(7))]
+
+
+async def test_a_batch_of_first_publications_opens_one_client(
+    harness: RedisHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by the relay stress test: a relay batch's first publications all call
+    ``start`` at once, and each opened a client of its own (its connection never closed)
+    and logged the persistence warnings again."""
+    broker = RedisStreamBroker(harness.proxy.url("redis", path="/0"), stream=harness.stream)
+    harness.brokers.append(broker)
+    with caplog.at_level(logging.WARNING, logger="steeple.brokers.redis"):
+        await asyncio.gather(*(broker.start() for _ in range(10)))
+        assert harness.proxy.connections == 1
+        keys = [new_key() for _ in range(10)]
+        receipts = await asyncio.gather(
+            *(broker.publish(message(i), idempotency_key=k, timeout=5) for i, k in enumerate(keys))
+        )
+    assert [r.idempotency_key for r in receipts] == keys
+    report = broker.persistence
+    assert report is not None
+    reported = [r for r in caplog.records if r.name == "steeple.brokers.redis"]
+    assert len(reported) == len(report.warnings)  # checked once
+    await broker.close()
+    await eventually(lambda: _no_connections(harness.proxy))  # nothing left open
+
+
+async def test_a_connection_lost_with_the_request_out_is_no_slow_broker(
+    harness: RedisHarness,
+) -> None:
+    """Seen in the relay stress test: a publication whose connection was cut, its key not
+    found afterwards, was reported as "did not acknowledge within 5 s" a fraction of a
+    second in. Still a BrokerTimeoutError (it may yet be accepted), but it says what
+    happened."""
+    broker = await harness.make_broker()
+    await broker.publish(message(0), idempotency_key=new_key(), timeout=5)  # connected
+    harness.proxy.stall()
+    key = new_key()
+    publishing = asyncio.create_task(broker.publish(message(1), idempotency_key=key, timeout=30))
+    await eventually(lambda: _held(harness.proxy))  # the request is on the wire, held
+    harness.proxy.heal()  # ... and dropped with its connection: it never reached Redis
+    with pytest.raises(BrokerTimeoutError) as info:
+        await publishing
+    assert "lost the connection" in str(info.value)
+    assert "within" not in str(info.value)
+    again = await broker.publish(message(1), idempotency_key=key, timeout=5)
+    assert again.duplicate is False  # the republication is the first copy
+    assert [k for k, _ in await harness.drain()][-1] == key
+
+
+async def test_a_lost_reply_costs_only_its_own_connection(harness: RedisHarness) -> None:
+    """Found by the relay stress test: after a lost reply the adapter reset its whole
+    connection pool (on the cancellation and again for the lookup), cutting every other
+    publication in flight on that client; under a relay's 32 concurrent publications one
+    lost reply failed them all, and occurrences spent up to 7 of their 10 attempts."""
+    broker = await harness.make_broker()
+    await asyncio.gather(
+        *(broker.publish(message(i), idempotency_key=new_key(), timeout=5) for i in range(8))
+    )
+    pooled = harness.proxy.connections  # the pool's connections, idle now
+    assert pooled > 1
+    harness.proxy.drop_replies()  # whichever connection the next publication takes
+    key = new_key()
+    with pytest.raises(RelayAcknowledgementError) as info:
+        await broker.publish(message(99), idempotency_key=key, timeout=2)
+    assert info.value.receipt.idempotency_key == key
+    # Only the connection whose reply was lost is closed; the lookup's own is gone too.
+    await eventually(lambda: _connections_are(harness.proxy, pooled - 1))
+    harness.proxy.reset_all()
+    again = await broker.publish(message(99), idempotency_key=key, timeout=5)
+    assert again.duplicate is True
+
+
+async def _connections_are(proxy: TcpProxy, n: int) -> bool:
+    return proxy.connections == n
+
+
+async def _held(proxy: TcpProxy) -> bool:
+    return proxy.held > 0
+
+
+async def test_closed_while_starting_leaves_nothing_open(harness: RedisHarness) -> None:
+    broker = RedisStreamBroker(harness.proxy.url("redis", path="/0"), stream=harness.stream)
+    harness.brokers.append(broker)
+    harness.proxy.stall()  # the PING waits on the wire
+    starting = asyncio.create_task(broker.start())
+    await eventually(lambda: _has_connections(harness.proxy))  # connecting
+    await broker.close()
+    harness.proxy.stalled = False  # the held bytes flow again: the start completes
+    with pytest.raises(BrokerUnavailableError, match="closed"):
+        await starting
+    await eventually(lambda: _no_connections(harness.proxy))
+    with pytest.raises(BrokerUnavailableError, match="closed"):
+        await broker.publish(message(0), idempotency_key=new_key(), timeout=5)
+
+
+async def _no_connections(proxy: TcpProxy) -> bool:
+    return proxy.connections == 0
+
+
+async def _has_connections(proxy: TcpProxy) -> bool:
+    return proxy.connections > 0
 
 
 async def test_consumer_redelivers_after_the_visibility_timeout(

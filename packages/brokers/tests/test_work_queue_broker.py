@@ -25,6 +25,7 @@ from steeple.brokers.queue import WorkQueueBroker, decode_task_args
 from steeple.core.errors import (
     BrokerConfigurationError,
     BrokerUnavailableError,
+    ConfigurationError,
     RelayAcknowledgementError,
 )
 from steeple.core.messages import ScheduledMessage
@@ -142,6 +143,32 @@ async def test_concurrent_relays_on_one_key_enqueue_one_task(harness: QueueHarne
     )
     assert sum(not r.duplicate for r in receipts) == 1
     assert len(await harness.drain()) == 1
+
+
+async def test_concurrent_publications_share_a_bounded_number_of_connections(
+    harness: QueueHarness,
+) -> None:
+    """Found by the relay stress test: each publication opened its own connection, so a
+    relay's 32 concurrent publications times four relay processes ran the server out of
+    connections (TooManyConnectionsError) and occurrences became dead letters."""
+    broker = WorkQueueBroker(
+        dsn_via(harness.dsn, harness.proxy.port), schema=harness.schema, max_connections=3
+    )
+    harness.brokers.append(broker)
+    keys = [new_key() for _ in range(30)]
+    receipts = await asyncio.gather(
+        *(broker.publish(message(i), idempotency_key=k, timeout=20) for i, k in enumerate(keys))
+    )
+    assert [r.idempotency_key for r in receipts] == keys
+    assert not any(r.duplicate for r in receipts)
+    assert harness.proxy.peak == 3  # waited for a turn, never more at once
+    assert sorted(k for k, _ in await harness.drain()) == sorted(keys)
+
+
+@pytest.mark.parametrize("bad", [0, 101, -1, True, 2.5, "8", None])
+def test_max_connections_out_of_range_is_refused(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match="max_connections"):
+        WorkQueueBroker("postgresql://u@127.0.0.1/db", max_connections=bad)
 
 
 async def test_ledger_window_and_purge(harness: QueueHarness) -> None:

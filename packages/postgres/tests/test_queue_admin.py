@@ -40,7 +40,7 @@ async def _fail(conn: asyncpg.Connection, schema: str, name: str, **options: Any
     task_id = await _enqueue(conn, schema, name, **options)
     claimed, token = await _claim(conn, schema, name)
     assert claimed == task_id
-    assert await conn.fetch(queue_sql(schema).fail, task_id, token, "boom", "w")
+    assert await conn.fetch(queue_sql(schema).fail, task_id, token, "boom", "w", None, None, None)
     return task_id
 
 
@@ -134,7 +134,7 @@ async def test_retry_sends_a_failed_task_back_to_pending_for_another_attempt(que
     # a worker takes it again: attempt 2 of 2
     claimed, token = await _claim(conn, schema, "r")
     assert claimed == exhausted
-    assert await conn.fetch(queue_sql(schema).complete, [claimed], [token], "w")
+    assert await conn.fetch(queue_sql(schema).complete, [claimed], [token], "w", [None], [None])
     done = await pq.run_state(conn, exhausted, schema=schema)
     assert (done.state, done.attempts) == (TaskState.SUCCEEDED, 2)
     outcomes = await conn.fetch(
@@ -160,7 +160,7 @@ async def test_retry_refuses_tasks_that_are_not_failed_and_changes_nothing(queue
     await queue_module_cancel(conn, schema, cancelled)
     succeeded = await _enqueue(conn, schema, "ok")
     claimed, token = await _claim(conn, schema, "ok")
-    await conn.fetch(queue_sql(schema).complete, [claimed], [token], "w")
+    await conn.fetch(queue_sql(schema).complete, [claimed], [token], "w", [None], [None])
     for task_id, state in (
         (pending, TaskState.PENDING),
         (running, TaskState.RUNNING),

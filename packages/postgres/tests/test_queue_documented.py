@@ -54,7 +54,7 @@ async def test_claim_takes_a_task_referenced_by_an_uncommitted_insert(queue: Any
             assert skipped == []
             # ... while the claim (FOR NO KEY UPDATE SKIP LOCKED) takes it.
             claimed = await conn.fetch(
-                f'SELECT id FROM "{schema}".claim($1::text[], 10, $2, '
+                f"SELECT id FROM \"{schema}\".claim(ARRAY['default'], ARRAY[10], $1::text[], $2, "
                 "extract(epoch FROM clock_timestamp())::double precision + 60)",
                 ["documented"],
                 "w1",

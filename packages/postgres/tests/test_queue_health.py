@@ -33,7 +33,7 @@ from steeple.postgres.queue._db import open_db
 
 LONG: Task[Any] = Task("health.long")
 SHORT: Task[Any] = Task("health.short")
-CLAIM = "claim(text[], integer, text, double precision)"
+CLAIM = "claim(text[], integer[], text[], text, double precision)"
 
 wait_until = functools.partial(queue_support.wait_until, timeout=20.0)
 

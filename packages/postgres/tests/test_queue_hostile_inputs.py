@@ -604,6 +604,7 @@ SCHEDULER_OPTIONS: dict[str, st.SearchStrategy[Any]] = {
     "poll_interval": SECONDS,
     "maintenance_interval": SECONDS,
     "query_timeout": SECONDS,
+    "loop_lag_threshold": st.one_of(st.none(), SECONDS),
     "concurrency": INTS,
     "batch_size": st.one_of(st.none(), INTS),
     "listen": st.one_of(st.booleans(), WRONG_TYPES, st.just("no")),
@@ -645,8 +646,9 @@ async def test_register_and_run_until_shutdown(pg_schema: tuple[str, str]) -> No
         handler_choice=st.one_of(st.just(handler), st.just(handler), WRONG_TYPES),
         stop=st.one_of(st.just("event"), WRONG_TYPES),
         drain=SECONDS,
+        hard_stop=st.one_of(st.none(), st.just("event"), WRONG_TYPES),
     )
-    def check(task: Any, handler_choice: Any, stop: Any, drain: Any) -> None:
+    def check(task: Any, handler_choice: Any, stop: Any, drain: Any, hard_stop: Any) -> None:
         worker = Scheduler(dsn, worker_id="hostile", schema=schema, query_timeout=10)
 
         def register() -> bool:
@@ -661,7 +663,8 @@ async def test_register_and_run_until_shutdown(pg_schema: tuple[str, str]) -> No
             event = asyncio.Event() if stop == "event" else stop
             if isinstance(event, asyncio.Event):
                 event.set()
-            await worker.run_until_shutdown(event, drain_timeout=drain)
+            hard = asyncio.Event() if hard_stop == "event" else hard_stop
+            await worker.run_until_shutdown(event, drain_timeout=drain, hard_stop=hard)
 
         outcome(lambda: on_loop(run), (QueueConfigurationError, SchemaVersionMismatchError))
 

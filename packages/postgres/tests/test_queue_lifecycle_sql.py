@@ -59,15 +59,19 @@ def test_the_claim_function_moves_tasks_as_the_table_says() -> None:
     sql = _migrations()
     # The newest definition of the claim function is the one installed.
     body = _last(r"FUNCTION __SCHEMA__\.claim\(.*?AS \$\$(.*?)\$\$;", sql).group(1)
-    picked = re.findall(r"p\.state = '(\w+)'", body)
+    # Every walk (one per queue, per limited task name, and the rest) picks from one state.
+    picked = set(re.findall(r"p\.state = '(\w+)'", body))
     written = re.findall(r"SET state = '(\w+)'", body)
     assert len(picked) == 1, picked
     assert len(written) == 1, written
-    source, target = TaskState(picked[0]), TaskState(written[0])
+    source, target = TaskState(picked.pop()), TaskState(written[0])
     assert (source, TaskEvent.CLAIM) in TASK_TRANSITIONS
     assert transition(source, TaskEvent.CLAIM) is target
     # It claims from every state the table allows a claim in, and only those.
     assert {source} == CLAIM_SOURCES
+    # Global concurrency limits count the tasks in the state a claim leads to.
+    counted = set(re.findall(r"t\.state = '(\w+)'", body))
+    assert counted == {target.value}, counted
 
 
 def test_constraints_and_indexes_match_the_table() -> None:
@@ -89,6 +93,8 @@ def test_constraints_and_indexes_match_the_table() -> None:
     assert {TaskState(claim_idx.group(1))} == CLAIM_SOURCES
     lease_idx = _last(r"tasks_lease_idx ON [^;]*WHERE state = '(\w+)'", sql)
     assert TaskState(lease_idx.group(1)) is running
+    running_idx = _last(r"tasks_running_idx ON [^;]*WHERE state = '(\w+)'", sql)
+    assert TaskState(running_idx.group(1)) is running
     terminal_idx = _last(r"tasks_terminal_idx ON [^;]*WHERE state IN \(([^)]*)\)", sql)
     assert _states(terminal_idx.group(1)) == TERMINAL_TASK_STATES
     dedup_idx = _last(r"tasks_dedup_idx ON [^;]*state IN \(([^)]*)\)", sql)
@@ -161,18 +167,30 @@ async def test_each_statement_makes_the_move_of_its_event(queue: Any) -> None:
 
     ok = await db.enqueue()
     token = await db.claim(ok)
-    await db.moved(ok, TaskEvent.SUCCEED, sql.complete, [ok], [token], "w")
+    await db.moved(ok, TaskEvent.SUCCEED, sql.complete, [ok], [token], "w", [None], [None])
     assert (await conn.fetch(sql.completed_by, [ok], [1], [await _started(db, ok)], "w")) != []
 
     retried = await db.enqueue()
     token = await db.claim(retried)
     await db.moved(
-        retried, TaskEvent.FAIL_RETRYABLE, sql.retry, retried, token, timedelta(0), "e", "w"
+        retried,
+        TaskEvent.FAIL_RETRYABLE,
+        sql.retry,
+        retried,
+        token,
+        timedelta(0),
+        "e",
+        "w",
+        None,
+        None,
+        None,
     )
 
     failed = await db.enqueue()
     token = await db.claim(failed)
-    await db.moved(failed, TaskEvent.FAIL_PERMANENT, sql.fail, failed, token, "e", "w")
+    await db.moved(
+        failed, TaskEvent.FAIL_PERMANENT, sql.fail, failed, token, "e", "w", None, None, None
+    )
 
     released = await db.enqueue()
     token = await db.claim(released)

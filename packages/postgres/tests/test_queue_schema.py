@@ -35,6 +35,8 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             (1, "0001_create_queue_tables"),
             (2, "0002_due_work_survives_clock_steps"),
             (5, "0005_job_time_zones_and_trace_context"),
+            (6, "0006_named_queues_and_limits"),
+            (7, "0007_results_progress_and_failure_details"),
         ]
         assert await conn.fetchval("SELECT to_regproc($1) IS NOT NULL", f'"{schema}".claim')
         tables = {
@@ -43,7 +45,7 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
                 "SELECT tablename FROM pg_tables WHERE schemaname = $1", schema
             )
         }
-        assert {"tasks", "jobs", "attempts", "schema_migrations"} <= tables
+        assert {"tasks", "jobs", "attempts", "schema_migrations", "settings"} <= tables
         indexes = {
             r["indexname"]: r["indexdef"]
             for r in await conn.fetch(
@@ -51,6 +53,8 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             )
         }
         assert "WHERE (state = 'pending'" in indexes["tasks_claim_idx"]
+        assert "(queue, priority DESC, run_at, id)" in indexes["tasks_claim_idx"]
+        assert "WHERE (state = 'running'" in indexes["tasks_running_idx"]
         assert "WHERE (state = 'running'" in indexes["tasks_lease_idx"]
         assert "succeeded" in indexes["tasks_terminal_idx"]
         assert "UNIQUE" in indexes["tasks_dedup_idx"]

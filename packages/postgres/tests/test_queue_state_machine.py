@@ -77,13 +77,17 @@ class PostgresQueueDriver:
         return bool(await self.rows(self.sql.renew, [task_id], [token]))
 
     async def complete(self, task_id: int, token: Hashable) -> bool:
-        return bool(await self.rows(self.sql.complete, [task_id], [token], "w"))
+        return bool(await self.rows(self.sql.complete, [task_id], [token], "w", [None], [None]))
 
     async def retry(self, task_id: int, token: Hashable) -> bool:
-        return bool(await self.rows(self.sql.retry, task_id, token, timedelta(0), "flaky", "w"))
+        return bool(
+            await self.rows(
+                self.sql.retry, task_id, token, timedelta(0), "flaky", "w", None, None, None
+            )
+        )
 
     async def fail(self, task_id: int, token: Hashable) -> bool:
-        return bool(await self.rows(self.sql.fail, task_id, token, "boom", "w"))
+        return bool(await self.rows(self.sql.fail, task_id, token, "boom", "w", None, None, None))
 
     async def cancel(self, task_id: int) -> tuple[str, bool]:
         ((before, changed),) = await self.rows(self.sql.cancel, task_id)

@@ -125,7 +125,8 @@ async def test_a_run_continues_the_enqueuers_trace(
     assert send.attributes is not None
     assert send.attributes["messaging.system"] == "steeple"
     assert send.attributes["messaging.operation.type"] == "send"
-    assert send.attributes["messaging.destination.name"] == "send-mail"
+    assert send.attributes["messaging.destination.name"] == "default"  # the named queue
+    assert send.attributes["steeple.task.queue"] == "default"
     assert send.attributes["steeple.task.id"] == queued.id
     assert send.attributes["steeple.task.deduplicated"] is False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -24,6 +25,7 @@ from steeple.postgres.queue import (
     LeaseLostError,
     QueueConfigurationError,
     QueueError,
+    QueueTypeError,
     Scheduler,
     Task,
     UnknownTaskError,
@@ -404,6 +406,46 @@ async def test_hard_stop_after_the_drain_deadline_hands_work_back(queue: QueueFi
     assert idle == 0
 
 
+@pytest.mark.parametrize("before_stop", [False, True])
+async def test_hard_stop_hands_work_back_at_once(queue: QueueFixture, before_stop: bool) -> None:
+    """``hard_stop`` (a second SIGTERM in ``steeple worker``) ends a long drain now."""
+    dsn, schema, conn = queue
+    started = asyncio.Event()
+    done = await enqueue(conn, PLAIN, 1, schema=schema)
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        started.set()
+        await asyncio.sleep(600)
+
+    worker.register(PLAIN, handler)
+    stop, hard = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=600, hard_stop=hard))
+    await asyncio.wait_for(started.wait(), 10)
+    if not before_stop:
+        stop.set()
+        await asyncio.sleep(0)
+        assert not task.done()  # draining: the handler keeps running
+    hard.set()  # a hard stop alone stops claiming too
+    await asyncio.wait_for(task, 15)
+    row = await run_state(conn, done.id, schema=schema)
+    assert (row.state.value, row.attempts) == ("pending", 0)
+    assert worker.stats.released == 1
+    assert (worker.stats.succeeded, worker.stats.claimed) == (0, 1)
+
+
+async def test_a_hard_stop_that_is_not_an_event_is_refused(queue: QueueFixture) -> None:
+    dsn, schema, _conn = queue
+    worker = worker_for(dsn, schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        return None
+
+    worker.register(PLAIN, handler)
+    with pytest.raises(QueueTypeError, match=r"hard_stop must be an asyncio\.Event"):
+        await worker.run_until_shutdown(asyncio.Event(), hard_stop=True)  # type: ignore[arg-type]
+
+
 async def test_unregistered_task_names_are_left_alone(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     other = await enqueue(conn, OTHER, 1, schema=schema)
@@ -608,3 +650,71 @@ async def test_a_batch_of_completions_is_counted_under_each_tasks_name(
     assert any(len({names[i] for i in batch}) == 2 for batch in batches), batches
     assert recorders["succeeded"].per_task() == {"plain": 20, "other": 20}
     assert recorders["claimed"].per_task() == {"plain": 20, "other": 20}
+
+
+async def test_a_handler_that_blocks_the_loop_is_counted_and_named(
+    queue: QueueFixture, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's loop-lag monitor: ``stats.loop_stalls``, the histogram, the log line."""
+    import threading
+
+    from steeple.postgres.queue import _metrics
+
+    dsn, schema, conn = queue
+    recorders = {field.name: _Recorder() for field in _metrics.QueueInstruments.__attrs_attrs__}
+    monkeypatch.setattr(_metrics, "instruments", lambda: _metrics.QueueInstruments(**recorders))
+    reported = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "has been blocked" in record.getMessage():
+                reported.set()
+
+    watch = Watch()
+    logging.getLogger("steeple.engine.looplag").addHandler(watch)
+    done = await enqueue(conn, PLAIN, 1, schema=schema)
+    worker = worker_for(dsn, schema, loop_lag_threshold=0.05)
+
+    async def careless_handler(ctx: JobContext, args: Any) -> None:
+        # Blocks the event loop until the monitor's watchdog has seen it blocked.
+        assert reported.wait(30)
+
+    worker.register(PLAIN, careless_handler)
+    try:
+        with caplog.at_level(logging.WARNING, "steeple.engine.looplag"):
+            async with running(worker):
+                await wait_until(lambda: worker.stats.succeeded == 1)
+                await wait_until(lambda: worker.stats.loop_stalls >= 1)
+    finally:
+        logging.getLogger("steeple.engine.looplag").removeHandler(watch)
+    assert await _state(conn, schema, done.id) == "succeeded"
+    stalled = [r.getMessage() for r in caplog.records if "stalled for" in r.getMessage()]
+    assert len(stalled) == worker.stats.loop_stalls
+    assert any(
+        f"task \"steeple task 'plain' #{done.id} attempt 1\"" in m and "careless_handler" in m
+        for m in stalled
+    ), stalled
+    assert len(recorders["loop_stall"].calls) == worker.stats.loop_stalls
+    assert all(lag > 0.05 for lag, _ in recorders["loop_stall"].calls)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 0.0, 0.001, 7200, "0.5", True])
+def test_a_bad_loop_lag_threshold_is_refused(bad: Any) -> None:
+    with pytest.raises((QueueConfigurationError, QueueTypeError), match="loop_lag_threshold"):
+        Scheduler("postgresql://h/db", worker_id="w", loop_lag_threshold=bad)
+
+
+async def test_loop_lag_detection_can_be_turned_off(queue: QueueFixture) -> None:
+    import threading
+
+    dsn, schema, conn = queue
+    await enqueue(conn, PLAIN, 1, schema=schema)
+    worker = worker_for(dsn, schema, loop_lag_threshold=None)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        return None
+
+    worker.register(PLAIN, handler)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.succeeded == 1)
+        assert "steeple loop-lag watchdog" not in {t.name for t in threading.enumerate()}

@@ -656,11 +656,26 @@ def _occurrences_table(items: Sequence[OccurrenceInfo], actions: bool = False) -
     return _table("Occurrences", "occurrence", headings, rows)
 
 
+def _progress(task: TaskRecord) -> str:
+    if task.progress is None:
+        return ""
+    shown = f"{task.progress:.0%}"
+    return shown if task.progress_message is None else f"{shown} {task.progress_message}"
+
+
 def _tasks_table(items: Sequence[TaskRecord], actions: bool = False) -> str:
     headings, rows = _with_actions(
-        ["id", "name", "state", "attempts", "run at", "last error"],
+        ["id", "name", "state", "attempts", "progress", "run at", "last error"],
         [
-            [t.task_id, t.name, t.state, f"{t.attempts}/{t.max_attempts}", t.run_at, t.last_error]
+            [
+                t.task_id,
+                t.name,
+                t.state,
+                f"{t.attempts}/{t.max_attempts}",
+                _progress(t),
+                t.run_at,
+                t.last_error,
+            ]
             for t in items
         ],
         [

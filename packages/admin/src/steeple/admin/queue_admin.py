@@ -37,6 +37,8 @@ def task_record(run: TaskRun) -> TaskRecord:
         # The latest instant a run records: finished, else started, else created.
         updated_at=run.finished_at or run.started_at or run.created_at,
         last_error=run.last_error,
+        progress=None if run.progress is None else run.progress.fraction,
+        progress_message=None if run.progress is None else run.progress.message,
     )
 
 

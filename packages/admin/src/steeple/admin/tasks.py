@@ -81,6 +81,9 @@ class TaskRecord:
     created_at: datetime | None
     updated_at: datetime | None = None
     last_error: str | None = None
+    progress: float | None = None
+    """The latest progress its handler reported, a fraction within [0, 1]."""
+    progress_message: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -94,6 +97,8 @@ class TaskRecord:
             "created_at": _iso(self.created_at),
             "updated_at": _iso(self.updated_at),
             "last_error": self.last_error,
+            "progress": self.progress,
+            "progress_message": self.progress_message,
         }
 
 

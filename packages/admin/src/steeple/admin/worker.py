@@ -1,10 +1,17 @@
 """``steeple worker --app module:object``: run an application's relay and task handlers.
 
-The object is a :class:`WorkerApp`, or a callable (sync or async, no arguments) returning
-one. A ``broker`` runs :class:`steeple.postgres.RecurringRelay` (tick, claim, relay) for the
-namespace; ``tasks``
-run the work-queue worker. SIGINT / SIGTERM stop both gracefully: nothing new is claimed,
-in-flight work finishes (within ``drain_timeout``), then the process exits 0.
+The object is a :class:`WorkerApp` or a work-queue :class:`steeple.postgres.queue.App`
+(every task it declares is served, on its schema), or a callable (sync or async, no
+arguments) returning one. A ``broker`` runs :class:`steeple.postgres.RecurringRelay`
+(tick, claim, relay) for the namespace; ``tasks`` run the work-queue worker. SIGINT /
+SIGTERM stop both gracefully: nothing new is claimed, in-flight work finishes (within
+``drain_timeout``), then the process exits 0.
+
+When the drain deadline passes, or a second SIGINT / SIGTERM arrives, the stop is hard:
+running handlers are cancelled and their tasks handed back (pending, attempt refunded;
+a release that cannot be written leaves the lease to lapse), and a relay round still
+publishing is cancelled (its leases lapse; the occurrences are relayed again under the
+same idempotency keys). Every outcome is fenced, so nothing finished is recorded twice.
 """
 
 from __future__ import annotations
@@ -40,7 +47,15 @@ class WorkerApp:
         worker_id: the task worker's name (shown on claimed tasks).
         concurrency: the most task handlers running at once.
         relay_batch: leases claimed per relay round (1-100).
-        drain_timeout: seconds in-flight handlers get after a stop signal.
+        drain_timeout: seconds in-flight handlers and the relay's current round get
+            after a stop signal, before the hard stop.
+        loop_lag_threshold: seconds of event-loop lag reported as a stall, with a
+            warning naming the handler or broker call that blocked the loop; ``None``
+            turns the detection off (see :mod:`steeple.engine.looplag`).
+        queue_schema: the work queue's schema (default: the command's ``--queue-schema``);
+            set from a ``steeple.postgres.queue.App``'s schema.
+        queues: the named queues the task worker serves (default: ``"default"`` only);
+            set from the queues an App's tasks are declared in.
     """
 
     broker: MessageBroker | None = None
@@ -49,6 +64,9 @@ class WorkerApp:
     concurrency: int = 16
     relay_batch: int = 20
     drain_timeout: float = 30.0
+    loop_lag_threshold: float | None = 0.5
+    queue_schema: str | None = None
+    queues: Sequence[str] | None = None
 
 
 def load_worker_app(reference: str) -> Any:
@@ -89,15 +107,26 @@ def load_worker_app(reference: str) -> Any:
 
 
 async def _resolve(value: Any) -> WorkerApp:
-    if not isinstance(value, WorkerApp) and callable(value):
+    from steeple.postgres.queue import App
+
+    if not isinstance(value, WorkerApp | App) and callable(value):
         value = value()
         if inspect.isawaitable(value):
             value = await value
+    if isinstance(value, App):
+        if not value.tasks:
+            raise CliError(
+                "the queue App declares no task: nothing to run",
+                code=ExitCode.CONFIG,
+                hint="decorate a handler with @app.task in the module --app imports",
+            )
+        value = WorkerApp(tasks=value.handlers(), queue_schema=value.schema, queues=value.queues)
     if not isinstance(value, WorkerApp):
         raise CliError(
-            f"--app gave a {type(value).__name__}, not a steeple.admin.WorkerApp",
+            f"--app gave a {type(value).__name__}, not a steeple.admin.WorkerApp or a "
+            "steeple.postgres.queue.App",
             code=ExitCode.CONFIG,
-            hint="return WorkerApp(broker=..., tasks=[(task, handler), ...])",
+            hint="return WorkerApp(broker=..., tasks=[(task, handler), ...]) or a queue App",
         )
     if value.broker is None and not value.tasks:
         raise CliError(
@@ -123,11 +152,12 @@ async def run_worker(
 
     worker_app = await _resolve(spec)
     stop = stop or asyncio.Event()
+    hard_stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signum, _stopper(stop, log, signum))
+            loop.add_signal_handler(signum, _stopper(stop, hard_stop, log, signum))
             installed.append(signum)
     relay: Any = None
     store = None
@@ -135,14 +165,17 @@ async def run_worker(
     try:
         if worker_app.broker is not None:
             store = await connect_store(target)
+        queue_schema = _queue_schema(worker_app, target)
         if worker_app.tasks:
             from steeple.postgres.queue import Scheduler
 
             scheduler = Scheduler(
                 target.dsn,
                 worker_id=worker_app.worker_id,
-                schema=target.queue_schema,
+                schema=queue_schema,
                 concurrency=worker_app.concurrency,
+                loop_lag_threshold=worker_app.loop_lag_threshold,
+                queues=["default"] if worker_app.queues is None else list(worker_app.queues),
             )
             for task, handler in worker_app.tasks:
                 scheduler.register(task, handler)
@@ -150,18 +183,35 @@ async def run_worker(
         if store is not None:
             parts.append(f"relay for namespace {target.namespace!r}")
         if scheduler is not None:
-            parts.append(f"task worker on {target.queue_schema!r}")
+            parts.append(f"task worker on {queue_schema!r}")
         log(f"steeple worker: running {' and '.join(parts)}; Ctrl-C or SIGTERM to stop")
         async with asyncio.TaskGroup() as group:
+            relay_task: asyncio.Task[None] | None = None
+            work: list[asyncio.Task[None]] = []
             if store is not None and worker_app.broker is not None:
                 from steeple.postgres import RecurringRelay
 
-                relay = RecurringRelay(store, worker_app.broker, claim_limit=worker_app.relay_batch)
-                group.create_task(relay.run(stop))
-            if scheduler is not None:
-                group.create_task(
-                    scheduler.run_until_shutdown(stop, drain_timeout=worker_app.drain_timeout)
+                relay = RecurringRelay(
+                    store,
+                    worker_app.broker,
+                    claim_limit=worker_app.relay_batch,
+                    loop_lag_threshold=worker_app.loop_lag_threshold,
                 )
+                relay_task = group.create_task(relay.run(stop), name="steeple relay")
+                work.append(relay_task)
+            if scheduler is not None:
+                work.append(
+                    group.create_task(
+                        scheduler.run_until_shutdown(
+                            stop, drain_timeout=worker_app.drain_timeout, hard_stop=hard_stop
+                        ),
+                        name="steeple task worker",
+                    )
+                )
+            group.create_task(
+                _supervise(work, relay_task, stop, hard_stop, worker_app.drain_timeout, log),
+                name="steeple worker stop",
+            )
     finally:
         for signum in installed:
             loop.remove_signal_handler(signum)
@@ -171,12 +221,83 @@ async def run_worker(
         log(
             f"steeple worker: relayed {relay.published} occurrences ({relay.failed} relay failures)"
         )
+    if scheduler is not None:
+        stats = scheduler.stats
+        log(
+            f"steeple worker: tasks: {stats.succeeded} succeeded, {stats.retried} retried, "
+            f"{stats.failed} failed, {stats.released} handed back, "
+            f"{stats.rejected_completions} outcomes rejected (lease lost)"
+        )
 
 
-def _stopper(stop: asyncio.Event, log: Callable[[str], None], signum: int) -> Callable[[], None]:
+def _queue_schema(worker_app: WorkerApp, target: Target) -> str:
+    """Return the queue schema to serve: the app's, unless the command named another."""
+    chosen = worker_app.queue_schema
+    if chosen is None:
+        return target.queue_schema
+    override = target.queue_schema_override
+    if override is not None and override != chosen:
+        raise CliError(
+            f"--queue-schema {override!r} differs from the app's schema {chosen!r}",
+            code=ExitCode.CONFIG,
+            hint="drop --queue-schema, or build the App with App(schema=...) to match",
+        )
+    return chosen
+
+
+async def _supervise(
+    work: list[asyncio.Task[None]],
+    relay_task: asyncio.Task[None] | None,
+    stop: asyncio.Event,
+    hard_stop: asyncio.Event,
+    drain_timeout: float,
+    log: Callable[[str], None],
+) -> None:
+    """After ``stop``, give the work ``drain_timeout`` seconds, then stop it hard.
+
+    The task worker watches ``hard_stop`` itself (it hands its running tasks back); a
+    relay round still running at the hard stop is cancelled: its leases lapse and the
+    occurrences are relayed again under the same idempotency keys.
+    """
+    if not work:
+        return
+    done = asyncio.ensure_future(asyncio.wait(work))
+    try:
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({done, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if done.done():
+            return
+        hard = asyncio.ensure_future(hard_stop.wait())
+        await asyncio.wait({done, hard}, timeout=drain_timeout, return_when=asyncio.FIRST_COMPLETED)
+        hard.cancel()
+        if done.done():
+            return
+        if not hard_stop.is_set():
+            log(f"steeple worker: the {drain_timeout:g} s drain deadline passed; stopping hard")
+            hard_stop.set()
+        if relay_task is not None and not relay_task.done():
+            log(
+                "steeple worker: relay round cancelled; its leases lapse and the occurrences "
+                "are relayed again under the same idempotency keys"
+            )
+            relay_task.cancel()
+        await done
+    finally:
+        done.cancel()
+
+
+def _stopper(
+    stop: asyncio.Event, hard_stop: asyncio.Event, log: Callable[[str], None], signum: int
+) -> Callable[[], None]:
+    name = signal.Signals(signum).name
+
     def handler() -> None:
         if not stop.is_set():
-            log(f"steeple worker: {signal.Signals(signum).name} received, stopping gracefully")
-        stop.set()
+            log(f"steeple worker: {name} received, stopping gracefully")
+            stop.set()
+        elif not hard_stop.is_set():
+            log(f"steeple worker: {name} received again, stopping hard")
+            hard_stop.set()
 
     return handler

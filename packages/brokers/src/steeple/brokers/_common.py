@@ -435,9 +435,14 @@ async def publish_guarded(
         ) from original
     if unexpected is not None:
         raise _unexpected(broker, unexpected, sent=True) from unexpected
+    if isinstance(original, AckUncertainError):
+        # Not a slow broker: the connection failed with the request out (seconds before
+        # the deadline, which the message must not claim ran out).
+        what = f"lost the connection ({original}) before acknowledging the publication"
+    else:
+        what = f"did not acknowledge the publication within {timeout:g} s"
     raise BrokerTimeoutError(
-        f"{broker} did not acknowledge the publication within {timeout:g} s; it may have "
-        "accepted it: republish with the same idempotency key",
+        f"{broker} {what}; it may have accepted it: republish with the same idempotency key",
         timeout=timeout,
         idempotency_key=key,
     ) from original

@@ -118,6 +118,11 @@ class WorkQueueBroker(AsyncLifecycle):
         required_window: the delivery window the ledger must cover.
         max_message_bytes: refuse larger messages for good.
         connect_timeout: seconds allowed to connect.
+        max_connections: connections open at once (default 8); each publication (and
+            each lookup) opens its own, and the others wait for a turn within their
+            deadline. A relay publishes up to 32 at once, so without a bound a few relay
+            processes exhaust the server's ``max_connections`` and every publication
+            fails.
 
     Raises:
         ConfigurationError: invalid arguments.
@@ -135,7 +140,15 @@ class WorkQueueBroker(AsyncLifecycle):
         required_window: timedelta = limits.DEFAULT_DELIVERY_WINDOW,
         max_message_bytes: int = 256 * 1024,
         connect_timeout: float = 5.0,
+        max_connections: int = 8,
     ) -> None:
+        if (
+            isinstance(max_connections, bool)
+            or not isinstance(max_connections, int)
+            or not 1 <= max_connections <= 100
+        ):
+            raise ConfigurationError("max_connections must be an int from 1 to 100")
+        self._slots = asyncio.Semaphore(max_connections)
         if (
             isinstance(max_message_bytes, bool)
             or not isinstance(max_message_bytes, int)
@@ -181,25 +194,39 @@ class WorkQueueBroker(AsyncLifecycle):
         self._open.clear()
 
     async def _connect(self) -> Any:
+        """Wait for a free connection slot, then connect; :meth:`_release` frees both."""
         if self._closed:
             raise BrokerUnavailableError("work queue: this broker was closed")
+        await self._slots.acquire()
         try:
+            if self._closed:
+                raise BrokerUnavailableError("work queue: this broker was closed")
             conn = await asyncpg.connect(self._dsn, timeout=self._connect_timeout)
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+            self._slots.release()
             raise BrokerUnavailableError(
                 f"work queue: cannot connect to {redact_dsn(self._dsn)} ({type(exc).__name__})"
             ) from None
+        except BaseException:
+            self._slots.release()
+            raise
         self._open.add(conn)
         return conn
 
     async def _release(self, conn: Any) -> None:
         self._open.discard(conn)
-        if not conn.is_closed():
-            try:
-                async with asyncio.timeout(1):
-                    await conn.close()
-            except (TimeoutError, OSError, asyncpg.PostgresError):
-                conn.terminate()
+        try:
+            if not conn.is_closed():
+                try:
+                    async with asyncio.timeout(1):
+                        await conn.close()
+                except (TimeoutError, OSError, asyncpg.PostgresError):
+                    conn.terminate()
+                except BaseException:
+                    conn.terminate()  # cancelled while closing: nothing may stay open
+                    raise
+        finally:
+            self._slots.release()
 
     async def install(self) -> None:
         """Create the dedup ledger table in the queue's schema (idempotent).

@@ -17,6 +17,7 @@ tag (``{orders}``) and the default prefix ``<stream>:dedup:`` follows it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import timedelta
 from typing import Any
@@ -189,6 +190,9 @@ class RedisStreamBroker(AsyncLifecycle):
         self._script: Any = None
         self._report: PersistenceReport | None = None
         self._closed = False
+        # The first publications of a relay batch all call start at once: one connects,
+        # the others wait for it (each would otherwise open, and leak, a client of its own).
+        self._start_lock = asyncio.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -228,7 +232,19 @@ class RedisStreamBroker(AsyncLifecycle):
         if self._closed:
             raise BrokerUnavailableError("redis: this broker was closed")
         if self._client is not None:
-            return
+            return  # the lock is for the first start only; every publish asks
+        async with self._start_lock:
+            if self._client is None and not self._closed:
+                await self._connect()
+            if self._was_closed():
+                await self.close()  # closed while connecting: nothing may stay open
+                raise BrokerUnavailableError("redis: this broker was closed")
+
+    def _was_closed(self) -> bool:
+        """Whether :meth:`close` ran (read afresh after an await)."""
+        return self._closed
+
+    async def _connect(self) -> None:
         client = aioredis.Redis.from_url(
             self._url,
             socket_connect_timeout=self._connect_timeout,
@@ -243,18 +259,18 @@ class RedisStreamBroker(AsyncLifecycle):
                 raise BrokerUnavailableError(
                     f"redis: cannot connect to {redact_url(self._url)} ({type(exc).__name__})"
                 ) from None
-            self._client = client
-            self._script = client.register_script(_PUBLISH_SCRIPT)
-            report = await self.check_persistence()
+            report = await self._check_persistence(client)
             if self._strict and report.warnings:
                 raise BrokerConfigurationError(
                     "redis: the server cannot keep dedup markers durably: "
                     + " ".join(report.warnings)
                 )
         except BaseException:
-            self._client = None
             await client.aclose()
             raise
+        # Published only once checked: a publication never sees a half-started broker.
+        self._script = client.register_script(_PUBLISH_SCRIPT)
+        self._client = client
 
     async def check_persistence(self) -> PersistenceReport:
         """Read the settings the dedup promise relies on and report what falls short.
@@ -267,6 +283,9 @@ class RedisStreamBroker(AsyncLifecycle):
         client = self._client
         if client is None:
             raise BrokerUnavailableError("redis: not started")
+        return await self._check_persistence(client)
+
+    async def _check_persistence(self, client: aioredis.Redis) -> PersistenceReport:
         values: dict[str, str | None] = {}
         warnings: list[str] = []
         for name in ("appendonly", "appendfsync", "maxmemory-policy"):
@@ -390,28 +409,32 @@ class RedisStreamBroker(AsyncLifecycle):
         except (rexc.TimeoutError, rexc.ConnectionError, rexc.RedisError, OSError) as exc:
             # The script may have run: the reply is what is missing (or unreadable).
             raise AckUncertainError(type(exc).__name__) from None
-        except BaseException:
-            # A cancelled command leaves its connection's reply stream unknown.
-            await self._reset_connections()
-            raise
+        # A cancelled command leaves its connection's reply stream unknown: redis-py
+        # disconnects that connection itself (and only it). Resetting the whole pool here
+        # cut every other publication in flight (found by the relay stress test).
         entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         return BrokerReceipt("redis", key, duplicate=bool(duplicate), location=entry)
 
-    async def _reset_connections(self) -> None:
-        client = self._client
-        if client is not None:
-            await client.connection_pool.disconnect()
-
     async def _probe(self, key: str) -> BrokerReceipt | None:
-        """Look the marker up on a fresh connection."""
-        await self._reset_connections()
-        client = self._client
-        if client is None:
+        """Look the marker up on a connection of its own, opened for this lookup.
+
+        Not from the pool, and without touching it: the pool's other connections carry
+        other publications.
+        """
+        if self._client is None:
             return None
+        client = aioredis.Redis.from_url(
+            self._url,
+            socket_connect_timeout=self._connect_timeout,
+            health_check_interval=0,
+            single_connection_client=True,
+        )
         try:
             entry = await client.get(self.marker_key(key))
         except (rexc.RedisError, OSError) as exc:
             raise BrokerUnavailableError(f"redis: {type(exc).__name__}") from None
+        finally:
+            await client.aclose()
         if entry is None:
             return None
         text = entry.decode() if isinstance(entry, bytes) else str(entry)

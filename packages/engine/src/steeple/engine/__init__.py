@@ -6,6 +6,8 @@
   that locks the namespace's control row and yields a set-based repository of rows).
 - :class:`RecurringRelay`: the relay loop (tick, claim, relay) every worker runs, counting
   what it did in a :class:`RelayStatistics`.
+- :mod:`steeple.engine.looplag`: event-loop lag detection (:class:`LoopLagMonitor`), which
+  names the code that blocks a worker's event loop.
 
 It depends on :mod:`steeple.core` only and never imports a driver; the PostgreSQL store,
 the in-memory reference store and any store you compose are adapters plus this engine.
@@ -13,6 +15,12 @@ the in-memory reference store and any store you compose are adapters plus this e
 
 from steeple.engine.binding import seal_binding, verify_binding
 from steeple.engine.engine import PURPOSE_DEFINITION, PURPOSE_OCCURRENCE, RecurringEngine
+from steeple.engine.looplag import (
+    LoopLagMonitor,
+    LoopLagStatistics,
+    LoopStall,
+    watching_event_loop,
+)
 from steeple.engine.ports import (
     DefinitionRow,
     DefinitionUpdate,
@@ -30,6 +38,9 @@ __all__ = [
     "PURPOSE_OCCURRENCE",
     "DefinitionRow",
     "DefinitionUpdate",
+    "LoopLagMonitor",
+    "LoopLagStatistics",
+    "LoopStall",
     "NamespaceState",
     "OccurrenceChange",
     "OccurrenceRow",
@@ -41,4 +52,5 @@ __all__ = [
     "apply_step",
     "seal_binding",
     "verify_binding",
+    "watching_event_loop",
 ]

@@ -85,6 +85,7 @@ from steeple.core.records import (
 )
 from steeple.engine import codec
 from steeple.engine.binding import seal_binding, verify_binding
+from steeple.engine.crashpoints import crash_point
 from steeple.engine.ports import (
     DefinitionRow,
     DefinitionUpdate,
@@ -184,6 +185,9 @@ class _Attempt:
     raised: BaseException | None = None
     error: SteepleError | None = None
     """Set when nothing was published (the lease lapsed before the publication started)."""
+    unsent: bool = False
+    """The lease lapsed while waiting for its turn: nothing was sent, so the attempt the
+    check counted is given back (if the lease is still the latest)."""
     unopenable: SteepleError | None = None
     """Set when the content cannot be opened: nothing was published, a dead letter."""
 
@@ -245,8 +249,14 @@ class RecurringEngine:
 
     # --- the transaction every call runs in ----------------------------------------------
 
-    async def _run(self, what: str, body: Callable[[_Tx], Awaitable[T]]) -> tuple[T, datetime]:
-        """Run ``body`` in one locked transaction; return its result and the recorded time."""
+    async def _run(
+        self, what: str, body: Callable[[_Tx], Awaitable[T]], *, points: str | None = None
+    ) -> tuple[T, datetime]:
+        """Run ``body`` in one locked transaction; return its result and the recorded time.
+
+        ``points`` names the crash points of the transaction's steps (``<points>.begin``,
+        ``.written`` and ``.committed``; see :mod:`steeple.engine.crashpoints`).
+        """
 
         async def work(repo: RecurringRepository) -> tuple[T, datetime]:
             state = repo.namespace
@@ -271,9 +281,16 @@ class RecurringEngine:
             # this transaction, and never moves backwards.
             recorded = adopt_time(now, self._clock.now())
             await repo.record_namespace(recorded, tx.definition_delta, tx.occurrence_delta)
+            if points is not None:
+                crash_point(points + ".written")
             return result, recorded
 
-        return await self._storage.transaction(what, work)
+        if points is None:
+            return await self._storage.transaction(what, work)
+        crash_point(points + ".begin")
+        done = await self._storage.transaction(what, work)
+        crash_point(points + ".committed")
+        return done
 
     def _seal_with(self, seal: Callable[[], bytes], record: str) -> bytes:
         try:
@@ -586,6 +603,7 @@ class RecurringEngine:
                 )
             if created:
                 await tx.repo.insert_occurrences(created)
+                crash_point("tick.inserted")
             if plan.advanced:
                 await tx.repo.update_definitions(
                     [
@@ -606,7 +624,7 @@ class RecurringEngine:
                 exhausted=plan.exhausted,
             )
 
-        return (await self._run("tick", body))[0]
+        return (await self._run("tick", body, points="tick"))[0]
 
     # --- claim ---------------------------------------------------------------------------
 
@@ -632,7 +650,7 @@ class RecurringEngine:
                 await tx.repo.update_occurrences(changes)
             return granted
 
-        granted, recorded = await self._run("claim", body)
+        granted, recorded = await self._run("claim", body, points="claim")
         # Judged after the commit: a lease that lapsed while the claim committed is not
         # handed out; its occurrence stays claimable for the next claim.
         after = max(recorded, self._clock.now())
@@ -802,7 +820,7 @@ class RecurringEngine:
             await tx.repo.update_occurrences(list(final.values()))
             return granted, checked
 
-        (granted, checked), checked_at = await self._run("claim", body)
+        (granted, checked), checked_at = await self._run("claim", body, points="claim")
         return await self._publish_and_record(granted, checked, checked_at, broker, concurrency)
 
     async def _publish_and_record(
@@ -839,8 +857,12 @@ class RecurringEngine:
         elif ready:
             limit = asyncio.Semaphore(concurrency)
             async with asyncio.TaskGroup() as group:
+                # Named for the loop-lag monitor, which reports the task that blocks.
                 tasks = [
-                    group.create_task(self._publish(prepared, broker, checked_at, limit))
+                    group.create_task(
+                        self._publish(prepared, broker, checked_at, limit),
+                        name=f"steeple relay: publish occurrence {prepared.lease.occurrence_id}",
+                    )
                     for _, prepared in ready
                 ]
             attempts = [task.result() for task in tasks]
@@ -901,14 +923,17 @@ class RecurringEngine:
                     f"the lease on occurrence {prepared.lease.occurrence_id} expired "
                     "while its check committed (or while waiting for its turn to "
                     "publish); nothing was published"
-                )
+                ),
+                unsent=True,
             )
         timeout = min(remaining, limits.PUBLISH_DEADLINE).total_seconds()
         try:
+            crash_point("relay.before_publish")
             async with asyncio.timeout(timeout):
                 receipt = await broker.publish(
                     prepared.message, idempotency_key=prepared.key, timeout=timeout
                 )
+            crash_point("relay.after_confirm")
             if not isinstance(receipt, BrokerReceipt):
                 raise TypeError(f"publish returned a {type(receipt).__name__}, not a receipt")
         except BaseException as exc:
@@ -936,7 +961,7 @@ class RecurringEngine:
                 await tx.repo.update_occurrences(changes)
             return results
 
-        return await self._run("relay", body)
+        return await self._run("relay", body, points="relay.check")
 
     def _check(
         self, tx: _Tx, leases: Sequence[Lease], rows: Mapping[str, OccurrenceRow]
@@ -981,28 +1006,37 @@ class RecurringEngine:
     ) -> list[RelayOutcome]:
         """Relay step three for a batch: record each outcome, fenced by its own lease.
 
-        A publication that never started (its lease lapsed first) records nothing. If the
+        A publication that never started (its lease lapsed first) records nothing but
+        gives back the attempt its check counted, while the lease is still the latest: a
+        batch that outlasts its leases (a slow broker, a claim larger than the broker's
+        pace) must not spend the occurrences' attempt budget (ten) on nothing sent. If the
         transaction fails, an accepted publication is reported as an uncertain
         acknowledgement carrying its receipt, a lost broker acknowledgement as itself
         (the storage error as its ``__cause__``), any other outcome as the storage error.
         """
-        if all(attempt.error is not None for _, attempt in attempted):
+        if all(a.error is not None and not a.unsent for _, a in attempted):
             return [self._reported(lease, a, None) for lease, a in attempted]
 
         async def body(tx: _Tx) -> list[str | SteepleError | None]:
-            ids = [lease.occurrence_id for lease, a in attempted if a.error is None]
+            ids = [lease.occurrence_id for lease, a in attempted if a.error is None or a.unsent]
             rows = {r.occurrence_id: r for r in await tx.repo.occurrences(ids)}
             changes: list[OccurrenceChange] = []
             notes: list[str | SteepleError | None] = []
             for lease, attempt in attempted:
-                if attempt.error is not None:
-                    notes.append(None)
-                    continue
                 row = rows.get(lease.occurrence_id)
                 if row is not None and not holds_lease(
                     row.lease_digest, row.lease_revision, lease.capability, lease.revision
                 ):
                     row = None
+                if attempt.error is not None:
+                    if attempt.unsent and row is not None and row.state is OccurrenceState.LEASED:
+                        changes.append(
+                            OccurrenceChange.of(
+                                row, attempts=max(row.attempts - 1, 0), updated_at=tx.now
+                            )
+                        )
+                    notes.append(None)
+                    continue
                 note: str | SteepleError | None
                 if attempt.unopenable is not None:
                     note, change = self._unopenable_change(tx, row, attempt.unopenable)
@@ -1019,7 +1053,7 @@ class RecurringEngine:
             return notes
 
         try:
-            notes = (await self._run("relay", body))[0]
+            notes = (await self._run("relay", body, points="relay.record"))[0]
         except RecurringError as stored:
             return [self._reported(lease, a, stored) for lease, a in attempted]
         return [

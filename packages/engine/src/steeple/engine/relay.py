@@ -12,15 +12,23 @@ import attrs
 from steeple.core.backoff import Backoff
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
+    ConfigurationError,
     KeyringError,
     RecurringCapacityError,
     RecurringClockError,
+    RecurringConfigurationError,
     RecurringRelayError,
     RecurringStorageError,
 )
 from steeple.core.policies import validate_budget
 from steeple.core.ports import MessageBroker, RandomSource, RecurringStore
 from steeple.core.records import RelayOutcome
+from steeple.engine.looplag import (
+    DEFAULT_LOOP_LAG_THRESHOLD,
+    LoopStall,
+    check_loop_lag_threshold,
+    watching_event_loop,
+)
 
 __all__ = ["RecurringRelay", "RelayStatistics"]
 
@@ -51,6 +59,8 @@ class RelayStatistics:
             lease, uncertain acknowledgement) or could not open the occurrence's content;
             the store recorded the retry or the dead letter.
         storage_failures: rounds that failed on a storage or clock error and backed off.
+        loop_stalls: times the event loop stalled past the loop-lag threshold while the
+            relay ran (see :mod:`steeple.engine.looplag`).
     """
 
     ticks: int = 0
@@ -61,6 +71,7 @@ class RelayStatistics:
     duplicates: int = 0
     relay_failures: int = 0
     storage_failures: int = 0
+    loop_stalls: int = 0
 
 
 @attrs.define
@@ -83,6 +94,9 @@ class RecurringRelay:
         tick_budget: occurrences materialized per tick (1-100).
         claim_limit: leases claimed per round (1-100).
         idle_interval: seconds to wait when a round found nothing to do.
+        loop_lag_threshold: seconds of event-loop lag that ``run`` reports as a stall,
+            naming the code that blocked the loop (a broker's publish that blocks, say);
+            ``None`` turns the detection off (see :mod:`steeple.engine.looplag`).
         statistics: the counters this relay adds to (:class:`RelayStatistics`; a fresh
             one unless given).
         published: publications recorded so far (``statistics.published``).
@@ -91,7 +105,8 @@ class RecurringRelay:
 
     Raises:
         RecurringConfigurationError: ``tick_budget`` or ``claim_limit`` outside 1..100, or
-            a non-positive ``idle_interval``.
+            a non-positive ``idle_interval``, or a ``loop_lag_threshold`` outside
+            0.01 .. 3600 s.
     """
 
     store: RecurringStore
@@ -101,6 +116,7 @@ class RecurringRelay:
     idle_interval: float = attrs.field(default=1.0, kw_only=True)
     random: RandomSource = attrs.field(factory=SystemRandom, kw_only=True)
     statistics: RelayStatistics = attrs.field(factory=RelayStatistics, kw_only=True)
+    loop_lag_threshold: float | None = attrs.field(default=DEFAULT_LOOP_LAG_THRESHOLD, kw_only=True)
 
     @property
     def published(self) -> int:
@@ -121,9 +137,12 @@ class RecurringRelay:
         validate_budget(self.tick_budget, "tick_budget")
         validate_budget(self.claim_limit, "claim_limit")
         if not self.idle_interval > 0:
-            from steeple.core.errors import RecurringConfigurationError
-
             raise RecurringConfigurationError("idle_interval must be a positive number")
+        if self.loop_lag_threshold is not None:
+            try:
+                check_loop_lag_threshold(self.loop_lag_threshold)
+            except ConfigurationError as exc:
+                raise RecurringConfigurationError(str(exc)) from None
 
     async def run_once(self, stop: asyncio.Event | None = None) -> int:
         """Run one round: tick, claim, relay the batch; return how much work was seen.
@@ -205,6 +224,14 @@ class RecurringRelay:
         Raises:
             RecurringConfigurationError, KeyringError: configuration needs an operator.
         """
+        async with watching_event_loop(self.loop_lag_threshold, on_stall=self._stalled):
+            await self._run(stop)
+
+    def _stalled(self, stall: LoopStall) -> None:
+        del stall  # the monitor logged it, naming the culprit
+        self.statistics.loop_stalls += 1
+
+    async def _run(self, stop: asyncio.Event) -> None:
         failures = 0
         while not stop.is_set():
             try:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import typer
 
@@ -66,6 +67,9 @@ def err() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+_CONTROL: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def one_line(text: str) -> str:
     """Scrub ``text`` of any given DSN's secrets and make it one bounded, printable line."""
     from steeple.core.dsn import scrub
@@ -74,6 +78,9 @@ def one_line(text: str) -> str:
         if dsn:
             text = scrub(text, dsn)
     text = " ".join(text.split())
+    # Other control characters (ESC, DEL, C1...) from stored text -- a handler's error
+    # message, a task's result -- would steer the terminal: shown escaped instead.
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
     # Lone surrogates (from undecodable arguments) cannot be written to stdout/stderr.
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= _MAX_LINE else text[: _MAX_LINE - 3] + "..."

@@ -1,9 +1,13 @@
-"""The work queue: migrate, tasks (list, show, retry, cancel), enqueue, jobs (recurring jobs)."""
+"""The work queue: migrate, tasks, enqueue, jobs (recurring jobs), queues.
+
+tasks: list, show, retry, cancel; jobs: list, create, ensure, pause, resume, reschedule,
+delete; queues: list, pause, resume, limit.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
@@ -21,7 +25,7 @@ from steeple.admin._cli.output import fail, guard, say
 from steeple.admin.settings import CliError, ExitCode, parse_duration
 
 if TYPE_CHECKING:
-    from steeple.postgres.queue import EnqueueOptions, TaskRun
+    from steeple.postgres.queue import EnqueueOptions, QueueInfo, TaskRun
     from steeple.postgres.queue.jobs import JobInfo
 
 __all__ = ["cancel_task", "register"]
@@ -40,6 +44,12 @@ jobs_app = typer.Typer(
     rich_markup_mode=None,
 )
 
+queues_app = typer.Typer(
+    help="The work queue's named queues: list them (the default), pause, resume, limit.",
+    invoke_without_command=True,
+    rich_markup_mode=None,
+)
+
 
 def register(app: typer.Typer) -> None:
     """Add the work queue's commands to ``app``."""
@@ -47,6 +57,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(tasks_app, name="tasks")
     app.command()(enqueue)
     app.add_typer(jobs_app, name="jobs")
+    app.add_typer(queues_app, name="queues")
 
 
 @where_options(queue=True, store=False)
@@ -164,42 +175,62 @@ def tasks_list(
     _list_tasks(where, listing, state, name)
 
 
-def _run_json(run: TaskRun) -> dict[str, Any]:
-    def plain(value: Any) -> Any:
-        if isinstance(value, datetime):
-            return value.isoformat()
-        if hasattr(value, "total_seconds"):
-            return value.total_seconds()
-        if hasattr(value, "value") and not isinstance(value, int | str):
-            return value.value
-        return value if value is None or isinstance(value, int | str | float | bool) else str(value)
-
-    import attrs
-
-    return {field.name: plain(getattr(run, field.name)) for field in attrs.fields(type(run))}
+_MAX_SHOWN_RESULT = 2000
 
 
 def _print_run(run: TaskRun, as_json: bool) -> None:
-    fields = _run_json(run)
+    fields = run.to_json()
     if as_json:
         output.print_json(fields)
         return
+    history = fields.pop("history")
+    fields.pop("result")
+    progress = fields.pop("progress")
     width = max(len(k) for k in fields)
     for key, value in fields.items():
         say(f"{key:<{width}}  {'-' if value is None else value}")
+    if progress is not None:
+        shown = f"{progress['fraction']:.0%}"
+        if "message" in progress:
+            shown += f" {progress['message']}"
+        say(f"{'progress':<{width}}  {shown}")
+    if run.result is not None:
+        # Compact JSON escapes control characters: a result cannot steer the terminal.
+        text = json.dumps(run.result, separators=(",", ":"))
+        if len(text) > _MAX_SHOWN_RESULT:
+            text = text[: _MAX_SHOWN_RESULT - 3] + "... (see --json)"
+        say(f"{'result':<{width}}  {text}")
+    if history:
+        say("attempts:")
+        for attempt in history:
+            error = f"  {attempt['error']}" if attempt["error"] else ""
+            say(
+                f"  #{attempt['attempt']} {attempt['outcome']} on {attempt['worker_id'] or '-'}"
+                f" at {attempt['finished_at']}{error}"
+            )
+    failed = [a for a in history if a["traceback"]]
+    if failed:
+        latest = failed[-1]
+        say(f"traceback of attempt {latest['attempt']} ({latest['error_type']}):")
+        for line in latest["traceback"].splitlines():
+            # say() makes each line printable: a handler's message cannot steer the terminal.
+            say(line)
 
 
 @tasks_app.command("show")
 @where_options(queue=True, store=False)
 def tasks_show(task_id: TaskIdArg, where: Where, as_json: JsonOpt = False) -> None:
-    """Show one task: state, attempts, times, last error (never its arguments)."""
+    """Show one task: state, progress, result, attempts, the latest traceback.
+
+    Never its arguments.
+    """
     from steeple.postgres import queue
 
     target = guard(where.target)
 
     async def show(conn: Any) -> TaskRun:
         return await _task_or_fail(
-            queue.run_state(conn, task_id, schema=target.queue_schema), task_id
+            queue.admin.task_detail(conn, task_id, schema=target.queue_schema), task_id
         )
 
     _print_run(output.on_queue(target, show), as_json)
@@ -299,6 +330,7 @@ def _options(
     priority: int | None,
     max_attempts: int | None,
     dedup_key: str | None = None,
+    queue_name: str | None = None,
 ) -> EnqueueOptions:
     from steeple.admin._cli.recurring import _instant
     from steeple.postgres.queue import EnqueueOptions
@@ -312,6 +344,8 @@ def _options(
         extra["max_attempts"] = max_attempts
     if dedup_key is not None:
         extra["dedup_key"] = dedup_key
+    if queue_name is not None:
+        extra["queue"] = queue_name
 
     def build() -> EnqueueOptions:
         if at is not None:
@@ -344,6 +378,12 @@ MaxAttemptsOpt = Annotated[
         "--max-attempts", show_default=False, help="Attempts before it fails (default: 5)."
     ),
 ]
+QueueOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--queue", show_default=False, help="The named queue it waits in (default: default)."
+    ),
+]
 
 
 @where_options(queue=True, store=False)
@@ -374,13 +414,14 @@ def enqueue(
             "the existing task.",
         ),
     ] = None,
+    queue_name: QueueOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Enqueue one task (now, at a time, or after a delay)."""
+    """Enqueue one task (now, at a time, or after a delay) into a named queue."""
     from steeple.postgres.queue import Task
 
     value = guard(lambda: _json_args(args))
-    options = guard(lambda: _options(at, delay, priority, max_attempts, dedup_key))
+    options = guard(lambda: _options(at, delay, priority, max_attempts, dedup_key, queue_name))
     kind: Task[Any] = guard(lambda: output.typed(lambda: Task(task), code=ExitCode.USAGE))
     guard(lambda: _encodable(kind, value))
     target = guard(where.target)
@@ -392,12 +433,18 @@ def enqueue(
 
     enqueued = output.on_queue(target, put)
     if as_json:
-        output.print_json({"task_id": enqueued.id, "deduplicated": enqueued.deduplicated})
+        output.print_json(
+            {
+                "task_id": enqueued.id,
+                "deduplicated": enqueued.deduplicated,
+                "queue": options.queue,
+            }
+        )
     elif enqueued.deduplicated:
         say(f"task {enqueued.id} ({task}) already holds that dedup key: nothing was enqueued")
     else:
         due = "now" if at is None and delay is None else (at or f"in {delay}")
-        say(f"enqueued task {enqueued.id} ({task}), due {due}")
+        say(f"enqueued task {enqueued.id} ({task}) in queue {options.queue!r}, due {due}")
 
 
 # --- jobs ------------------------------------------------------------------------------------
@@ -648,3 +695,162 @@ def jobs_delete(name: JobNameArg, where: Where, yes: YesOpt = False) -> None:
 
     _job_call(where, lambda conn, schema: jobs.delete(conn, name, schema=schema))
     say(f"deleted job {name!r}")
+
+
+# --- queues ----------------------------------------------------------------------------------
+
+QueueNameArg = Annotated[str, typer.Argument(help="The queue's name.")]
+
+
+def _limits_text(info: QueueInfo) -> str:
+    parts = []
+    if info.max_running is not None:
+        parts.append(f"at most {info.max_running} running")
+    if info.rate_limit is not None and info.rate_period is not None:
+        parts.append(f"at most {info.rate_limit} starts per {info.rate_period.total_seconds():g} s")
+    return ", ".join(parts) or "none"
+
+
+def _queue_json(info: QueueInfo) -> dict[str, Any]:
+    period = info.rate_period
+    return {
+        "name": info.name,
+        "paused": info.paused,
+        "max_running": info.max_running,
+        "rate_limit": info.rate_limit,
+        "rate_period_seconds": None if period is None else period.total_seconds(),
+        "pending": info.pending,
+        "running": info.running,
+    }
+
+
+def _say_queue(info: QueueInfo, verb: str, as_json: bool) -> None:
+    if as_json:
+        output.print_json(_queue_json(info))
+        return
+    state = "paused" if info.paused else "active"
+    say(
+        f"{verb} queue {info.name!r}: {state}, limits: {_limits_text(info)}; "
+        f"{info.pending} pending, {info.running} running"
+    )
+
+
+def _queue_call(where: Where, call: Callable[[Any, str], Awaitable[T]]) -> T:
+    target = guard(where.target)
+    return output.on_queue(target, lambda conn: call(conn, target.queue_schema))
+
+
+def _check_queue(name: str) -> str:
+    """Refuse (usage) a name no queue can have: the library's own check."""
+    from steeple.postgres.queue import EnqueueOptions
+
+    output.typed(lambda: EnqueueOptions(queue=name), code=ExitCode.USAGE)
+    return name
+
+
+def _list_queues(where: Where, as_json: bool) -> None:
+    from steeple.postgres.queue import admin
+
+    found = _queue_call(where, lambda conn, schema: admin.list_queues(conn, schema=schema))
+    if as_json:
+        output.print_json([_queue_json(q) for q in found])
+        return
+    output.print_table(
+        "named queues",
+        ("queue", "state", "limits", "pending", "running"),
+        [
+            (
+                q.name,
+                "paused" if q.paused else "active",
+                _limits_text(q),
+                str(q.pending),
+                str(q.running),
+            )
+            for q in found
+        ],
+    )
+
+
+@queues_app.callback()
+@where_options(queue=True, store=False)
+def queues(ctx: typer.Context, where: Where, as_json: JsonOpt = False) -> None:
+    """List the named queues (those holding live tasks or settings), or run a subcommand."""
+    if ctx.invoked_subcommand is None:
+        _list_queues(where, as_json)
+
+
+@queues_app.command("list")
+@where_options(queue=True, store=False)
+def queues_list(where: Where, as_json: JsonOpt = False) -> None:
+    """List the named queues: paused or not, limits, pending and running tasks."""
+    _list_queues(where, as_json)
+
+
+@queues_app.command("pause")
+@where_options(queue=True, store=False)
+def queues_pause(
+    name: QueueNameArg, where: Where, yes: YesOpt = False, as_json: JsonOpt = False
+) -> None:
+    """Stop every worker claiming from a queue (running tasks finish). Asks first."""
+    from steeple.postgres.queue import admin
+
+    guard(lambda: _check_queue(name))
+    output.confirm(f"Pause queue {name!r} for every worker?", yes=yes, what=f"pause queue {name!r}")
+    info = _queue_call(where, lambda conn, schema: admin.pause_queue(conn, name, schema=schema))
+    _say_queue(info, "paused", as_json)
+
+
+@queues_app.command("resume")
+@where_options(queue=True, store=False)
+def queues_resume(name: QueueNameArg, where: Where, as_json: JsonOpt = False) -> None:
+    """Let workers claim from a paused queue again (they are woken at once). Idempotent."""
+    from steeple.postgres.queue import admin
+
+    guard(lambda: _check_queue(name))
+    info = _queue_call(where, lambda conn, schema: admin.resume_queue(conn, name, schema=schema))
+    _say_queue(info, "resumed", as_json)
+
+
+@queues_app.command("limit")
+@where_options(queue=True, store=False)
+def queues_limit(
+    name: QueueNameArg,
+    where: Where,
+    max_running: Annotated[
+        int | None,
+        typer.Option(
+            "--max-running",
+            show_default=False,
+            help="At most this many of its tasks running at once in all workers.",
+        ),
+    ] = None,
+    rate: Annotated[
+        int | None,
+        typer.Option(
+            "--rate", show_default=False, help="At most this many starts per --per (all workers)."
+        ),
+    ] = None,
+    per: Annotated[
+        str | None,
+        typer.Option("--per", show_default=False, help="The rate's window, e.g. 1s or 1m."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Set (replace) a queue's limits for all workers; with no option, remove them."""
+    from steeple.postgres.queue import admin
+
+    guard(lambda: _check_queue(name))
+    window = None if per is None else guard(lambda: parse_duration(per, what="--per"))
+
+    async def limit(conn: Any, schema: str) -> QueueInfo:
+        return await admin.limit_queue(
+            conn, name, max_running=max_running, rate_limit=rate, per=window, schema=schema
+        )
+
+    guard(
+        lambda: output.typed(
+            lambda: admin.check_limits(max_running, rate, window), code=ExitCode.USAGE
+        )
+    )
+    info = _queue_call(where, limit)
+    _say_queue(info, "limited", as_json)

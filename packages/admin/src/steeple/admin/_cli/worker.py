@@ -21,13 +21,20 @@ def register(app: typer.Typer) -> None:
 @where_options(queue=True)
 def worker(
     app_ref: Annotated[
-        str, typer.Option("--app", help="module:object giving a steeple.admin.WorkerApp.")
+        str,
+        typer.Option(
+            "--app",
+            help="module:object giving a steeple.admin.WorkerApp or a "
+            "steeple.postgres.queue.App (or a function returning one).",
+        ),
     ],
     where: Where,
 ) -> None:
     """Run the recurring relay and/or the task worker of your application until stopped.
 
     SIGINT or SIGTERM stops it gracefully: in-flight work finishes, nothing new starts.
+    A second signal (or the app's drain_timeout) stops it hard: running tasks are handed
+    back, relay leases left to lapse.
     """
     from steeple.admin.worker import load_worker_app, run_worker
 

@@ -1,16 +1,37 @@
 """steeple's PostgreSQL work queue: immediate, delayed and recurring work as durable task rows.
 
-Produce with :func:`enqueue` on your own connection (asyncpg or psycopg, in your own
-transaction); run with a :class:`Scheduler`; declare recurring work with :mod:`.jobs`.
-Install the schema explicitly with :func:`install` first. Operators list, count and retry
-tasks and list jobs with :mod:`.admin`.
+Declare tasks with their handlers on an :class:`App` (``@app.task``), produce with
+``await my_task.enqueue(conn, args)`` on your own connection (asyncpg or psycopg, in your
+own transaction), run them with ``app.scheduler(...)``. The explicit API stays: a
+:class:`Task`, :func:`enqueue`, a :class:`Scheduler` and its ``register``. Declare
+recurring work with :mod:`.jobs`. Install the schema explicitly with :func:`install`
+first. Tasks wait in named queues; :func:`pause_queue`, :func:`resume_queue`,
+:func:`limit_queue` and :func:`limit_task` set what every worker obeys. Operators list,
+count and retry tasks and list jobs and queues with :mod:`.admin`.
 """
 
 from __future__ import annotations
 
 from steeple.postgres.queue import admin, jobs
+from steeple.postgres.queue._app import App, TaskFunction
 from steeple.postgres.queue._enqueue import enqueue, enqueue_many, enqueue_many_sync, enqueue_sync
-from steeple.postgres.queue._ops import TaskRun, cancel, prune_terminal, run_state
+from steeple.postgres.queue._ops import (
+    Progress,
+    TaskAttempt,
+    TaskRun,
+    cancel,
+    prune_terminal,
+    run_state,
+)
+from steeple.postgres.queue._queues import (
+    QueueInfo,
+    TaskLimits,
+    limit_queue,
+    limit_task,
+    list_queues,
+    pause_queue,
+    resume_queue,
+)
 from steeple.postgres.queue._schema import (
     DEFAULT_SCHEMA,
     LIBRARY_SCHEMA_VERSION,
@@ -29,6 +50,7 @@ from steeple.postgres.queue.errors import (
     QueueError,
     QueueTypeError,
     QueueUnavailableError,
+    ResultEncodingError,
     SchemaVersionMismatchError,
     TaskNotFoundError,
     TaskStateError,
@@ -36,11 +58,12 @@ from steeple.postgres.queue.errors import (
     UnknownTaskError,
     UnsupportedConnectionError,
 )
-from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, Task
+from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, RetryPolicy, Task
 
 __all__ = [
     "DEFAULT_SCHEMA",
     "LIBRARY_SCHEMA_VERSION",
+    "App",
     "ArgsEncodingError",
     "EnqueueOptions",
     "EnqueuedTask",
@@ -51,13 +74,20 @@ __all__ = [
     "JobExistsError",
     "JobNotFoundError",
     "LeaseLostError",
+    "Progress",
     "QueueConfigurationError",
     "QueueError",
+    "QueueInfo",
     "QueueTypeError",
     "QueueUnavailableError",
+    "ResultEncodingError",
+    "RetryPolicy",
     "Scheduler",
     "SchemaVersionMismatchError",
     "Task",
+    "TaskAttempt",
+    "TaskFunction",
+    "TaskLimits",
     "TaskNotFoundError",
     "TaskRun",
     "TaskStateError",
@@ -74,7 +104,12 @@ __all__ = [
     "enqueue_sync",
     "install",
     "jobs",
+    "limit_queue",
+    "limit_task",
+    "list_queues",
+    "pause_queue",
     "prune_terminal",
+    "resume_queue",
     "run_state",
     "schema_version",
 ]

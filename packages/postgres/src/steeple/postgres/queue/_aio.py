@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-__all__ = ["wait_either", "wait_event"]
+__all__ = ["wait_any", "wait_either", "wait_event"]
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -32,3 +32,19 @@ async def wait_either(
         )
     finally:
         waiter.cancel()
+
+
+async def wait_any(
+    events: tuple[asyncio.Event, ...], stop_waiter: asyncio.Future[Any], timeout: float | None
+) -> None:
+    """Wait until any of ``events`` is set, ``stop_waiter`` is done, or ``timeout`` passes."""
+    if stop_waiter.done() or any(e.is_set() for e in events):
+        return
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(
+            {*waiters, stop_waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

@@ -2,7 +2,12 @@
 
 Each round takes up to ``batch_size`` due tasks in one call of the schema's claim function
 (``UPDATE ... FROM (SELECT ... FOR NO KEY UPDATE SKIP LOCKED)``, a fresh random lease token
-per task) and starts a handler for each, never more than ``concurrency`` at once. Every
+per task) and starts a handler for each, never more than ``concurrency`` at once, nor more
+than a queue's own limit in this worker. The free slots are shared out among the queues,
+starting from a different queue each round so none starves the others. The claim function
+applies what is stored for all workers (paused queues, global concurrency and rate limits)
+and says when a limit held work back: the loop then also retries when one of its own
+handlers ends (that may have freed the global slot it waits for). Every
 claim carries a give-up time on the server's clock (estimated from this host's monotonic
 clock, re-anchored by every answer): a claim the server runs later than that takes nothing.
 """
@@ -17,8 +22,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from steeple.core.backoff import Backoff
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics, _tracing
-from steeple.postgres.queue._aio import wait_either
+from steeple.postgres.queue._aio import wait_any, wait_either
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._execution import Executor, JobContext
 from steeple.postgres.queue._inflight import Claimed
@@ -50,6 +56,7 @@ class Claimer:
         env: WorkerEnv,
         names: Sequence[str],
         *,
+        queues: Sequence[tuple[str, int]],
         concurrency: int,
         batch: int,
         wakeups: Wakeups,
@@ -57,11 +64,28 @@ class Claimer:
     ) -> None:
         self._env = env
         self._names = list(names)
+        self._queues = list(queues)
         self._concurrency = concurrency
         self._batch = batch
         self._min_claim = max(1, min(batch, concurrency) // 4)
         self._wakeups = wakeups
         self._executor = executor
+
+    def _wants(self, free: int, turn: int) -> tuple[list[str], list[int]]:
+        """Share ``min(free, batch)`` slots out among the queues with room, from ``turn``."""
+        per_queue = self._env.inflight.per_queue
+        left = min(free, self._batch)
+        queues: list[str] = []
+        wants: list[int] = []
+        count = len(self._queues)
+        for i in range(count):
+            name, limit = self._queues[(turn + i) % count]
+            want = min(left, limit - per_queue[name])
+            if want > 0:
+                queues.append(name)
+                wants.append(want)
+                left -= want
+        return queues, wants
 
     async def claim_until(self, stop: asyncio.Event, handlers: asyncio.TaskGroup) -> None:
         """Claim and start handlers in ``handlers`` until ``stop`` is set."""
@@ -75,6 +99,7 @@ class Claimer:
         names = self._names
         inst = _metrics.instruments()
         stop_waiter = asyncio.ensure_future(stop.wait())
+        turn = 0
         try:
             while not stop.is_set():
                 free = self._concurrency - len(inflight)
@@ -84,18 +109,26 @@ class Claimer:
                     inflight.slot_freed.clear()
                     await wait_either(inflight.slot_freed, stop_waiter, None)
                     continue
+                queues, wants = self._wants(free, turn)
+                turn += 1
+                if not wants:  # every queue is at its own limit in this worker
+                    inflight.slot_freed.clear()
+                    await wait_either(inflight.slot_freed, stop_waiter, None)
+                    continue
                 wake.clear()
-                wanted = min(free, self._batch)
+                wanted = sum(wants)
                 sent = time.monotonic()
                 # The give-up time, on the server's clock: what it surely reads when this
                 # worker stops waiting (see steeple.core.remote_clock). A claim the server
                 # runs later than that takes nothing, instead of leasing tasks to nobody.
                 give_up = server_clock.at_least(sent + env.timeout)
                 try:
+                    crash_point("queue.claim.before")
                     answer = await pool.fetch(
                         env.sql.claim_timed,
+                        queues,
+                        wants,
                         names,
-                        wanted,
                         env.worker_id,
                         give_up,
                         timeout=env.timeout,
@@ -108,9 +141,13 @@ class Claimer:
                     LOG.warning("claim failed (%s); retrying after the poll interval", exc)
                     await wait_either(wake, stop_waiter, env.poll)
                     continue
+                crash_point("queue.claim.committed")
+                stats.claim_rounds += 1
                 server_now = float(answer[0][0])
                 server_clock.observe(server_now, time.monotonic())
                 rows = [row[1:] for row in answer if row[1] is not None]
+                # A row of id NULL and held true: a pause or global limit held work back.
+                held = any(row[1] is None and row[-1] for row in answer)
                 if not rows and server_now >= give_up:
                     # Refused as too late: the server's clock moved under the estimate, or
                     # the request sat in the network. The answer re-anchored the estimate:
@@ -146,7 +183,11 @@ class Claimer:
                 )
                 for row in rows:
                     self._start(row, sent, handlers, inst, tracer, contexts)
-                if len(rows) < wanted:
+                if held and inflight.running:
+                    # A global limit may free up when one of this worker's handlers ends.
+                    inflight.slot_freed.clear()
+                    await wait_any((wake, inflight.slot_freed), stop_waiter, env.poll)
+                elif len(rows) < wanted:
                     await wait_either(wake, stop_waiter, env.poll)
                 else:
                     # Let handlers and the flusher run before the next claim.
@@ -164,7 +205,8 @@ class Claimer:
         contexts: dict[int, str] | None,
     ) -> None:
         (task_id, name, args_text, attempt, max_attempts, run_id, token, lease,
-         b_init, b_max, b_factor, b_jitter, run_at, started_at, scheduled_for) = row  # fmt: skip
+         b_init, b_max, b_factor, b_jitter, run_at, started_at, scheduled_for, queue,
+         _held) = row  # fmt: skip
         env = self._env
         lease_s = lease.total_seconds()
         claimed = Claimed(
@@ -176,6 +218,7 @@ class Claimer:
                 max_attempts=max_attempts,
                 worker_id=env.worker_id,
                 scheduled_for=scheduled_for,
+                queue=queue,
             ),
             token=token,
             args_text=args_text,
@@ -185,7 +228,7 @@ class Claimer:
             expires_at=now + lease_s,
             started_at=started_at,
         )
-        attributes = {"task": name}
+        attributes = _metrics.task_attributes(name, queue)
         inst.claimed.add(1, attributes)
         inst.pickup_latency.record(max((started_at - run_at).total_seconds(), 0.0), attributes)
         env.stats.claimed += 1
@@ -193,4 +236,7 @@ class Claimer:
         run: Coroutine[Any, Any, None] = self._executor.execute(claimed)
         if tracer is not None and contexts is not None:
             run = _tracing.traced_run(tracer, claimed.ctx, contexts.get(task_id), run)
-        env.inflight.tasks[task_id] = handlers.create_task(run)
+        # Named for the loop-lag monitor, which reports the task that blocks the loop.
+        env.inflight.tasks[task_id] = handlers.create_task(
+            run, name=f"steeple task {name!r} #{task_id} attempt {attempt}"
+        )

@@ -14,8 +14,10 @@ from datetime import timedelta
 from typing import Final
 
 from steeple.core.tasks import TaskEvent, TaskState, transition
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._failures import Failure
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._wakeups import Wakeups
@@ -38,8 +40,9 @@ class Completions:
         self._to_release: list[Claimed] = []
         self._flush_wake = asyncio.Event()
 
-    def succeeded(self, claimed: Claimed) -> None:
-        """Buffer the success of ``claimed`` for the flusher."""
+    def succeeded(self, claimed: Claimed, result: str | None = None) -> None:
+        """Buffer the success of ``claimed`` (and its result's JSON text) for the flusher."""
+        claimed.result = result
         self._buffer.append(claimed)
         self._flush_wake.set()
 
@@ -51,32 +54,42 @@ class Completions:
         """Let the flusher write what is buffered and return (``env.closing`` is set)."""
         self._flush_wake.set()
 
-    async def failed(self, claimed: Claimed, text: str, retry_after: timedelta | None) -> None:
+    async def failed(
+        self, claimed: Claimed, failure: Failure, retry_after: timedelta | None
+    ) -> None:
         """Record a failed attempt: run again after ``retry_after``, or fail for good."""
         env = self._env
         pool = env.db
         ctx = claimed.ctx
         inst = _metrics.instruments()
-        attributes = {"task": ctx.task_name}
+        attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         try:
             if retry_after is not None:
+                crash_point("queue.retry.before")
                 rows = await pool.fetch(
                     env.sql.retry,
                     ctx.task_id,
                     claimed.token,
                     retry_after,
-                    text,
+                    failure.summary,
                     env.worker_id,
+                    failure.error_type,
+                    failure.traceback,
+                    ctx.progress_text,
                     timeout=env.timeout,
                 )
+                crash_point("queue.retry.committed")
                 outcome = _AFTER_RETRY
             else:
                 rows = await pool.fetch(
                     env.sql.fail,
                     ctx.task_id,
                     claimed.token,
-                    text,
+                    failure.summary,
                     env.worker_id,
+                    failure.error_type,
+                    failure.traceback,
+                    ctx.progress_text,
                     timeout=env.timeout,
                 )
                 outcome = _AFTER_FAILURE
@@ -99,7 +112,9 @@ class Completions:
     def fenced(self, claimed: Claimed) -> None:
         """Count an outcome the database rejected: the lease was lost or the task cancelled."""
         self._env.stats.rejected_completions += 1
-        _metrics.instruments().lease_lost.add(1, {"task": claimed.ctx.task_name})
+        _metrics.instruments().lease_lost.add(
+            1, _metrics.task_attributes(claimed.ctx.task_name, claimed.ctx.queue)
+        )
         claimed.ctx.lease_lost.set()
         LOG.info(
             "task %s: the outcome of attempt %s was rejected (lease lost or cancelled)",
@@ -121,17 +136,21 @@ class Completions:
                 batch = buffer[:_FLUSH_BATCH]
                 del buffer[:_FLUSH_BATCH]
                 try:
+                    crash_point("queue.complete.before")
                     rows = await pool.fetch(
                         env.sql.complete,
                         [c.ctx.task_id for c in batch],
                         [c.token for c in batch],
                         env.worker_id,
+                        [c.result for c in batch],
+                        [c.ctx.progress_text for c in batch],
                         timeout=env.timeout,
                     )
+                    crash_point("queue.complete.committed")
                     env.status.db_ok = True
                 except DB_ERRORS as exc:
                     env.status.db_ok = False
-                    LOG.warning("could not record %d completions: %s", len(batch), exc)
+                    LOG.warning("could not record %d completions: %r", len(batch), exc)
                     for claimed in batch:
                         claimed.unsure = True
                     buffer[:0] = batch
@@ -144,20 +163,20 @@ class Completions:
                 done = {r[0] for r in rows}
                 missed = [c for c in batch if c.ctx.task_id not in done]
                 confirmed = await self._confirm_completed([c for c in missed if c.unsure])
-                # Counted per task name: a batch mixes the names of everything that finished.
-                per_name: collections.Counter[str] = collections.Counter()
+                # Counted per task name and queue: a batch mixes everything that finished.
+                per_name: collections.Counter[tuple[str, str]] = collections.Counter()
                 for claimed in batch:
                     if claimed.ctx.task_id in done:
                         stats.succeeded += 1
-                        per_name[claimed.ctx.task_name] += 1
+                        per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
                     elif claimed.ctx.task_id in confirmed:
                         stats.succeeded += 1
                         stats.confirmed_completions += 1
-                        per_name[claimed.ctx.task_name] += 1
+                        per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
                     else:
                         self.fenced(claimed)
-                for name, count in per_name.items():
-                    inst.succeeded.add(count, {"task": name})
+                for (name, queue), count in per_name.items():
+                    inst.succeeded.add(count, _metrics.task_attributes(name, queue))
             if env.closing.is_set() and not buffer:
                 return
 

@@ -6,9 +6,12 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any, Final, TypeVar
 
+import attrs
+
 from steeple.postgres.queue import _driver, _metrics, _tracing
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA
 from steeple.postgres.queue._sql import QueueSql, queue_sql
+from steeple.postgres.queue._validate import check_queue
 from steeple.postgres.queue.errors import QueueConfigurationError, QueueError, QueueTypeError
 from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, Task
 
@@ -22,26 +25,32 @@ MAX_ENQUEUE_MANY: Final = 10_000
 _DEDUP_ROUNDS: Final = 5
 
 
-def _checked(task: object, options: object) -> EnqueueOptions:
-    """Check the task and options a caller passed; return the options to use."""
+def _checked(task: object, options: object, queue: object = None) -> EnqueueOptions:
+    """Check the task, options and queue a caller passed; return the options to use.
+
+    ``queue`` (when given) names the queue instead of ``options.queue``.
+    """
     if not isinstance(task, Task):
         raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
     if options is None:
-        return _DEFAULT_OPTIONS
-    if not isinstance(options, EnqueueOptions):
+        options = _DEFAULT_OPTIONS
+    elif not isinstance(options, EnqueueOptions):
         raise QueueTypeError(
             f"options must be EnqueueOptions or None, not {type(options).__name__}"
         )
-    return options
+    if queue is None:
+        return options
+    return attrs.evolve(options, queue=check_queue(queue))
 
 
 def _params(
     sql: QueueSql, task: Task[Any], args_text: str, options: EnqueueOptions, trace: str | None
 ) -> list[Any]:
-    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = options.snapshot()
+    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = options.snapshot(task)
     return [
         task.name, args_text, priority, options.run_at, max_attempts, lease,
         b_init, b_max, b_factor, b_jitter, options.dedup_key, sql.channel, options.delay, trace,
+        options.queue,
     ]  # fmt: skip
 
 
@@ -49,8 +58,7 @@ def _sending(
     task: Task[Any], options: EnqueueOptions, count: int
 ) -> contextlib.AbstractContextManager[_tracing.Sending]:
     """Open the enqueue's producer span (a no-op unless tracing is active): see ``_tracing``."""
-    # Named queues add EnqueueOptions.queue; until then the task name is the destination.
-    return _tracing.sending(task.name, count, getattr(options, "queue", None))
+    return _tracing.sending(task.name, count, options.queue)
 
 
 @_driver.refusals_typed
@@ -61,6 +69,7 @@ async def enqueue(
     options: EnqueueOptions | None = None,
     *,
     schema: str = DEFAULT_SCHEMA,
+    queue: str | None = None,
 ) -> EnqueuedTask:
     """Create one task on ``conn`` (asyncpg or psycopg async), in the caller's transaction.
 
@@ -74,6 +83,8 @@ async def enqueue(
         args: arguments of the task's args type.
         options: when and how it runs (default: now, priority 0, 60 s lease, 5 attempts).
         schema: the queue's PostgreSQL schema.
+        queue: the named queue (1-200 chars); given, it replaces ``options.queue``
+            (default ``"default"``).
 
     Returns:
         The task's id, and whether an existing duplicate was returned.
@@ -81,14 +92,15 @@ async def enqueue(
     Raises:
         ArgsEncodingError: ``args`` cannot be encoded.
         UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
-        QueueConfigurationError: invalid schema name.
-        QueueTypeError: ``task`` is not a Task or ``options`` not EnqueueOptions.
+        QueueConfigurationError: invalid schema or queue name.
+        QueueTypeError: ``task`` is not a Task, ``options`` not EnqueueOptions, or
+            ``queue`` not a str.
         QueueError: the duplicate kept changing under us (pathological churn).
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    options = _checked(task, options)
+    options = _checked(task, options, queue)
     _driver.connection_kind(conn)
     args_text = task.encode(args)
     with _sending(task, options, 1) as sending:
@@ -96,7 +108,9 @@ async def enqueue(
         for _ in range(_DEDUP_ROUNDS):
             rows = await _driver.fetch(conn, sql.enqueue, *params)
             if rows:
-                _metrics.instruments().enqueued.add(1, {"task": task.name})
+                _metrics.instruments().enqueued.add(
+                    1, _metrics.task_attributes(task.name, options.queue)
+                )
                 return _enqueued(sending, int(rows[0][0]), deduplicated=False)
             found = await _driver.fetch(conn, sql.find_duplicate, task.name, options.dedup_key)
             if found:
@@ -112,20 +126,22 @@ def enqueue_sync(
     options: EnqueueOptions | None = None,
     *,
     schema: str = DEFAULT_SCHEMA,
+    queue: str | None = None,
 ) -> EnqueuedTask:
     """Like :func:`enqueue`, for a psycopg (sync) ``Connection``.
 
     Raises:
         ArgsEncodingError: ``args`` cannot be encoded.
         UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
-        QueueConfigurationError: invalid schema name.
-        QueueTypeError: ``task`` is not a Task or ``options`` not EnqueueOptions.
+        QueueConfigurationError: invalid schema or queue name.
+        QueueTypeError: ``task`` is not a Task, ``options`` not EnqueueOptions, or
+            ``queue`` not a str.
         QueueError: the duplicate kept changing under us (pathological churn).
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    options = _checked(task, options)
+    options = _checked(task, options, queue)
     _driver.connection_kind(conn)
     args_text = task.encode(args)
     with _sending(task, options, 1) as sending:
@@ -133,7 +149,9 @@ def enqueue_sync(
         for _ in range(_DEDUP_ROUNDS):
             rows = _driver.fetch_sync(conn, sql.enqueue, *params)
             if rows:
-                _metrics.instruments().enqueued.add(1, {"task": task.name})
+                _metrics.instruments().enqueued.add(
+                    1, _metrics.task_attributes(task.name, options.queue)
+                )
                 return _enqueued(sending, int(rows[0][0]), deduplicated=False)
             found = _driver.fetch_sync(conn, sql.find_duplicate, task.name, options.dedup_key)
             if found:
@@ -147,10 +165,14 @@ def _enqueued(sending: _tracing.Sending, task_id: int, *, deduplicated: bool) ->
 
 
 def _many_params(
-    task: Task[A], args_list: Sequence[A], options: EnqueueOptions | None, sql: QueueSql
+    task: Task[A],
+    args_list: Sequence[A],
+    options: EnqueueOptions | None,
+    sql: QueueSql,
+    queue: str | None,
 ) -> tuple[list[Any], EnqueueOptions]:
     """Check and encode a batch; the parameters lack the trace context (appended last)."""
-    options = _checked(task, options)
+    options = _checked(task, options, queue)
     if not isinstance(args_list, Sequence) or isinstance(args_list, str | bytes | bytearray):
         raise QueueTypeError(
             f"args_list must be a sequence (list or tuple) of args, not {type(args_list).__name__}"
@@ -165,8 +187,8 @@ def _many_params(
     params = _params(sql, task, "", options, None)
     params[1] = texts
     del params[10]  # no dedup key: the channel becomes $11, the delay $12
-    del params[-1]  # the trace context ($13) is the producer span's, added by the caller
-    return params, options
+    del params[12]  # the trace context ($14) is the producer span's, added by the caller
+    return params, options  # ... after the queue ($13)
 
 
 @_driver.refusals_typed
@@ -177,6 +199,7 @@ async def enqueue_many(
     options: EnqueueOptions | None = None,
     *,
     schema: str = DEFAULT_SCHEMA,
+    queue: str | None = None,
 ) -> list[int]:
     """Create many tasks of one kind with one statement, in the caller's transaction.
 
@@ -186,25 +209,29 @@ async def enqueue_many(
         args_list: the arguments, one task each (at most 10,000 per call).
         options: shared options (no ``dedup_key``).
         schema: the queue's PostgreSQL schema.
+        queue: the named queue of every task (replaces ``options.queue`` when given).
 
     Returns:
         The new task ids, in the order of ``args_list``.
 
     Raises:
         ArgsEncodingError: any args cannot be encoded (nothing is inserted).
-        QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
+        QueueConfigurationError: a dedup key, too many tasks, or an invalid schema or queue
+            name.
         QueueTypeError: not a Task, EnqueueOptions or a sequence of args.
         UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    params, checked = _many_params(task, args_list, options, sql)
+    params, checked = _many_params(task, args_list, options, sql, queue)
     if not args_list:
         return []
     with _sending(task, checked, len(args_list)) as sending:
         rows = await _driver.fetch(conn, sql.enqueue_many, *params, sending.carrier)
-    _metrics.instruments().enqueued.add(len(args_list), {"task": task.name})
+    _metrics.instruments().enqueued.add(
+        len(args_list), _metrics.task_attributes(task.name, checked.queue)
+    )
     return [int(i) for i in rows[0][0]]
 
 
@@ -216,22 +243,26 @@ def enqueue_many_sync(
     options: EnqueueOptions | None = None,
     *,
     schema: str = DEFAULT_SCHEMA,
+    queue: str | None = None,
 ) -> list[int]:
     """Like :func:`enqueue_many`, for a psycopg (sync) ``Connection``.
 
     Raises:
         ArgsEncodingError: any args cannot be encoded (nothing is inserted).
-        QueueConfigurationError: a dedup key, too many tasks, or an invalid schema name.
+        QueueConfigurationError: a dedup key, too many tasks, or an invalid schema or queue
+            name.
         QueueTypeError: not a Task, EnqueueOptions or a sequence of args.
         UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    params, checked = _many_params(task, args_list, options, sql)
+    params, checked = _many_params(task, args_list, options, sql, queue)
     if not args_list:
         return []
     with _sending(task, checked, len(args_list)) as sending:
         rows = _driver.fetch_sync(conn, sql.enqueue_many, *params, sending.carrier)
-    _metrics.instruments().enqueued.add(len(args_list), {"task": task.name})
+    _metrics.instruments().enqueued.add(
+        len(args_list), _metrics.task_attributes(task.name, checked.queue)
+    )
     return [int(i) for i in rows[0][0]]

@@ -1,14 +1,24 @@
 """Handler execution: what a handler sees (:class:`JobContext`), running it, its outcome.
 
-A handler's return is a success (buffered for the completion flusher); a
-:class:`~steeple.postgres.queue.JobError` or any other exception is a failure, turned here
-into the text and retry time the completion room records. When the drain's deadline
-passes, running handlers are cancelled and their tasks handed back.
+A handler is an ``async def`` (run on the event loop) or a plain ``def`` (run in the
+worker's bounded thread pool, with the same context); :func:`check_handler` refuses at
+registration what cannot run. A handler's return is a success (buffered for the
+completion flusher); a :class:`~steeple.postgres.queue.JobError` or any other exception
+is a failure, turned here into the text and retry time the completion room records. When
+the drain's deadline passes, running handlers are cancelled and their tasks handed back
+(a thread cannot be interrupted: its ``ctx.lease_lost`` is set so it can stop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
+import functools
+import inspect
+import json
+import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -20,19 +30,39 @@ import attrs
 from steeple.core.tasks import retry_decision
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
+from steeple.postgres.queue._failures import describe
 from steeple.postgres.queue._inflight import Claimed
-from steeple.postgres.queue._shared import WorkerEnv
-from steeple.postgres.queue._validate import storable_text
-from steeple.postgres.queue.errors import JobError, LeaseLostError
-from steeple.postgres.queue.tasks import Task
+from steeple.postgres.queue._progress import ProgressWriter
+from steeple.postgres.queue._shared import LOG, WorkerEnv
+from steeple.postgres.queue._validate import check_name
+from steeple.postgres.queue.errors import (
+    ArgsEncodingError,
+    JobError,
+    LeaseLostError,
+    QueueConfigurationError,
+    QueueTypeError,
+    ResultEncodingError,
+)
+from steeple.postgres.queue.tasks import _JSON_NUL, Task
 
-__all__ = ["Executor", "Handler", "JobContext", "Registration"]
+__all__ = [
+    "MAX_RESULT_BYTES",
+    "Executor",
+    "Handler",
+    "JobContext",
+    "Registration",
+    "check_handler",
+    "encode_result",
+]
 
 A = TypeVar("A")
-Handler = Callable[["JobContext", A], Awaitable[object]]
-"""An async handler: ``async def handle(ctx: JobContext, args) -> None``."""
+Handler = Callable[["JobContext", A], Awaitable[object] | object]
+"""A handler: ``async def handle(ctx: JobContext, args)`` (run on the event loop) or
+``def handle(ctx: JobContext, args)`` (run in the worker's thread pool)."""
 
-_MAX_ERROR_TEXT: Final = 2000
+MAX_RESULT_BYTES: Final = 64 * 1024
+"""A handler's result is limited to 64 KiB of JSON."""
+_MAX_PROGRESS_MESSAGE: Final = 200
 
 
 @attrs.define(eq=False)
@@ -47,9 +77,14 @@ class JobContext:
         max_attempts: the task's snapshotted attempt limit.
         worker_id: the worker running it.
         scheduled_for: the recurring due instant, for tasks materialized from a job.
+        queue: the named queue the task was claimed from.
         lease_lost: set when the worker no longer holds the lease (expired, re-claimed by
             another worker, or cancelled): stop and do not start new side effects.
         cancelled: set (with ``lease_lost``) when the task was cancelled.
+
+    A sync handler (running in a thread) reads the events with ``is_set()`` (awaiting
+    them is for the event loop); :meth:`check_lease` and :meth:`report_progress` work from
+    any thread.
     """
 
     task_id: int
@@ -59,8 +94,60 @@ class JobContext:
     max_attempts: int
     worker_id: str
     scheduled_for: datetime | None = None
+    queue: str = "default"
     lease_lost: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
     cancelled: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
+    # The latest progress reported: (sequence number, JSON text); the worker writes it.
+    _progress: tuple[int, str] | None = attrs.field(default=None, init=False, repr=False)
+    _on_progress: Callable[[], None] | None = attrs.field(default=None, init=False, repr=False)
+
+    def report_progress(self, fraction: float, message: str | None = None) -> None:
+        """Record how far this attempt is: shown by ``run_state``, the admin API and CLI.
+
+        Non-blocking, callable from the handler's thread: the worker writes the latest
+        value (within a fraction of a second, batched with other tasks', fenced by the
+        lease) and with the attempt's outcome. The task keeps its latest progress after
+        it ends, across retries.
+
+        Args:
+            fraction: how much is done, a finite number within [0, 1] (an int or float).
+            message: what it is doing, 1..200 characters without control characters, or
+                ``None``.
+
+        Raises:
+            QueueConfigurationError: ``fraction`` NaN, infinite or outside [0, 1]; a
+                message empty, too long, or holding a control character or lone surrogate.
+            QueueTypeError: a ``fraction`` that is not a number, a message not a str.
+        """
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+            raise QueueTypeError(
+                f"progress fraction must be a number within [0, 1], not {type(fraction).__name__}"
+            )
+        try:
+            value = float(fraction)
+        except OverflowError:
+            value = math.inf
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise QueueConfigurationError(
+                f"progress fraction must be a finite number within [0, 1], got {value!r}"
+            )
+        shown: dict[str, object] = {"fraction": value}
+        if message is not None:
+            shown["message"] = check_name(
+                message, "progress message", max_len=_MAX_PROGRESS_MESSAGE
+            )
+        text = json.dumps(shown, separators=(",", ":"), ensure_ascii=False)
+        previous = self._progress
+        self._progress = (1 if previous is None else previous[0] + 1, text)
+        notify = self._on_progress
+        if notify is not None:
+            notify()
+
+    @property
+    def progress_text(self) -> str | None:
+        """The latest progress reported, as the JSON text stored (``None``: none yet)."""
+        latest = self._progress
+        return None if latest is None else latest[1]
 
     def check_lease(self) -> None:
         """Raise if this worker no longer holds the task: call it before each side effect.
@@ -76,23 +163,84 @@ class JobContext:
 
 @attrs.frozen
 class Registration(Generic[A]):
-    """A task and the handler that runs it."""
+    """A task and the handler that runs it (``run_async``: on the loop, else in a thread)."""
 
     task: Task[A]
     handler: Handler[A]
+    run_async: bool
 
 
-def error_text(exc: BaseException) -> str:
-    """Return what is recorded of a handler's exception: type and message, bounded, storable."""
+def _name_of(handler: object) -> str:
+    name = getattr(handler, "__qualname__", None) or type(handler).__name__
+    return name if isinstance(name, str) and len(name) <= 200 else type(handler).__name__
+
+
+def check_handler(handler: object) -> bool:
+    """Check that ``handler`` can run as ``handler(ctx, args)``; return whether it is async.
+
+    ``async def`` functions (and callables whose ``__call__`` is one, and partials of
+    them) run on the event loop; any other function runs in the worker's thread pool.
+
+    Raises:
+        QueueTypeError: not callable (a coroutine object, a value), a class, a generator
+            or async generator function, or a callable that cannot take exactly two
+            positional arguments ``(ctx, args)``.
+    """
+    if inspect.iscoroutine(handler) or inspect.isawaitable(handler):
+        raise QueueTypeError(
+            "handler is a coroutine (an awaitable), not a function: pass the function "
+            "itself, e.g. register(task, handle) rather than register(task, handle(...))"
+        )
+    if not callable(handler):
+        raise QueueTypeError(
+            f"handler must be a function (ctx, args), async or not, not {type(handler).__name__}"
+        )
+    if isinstance(handler, type):
+        raise QueueTypeError(
+            f"handler must be a function (ctx, args), not the class {_name_of(handler)}"
+        )
+    target: Any = handler
+    while isinstance(target, functools.partial):
+        target = target.func
+    # A callable object runs its class's __call__ (looked up by name, not to test callability).
+    call = (
+        target
+        if inspect.isroutine(target)
+        else inspect.getattr_static(type(target), "__call__", target)
+    )
+    if inspect.isasyncgenfunction(target) or inspect.isasyncgenfunction(call):
+        raise QueueTypeError(
+            f"handler {_name_of(handler)} is an async generator function (it yields): a "
+            "handler runs once and returns; use return instead of yield"
+        )
+    if inspect.isgeneratorfunction(target) or inspect.isgeneratorfunction(call):
+        raise QueueTypeError(
+            f"handler {_name_of(handler)} is a generator function (it yields): a handler "
+            "runs once and returns; use return instead of yield"
+        )
     try:
-        message = str(exc)
-    except Exception:  # a handler's exception whose __str__ fails is still a failure
-        message = "<the exception's message could not be read>"
-    text = f"{type(exc).__name__}: {message}"
-    if len(text) > _MAX_ERROR_TEXT:
-        text = text[: _MAX_ERROR_TEXT - 3] + "..."
-    # Handlers' messages may hold NUL or lone surrogates, which PostgreSQL text cannot.
-    return storable_text(text)
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):
+        signature = None  # some builtins have no signature: they are judged when they run
+    except Exception as exc:  # a hostile __signature__ or __wrapped__
+        raise QueueTypeError(
+            f"the signature of handler {_name_of(handler)} could not be read "
+            f"({type(exc).__name__}); pass a plain function (ctx, args)"
+        ) from None
+    if signature is not None:
+        try:
+            signature.bind(None, None)
+        except TypeError:
+            raise QueueTypeError(
+                f"handler {_name_of(handler)} must take two positional arguments (ctx, args); "
+                f"its signature is {_shown_signature(signature)}"
+            ) from None
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
+
+
+def _shown_signature(signature: inspect.Signature) -> str:
+    text = str(signature)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 class Executor:
@@ -103,29 +251,62 @@ class Executor:
         env: WorkerEnv,
         registry: Mapping[str, Registration[Any]],
         completions: Completions,
+        threads: concurrent.futures.Executor | None = None,
+        progress: ProgressWriter | None = None,
     ) -> None:
         self._env = env
         self._registry = registry
         self._completions = completions
+        self._threads = threads
+        self._progress = progress
         self._hard_stop = False
 
     def cancel_all(self) -> None:
-        """Cancel every running handler; their tasks are handed back (the drain timed out)."""
+        """Cancel every running handler; their tasks are handed back (the drain timed out).
+
+        A handler running in a thread cannot be interrupted: its ``ctx.lease_lost`` is set
+        (as for every handler) so it can see that whatever it does next is not recorded.
+        """
         self._hard_stop = True
+        for claimed in list(self._env.inflight.running.values()):
+            claimed.ctx.lease_lost.set()
         for task in list(self._env.inflight.tasks.values()):
             task.cancel()
+
+    async def _run(self, registration: Registration[Any], ctx: JobContext, args: Any) -> object:
+        """Run the handler: awaited on the loop, or called in the thread pool."""
+        if registration.run_async:
+            return await registration.handler(ctx, args)  # type: ignore[misc]
+        loop = asyncio.get_running_loop()
+        # The thread sees the context variables of this run (its tracing span among them).
+        value = await loop.run_in_executor(
+            self._threads,
+            functools.partial(contextvars.copy_context().run, registration.handler, ctx, args),
+        )
+        if inspect.isawaitable(value):
+            # A plain function that returns an awaitable (a lambda around a coroutine, a
+            # decorator that hid ``async``): the awaitable runs on the loop.
+            value = await value
+        return value
 
     async def execute(self, claimed: Claimed) -> None:
         """Run ``claimed``'s handler and record its outcome."""
         ctx = claimed.ctx
         registration = self._registry[ctx.task_name]
+        if self._progress is not None:
+            self._progress.attach(claimed)
         inst = _metrics.instruments()
-        attributes = {"task": ctx.task_name}
+        attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         started = time.monotonic()
         try:
             try:
-                args = registration.task.decode(claimed.args_text)
-                await registration.handler(ctx, args)
+                try:
+                    args = registration.task.decode(claimed.args_text)
+                except ArgsEncodingError as exc:
+                    # Stored args that no longer fit the args type: running again cannot help.
+                    raise _Terminal(exc) from exc
+                value = await self._run(registration, ctx, args)
+                result = encode_result(ctx.task_name, value)
             except asyncio.CancelledError:
                 if self._hard_stop:
                     self._completions.hand_back(claimed)
@@ -134,12 +315,19 @@ class Executor:
             except JobError as exc:
                 inst.run_time.record(time.monotonic() - started, attributes)
                 await self._failed(claimed, exc, exc.retryable, exc.delay)
-            except Exception as exc:  # a handler's failure is data: recorded on the task
+            except ResultEncodingError as exc:  # running again would return the same
                 inst.run_time.record(time.monotonic() - started, attributes)
                 await self._failed(claimed, exc, False, None)
+            except _Terminal as wrapped:
+                inst.run_time.record(time.monotonic() - started, attributes)
+                await self._failed(claimed, wrapped.error, False, None)
+            except Exception as exc:  # a handler's failure is data: recorded on the task
+                inst.run_time.record(time.monotonic() - started, attributes)
+                # Plain exceptions are terminal (seed 002) unless the task opted in.
+                await self._failed(claimed, exc, registration.task.retry is not None, None)
             else:
                 inst.run_time.record(time.monotonic() - started, attributes)
-                self._completions.succeeded(claimed)
+                self._completions.succeeded(claimed, result)
         finally:
             self._env.inflight.remove(ctx.task_id)
 
@@ -148,7 +336,7 @@ class Executor:
     ) -> None:
         ctx = claimed.ctx
         _tracing.record_failure(exc)  # on the run's span, when tracing is active
-        text = error_text(exc)
+        failure = describe(exc)
         retry_after: timedelta | None = None
         if retryable:
             now = self._env.clock.now()
@@ -158,5 +346,80 @@ class Executor:
             if decision.retry and decision.run_at is not None:
                 retry_after = delay if delay is not None else decision.run_at - now
             else:
-                text = f"attempts exhausted ({ctx.attempt}/{ctx.max_attempts}): {text}"
-        await self._completions.failed(claimed, text, retry_after)
+                failure = attrs.evolve(
+                    failure,
+                    summary=f"attempts exhausted ({ctx.attempt}/{ctx.max_attempts}): "
+                    + failure.summary,
+                )
+        # The task's identity and the handler's own exception, traceback included for an
+        # unexpected one (a JobError is the handler's deliberate verdict: its message says
+        # it, and its traceback is in the attempt history); never the task's args.
+        what = (
+            f"retries in {retry_after.total_seconds():.3f} s"
+            if retry_after is not None
+            else "failed for good"
+        )
+        LOG.log(
+            logging.WARNING if retry_after is not None else logging.ERROR,
+            "task %s (%s) attempt %s/%s, run %s, %s: %s",
+            ctx.task_id,
+            ctx.task_name,
+            ctx.attempt,
+            ctx.max_attempts,
+            ctx.run_id,
+            what,
+            failure.summary,
+            exc_info=None if isinstance(exc, JobError) else (type(exc), exc, exc.__traceback__),
+            extra={
+                "task_id": ctx.task_id,
+                "task_name": ctx.task_name,
+                "attempt": ctx.attempt,
+                "run_id": str(ctx.run_id),
+            },
+        )
+        await self._completions.failed(claimed, failure, retry_after)
+
+
+class _Terminal(Exception):
+    """Carries a failure that fails the task for good whatever its retry policy."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+
+def encode_result(task_name: str, value: object) -> str | None:
+    """Return the JSON text stored as a handler's result (``None`` for ``None``).
+
+    Raises:
+        ResultEncodingError: not JSON-encodable (NaN, infinity, a set, an object, a cycle,
+            nesting too deep, a lone surrogate, a NUL), or over 64 KiB of JSON.
+    """
+    if value is None:
+        return None
+    where = f"the result of task {task_name!r}"
+    try:
+        text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except RecursionError:
+        raise ResultEncodingError(f"{where} nests too deeply for JSON (or holds a cycle)") from None
+    except (TypeError, ValueError) as exc:
+        reason = str(exc)
+        reason = reason if len(reason) <= 200 else reason[:197] + "..."
+        raise ResultEncodingError(
+            f"{where} cannot be stored as JSON ({reason}); return JSON values (dict, list, "
+            "str, int, float, bool, None) or None"
+        ) from None
+    if "\\u0000" in text and _JSON_NUL.search(text):
+        raise ResultEncodingError(f"{where} contains a NUL character, which cannot be stored")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ResultEncodingError(
+            f"{where} contains a lone surrogate (not valid Unicode)"
+        ) from None
+    if size > MAX_RESULT_BYTES:
+        raise ResultEncodingError(
+            f"{where} is {size} bytes of JSON, over the {MAX_RESULT_BYTES}-byte limit; store "
+            "large outputs elsewhere and return a reference"
+        )
+    return text

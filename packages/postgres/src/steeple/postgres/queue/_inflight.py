@@ -7,6 +7,7 @@ their leases, completions write their outcomes, the drain waits for them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -40,6 +41,10 @@ class Claimed:
     lost: bool = False
     # A completion write for it failed with an unknown outcome (it may have committed).
     unsure: bool = False
+    # The handler's result as JSON text, once it succeeded (None: it returned None).
+    result: str | None = attrs.field(default=None, repr=False)
+    # The sequence number of the latest progress written for it (see _progress.py).
+    progress_written: int = 0
 
 
 class InFlight:
@@ -52,6 +57,8 @@ class InFlight:
         """Set while nothing runs."""
         self.slot_freed = asyncio.Event()
         """Set when a handler ends (the claim loop clears it before waiting)."""
+        self.per_queue: collections.Counter[str] = collections.Counter()
+        """How many attempts run per named queue."""
 
     def __len__(self) -> int:
         return len(self.running)
@@ -59,11 +66,14 @@ class InFlight:
     def add(self, claimed: Claimed) -> None:
         """Count ``claimed`` as running."""
         self.running[claimed.ctx.task_id] = claimed
+        self.per_queue[claimed.ctx.queue] += 1
         self.idle.clear()
 
     def remove(self, task_id: int) -> None:
         """Forget the attempt of ``task_id`` (its handler ended)."""
-        self.running.pop(task_id, None)
+        claimed = self.running.pop(task_id, None)
+        if claimed is not None:
+            self.per_queue[claimed.ctx.queue] -= 1
         self.tasks.pop(task_id, None)
         self.slot_freed.set()
         if not self.running:

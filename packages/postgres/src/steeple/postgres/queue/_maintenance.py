@@ -7,6 +7,7 @@ Recovery's target state per task is core's: ``transition(RUNNING, lease_expiry_e
 
 from __future__ import annotations
 
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
@@ -33,7 +34,9 @@ class Maintainer:
         inst = _metrics.instruments()
         while True:
             try:
+                crash_point("queue.recover.before")
                 rows = await pool.fetch(env.sql.recover_expired, 100, timeout=env.timeout)
+                crash_point("queue.recover.committed")
                 if rows:
                     env.stats.recovered += len(rows)
                     inst.recovered.add(len(rows))

@@ -14,9 +14,14 @@ from typing import Any, Protocol
 
 import attrs
 
-__all__ = ["Counter", "Histogram", "QueueInstruments", "instruments"]
+__all__ = ["Counter", "Histogram", "QueueInstruments", "instruments", "task_attributes"]
 
 Attributes = Mapping[str, str] | None
+
+
+def task_attributes(task_name: str, queue: str) -> dict[str, str]:
+    """Return the attributes every per-task measurement carries: the task name and queue."""
+    return {"task": task_name, "queue": queue}
 
 
 class Counter(Protocol):
@@ -59,11 +64,12 @@ class QueueInstruments:
     recovered: Counter
     run_time: Histogram
     pickup_latency: Histogram
+    loop_stall: Histogram
 
 
 def _off() -> QueueInstruments:
     off = _Off()
-    return QueueInstruments(off, off, off, off, off, off, off, off, off, off)
+    return QueueInstruments(off, off, off, off, off, off, off, off, off, off, off)
 
 
 @functools.cache
@@ -99,4 +105,7 @@ def instruments() -> QueueInstruments:
         recovered=counter("recovered", "Expired leases recovered"),
         run_time=histogram("steeple.queue.run_time", "s", "Handler run time"),
         pickup_latency=histogram("steeple.queue.pickup_latency", "s", "Due time to claim"),
+        loop_stall=histogram(
+            "steeple.queue.loop_stall", "s", "Event-loop stalls past the loop-lag threshold"
+        ),
     )

@@ -11,6 +11,7 @@ import contextlib
 import time
 
 from steeple.core.tasks import TaskState
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._inflight import Claimed
@@ -42,16 +43,18 @@ class Renewer:
             # A renewal slower than half a lease is as good as lost: give up and retry.
             deadline = max(0.1, min(env.timeout, min(c.lease for c in due) / 2))
             try:
+                crash_point("queue.renew.before")
                 rows = await pool.fetch(
                     env.sql.renew,
                     [c.ctx.task_id for c in due],
                     [c.token for c in due],
                     timeout=deadline,
                 )
+                crash_point("queue.renew.committed")
                 env.status.db_ok = True
             except DB_ERRORS as exc:
                 env.status.db_ok = False
-                LOG.warning("lease renewal failed: %s", exc)
+                LOG.warning("lease renewal failed: %r", exc)
                 for claimed in due:
                     if time.monotonic() >= claimed.expires_at:
                         self._lose(claimed, cancelled=False)

@@ -29,6 +29,8 @@ _MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
     (1, "0001_create_queue_tables"),
     (2, "0002_due_work_survives_clock_steps"),
     (5, "0005_job_time_zones_and_trace_context"),
+    (6, "0006_named_queues_and_limits"),
+    (7, "0007_results_progress_and_failure_details"),
 )
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""

@@ -57,12 +57,17 @@ class WorkerStats:
     materialized: int = 0
     maintenance_rounds: int = 0
     """Maintenance passes (lease recovery and recurring materialization) that completed."""
+    claim_rounds: int = 0
+    """Claim queries answered (with or without tasks): each applied the queues' settings."""
     failed_claims: int = 0
     """Claim rounds that failed (database error or timeout)."""
     refused_claims: int = 0
     """Claim rounds the server refused as arriving after the worker had given up on them
     (its clock moved, or the network held the request): each re-anchors the worker's
     estimate of the server's clock from the answer."""
+    loop_stalls: int = 0
+    """Times the event loop stalled past ``loop_lag_threshold`` while the worker ran (a
+    handler, or other code on its loop, blocked it); each is logged naming the culprit."""
 
 
 class _Phase(enum.Enum):

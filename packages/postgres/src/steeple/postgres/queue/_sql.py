@@ -114,12 +114,12 @@ _RUN_AT = "coalesce({run_at}::timestamptz, created.at + coalesce({delay}::interv
 RUN_STATE_COLUMNS: Final = (
     "id, task_name, state, priority, run_at, attempts, max_attempts, run_id, worker_id, "
     "lease_expires_at, dedup_key, job_id, scheduled_for, created_at, started_at, finished_at, "
-    "last_error"
+    "last_error, queue, progress::text"
 )
 """The columns of a ``TaskRun`` (``TaskRun.from_row``), in order: ``run_state`` and listings."""
 _TASK_COLUMNS = (
     "task_name, args, priority, run_at, max_attempts, lease_duration, "
-    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter"
+    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter, queue"
 )
 
 
@@ -140,6 +140,7 @@ class QueueSql:
     completed_by: str
     retry: str
     fail: str
+    progress: str
     release: str
     recover_expired: str
     lost_states: str
@@ -167,22 +168,22 @@ def _queue_sql(schema: str) -> QueueSql:
         channel=notify_channel(schema),
         # $1 name, $2 args, $3 priority, $4 run_at|null, $5 max_attempts, $6 lease,
         # $7..$10 backoff, $11 dedup key, $12 channel, $13 delay|null (from the server's now),
-        # $14 trace context|null (JSON text, see _tracing.py)
+        # $14 trace context|null (JSON text, see _tracing.py), $15 queue
         enqueue=f"""
 WITH {_NOW}
 INSERT INTO {s}.tasks ({_TASK_COLUMNS}, dedup_key, created_at, updated_at, trace_context)
 SELECT $1, $2::text::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$13")}, $5, $6::interval,
-       $7, $8, $9, $10, $11, created.at, created.at, $14::text::jsonb
+       $7, $8, $9, $10, $15, $11, created.at, created.at, $14::text::jsonb
 FROM created, {DURABLE}
 ON CONFLICT (task_name, dedup_key) WHERE dedup_key IS NOT NULL AND state IN {LIVE} DO NOTHING
 RETURNING id, pg_notify($12, {_DUE_PAYLOAD.format(run_at="run_at")})::text""",
         # $1 name, $2 args[], $3.. as above but no dedup; $11 channel, $12 delay|null,
-        # $13 trace context|null (one for the batch)
+        # $13 queue, $14 trace context|null (one for the batch)
         enqueue_many=f"""
 WITH {_NOW}, ins AS (
     INSERT INTO {s}.tasks ({_TASK_COLUMNS}, created_at, updated_at, trace_context)
     SELECT $1, u.a::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$12")}, $5, $6::interval,
-           $7, $8, $9, $10, created.at, created.at, $13::text::jsonb
+           $7, $8, $9, $10, $13, created.at, created.at, $14::text::jsonb
     FROM created, {DURABLE}, unnest($2::text[]) WITH ORDINALITY AS u(a, n)
     ORDER BY u.n
     RETURNING id, run_at
@@ -198,15 +199,22 @@ WHERE task_name = $1 AND dedup_key = $2 AND state IN {LIVE}""",
 SELECT id, trace_context::text FROM {s}.tasks
 WHERE id = ANY($1::bigint[]) AND trace_context IS NOT NULL""",
         # $1 names[], $2 limit, $3 worker id, $4 the claimer's give-up time (epoch s, in
-        # server time). The statement lives in a function (see the migrations) that pins the
-        # planner to the ordered claim index and ignores claims delivered too late.
-        claim=f"SELECT * FROM {s}.claim($1::text[], $2::integer, $3::text, $4::double precision)",
-        # The worker's claim: the same, plus the server's clock read after the claim ran
-        # (epoch s) as the first column, and one row of NULLs when nothing was claimed, so
-        # every answer re-anchors the worker's estimate of the server's clock.
+        # server time): a claim from the default queue (operators' and tests' one-off
+        # claims). The statement lives in a function (see the migrations) that pins the
+        # planner to the ordered claim index, applies pauses and global limits and ignores
+        # claims delivered too late. Rows of id NULL (a limit held some back) are dropped.
+        claim=f"""
+SELECT * FROM {s}.claim(ARRAY['default'], ARRAY[$2::integer], $1::text[], $3::text,
+                        $4::double precision) AS c
+WHERE c.id IS NOT NULL""",
+        # The worker's claim: $1 queues[], $2 wanted per queue[], $3 names[], $4 worker id,
+        # $5 give-up time; plus the server's clock read after the claim ran (epoch s) as the
+        # first column, and one row of NULLs when nothing was claimed, so every answer
+        # re-anchors the worker's estimate of the server's clock.
         claim_timed=f"""
 WITH claimed AS (
-    SELECT * FROM {s}.claim($1::text[], $2::integer, $3::text, $4::double precision)
+    SELECT * FROM {s}.claim($1::text[], $2::integer[], $3::text[], $4::text,
+                            $5::double precision)
 )
 SELECT extract(epoch FROM clock_timestamp())::double precision, claimed.*
 FROM (SELECT) AS one LEFT JOIN claimed ON true""",
@@ -217,13 +225,16 @@ SET lease_expires_at = clock_timestamp() + t.lease_duration
 FROM {RELAXED}, unnest($1::bigint[], $2::uuid[]) AS h(id, token)
 WHERE t.id = h.id AND t.lease_token = h.token
 RETURNING t.id""",
-        # $1 ids[], $2 tokens[], $3 worker id
+        # $1 ids[], $2 tokens[], $3 worker id, $4 results[] (JSON text|null), $5 latest
+        # progress[] (JSON text|null: keep what was written)
         complete=f"""
 WITH done AS (
     UPDATE {s}.tasks t
     SET state = {_lit(SUCCEEDED)}, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
-        lease_token = NULL, lease_expires_at = NULL
-    FROM {DURABLE}, unnest($1::bigint[], $2::uuid[]) AS h(id, token)
+        lease_token = NULL, lease_expires_at = NULL, result = h.result::jsonb,
+        progress = coalesce(h.progress::jsonb, t.progress)
+    FROM {DURABLE},
+         unnest($1::bigint[], $2::uuid[], $4::text[], $5::text[]) AS h(id, token, result, progress)
     WHERE t.id = h.id AND t.lease_token = h.token
     RETURNING t.id, t.attempts, t.started_at, t.finished_at
 ), history AS (
@@ -239,34 +250,49 @@ JOIN unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, attempt, st
   ON t.id = h.id
 WHERE t.state = {_lit(SUCCEEDED)} AND t.attempts = h.attempt AND t.started_at = h.started_at
   AND t.worker_id = $4""",
-        # $1 id, $2 token, $3 delay interval, $4 error, $5 worker id
+        # $1 id, $2 token, $3 delay interval, $4 error, $5 worker id, $6 error type,
+        # $7 traceback, $8 latest progress (JSON text|null: keep what was written)
         retry=f"""
 WITH done AS (
     UPDATE {s}.tasks t
     SET state = {_lit(_RETRIED)}, run_at = clock_timestamp() + $3::interval, lease_token = NULL,
-        lease_expires_at = NULL, worker_id = NULL, last_error = $4, updated_at = clock_timestamp()
+        lease_expires_at = NULL, worker_id = NULL, last_error = $4, updated_at = clock_timestamp(),
+        progress = coalesce($8::text::jsonb, t.progress)
     FROM {DURABLE}
     WHERE t.id = $1 AND t.lease_token = $2
     RETURNING t.id, t.attempts, t.started_at
 ), history AS (
-    INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
-    SELECT id, attempts, $5, {_OUTCOME[TaskEvent.FAIL_RETRYABLE]}, started_at, $4 FROM done
+    INSERT INTO {s}.attempts
+        (task_id, attempt, worker_id, outcome, started_at, error, error_type, traceback)
+    SELECT id, attempts, $5, {_OUTCOME[TaskEvent.FAIL_RETRYABLE]}, started_at, $4, $6, $7
+    FROM done
 )
 SELECT id FROM done""",
-        # $1 id, $2 token, $3 error, $4 worker id
+        # $1 id, $2 token, $3 error, $4 worker id, $5 error type, $6 traceback,
+        # $7 latest progress (JSON text|null: keep what was written)
         fail=f"""
 WITH done AS (
     UPDATE {s}.tasks t
     SET state = {_lit(_FAILED)}, finished_at = clock_timestamp(), lease_token = NULL,
-        lease_expires_at = NULL, last_error = $3, updated_at = clock_timestamp()
+        lease_expires_at = NULL, last_error = $3, updated_at = clock_timestamp(),
+        progress = coalesce($7::text::jsonb, t.progress)
     FROM {DURABLE}
     WHERE t.id = $1 AND t.lease_token = $2
     RETURNING t.id, t.attempts, t.started_at
 ), history AS (
-    INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
-    SELECT id, attempts, $4, {_OUTCOME[TaskEvent.FAIL_PERMANENT]}, started_at, $3 FROM done
+    INSERT INTO {s}.attempts
+        (task_id, attempt, worker_id, outcome, started_at, error, error_type, traceback)
+    SELECT id, attempts, $4, {_OUTCOME[TaskEvent.FAIL_PERMANENT]}, started_at, $3, $5, $6
+    FROM done
 )
 SELECT id FROM done""",
+        # $1 ids[], $2 tokens[], $3 progress[] (JSON text): the handlers' latest progress
+        progress=f"""
+UPDATE {s}.tasks t
+SET progress = h.progress::jsonb
+FROM {RELAXED}, unnest($1::bigint[], $2::uuid[], $3::text[]) AS h(id, token, progress)
+WHERE t.id = h.id AND t.lease_token = h.token
+RETURNING t.id""",
         # $1 id, $2 token, $3 worker id: hand back unfinished work at shutdown, attempt refunded.
         # It keeps its run_at: it was due, and stays due whatever the server's clock does.
         release=f"""
@@ -309,7 +335,16 @@ WITH expired AS (
 )
 SELECT id, state FROM done""",
         lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::bigint[])",
-        run_state=f"SELECT {RUN_STATE_COLUMNS} FROM {s}.tasks WHERE id = $1",
+        # $1 id, $2 the most attempts of its history returned (the latest ones)
+        run_state=f"""
+SELECT {RUN_STATE_COLUMNS}, result::text, (
+    SELECT coalesce(json_agg(h ORDER BY h.id), '[]'::json)::text FROM (
+        SELECT a.id, a.attempt, a.outcome, a.worker_id, a.started_at, a.finished_at, a.error,
+               a.error_type, a.traceback
+        FROM {s}.attempts a WHERE a.task_id = t.id ORDER BY a.id DESC LIMIT $2
+    ) AS h
+)
+FROM {s}.tasks t WHERE t.id = $1""",
         cancel=f"""
 WITH target AS (
     SELECT id, state FROM {s}.tasks WHERE id = $1 FOR NO KEY UPDATE

@@ -143,7 +143,7 @@ class _TracedSending(Sending):
 
 
 def sending(
-    task_name: str, count: int, queue: str | None = None
+    task_name: str, count: int, queue: str = "default"
 ) -> contextlib.AbstractContextManager[Sending]:
     """Trace an enqueue of ``count`` tasks named ``task_name`` (the insert runs inside).
 
@@ -156,18 +156,17 @@ def sending(
 
 
 @contextlib.contextmanager
-def _send_span(traced: Tracer, task_name: str, count: int, queue: str | None) -> Iterator[Sending]:
+def _send_span(traced: Tracer, task_name: str, count: int, queue: str) -> Iterator[Sending]:
     api = _api()
     assert api is not None  # a tracer exists only with the API
     attributes: dict[str, Any] = {
         "messaging.system": SYSTEM,
         "messaging.operation.type": "send",
         "messaging.operation.name": "send",
-        "messaging.destination.name": queue or task_name,
+        "messaging.destination.name": queue,
         "steeple.task.name": task_name,
+        "steeple.task.queue": queue,
     }
-    if queue is not None:
-        attributes["steeple.task.queue"] = queue
     if count != 1:
         attributes["messaging.batch.message_count"] = count
     with traced.start_as_current_span(
@@ -231,12 +230,11 @@ async def traced_run(
     ambient = api.trace.get_current_span().get_span_context()
     if ambient.is_valid:
         links.append(api.trace.Link(ambient))
-    queue = getattr(ctx, "queue", None)  # named queues add JobContext.queue
     attributes: dict[str, Any] = {
         "messaging.system": SYSTEM,
         "messaging.operation.type": "process",
         "messaging.operation.name": "process",
-        "messaging.destination.name": queue or ctx.task_name,
+        "messaging.destination.name": ctx.queue,
         "messaging.message.id": str(ctx.task_id),
         "messaging.client.id": ctx.worker_id,
         "steeple.task.id": ctx.task_id,
@@ -245,8 +243,7 @@ async def traced_run(
         "steeple.task.max_attempts": ctx.max_attempts,
         "steeple.task.run_id": str(ctx.run_id),
     }
-    if queue is not None:
-        attributes["steeple.task.queue"] = queue
+    attributes["steeple.task.queue"] = ctx.queue
     if ctx.scheduled_for is not None:
         attributes["steeple.task.scheduled_for"] = ctx.scheduled_for.isoformat()
     with traced.start_as_current_span(

@@ -17,11 +17,13 @@ from steeple.core.limits import MAX_NAME_LENGTH
 from steeple.postgres.queue.errors import QueueConfigurationError, QueueTypeError
 
 __all__ = [
+    "DEFAULT_QUEUE",
     "INT32",
     "INT64",
     "check_bool",
     "check_int",
     "check_name",
+    "check_queue",
     "check_seconds",
     "check_task_id",
     "check_timedelta",
@@ -55,6 +57,20 @@ def check_name(value: object, what: str, *, max_len: int = MAX_NAME_LENGTH) -> s
                 f"{what} must not contain a {kind} (U+{ord(ch):04X}); remove it"
             )
     return value
+
+
+DEFAULT_QUEUE: Final = "default"
+"""The queue a task or recurring job belongs to unless told otherwise."""
+
+
+def check_queue(value: object) -> str:
+    """Return ``value`` if it is a valid queue name (as :func:`check_name`, 1-200 chars).
+
+    Raises:
+        QueueTypeError: not a str.
+        QueueConfigurationError: empty, too long, or a control character / lone surrogate.
+    """
+    return check_name(value, "queue")
 
 
 def check_bool(value: object, what: str) -> bool:

@@ -11,6 +11,8 @@ Module map of the worker (``steeple.postgres.queue``), one room per concern:
 - ``_completions.py`` Completions: the batched success flusher, confirming lost replies,
                       writing failures/retries, fencing, releasing at shutdown.
 - ``_renewal.py``     Renewer: token-guarded lease renewal, lease-lost/cancelled signals.
+- ``_progress.py``    ProgressWriter: handlers' reported progress, batched, token-fenced.
+- ``_failures.py``    what a failed attempt records: exception type, message, traceback.
 - ``_wakeups.py``     Wakeups: the claim loop's wake event, LISTEN/NOTIFY, due-time timers.
 - ``_maintenance.py`` Maintainer: expired-lease recovery, recurring-job materialization.
 - ``_inflight.py``    Claimed (one running attempt) and InFlight (all of them, slots, idle).
@@ -26,7 +28,9 @@ lease cannot finish, fail, renew or release anything.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Final, TypeVar
 
@@ -37,8 +41,9 @@ from steeple.core.dsn import check_dsn
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import ConfigurationError
 from steeple.core.ports import Clock, RandomSource
-from steeple.postgres.queue import _driver
-from steeple.postgres.queue._aio import wait_event
+from steeple.engine.looplag import DEFAULT_LOOP_LAG_THRESHOLD, LoopStall, watching_event_loop
+from steeple.postgres.queue import _driver, _metrics
+from steeple.postgres.queue._aio import wait_either
 from steeple.postgres.queue._claiming import Claimer
 from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._db import (
@@ -48,13 +53,27 @@ from steeple.postgres.queue._db import (
     check_durable,
     open_db,
 )
-from steeple.postgres.queue._execution import Executor, Handler, JobContext, Registration
+from steeple.postgres.queue._execution import (
+    Executor,
+    Handler,
+    JobContext,
+    Registration,
+    check_handler,
+)
 from steeple.postgres.queue._maintenance import Maintainer
+from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._renewal import Renewer
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
-from steeple.postgres.queue._shared import Health, WorkerEnv, WorkerStats, WorkerStatus
+from steeple.postgres.queue._shared import LOG, Health, WorkerEnv, WorkerStats, WorkerStatus
 from steeple.postgres.queue._sql import queue_sql
-from steeple.postgres.queue._validate import check_bool, check_int, check_name, check_seconds
+from steeple.postgres.queue._validate import (
+    DEFAULT_QUEUE,
+    check_bool,
+    check_int,
+    check_name,
+    check_queue,
+    check_seconds,
+)
 from steeple.postgres.queue._wakeups import Wakeups
 from steeple.postgres.queue.errors import (
     QueueConfigurationError,
@@ -72,6 +91,32 @@ A = TypeVar("A")
 _MAX_INTERVAL: Final = 3600.0  # the longest poll / maintenance interval and query timeout
 _MAX_DRAIN: Final = 86_400.0
 _MAX_CONCURRENCY: Final = 100_000
+_MAX_THREADS: Final = 1024
+_DEFAULT_THREADS: Final = 32
+_MAX_QUEUES: Final = 100
+
+
+def _served(queues: object, concurrency: int) -> list[tuple[str, int]]:
+    """Check the queues a worker serves; return (name, its limit in this worker) pairs."""
+    if isinstance(queues, Mapping):
+        pairs = list(queues.items())
+    elif isinstance(queues, Sequence) and not isinstance(queues, str | bytes | bytearray):
+        pairs = [(name, concurrency) for name in queues]
+    else:
+        raise QueueTypeError(
+            "queues must be a list of queue names or a mapping of name to concurrency, "
+            f"not {type(queues).__name__}"
+        )
+    if not 1 <= len(pairs) <= _MAX_QUEUES:
+        raise QueueConfigurationError(f"a worker serves 1..{_MAX_QUEUES} queues, got {len(pairs)}")
+    seen: set[str] = set()
+    for name, limit in pairs:
+        check_queue(name)
+        check_int(limit, f"the concurrency of queue {name!r}", 1, _MAX_CONCURRENCY)
+        if name in seen:
+            raise QueueConfigurationError(f"queue {name!r} is listed twice")
+        seen.add(name)
+    return [(name, min(limit, concurrency)) for name, limit in pairs]
 
 
 def _encodable(text: str) -> bool:
@@ -83,7 +128,7 @@ def _encodable(text: str) -> bool:
 
 
 class Scheduler:
-    """A worker running registered handlers for due tasks of one queue schema.
+    """A worker running registered handlers for due tasks of named queues in one schema.
 
     Args:
         pool_or_dsn: an asyncpg pool or a psycopg_pool ``AsyncConnectionPool`` (the
@@ -91,7 +136,15 @@ class Scheduler:
         worker_id: this worker's name, recorded on claimed tasks (1-200 chars).
         schema: the queue's PostgreSQL schema.
         poll_interval: seconds (or timedelta) between polls when no NOTIFY arrives.
-        concurrency: the most handlers running at once.
+        concurrency: the most handlers running at once in this worker.
+        threads: the size of the thread pool that runs plain ``def`` handlers (1..1024;
+            default ``min(concurrency, 32)``). Created only when such a handler is
+            registered; sync handlers beyond it wait for a thread (their leases are kept).
+        queues: the named queues served: a list of names (each may use all of
+            ``concurrency``), or a mapping of name to the most of its tasks running at
+            once in this worker (capped by ``concurrency``). Default: ``["default"]``.
+            Limits across all workers, pauses and rate limits are stored in the database
+            (see :mod:`steeple.postgres.queue.admin`) and applied by every claim.
         batch_size: the most tasks claimed per query (default: ``concurrency``).
         maintenance_interval: seconds between expired-lease recovery and job materialization.
         listen: use LISTEN/NOTIFY wake-ups (polling alone when False).
@@ -106,13 +159,20 @@ class Scheduler:
             clock and this host's monotonic clock, so stepping either wall clock (NTP,
             an operator, a failover to a server whose clock differs) never stops claims.
         random: randomness for backoff jitter (default: the OS).
+        loop_lag_threshold: seconds of event-loop lag reported as a stall: a warning names
+            the handler (task and code) that blocked the loop, and ``stats.loop_stalls``
+            and the ``steeple.queue.loop_stall`` histogram count it. ``None`` turns the
+            detection off (see :mod:`steeple.engine.looplag`). A handler that blocks the
+            loop past its lease loses it: another worker runs the task and this one's
+            late outcome is rejected.
 
     Intervals and timeouts are seconds (int or float) or timedeltas: poll and maintenance
-    intervals 0.001 s .. 1 h, query_timeout 0.1 s .. 1 h.
+    intervals 0.001 s .. 1 h, query_timeout 0.1 s .. 1 h, loop_lag_threshold 0.01 s .. 1 h.
 
     Raises:
-        QueueConfigurationError: an invalid worker id, schema, count or interval (NaN,
-            infinite, negative, zero or too large), or an invalid DSN (see
+        QueueConfigurationError: an invalid worker id, schema, queue name, count or
+            interval (NaN, infinite, negative, zero or too large), no queue or a queue
+            listed twice, or an invalid DSN (see
             :func:`steeple.core.dsn.check_dsn`; the message never quotes the DSN).
         QueueTypeError: an option of the wrong type.
     """
@@ -125,6 +185,8 @@ class Scheduler:
         schema: str = DEFAULT_SCHEMA,
         poll_interval: float | timedelta = 1.0,
         concurrency: int = 16,
+        threads: int | None = None,
+        queues: Sequence[str] | Mapping[str, int] = (DEFAULT_QUEUE,),
         batch_size: int | None = None,
         maintenance_interval: float | timedelta = 1.0,
         listen: bool = True,
@@ -132,10 +194,14 @@ class Scheduler:
         require_durable: bool = True,
         clock: Clock | None = None,
         random: RandomSource | None = None,
+        loop_lag_threshold: float | timedelta | None = DEFAULT_LOOP_LAG_THRESHOLD,
     ) -> None:
         check_name(worker_id, "worker_id")
         validate_schema(schema)
         check_int(concurrency, "concurrency", 1, _MAX_CONCURRENCY)
+        pool_size = min(concurrency, _DEFAULT_THREADS) if threads is None else threads
+        check_int(pool_size, "threads", 1, _MAX_THREADS)
+        self._queues = _served(queues, concurrency)
         batch = concurrency if batch_size is None else batch_size
         check_int(batch, "batch_size", 1, 1000)
         poll = check_seconds(poll_interval, "poll_interval", 0.001, _MAX_INTERVAL)
@@ -143,6 +209,11 @@ class Scheduler:
             maintenance_interval, "maintenance_interval", 0.001, _MAX_INTERVAL
         )
         query = check_seconds(query_timeout, "query_timeout", 0.1, _MAX_INTERVAL)
+        self._loop_lag = (
+            None
+            if loop_lag_threshold is None
+            else check_seconds(loop_lag_threshold, "loop_lag_threshold", 0.01, _MAX_INTERVAL)
+        )
         check_bool(listen, "listen")
         check_bool(require_durable, "require_durable")
         if clock is not None and not callable(getattr(clock, "now", None)):
@@ -170,6 +241,7 @@ class Scheduler:
         self._sql = queue_sql(schema)
         self._maintenance = maintenance
         self._concurrency = concurrency
+        self._threads = pool_size
         self._batch = batch
         self._listen = listen
         self._require_durable = require_durable
@@ -192,28 +264,38 @@ class Scheduler:
         return f"Scheduler(worker_id={self.worker_id!r}, schema={self.schema!r})"
 
     @property
+    def queues(self) -> dict[str, int]:
+        """The queues this worker serves, each with its concurrency limit in this worker."""
+        return dict(self._queues)
+
+    @property
     def _db(self) -> WorkerDb | None:
         return self._env.db_or_none
 
     def register(self, task: Task[A], handler: Handler[A]) -> None:
         """Run ``handler`` for tasks named ``task.name``.
 
+        ``handler(ctx, args)`` is an ``async def`` (run on the event loop) or a plain
+        ``def`` (run in the worker's thread pool of ``threads``, with the same
+        :class:`JobContext`: read ``ctx.lease_lost.is_set()`` / ``ctx.cancelled.is_set()``
+        or call ``ctx.check_lease()`` from the thread). A plain function that returns an
+        awaitable has it awaited on the event loop.
+
         Raises:
             UnknownTaskError: that task name already has a handler.
-            QueueTypeError: ``task`` is not a Task, or ``handler`` is not callable.
+            QueueTypeError: ``task`` is not a Task; ``handler`` is not a function that can
+                be called as ``handler(ctx, args)`` (not callable, a coroutine object, a
+                class, a generator or async generator function, another arity).
             QueueError: the worker has already started.
         """
         if not isinstance(task, Task):
             raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
-        if not callable(handler):
-            raise QueueTypeError(
-                f"handler must be an async callable (ctx, args), not {type(handler).__name__}"
-            )
+        run_async = check_handler(handler)
         if self._started:
             raise QueueError("register handlers before run_until_shutdown")
         if task.name in self._registry:
             raise UnknownTaskError(f"task {task.name!r} already has a handler")
-        self._registry[task.name] = Registration(task, handler)
+        self._registry[task.name] = Registration(task, handler, run_async)
 
     def health(self) -> Health:
         """Report starting / healthy / degraded / stopped.
@@ -229,13 +311,22 @@ class Scheduler:
     # --- lifecycle -----------------------------------------------------------------------
 
     async def run_until_shutdown(
-        self, stop: asyncio.Event, *, drain_timeout: float | timedelta = 30.0
+        self,
+        stop: asyncio.Event,
+        *,
+        drain_timeout: float | timedelta = 30.0,
+        hard_stop: asyncio.Event | None = None,
     ) -> None:
         """Work until ``stop`` is set, then drain gracefully within ``drain_timeout``.
 
         After ``stop``: no new claims; running handlers get ``drain_timeout`` to finish;
         the rest are cancelled and their tasks handed back (pending, attempt refunded);
         buffered completions are written; the pool (if the worker opened it) is closed.
+        Setting ``hard_stop`` (say on a second SIGTERM) ends the drain at once: it stops
+        claiming as ``stop`` does, and the handlers still running are cancelled and their
+        tasks handed back now. A task whose release cannot be written is left to its lease,
+        which lapses; it is recovered and run again, never completed twice (every outcome
+        is fenced by the lease token).
 
         Raises:
             SchemaVersionMismatchError: the queue schema is missing or another version.
@@ -243,13 +334,18 @@ class Scheduler:
             QueueUnavailableError: the database failed or was unreachable at start-up.
             QueueConfigurationError: a pool too small for the worker; a ``drain_timeout``
                 that is NaN, infinite, negative or over a day; a DSN that cannot be parsed.
-            QueueTypeError: ``stop`` is not an ``asyncio.Event``, or a wrong-typed
-                ``drain_timeout``.
+            QueueTypeError: ``stop`` or ``hard_stop`` is not an ``asyncio.Event``, or a
+                wrong-typed ``drain_timeout``.
             UnknownTaskError: no handler is registered.
             QueueError: called twice.
         """
         if not isinstance(stop, asyncio.Event):
             raise QueueTypeError(f"stop must be an asyncio.Event, not {type(stop).__name__}")
+        if hard_stop is not None and not isinstance(hard_stop, asyncio.Event):
+            raise QueueTypeError(
+                f"hard_stop must be an asyncio.Event, not {type(hard_stop).__name__}"
+            )
+        hard = hard_stop if hard_stop is not None else asyncio.Event()
         drain = check_seconds(drain_timeout, "drain_timeout", 0.0, _MAX_DRAIN)
         if self._started:
             raise QueueError("a Scheduler runs once; create a new one")
@@ -258,6 +354,13 @@ class Scheduler:
         self._started = True
         env = self._env
         owned = isinstance(self._source, str)
+        threads = (
+            concurrent.futures.ThreadPoolExecutor(
+                max_workers=self._threads, thread_name_prefix="steeple-handler"
+            )
+            if any(not r.run_async for r in self._registry.values())
+            else None
+        )
         try:
             try:
                 env.db_or_none = await self._open()
@@ -269,34 +372,55 @@ class Scheduler:
             env.status.started()
             wakeups = Wakeups(env)
             completions = Completions(env, wakeups)
-            executor = Executor(env, self._registry, completions)
+            progress = ProgressWriter(env)
+            executor = Executor(env, self._registry, completions, threads, progress)
             claimer = Claimer(
                 env,
                 list(self._registry),
+                queues=self._queues,
                 concurrency=self._concurrency,
                 batch=self._batch,
                 wakeups=wakeups,
                 executor=executor,
             )
-            async with asyncio.TaskGroup() as services:
+            async with (
+                watching_event_loop(self._loop_lag, on_stall=self._stalled),
+                asyncio.TaskGroup() as services,
+            ):
                 if self._listen:
                     services.create_task(wakeups.listen_forever())
                 services.create_task(Renewer(env).renew_forever())
                 services.create_task(Maintainer(env, wakeups, self._maintenance).maintain_forever())
                 services.create_task(completions.flush_forever())
+                services.create_task(progress.write_forever())
+                # A hard stop stops claiming too (the claim loop watches one event).
+                claiming = asyncio.Event()
+                if stop.is_set() or hard.is_set():
+                    claiming.set()
+                services.create_task(_either(stop, hard, claiming, env.closing))
                 try:
                     async with asyncio.TaskGroup() as handlers:
-                        await claimer.claim_until(stop, handlers)
-                        await self._drain(executor, drain)
+                        await claimer.claim_until(claiming, handlers)
+                        await self._drain(executor, drain, hard)
                     await completions.release_unfinished()
                 finally:
                     env.closing.set()
                     completions.stop()
+                    progress.stop()
                     wakeups.cancel_timers()
         finally:
             env.status.stopped()
+            if threads is not None:
+                # Threads the drain gave up on keep running (a thread cannot be stopped);
+                # their ctx.lease_lost is set and nothing they do is recorded.
+                threads.shutdown(wait=False, cancel_futures=True)
             if owned and env.db_or_none is not None:
                 await env.db_or_none.close()
+
+    def _stalled(self, stall: LoopStall) -> None:
+        # The monitor logged it, naming the culprit; counted here for this worker.
+        self.stats.loop_stalls += 1
+        _metrics.instruments().loop_stall.record(stall.lag)
 
     async def _open(self) -> WorkerDb:
         if isinstance(self._source, str):
@@ -339,7 +463,9 @@ class Scheduler:
             await check_schema(conn, self.schema)
             if self._require_durable:
                 await check_durable(
-                    conn, self.schema, ("schema_migrations", "tasks", "attempts", "jobs")
+                    conn,
+                    self.schema,
+                    ("schema_migrations", "tasks", "attempts", "jobs", "settings"),
                 )
             # Claims carry a give-up time on the server's clock: anchor the estimate of it.
             ((server,),) = await _driver.fetch(
@@ -349,7 +475,34 @@ class Scheduler:
 
         await db.with_connection(check, timeout=self._env.timeout)
 
-    async def _drain(self, executor: Executor, timeout: float) -> None:
+    async def _drain(self, executor: Executor, timeout: float, hard: asyncio.Event) -> None:
         inflight = self._env.inflight
-        if inflight.running and not await wait_event(inflight.idle, timeout):
+        if not inflight.running:
+            return
+        idle = asyncio.ensure_future(inflight.idle.wait())
+        try:
+            await wait_either(hard, idle, timeout)
+        finally:
+            idle.cancel()
+        if inflight.running:
+            LOG.warning(
+                "%s: handing back %d running task(s) (%s)",
+                self.worker_id,
+                len(inflight.running),
+                "hard stop" if hard.is_set() else f"the {timeout:g} s drain deadline passed",
+            )
             executor.cancel_all()
+
+
+async def _either(
+    first: asyncio.Event, second: asyncio.Event, then: asyncio.Event, closing: asyncio.Event
+) -> None:
+    """Set ``then`` once ``first`` or ``second`` is set (unless ``closing`` comes first)."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in (first, second, closing)]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    if not closing.is_set():
+        then.set()

@@ -1,4 +1,7 @@
-"""Operator functions of the work queue: list and count tasks, retry failed ones, list jobs.
+"""Operator functions of the work queue: tasks, jobs, and queues (pause, resume, limits).
+
+Tasks are listed, counted and retried; jobs listed; queues listed, paused, resumed and
+limited across all workers.
 
 What dashboards and command lines need beyond the producer and worker API. Every function
 takes the caller's connection (an asyncpg connection or pool, or a psycopg
@@ -17,7 +20,18 @@ from steeple.core.records import Page
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._admin_sql import admin_sql
-from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun
+from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun, run_state
+from steeple.postgres.queue._queues import (
+    QueueInfo,
+    TaskLimits,
+    check_limits,
+    limit_queue,
+    limit_task,
+    list_queues,
+    list_task_limits,
+    pause_queue,
+    resume_queue,
+)
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, LIBRARY_SCHEMA_VERSION
 from steeple.postgres.queue._validate import (
     INT64,
@@ -37,12 +51,22 @@ from steeple.postgres.queue.jobs import JobInfo
 
 __all__ = [
     "MAX_PAGE",
+    "QueueInfo",
+    "TaskLimits",
+    "check_limits",
     "count_by_state",
     "count_prunable",
+    "limit_queue",
+    "limit_task",
     "list_jobs",
+    "list_queues",
+    "list_task_limits",
     "list_tasks",
+    "pause_queue",
+    "resume_queue",
     "retry_failed_task",
     "server_time",
+    "task_detail",
 ]
 
 MAX_PAGE: Final = 1000
@@ -132,6 +156,36 @@ async def list_tasks(
     return Page(items=items, next_cursor=cursor)
 
 
+async def task_detail(
+    conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA, history: int = 50
+) -> TaskRun:
+    """Return one task for an operator: state, progress, result and attempt history.
+
+    :func:`~steeple.postgres.queue.run_state`, with a missing queue reported as such.
+    Each failed attempt of ``history`` carries its exception type, message and traceback;
+    the task's args and lease token are never read. ``TaskRun.to_json()`` renders it.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        task_id: the task id.
+        schema: the queue's PostgreSQL schema.
+        history: how many of its latest attempts to return (0..1000).
+
+    Raises:
+        TaskNotFoundError: no such task (or it was pruned).
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
+        QueueConfigurationError: ``task_id`` beyond 64 bits, ``history`` outside 0..1000,
+            or an invalid schema name.
+        QueueTypeError: ``task_id`` or ``history`` is not an int.
+    """
+    try:
+        return await run_state(conn, task_id, schema=schema, history=history)
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) in _NOT_INSTALLED:
+            raise SchemaVersionMismatchError(schema, 0, LIBRARY_SCHEMA_VERSION) from None
+        raise
+
+
 async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[TaskState, int]:
     """Return how many tasks are in each state (every state present, zeros included).
 
@@ -190,8 +244,6 @@ async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SC
             f"task {task_id} is {before.value}; only failed tasks can be retried",
         )
     transition(before, TaskEvent.RETRY)  # the table's move (raises if the SQL made another)
-    from steeple.postgres.queue._ops import run_state
-
     return await run_state(conn, task_id, schema=schema)
 
 

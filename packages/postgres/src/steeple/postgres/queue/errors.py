@@ -18,6 +18,7 @@ __all__ = [
     "QueueError",
     "QueueTypeError",
     "QueueUnavailableError",
+    "ResultEncodingError",
     "SchemaVersionMismatchError",
     "TaskNotFoundError",
     "TaskStateError",
@@ -140,6 +141,14 @@ class ArgsEncodingError(QueueError, ValueError):
     """Task arguments that cannot be encoded to JSON, or stored JSON that cannot be decoded."""
 
 
+class ResultEncodingError(QueueError, ValueError):
+    """A handler returned a value that cannot be stored as the task's result.
+
+    Not JSON-encodable (a set, an object, NaN, a cycle, a lone surrogate, a NUL...), or
+    over 64 KiB of JSON. The task fails with this error (its attempt history says which).
+    """
+
+
 class UnknownTaskError(QueueError, LookupError):
     """A task name with no registered handler, or a registration conflict."""
 
@@ -152,8 +161,9 @@ class JobError(QueueError):
     """Raised by a handler to say how its attempt failed.
 
     Build it with :meth:`retry` (run again after the task's snapshotted backoff, or after
-    ``delay``, until ``max_attempts`` is used up) or :meth:`permanent` (fail for good). Any
-    other exception from a handler is a permanent failure too.
+    ``delay``, until ``max_attempts`` is used up), :meth:`permanent` or :meth:`msg` (fail
+    for good, with a message). Any other exception from a handler is a permanent failure
+    too, unless its task declares a :class:`~steeple.postgres.queue.RetryPolicy`.
 
     Attributes:
         retryable: whether the task should run again.
@@ -188,4 +198,14 @@ class JobError(QueueError):
     @classmethod
     def permanent(cls, message: str) -> JobError:
         """Build a terminal failure: the task fails now, whatever attempts remain."""
+        return cls(message, retryable=False)
+
+    @classmethod
+    def msg(cls, message: str) -> JobError:
+        """Build a terminal failure from a message (seed 002's ``JobError::msg``).
+
+        Terminal like :meth:`permanent`, even when the task's retry policy retries other
+        exceptions: raise it for a failure that running again cannot fix, and say why
+        (the message is recorded on the task and its attempt history).
+        """
         return cls(message, retryable=False)

@@ -34,10 +34,11 @@ from steeple.core.errors import ConfigurationError
 from steeple.core.policies import MissedRunPolicy, plan_tick
 from steeple.core.ports import Clock
 from steeple.core.zoned import DEFAULT_ZONE, ZonedCalendar
+from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
 from steeple.postgres.queue._shared import LOG
-from steeple.postgres.queue._validate import check_int
+from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_int, check_queue
 from steeple.postgres.queue.errors import (
     JobExistsError,
     JobNotFoundError,
@@ -69,11 +70,11 @@ A = TypeVar("A")
 _DEFAULT_OPTIONS: Final = EnqueueOptions()
 _COLUMNS: Final = (
     "name, task_name, cron, paused, next_run_at, cursor_at, priority, max_attempts, "
-    "lease_duration, created_at, updated_at, timezone"
+    "lease_duration, created_at, updated_at, timezone, queue"
 )
 _TEMPLATE: Final = (
     "task_name, cron, timezone, args, priority, max_attempts, lease_duration, "
-    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter"
+    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter, queue"
 )
 # The calendar: a change of either restarts the cursor from now.
 _CALENDAR_KEPT: Final = "(j.cron, j.timezone) = (EXCLUDED.cron, EXCLUDED.timezone)"
@@ -100,6 +101,7 @@ class JobInfo:
         created_at: creation time.
         updated_at: last change.
         timezone: the IANA zone whose wall clock ``cron`` follows (``"UTC"`` by default).
+        queue: the named queue its occurrences are enqueued into.
     """
 
     name: str
@@ -114,6 +116,7 @@ class JobInfo:
     created_at: datetime
     updated_at: datetime
     timezone: str = DEFAULT_ZONE
+    queue: str = DEFAULT_QUEUE
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> JobInfo:
@@ -174,13 +177,15 @@ async def _declaration(
     return s, calendar, now, _first_after(calendar, now)
 
 
-def _template(options: EnqueueOptions | None) -> EnqueueOptions:
+def _template(options: EnqueueOptions | None, queue: str | None) -> EnqueueOptions:
     if options is None:
-        return _DEFAULT_OPTIONS
-    if not isinstance(options, EnqueueOptions):
+        options = _DEFAULT_OPTIONS
+    elif not isinstance(options, EnqueueOptions):
         raise QueueTypeError(
             f"options must be EnqueueOptions or None, not {type(options).__name__}"
         )
+    if queue is not None:
+        options = attrs.evolve(options, queue=check_queue(queue))
     if options.run_at is not None or options.delay is not None or options.dedup_key is not None:
         raise QueueConfigurationError(
             "recurring job options take no run_at, delay or dedup_key (the calendar decides when)"
@@ -189,13 +194,18 @@ def _template(options: EnqueueOptions | None) -> EnqueueOptions:
 
 
 def _params(
-    task: Task[A], calendar: ZonedCalendar, args: A, options: EnqueueOptions | None
+    task: Task[A],
+    calendar: ZonedCalendar,
+    args: A,
+    options: EnqueueOptions | None,
+    queue: str | None,
 ) -> list[Any]:
     if not isinstance(task, Task):
         raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
-    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = _template(options).snapshot()
+    template = _template(options, queue)
+    priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = template.snapshot(task)
     return [task.name, calendar.expression, calendar.zone, task.encode(args), priority,
-            max_attempts, lease, b_init, b_max, b_factor, b_jitter]  # fmt: skip
+            max_attempts, lease, b_init, b_max, b_factor, b_jitter, template.queue]  # fmt: skip
 
 
 async def create(
@@ -209,6 +219,7 @@ async def create(
     schema: str = DEFAULT_SCHEMA,
     clock: Clock | None = None,
     timezone: str | ZoneInfo | None = DEFAULT_ZONE,
+    queue: str | None = None,
 ) -> JobInfo:
     """Create a recurring job; its first occurrence is the first due time after now.
 
@@ -225,24 +236,26 @@ async def create(
         timezone: an IANA zone name (``"Europe/Berlin"``) or a ``zoneinfo.ZoneInfo``;
             ``"UTC"`` (the default) or ``None`` for UTC. Daylight-saving rules: see
             :class:`steeple.core.zoned.ZonedCalendar`.
+        queue: the named queue of every occurrence (replaces ``options.queue`` when given;
+            default ``"default"``).
 
     Raises:
         JobExistsError: a job with that name exists.
         InvalidCronExpression: a malformed cron expression or unknown shorthand.
         InvalidTimeZoneError: a zone of the wrong type, not an IANA name, unknown, or
             no tz database installed (a ``ConfigurationError``, so a ``ValueError``).
-        QueueConfigurationError: a bad name or schema, a calendar that never fires, options
+        QueueConfigurationError: a bad name, queue or schema, a calendar that never fires, options
             with run_at, delay or dedup_key, a clock reading out of range.
         QueueTypeError: a task, options or clock of the wrong type.
         ArgsEncodingError: args that cannot be encoded.
     """
     s, calendar, now, following = await _declaration(conn, name, schema, cron, timezone, clock)
-    params = _params(task, calendar, args, options)
+    params = _params(task, calendar, args, options, queue)
     rows = await _driver.fetch(
         conn,
         f"""INSERT INTO {s}.jobs (name, {_TEMPLATE}, cursor_at, next_run_at)
         VALUES ($1, $2, $3, $4, $5::text::jsonb, $6, $7, $8::interval, $9, $10, $11, $12,
-                $13, $14)
+                $13, $14, $15)
         ON CONFLICT (name) DO NOTHING
         RETURNING {_COLUMNS}""",
         name, *params, now, following,
@@ -263,6 +276,7 @@ async def ensure_job(
     schema: str = DEFAULT_SCHEMA,
     clock: Clock | None = None,
     timezone: str | ZoneInfo | None = DEFAULT_ZONE,
+    queue: str | None = None,
 ) -> JobInfo:
     """Declare a recurring job at start-up: create it, or bring it to this definition.
 
@@ -275,18 +289,18 @@ async def ensure_job(
         InvalidCronExpression: a malformed cron expression or unknown shorthand.
         InvalidTimeZoneError: a zone of the wrong type, not an IANA name, unknown, or
             no tz database installed.
-        QueueConfigurationError: a bad name or schema, a calendar that never fires, options
+        QueueConfigurationError: a bad name, queue or schema, a calendar that never fires, options
             with run_at, delay or dedup_key, a clock reading out of range.
         QueueTypeError: a task, options or clock of the wrong type.
         ArgsEncodingError: args that cannot be encoded.
     """
     s, calendar, now, following = await _declaration(conn, name, schema, cron, timezone, clock)
-    params = _params(task, calendar, args, options)
+    params = _params(task, calendar, args, options, queue)
     rows = await _driver.fetch(
         conn,
         f"""INSERT INTO {s}.jobs AS j (name, {_TEMPLATE}, cursor_at, next_run_at)
         VALUES ($1, $2, $3, $4, $5::text::jsonb, $6, $7, $8::interval, $9, $10, $11, $12,
-                $13, $14)
+                $13, $14, $15)
         ON CONFLICT (name) DO UPDATE SET
             task_name = EXCLUDED.task_name, cron = EXCLUDED.cron, timezone = EXCLUDED.timezone,
             args = EXCLUDED.args,
@@ -295,6 +309,7 @@ async def ensure_job(
             backoff_initial_us = EXCLUDED.backoff_initial_us,
             backoff_maximum_us = EXCLUDED.backoff_maximum_us,
             backoff_factor = EXCLUDED.backoff_factor, backoff_jitter = EXCLUDED.backoff_jitter,
+            queue = EXCLUDED.queue,
             cursor_at = CASE WHEN {_CALENDAR_KEPT} THEN j.cursor_at ELSE EXCLUDED.cursor_at END,
             next_run_at = CASE WHEN {_CALENDAR_KEPT} THEN j.next_run_at
                                ELSE EXCLUDED.next_run_at END,
@@ -479,6 +494,7 @@ async def materialize_due(
     _check_clock(clock)
     check_int(limit, "limit", 1, 10_000)
     created = 0
+    crash_point("queue.materialize.begin")
     async with conn.transaction():
         ((_, server_now),) = await _driver.fetch(
             conn, "SELECT set_config('synchronous_commit', 'on', true), clock_timestamp()"
@@ -488,7 +504,7 @@ async def materialize_due(
             conn,
             f"""SELECT id, cron, cursor_at, args::text, priority, max_attempts, lease_duration,
                        backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter,
-                       task_name, timezone
+                       task_name, timezone, queue
             FROM {s}.jobs
             WHERE NOT paused AND next_run_at IS NOT NULL AND next_run_at <= $1
             ORDER BY next_run_at
@@ -498,7 +514,7 @@ async def materialize_due(
             limit,
         )
         for (job_id, cron, cursor_at, args, priority, max_attempts, lease,
-             b_init, b_max, b_factor, b_jitter, task_name, zone) in due_jobs:  # fmt: skip
+             b_init, b_max, b_factor, b_jitter, task_name, zone, queue) in due_jobs:  # fmt: skip
             try:
                 calendar = _calendar(cron, zone)
             except ConfigurationError as exc:
@@ -513,15 +529,16 @@ async def materialize_due(
                     conn,
                     f"""INSERT INTO {s}.tasks (task_name, args, priority, run_at, max_attempts,
                         lease_duration, backoff_initial_us, backoff_maximum_us, backoff_factor,
-                        backoff_jitter, job_id, scheduled_for)
+                        backoff_jitter, job_id, scheduled_for, queue)
                     VALUES ($1, $2::text::jsonb, $3, $4, $5, $6::interval, $7, $8, $9, $10,
-                            $11, $4)
+                            $11, $4, $12)
                     ON CONFLICT (job_id, scheduled_for) WHERE job_id IS NOT NULL DO NOTHING
                     RETURNING id""",
                     task_name, args, priority, due, max_attempts, lease, b_init, b_max,
-                    b_factor, b_jitter, job_id,
+                    b_factor, b_jitter, job_id, queue,
                 )  # fmt: skip
                 created += len(inserted)
+                crash_point("queue.materialize.inserted")
             await _driver.fetch(
                 conn,
                 f"""UPDATE {s}.jobs SET cursor_at = coalesce($2, cursor_at), next_run_at = $3,
@@ -532,4 +549,5 @@ async def materialize_due(
             )
         if created:
             await _driver.fetch(conn, "SELECT pg_notify($1, '')", notify_channel(schema))
+    crash_point("queue.materialize.committed")
     return created

@@ -11,7 +11,14 @@ from typing import Any, Final, Generic, TypeVar, cast
 import attrs
 
 from steeple.core.backoff import Backoff
-from steeple.postgres.queue._validate import INT32, check_int, check_name, check_timedelta
+from steeple.postgres.queue._validate import (
+    DEFAULT_QUEUE,
+    INT32,
+    check_int,
+    check_name,
+    check_queue,
+    check_timedelta,
+)
 from steeple.postgres.queue.errors import (
     MAX_RETRY_DELAY,
     ArgsEncodingError,
@@ -25,6 +32,7 @@ __all__ = [
     "MAX_RETRY_DELAY",
     "EnqueueOptions",
     "EnqueuedTask",
+    "RetryPolicy",
     "Task",
 ]
 
@@ -43,25 +51,127 @@ def _check_name(name: object, what: str) -> str:
     return check_name(name, what)
 
 
+def _check_policy_attempts(_i: object, _a: object, value: Any) -> None:
+    check_int(value, "RetryPolicy max_attempts", 1, 10_000)
+
+
+def _check_policy_delay(_i: object, attribute: Any, value: Any) -> None:
+    check_timedelta(
+        value, f"RetryPolicy {attribute.name}", timedelta(microseconds=1), MAX_RETRY_DELAY
+    )
+
+
+def _check_policy_factor(_i: object, _a: object, value: Any) -> None:
+    check_int(value, "RetryPolicy factor", 1, 1000)
+
+
+def _check_policy_jitter(_i: object, _a: object, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise QueueTypeError(f"RetryPolicy jitter must be a number, not {type(value).__name__}")
+    if not 0.0 <= value <= 1.0:  # NaN fails both comparisons
+        raise QueueConfigurationError(
+            f"RetryPolicy jitter must be a number within [0, 1], got {value!r}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RetryPolicy:
+    """Opt-in retries of a task's plain exceptions, with exponential backoff.
+
+    By default (seed 002) only ``JobError.retry(...)`` runs a task again: any other
+    exception fails it for good. A task declared with a policy (``Task(..., retry=)`` or
+    ``@app.task(retry=)``) treats every exception but ``JobError.permanent``/``JobError.msg``
+    as retryable, and its enqueues snapshot the policy's attempts and backoff (unless the
+    :class:`EnqueueOptions` of an enqueue set them).
+
+    The delay before retry ``n`` is ``base_delay * factor**(n-1)``, capped at ``max_delay``,
+    minus up to ``jitter`` of it at random (so failing tasks do not retry in lockstep).
+
+    Attributes:
+        max_attempts: attempts in all, the first included (1..10000; 1 never retries).
+        base_delay: the delay before the first retry (a positive timedelta).
+        max_delay: the longest delay (``base_delay`` .. 366 days).
+        factor: the growth between retries (an int, 1..1000; 1 keeps the delay constant).
+        jitter: the fraction of each delay taken off at random, within [0, 1].
+
+    Raises:
+        QueueConfigurationError: a value out of range (NaN jitter included), or
+            ``max_delay`` below ``base_delay``.
+        QueueTypeError: a value of the wrong type.
+    """
+
+    max_attempts: int = attrs.field(default=5, validator=_check_policy_attempts)
+    base_delay: timedelta = attrs.field(default=timedelta(seconds=1), validator=_check_policy_delay)
+    max_delay: timedelta = attrs.field(default=timedelta(minutes=5), validator=_check_policy_delay)
+    factor: int = attrs.field(default=2, validator=_check_policy_factor)
+    jitter: float = attrs.field(default=0.0, validator=_check_policy_jitter)
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_delay < self.base_delay:
+            raise QueueConfigurationError(
+                f"RetryPolicy max_delay ({self.max_delay}) must be at least base_delay "
+                f"({self.base_delay})"
+            )
+
+    @property
+    def backoff(self) -> Backoff:
+        """The policy's delays as the :class:`~steeple.core.backoff.Backoff` a task snapshots."""
+        return Backoff(
+            initial=self.base_delay,
+            maximum=self.max_delay,
+            factor=self.factor,
+            jitter=float(self.jitter),
+        )
+
+
+def _check_task_attempts(_i: object, _a: object, value: Any) -> None:
+    if value is not None:
+        check_int(value, "max_attempts", 1, 10_000)
+
+
+def _check_retry(_i: object, _a: object, value: Any) -> None:
+    if value is not None and not isinstance(value, RetryPolicy):
+        raise QueueTypeError(f"retry must be a RetryPolicy or None, not {type(value).__name__}")
+
+
 @attrs.frozen
 class Task(Generic[A]):
     """A kind of work: a stable name shared by producers and the worker, and its args type.
 
     ``args_type`` may be an attrs class, a dataclass (flat: fields are JSON values), or
     ``None`` for plain JSON values (dicts, lists, strings, numbers, booleans, null).
+    ``retry`` (keyword) makes the handler's plain exceptions retryable (see
+    :class:`RetryPolicy`); without it only ``JobError.retry`` retries. ``max_attempts``
+    (keyword, 1..10000) is the attempt limit its enqueues snapshot when their options
+    leave it unset (without either: 5).
 
     Raises:
         QueueConfigurationError: an empty or too long name, or one with a control character
             or lone surrogate.
         QueueTypeError: a name that is not a str; an args type that is neither an attrs
-            class nor a dataclass.
+            class nor a dataclass; a ``retry`` that is not a RetryPolicy; a
+            ``max_attempts`` that is not an int.
     """
 
     name: str
     args_type: type[A] | None = None
+    retry: RetryPolicy | None = attrs.field(default=None, kw_only=True, validator=_check_retry)
+    max_attempts: int | None = attrs.field(
+        default=None, kw_only=True, validator=_check_task_attempts
+    )
 
     def __attrs_post_init__(self) -> None:
         _check_name(self.name, "task name")
+        retry = self.retry
+        if (
+            retry is not None
+            and self.max_attempts is not None
+            and retry.max_attempts != self.max_attempts
+        ):
+            raise QueueConfigurationError(
+                f"task {self.name!r}: max_attempts={self.max_attempts} differs from its "
+                f"retry policy's max_attempts={retry.max_attempts}; give it once"
+            )
         kind = self.args_type
         if kind is not None and not (
             isinstance(kind, type) and (attrs.has(kind) or dataclasses.is_dataclass(kind))
@@ -161,7 +271,8 @@ def _check_lease(_i: object, _a: object, value: Any) -> None:
 
 
 def _check_attempts(_i: object, _a: object, value: Any) -> None:
-    check_int(value, "max_attempts", 1, 10_000)
+    if value is not None:
+        check_int(value, "max_attempts", 1, 10_000)
 
 
 def _to_utc(value: Any) -> Any:
@@ -198,9 +309,11 @@ def _check_dedup(_i: object, _a: object, value: Any) -> None:
 
 
 def _check_backoff(_i: object, _a: object, value: Any) -> None:
+    if value is None:
+        return
     if not isinstance(value, Backoff):
         raise QueueTypeError(
-            f"backoff must be a steeple.core.backoff.Backoff, not {type(value).__name__}"
+            f"backoff must be a steeple.core.backoff.Backoff or None, not {type(value).__name__}"
         )
     # Backoff checks its own shape; the queue stores microseconds as bigint and the factor
     # as integer, and a retry must land on a representable instant.
@@ -211,8 +324,16 @@ def _check_backoff(_i: object, _a: object, value: Any) -> None:
     check_int(value.factor, "backoff factor", 1, INT32)
 
 
+_DEFAULT_ATTEMPTS: Final = 5
+_DEFAULT_BACKOFF: Final = Backoff()
+
+
+def _check_queue(_i: object, _a: object, value: Any) -> None:
+    check_queue(value)
+
+
 _OPTION_NAMES: Final = frozenset(
-    {"priority", "lease_duration", "max_attempts", "backoff", "dedup_key"}
+    {"priority", "lease_duration", "max_attempts", "backoff", "dedup_key", "queue"}
 )
 
 
@@ -230,9 +351,13 @@ class EnqueueOptions:
             exclusive with ``run_at``.
         priority: higher runs first among due tasks (32-bit int, default 0).
         lease_duration: how long a worker holds it between renewals (100 ms .. 24 h).
-        max_attempts: attempts before a retryable failure becomes final (1..10000).
-        backoff: delay policy between retries (maximum at most 366 days).
+        max_attempts: attempts before a retryable failure becomes final (1..10000);
+            ``None``: the task's :class:`RetryPolicy`'s, else 5.
+        backoff: delay policy between retries (maximum at most 366 days); ``None``: the
+            task's :class:`RetryPolicy`'s, else ``Backoff()`` (1 s doubling to 5 min).
         dedup_key: at most one live (pending or running) task per task name and key.
+        queue: the named queue it waits in (1-200 chars, default ``"default"``); workers
+            serve the queues they are given (see :class:`Scheduler`).
 
     Raises:
         QueueConfigurationError: any value out of range; a naive ``run_at``; both
@@ -244,9 +369,10 @@ class EnqueueOptions:
     delay: timedelta | None = attrs.field(default=None, validator=_check_delay)
     priority: int = attrs.field(default=0, validator=_check_priority)
     lease_duration: timedelta = attrs.field(default=timedelta(seconds=60), validator=_check_lease)
-    max_attempts: int = attrs.field(default=5, validator=_check_attempts)
-    backoff: Backoff = attrs.field(factory=Backoff, validator=_check_backoff)
+    max_attempts: int | None = attrs.field(default=None, validator=_check_attempts)
+    backoff: Backoff | None = attrs.field(default=None, validator=_check_backoff)
     dedup_key: str | None = attrs.field(default=None, validator=_check_dedup)
+    queue: str = attrs.field(default=DEFAULT_QUEUE, validator=_check_queue)
 
     def __attrs_post_init__(self) -> None:
         if self.run_at is not None and self.delay is not None:
@@ -294,12 +420,29 @@ class EnqueueOptions:
         check_timedelta(delay, "delay", timedelta(0), MAX_DELAY)
         return cls._build(options, delay=delay)
 
-    def snapshot(self) -> tuple[int, int, timedelta, int, int, int, float]:
-        """(priority, max_attempts, lease, backoff initial us, max us, factor, jitter)."""
-        b = self.backoff
+    def snapshot(
+        self, task: Task[Any] | None = None
+    ) -> tuple[int, int, timedelta, int, int, int, float]:
+        """(priority, max_attempts, lease, backoff initial us, max us, factor, jitter).
+
+        What these options leave unset (``None``) comes from ``task`` (its
+        ``max_attempts``, its ``retry`` policy), else the defaults (5 attempts,
+        ``Backoff()``).
+        """
+        retry = None if task is None else task.retry
+        if self.max_attempts is not None:
+            max_attempts = self.max_attempts
+        elif task is not None and task.max_attempts is not None:
+            max_attempts = task.max_attempts
+        else:
+            max_attempts = _DEFAULT_ATTEMPTS if retry is None else retry.max_attempts
+        if self.backoff is not None:
+            b = self.backoff
+        else:
+            b = _DEFAULT_BACKOFF if retry is None else retry.backoff
         return (
             self.priority,
-            self.max_attempts,
+            max_attempts,
             self.lease_duration,
             b.initial // timedelta(microseconds=1),
             b.maximum // timedelta(microseconds=1),

@@ -1,0 +1,103 @@
+"""What is recorded of a failed attempt: the exception's type, message and traceback, bounded.
+
+Only what the handler's exception itself says is kept (its type, ``str()`` and the
+traceback's frames and source lines, no local variables), made storable (NUL and lone
+surrogates escaped) and bounded in UTF-8 bytes, cut at character boundaries.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Final
+
+import attrs
+
+from steeple.postgres.queue._validate import storable_text
+
+__all__ = [
+    "MAX_ERROR_TEXT",
+    "MAX_TRACEBACK_BYTES",
+    "Failure",
+    "bounded_utf8",
+    "describe",
+    "summary",
+]
+
+MAX_ERROR_TEXT: Final = 2000
+"""The most characters of the ``"Type: message"`` summary kept (``last_error``, ``error``)."""
+MAX_TRACEBACK_BYTES: Final = 16 * 1024
+"""The most UTF-8 bytes of a traceback kept: its start and its end, the middle elided."""
+_MAX_TYPE_NAME: Final = 200
+_ELIDED: Final = "\n... [{} bytes of the traceback elided] ...\n"
+
+
+@attrs.frozen
+class Failure:
+    """One failed attempt as recorded.
+
+    Attributes:
+        summary: ``"Type: message"`` (at most 2000 characters).
+        error_type: the exception's class, module-qualified unless a builtin.
+        traceback: the formatted traceback (chained causes included), at most 16 KiB.
+    """
+
+    summary: str
+    error_type: str
+    traceback: str
+
+
+def bounded_utf8(text: str, limit: int) -> str:
+    """Return ``text`` if its UTF-8 form fits ``limit`` bytes, else its start and end.
+
+    The cut falls between characters (never inside a multi-byte sequence), and a marker
+    says how many bytes were left out; the result's UTF-8 form is at most ``limit`` bytes.
+    ``text`` must be encodable (see :func:`storable_text`).
+    """
+    data = text.encode("utf-8")
+    if len(data) <= limit:
+        return text
+    marker_room = len(_ELIDED.format(len(data)).encode("utf-8"))
+    room = max(limit - marker_room, 0)
+    # The end of a traceback (the innermost frames, the exception) matters most.
+    head_room = room // 4
+    head = data[:head_room].decode("utf-8", "ignore")
+    tail = data[len(data) - (room - head_room) :].decode("utf-8", "ignore")
+    elided = len(data) - len(head.encode("utf-8")) - len(tail.encode("utf-8"))
+    return head + _ELIDED.format(elided) + tail
+
+
+def _type_name(exc: BaseException) -> str:
+    kind = type(exc)
+    module = getattr(kind, "__module__", None)
+    name = getattr(kind, "__qualname__", None) or kind.__name__
+    text = name if module in (None, "builtins") else f"{module}.{name}"
+    return storable_text(str(text))[:_MAX_TYPE_NAME]
+
+
+def _message(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # a handler's exception whose __str__ fails is still a failure
+        return "<the exception's message could not be read>"
+
+
+def _traceback(exc: BaseException) -> str:
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except Exception:  # __str__ failing again, a broken __traceback__...
+        text = f"{type(exc).__name__} (its traceback could not be formatted)"
+    return bounded_utf8(storable_text(text), MAX_TRACEBACK_BYTES)
+
+
+def summary(exc: BaseException) -> str:
+    """Return ``"Type: message"`` for ``exc``: bounded, storable."""
+    text = f"{type(exc).__name__}: {_message(exc)}"
+    if len(text) > MAX_ERROR_TEXT:
+        text = text[: MAX_ERROR_TEXT - 3] + "..."
+    # Handlers' messages may hold NUL or lone surrogates, which PostgreSQL text cannot.
+    return storable_text(text)
+
+
+def describe(exc: BaseException) -> Failure:
+    """Return what is recorded of ``exc``, a handler's exception."""
+    return Failure(summary=summary(exc), error_type=_type_name(exc), traceback=_traceback(exc))

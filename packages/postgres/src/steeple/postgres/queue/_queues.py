@@ -1,0 +1,306 @@
+"""Named queues' settings for all workers: pause and resume, global and rate limits.
+
+Stored in the schema's ``settings`` table (one row per queue, or per task name across
+queues), read by every claim (see migration 0006): a pause or limit applies to every claim
+that starts after it commits, in every worker. A row without a pause or limit is deleted, so
+queues without settings stay on the claim's fast path.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Final
+
+import attrs
+
+from steeple.postgres.queue import _driver
+from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
+from steeple.postgres.queue._sql import DURABLE, PENDING, RUNNING
+from steeple.postgres.queue._validate import check_int, check_name, check_queue, check_seconds
+from steeple.postgres.queue.errors import QueueConfigurationError
+
+__all__ = [
+    "MAX_RATE_LIMIT",
+    "MAX_RUNNING_LIMIT",
+    "QueueInfo",
+    "TaskLimits",
+    "check_limits",
+    "limit_queue",
+    "limit_task",
+    "list_queues",
+    "list_task_limits",
+    "pause_queue",
+    "resume_queue",
+]
+
+MAX_RUNNING_LIMIT: Final = 1_000_000
+"""The largest global concurrency limit."""
+MAX_RATE_LIMIT: Final = 10_000
+"""The most starts a rate limit allows per period (the claim keeps a log of them)."""
+_MAX_PERIOD: Final = 86_400.0
+_MAX_LISTED: Final = 1000
+_QUEUE: Final = "queue"
+_TASK: Final = "task"
+_SETTINGS: Final = "paused, max_running, rate_limit, rate_period"
+
+
+@attrs.frozen
+class QueueInfo:
+    """A named queue: its settings for all workers and what it holds now.
+
+    Attributes:
+        name: the queue's name.
+        paused: no worker claims from it (running tasks finish).
+        max_running: the most of its tasks running at once across all workers, or None.
+        rate_limit: the most of its tasks started per ``rate_period``, or None.
+        rate_period: the rate limit's sliding window, or None.
+        pending: tasks waiting in it (due or not).
+        running: tasks of it running now.
+    """
+
+    name: str
+    paused: bool
+    max_running: int | None
+    rate_limit: int | None
+    rate_period: timedelta | None
+    pending: int = 0
+    running: int = 0
+
+
+@attrs.frozen
+class TaskLimits:
+    """The limits of one task name across all queues and workers.
+
+    Attributes:
+        task_name: the task's name.
+        max_running: the most tasks of that name running at once, or None.
+        rate_limit: the most of them started per ``rate_period``, or None.
+        rate_period: the rate limit's sliding window, or None.
+    """
+
+    task_name: str
+    max_running: int | None
+    rate_limit: int | None
+    rate_period: timedelta | None
+
+
+def check_limits(
+    max_running: object, rate_limit: object, per: object
+) -> tuple[int | None, int | None, timedelta | None]:
+    """Check limits as :func:`limit_queue` takes them; return them with ``per`` a timedelta.
+
+    Raises:
+        QueueConfigurationError: a limit out of range, ``rate_limit`` without ``per`` (or
+            the reverse).
+        QueueTypeError: a value of the wrong type.
+    """
+    if max_running is not None:
+        check_int(max_running, "max_running", 1, MAX_RUNNING_LIMIT)
+    if (rate_limit is None) != (per is None):
+        raise QueueConfigurationError("give rate_limit and per together (or neither)")
+    period = None
+    if rate_limit is not None:
+        check_int(rate_limit, "rate_limit", 1, MAX_RATE_LIMIT)
+        period = timedelta(seconds=check_seconds(per, "per", 0.001, _MAX_PERIOD))
+    return max_running, rate_limit, period  # type: ignore[return-value]
+
+
+async def _write(conn: Any, schema: str, statement: str, *args: Any) -> list[Any]:
+    """Run one settings change; delete the row if it no longer holds anything; wake workers.
+
+    The deletion is a statement of its own (one statement cannot change a row twice); it
+    re-checks the row, so a limit another operator set in between is kept.
+    """
+    s = validate_schema(schema)
+    rows = await _driver.fetch(
+        conn,
+        f"""WITH changed AS ({statement.format(s=s)})
+        SELECT changed.scope, changed.name,
+               {", ".join(f"changed.{c}" for c in _SETTINGS.split(", "))}, pg_notify($1, '')
+        FROM changed, {DURABLE}""",
+        notify_channel(schema),
+        *args,
+    )
+    scope, *row = rows[0]
+    await _driver.fetch(
+        conn,
+        f"""DELETE FROM {s}.settings
+        WHERE scope = $1 AND name = $2 AND NOT paused AND max_running IS NULL
+          AND rate_limit IS NULL""",
+        scope,
+        row[0],
+    )
+    return row
+
+
+async def _counts(conn: Any, schema: str, queue: str) -> tuple[int, int]:
+    s = validate_schema(schema)
+    ((pending, running),) = await _driver.fetch(
+        conn,
+        f"""SELECT count(*) FILTER (WHERE state = '{PENDING.value}'),
+                   count(*) FILTER (WHERE state = '{RUNNING.value}')
+        FROM {s}.tasks WHERE queue = $1 AND state IN ('{PENDING.value}', '{RUNNING.value}')""",
+        queue,
+    )
+    return int(pending), int(running)
+
+
+async def _queue_info(conn: Any, schema: str, row: list[Any]) -> QueueInfo:
+    name, paused, max_running, rate_limit, rate_period = row[:5]
+    pending, running = await _counts(conn, schema, name)
+    return QueueInfo(name, paused, max_running, rate_limit, rate_period, pending, running)
+
+
+async def pause_queue(conn: Any, queue: str, *, schema: str = DEFAULT_SCHEMA) -> QueueInfo:
+    """Pause ``queue`` for every worker: no claim that starts after this commits takes from it.
+
+    Running tasks finish; pending and newly enqueued tasks wait. Idempotent. Workers see it
+    at their next claim (at most one poll interval away).
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        queue: the queue's name.
+        schema: the queue's PostgreSQL schema.
+
+    Raises:
+        QueueConfigurationError: an invalid queue or schema name.
+        QueueTypeError: a queue name that is not a str.
+    """
+    check_queue(queue)
+    row = await _write(
+        conn,
+        schema,
+        f"""INSERT INTO {{s}}.settings AS t (scope, name, paused) VALUES ('{_QUEUE}', $2, true)
+        ON CONFLICT (scope, name) DO UPDATE SET paused = true, updated_at = clock_timestamp()
+        RETURNING t.scope, t.name, {_SETTINGS}""",
+        queue,
+    )
+    return await _queue_info(conn, schema, row)
+
+
+async def resume_queue(conn: Any, queue: str, *, schema: str = DEFAULT_SCHEMA) -> QueueInfo:
+    """Resume a paused ``queue`` and wake the workers; idempotent (a queue never paused too).
+
+    Raises:
+        QueueConfigurationError: an invalid queue or schema name.
+        QueueTypeError: a queue name that is not a str.
+    """
+    check_queue(queue)
+    row = await _write(
+        conn,
+        schema,
+        f"""INSERT INTO {{s}}.settings AS t (scope, name) VALUES ('{_QUEUE}', $2)
+        ON CONFLICT (scope, name) DO UPDATE SET paused = false, updated_at = clock_timestamp()
+        RETURNING t.scope, t.name, {_SETTINGS}""",
+        queue,
+    )
+    return await _queue_info(conn, schema, row)
+
+
+_SET_LIMITS: Final = """INSERT INTO {{s}}.settings AS t (scope, name, max_running, rate_limit,
+    rate_period) VALUES ('{scope}', $2, $3, $4, $5::interval)
+    ON CONFLICT (scope, name) DO UPDATE SET
+        max_running = EXCLUDED.max_running, rate_limit = EXCLUDED.rate_limit,
+        rate_period = EXCLUDED.rate_period,
+        recent_starts = CASE WHEN EXCLUDED.rate_limit IS NULL THEN '{{{{}}}}'::timestamptz[]
+                             ELSE t.recent_starts END,
+        updated_at = clock_timestamp()
+    RETURNING t.scope, t.name, {settings}"""
+
+
+async def limit_queue(
+    conn: Any,
+    queue: str,
+    *,
+    max_running: int | None = None,
+    rate_limit: int | None = None,
+    per: float | timedelta | None = None,
+    schema: str = DEFAULT_SCHEMA,
+) -> QueueInfo:
+    """Set the limits of ``queue`` across all workers (replacing its previous limits).
+
+    Every claim holds the queue's settings row locked while it counts, so concurrent
+    claimers never exceed a limit between them. ``None`` removes a limit; a pause is kept.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        queue: the queue's name.
+        max_running: the most of its tasks running at once (1..1,000,000), or None.
+        rate_limit: the most of its tasks started in any window of ``per`` (1..10,000).
+        per: the rate limit's window: seconds or a timedelta (0.001 s .. 1 day).
+        schema: the queue's PostgreSQL schema.
+
+    Raises:
+        QueueConfigurationError: a limit out of range, ``rate_limit`` without ``per`` (or
+            the reverse), an invalid queue or schema name.
+        QueueTypeError: an argument of the wrong type.
+    """
+    check_queue(queue)
+    limits = check_limits(max_running, rate_limit, per)
+    row = await _write(
+        conn, schema, _SET_LIMITS.format(scope=_QUEUE, settings=_SETTINGS), queue, *limits
+    )
+    return await _queue_info(conn, schema, row)
+
+
+async def limit_task(
+    conn: Any,
+    task_name: str,
+    *,
+    max_running: int | None = None,
+    rate_limit: int | None = None,
+    per: float | timedelta | None = None,
+    schema: str = DEFAULT_SCHEMA,
+) -> TaskLimits:
+    """Set the limits of the tasks named ``task_name`` in all queues, across all workers.
+
+    Arguments and errors as for :func:`limit_queue`; ``None`` everywhere removes them.
+    """
+    check_name(task_name, "task_name")
+    limits = check_limits(max_running, rate_limit, per)
+    row = await _write(
+        conn, schema, _SET_LIMITS.format(scope=_TASK, settings=_SETTINGS), task_name, *limits
+    )
+    return TaskLimits(row[0], *row[2:5])
+
+
+async def list_queues(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> list[QueueInfo]:
+    """List the queues that hold live tasks or have settings, by name (at most 1000).
+
+    Raises:
+        QueueConfigurationError: an invalid schema name.
+    """
+    s = validate_schema(schema)
+    rows = await _driver.fetch(
+        conn,
+        f"""WITH live AS (
+            SELECT queue, count(*) FILTER (WHERE state = '{PENDING.value}') AS pending,
+                   count(*) FILTER (WHERE state = '{RUNNING.value}') AS running
+            FROM {s}.tasks WHERE state IN ('{PENDING.value}', '{RUNNING.value}')
+            GROUP BY queue
+        ), named AS (
+            SELECT name, {_SETTINGS} FROM {s}.settings WHERE scope = '{_QUEUE}'
+        )
+        SELECT coalesce(named.name, live.queue), coalesce(named.paused, false),
+               named.max_running, named.rate_limit, named.rate_period,
+               coalesce(live.pending, 0), coalesce(live.running, 0)
+        FROM named FULL JOIN live ON live.queue = named.name
+        ORDER BY 1
+        LIMIT {_MAX_LISTED}""",
+    )
+    return [QueueInfo(*row) for row in rows]
+
+
+async def list_task_limits(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> list[TaskLimits]:
+    """List the task names that have limits, by name (at most 1000).
+
+    Raises:
+        QueueConfigurationError: an invalid schema name.
+    """
+    s = validate_schema(schema)
+    rows = await _driver.fetch(
+        conn,
+        f"""SELECT name, max_running, rate_limit, rate_period FROM {s}.settings
+        WHERE scope = '{_TASK}' ORDER BY name LIMIT {_MAX_LISTED}""",
+    )
+    return [TaskLimits(*row) for row in rows]

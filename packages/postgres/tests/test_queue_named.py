@@ -1,0 +1,432 @@
+"""Named queues: enqueue into a queue, workers serving some queues, limits in one worker,
+pause and resume, the queue of recurring jobs, hostile names, and the upgrade from 0005."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import asyncpg
+import pytest
+
+from queue_support import QueueFixture, wait_until
+from steeple.postgres.queue import (
+    LIBRARY_SCHEMA_VERSION,
+    EnqueueOptions,
+    JobContext,
+    QueueConfigurationError,
+    QueueTypeError,
+    Scheduler,
+    Task,
+    _schema,
+    admin,
+    enqueue,
+    enqueue_many,
+    install,
+    jobs,
+    limit_queue,
+    limit_task,
+    list_queues,
+    pause_queue,
+    resume_queue,
+    run_state,
+)
+
+JOB: Task[Any] = Task("named-job")
+
+# Every way a queue name can be wrong: (value, error type, what the message names).
+HOSTILE_QUEUES: list[tuple[object, type[Exception], str]] = [
+    ("", QueueConfigurationError, "1..200"),
+    ("x" * 10_240, QueueConfigurationError, "1..200"),
+    ("a\x00b", QueueConfigurationError, "control character"),
+    ("a\ud800b", QueueConfigurationError, "lone surrogate"),
+    ("line\nbreak", QueueConfigurationError, "control character"),
+    (42, QueueTypeError, "must be a str"),
+    (b"bytes", QueueTypeError, "must be a str"),
+]
+
+
+async def _call(call: Callable[[], Any]) -> None:
+    made = call()
+    if isinstance(made, Awaitable):
+        await made
+
+
+async def _count(conn: asyncpg.Connection, schema: str) -> int:
+    return int(await conn.fetchval(f'SELECT count(*) FROM "{schema}".tasks'))
+
+
+async def _states(conn: asyncpg.Connection, schema: str) -> dict[int, str]:
+    rows = await conn.fetch(f'SELECT id, state FROM "{schema}".tasks')
+    return {r["id"]: r["state"] for r in rows}
+
+
+def _worker(dsn: str, schema: str, **kw: Any) -> Scheduler:
+    kw.setdefault("poll_interval", 0.05)
+    kw.setdefault("maintenance_interval", 0.2)
+    return Scheduler(dsn, worker_id=kw.pop("worker_id", "w"), schema=schema, **kw)
+
+
+async def _running(worker: Scheduler, body: Callable[[], Awaitable[None]]) -> None:
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=5))
+    try:
+        await wait_until(lambda: worker.stats.claim_rounds > 0 or run.done())
+        if run.done():
+            run.result()
+        await body()
+    finally:
+        stop.set()
+        await run
+
+
+async def test_enqueue_stores_the_queue_and_run_state_reports_it(queue: QueueFixture) -> None:
+    _dsn, schema, conn = queue
+    plain = await enqueue(conn, JOB, {}, schema=schema)
+    by_option = await enqueue(conn, JOB, {}, EnqueueOptions(queue="mail"), schema=schema)
+    by_keyword = await enqueue(
+        conn, JOB, {}, EnqueueOptions(queue="mail"), schema=schema, queue="reports"
+    )
+    many = await enqueue_many(conn, JOB, [{}, {}], schema=schema, queue="bulk")
+    assert (await run_state(conn, plain.id, schema=schema)).queue == "default"
+    assert (await run_state(conn, by_option.id, schema=schema)).queue == "mail"
+    assert (await run_state(conn, by_keyword.id, schema=schema)).queue == "reports"
+    assert {(await run_state(conn, i, schema=schema)).queue for i in many} == {"bulk"}
+    listed = {
+        q.name: (q.pending, q.running, q.paused) for q in await list_queues(conn, schema=schema)
+    }
+    assert listed == {
+        "bulk": (2, 0, False),
+        "default": (1, 0, False),
+        "mail": (1, 0, False),
+        "reports": (1, 0, False),
+    }
+
+
+@pytest.mark.parametrize(("bad", "error", "words"), HOSTILE_QUEUES)
+async def test_hostile_queue_names_are_refused_everywhere_and_nothing_is_stored(
+    queue: QueueFixture, bad: object, error: type[Exception], words: str
+) -> None:
+    dsn, schema, conn = queue
+    calls: list[Callable[[], Any]] = [
+        lambda: EnqueueOptions(queue=bad),  # type: ignore[arg-type]
+        lambda: EnqueueOptions.immediate(queue=bad),
+        lambda: enqueue(conn, JOB, {}, schema=schema, queue=bad),  # type: ignore[arg-type]
+        lambda: enqueue_many(conn, JOB, [{}], schema=schema, queue=bad),  # type: ignore[arg-type]
+        lambda: jobs.create(conn, "j", JOB, "* * * * *", {}, schema=schema, queue=bad),  # type: ignore[arg-type]
+        lambda: pause_queue(conn, bad, schema=schema),  # type: ignore[arg-type]
+        lambda: resume_queue(conn, bad, schema=schema),  # type: ignore[arg-type]
+        lambda: limit_queue(conn, bad, max_running=1, schema=schema),  # type: ignore[arg-type]
+        lambda: limit_task(conn, bad, max_running=1, schema=schema),  # type: ignore[arg-type]
+        lambda: Scheduler(dsn, worker_id="w", schema=schema, queues=[bad]),  # type: ignore[list-item]
+        lambda: Scheduler(dsn, worker_id="w", schema=schema, queues={bad: 1}),  # type: ignore[dict-item]
+    ]
+    for call in calls:
+        with pytest.raises(error, match=words):
+            await _call(call)
+    assert await _count(conn, schema) == 0
+    assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".settings') == 0
+    assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".jobs') == 0
+
+
+@pytest.mark.parametrize(
+    ("queues", "error", "words"),
+    [
+        ("default", QueueTypeError, "list of queue names"),
+        (None, QueueTypeError, "list of queue names"),
+        ([], QueueConfigurationError, "1..100 queues"),
+        ([f"q{i}" for i in range(101)], QueueConfigurationError, "1..100 queues"),
+        (["a", "a"], QueueConfigurationError, "listed twice"),
+        ({"a": 0}, QueueConfigurationError, "concurrency of queue 'a'"),
+        ({"a": True}, QueueTypeError, "concurrency of queue 'a'"),
+        ({"a": 1.5}, QueueTypeError, "concurrency of queue 'a'"),
+        ({"a": 2**70}, QueueConfigurationError, "concurrency of queue 'a'"),
+    ],
+)
+def test_scheduler_refuses_bad_queue_lists(
+    queues: object, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        Scheduler("postgresql://u@h/db", worker_id="w", queues=queues)  # type: ignore[arg-type]
+
+
+def test_scheduler_reports_its_queues_capped_by_its_concurrency() -> None:
+    worker = Scheduler("postgresql://u@h/db", worker_id="w", concurrency=4, queues={"a": 9, "b": 2})
+    assert worker.queues == {"a": 4, "b": 2}
+    assert Scheduler("postgresql://u@h/db", worker_id="w").queues == {"default": 16}
+
+
+async def test_a_worker_serves_only_its_queues_each_within_its_own_limit(
+    queue: QueueFixture,
+) -> None:
+    dsn, schema, conn = queue
+    release = asyncio.Event()
+    running: dict[str, int] = {"a": 0, "b": 0}
+    most: dict[str, int] = {"a": 0, "b": 0}
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        running[ctx.queue] += 1
+        most[ctx.queue] = max(most[ctx.queue], running[ctx.queue])
+        try:
+            await release.wait()
+        finally:
+            running[ctx.queue] -= 1
+
+    a = await enqueue_many(conn, JOB, [{}] * 6, schema=schema, queue="a")
+    b = await enqueue_many(conn, JOB, [{}] * 6, schema=schema, queue="b")
+    elsewhere = await enqueue(conn, JOB, {}, schema=schema, queue="not-served")
+    worker = _worker(dsn, schema, concurrency=10, queues={"a": 2, "b": 3})
+    worker.register(JOB, handler)
+
+    async def body() -> None:
+        await wait_until(lambda: running == {"a": 2, "b": 3})
+        # Both queues are at their limits in this worker: it claims nothing more (it waits
+        # for a slot of its own) although it has 5 free slots and work is due.
+        assert worker.stats.claimed == 5
+        release.set()
+        await wait_until(lambda: worker.stats.succeeded == 12)
+
+    await _running(worker, body)
+    assert most == {"a": 2, "b": 3}
+    states = await _states(conn, schema)
+    assert {states[i] for i in a + b} == {"succeeded"}
+    assert states[elsewhere.id] == "pending"  # a queue nobody serves waits
+
+
+async def test_pause_holds_new_claims_running_tasks_finish_and_resume_wakes_workers(
+    queue: QueueFixture,
+) -> None:
+    dsn, schema, conn = queue
+    release = asyncio.Event()
+    started: list[int] = []
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        started.append(ctx.task_id)
+        if args.get("hold"):
+            await release.wait()
+
+    held = await enqueue(conn, JOB, {"hold": True}, schema=schema, queue="p")
+    worker = _worker(dsn, schema, queues=["p", "q"], poll_interval=0.05)
+    worker.register(JOB, handler)
+
+    async def body() -> None:
+        await wait_until(lambda: started == [held.id])
+        paused = await pause_queue(conn, "p", schema=schema)
+        assert (paused.paused, paused.running) == (True, 1)
+        assert (await pause_queue(conn, "p", schema=schema)).paused  # idempotent
+        waiting = await enqueue(conn, JOB, {}, schema=schema, queue="p")
+        other = await enqueue(conn, JOB, {}, schema=schema, queue="q")
+        # Another queue of the same worker is not paused.
+        await wait_until(lambda: other.id in started)
+        rounds = worker.stats.claim_rounds
+        await wait_until(lambda: worker.stats.claim_rounds >= rounds + 3)
+        assert waiting.id not in started
+        # The running task finishes while its queue is paused.
+        release.set()
+        await wait_until(lambda: _state_is(conn, schema, held.id, "succeeded"), timeout=10)
+        rounds = worker.stats.claim_rounds
+        await wait_until(lambda: worker.stats.claim_rounds >= rounds + 3)
+        assert waiting.id not in started
+        assert (await run_state(conn, waiting.id, schema=schema)).state.value == "pending"
+        resumed = await resume_queue(conn, "p", schema=schema)
+        assert resumed.paused is False
+        await wait_until(lambda: waiting.id in started)
+
+    await _running(worker, body)
+    # Nothing left: the resumed queue's row was deleted (the claim's fast path again).
+    assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".settings') == 0
+
+
+async def _state_is(conn: asyncpg.Connection, schema: str, task_id: int, state: str) -> bool:
+    return (await run_state(conn, task_id, schema=schema)).state.value == state
+
+
+async def test_pause_survives_a_new_worker(queue: QueueFixture) -> None:
+    dsn, schema, conn = queue
+    await pause_queue(conn, "default", schema=schema)
+    task = await enqueue(conn, JOB, {}, schema=schema)
+    ran: list[int] = []
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran.append(ctx.task_id)
+
+    worker = _worker(dsn, schema)
+    worker.register(JOB, handler)
+
+    async def body() -> None:
+        await wait_until(lambda: worker.stats.claim_rounds >= 3)
+        assert ran == []
+        (info,) = await admin.list_queues(conn, schema=schema)
+        assert (info.name, info.paused, info.pending) == ("default", True, 1)
+        await admin.resume_queue(conn, "default", schema=schema)
+        await wait_until(lambda: ran == [task.id])
+
+    await _running(worker, body)
+
+
+async def test_global_limit_in_one_process_across_two_workers(queue: QueueFixture) -> None:
+    dsn, schema, conn = queue
+    release = asyncio.Event()
+    running = 0
+    most = 0
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            await release.wait()
+        finally:
+            running -= 1
+
+    info = await limit_queue(conn, "default", max_running=3, schema=schema)
+    assert (info.max_running, info.rate_limit, info.rate_period) == (3, None, None)
+    ids = await enqueue_many(conn, JOB, [{}] * 10, schema=schema)
+    one, two = _worker(dsn, schema, worker_id="one"), _worker(dsn, schema, worker_id="two")
+    one.register(JOB, handler)
+    two.register(JOB, handler)
+
+    async def body() -> None:
+        await wait_until(lambda: running == 3)
+        rounds = one.stats.claim_rounds + two.stats.claim_rounds
+        await wait_until(lambda: one.stats.claim_rounds + two.stats.claim_rounds >= rounds + 4)
+        assert running == 3
+        assert (await list_queues(conn, schema=schema))[0].running == 3
+        release.set()
+        await wait_until(lambda: one.stats.succeeded + two.stats.succeeded == 10)
+
+    await _running(two, lambda: _running(one, body))
+    assert most == 3
+    assert set((await _states(conn, schema)).values()) == {"succeeded"}
+    assert {i for i in (await _states(conn, schema))} == set(ids)
+    # Removing every limit deletes the row.
+    await limit_queue(conn, "default", schema=schema)
+    assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".settings') == 0
+
+
+async def test_a_task_name_limit_spans_queues(queue: QueueFixture) -> None:
+    dsn, schema, conn = queue
+    release = asyncio.Event()
+    names: dict[str, int] = {"named-job": 0, "free": 0}
+    free: Task[Any] = Task("free")
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        names[ctx.task_name] += 1
+        await release.wait()
+
+    limits = await limit_task(conn, "named-job", max_running=2, schema=schema)
+    assert (limits.task_name, limits.max_running) == ("named-job", 2)
+    assert await admin.list_task_limits(conn, schema=schema) == [limits]
+    await enqueue_many(conn, JOB, [{}] * 3, schema=schema, queue="x")
+    await enqueue_many(conn, JOB, [{}] * 3, schema=schema, queue="y")
+    await enqueue_many(conn, free, [{}] * 3, schema=schema, queue="y")
+    worker = _worker(dsn, schema, queues=["x", "y"], concurrency=20)
+    worker.register(JOB, handler)
+    worker.register(free, handler)
+
+    async def body() -> None:
+        await wait_until(lambda: names == {"named-job": 2, "free": 3})
+        rounds = worker.stats.claim_rounds
+        await wait_until(lambda: worker.stats.claim_rounds >= rounds + 3)
+        assert names == {"named-job": 2, "free": 3}
+        release.set()
+        await wait_until(lambda: worker.stats.succeeded == 9)
+
+    await _running(worker, body)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "words"),
+    [
+        ({"max_running": 0}, QueueConfigurationError, "max_running"),
+        ({"max_running": 2**63}, QueueConfigurationError, "max_running"),
+        ({"max_running": "5"}, QueueTypeError, "max_running"),
+        ({"rate_limit": 5}, QueueConfigurationError, "together"),
+        ({"per": 1.0}, QueueConfigurationError, "together"),
+        ({"rate_limit": 0, "per": 1.0}, QueueConfigurationError, "rate_limit"),
+        ({"rate_limit": 10_001, "per": 1.0}, QueueConfigurationError, "rate_limit"),
+        ({"rate_limit": 5, "per": float("nan")}, QueueConfigurationError, "per"),
+        ({"rate_limit": 5, "per": -1}, QueueConfigurationError, "per"),
+        ({"rate_limit": 5, "per": timedelta(days=2)}, QueueConfigurationError, "per"),
+        ({"rate_limit": 5, "per": "1s"}, QueueTypeError, "per"),
+    ],
+)
+async def test_bad_limits_are_refused_and_nothing_is_stored(
+    queue: QueueFixture, kw: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    _dsn, schema, conn = queue
+    with pytest.raises(error, match=words):
+        await limit_queue(conn, "q", schema=schema, **kw)
+    with pytest.raises(error, match=words):
+        await limit_task(conn, "t", schema=schema, **kw)
+    assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".settings') == 0
+
+
+class _Later:
+    """A clock reading one minute after ``start``."""
+
+    def __init__(self, start: datetime | None) -> None:
+        assert start is not None
+        self._at = start + timedelta(minutes=1)
+
+    def now(self) -> datetime:
+        return self._at
+
+
+async def test_recurring_jobs_enqueue_into_their_queue(queue: QueueFixture) -> None:
+    _dsn, schema, conn = queue
+    made = await jobs.create(
+        conn, "every-minute", JOB, "* * * * *", {}, schema=schema, queue="cron"
+    )
+    assert made.queue == "cron"
+    plain = await jobs.create(
+        conn, "plain", JOB, "* * * * *", {}, EnqueueOptions(queue="opts"), schema=schema
+    )
+    assert plain.queue == "opts"
+    assert await jobs.materialize_due(conn, schema=schema, clock=_Later(made.next_run_at)) == 2
+    queues = {r[0] for r in await conn.fetch(f'SELECT queue FROM "{schema}".tasks')}
+    assert queues == {"cron", "opts"}
+    again = await jobs.ensure_job(conn, "plain", JOB, "* * * * *", {}, schema=schema, queue="moved")
+    assert again.queue == "moved"
+
+
+async def test_a_version_5_schema_upgrades_and_its_tasks_join_the_default_queue(
+    pg_schema: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(_schema, "_MIGRATIONS", _schema._MIGRATIONS[:3])
+            patched.setattr(_schema, "LIBRARY_SCHEMA_VERSION", 5)
+            assert await _schema.install(conn, schema=schema) == 5
+        assert await _schema.schema_version(conn, schema) == 5
+        # Work written by a version-5 library: a pending task and a recurring job.
+        pending = await conn.fetchval(
+            f"""INSERT INTO "{schema}".tasks (task_name, args, max_attempts, lease_duration,
+                backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter)
+            VALUES ('named-job', '{{}}', 3, interval '60 s', 1000000, 60000000, 2, 0.1)
+            RETURNING id"""
+        )
+        await conn.execute(
+            f"""INSERT INTO "{schema}".jobs (name, task_name, cron, args, priority,
+                max_attempts, lease_duration, backoff_initial_us, backoff_maximum_us,
+                backoff_factor, backoff_jitter, cursor_at, next_run_at)
+            VALUES ('old', 'named-job', '* * * * *', '{{}}', 0, 3, interval '60 s', 1000000,
+                    60000000, 2, 0.1, clock_timestamp(), clock_timestamp())"""
+        )
+        # Migrates to 6, and the versions after it.
+        assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
+        assert (await run_state(conn, pending, schema=schema)).queue == "default"
+        assert (await jobs.get(conn, "old", schema=schema)).queue == "default"
+        sql = __import__("steeple.postgres.queue._sql", fromlist=["queue_sql"]).queue_sql(schema)
+        give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
+        (claimed,) = await conn.fetch(sql.claim, ["named-job"], 5, "w", give_up)
+        assert claimed["id"] == pending
+        # The new constraints hold for new rows.
+        with pytest.raises(asyncpg.CheckViolationError):
+            await conn.execute(f"UPDATE \"{schema}\".tasks SET queue = ''")
+    finally:
+        await conn.close()
