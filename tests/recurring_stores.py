@@ -80,7 +80,8 @@ async def _memory_contents(store: Any) -> dict[str, bytes | None]:
 
 
 async def _memory_set_content(store: Any, occurrence_id: str, content: bytes | None) -> None:
-    store._occurrences[occurrence_id].content = content
+    occurrences = store._occurrences
+    occurrences[occurrence_id] = attrs.evolve(occurrences[occurrence_id], content=content)
 
 
 # --- PostgreSQL ---------------------------------------------------------------------------

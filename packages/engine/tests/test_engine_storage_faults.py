@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
+import attrs
 import pytest
 
 from steeple.core.config import RecurringConfig, RecurringDefinition
@@ -284,9 +285,10 @@ async def test_tampered_content_is_an_authentication_error_and_a_dead_letter() -
     clock.set(START)
     await e.tick(2)
     first, second = await e.claim(2)
-    storage.occurrences[second.occurrence_id].content = storage.occurrences[
-        first.occurrence_id
-    ].content
+    storage.occurrences[second.occurrence_id] = attrs.evolve(
+        storage.occurrences[second.occurrence_id],
+        content=storage.occurrences[first.occurrence_id].content,
+    )
     with pytest.raises(AuthenticationFailedError) as info:
         await e.relay(second, MemoryBroker())
     assert isinstance(info.value, RecurringError)

@@ -70,9 +70,12 @@ class IgnoresBackoff(InMemoryRecurringStore):
     """Claims retry_wait occurrences before their next attempt is due."""
 
     async def claim(self, limit: int) -> list[Lease]:
-        for occ in self._occurrences.values():
+        occurrences = self._occurrences
+        for key, occ in occurrences.items():
             if occ.state is OccurrenceState.RETRY_WAIT:
-                occ.next_attempt_at = datetime.min.replace(tzinfo=occ.due_at.tzinfo)
+                occurrences[key] = attrs.evolve(
+                    occ, next_attempt_at=datetime.min.replace(tzinfo=occ.due_at.tzinfo)
+                )
         return await super().claim(limit)
 
 

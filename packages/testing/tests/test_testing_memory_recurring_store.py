@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 from datetime import UTC, datetime, timedelta
 
+import attrs
 import pytest
 
 from steeple.core.config import RecurringConfig, RecurringDefinition
@@ -146,6 +147,8 @@ async def test_sealed_content_round_trips_and_is_bound_to_its_identity(clock: Fa
     assert all(isinstance(o.content, bytes | None) for o in store._occurrences.values())
     # Content moved onto another occurrence no longer opens.
     occurrences = store._occurrences
-    occurrences[second.occurrence_id].content = occurrences[first.occurrence_id].content or b""
+    occurrences[second.occurrence_id] = attrs.evolve(
+        occurrences[second.occurrence_id], content=occurrences[first.occurrence_id].content or b""
+    )
     with pytest.raises(AuthenticationFailedError):
         await store.relay(second, broker)

@@ -55,6 +55,10 @@ def aware_utc(value: object, what: str) -> datetime:
         ConfigurationError: ``value`` is naive, or its offset is broken, or converting it
             to UTC leaves the datetime range (``datetime.min`` with a positive offset).
     """
+    if type(value) is datetime and value.tzinfo is UTC:
+        # Already what is asked for (astimezone would return it as is): every instant the
+        # stores pass around is one, and this runs several times per call.
+        return value
     if not isinstance(value, datetime):
         raise ConfigurationTypeError(f"{what} must be a datetime, not {type(value).__name__}")
     try:
@@ -168,6 +172,8 @@ def byte_string(value: object, what: str, *, max_len: int) -> bytes:
         ConfigurationTypeError: not bytes, bytearray or memoryview (a str included).
         ConfigurationError: longer than ``max_len``.
     """
+    if type(value) is bytes and len(value) <= max_len:
+        return value  # what bytes(value) would return, as is (checked on every lease)
     if not isinstance(value, bytes | bytearray | memoryview):
         raise ConfigurationTypeError(f"{what} must be bytes, not {type(value).__name__}")
     raw = bytes(value)

@@ -273,6 +273,11 @@ def _check_expression(_instance: object, _attribute: object, value: Any) -> None
         raise ConfigurationTypeError(f"expression must be a str, not {type(value).__name__}")
 
 
+_MEMO_SIZE = 4096
+_UNKNOWN: Final = object()
+"""Answers of :meth:`CronCalendar.next_after` a calendar remembers (then starts over)."""
+
+
 @attrs.frozen(repr=False)
 class CronCalendar:
     """A parsed five-field cron expression (see the module docstring for the rules).
@@ -305,6 +310,9 @@ class CronCalendar:
     _weekday_mask: tuple[bool, ...] = attrs.field(init=False, eq=False)
     # False when no allowed (month, day) pair exists in any year (`0 0 30 2 *`).
     _can_fire: bool = attrs.field(init=False, eq=False)
+    # Recent answers of next_after by search start: the search is pure, and a namespace's
+    # definitions ask the same calendar for the same minutes (ticks, then their plans).
+    _found: dict[datetime, datetime | None] = attrs.field(init=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         # Frozen class: derived fields are set once here, through object.__setattr__.
@@ -319,6 +327,7 @@ class CronCalendar:
         longest = max(29 if m == 2 else _MONTH_DAYS[m] for m in self.months)
         can_fire = min(self.days_of_month) <= longest
         set_(self, "_can_fire", can_fire)
+        set_(self, "_found", {})
 
     @classmethod
     def parse(cls, expression: str) -> CronCalendar:
@@ -418,7 +427,15 @@ class CronCalendar:
         else:
             utc = instant.astimezone(UTC)
             start = utc.replace(second=0, microsecond=0) + _ONE_MINUTE
-        return self._first_at_or_after(start)
+        found = self._found
+        # One lookup (not `in` then a read): another thread may clear the memo between two.
+        answer = found.get(start, _UNKNOWN)
+        if answer is not _UNKNOWN:
+            return answer  # type: ignore[return-value]  # a datetime or None once stored
+        if len(found) >= _MEMO_SIZE:
+            found.clear()  # bounded; refilled by the instants in use
+        computed = found[start] = self._first_at_or_after(start)
+        return computed
 
     def iter_after(self, instant: datetime) -> Iterator[datetime]:
         """Every fire time strictly after ``instant``, in order, until the calendar ends.

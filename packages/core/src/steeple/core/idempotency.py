@@ -14,6 +14,7 @@ PUBLISH_PURPOSE = "steeple.recurring.publish.v1"
 """The purpose tag of keys used to publish recurring occurrences."""
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MS = timedelta(milliseconds=1)
 
 
 _MAX_PART_BYTES = 64 * 1024
@@ -23,7 +24,11 @@ _MAX_PART_BYTES = 64 * 1024
 def _text_part(value: object, what: str) -> bytes:
     if not isinstance(value, str):
         raise ConfigurationTypeError(f"{what} must be a str, not {type(value).__name__}")
-    return encodable(value, what).encode("utf-8")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError:
+        encodable(value, what)  # raises the error that says which character
+        raise
 
 
 def _part(raw: bytes) -> bytes:
@@ -51,7 +56,7 @@ def idempotency_key(
         _text_part(namespace, "namespace"),
         _text_part(definition_name, "definition_name"),
     ]
-    due_ms = (aware_utc(due_at, "due_at") - _EPOCH) // timedelta(milliseconds=1)
+    due_ms = (aware_utc(due_at, "due_at") - _EPOCH) // _MS
     parts.append(str(due_ms).encode())
     parts.append(byte_string(generation, "generation", max_len=_MAX_PART_BYTES))
     digest = hashlib.sha256()

@@ -18,6 +18,7 @@ learn what happened.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final, Literal
@@ -242,8 +243,19 @@ def states_for(event: OccurrenceEvent) -> dict[Step, frozenset[OccurrenceState]]
     Set-based writes (expire every window-ended occurrence, cancel a definition's work)
     apply one step to many rows; this says which states each step applies to.
     """
+    if type(event) is OccurrenceEvent:
+        # The table is fixed: grouped once per event (every claim and listing asks), and
+        # each caller gets its own dict.
+        return dict(_grouped(event))
+    return _group(event)
+
+
+def _group(event: object) -> dict[Step, frozenset[OccurrenceState]]:
     groups: dict[Step, set[OccurrenceState]] = {}
     for (state, ev), row in OCCURRENCE_STEPS.items():
         if ev is event:
             groups.setdefault(row, set()).add(state)
     return {row: frozenset(states) for row, states in groups.items()}
+
+
+_grouped = functools.cache(_group)

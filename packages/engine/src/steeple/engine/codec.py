@@ -8,6 +8,7 @@ calendar, first_after, policy and message); occurrences seal their frozen messag
 from __future__ import annotations
 
 import base64
+import functools
 import json
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -101,12 +102,29 @@ def _message(doc: object) -> ScheduledMessage:
     )
 
 
+_CACHED_BYTES = 16 * 1024
+"""Longest plaintext whose decoding is remembered (the caches stay under a few MiB)."""
+
+
 def decode_message(raw: bytes) -> ScheduledMessage:
     """Rebuild a message from :func:`encode_message` output.
 
     Raises:
         RecurringStorageError: the plaintext is not a message document.
     """
+    if type(raw) is bytes and len(raw) <= _CACHED_BYTES:
+        # Every occurrence of a definition carries the same plaintext, and the message is
+        # immutable: decoded once (a failure is not remembered, it raises every time).
+        return _decode_message_cached(raw)
+    return _decode_message(raw)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_message_cached(raw: bytes) -> ScheduledMessage:
+    return _decode_message(raw)
+
+
+def _decode_message(raw: bytes) -> ScheduledMessage:
     try:
         return _message(json.loads(raw))
     except (ValueError, KeyError, TypeError, ConfigurationError) as exc:
@@ -157,6 +175,18 @@ def definition_message_plaintext(raw: bytes) -> bytes:
     Raises:
         RecurringStorageError: the plaintext is not a definition document.
     """
+    if type(raw) is bytes and len(raw) <= _CACHED_BYTES:
+        # Every tick of a definition opens the same document: its message is read once.
+        return _definition_message_cached(raw)
+    return _definition_message(raw)
+
+
+@functools.lru_cache(maxsize=256)
+def _definition_message_cached(raw: bytes) -> bytes:
+    return _definition_message(raw)
+
+
+def _definition_message(raw: bytes) -> bytes:
     try:
         doc = json.loads(raw)
         message = doc["message"]

@@ -299,13 +299,12 @@ class RecurringEngine:
             raise recurring_keyring_error(exc, record) from exc
 
     def _seal(self, plaintext: bytes, purpose: str, identity: str, record: str) -> bytes:
-        namespace = self._config.namespace
-        return self._seal_with(
-            lambda: self._sealer.seal(
-                plaintext, namespace=namespace, purpose=purpose, identity=identity
-            ),
-            record,
-        )
+        try:
+            return self._sealer.seal(
+                plaintext, namespace=self._config.namespace, purpose=purpose, identity=identity
+            )
+        except KeyringError as exc:
+            raise recurring_keyring_error(exc, record) from exc
 
     def _open(self, sealed: bytes, purpose: str, identity: str, record: str) -> bytes:
         try:
@@ -851,7 +850,11 @@ class RecurringEngine:
             except (RecurringKeyringError, RecurringStorageError) as exc:
                 unopenable.append((index, entry.lease, _Attempt(unopenable=exc)))
         attempts: list[_Attempt] = []
-        if ready:
+        if len(ready) == 1:
+            # A single publication is awaited in place: a task group (a task, a semaphore)
+            # would run it the same way, only slower, and single relays are the common case.
+            attempts = [await self._publish_now(ready[0][1], broker, checked_at)]
+        elif ready:
             limit = asyncio.Semaphore(concurrency)
             async with asyncio.TaskGroup() as group:
                 # Named for the loop-lag monitor, which reports the task that blocks.
@@ -905,34 +908,40 @@ class RecurringEngine:
     ) -> _Attempt:
         """Relay step two for one lease: publish within what remains of it (and 10 s)."""
         async with limit:
-            # Judged again when the publication starts (after the check committed, and
-            # after waiting for a turn): a lease that lapsed publishes nothing.
-            remaining = prepared.expires_at - max(checked_at, self._clock.now())
-            if remaining <= timedelta(0):
-                return _Attempt(
-                    error=RelayLeaseLostError(
-                        f"the lease on occurrence {prepared.lease.occurrence_id} expired "
-                        "while its check committed (or while waiting for its turn to "
-                        "publish); nothing was published"
-                    ),
-                    unsent=True,
+            return await self._publish_now(prepared, broker, checked_at)
+
+    async def _publish_now(
+        self, prepared: _Prepared, broker: MessageBroker, checked_at: datetime
+    ) -> _Attempt:
+        """Publish one checked lease now (its turn came): see :meth:`_publish`."""
+        # Judged again when the publication starts (after the check committed, and
+        # after waiting for a turn): a lease that lapsed publishes nothing.
+        remaining = prepared.expires_at - max(checked_at, self._clock.now())
+        if remaining <= timedelta(0):
+            return _Attempt(
+                error=RelayLeaseLostError(
+                    f"the lease on occurrence {prepared.lease.occurrence_id} expired "
+                    "while its check committed (or while waiting for its turn to "
+                    "publish); nothing was published"
+                ),
+                unsent=True,
+            )
+        timeout = min(remaining, limits.PUBLISH_DEADLINE).total_seconds()
+        try:
+            crash_point("relay.before_publish")
+            async with asyncio.timeout(timeout):
+                receipt = await broker.publish(
+                    prepared.message, idempotency_key=prepared.key, timeout=timeout
                 )
-            timeout = min(remaining, limits.PUBLISH_DEADLINE).total_seconds()
-            try:
-                crash_point("relay.before_publish")
-                async with asyncio.timeout(timeout):
-                    receipt = await broker.publish(
-                        prepared.message, idempotency_key=prepared.key, timeout=timeout
-                    )
-                crash_point("relay.after_confirm")
-                if not isinstance(receipt, BrokerReceipt):
-                    raise TypeError(f"publish returned a {type(receipt).__name__}, not a receipt")
-            except BaseException as exc:
-                failure = classify_publication_failure(exc)
-                if failure is None:
-                    raise  # cancellation and interpreter exit are not publication failures
-                return _Attempt(failure=failure, raised=exc)
-            return _Attempt(receipt=receipt)
+            crash_point("relay.after_confirm")
+            if not isinstance(receipt, BrokerReceipt):
+                raise TypeError(f"publish returned a {type(receipt).__name__}, not a receipt")
+        except BaseException as exc:
+            failure = classify_publication_failure(exc)
+            if failure is None:
+                raise  # cancellation and interpreter exit are not publication failures
+            return _Attempt(failure=failure, raised=exc)
+        return _Attempt(receipt=receipt)
 
     async def _prepare(
         self, leases: Sequence[Lease]

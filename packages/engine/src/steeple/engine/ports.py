@@ -187,34 +187,40 @@ class OccurrenceChange:
     @classmethod
     def of(cls, row: OccurrenceRow, **values: Any) -> OccurrenceChange:
         """Return a change that keeps ``row`` as it is except for ``values``."""
-        change = cls(
-            occurrence_id=row.occurrence_id,
-            state=row.state,
-            attempts=row.attempts,
-            next_attempt_at=row.next_attempt_at,
-            last_error=row.last_error,
-            lease_expires_at=row.lease_expires_at,
-            lease_revision=row.lease_revision,
-            lease_digest=row.lease_digest,
-            updated_at=row.updated_at,
-            finished_at=row.finished_at,
-        )
-        return attrs.evolve(change, **values) if values else change
+        columns: dict[str, Any] = {
+            "occurrence_id": row.occurrence_id,
+            "state": row.state,
+            "attempts": row.attempts,
+            "next_attempt_at": row.next_attempt_at,
+            "last_error": row.last_error,
+            "lease_expires_at": row.lease_expires_at,
+            "lease_revision": row.lease_revision,
+            "lease_digest": row.lease_digest,
+            "updated_at": row.updated_at,
+            "finished_at": row.finished_at,
+        }
+        # One construction (not a copy evolved): this runs for every write of every relay.
+        return cls(**(columns | values if values else columns))
 
     def applied_to(self, row: OccurrenceRow) -> OccurrenceRow:
         """Return ``row`` as it is after this change."""
         erased = self.erase_content
-        return attrs.evolve(
-            row,
+        # Built directly, not with attrs.evolve: this runs for every write of every relay.
+        return OccurrenceRow(
+            occurrence_id=row.occurrence_id,
+            definition_name=row.definition_name,
+            due_at=row.due_at,
             state=self.state,
             attempts=self.attempts,
+            window_ends_at=row.window_ends_at,
+            created_at=row.created_at,
+            updated_at=self.updated_at,
+            finished_at=self.finished_at,
             next_attempt_at=self.next_attempt_at,
             last_error=self.last_error,
             lease_expires_at=self.lease_expires_at,
             lease_revision=self.lease_revision,
             lease_digest=self.lease_digest,
-            updated_at=self.updated_at,
-            finished_at=self.finished_at,
             content=None if erased else row.content,
             key_id=None if erased else row.key_id,
         )
@@ -245,20 +251,20 @@ def apply_step(row: OccurrenceRow, step: Step, at: datetime, **values: Any) -> O
         finished = None
     else:
         finished = row.finished_at
-    change = OccurrenceChange(
-        occurrence_id=row.occurrence_id,
-        state=target,
-        attempts=0 if effects.reopens else row.attempts,
-        next_attempt_at=None if step.clears_next_attempt else row.next_attempt_at,
-        last_error=None if effects.clears_error else row.last_error,
-        lease_expires_at=None if step.ends_lease else row.lease_expires_at,
-        lease_revision=row.lease_revision,
-        lease_digest=None if effects.erase_lease else row.lease_digest,
-        updated_at=stamp,
-        finished_at=finished,
-        erase_content=effects.erase_content,
-    )
-    return attrs.evolve(change, **values) if values else change
+    columns: dict[str, Any] = {
+        "occurrence_id": row.occurrence_id,
+        "state": target,
+        "attempts": 0 if effects.reopens else row.attempts,
+        "next_attempt_at": None if step.clears_next_attempt else row.next_attempt_at,
+        "last_error": None if effects.clears_error else row.last_error,
+        "lease_expires_at": None if step.ends_lease else row.lease_expires_at,
+        "lease_revision": row.lease_revision,
+        "lease_digest": None if effects.erase_lease else row.lease_digest,
+        "updated_at": stamp,
+        "finished_at": finished,
+        "erase_content": effects.erase_content,
+    }
+    return OccurrenceChange(**(columns | values if values else columns))
 
 
 class RecurringRepository(Protocol):

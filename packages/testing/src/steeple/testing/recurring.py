@@ -2,8 +2,8 @@
 
 :class:`InMemoryRecurringStorage` is the smallest complete adapter of the engine's
 persistence port (:mod:`steeple.engine.ports`): each method reads or writes rows of two
-dicts, and a transaction works on copies that replace the originals only when the
-engine's work returns (so a failed call stores nothing). :class:`InMemoryRecurringStore`
+dicts (indexed by state), and a transaction undoes its writes when the engine's work
+raises (so a failed call stores nothing). :class:`InMemoryRecurringStore`
 composes it with :class:`~steeple.engine.RecurringEngine`: every rule of seed 000 comes
 from the engine and the core, exactly as for the PostgreSQL store. Everything a database
 adds (durability, SQL deadlines, privileges, several processes) is out of scope.
@@ -15,7 +15,7 @@ definitions and occurrence content are sealed as in every other store.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import Final, TypeVar
@@ -33,7 +33,6 @@ from steeple.core.errors import (
 from steeple.core.leases import ClaimRule
 from steeple.core.messages import BrokerReceipt
 from steeple.core.occurrences import OccurrenceState
-from steeple.core.policies import MissedRunPolicy
 from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
 from steeple.core.records import (
     Lease,
@@ -70,67 +69,20 @@ class _Unsealed:
         return bytes(sealed)
 
 
-@attrs.define(repr=False)
-class _Definition:
-    """A stored definition (mutable, so tests can reach in)."""
-
-    name: str
-    sealed: bytes
-    key_id: str
-    cron: str
-    policy: MissedRunPolicy
-    first_after: datetime
-    state: str
-    cursor: datetime
-    next_due_at: datetime | None
-    created_at: datetime
-    cancelled_at: datetime | None = None
-
-    def row(self) -> DefinitionRow:
-        return DefinitionRow(**attrs.asdict(self, recurse=False))
-
-
-@attrs.define(repr=False)
-class _Occurrence:
-    """A stored occurrence (mutable, so tests can reach in)."""
-
-    occurrence_id: str
-    definition_name: str
-    due_at: datetime
-    state: OccurrenceState
-    attempts: int
-    window_ends_at: datetime
-    created_at: datetime
-    updated_at: datetime
-    finished_at: datetime | None = None
-    next_attempt_at: datetime | None = None
-    last_error: str | None = None
-    lease_expires_at: datetime | None = None
-    lease_revision: int = 0
-    lease_digest: bytes | None = None
-    content: bytes | None = None
-    key_id: str | None = None
-
-    def row(self) -> OccurrenceRow:
-        return OccurrenceRow(**attrs.asdict(self, recurse=False))
-
-
-def _stored(row: OccurrenceRow) -> _Occurrence:
-    return _Occurrence(**attrs.asdict(row, recurse=False))
+_Undo = tuple[bool, str, DefinitionRow | OccurrenceRow | None]
+"""One undo entry: (is an occurrence, key, the row before the write or ``None`` if new)."""
 
 
 class _Repository:
-    """The port's repository over one transaction's copies of the dicts."""
+    """The port's repository, writing straight into the storage's tables.
 
-    def __init__(
-        self,
-        state: NamespaceState,
-        definitions: dict[str, _Definition],
-        occurrences: dict[str, _Occurrence],
-    ) -> None:
+    Every write first notes the row it replaces in the transaction's undo log, so a
+    failed transaction is rolled back by replaying the log backwards (no copies).
+    """
+
+    def __init__(self, storage: InMemoryRecurringStorage, state: NamespaceState) -> None:
+        self._storage = storage
         self._state = state
-        self.definitions_ = definitions
-        self.occurrences_ = occurrences
         self.recorded: datetime | None = state.recorded_time
 
     @property
@@ -147,59 +99,76 @@ class _Repository:
         raise RecurringStorageError("the in-memory store keeps no configuration binding")
 
     async def definition(self, name: str) -> DefinitionRow | None:
-        found = self.definitions_.get(name)
-        return found.row() if found is not None else None
+        return self._storage.definitions.get(name)
 
     async def definitions(self, after: str | None, limit: int) -> Sequence[DefinitionRow]:
-        names = sorted(n for n in self.definitions_ if after is None or n > after)
-        return [self.definitions_[n].row() for n in names[:limit]]
+        stored = self._storage.definitions
+        names = sorted(n for n in stored if after is None or n > after)
+        return [stored[n] for n in names[:limit]]
 
     async def due_definitions(self, due_by: datetime, limit: int) -> Sequence[DefinitionRow]:
         due = sorted(
             (d.next_due_at, d.name)
-            for d in self.definitions_.values()
+            for d in self._storage.definitions.values()
             if d.next_due_at is not None and d.next_due_at <= due_by
         )
-        return [self.definitions_[name].row() for _, name in due[:limit]]
+        stored = self._storage.definitions
+        return [stored[name] for _, name in due[:limit]]
 
     async def definitions_named(self, names: Sequence[str]) -> Sequence[DefinitionRow]:
-        return [self.definitions_[n].row() for n in dict.fromkeys(names) if n in self.definitions_]
+        stored = self._storage.definitions
+        return [stored[n] for n in dict.fromkeys(names) if n in stored]
 
     async def insert_definitions(self, rows: Sequence[DefinitionRow]) -> None:
+        storage = self._storage
         for row in rows:
-            if row.name in self.definitions_:
+            if row.name in storage.definitions:
                 raise RecurringStorageError(f"definition {row.name!r} is stored already")
-            self.definitions_[row.name] = _Definition(**attrs.asdict(row, recurse=False))
+            storage.put_definition(row.name, row)
 
     async def update_definitions(self, updates: Sequence[DefinitionUpdate]) -> None:
+        storage = self._storage
         for u in updates:
-            self.definitions_[u.name] = attrs.evolve(
-                self.definitions_[u.name],
-                state=u.state,
-                cursor=u.cursor,
-                next_due_at=u.next_due_at,
-                cancelled_at=u.cancelled_at,
+            current = storage.definitions[u.name]
+            storage.put_definition(
+                u.name,
+                DefinitionRow(
+                    name=current.name,
+                    sealed=current.sealed,
+                    key_id=current.key_id,
+                    cron=current.cron,
+                    policy=current.policy,
+                    first_after=current.first_after,
+                    state=u.state,
+                    cursor=u.cursor,
+                    next_due_at=u.next_due_at,
+                    created_at=current.created_at,
+                    cancelled_at=u.cancelled_at,
+                ),
             )
 
     async def occurrences(self, ids: Sequence[str]) -> Sequence[OccurrenceRow]:
-        return [self.occurrences_[i].row() for i in dict.fromkeys(ids) if i in self.occurrences_]
+        stored = self._storage.occurrences
+        return [stored[i] for i in dict.fromkeys(ids) if i in stored]
 
     async def occurrence_page(
         self, after: tuple[datetime, str] | None, limit: int
     ) -> Sequence[OccurrenceRow]:
+        stored = self._storage.occurrences
         ordered = sorted(
             (o.due_at, o.occurrence_id)
-            for o in self.occurrences_.values()
+            for o in stored.values()
             if after is None or (o.due_at, o.occurrence_id) > after
         )
-        return [self.occurrences_[i].row() for _, i in ordered[:limit]]
+        return [stored[i] for _, i in ordered[:limit]]
 
     async def claimable(
         self, rule: ClaimRule, now: datetime, limit: int
     ) -> Sequence[OccurrenceRow]:
+        stored = self._storage.occurrences
         ready = sorted(
             (o.due_at, o.definition_name, o.occurrence_id)
-            for o in self.occurrences_.values()
+            for o in self._storage.in_states(rule.states)
             if rule.admits(
                 o.state,
                 now,
@@ -208,72 +177,130 @@ class _Repository:
                 next_attempt_at=o.next_attempt_at,
             )
         )
-        return [self.occurrences_[i].row() for _, _, i in ready[:limit]]
+        return [stored[i] for _, _, i in ready[:limit]]
 
     async def insert_occurrences(self, rows: Sequence[OccurrenceRow]) -> None:
-        taken = {(o.definition_name, o.due_at) for o in self.occurrences_.values()}
+        storage = self._storage
         for row in rows:
-            identity = (row.definition_name, row.due_at)
-            if row.occurrence_id in self.occurrences_ or identity in taken:
+            if (
+                row.occurrence_id in storage.occurrences
+                or (row.definition_name, row.due_at) in storage.identities
+            ):
                 raise RecurringStorageError(f"occurrence {row.occurrence_id} is stored already")
-            taken.add(identity)
-            self.occurrences_[row.occurrence_id] = _stored(row)
+            storage.put_occurrence(row.occurrence_id, row)
 
     async def update_occurrences(self, changes: Sequence[OccurrenceChange]) -> None:
+        storage = self._storage
+        stored = storage.occurrences
         for change in changes:
-            current = self.occurrences_[change.occurrence_id].row()
-            self.occurrences_[change.occurrence_id] = _stored(change.applied_to(current))
+            storage.put_occurrence(
+                change.occurrence_id, change.applied_to(stored[change.occurrence_id])
+            )
 
     async def window_ended(
         self, states: frozenset[OccurrenceState], ended_by: datetime
     ) -> Sequence[OccurrenceRow]:
-        return [
-            o.row()
-            for o in self.occurrences_.values()
-            if o.state in states and o.window_ends_at <= ended_by
-        ]
+        return [o for o in self._storage.in_states(states) if o.window_ends_at <= ended_by]
 
     async def occurrences_of(
         self, definition_name: str, states: frozenset[OccurrenceState]
     ) -> Sequence[OccurrenceRow]:
-        return [
-            o.row()
-            for o in self.occurrences_.values()
-            if o.definition_name == definition_name and o.state in states
-        ]
+        return [o for o in self._storage.in_states(states) if o.definition_name == definition_name]
 
     async def delete_occurrences(
         self, states: frozenset[OccurrenceState], finished_before: datetime, limit: int
     ) -> int:
         doomed = sorted(
             (o.finished_at, o.due_at, o.definition_name, o.occurrence_id)
-            for o in self.occurrences_.values()
-            if o.state in states and o.finished_at is not None and o.finished_at < finished_before
+            for o in self._storage.in_states(states)
+            if o.finished_at is not None and o.finished_at < finished_before
         )[:limit]
         for *_, occurrence_id in doomed:
-            del self.occurrences_[occurrence_id]
+            self._storage.put_occurrence(occurrence_id, None)
         return len(doomed)
 
 
 class InMemoryRecurringStorage:
-    """The engine's persistence port held in two dicts (the reference adapter).
+    """The engine's persistence port held in two dicts of rows (the reference adapter).
 
-    One transaction at a time (an :class:`asyncio.Lock` stands for the control row); a
-    transaction works on copies of the dicts that replace the originals when the work
-    returns, so a call that raises stores nothing.
+    One transaction at a time (an :class:`asyncio.Lock` stands for the control row).
+    The rows are the port's frozen values; the repository writes them straight into the
+    dicts and notes each row it replaces, and a transaction whose work raises puts those
+    back, so a call that raises stores nothing. Occurrences are also indexed by state
+    (what claims, expiry and purges select by) and by ``(definition_name, due_at)``
+    (their identity): a read touches the rows it may return, not every row kept.
+
+    Tests may replace a stored occurrence in :attr:`occurrences` with one that differs
+    in any column but its state, definition and due time (the indexed ones).
     """
 
     def __init__(self) -> None:
-        self.definitions: dict[str, _Definition] = {}
-        self.occurrences: dict[str, _Occurrence] = {}
+        self.definitions: dict[str, DefinitionRow] = {}
+        self.occurrences: dict[str, OccurrenceRow] = {}
+        self.identities: set[tuple[str, datetime]] = set()
         self.recorded: datetime | None = None
         self.closed = False
+        # Keyed by the state's value: a str hashes in C, an enum member in Python.
+        self._by_state: dict[str, dict[str, None]] = {s._value_: {} for s in OccurrenceState}
+        self._undo: list[_Undo] | None = None
         self._lock = asyncio.Lock()
+
+    def in_states(self, states: frozenset[OccurrenceState]) -> Iterator[OccurrenceRow]:
+        """Yield the stored occurrences in ``states`` (any order)."""
+        stored = self.occurrences
+        by_state = self._by_state
+        for state in states:
+            for occurrence_id in by_state[state._value_]:
+                yield stored[occurrence_id]
+
+    def put_definition(self, name: str, row: DefinitionRow) -> None:
+        """Store ``row`` under ``name`` (noting what it replaces for a rollback)."""
+        if self._undo is not None:
+            self._undo.append((False, name, self.definitions.get(name)))
+        self.definitions[name] = row
+
+    def put_occurrence(self, occurrence_id: str, row: OccurrenceRow | None) -> None:
+        """Store ``row`` under ``occurrence_id``, or delete it (``None``); keep the indexes."""
+        old = self.occurrences.get(occurrence_id)
+        if self._undo is not None:
+            self._undo.append((True, occurrence_id, old))
+        self._place(occurrence_id, old, row)
+
+    def _place(
+        self, occurrence_id: str, old: OccurrenceRow | None, row: OccurrenceRow | None
+    ) -> None:
+        if row is None:
+            if old is not None:
+                del self.occurrences[occurrence_id]
+                self._by_state[old.state._value_].pop(occurrence_id, None)
+                self.identities.discard((old.definition_name, old.due_at))
+            return
+        self.occurrences[occurrence_id] = row
+        if old is None:
+            self.identities.add((row.definition_name, row.due_at))
+        elif old.definition_name != row.definition_name or old.due_at != row.due_at:
+            self.identities.discard((old.definition_name, old.due_at))
+            self.identities.add((row.definition_name, row.due_at))
+        if old is None or old.state is not row.state:
+            if old is not None:
+                self._by_state[old.state._value_].pop(occurrence_id, None)
+            self._by_state[row.state._value_][occurrence_id] = None
+
+    def _roll_back(self, undo: list[_Undo]) -> None:
+        for is_occurrence, key, before in reversed(undo):
+            if is_occurrence:
+                assert before is None or isinstance(before, OccurrenceRow)
+                self._place(key, self.occurrences.get(key), before)
+            elif before is None:
+                self.definitions.pop(key, None)
+            else:
+                assert isinstance(before, DefinitionRow)
+                self.definitions[key] = before
 
     async def transaction(
         self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
     ) -> T:
-        """Run ``work`` on copies of the rows; keep them only if it returns.
+        """Run ``work`` on the rows; undo its writes if it raises.
 
         Raises:
             RecurringStorageError: the store is closed.
@@ -282,10 +309,16 @@ class InMemoryRecurringStorage:
             raise RecurringStorageError(f"{operation}: the store is closed")
         async with self._lock:
             state = NamespaceState(self.recorded, len(self.definitions), len(self.occurrences))
-            repo = _Repository(state, dict(self.definitions), dict(self.occurrences))
-            result = await work(repo)
-            self.definitions = repo.definitions_
-            self.occurrences = repo.occurrences_
+            repo = _Repository(self, state)
+            undo: list[_Undo] = []
+            self._undo = undo
+            try:
+                result = await work(repo)
+            except BaseException:
+                self._roll_back(undo)
+                raise
+            finally:
+                self._undo = None
             self.recorded = repo.recorded
             return result
 
@@ -339,12 +372,12 @@ class InMemoryRecurringStore:
         return self._config
 
     @property
-    def _occurrences(self) -> dict[str, _Occurrence]:
+    def _occurrences(self) -> dict[str, OccurrenceRow]:
         # Tests reach in to look at (and tamper with) stored occurrences.
         return self._storage.occurrences
 
     @property
-    def _definitions(self) -> dict[str, _Definition]:
+    def _definitions(self) -> dict[str, DefinitionRow]:
         return self._storage.definitions
 
     def __repr__(self) -> str:

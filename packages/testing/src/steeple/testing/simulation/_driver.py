@@ -35,6 +35,7 @@ listing gives) and purges them at once, so quota hits come from live backlog onl
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -87,6 +88,8 @@ _HARVEST_EVERY: Final = 80
 """Publications between two operator listings: keeps the listing to about one page."""
 _PAGE: Final = 100
 _NEVER: Final = 2**62
+_YIELD_EVERY: Final = 256
+"""Events between two turns of the event loop (the simulation itself never waits)."""
 
 
 class _Clock:
@@ -293,7 +296,13 @@ class _Driver:
         self.reschedule_ticker(self.origin)
         for worker in self.workers:
             self.wake(worker)
+        events = 0
         while self.heap:
+            events += 1
+            if not events % _YIELD_EVERY:
+                # Let the event loop run: it drops the timers of finished publication
+                # deadlines (cancelled, never due), which otherwise pile up in its heap.
+                await asyncio.sleep(0)
             at, kind, arg, _, token = heapq.heappop(self.heap)
             if at >= self.end and kind != _END:
                 continue  # the range is half-open: only the final count runs at its end
