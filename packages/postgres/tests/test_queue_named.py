@@ -153,13 +153,13 @@ def test_scheduler_refuses_bad_queue_lists(
     queues: object, error: type[Exception], words: str
 ) -> None:
     with pytest.raises(error, match=words):
-        Scheduler("postgresql://u@h/db", worker_id="w", queues=queues)  # type: ignore[arg-type]
+        Scheduler("postgresql://u@localhost/db", worker_id="w", queues=queues)  # type: ignore[arg-type]
 
 
 def test_scheduler_reports_its_queues_capped_by_its_concurrency() -> None:
-    worker = Scheduler("postgresql://u@h/db", worker_id="w", concurrency=4, queues={"a": 9, "b": 2})
+    worker = Scheduler("postgresql://u@localhost/db", worker_id="w", concurrency=4, queues={"a": 9, "b": 2})
     assert worker.queues == {"a": 4, "b": 2}
-    assert Scheduler("postgresql://u@h/db", worker_id="w").queues == {"default": 16}
+    assert Scheduler("postgresql://u@localhost/db", worker_id="w").queues == {"default": 16}
 
 
 async def test_a_worker_serves_only_its_queues_each_within_its_own_limit(

@@ -267,7 +267,7 @@ def _varargs(*args: Any) -> None:
 )
 def test_register_accepts_what_can_run(handler: Any, is_async: bool) -> None:
     assert check_handler(handler) is is_async
-    Scheduler("postgresql://h/db", worker_id="w").register(SYNC, handler)
+    Scheduler("postgresql://localhost/db", worker_id="w").register(SYNC, handler)
 
 
 @pytest.mark.parametrize(
@@ -290,7 +290,7 @@ def test_register_accepts_what_can_run(handler: Any, is_async: bool) -> None:
     ],
 )
 def test_register_refuses_what_cannot_run_with_a_typed_error(handler: Any, words: str) -> None:
-    worker = Scheduler("postgresql://h/db", worker_id="w")
+    worker = Scheduler("postgresql://localhost/db", worker_id="w")
     with pytest.raises(QueueTypeError, match=words) as caught:
         worker.register(SYNC, handler)
     assert isinstance(caught.value, QueueConfigurationError | TypeError)
@@ -302,7 +302,7 @@ def test_register_refuses_a_coroutine_object() -> None:
     coro = _ok_async(None, None)
     try:
         with pytest.raises(QueueTypeError, match="pass the function itself"):
-            Scheduler("postgresql://h/db", worker_id="w").register(SYNC, coro)  # type: ignore[arg-type]
+            Scheduler("postgresql://localhost/db", worker_id="w").register(SYNC, coro)  # type: ignore[arg-type]
     finally:
         coro.close()
 
@@ -310,10 +310,10 @@ def test_register_refuses_a_coroutine_object() -> None:
 @pytest.mark.parametrize("threads", [0, -1, 1025, 2**70, True, 1.5, "4", None])
 def test_threads_is_validated(threads: Any) -> None:
     if threads is None:
-        Scheduler("postgresql://h/db", worker_id="w", threads=threads)
+        Scheduler("postgresql://localhost/db", worker_id="w", threads=threads)
         return
     with pytest.raises(QueueConfigurationError, match="threads"):
-        Scheduler("postgresql://h/db", worker_id="w", threads=threads)
+        Scheduler("postgresql://localhost/db", worker_id="w", threads=threads)
 
 
 class _HostileSignature:
@@ -327,4 +327,4 @@ class _HostileSignature:
 
 def test_register_refuses_a_handler_whose_signature_cannot_be_read() -> None:
     with pytest.raises(QueueTypeError, match="could not be read"):
-        Scheduler("postgresql://h/db", worker_id="w").register(SYNC, _HostileSignature())
+        Scheduler("postgresql://localhost/db", worker_id="w").register(SYNC, _HostileSignature())

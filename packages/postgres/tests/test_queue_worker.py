@@ -701,7 +701,7 @@ async def test_a_handler_that_blocks_the_loop_is_counted_and_named(
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, 0.0, 0.001, 7200, "0.5", True])
 def test_a_bad_loop_lag_threshold_is_refused(bad: Any) -> None:
     with pytest.raises((QueueConfigurationError, QueueTypeError), match="loop_lag_threshold"):
-        Scheduler("postgresql://h/db", worker_id="w", loop_lag_threshold=bad)
+        Scheduler("postgresql://localhost/db", worker_id="w", loop_lag_threshold=bad)
 
 
 async def test_loop_lag_detection_can_be_turned_off(queue: QueueFixture) -> None:
@@ -718,3 +718,48 @@ async def test_loop_lag_detection_can_be_turned_off(queue: QueueFixture) -> None
     async with running(worker):
         await wait_until(lambda: worker.stats.succeeded == 1)
         assert "steeple loop-lag watchdog" not in {t.name for t in threading.enumerate()}
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://runtime:s3cret-pw@db.internal:5432/app",
+        "postgresql://runtime:s3cret-pw@db.internal/app?sslmode=require",
+        "postgresql://runtime:s3cret-pw@127.0.0.1,db.internal/app?sslmode=disable",
+    ],
+)
+def test_a_remote_host_without_verified_tls_is_refused(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # RELIABILITY row 25, as the recurring store refuses it: before any connection is made.
+    monkeypatch.delenv("PGSSLMODE", raising=False)
+    with pytest.raises(QueueConfigurationError, match="verified TLS") as caught:
+        Scheduler(dsn, worker_id="w")
+    assert "db.internal" in str(caught.value)
+    assert "s3cret-pw" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://runtime@db.internal/app?sslmode=verify-full&sslrootcert=/etc/ca.pem",
+        "postgresql://runtime@db.internal/app?sslmode=verify-ca",
+        "postgresql://runtime@127.0.0.1/app?sslmode=disable",
+        "postgresql://runtime@localhost/app",
+        "postgresql://runtime@[::1]/app",
+        "postgresql://runtime@/app?host=/run/postgresql",
+    ],
+)
+def test_verified_tls_loopback_and_sockets_are_accepted(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PGSSLMODE", raising=False)
+    assert Scheduler(dsn, worker_id="w").worker_id == "w"
+
+
+def test_pgsslmode_verify_full_satisfies_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGSSLMODE", "verify-full")
+    assert Scheduler("postgresql://runtime@db.internal/app", worker_id="w").worker_id == "w"
+    monkeypatch.setenv("PGSSLMODE", "require")
+    with pytest.raises(QueueConfigurationError, match="verified TLS"):
+        Scheduler("postgresql://runtime@db.internal/app", worker_id="w")

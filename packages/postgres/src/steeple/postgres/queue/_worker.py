@@ -37,11 +37,10 @@ from typing import Any, Final, TypeVar
 import asyncpg
 
 from steeple.core.clock import SystemClock
-from steeple.core.dsn import check_dsn
 from steeple.core.entropy import SystemRandom
-from steeple.core.errors import ConfigurationError
 from steeple.core.ports import Clock, RandomSource
 from steeple.engine.looplag import DEFAULT_LOOP_LAG_THRESHOLD, LoopStall, watching_event_loop
+from steeple.postgres._durability import DurabilityProblem, check_transport
 from steeple.postgres.queue import _driver, _metrics
 from steeple.postgres.queue._aio import wait_either
 from steeple.postgres.queue._claiming import Claimer
@@ -172,8 +171,10 @@ class Scheduler:
     Raises:
         QueueConfigurationError: an invalid worker id, schema, queue name, count or
             interval (NaN, infinite, negative, zero or too large), no queue or a queue
-            listed twice, or an invalid DSN (see
-            :func:`steeple.core.dsn.check_dsn`; the message never quotes the DSN).
+            listed twice, an invalid DSN (see :func:`steeple.core.dsn.check_dsn`; the
+            message never quotes the DSN), or a DSN naming a remote host without verified
+            TLS (``sslmode=verify-full`` or ``verify-ca``; loopback and Unix sockets may
+            use any mode).
         QueueTypeError: an option of the wrong type.
     """
 
@@ -225,10 +226,12 @@ class Scheduler:
                 raise QueueConfigurationError(
                     "the DSN must be a non-empty str without NUL or lone surrogates"
                 )
-            # A malformed DSN would come back from the driver with pieces of it quoted.
+            # A malformed DSN would come back from the driver with pieces of it quoted; a
+            # remote host without verified TLS is refused as the recurring store refuses it
+            # (RELIABILITY row 25): one check, steeple.postgres._durability's.
             try:
-                check_dsn(pool_or_dsn)
-            except ConfigurationError as exc:
+                check_transport(pool_or_dsn)
+            except DurabilityProblem as exc:
                 raise QueueConfigurationError(str(exc)) from None
         elif open_db(pool_or_dsn) is None:
             raise QueueConfigurationError(
