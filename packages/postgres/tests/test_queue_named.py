@@ -157,7 +157,9 @@ def test_scheduler_refuses_bad_queue_lists(
 
 
 def test_scheduler_reports_its_queues_capped_by_its_concurrency() -> None:
-    worker = Scheduler("postgresql://u@localhost/db", worker_id="w", concurrency=4, queues={"a": 9, "b": 2})
+    worker = Scheduler(
+        "postgresql://u@localhost/db", worker_id="w", concurrency=4, queues={"a": 9, "b": 2}
+    )
     assert worker.queues == {"a": 4, "b": 2}
     assert Scheduler("postgresql://u@localhost/db", worker_id="w").queues == {"default": 16}
 
