@@ -287,3 +287,17 @@ async def test_pooled_connections_cut_while_idle_never_fail_a_publication(
     monkeypatch.undo()
     assert harness.proxy.accepted == 4  # one new connection, reused after the cut
     assert sorted(k for k, _ in await harness.drain()) == sorted(keys + more)
+
+
+async def test_a_connection_idle_over_idle_timeout_is_replaced(harness: QueueHarness) -> None:
+    broker = WorkQueueBroker(
+        dsn_via(harness.dsn, harness.proxy.port), schema=harness.schema, idle_timeout=10
+    )
+    harness.brokers.append(broker)
+    await broker.publish(message(1), idempotency_key=new_key(), timeout=5)
+    [(old, since)] = broker._idle
+    broker._idle = [(old, since - 11)]  # as if put back 11 s ago (the server may drop it)
+    await broker.publish(message(2), idempotency_key=new_key(), timeout=5)
+    assert old.is_closed()
+    assert harness.proxy.accepted == 2
+    assert broker.connections_opened == 2
