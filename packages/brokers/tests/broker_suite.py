@@ -384,6 +384,8 @@ class TcpProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self.peak = 0
         """Most connections open through the proxy at once, so far."""
+        self.accepted = 0
+        """Connections accepted through the proxy, so far (reuse keeps it low)."""
         self.held = 0
         """Chunks read while stalled (held back, then dropped by :meth:`heal`)."""
 
@@ -405,6 +407,7 @@ class TcpProxy:
             writer.close()
             return
         link = _Link(self, writer, up_writer)
+        self.accepted += 1
         self._links.add(link)
         self.peak = max(self.peak, len(self._links))
         try:

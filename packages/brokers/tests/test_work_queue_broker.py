@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +14,7 @@ from broker_suite import (
     CHECKS,
     ProxiedHarness,
     TcpProxy,
+    eventually,
     lose_next_ack,
     message,
     new_key,
@@ -32,6 +33,13 @@ from steeple.core.messages import ScheduledMessage
 from steeple.postgres.queue import JobContext, Scheduler, Task, install
 
 pytestmark = pytest.mark.postgres
+
+
+async def wait_for(condition: Callable[[], bool]) -> None:
+    async def check() -> bool:
+        return condition()
+
+    await eventually(check)
 
 
 class QueueHarness(ProxiedHarness):
@@ -171,6 +179,12 @@ def test_max_connections_out_of_range_is_refused(bad: Any) -> None:
         WorkQueueBroker("postgresql://u@127.0.0.1/db", max_connections=bad)
 
 
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "30", None])
+def test_idle_timeout_out_of_range_is_refused(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match="idle_timeout"):
+        WorkQueueBroker("postgresql://u@127.0.0.1/db", idle_timeout=bad)
+
+
 async def test_ledger_window_and_purge(harness: QueueHarness) -> None:
     with pytest.raises(BrokerConfigurationError, match="dedup_retention"):
         WorkQueueBroker(harness.dsn, schema=harness.schema, dedup_retention=timedelta(hours=1))
@@ -204,3 +218,86 @@ async def test_unreachable_database_is_unavailable() -> None:
     assert "pw-secret" not in repr(broker)
     with pytest.raises(BrokerUnavailableError):
         await broker.publish(message(1), idempotency_key=new_key(), timeout=3)
+
+
+async def test_sequential_publications_reuse_one_connection(harness: QueueHarness) -> None:
+    """Found by the relay stress test: a fresh connection per publication (startup,
+    authentication, statement preparation) made four relays under CPU contention manage
+    about 25 occurrences/s, so claimed occurrences' leases lapsed and attempts ran out."""
+    broker = await harness.make_broker()
+    keys = [new_key() for _ in range(20)]
+    for i, key in enumerate(keys):
+        assert not (await broker.publish(message(i), idempotency_key=key, timeout=5)).duplicate
+    assert (await broker.lookup(keys[0])) is not None
+    assert await broker.purge() == 0
+    assert harness.proxy.accepted == 1
+    assert broker.connections_opened == 1
+    assert harness.proxy.connections == 1  # kept for the next publication
+    await broker.close()
+    await wait_for(lambda: harness.proxy.connections == 0)
+    with pytest.raises(BrokerUnavailableError, match="closed"):
+        await broker.publish(message(0), idempotency_key=new_key(), timeout=5)
+    assert sorted(k for k, _ in await harness.drain()) == sorted(keys)
+
+
+async def test_a_connection_that_saw_an_error_is_not_reused(harness: QueueHarness) -> None:
+    broker = await harness.make_broker()
+    await broker.publish(message(1), idempotency_key=new_key(), timeout=5)
+    lose_next_ack(broker)  # the reply is lost after the commit: the connection is fine
+    with pytest.raises(RelayAcknowledgementError):
+        await broker.publish(message(2), idempotency_key=new_key(), timeout=5)
+    assert harness.proxy.accepted == 1
+    # A statement the database refuses: the connection is closed, not pooled.
+    conn = await asyncpg.connect(harness.dsn)
+    try:
+        await conn.execute(f'ALTER TABLE "{harness.schema}".broker_dedup RENAME TO gone')
+        with pytest.raises(BrokerConfigurationError):
+            await broker.publish(message(3), idempotency_key=new_key(), timeout=5)
+        await wait_for(lambda: harness.proxy.connections == 0)
+        await conn.execute(f'ALTER TABLE "{harness.schema}".gone RENAME TO broker_dedup')
+    finally:
+        await conn.close()
+    await broker.publish(message(4), idempotency_key=new_key(), timeout=5)
+    assert harness.proxy.accepted == 2
+
+
+async def test_pooled_connections_cut_while_idle_never_fail_a_publication(
+    harness: QueueHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = await harness.make_broker()
+    keys = [new_key() for _ in range(3)]
+    await asyncio.gather(
+        *(broker.publish(message(i), idempotency_key=k, timeout=10) for i, k in enumerate(keys))
+    )
+    assert harness.proxy.accepted == 3
+    pooled = [conn for conn, _ in broker._idle]
+    assert len(pooled) == 3
+    harness.proxy.reset_all()  # a server restart while the connections sit idle
+    await wait_for(lambda: all(c.is_closed() for c in pooled))
+    # The worst case: the driver has not noticed the cut yet when a publication takes one.
+    stale = pooled[-1]
+    real_is_closed = asyncpg.Connection.is_closed
+    monkeypatch.setattr(
+        asyncpg.Connection, "is_closed", lambda self: self is not stale and real_is_closed(self)
+    )
+    more = [new_key() for _ in range(4)]
+    for i, key in enumerate(more):
+        receipt = await broker.publish(message(i), idempotency_key=key, timeout=5)
+        assert not receipt.duplicate
+    monkeypatch.undo()
+    assert harness.proxy.accepted == 4  # one new connection, reused after the cut
+    assert sorted(k for k, _ in await harness.drain()) == sorted(keys + more)
+
+
+async def test_a_connection_idle_over_idle_timeout_is_replaced(harness: QueueHarness) -> None:
+    broker = WorkQueueBroker(
+        dsn_via(harness.dsn, harness.proxy.port), schema=harness.schema, idle_timeout=10
+    )
+    harness.brokers.append(broker)
+    await broker.publish(message(1), idempotency_key=new_key(), timeout=5)
+    [(old, since)] = broker._idle
+    broker._idle = [(old, since - 11)]  # as if put back 11 s ago (the server may drop it)
+    await broker.publish(message(2), idempotency_key=new_key(), timeout=5)
+    assert old.is_closed()
+    assert harness.proxy.accepted == 2
+    assert broker.connections_opened == 2

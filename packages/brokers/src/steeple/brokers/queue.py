@@ -64,6 +64,10 @@ _PERMANENT_SQLSTATE_CLASSES = ("22", "54")
 _CONFIGURATION_SQLSTATE_CLASSES = ("42",)
 
 
+class _StaleConnectionError(Exception):
+    """A reused connection failed before COMMIT was sent: retry on a new connection."""
+
+
 def _map_postgres_error(exc: asyncpg.PostgresError) -> BrokerError:
     state = str(getattr(exc, "sqlstate", "") or "")
     detail = f"{type(exc).__name__} ({state})" if state else type(exc).__name__
@@ -119,10 +123,13 @@ class WorkQueueBroker(AsyncLifecycle):
         max_message_bytes: refuse larger messages for good.
         connect_timeout: seconds allowed to connect.
         max_connections: connections open at once (default 8); each publication (and
-            each lookup) opens its own, and the others wait for a turn within their
+            each lookup) takes one, and the others wait for a turn within their
             deadline. A relay publishes up to 32 at once, so without a bound a few relay
             processes exhaust the server's ``max_connections`` and every publication
-            fails.
+            fails. A connection that finished its work cleanly is kept for the next
+            publication (connecting costs more than the publication itself); one that
+            saw any error is closed, and one kept idle over ``idle_timeout`` seconds
+            (default 30) is closed instead of reused.
 
     Raises:
         ConfigurationError: invalid arguments.
@@ -141,6 +148,7 @@ class WorkQueueBroker(AsyncLifecycle):
         max_message_bytes: int = 256 * 1024,
         connect_timeout: float = 5.0,
         max_connections: int = 8,
+        idle_timeout: float = 30.0,
     ) -> None:
         if (
             isinstance(max_connections, bool)
@@ -176,32 +184,85 @@ class WorkQueueBroker(AsyncLifecycle):
             fix="Pass a dedup_retention at least as long as the delivery window.",
         )
         self._connect_timeout = check_timeout(connect_timeout)
+        try:
+            self._idle_timeout = check_timeout(idle_timeout)
+        except ConfigurationError:
+            raise ConfigurationError(
+                "idle_timeout must be a positive finite number of seconds"
+            ) from None
         self._closed = False
         self._open: set[Any] = set()
+        # Connections that finished cleanly, with the loop time they were put back.
+        self._idle: list[tuple[Any, float]] = []
+        self.connections_opened = 0
+        """How many connections this broker has opened so far (reuse keeps it low)."""
 
     def __repr__(self) -> str:
         return f"WorkQueueBroker(dsn={redact_dsn(self._dsn)!r}, schema={self._schema!r})"
 
     async def __aenter__(self) -> Self:
-        # Nothing to open ahead: each publication connects on its own.
+        # Nothing to open ahead: the first publication connects.
         return self
 
     async def close(self) -> None:
-        """Refuse further publications and close any connection still open."""
+        """Refuse further publications and close every connection, idle or in use."""
         self._closed = True
+        idle = [conn for conn, _ in self._idle]
+        self._idle.clear()
         for conn in list(self._open):
             conn.terminate()
         self._open.clear()
+        await asyncio.gather(*(self._close_conn(conn) for conn in idle))
+
+    @staticmethod
+    async def _close_conn(conn: Any) -> None:
+        if conn.is_closed():
+            return
+        try:
+            async with asyncio.timeout(1):
+                await conn.close()
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            conn.terminate()
+        except BaseException:
+            conn.terminate()  # cancelled while closing: nothing may stay open
+            raise
+
+    def _take_idle(self) -> Any | None:
+        """Return the most recently released idle connection still fit for reuse, if any."""
+        now = asyncio.get_running_loop().time()
+        while self._idle:
+            conn, since = self._idle.pop()
+            if not conn.is_closed() and now - since <= self._idle_timeout:
+                return conn
+            conn.terminate()  # cut while idle, or idle so long the server may drop it
+        return None
 
     async def _connect(self) -> Any:
-        """Wait for a free connection slot, then connect; :meth:`_release` frees both."""
+        """Wait for a free slot, then take an idle connection or open one (see _release)."""
+        conn, _ = await self._acquire(fresh=False)
+        return conn
+
+    async def _acquire(self, *, fresh: bool) -> tuple[Any, bool]:
+        """Like :meth:`_connect`, never reusing if ``fresh``; also says whether reused."""
         if self._closed:
             raise BrokerUnavailableError("work queue: this broker was closed")
         await self._slots.acquire()
         try:
             if self._closed:
                 raise BrokerUnavailableError("work queue: this broker was closed")
-            conn = await asyncpg.connect(self._dsn, timeout=self._connect_timeout)
+            conn = None if fresh else self._take_idle()
+            if conn is None:
+                conn = await asyncpg.connect(
+                    self._dsn,
+                    timeout=self._connect_timeout,
+                    # Sent with the startup packet: every commit waits for its WAL flush
+                    # (the ledger promises durability) without a statement per transaction.
+                    server_settings={"synchronous_commit": "on"},
+                )
+                self.connections_opened += 1
+                reused = False
+            else:
+                reused = True
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
             self._slots.release()
             raise BrokerUnavailableError(
@@ -211,20 +272,27 @@ class WorkQueueBroker(AsyncLifecycle):
             self._slots.release()
             raise
         self._open.add(conn)
-        return conn
+        return conn, reused
 
-    async def _release(self, conn: Any) -> None:
+    async def _release(self, conn: Any, *, reusable: bool = False) -> None:
+        """Free the slot; keep ``conn`` for reuse only if its work ended cleanly.
+
+        Any error (a cut, a timeout, a cancellation, a refused statement) leaves the
+        connection in a state we cannot vouch for, so it is closed, never pooled.
+        """
         self._open.discard(conn)
         try:
-            if not conn.is_closed():
-                try:
-                    async with asyncio.timeout(1):
-                        await conn.close()
-                except (TimeoutError, OSError, asyncpg.PostgresError):
-                    conn.terminate()
-                except BaseException:
-                    conn.terminate()  # cancelled while closing: nothing may stay open
-                    raise
+            if (
+                reusable
+                and not self._closed
+                and not conn.is_closed()
+                and not conn.is_in_transaction()
+            ):
+                self._idle.append((conn, asyncio.get_running_loop().time()))
+            else:
+                # At once, never a graceful close: the caller's deadline may be spent
+                # (a cancelled publication must not overrun it waiting on a frozen link).
+                conn.terminate()
         finally:
             self._slots.release()
 
@@ -326,13 +394,24 @@ class WorkQueueBroker(AsyncLifecycle):
             ) from None
 
     async def _transmit(self, task: Task[Any], args: dict[str, Any], key: str) -> BrokerReceipt:
-        conn = await self._connect()
+        try:
+            return await self._transmit_once(task, args, key, fresh=False)
+        except _StaleConnectionError:
+            # A pooled connection was cut while idle (a server restart, a proxy, an idle
+            # timeout) and nothing was committed on it: that is no fault of this
+            # publication, so it gets one attempt on a new connection.
+            return await self._transmit_once(task, args, key, fresh=True)
+
+    async def _transmit_once(
+        self, task: Task[Any], args: dict[str, Any], key: str, *, fresh: bool
+    ) -> BrokerReceipt:
+        conn, reused = await self._acquire(fresh=fresh)
         committing = False
+        reusable = False
         try:
             tx = conn.transaction()
             await tx.start()
             try:
-                await conn.execute("SET LOCAL synchronous_commit = on")
                 new = await conn.fetchval(
                     f'INSERT INTO "{self._schema}".broker_dedup (idempotency_key, task_name)'
                     " VALUES ($1, $2) ON CONFLICT (idempotency_key) DO NOTHING"
@@ -347,6 +426,7 @@ class WorkQueueBroker(AsyncLifecycle):
                         key,
                     )
                     await tx.rollback()
+                    reusable = True
                     return BrokerReceipt(
                         "queue",
                         key,
@@ -371,6 +451,7 @@ class WorkQueueBroker(AsyncLifecycle):
                     except (asyncpg.PostgresError, OSError):
                         conn.terminate()
                 raise
+            reusable = True
             return BrokerReceipt(
                 "queue", key, duplicate=enqueued.deduplicated, location=str(enqueued.id)
             )
@@ -398,11 +479,14 @@ class WorkQueueBroker(AsyncLifecycle):
             if committing:
                 # COMMIT was sent; its outcome is unknown until we look.
                 raise AckUncertainError(type(exc).__name__) from None
+            if reused:
+                # Uncommitted, so the server rolled it back: safe to redo on a new one.
+                raise _StaleConnectionError from None
             raise BrokerUnavailableError(f"work queue: {type(exc).__name__}") from None
         except asyncpg.PostgresError as exc:
             raise _map_postgres_error(exc) from None
         finally:
-            await self._release(conn)
+            await self._release(conn, reusable=reusable)
 
     async def lookup(self, idempotency_key: str) -> BrokerReceipt | None:
         """Return the receipt recorded for ``idempotency_key``, if the ledger holds it.
@@ -411,15 +495,17 @@ class WorkQueueBroker(AsyncLifecycle):
             BrokerUnavailableError: the database cannot be reached.
         """
         conn = await self._connect()
+        reusable = False
         try:
             row = await conn.fetchrow(
                 f'SELECT task_id FROM "{self._schema}".broker_dedup WHERE idempotency_key = $1',
                 idempotency_key,
             )
-        except (asyncpg.PostgresError, OSError) as exc:
+            reusable = True
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
             raise BrokerUnavailableError(f"work queue: {type(exc).__name__}") from None
         finally:
-            await self._release(conn)
+            await self._release(conn, reusable=reusable)
         if row is None:
             return None
         task_id = row["task_id"]
@@ -437,14 +523,16 @@ class WorkQueueBroker(AsyncLifecycle):
             BrokerUnavailableError: the database cannot be reached.
         """
         conn = await self._connect()
+        reusable = False
         try:
             status = await conn.execute(
                 f'DELETE FROM "{self._schema}".broker_dedup'
                 " WHERE created_at < clock_timestamp() - $1::interval",
                 self._retention,
             )
-        except (asyncpg.PostgresError, OSError) as exc:
+            reusable = True
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
             raise BrokerUnavailableError(f"work queue: {type(exc).__name__}") from None
         finally:
-            await self._release(conn)
+            await self._release(conn, reusable=reusable)
         return int(status.split()[-1])
