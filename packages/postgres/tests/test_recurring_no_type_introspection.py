@@ -12,7 +12,7 @@ each operation so that each runs on a fresh connection.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import asyncpg
@@ -122,3 +122,39 @@ async def test_typed_array_parameters_are_introspected_which_the_counter_sees(
     finally:
         await conn.close()
     assert introspected != []
+
+
+ROUND_TRIPS: dict[str, list[Any]] = {
+    "bytea": [b"", b"\x00\xff\\x'\"", bytes(range(256)), None],
+    "timestamptz": [
+        START,
+        datetime(2031, 3, 4, 5, 6, 7, tzinfo=timezone(timedelta(hours=5, minutes=30))),
+        datetime(2031, 3, 4, 5, 6, 7, 1, tzinfo=timezone(-timedelta(hours=11))),
+        datetime.max.replace(tzinfo=UTC),
+        datetime.min.replace(tzinfo=UTC),
+        datetime(1, 1, 2, tzinfo=UTC),
+        None,
+    ],
+    "integer": [0, -(2**31), 2**31 - 1, None],
+    "bigint": [0, -(2**63), 2**63 - 1, None],
+    "boolean": [True, False, None],
+}
+
+
+@pytest.mark.parametrize("sql_type", sorted(ROUND_TRIPS))
+async def test_text_arrays_read_back_as_the_typed_arrays_did(
+    pg_schema: tuple[str, str], sql_type: str
+) -> None:
+    dsn, _schema = pg_schema
+    values = ROUND_TRIPS[sql_type]
+    conn = await asyncpg.connect(dsn)
+    try:
+        # A DateStyle and bytea_output other than the defaults change neither.
+        await conn.execute("SET datestyle = 'SQL, DMY'; SET bytea_output = 'escape'")
+        typed = await conn.fetchval(f"SELECT $1::{sql_type}[]", values)
+        as_text = await conn.fetchval(f"SELECT $1::text[]::{sql_type}[]", text_array(values))
+    finally:
+        await conn.close()
+    assert as_text == typed
+    if sql_type != "timestamptz":  # asyncpg reads the infinities back as naive datetimes
+        assert typed == values

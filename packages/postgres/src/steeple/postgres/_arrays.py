@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import UTC, datetime
 
 __all__ = ["text_array"]
+
+# asyncpg's timestamptz encoder sends these two instants as PostgreSQL's infinities.
+_INFINITY = datetime.max.replace(tzinfo=UTC)
+_NEGATIVE_INFINITY = datetime.min.replace(tzinfo=UTC)
 
 
 def _text(value: object) -> str | None:
@@ -16,6 +20,8 @@ def _text(value: object) -> str | None:
     if isinstance(value, bytes | bytearray | memoryview):
         return "\\x" + bytes(value).hex()  # bytea's hex input format
     if isinstance(value, datetime):
+        if value.tzinfo is not None and value in (_INFINITY, _NEGATIVE_INFINITY):
+            return "infinity" if value == _INFINITY else "-infinity"
         return value.isoformat()
     return str(value)
 
@@ -30,6 +36,7 @@ def text_array(values: Iterable[object]) -> list[str | None]:
     that times out closes its connection, so on a slow link the next one is fresh and slow
     again. ``None`` stays NULL; booleans are ``true``/``false``; bytes are in bytea's hex
     format (``\x…``), which the server reads whatever ``bytea_output`` says; datetimes are
-    in ISO 8601 with their offset, which it reads whatever its DateStyle.
+    in ISO 8601 with their offset, which it reads whatever its DateStyle (aware ones: the
+    two instants asyncpg sends as ``±infinity`` are sent so here too).
     """
     return [_text(v) for v in values]
