@@ -29,9 +29,10 @@ from steeple.core import (
 from steeple.core.records import Lease
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
+from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
 from steeple.postgres.queue._db import open_db
-from steeple.postgres.queue._sql import queue_sql, text_array
+from steeple.postgres.queue._sql import queue_sql
 from steeple.testing import FakeClock, MemoryBroker
 from suspensions import Cut, every_suspension
 

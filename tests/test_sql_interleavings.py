@@ -30,8 +30,9 @@ import asyncpg
 import pytest
 
 from queue_support import installed_queue
+from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
-from steeple.postgres.queue._sql import QueueSql, queue_sql, text_array
+from steeple.postgres.queue._sql import QueueSql, queue_sql
 
 pytestmark = [pytest.mark.postgres]
 

@@ -12,8 +12,9 @@ import pytest
 
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres import queue as pq
+from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import EnqueueOptions, Task, admin, enqueue
-from steeple.postgres.queue._sql import queue_sql, text_array
+from steeple.postgres.queue._sql import queue_sql
 
 pytestmark = pytest.mark.postgres
 

@@ -26,9 +26,10 @@ from steeple.core.tasks import (
     lease_expiry_event,
     transition,
 )
+from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
 from steeple.postgres.queue._admin_sql import admin_sql
-from steeple.postgres.queue._sql import queue_sql, text_array
+from steeple.postgres.queue._sql import queue_sql
 
 NAME = "lifecycle"
 CLAIM_SOURCES = {s for (s, e) in TASK_TRANSITIONS if e is TaskEvent.CLAIM}

@@ -442,7 +442,8 @@ async def test_a_claim_held_by_a_rate_limit_says_when_the_window_frees_a_start(
     queue: QueueFixture,
 ) -> None:
     _dsn, schema, conn = queue
-    from steeple.postgres.queue._sql import queue_sql, text_array
+    from steeple.postgres._arrays import text_array
+    from steeple.postgres.queue._sql import queue_sql
 
     sql = queue_sql(schema)
     await limit_queue(conn, "default", rate_limit=2, per=timedelta(minutes=1), schema=schema)
@@ -471,7 +472,8 @@ async def test_the_claim_walks_the_index_of_its_queue_and_never_scans_the_table(
     queue: QueueFixture, limited: bool
 ) -> None:
     dsn, schema, conn = queue
-    from steeple.postgres.queue._sql import queue_sql, text_array
+    from steeple.postgres._arrays import text_array
+    from steeple.postgres.queue._sql import queue_sql
 
     sql = queue_sql(schema)
     # A big backlog in another queue, a little work in ours (no ANALYZE: stale statistics).

@@ -22,8 +22,9 @@ import asyncpg
 import pytest
 
 import queue_support
+from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import EnqueueOptions, JobContext, Scheduler, Task, enqueue
-from steeple.postgres.queue._sql import QueueSql, queue_sql, text_array
+from steeple.postgres.queue._sql import QueueSql, queue_sql
 
 pytestmark = pytest.mark.postgres
 

@@ -18,8 +18,9 @@ import asyncpg
 import pytest
 from hypothesis import HealthCheck, settings
 
+from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue, install
-from steeple.postgres.queue._sql import queue_sql, text_array
+from steeple.postgres.queue._sql import queue_sql
 from steeple.testing.conformance.queue import (
     ClaimedTask,
     QueueDriver,

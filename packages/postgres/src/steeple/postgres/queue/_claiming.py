@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from steeple.core.backoff import Backoff
 from steeple.engine.crashpoints import crash_point
+from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_any, wait_either
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._execution import Executor, JobContext
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
-from steeple.postgres.queue._sql import text_array
 from steeple.postgres.queue._wakeups import Wakeups
 
 if TYPE_CHECKING:

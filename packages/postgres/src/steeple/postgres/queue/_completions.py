@@ -15,12 +15,12 @@ from typing import Final
 
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.engine.crashpoints import crash_point
+from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._failures import Failure
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
-from steeple.postgres.queue._sql import text_array
 from steeple.postgres.queue._wakeups import Wakeups
 
 __all__ = ["Completions"]

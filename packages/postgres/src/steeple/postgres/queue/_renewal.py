@@ -12,11 +12,11 @@ import time
 
 from steeple.core.tasks import TaskState
 from steeple.engine.crashpoints import crash_point
+from steeple.postgres._arrays import text_array
 from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
-from steeple.postgres.queue._sql import text_array
 
 __all__ = ["Renewer"]
 

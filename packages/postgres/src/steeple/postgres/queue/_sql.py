@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from datetime import datetime
 from typing import Final
 
 import attrs
@@ -123,19 +122,6 @@ _TASK_COLUMNS = (
     "task_name, args, priority, run_at, max_attempts, lease_duration, "
     "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter, queue"
 )
-
-
-def text_array(values: Iterable[object]) -> list[str]:
-    """Spell an array parameter as text: the statement casts it (``$1::text[]::bigint[]``).
-
-    asyncpg knows ``text[]`` without asking the server, but on a fresh connection its
-    first use of a statement with a ``bigint[]``, ``uuid[]``, ``integer[]`` or
-    ``timestamptz[]`` parameter introspects the type first: extra round trips (8 instead
-    of 2 measured through a delaying proxy), and a statement that times out closes its
-    connection, so on a slow link the next one is fresh and slow again. Datetimes are
-    written in ISO 8601 with their offset, which the server reads whatever its DateStyle.
-    """
-    return [v.isoformat() if isinstance(v, datetime) else str(v) for v in values]
 
 
 @attrs.frozen

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
+from steeple.postgres._arrays import text_array
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._shared import LOG
-from steeple.postgres.queue._sql import text_array
 from steeple.postgres.queue._validate import DEFAULT_QUEUE
 
 if TYPE_CHECKING:

@@ -1,7 +1,8 @@
 """The engine's repository port on one asyncpg connection inside one locked transaction.
 
 Translation only: rows to the port's values and back, one statement per method (arrays
-through ``unnest`` for the set-based writes). Nothing here decides anything.
+through ``unnest`` for the set-based writes, spelled as ``text[]`` by ``text_array``).
+Nothing here decides anything.
 
 The control row is held for as short a time as possible: a set-based write is sent with
 the next statement of the transaction instead of on its own, either before the next read
@@ -28,6 +29,7 @@ from steeple.engine import (
     OccurrenceChange,
     OccurrenceRow,
 )
+from steeple.postgres._arrays import text_array
 from steeple.postgres._durability import AnyConnection
 from steeple.postgres.recurring._sql import Queries
 
@@ -176,16 +178,16 @@ class PostgresRepository:
             self._q.insert_definitions,
             self._ns,
             [r.name for r in rows],
-            [r.sealed for r in rows],
+            text_array(r.sealed for r in rows),
             [r.key_id for r in rows],
             [r.cron for r in rows],
             [r.policy.value for r in rows],
-            [r.first_after for r in rows],
+            text_array(r.first_after for r in rows),
             [r.state for r in rows],
-            [r.cursor for r in rows],
-            [r.next_due_at for r in rows],
-            [r.created_at for r in rows],
-            [r.cancelled_at for r in rows],
+            text_array(r.cursor for r in rows),
+            text_array(r.next_due_at for r in rows),
+            text_array(r.created_at for r in rows),
+            text_array(r.cancelled_at for r in rows),
         )
 
     async def update_definitions(self, updates: Sequence[DefinitionUpdate]) -> None:
@@ -197,9 +199,9 @@ class PostgresRepository:
             self._ns,
             [u.name for u in updates],
             [u.state for u in updates],
-            [u.cursor for u in updates],
-            [u.next_due_at for u in updates],
-            [u.cancelled_at for u in updates],
+            text_array(u.cursor for u in updates),
+            text_array(u.next_due_at for u in updates),
+            text_array(u.cancelled_at for u in updates),
         )
 
     async def occurrences(self, ids: Sequence[str]) -> Sequence[OccurrenceRow]:
@@ -229,13 +231,13 @@ class PostgresRepository:
             self._ns,
             [r.occurrence_id for r in rows],
             [r.definition_name for r in rows],
-            [r.due_at for r in rows],
+            text_array(r.due_at for r in rows),
             [r.state.value for r in rows],
-            [r.attempts for r in rows],
-            [r.window_ends_at for r in rows],
-            [r.created_at for r in rows],
-            [r.updated_at for r in rows],
-            [r.content for r in rows],
+            text_array(r.attempts for r in rows),
+            text_array(r.window_ends_at for r in rows),
+            text_array(r.created_at for r in rows),
+            text_array(r.updated_at for r in rows),
+            text_array(r.content for r in rows),
             [r.key_id for r in rows],
         )
 
@@ -248,15 +250,15 @@ class PostgresRepository:
             self._ns,
             [c.occurrence_id for c in changes],
             [c.state.value for c in changes],
-            [c.attempts for c in changes],
-            [c.next_attempt_at for c in changes],
+            text_array(c.attempts for c in changes),
+            text_array(c.next_attempt_at for c in changes),
             [c.last_error for c in changes],
-            [c.lease_expires_at for c in changes],
-            [c.lease_revision for c in changes],
-            [c.lease_digest for c in changes],
-            [c.updated_at for c in changes],
-            [c.finished_at for c in changes],
-            [c.erase_content for c in changes],
+            text_array(c.lease_expires_at for c in changes),
+            text_array(c.lease_revision for c in changes),
+            text_array(c.lease_digest for c in changes),
+            text_array(c.updated_at for c in changes),
+            text_array(c.finished_at for c in changes),
+            text_array(c.erase_content for c in changes),
         )
 
     async def window_ended(

@@ -5,7 +5,9 @@ Every query filters by namespace (``$1``), so a namespace only ever sees its own
 Instants are always parameters the engine computed from the injected clock, never
 ``now()``. Selections by state are built from the values the engine passes (states of a
 lifecycle step, the core's claim rule), inlined as literals so that the partial indexes
-apply, and cached per distinct value.
+apply, and cached per distinct value. Array parameters other than ``text[]`` arrive as
+``text[]`` and are cast here (``$3::text[]::bytea[]``, see ``steeple.postgres._arrays``):
+a fresh connection then needs no type introspection before its first use of a statement.
 """
 
 from __future__ import annotations
@@ -211,9 +213,10 @@ _TEMPLATES: dict[str, str] = {
     "insert_definitions": (
         "INSERT INTO {schema}.recurring_definitions (namespace, name, sealed, key_id, cron,"
         " policy, first_after, state, cursor_at, next_due_at, created_at, cancelled_at)"
-        " SELECT $1, u.* FROM unnest($2::text[], $3::bytea[], $4::text[], $5::text[],"
-        " $6::text[], $7::timestamptz[], $8::text[], $9::timestamptz[], $10::timestamptz[],"
-        " $11::timestamptz[], $12::timestamptz[])"
+        " SELECT $1, u.* FROM unnest($2::text[], $3::text[]::bytea[], $4::text[],"
+        " $5::text[], $6::text[], $7::text[]::timestamptz[], $8::text[],"
+        " $9::text[]::timestamptz[], $10::text[]::timestamptz[],"
+        " $11::text[]::timestamptz[], $12::text[]::timestamptz[])"
         " AS u(name, sealed, key_id, cron, policy, first_after, state, cursor_at,"
         " next_due_at, created_at, cancelled_at)"
     ),
@@ -227,8 +230,9 @@ _TEMPLATES: dict[str, str] = {
         "UPDATE {schema}.recurring_definitions AS d"
         " SET state = u.state, cursor_at = u.cursor_at, next_due_at = u.next_due_at,"
         " cancelled_at = u.cancelled_at"
-        " FROM unnest($2::text[], $3::text[], $4::timestamptz[], $5::timestamptz[],"
-        " $6::timestamptz[]) AS u(name, state, cursor_at, next_due_at, cancelled_at)"
+        " FROM unnest($2::text[], $3::text[], $4::text[]::timestamptz[],"
+        " $5::text[]::timestamptz[], $6::text[]::timestamptz[])"
+        " AS u(name, state, cursor_at, next_due_at, cancelled_at)"
         " WHERE d.namespace = $1 AND d.name = u.name"
     ),
     "list_definitions": (
@@ -239,8 +243,9 @@ _TEMPLATES: dict[str, str] = {
     "insert_occurrences": (
         "INSERT INTO {schema}.recurring_occurrences (namespace, id, definition_name, due_at,"
         " state, attempts, window_ends_at, created_at, updated_at, content, key_id)"
-        " SELECT $1, u.* FROM unnest($2::text[], $3::text[], $4::timestamptz[], $5::text[],"
-        " $6::integer[], $7::timestamptz[], $8::timestamptz[], $9::timestamptz[], $10::bytea[],"
+        " SELECT $1, u.* FROM unnest($2::text[], $3::text[], $4::text[]::timestamptz[],"
+        " $5::text[], $6::text[]::integer[], $7::text[]::timestamptz[],"
+        " $8::text[]::timestamptz[], $9::text[]::timestamptz[], $10::text[]::bytea[],"
         " $11::text[])"
         " AS u(id, definition_name, due_at, state, attempts, window_ends_at, created_at,"
         " updated_at, content, key_id)"
@@ -257,9 +262,10 @@ _TEMPLATES: dict[str, str] = {
         " updated_at = u.updated_at, finished_at = u.finished_at,"
         " content = CASE WHEN u.erase THEN NULL ELSE o.content END,"
         " key_id = CASE WHEN u.erase THEN NULL ELSE o.key_id END"
-        " FROM unnest($2::text[], $3::text[], $4::integer[], $5::timestamptz[], $6::text[],"
-        " $7::timestamptz[], $8::bigint[], $9::bytea[], $10::timestamptz[],"
-        " $11::timestamptz[], $12::boolean[])"
+        " FROM unnest($2::text[], $3::text[], $4::text[]::integer[],"
+        " $5::text[]::timestamptz[], $6::text[], $7::text[]::timestamptz[],"
+        " $8::text[]::bigint[], $9::text[]::bytea[], $10::text[]::timestamptz[],"
+        " $11::text[]::timestamptz[], $12::text[]::boolean[])"
         " AS u(id, state, attempts, next_attempt_at, last_error, lease_expires_at,"
         " lease_revision, lease_capability, updated_at, finished_at, erase)"
         " WHERE o.namespace = $1 AND o.id = u.id"
