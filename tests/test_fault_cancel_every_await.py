@@ -121,12 +121,13 @@ async def test_a_tick_cut_at_any_await_is_all_or_nothing(recurring: Recurring) -
     before = {"n": 0}
 
     async def check(cut: Cut) -> None:
+        # Settle first: a COMMIT sent before the cut may still be running on the server.
+        await recurring.clean()
         stored = sum((await recurring.counts()).values())
         assert stored - before["n"] in (0, 5), (cut, stored, before)
         if cut.completed:
             assert stored - before["n"] == 5
         before["n"] = stored
-        await recurring.clean()
 
     cuts = await every_suspension(lambda: recurring.store.tick(5), check)
     assert len(cuts) >= 5, cuts  # acquire, begin, lock, reads, writes, commit at least
@@ -138,10 +139,10 @@ async def test_a_claim_cut_at_any_await_is_all_or_nothing(recurring: Recurring) 
     before = {"n": 0}
 
     async def check(cut: Cut) -> None:
+        await recurring.clean()  # settle first (see the tick's check)
         leased = (await recurring.counts()).get("leased", 0)
         assert leased - before["n"] in (0, 2), (cut, leased, before)
         before["n"] = leased
-        await recurring.clean()
 
     cuts = await every_suspension(lambda: recurring.store.claim(2), check)
     assert len(cuts) >= 5, cuts
@@ -164,6 +165,7 @@ async def test_a_relay_cut_at_any_await_records_each_step_wholly(recurring: Recu
         return await store.relay(current["lease"], broker)
 
     async def check(cut: Cut) -> None:
+        await recurring.clean()
         lease: Lease = current["lease"]
         state, attempts = await recurring.occurrence(lease.occurrence_id)
         _, attempts_before = current["before"]
@@ -181,7 +183,6 @@ async def test_a_relay_cut_at_any_await_records_each_step_wholly(recurring: Recu
             assert sent == 0
         if cut.completed:
             assert state == "published"
-        await recurring.clean()
 
     cuts = await every_suspension(relay, check, prepare)
     assert len(cuts) >= 8, cuts
@@ -196,6 +197,7 @@ async def test_a_batched_relay_cut_at_any_await_records_each_step_wholly(
     seen = {"leased": 0, "published": 0, "sent": 0}
 
     async def check(cut: Cut) -> None:
+        await recurring.clean()
         counts = await recurring.counts()
         leased, published = counts.get("leased", 0), counts.get("published", 0)
         sent = len(broker.published)
@@ -205,7 +207,6 @@ async def test_a_batched_relay_cut_at_any_await_records_each_step_wholly(
         assert sent - seen["sent"] in (0, 1, 2), cut
         assert sent >= published
         seen.update(leased=leased, published=published, sent=sent)
-        await recurring.clean()
 
     cuts = await every_suspension(lambda: store.claim_and_relay(2, broker), check)
     assert len(cuts) >= 6, cuts
@@ -283,13 +284,13 @@ async def test_an_enqueue_cut_at_any_await_is_all_or_nothing(queue: Queue) -> No
             )
 
     async def check(cut: Cut) -> None:
+        await queue.clean()
         count = await queue.conn.fetchval(
             f'SELECT count(*) FROM "{queue.schema}".tasks WHERE task_name = $1', names[-1]
         )
         assert count in (0, 1), cut
         if cut.completed:
             assert count == 1
-        await queue.clean()
 
     cuts = await every_suspension(op, check, prepare)
     assert len(cuts) >= 2, cuts
@@ -322,6 +323,7 @@ async def test_a_queue_claim_cut_at_any_await_is_all_or_nothing(queue: Queue) ->
         )
 
     async def check(cut: Cut) -> None:
+        await queue.clean()
         running = await queue.conn.fetchval(
             f'SELECT count(*) FROM "{queue.schema}".tasks '
             "WHERE task_name = $1 AND state = 'running'",
@@ -330,7 +332,6 @@ async def test_a_queue_claim_cut_at_any_await_is_all_or_nothing(queue: Queue) ->
         assert running in (0, 2), cut
         if cut.completed:
             assert running == 2
-        await queue.clean()
 
     cuts = await every_suspension(op, check, prepare)
     assert len(cuts) >= 2, cuts
@@ -357,6 +358,7 @@ async def test_a_renewal_cut_at_any_await_leaves_the_lease_whole(queue: Queue) -
         )
 
     async def check(cut: Cut) -> None:
+        await queue.clean()
         row = await queue.conn.fetchrow(
             f'SELECT state, lease_token, lease_expires_at FROM "{queue.schema}".tasks '
             "WHERE id = $1",
@@ -367,7 +369,6 @@ async def test_a_renewal_cut_at_any_await_leaves_the_lease_whole(queue: Queue) -
         assert (state, token) == ("running", current["token"]), cut
         if cut.completed:
             assert expires > current["expires"]
-        await queue.clean()
 
     cuts = await every_suspension(op, check, prepare)
     assert len(cuts) >= 2, cuts
@@ -394,12 +395,12 @@ async def test_a_completion_cut_at_any_await_is_all_or_nothing(queue: Queue) -> 
         )
 
     async def check(cut: Cut) -> None:
+        await queue.clean()
         # succeeded together with its history row, or still running without one
         state = await queue.task(current["name"])
         assert state in {("running", 0), ("succeeded", 1)}, (cut, state)
         if cut.completed:
             assert state == ("succeeded", 1)
-        await queue.clean()
 
     cuts = await every_suspension(op, check, prepare)
     assert len(cuts) >= 2, cuts
