@@ -145,19 +145,19 @@ def test_app_refuses_a_bad_schema(schema: Any) -> None:
 def test_scheduler_needs_tasks_and_keeps_the_apps_schema() -> None:
     app = App(schema="some_queue")
     with pytest.raises(QueueConfigurationError, match="declares no task"):
-        app.scheduler("postgresql://h/db", worker_id="w")
+        app.scheduler("postgresql://localhost/db", worker_id="w")
 
     @app.task
     async def job(ctx: Any, args: Any) -> None:
         return None
 
     with pytest.raises(QueueConfigurationError, match="App\\(schema="):
-        app.scheduler("postgresql://h/db", worker_id="w", schema="other")
+        app.scheduler("postgresql://localhost/db", worker_id="w", schema="other")
     with pytest.raises(QueueConfigurationError, match="threads"):
-        app.scheduler("postgresql://h/db", worker_id="w", threads=0)
+        app.scheduler("postgresql://localhost/db", worker_id="w", threads=0)
     with pytest.raises(TypeError):
-        app.scheduler("postgresql://h/db", worker_id="w", bogus=1)
-    worker = app.scheduler("postgresql://h/db", worker_id="w")
+        app.scheduler("postgresql://localhost/db", worker_id="w", bogus=1)
+    worker = app.scheduler("postgresql://localhost/db", worker_id="w")
     assert worker.schema == "some_queue"
 
 

@@ -43,7 +43,7 @@ from steeple.postgres.queue.errors import (
     QueueTypeError,
     ResultEncodingError,
 )
-from steeple.postgres.queue.tasks import _JSON_NUL, Task
+from steeple.postgres.queue.tasks import Task, storable_json
 
 __all__ = [
     "MAX_RESULT_BYTES",
@@ -397,29 +397,10 @@ def encode_result(task_name: str, value: object) -> str | None:
     """
     if value is None:
         return None
-    where = f"the result of task {task_name!r}"
-    try:
-        text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
-    except RecursionError:
-        raise ResultEncodingError(f"{where} nests too deeply for JSON (or holds a cycle)") from None
-    except (TypeError, ValueError) as exc:
-        reason = str(exc)
-        reason = reason if len(reason) <= 200 else reason[:197] + "..."
-        raise ResultEncodingError(
-            f"{where} cannot be stored as JSON ({reason}); return JSON values (dict, list, "
-            "str, int, float, bool, None) or None"
-        ) from None
-    if "\\u0000" in text and _JSON_NUL.search(text):
-        raise ResultEncodingError(f"{where} contains a NUL character, which cannot be stored")
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ResultEncodingError(
-            f"{where} contains a lone surrogate (not valid Unicode)"
-        ) from None
-    if size > MAX_RESULT_BYTES:
-        raise ResultEncodingError(
-            f"{where} is {size} bytes of JSON, over the {MAX_RESULT_BYTES}-byte limit; store "
-            "large outputs elsewhere and return a reference"
-        )
-    return text
+    return storable_json(
+        value,
+        ResultEncodingError,
+        f"the result of task {task_name!r}",
+        MAX_RESULT_BYTES,
+        "return JSON values (dict, list, str, int, float, bool, None) or None",
+    )

@@ -206,30 +206,13 @@ class Task(Generic[A]):
                 raise ArgsEncodingError(
                     f"args of task {self.name!r} nest too deeply to encode"
                 ) from None
-        try:
-            text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
-        except RecursionError:
-            raise ArgsEncodingError(
-                f"args of task {self.name!r} nest too deeply for JSON (or contain a cycle)"
-            ) from None
-        except (TypeError, ValueError) as exc:
-            raise ArgsEncodingError(
-                f"args of task {self.name!r} cannot be encoded as JSON: {_reason(exc)}"
-            ) from None
-        if "\\u0000" in text and _JSON_NUL.search(text):
-            raise ArgsEncodingError(f"args of task {self.name!r} contain a NUL character")
-        try:
-            size = len(text.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise ArgsEncodingError(
-                f"args of task {self.name!r} contain a lone surrogate (not valid Unicode); "
-                "remove it or encode the data, e.g. as base64"
-            ) from None
-        if size > MAX_ARGS_BYTES:
-            raise ArgsEncodingError(
-                f"args of task {self.name!r} exceed {MAX_ARGS_BYTES} bytes of JSON"
-            )
-        return text
+        return storable_json(
+            value,
+            ArgsEncodingError,
+            f"the args of task {self.name!r}",
+            MAX_ARGS_BYTES,
+            "pass JSON values (dict, list, str, int, float, bool, None)",
+        )
 
     def decode(self, text: str) -> A:
         """Decode stored JSON text back to the args type.
@@ -454,6 +437,43 @@ class EnqueueOptions:
 def _reason(exc: BaseException) -> str:
     text = str(exc)
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+_E = TypeVar("_E", bound=Exception)
+
+
+def storable_json(value: object, error: type[_E], subject: str, limit: int, kinds: str) -> str:
+    """Return ``value`` as the compact JSON text a ``jsonb`` column stores, within ``limit``.
+
+    The one check for what the queue stores as JSON (task args, handler results): every
+    refusal is ``error`` naming ``subject``, with what to do (``kinds``: the values to use).
+
+    Raises:
+        error: not JSON-encodable (NaN, infinity, a set, an object, a cycle, nesting too
+            deep), a NUL character or a lone surrogate (PostgreSQL cannot store either),
+            or more than ``limit`` bytes of JSON.
+    """
+    try:
+        text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except RecursionError:
+        raise error(f"{subject} nests too deeply for JSON (or holds a cycle)") from None
+    except (TypeError, ValueError) as exc:
+        raise error(f"{subject} cannot be stored as JSON ({_reason(exc)}); {kinds}") from None
+    if "\\u0000" in text and _JSON_NUL.search(text):
+        raise error(f"{subject} contains a NUL character, which cannot be stored")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise error(
+            f"{subject} contains a lone surrogate (not valid Unicode); remove it or encode "
+            "the data, e.g. as base64"
+        ) from None
+    if size > limit:
+        raise error(
+            f"{subject} is {size} bytes of JSON, over the {limit}-byte limit; store large "
+            "data elsewhere and pass a reference"
+        )
+    return text
 
 
 @attrs.frozen
