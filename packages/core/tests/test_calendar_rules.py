@@ -764,3 +764,13 @@ def test_importing_the_calendar_loads_no_third_party_module() -> None:
     # `_`-prefixed C helpers of the stdlib (e.g. _bisect) are in stdlib_module_names too.
     assert third_party == set(), third_party
     assert "croniter" not in loaded
+
+
+def test_the_memo_of_next_after_is_bounded_and_never_changes_an_answer() -> None:
+    remembering = CronCalendar.parse("*/7 3-5 * * Mon-Fri")
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    instants = [start + timedelta(minutes=13 * i) for i in range(1_000)]
+    for instant in instants * 2:  # the second pass reads remembered answers
+        fresh = CronCalendar.parse("*/7 3-5 * * Mon-Fri")
+        assert remembering.next_after(instant) == fresh.next_after(instant)
+        assert len(remembering._found) <= calendar_module._MEMO_SIZE

@@ -273,9 +273,12 @@ def _check_expression(_instance: object, _attribute: object, value: Any) -> None
         raise ConfigurationTypeError(f"expression must be a str, not {type(value).__name__}")
 
 
-_MEMO_SIZE = 4096
+# Answers of CronCalendar.next_after a calendar remembers (then starts over). Small on
+# purpose: the engine keeps up to 1,024 calendars alive, and the gain is from the same
+# minutes asked again within a tick (measured: 14 simulated days ran 7,594 occurrences/s
+# with 4,096 answers kept and 7,348 with 128, within the run-to-run noise).
+_MEMO_SIZE = 128
 _UNKNOWN: Final = object()
-"""Answers of :meth:`CronCalendar.next_after` a calendar remembers (then starts over)."""
 
 
 @attrs.frozen(repr=False)
