@@ -853,7 +853,18 @@ class RecurringEngine:
         if len(ready) == 1:
             # A single publication is awaited in place: a task group (a task, a semaphore)
             # would run it the same way, only slower, and single relays are the common case.
-            attempts = [await self._publish_now(ready[0][1], broker, checked_at)]
+            prepared = ready[0][1]
+            # Named for the loop-lag monitor as a batch's tasks are (below): the caller's
+            # task carries the occurrence while it publishes, then gets its name back.
+            task = asyncio.current_task()
+            name = task.get_name() if task is not None else ""
+            if task is not None:
+                task.set_name(f"{name}: publish occurrence {prepared.lease.occurrence_id}")
+            try:
+                attempts = [await self._publish_now(prepared, broker, checked_at)]
+            finally:
+                if task is not None:
+                    task.set_name(name)
         elif ready:
             limit = asyncio.Semaphore(concurrency)
             async with asyncio.TaskGroup() as group:
