@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from decimal import Decimal
 from typing import Any, Final, TypeVar
 
@@ -36,6 +37,8 @@ _NUMERIC_SAFE_BITS: Final = 435411
 _PLAIN_LOW: Final = 1e-4
 _PLAIN_HIGH: Final = 1e15
 
+_CONTAINERS: Final = (dict, list, tuple)
+
 _E = TypeVar("_E", bound=Exception)
 
 
@@ -56,39 +59,42 @@ def _needs_exact_numbers(value: object) -> bool:
             collide), a ``-0.0``, or an int too long for ``numeric``.
     """
     exact = False
-    stack = [value]
-    pop = stack.pop
-    while stack:
-        item = pop()
-        if isinstance(item, str):
-            continue
-        if isinstance(item, float):
-            size = abs(item)
-            if _PLAIN_LOW <= size < _PLAIN_HIGH:
-                continue
-            if size == 0.0:
-                if math.copysign(1.0, item) < 0.0:
-                    raise _Refused(
-                        "holds -0.0, which the database stores as 0.0; use 0.0 (or a string)"
-                    )
-                continue
-            exact = True
-        elif isinstance(item, int):
-            if item.bit_length() > _NUMERIC_SAFE_BITS and abs(item) >= _NUMERIC_INT_LIMIT:
-                raise _Refused(
-                    "holds an int of more than 131072 digits, beyond what the database "
-                    "stores; store it as a string"
-                )
-        elif isinstance(item, dict):
-            for key in item:
-                if not isinstance(key, str):
+    containers: list[Any] = [[value]]
+    while containers:
+        container = containers.pop()
+        if isinstance(container, dict):
+            for key in container:
+                if type(key) is not str and not isinstance(key, str):
                     raise _Refused(
                         f"has an object key of type {type(key).__name__}; JSON object keys are "
                         "str (it would come back as a str, or collide with one): use str keys"
                     )
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
+            items: Iterable[Any] = container.values()
+        else:
+            items = container
+        for item in items:
+            kind = type(item)
+            if kind is str or kind is bool or item is None:
+                continue
+            if isinstance(item, float):
+                size = abs(item)
+                if _PLAIN_LOW <= size < _PLAIN_HIGH:
+                    continue
+                if size == 0.0:
+                    if math.copysign(1.0, item) < 0.0:
+                        raise _Refused(
+                            "holds -0.0, which the database stores as 0.0; use 0.0 (or a string)"
+                        )
+                    continue
+                exact = True
+            elif isinstance(item, int):
+                if item.bit_length() > _NUMERIC_SAFE_BITS and abs(item) >= _NUMERIC_INT_LIMIT:
+                    raise _Refused(
+                        "holds an int of more than 131072 digits, beyond what the database "
+                        "stores; store it as a string"
+                    )
+            elif isinstance(item, _CONTAINERS):
+                containers.append(item)
     return exact
 
 
