@@ -38,6 +38,7 @@ from steeple.postgres.queue import (
     jobs,
     run_state,
 )
+from steeple.postgres.queue._driver import is_data_error
 from steeple.postgres.queue._execution import MAX_RESULT_BYTES, encode_result
 from steeple.postgres.queue._json import storable_json
 from steeple.postgres.queue.errors import ResultEncodingError
@@ -282,57 +283,75 @@ async def running(worker: Scheduler) -> AsyncIterator[Scheduler]:
         await asyncio.wait_for(task, 30)
 
 
-async def _ten_good_and_one_poison(
-    queue: QueueFixture, poison: Any, caplog: pytest.LogCaptureFixture
-) -> tuple[list[int], int, Scheduler]:
-    """Run 11 tasks whose handlers all return at once (one completion batch): ten good
-    results and ``poison``; return the good ids, the poison's id and the worker."""
+async def _one_batch(
+    queue: QueueFixture,
+    poison: Any,
+    caplog: pytest.LogCaptureFixture,
+    count: int = 11,
+    poisoned: frozenset[int] = frozenset({10}),
+) -> tuple[list[int], list[int], Scheduler]:
+    """Run ``count`` tasks whose handlers all return at once (one completion batch): those
+    numbered in ``poisoned`` return ``poison``, the others a good result. Return the good
+    ids, the poisoned ids and the worker."""
     dsn, schema, conn = queue
     task: Task[Any] = Task("batch", max_attempts=3)
-    ids = [(await enqueue(conn, task, i, schema=schema)).id for i in range(11)]
+    ids = [(await enqueue(conn, task, i, schema=schema)).id for i in range(count)]
     release = asyncio.Event()
     started: set[int] = set()
 
     async def handle(ctx: JobContext, i: int) -> Any:
         started.add(i)
         await release.wait()
-        return poison if i == 10 else {"i": i, "x": 1e20}
+        return poison if i in poisoned else {"i": i, "x": 1e20}
 
     worker = Scheduler(
-        dsn, worker_id="batch-w", schema=schema, poll_interval=0.05, maintenance_interval=0.05
+        dsn,
+        worker_id="batch-w",
+        schema=schema,
+        poll_interval=0.05,
+        maintenance_interval=0.05,
+        concurrency=count,
     )
     worker.register(task, handle)
     caplog.set_level(logging.INFO, logger="steeple")
     async with running(worker):
-        await wait_until(lambda: len(started) == 11)
+        await wait_until(lambda: len(started) == count)
         release.set()  # every handler returns in the same turn of the loop: one batch
-        await wait_until(lambda: worker.stats.succeeded + worker.stats.failed >= 11)
+        await wait_until(lambda: worker.stats.succeeded + worker.stats.failed >= count)
         await wait_until(lambda: worker.health() is Health.HEALTHY)
-        assert (worker.stats.succeeded, worker.stats.failed) == (10, 1)
-    return ids[:10], ids[10], worker
+        assert (worker.stats.succeeded, worker.stats.failed) == (
+            count - len(poisoned),
+            len(poisoned),
+        )
+    good = [task_id for i, task_id in enumerate(ids) if i not in poisoned]
+    return good, [task_id for i, task_id in enumerate(ids) if i in poisoned], worker
 
 
-async def _check_outcomes(conn: asyncpg.Connection, schema: str, good: list[int], bad: int) -> None:
-    for i, task_id in enumerate(good):
+async def _check_outcomes(
+    conn: asyncpg.Connection, schema: str, good: list[int], bad: list[int]
+) -> None:
+    for task_id in good:
         run = await run_state(conn, task_id, schema=schema)
         assert (run.state.value, run.attempts) == ("succeeded", 1)
-        assert same(run.result, {"i": i, "x": 1e20})
-    run = await run_state(conn, bad, schema=schema)
-    assert (run.state.value, run.attempts, run.result) == ("failed", 1, None)
-    assert run.last_error is not None
-    assert run.last_error.startswith("ResultEncodingError: the result of task 'batch'")
-    assert len(run.history) == 1
-    assert run.history[0].outcome == "failed"
-    assert run.history[0].error_type == "steeple.postgres.queue.errors.ResultEncodingError"
+        assert isinstance(run.result, dict)
+        assert same(run.result, {"i": run.result["i"], "x": 1e20})
+    for task_id in bad:
+        run = await run_state(conn, task_id, schema=schema)
+        assert (run.state.value, run.attempts, run.result) == ("failed", 1, None)
+        assert run.last_error is not None
+        assert run.last_error.startswith("ResultEncodingError: the result of task 'batch'")
+        assert len(run.history) == 1
+        assert run.history[0].outcome == "failed"
+        assert run.history[0].error_type == "steeple.postgres.queue.errors.ResultEncodingError"
 
 
 async def test_a_result_the_database_expands_fails_its_task_alone(
     queue: QueueFixture, caplog: pytest.LogCaptureFixture
 ) -> None:
     _dsn, schema, conn = queue
-    good, bad, _worker = await _ten_good_and_one_poison(queue, [1e300] * 1000, caplog)
+    good, bad, _worker = await _one_batch(queue, [1e300] * 1000, caplog)
     await _check_outcomes(conn, schema, good, bad)
-    run = await run_state(conn, bad, schema=schema)
+    run = await run_state(conn, bad[0], schema=schema)
     assert run.last_error is not None
     assert "over the 65536-byte limit" in run.last_error
 
@@ -347,14 +366,56 @@ async def test_a_batch_the_database_refuses_is_split_and_the_good_outcomes_land(
         f'ALTER TABLE "{schema}".tasks ADD CONSTRAINT no_poison'
         " CHECK (result IS NULL OR result <> '\"poison\"'::jsonb)"
     )
-    good, bad, worker = await _ten_good_and_one_poison(queue, "poison", caplog)
+    good, bad, worker = await _one_batch(queue, "poison", caplog)
     await _check_outcomes(conn, schema, good, bad)
-    run = await run_state(conn, bad, schema=schema)
+    run = await run_state(conn, bad[0], schema=schema)
     assert run.last_error is not None
     assert "refused by the database (PostgreSQL failed (SQLSTATE 23514" in run.last_error
     assert "poison" not in run.last_error.replace("task 'batch'", "")  # no payload
     assert any("refused a batch of 11 completions" in r.getMessage() for r in caplog.records)
     assert worker.stats.rejected_completions == 0
+
+
+async def test_several_refused_outcomes_in_a_large_batch_each_fail_alone(
+    queue: QueueFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    _dsn, schema, conn = queue
+    await conn.execute(
+        f'ALTER TABLE "{schema}".tasks ADD CONSTRAINT no_poison'
+        " CHECK (result IS NULL OR result <> '\"poison\"'::jsonb)"
+    )
+    poisoned = frozenset({0, 17, 18, 63})  # the first, two neighbours, the last
+    good, bad, worker = await _one_batch(queue, "poison", caplog, 64, poisoned)
+    await _check_outcomes(conn, schema, good, bad)
+    assert any("refused a batch of 64 completions" in r.getMessage() for r in caplog.records)
+    assert worker.stats.rejected_completions == 0
+
+
+class _Failed(Exception):
+    def __init__(self, sqlstate: str | None) -> None:
+        super().__init__("driver text that may quote values")
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "data"),
+    [
+        ("23514", True),  # check_violation
+        ("22003", True),  # numeric_value_out_of_range
+        ("22P02", True),  # invalid_text_representation
+        ("54000", True),  # program_limit_exceeded
+        ("08006", False),  # connection_failure: the batch is retried as it is
+        ("57P01", False),  # admin_shutdown
+        ("57014", False),  # query_canceled (statement_timeout)
+        ("53100", False),  # disk_full
+        ("25006", False),  # read_only_sql_transaction
+        ("40001", False),  # serialization_failure
+        (None, False),
+    ],
+)
+def test_only_errors_about_the_data_split_a_batch(sqlstate: str | None, data: bool) -> None:
+    assert is_data_error(_Failed(sqlstate)) is data
+    assert is_data_error(OSError("reset")) is False
 
 
 # --- the round-trip property ----------------------------------------------------------------
