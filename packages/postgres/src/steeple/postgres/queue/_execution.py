@@ -16,7 +16,6 @@ import concurrent.futures
 import contextvars
 import functools
 import inspect
-import json
 import logging
 import math
 import time
@@ -32,6 +31,7 @@ from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._failures import describe
 from steeple.postgres.queue._inflight import Claimed
+from steeple.postgres.queue._json import storable_json
 from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_name
@@ -43,7 +43,7 @@ from steeple.postgres.queue.errors import (
     QueueTypeError,
     ResultEncodingError,
 )
-from steeple.postgres.queue.tasks import Task, storable_json
+from steeple.postgres.queue.tasks import Task
 
 __all__ = [
     "MAX_RESULT_BYTES",
@@ -61,8 +61,10 @@ Handler = Callable[["JobContext", A], Awaitable[object] | object]
 ``def handle(ctx: JobContext, args)`` (run in the worker's thread pool)."""
 
 MAX_RESULT_BYTES: Final = 64 * 1024
-"""A handler's result is limited to 64 KiB of JSON."""
+"""A handler's result is limited to 64 KiB of JSON (as the database stores it)."""
 _MAX_PROGRESS_MESSAGE: Final = 200
+# The stored progress column allows 8 KiB; a fraction and 200 characters take under 1.2 KiB.
+_MAX_PROGRESS_BYTES: Final = 8192
 
 
 @attrs.define(eq=False)
@@ -131,12 +133,15 @@ class JobContext:
             raise QueueConfigurationError(
                 f"progress fraction must be a finite number within [0, 1], got {value!r}"
             )
-        shown: dict[str, object] = {"fraction": value}
+        # -0.0 is 0.0 here: the database has no negative zero, and the fraction means none.
+        shown: dict[str, object] = {"fraction": value + 0.0}
         if message is not None:
             shown["message"] = check_name(
                 message, "progress message", max_len=_MAX_PROGRESS_MESSAGE
             )
-        text = json.dumps(shown, separators=(",", ":"), ensure_ascii=False)
+        text = storable_json(
+            shown, QueueConfigurationError, "progress", _MAX_PROGRESS_BYTES, "a fraction and text"
+        )
         previous = self._progress
         self._progress = (1 if previous is None else previous[0] + 1, text)
         notify = self._on_progress
@@ -391,9 +396,14 @@ class _Terminal(Exception):
 def encode_result(task_name: str, value: object) -> str | None:
     """Return the JSON text stored as a handler's result (``None`` for ``None``).
 
+    ``run_state`` returns a value equal to the one returned (tuples as lists), or the
+    result is refused.
+
     Raises:
         ResultEncodingError: not JSON-encodable (NaN, infinity, a set, an object, a cycle,
-            nesting too deep, a lone surrogate, a NUL), or over 64 KiB of JSON.
+            nesting too deep, a lone surrogate, a NUL), one that would not come back equal
+            (``-0.0``, a non-str object key), or over 64 KiB of JSON as the database
+            stores it (numbers written out in full: ``1e300`` takes 303 bytes).
     """
     if value is None:
         return None
