@@ -678,3 +678,91 @@ async def test_job_routes_create_change_and_refuse(live: dict[str, Any]) -> None
     assert [j["name"] for j in listing.json()["items"]] == ["nightly"]
     assert deleted.json() == {"deleted": True}
     assert gone.status_code == 404
+
+
+async def _succeed_one(seeded: Any, name: str, result: Any) -> int:
+    """Enqueue a task named ``name`` and record that its handler returned ``result``."""
+    from steeple.postgres import queue
+
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        task: queue.Task[Any] = queue.Task(name)
+        enqueued = await queue.enqueue(
+            conn, task, {}, queue.EnqueueOptions.immediate(), schema=seeded.schema
+        )
+        await conn.execute(
+            f"UPDATE \"{seeded.schema}\".tasks SET state = 'succeeded', attempts = 1,"
+            " started_at = clock_timestamp(), finished_at = clock_timestamp(),"
+            " result = $2::text::jsonb WHERE id = $1",
+            enqueued.id,
+            json.dumps(result),
+        )
+        return enqueued.id
+    finally:
+        await conn.close()
+
+
+class Grants:
+    """An authorize callback that allows exactly the listed actions."""
+
+    def __init__(self, *actions: str) -> None:
+        self.actions = set(actions)
+        self.calls: list[str] = []
+
+    async def __call__(self, request: Request, action: str, namespace: str) -> bool:
+        assert action in ACTIONS
+        self.calls.append(action)
+        return action in self.actions
+
+
+@pytest.mark.postgres
+async def test_pages_ask_what_the_api_routes_of_their_data_ask(live: dict[str, Any]) -> None:
+    seeded = live["seeded"]
+    failed = await _fail_one(seeded, "charge", "CardDeclined: secret-detail")
+    done = await _succeed_one(seeded, "report", {"token": "result-secret"})
+
+    def app(*actions: str) -> Any:
+        return create_admin_app(
+            authorize=Grants(*actions), stores=live["stores"], tasks=live["tasks"]
+        )
+
+    # dashboard.read alone: no task data, on the pages or their live JSON.
+    async with client(app("dashboard.read", "static.read")) as http:
+        for path in (f"/ui/ops/tasks/{done}", f"/ui/ops/tasks/{failed}", "/ui/ops/tasks"):
+            page = await http.get(path)
+            live_json = await http.get(path, params={"live": "1"})
+            assert page.status_code == 403, path
+            assert live_json.status_code == 403, path
+            assert live_json.json()["detail"] == "not allowed: tasks.read"
+            for body in (page.text, live_json.text):
+                assert "result-secret" not in body
+                assert "secret-detail" not in body
+        assert (await http.get("/ui/ops/jobs")).status_code == 403
+        assert (await http.get("/ui/ops/schedules")).status_code == 403
+        overview = await http.get("/ui/ops", params={"live": "1"})
+        assert overview.status_code == 200
+        assert "secret-detail" not in overview.text
+        assert "not allowed: tasks.read" in overview.text
+        assert "not allowed: schedules.read" in overview.text
+
+    # tasks.read: the task page as the API shows it, its result withheld without tasks.results.
+    async with client(app("dashboard.read", "tasks.read")) as http:
+        page = await http.get(f"/ui/ops/tasks/{done}")
+        live_json = await http.get(f"/ui/ops/tasks/{done}", params={"live": "1"})
+        api = await http.get(f"/api/ops/tasks/{done}")
+        failure = await http.get(f"/ui/ops/tasks/{failed}")
+    assert page.status_code == live_json.status_code == api.status_code == 200
+    for body in (page.text, live_json.text, api.text):
+        assert "result-secret" not in body
+    assert "not allowed (tasks.results)" in page.text
+    assert (api.json()["result"], api.json()["result_withheld"]) == (None, True)
+    assert "secret-detail" in failure.text  # errors are task data, as the API shows them
+
+    async with client(app("dashboard.read", "tasks.read", "tasks.results")) as http:
+        page = await http.get(f"/ui/ops/tasks/{done}")
+        api = await http.get(f"/api/ops/tasks/{done}")
+    assert "result-secret" in page.text
+    assert (api.json()["result"], api.json()["result_withheld"]) == (
+        {"token": "result-secret"},
+        False,
+    )
