@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import re
+import secrets
 import shlex
 import signal
 import subprocess
@@ -453,11 +454,12 @@ async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Pa
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    token = "serve-token-0123456789"
+    token = secrets.token_urlsafe(32)
+    csrf = secrets.token_urlsafe(32)
     env = {
         **seeded.env(),
         "STEEPLE_ADMIN_TOKEN": token,
-        "STEEPLE_ADMIN_CSRF_TOKEN": "csrf-token-0123456789",
+        "STEEPLE_ADMIN_CSRF_TOKEN": csrf,
     }
     proc = await _spawn(["admin", "serve", "--port", str(port)], env, tmp_path)
     base = f"http://127.0.0.1:{port}"
@@ -477,7 +479,7 @@ async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Pa
             cancel = await http.post(
                 "/api/ops/tasks/cancel",
                 json={"task_id": seeded.task_ids[0]},
-                headers={**bearer, "X-Steeple-CSRF": "csrf-token-0123456789"},
+                headers={**bearer, "X-Steeple-CSRF": csrf},
             )
             forged = await http.post(
                 "/api/ops/tasks/cancel",
