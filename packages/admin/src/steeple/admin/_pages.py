@@ -427,9 +427,17 @@ def args_section(task: TaskRecord, revealable: bool) -> str:
     )
 
 
-def result_section(task: TaskRecord) -> str:
-    """Render the task's progress and, once it succeeded, the JSON value it returned."""
-    if task.state == "succeeded":
+def result_section(task: TaskRecord, *, withheld: bool = False) -> str:
+    """Render the task's progress and, once it succeeded, the JSON value it returned.
+
+    ``withheld``: the caller may not read results (``tasks.results``); the page says so.
+    """
+    if withheld:
+        result = (
+            '<p class="note" id="result-withheld">the result is not shown: '
+            "not allowed (tasks.results)</p>"
+        )
+    elif task.state == "succeeded":
         text = json.dumps(task.result, indent=2, ensure_ascii=False)
         if len(text) > _MAX_RESULT_SHOWN:
             text = text[:_MAX_RESULT_SHOWN] + "\n... (cut here; the API has all of it)"
@@ -506,6 +514,11 @@ def chart_section(overview: Overview) -> str:
         )
         + "</figcaption></figure>"
     )
+
+
+def withheld(title: str, action: str) -> str:
+    """Render a section the caller may not read (``authorize`` refused ``action``)."""
+    return heading(title) + f'<p class="unavailable">not allowed: {esc(action)}</p>'
 
 
 def unavailable(title: str, reason: str) -> str:

@@ -120,7 +120,10 @@ async def install(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> int:
                 continue
             await conn.execute(_migration_sql(name, quoted))
             await conn.execute(
-                f"INSERT INTO {quoted}.schema_migrations (version, name) VALUES ($1, $2)",
+                # Each shipped migration records its own version (so it can be applied
+                # by hand); recording it here too keeps any file that does not correct.
+                f"INSERT INTO {quoted}.schema_migrations (version, name) VALUES ($1, $2)"
+                " ON CONFLICT (version) DO NOTHING",
                 version,
                 name,
             )
