@@ -257,13 +257,15 @@ async def test_a_hard_stop_ends_the_worker_whatever_its_handlers_do(queue: Queue
         stop.set()
         hard.set()
         await asyncio.wait_for(run, 30)
-        assert swallowed and closed == ["closed"]
+        assert swallowed
+        assert closed == ["closed"]
         assert worker.stats.released == 2
         for task_id in ids:
             state = await run_state(conn, task_id, schema=schema)
             assert (state.state.value, state.attempts) == ("pending", 0)
         # The stuck thread is still running, as a daemon: it cannot keep the process alive.
         stuck_threads = [t for t in threading.enumerate() if t.name.startswith("steeple-handler")]
-        assert stuck_threads and all(t.daemon for t in stuck_threads)
+        assert stuck_threads
+        assert all(t.daemon for t in stuck_threads)
     finally:
         release.set()
