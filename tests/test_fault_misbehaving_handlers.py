@@ -86,8 +86,7 @@ async def _enqueue(w: World, names: list[str]) -> list[int]:
     try:
         options = q.EnqueueOptions(lease_duration=timedelta(seconds=3))
         return [
-            (await q.enqueue(conn, q.Task(name), {}, options, schema=w.schema)).id
-            for name in names
+            (await q.enqueue(conn, q.Task(name), {}, options, schema=w.schema)).id for name in names
         ]
     finally:
         await conn.close()
@@ -115,9 +114,9 @@ async def test_a_handlers_exit_or_interrupt_fails_its_task_and_sigint_still_stop
 
         async def settled() -> bool:
             tasks = await w.tasks()
-            return {tasks[i][0] for i in exits} == {"failed"} and {
-                tasks[i][0] for i in fines
-            } == {"succeeded"}
+            return {tasks[i][0] for i in exits} == {"failed"} and {tasks[i][0] for i in fines} == {
+                "succeeded"
+            }
 
         await wait_until(settled)
         attempts = await _attempts(w)
