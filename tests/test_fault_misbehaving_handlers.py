@@ -4,7 +4,8 @@ A handler raising ``SystemExit`` or ``KeyboardInterrupt`` fails its task alone: 
 goes on running the other tasks, and a real SIGINT still stops it gracefully. A plain
 ``def`` handler stuck forever in its thread and an async handler that swallows
 cancellation cannot keep the process alive: the hard stop (a second signal, or the drain
-deadline) hands their tasks back and the process exits.
+deadline) hands their tasks back and the process exits. A handler that ignores even
+being closed is handed back too, and the command ends the process shortly after.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ async def stubborn(ctx, args):
             pass  # swallowed: the handler refuses to stop
 
 
+async def hopeless(ctx, args):
+    started(ctx)
+    while True:
+        try:
+            await asyncio.Event().wait()
+        except BaseException:
+            pass  # ignores its cancellation, and being closed too
+
+
 def sync_exit(ctx, args):
     sys.exit(3)
 
@@ -71,6 +81,7 @@ def make():
         tasks=[
             (Task("stuck"), stuck),
             (Task("stubborn"), stubborn),
+            (Task("hopeless"), hopeless),
             (Task("sync_exit"), sync_exit),
             (Task("async_interrupt"), async_interrupt),
             (Task("fine"), fine),
@@ -168,4 +179,25 @@ async def test_a_stuck_thread_and_a_cancellation_swallowing_handler_do_not_keep_
         # Handed back: pending again with the attempt refunded, another worker may run them.
         tasks = await w.tasks()
         assert {tasks[i][:2] for i in ids} == {("pending", 0)}
+        assert {a[2] for a in await w.attempts()} == {"released"}
+
+
+async def test_a_handler_that_ignores_even_being_closed_is_handed_back_and_the_process_ended(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    """Before: the process never exited, and the task stayed running until its lease lapsed."""
+    dsn, schema = pg_schema
+    async with world(dsn, schema, tmp_path, lease=timedelta(seconds=10), occurrences=0) as w:
+        (tmp_path / "misbehaving.py").write_text(APP)
+        worker = await w.spawn("stopped", app="misbehaving:make", FAULT_DRAIN="1")
+        (task_id,) = await _enqueue(w, ["hopeless"])
+        await wait_until(lambda: (tmp_path / f"started-{task_id}").exists())
+        worker.signal(signal.SIGTERM)
+        await worker.wait_for_line("the 1 s drain deadline passed; stopping hard")
+        await worker.wait_for_line("could not be closed")
+        # Ended by the command, after the task was handed back.
+        assert await worker.exited(timeout=60) == 1, worker.stderr
+        assert "s after the hard stop" in worker.stderr
+        assert "ending the process" in worker.stderr
+        assert (await w.tasks())[task_id][:2] == ("pending", 0)
         assert {a[2] for a in await w.attempts()} == {"released"}

@@ -424,7 +424,7 @@ class Scheduler:
                 try:
                     async with asyncio.TaskGroup() as handlers:
                         await claimer.claim_until(claiming, handlers)
-                        await self._drain(executor, drain, hard)
+                        await self._drain(executor, completions, drain, hard)
                     await completions.release_unfinished()
                 finally:
                     env.closing.set()
@@ -499,7 +499,9 @@ class Scheduler:
 
         await db.with_connection(check, timeout=self._env.timeout)
 
-    async def _drain(self, executor: Executor, timeout: float, hard: asyncio.Event) -> None:
+    async def _drain(
+        self, executor: Executor, completions: Completions, timeout: float, hard: asyncio.Event
+    ) -> None:
         inflight = self._env.inflight
         if not inflight.running:
             return
@@ -533,6 +535,9 @@ class Scheduler:
                     closed,
                     _CANCEL_GRACE,
                 )
+            # Written now, not once every handler has ended: a handler that ignores even
+            # being closed cannot hold them back.
+            await completions.release_unfinished()
 
 
 async def _either(
