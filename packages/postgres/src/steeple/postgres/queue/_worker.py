@@ -342,7 +342,9 @@ class Scheduler:
         Setting ``hard_stop`` (say on a second SIGTERM) ends the drain at once: it stops
         claiming as ``stop`` does, and the handlers still running are cancelled and their
         tasks handed back now. A handler that ignores its cancellation (a coroutine that
-        catches ``CancelledError``) is closed two seconds later; a plain ``def`` handler's
+        catches ``CancelledError``) is closed two seconds later (one that ignores even
+        that keeps this call waiting for it, its task already handed back: the ``steeple
+        worker`` command then ends its process); a plain ``def`` handler's
         thread cannot be stopped, so it is left running (its ``ctx.lease_lost`` set,
         nothing it does recorded), in a daemon thread that never keeps the process alive.
         A task whose release cannot be written is left to its lease, which lapses; it is
