@@ -8,6 +8,7 @@ Module map of the worker (``steeple.postgres.queue``), one room per concern:
                       estimated server clock, claimed rows into running attempts.
 - ``_execution.py``   JobContext, Handler, Registration; Executor: runs a handler, turns
                       its return or exception into an outcome; cancels at a hard stop.
+- ``_threads.py``     HandlerThreads: the daemon thread pool of plain ``def`` handlers.
 - ``_completions.py`` Completions: the batched success flusher, confirming lost replies,
                       writing failures/retries, fencing, releasing at shutdown.
 - ``_renewal.py``     Renewer: token-guarded lease renewal, lease-lost/cancelled signals.
@@ -28,7 +29,6 @@ lease cannot finish, fail, renew or release anything.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -65,6 +65,7 @@ from steeple.postgres.queue._renewal import Renewer
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
 from steeple.postgres.queue._shared import LOG, Health, WorkerEnv, WorkerStats, WorkerStatus
 from steeple.postgres.queue._sql import queue_sql
+from steeple.postgres.queue._threads import HandlerThreads
 from steeple.postgres.queue._validate import (
     DEFAULT_QUEUE,
     check_bool,
@@ -93,6 +94,8 @@ _MAX_CONCURRENCY: Final = 100_000
 _MAX_THREADS: Final = 1024
 _DEFAULT_THREADS: Final = 32
 _MAX_QUEUES: Final = 100
+# Seconds handlers get to end once a hard stop cancelled them, before they are closed.
+_CANCEL_GRACE: Final = 2.0
 
 
 def _served(queues: object, concurrency: int) -> list[tuple[str, int]]:
@@ -338,9 +341,19 @@ class Scheduler:
         buffered completions are written; the pool (if the worker opened it) is closed.
         Setting ``hard_stop`` (say on a second SIGTERM) ends the drain at once: it stops
         claiming as ``stop`` does, and the handlers still running are cancelled and their
-        tasks handed back now. A task whose release cannot be written is left to its lease,
-        which lapses; it is recovered and run again, never completed twice (every outcome
-        is fenced by the lease token).
+        tasks handed back now. A handler that ignores its cancellation (a coroutine that
+        catches ``CancelledError``) is closed two seconds later (one that ignores even
+        that keeps this call waiting for it, its task already handed back: the ``steeple
+        worker`` command then ends its process); a plain ``def`` handler's
+        thread cannot be stopped, so it is left running (its ``ctx.lease_lost`` set,
+        nothing it does recorded), in a daemon thread that never keeps the process alive.
+        A task whose release cannot be written is left to its lease, which lapses; it is
+        recovered and run again, never completed twice (every outcome is fenced by the
+        lease token). What a handler raises, ``BaseException`` included (``SystemExit``,
+        ``KeyboardInterrupt``, ``GeneratorExit``, a ``CancelledError`` nobody asked for),
+        fails its task alone; a ``KeyboardInterrupt`` or ``SystemExit`` raised by a signal
+        handler of the process (Ctrl-C, while SIGINT has Python's default handler) is not
+        a handler's failure and propagates.
 
         Raises:
             SchemaVersionMismatchError: the queue schema is missing or another version.
@@ -369,9 +382,7 @@ class Scheduler:
         env = self._env
         owned = isinstance(self._source, str)
         threads = (
-            concurrent.futures.ThreadPoolExecutor(
-                max_workers=self._threads, thread_name_prefix="steeple-handler"
-            )
+            HandlerThreads(max_workers=self._threads, thread_name_prefix="steeple-handler")
             if any(not r.run_async for r in self._registry.values())
             else None
         )
@@ -415,7 +426,7 @@ class Scheduler:
                 try:
                     async with asyncio.TaskGroup() as handlers:
                         await claimer.claim_until(claiming, handlers)
-                        await self._drain(executor, drain, hard)
+                        await self._drain(executor, completions, drain, hard)
                     await completions.release_unfinished()
                 finally:
                     env.closing.set()
@@ -426,7 +437,8 @@ class Scheduler:
             env.status.stopped()
             if threads is not None:
                 # Threads the drain gave up on keep running (a thread cannot be stopped);
-                # their ctx.lease_lost is set and nothing they do is recorded.
+                # their ctx.lease_lost is set and nothing they do is recorded. They are
+                # daemon threads: they never keep the process from exiting.
                 threads.shutdown(wait=False, cancel_futures=True)
             if owned and env.db_or_none is not None:
                 await env.db_or_none.close()
@@ -489,7 +501,9 @@ class Scheduler:
 
         await db.with_connection(check, timeout=self._env.timeout)
 
-    async def _drain(self, executor: Executor, timeout: float, hard: asyncio.Event) -> None:
+    async def _drain(
+        self, executor: Executor, completions: Completions, timeout: float, hard: asyncio.Event
+    ) -> None:
         inflight = self._env.inflight
         if not inflight.running:
             return
@@ -506,6 +520,26 @@ class Scheduler:
                 "hard stop" if hard.is_set() else f"the {timeout:g} s drain deadline passed",
             )
             executor.cancel_all()
+            # A handler that ignores its cancellation (a coroutine catching CancelledError)
+            # must not keep the worker from stopping: after a short grace it is closed.
+            if inflight.running:
+                idle = asyncio.ensure_future(inflight.idle.wait())
+                try:
+                    await asyncio.wait({idle}, timeout=_CANCEL_GRACE)
+                finally:
+                    idle.cancel()
+            if inflight.running:
+                closed = executor.close_stubborn()
+                LOG.warning(
+                    "%s: %d handler(s) ignored the hard stop for %g s: closed, their tasks "
+                    "handed back",
+                    self.worker_id,
+                    closed,
+                    _CANCEL_GRACE,
+                )
+            # Written now, not once every handler has ended: a handler that ignores even
+            # being closed cannot hold them back.
+            await completions.release_unfinished()
 
 
 async def _either(
