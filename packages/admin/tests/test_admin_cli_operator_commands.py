@@ -185,6 +185,7 @@ async def test_schedules_create_from_a_definitions_file(
         ('[{"name": "x", "cron": "* * * * *", "first_after": "2031-01-01"}]', "time zone"),
         ("{not json", "not valid JSON"),
         ('[{"name": "a", "cron": "* * * * *"}, {"name": "a", "cron": "* * * * *"}]', "twice"),
+        ('[{"name": "x", "cron": "* * * * *", "first_after": ' + "9" * 5000 + "}]", "digits"),
     ],
 )
 async def test_schedules_create_refuses_bad_files_before_storing(
