@@ -519,6 +519,26 @@ def test_environment_key_file_mode_is_checked(tmp_path: Path) -> None:
     assert "chmod 600" in result.stderr
 
 
+async def test_jobs_carry_their_queue(seeded: Any) -> None:
+    env = seeded.env()
+    create = ["jobs", "create", "mailer", "--task", "send-mail", "--cron", "0 3 * * *"]
+    created = await ainvoke([*create, "--queue", "emails"], env)
+    assert created.exit_code == 0, created.output
+    assert "queue 'emails'" in created.stdout
+    listed = json.loads((await ainvoke(["jobs", "--json"], env)).stdout)["items"]
+    assert [(j["name"], j["queue"]) for j in listed] == [("mailer", "emails")]
+    table = await ainvoke(["jobs", "list"], {**env, "COLUMNS": "200"})
+    assert "emails" in table.stdout
+    # ensure without --queue brings it to the default queue, as any other option
+    ensure = ["jobs", "ensure", "mailer", "--task", "send-mail", "--cron", "0 3 * * *"]
+    ensured = await ainvoke([*ensure, "--json"], env)
+    assert json.loads(ensured.stdout)["queue"] == "default"
+    bad = await ainvoke([*create[:2], "other", *create[3:], "--queue", "a\nb"], env)
+    assert bad.exit_code == ExitCode.USAGE
+    assert "control character" in one_error(bad)
+    assert len(json.loads((await ainvoke(["jobs", "--json"], env)).stdout)["items"]) == 1
+
+
 async def test_jobs_with_time_zones_and_shorthands(seeded: Any) -> None:
     env = seeded.env()
     create = ["jobs", "create", "berlin-morning", "--task", "report", "--cron", "0 7 * * *"]

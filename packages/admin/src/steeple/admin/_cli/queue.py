@@ -489,8 +489,8 @@ def _say_job(job: JobInfo, verb: str, as_json: bool) -> None:
     state = "paused" if job.paused else f"next run {output.when(job.next_run_at)} UTC"
     zone = "" if job.timezone == "UTC" else f" ({job.timezone})"
     say(
-        f"{verb} job {job.name!r}: {job.task_name} at {job.cron!r}{zone} in queue "
-        f"{job.queue!r}, {state}"
+        f"{verb} job {job.name!r}: {job.task_name} at {job.cron!r}{zone}, {state}, "
+        f"queue {job.queue!r}"
     )
 
 
