@@ -537,6 +537,25 @@ async def test_jobs_carry_their_queue(seeded: Any) -> None:
     assert bad.exit_code == ExitCode.USAGE
     assert "control character" in one_error(bad)
     assert len(json.loads((await ainvoke(["jobs", "--json"], env)).stdout)["items"]) == 1
+    # Its runs would wait in a queue no worker serves: `steeple queues` says so.
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        await conn.execute(
+            f"""INSERT INTO "{seeded.schema}".tasks (task_name, args, max_attempts,
+                lease_duration, backoff_initial_us, backoff_maximum_us, backoff_factor,
+                backoff_jitter, queue, run_at, created_at)
+            VALUES ('send-mail', '{{}}', 3, interval '60 s', 1000000, 60000000, 2, 0.1,
+                    'emails', clock_timestamp() - interval '10 minutes',
+                    clock_timestamp() - interval '10 minutes')"""
+        )
+    finally:
+        await conn.close()
+    queues = json.loads((await ainvoke(["queues", "--json"], env)).stdout)
+    assert [(q["name"], q["unserved"]) for q in queues if q["name"] == "emails"] == [
+        ("emails", True)
+    ]
+    table = await ainvoke(["queues"], {**env, "COLUMNS": "200"})
+    assert "active, unserved" in table.stdout
 
 
 async def test_jobs_with_time_zones_and_shorthands(seeded: Any) -> None:

@@ -573,14 +573,13 @@ def _declare(
     where: Where,
     as_json: bool,
 ) -> None:
-    from steeple.postgres.queue import EnqueueOptions, Task, jobs
+    from steeple.postgres.queue import Task, jobs
 
     value = guard(lambda: _json_args(args))
     guard(lambda: _cron(cron, timezone))
     options = guard(lambda: _options(None, None, priority, max_attempts))
     kind: Task[Any] = guard(lambda: output.typed(lambda: Task(task), code=ExitCode.USAGE))
-    # The queue's name is checked where the queue checks it (an option's queue).
-    guard(lambda: output.typed(lambda: EnqueueOptions(queue=queue), code=ExitCode.USAGE))
+    guard(lambda: _check_queue(queue))
     guard(lambda: _encodable(kind, value))
     declare = jobs.create if verb == "created" else jobs.ensure_job
     job = _job_call(
@@ -744,6 +743,8 @@ def _queue_json(info: QueueInfo) -> dict[str, Any]:
         "rate_period_seconds": None if period is None else period.total_seconds(),
         "pending": info.pending,
         "running": info.running,
+        "due_since": None if info.due_since is None else info.due_since.isoformat(),
+        "unserved": info.unserved,
     }
 
 
@@ -784,7 +785,7 @@ def _list_queues(where: Where, as_json: bool) -> None:
         [
             (
                 q.name,
-                "paused" if q.paused else "active",
+                ("paused" if q.paused else "active") + (", unserved" if q.unserved else ""),
                 _limits_text(q),
                 str(q.pending),
                 str(q.running),
