@@ -768,3 +768,74 @@ async def test_pages_ask_what_the_api_routes_of_their_data_ask(live: dict[str, A
         {"token": "result-secret"},
         False,
     )
+
+
+@pytest.mark.postgres
+async def test_jobs_carry_their_queue_through_the_api_and_the_dashboard(
+    live: dict[str, Any],
+) -> None:
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
+    job = {"name": "mailer", "task": "send-mail", "cron": "0 3 * * *", "args": {}}
+    async with client(app) as http:
+
+        async def post(path: str, body: dict[str, Any]) -> httpx.Response:
+            return await http.post(f"/api/ops/jobs/{path}", json=body, headers=post_headers())
+
+        created = await post("create", {**job, "queue": "emails"})
+        plain = await post("create", {**job, "name": "plain"})
+        not_text = await post("create", {**job, "name": "x", "queue": 5})
+        bad_name = await post("create", {**job, "name": "y", "queue": "a\nb"})
+        listing = await http.get("/api/ops/jobs")
+        page = await http.get("/ui/ops/jobs")
+    assert created.status_code == 200, created.text
+    assert created.json()["queue"] == "emails"
+    assert plain.json()["queue"] == "default"
+    assert not_text.status_code == 400
+    assert bad_name.status_code == 422
+    assert {j["name"]: j["queue"] for j in listing.json()["items"]} == {
+        "mailer": "emails",
+        "plain": "default",
+    }
+    assert ">queue</th>" in page.text
+    assert 'href="/ui/ops/tasks?queue=emails">emails</a>' in page.text
+    assert '<input name="queue" value="default"' in page.text  # the form asks for it
+
+
+@pytest.mark.postgres
+async def test_the_overview_flags_a_queue_with_due_work_no_worker_claims(
+    live: dict[str, Any], seeded: Any
+) -> None:
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        # What a job left in a queue no worker serves: due ten minutes ago, never claimed.
+        for queue in ("orphan", "held"):
+            await conn.execute(
+                f"""INSERT INTO "{seeded.schema}".tasks (task_name, args, max_attempts,
+                    lease_duration, backoff_initial_us, backoff_maximum_us, backoff_factor,
+                    backoff_jitter, queue, run_at, created_at)
+                VALUES ('send-mail', '{{}}', 3, interval '60 s', 1000000, 60000000, 2, 0.1,
+                        $1, clock_timestamp() - interval '10 minutes',
+                        clock_timestamp() - interval '10 minutes')""",
+                queue,
+            )
+    finally:
+        await conn.close()
+    async with client(app) as http:
+        paused = await http.post(
+            "/api/ops/queues/pause", json={"queue": "held"}, headers=post_headers()
+        )
+        assert paused.status_code == 200, paused.text
+        queues = {q["name"]: q for q in (await http.get("/api/ops/queues")).json()["items"]}
+        page = await http.get("/ui/ops")
+    assert queues["orphan"]["unserved"] is True
+    assert queues["orphan"]["due_since"] is not None
+    assert queues["held"]["unserved"] is False  # paused on purpose: not a missing worker
+    assert all(not q["unserved"] for name, q in queues.items() if name != "orphan")
+    assert 'id="unserved-queues"' in page.text
+    assert "no worker seems to serve orphan" in page.text
+    assert page.text.count(">unserved</span>") == 1

@@ -674,18 +674,22 @@ def create_admin_app(
 
     async def create_job(request: Request, namespace: str) -> Response:
         body = await json_body(request)
-        _fields(body, ("name", "task", "cron", "timezone", "args"))
+        _fields(body, ("name", "task", "cron", "timezone", "args", "queue"))
         if "args" not in body:
             raise _bad_request('give the job\'s "args" (any JSON value, e.g. {})')
         timezone = body.get("timezone", "UTC")
         if not isinstance(timezone, str):
             raise _bad_request("timezone must be a string (an IANA name such as UTC)")
+        queue = body.get("queue", "default")
+        if not isinstance(queue, str):
+            raise _bad_request("queue must be a string (the named queue its runs wait in)")
         job = await (await tasks_of(namespace)).create_job(
             _string_field(body, "name"),
             _string_field(body, "task"),
             _string_field(body, "cron"),
             body["args"],
             timezone or "UTC",
+            queue or "default",
         )
         return JSONResponse(job.to_json())
 
@@ -801,7 +805,9 @@ def create_admin_app(
         except SteepleError as exc:
             listing = _pages.Section("jobs", _pages.unavailable("Recurring jobs", str(exc)), True)
             return render(request, namespace, "Recurring jobs", "jobs", [listing])
-        sections = [_pages.Section("jobs", _pages.jobs_table(jobs, actions_enabled), live=True)]
+        links = links_of(request, namespace)
+        table = _pages.jobs_table(links, jobs, actions_enabled)
+        sections = [_pages.Section("jobs", table, live=True)]
         if actions_enabled:
             sections.append(_pages.Section("new-job", _pages.job_form()))
         return render(request, namespace, "Recurring jobs", "jobs", sections)

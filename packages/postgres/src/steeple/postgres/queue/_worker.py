@@ -32,7 +32,7 @@ import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import asyncpg
 
@@ -82,7 +82,10 @@ from steeple.postgres.queue.errors import (
     QueueUnavailableError,
     UnknownTaskError,
 )
-from steeple.postgres.queue.tasks import Task
+from steeple.postgres.queue.tasks import Task, declared_task
+
+if TYPE_CHECKING:
+    from steeple.postgres.queue._app import TaskFunction
 
 __all__ = ["Handler", "Health", "JobContext", "Scheduler", "WorkerStats"]
 
@@ -278,7 +281,7 @@ class Scheduler:
     def _db(self) -> WorkerDb | None:
         return self._env.db_or_none
 
-    def register(self, task: Task[A], handler: Handler[A]) -> None:
+    def register(self, task: Task[A] | TaskFunction[A], handler: Handler[A]) -> None:
         """Run ``handler`` for tasks named ``task.name``.
 
         ``handler(ctx, args)`` is an ``async def`` (run on the event loop) or a plain
@@ -289,13 +292,13 @@ class Scheduler:
 
         Raises:
             UnknownTaskError: that task name already has a handler.
-            QueueTypeError: ``task`` is not a Task; ``handler`` is not a function that can
-                be called as ``handler(ctx, args)`` (not callable, a coroutine object, a
-                class, a generator or async generator function, another arity).
+            QueueTypeError: ``task`` is not a Task (or an ``@app.task`` function);
+                ``handler`` is not a function that can be called as ``handler(ctx, args)``
+                (not callable, a coroutine object, a class, a generator or async generator
+                function, another arity).
             QueueError: the worker has already started.
         """
-        if not isinstance(task, Task):
-            raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
+        task, _ = declared_task(task)
         run_async = check_handler(handler)
         if self._started:
             raise QueueError("register handlers before run_until_shutdown")

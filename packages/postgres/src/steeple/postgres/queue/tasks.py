@@ -442,3 +442,31 @@ class EnqueuedTask:
 
     id: int
     deduplicated: bool = False
+
+
+def declared_task(task: object) -> tuple[Task[Any], str | None]:
+    """Return the :class:`Task` behind ``task`` and the queue it was declared in, if any.
+
+    ``task`` is a :class:`Task` (no declared queue) or a function declared with
+    ``@app.task`` (a ``TaskFunction``: its task and its ``queue=``).
+
+    Raises:
+        QueueTypeError: anything else.
+    """
+    if isinstance(task, Task):
+        return task, None
+    # The decorator API is built on this module: import it only when it is in use.
+    from steeple.postgres.queue._app import TaskFunction
+
+    if isinstance(task, TaskFunction):
+        return task.task, task.queue
+    raise QueueTypeError(
+        f"task must be a steeple Task or an @app.task function, not {type(task).__name__}"
+    )
+
+
+def with_declared_queue(options: EnqueueOptions, declared: str | None) -> EnqueueOptions:
+    """Send ``options`` to a task's declared queue unless they name another than the default."""
+    if declared is None or options.queue != DEFAULT_QUEUE or declared == DEFAULT_QUEUE:
+        return options
+    return attrs.evolve(options, queue=declared)
