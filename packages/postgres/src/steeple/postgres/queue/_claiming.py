@@ -97,7 +97,9 @@ class _ThreadGate:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            await asyncio.wait({waiter, stopping}, timeout=timeout)
+            await asyncio.wait(
+                {waiter, stopping}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         except BaseException:
             # Cancelled while waiting: a thread passed to it meanwhile goes to the next one.
             if waiter.done() and not waiter.cancelled():
@@ -446,7 +448,6 @@ class Claimer:
     async def _hand_back(self, claimed: Claimed, *, stopping: bool) -> None:
         """Release a task this worker could not start: pending again, attempt refunded."""
         ctx = claimed.ctx
-        self._env.stats.not_started += 1
         LOG.info(
             "task %s (%s): not started, %s; handed back for other workers",
             ctx.task_id,
@@ -461,3 +462,5 @@ class Claimer:
             # A hard stop cut the release short: tried again with the others at shutdown.
             self._completions.hand_back(claimed)
             raise
+        finally:
+            self._env.stats.not_started += 1
