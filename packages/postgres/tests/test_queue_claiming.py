@@ -258,6 +258,27 @@ async def test_an_idle_or_paused_extra_queue_costs_no_poll_waits_and_few_claim_r
     assert await _states(conn, schema) == {"succeeded": 3 * n, "pending": len(kept)}
 
 
+async def test_a_queue_at_its_own_limit_is_claimed_again_when_one_of_its_handlers_ends(
+    queue: QueueFixture,
+) -> None:
+    """Before: the round that filled queue a's one slot found b empty and waited a whole
+    poll interval (10 s here) before a's next task."""
+    dsn, schema, conn = queue
+    ids = await enqueue_many(conn, NOOP, [{}] * 5, schema=schema, queue="a")
+
+    async def handle(ctx: JobContext, args: Any) -> None:
+        return None
+
+    worker = _worker(dsn, schema, "w", queues={"a": 1, "b": 16}, poll_interval=10.0, listen=False)
+    worker.register(NOOP, handle)
+    async with _running(worker):
+        await wait_until(lambda: worker.stats.succeeded == 5)
+        # Every round claimed a's next task; none waited for the poll to do it.
+        assert worker.stats.claimed == 5
+    states = {(await run_state(conn, i, schema=schema)).state.value for i in ids}
+    assert states == {"succeeded"}
+
+
 # --- the pieces, without a database -----------------------------------------------------------
 
 

@@ -343,14 +343,19 @@ class Claimer:
                     # Let handlers and the flusher run before the next claim, which gives
                     # the slots of the queues that answered short to the others.
                     await asyncio.sleep(0)
-                elif held is not None:
-                    stats.idle_waits += 1
+                    continue
+                stats.idle_waits += 1
+                events = [wake]
+                if held is not None:
                     # A global limit frees up when an outcome of this worker is written
                     # (perhaps while the claim ran: the event was cleared before it).
-                    await wait_any((wake, inflight.outcome_written), stop_waiter, env.poll)
-                else:
-                    stats.idle_waits += 1
-                    await wait_either(wake, stop_waiter, env.poll)
+                    events.append(inflight.outcome_written)
+                if len(drained) < len(self._queues):
+                    # A queue at its own limit in this worker filled its share: it may have
+                    # more, to claim as soon as one of its handlers ends.
+                    inflight.slot_freed.clear()
+                    events.append(inflight.slot_freed)
+                await wait_any(tuple(events), stop_waiter, env.poll)
         finally:
             stop_waiter.cancel()
 
