@@ -5,7 +5,9 @@ Module map of the worker (``steeple.postgres.queue``), one room per concern:
 - ``_worker.py``      Scheduler: options, registration, health(), run_until_shutdown
                       (start-up checks, composing the rooms, drain, shutdown).
 - ``_claiming.py``    Claimer: the claim loop, batch claims with give-up times on the
-                      estimated server clock, claimed rows into running attempts.
+                      estimated server clock, free slots shared by demand among queues,
+                      claimed rows into running attempts (sync ones onto free threads,
+                      handed back when none frees up in time).
 - ``_execution.py``   JobContext, Handler, Registration; Executor: runs a handler, turns
                       its return or exception into an outcome; cancels at a hard stop.
 - ``_completions.py`` Completions: the batched success flusher, confirming lost replies,
