@@ -6,7 +6,8 @@ completed by that lost write is confirmed, not reported as fenced. A batch the d
 refuses for the values it carries (a result it cannot store) is split in halves until the
 refused outcomes are alone: the others are written, and each refused one fails its own task
 with a :class:`ResultEncodingError`, so one bad value never holds back the rest. Failures
-(retry or fail for good) are written one by one; work handed back at shutdown is released.
+(retry or fail for good) are written one by one; work handed back (at shutdown, or a task
+the worker could not start) is released.
 """
 
 from __future__ import annotations
@@ -293,20 +294,33 @@ class Completions:
             LOG.info("task %s: an earlier completion write had committed", task_id)
         return confirmed
 
+    async def release_now(self, claimed: Claimed) -> bool:
+        """Hand ``claimed`` back at once (pending, attempt refunded); return whether it was.
+
+        Listening workers are woken to take it. A release that fails or finds the lease
+        gone changes nothing: the lease lapses and the task is recovered.
+        """
+        env = self._env
+        try:
+            rows = await env.db.fetch(
+                env.sql.release,
+                claimed.ctx.task_id,
+                claimed.token,
+                env.worker_id,
+                timeout=env.timeout,
+            )
+        except DB_ERRORS as exc:
+            # The lease will expire and maintenance elsewhere recovers the task.
+            LOG.warning("could not release task %s: %s", claimed.ctx.task_id, exc)
+            return False
+        if not rows:
+            return False
+        env.stats.released += 1
+        env.inflight.outcome_written.set()  # a global limit's slot is free again
+        return True
+
     async def release_unfinished(self) -> None:
         """Hand back the tasks whose handlers the drain cancelled (pending, attempt refunded)."""
-        env = self._env
         for claimed in self._to_release:
-            try:
-                await env.db.fetch(
-                    env.sql.release,
-                    claimed.ctx.task_id,
-                    claimed.token,
-                    env.worker_id,
-                    timeout=env.timeout,
-                )
-                env.stats.released += 1
-            except DB_ERRORS as exc:
-                # The lease will expire and maintenance elsewhere recovers the task.
-                LOG.warning("could not release task %s: %s", claimed.ctx.task_id, exc)
+            await self.release_now(claimed)
         self._to_release.clear()

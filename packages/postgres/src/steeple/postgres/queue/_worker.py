@@ -5,7 +5,9 @@ Module map of the worker (``steeple.postgres.queue``), one room per concern:
 - ``_worker.py``      Scheduler: options, registration, health(), run_until_shutdown
                       (start-up checks, composing the rooms, drain, shutdown).
 - ``_claiming.py``    Claimer: the claim loop, batch claims with give-up times on the
-                      estimated server clock, claimed rows into running attempts.
+                      estimated server clock, free slots shared by demand among queues,
+                      claimed rows into running attempts (sync ones onto free threads,
+                      handed back when none frees up in time).
 - ``_execution.py``   JobContext, Handler, Registration; Executor: runs a handler, turns
                       its return or exception into an outcome; cancels at a hard stop.
 - ``_threads.py``     HandlerThreads: the daemon thread pool of plain ``def`` handlers.
@@ -144,10 +146,16 @@ class Scheduler:
         concurrency: the most handlers running at once in this worker.
         threads: the size of the thread pool that runs plain ``def`` handlers (1..1024;
             default ``min(concurrency, 32)``). Created only when such a handler is
-            registered; sync handlers beyond it wait for a thread (their leases are kept).
+            registered. The worker claims no more sync tasks than it has free threads
+            (while every thread is taken it claims only tasks of async handlers); a claimed
+            sync task that gets no thread within a quarter of its lease is handed back
+            (pending, attempt refunded) for other workers.
         queues: the named queues served: a list of names (each may use all of
             ``concurrency``), or a mapping of name to the most of its tasks running at
             once in this worker (capped by ``concurrency``). Default: ``["default"]``.
+            Free slots follow demand: shared among the queues each round, and those of a
+            queue that answers empty (or paused, or held by a limit) go to the others
+            without waiting for a poll.
             Limits across all workers, pauses and rate limits are stored in the database
             (see :mod:`steeple.postgres.queue.admin`) and applied by every claim.
         batch_size: the most tasks claimed per query (default: ``concurrency``).
@@ -339,7 +347,8 @@ class Scheduler:
     ) -> None:
         """Work until ``stop`` is set, then drain gracefully within ``drain_timeout``.
 
-        After ``stop``: no new claims; running handlers get ``drain_timeout`` to finish;
+        After ``stop``: no new claims; claimed tasks not yet started (sync handlers waiting
+        for a thread) are handed back at once; running handlers get ``drain_timeout`` to finish;
         the rest are cancelled and their tasks handed back (pending, attempt refunded);
         buffered completions are written; the pool (if the worker opened it) is closed.
         Setting ``hard_stop`` (say on a second SIGTERM) ends the drain at once: it stops
@@ -410,6 +419,9 @@ class Scheduler:
                 batch=self._batch,
                 wakeups=wakeups,
                 executor=executor,
+                completions=completions,
+                sync_names=[name for name, r in self._registry.items() if not r.run_async],
+                threads=self._threads,
             )
             async with (
                 watching_event_loop(self._loop_lag, on_stall=self._stalled),
