@@ -30,7 +30,7 @@ import attrs
 from steeple.core.tasks import retry_decision
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
-from steeple.postgres.queue._failures import describe
+from steeple.postgres.queue._failures import describe, log_failure
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._shared import LOG, WorkerEnv
@@ -336,7 +336,7 @@ class Executor:
     ) -> None:
         ctx = claimed.ctx
         _tracing.record_failure(exc)  # on the run's span, when tracing is active
-        failure = describe(exc)
+        failure = describe(exc, self._env.secrets)
         retry_after: timedelta | None = None
         if retryable:
             now = self._env.clock.now()
@@ -359,17 +359,21 @@ class Executor:
             if retry_after is not None
             else "failed for good"
         )
-        LOG.log(
+        log_failure(
+            LOG,
             logging.WARNING if retry_after is not None else logging.ERROR,
             "task %s (%s) attempt %s/%s, run %s, %s: %s",
-            ctx.task_id,
-            ctx.task_name,
-            ctx.attempt,
-            ctx.max_attempts,
-            ctx.run_id,
-            what,
-            failure.summary,
-            exc_info=None if isinstance(exc, JobError) else (type(exc), exc, exc.__traceback__),
+            (
+                ctx.task_id,
+                ctx.task_name,
+                ctx.attempt,
+                ctx.max_attempts,
+                ctx.run_id,
+                what,
+                failure.summary,
+            ),
+            failure,
+            with_traceback=not isinstance(exc, JobError),
             extra={
                 "task_id": ctx.task_id,
                 "task_name": ctx.task_name,
