@@ -636,3 +636,69 @@ def test_queue_pause_refuses_names_no_queue_can_have(seeded: Any) -> None:
         runner.run(go())
 
     run_cases(seeded, drive)
+
+
+# --- what the dashboard and the API show of a failure quoting the worker's DSN --------------
+
+
+@pytest.mark.postgres
+def test_a_failure_quoting_the_worker_dsn_shows_no_password(seeded: Any) -> None:
+    """The attempts API, the task API and the dashboard pages show what the worker stored:
+    a handler's error quoting the worker's own DSN arrives there with its password masked."""
+    from urllib.parse import urlsplit
+
+    from steeple.postgres.queue import JobContext, Scheduler, Task, enqueue, run_state
+
+    parts = urlsplit(seeded.dsn)
+    password = "Pw-dashboard-55810"
+    worker_dsn = (
+        f"postgresql://{parts.username or 'postgres'}:{password}@{parts.hostname}:"
+        f"{parts.port or 5432}{parts.path}"
+    )
+    task: Task[Any] = Task("leaky-dashboard")
+
+    async def handle(ctx: JobContext, args: Any) -> None:
+        raise ConnectionError(f"could not reach {worker_dsn} (password={password})")
+
+    async def fail_once(harness: Harness) -> int:
+        task_id = (await enqueue(harness.pool, task, None, schema=harness.schema)).id
+        worker = Scheduler(
+            worker_dsn, worker_id="dash-w", schema=harness.schema, poll_interval=0.05
+        )
+        worker.register(task, handle)
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run_until_shutdown(stop))
+        try:
+            for _ in range(1500):  # until the failure is stored (or the worker ended)
+                run = await run_state(harness.pool, task_id, schema=harness.schema)
+                if run.state.value == "failed" or running.done():
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+        assert run.state.value == "failed"
+        return int(task_id)
+
+    def drive(harness: Harness, runner: asyncio.Runner) -> None:
+        async def go() -> None:
+            task_id = await fail_once(harness)
+            for target in (
+                f"/api/{NAMESPACE}/tasks/{task_id}/attempts",
+                f"/api/{NAMESPACE}/tasks/{task_id}",
+                f"/api/{NAMESPACE}/tasks",
+                f"/ui/{NAMESPACE}/tasks/{task_id}",
+                f"/ui/{NAMESPACE}/tasks",
+            ):
+                response = await harness.http.get(target)
+                assert response.status_code == 200, (target, response.text[:300])
+                assert password not in response.text, target
+                assert "could not reach" in response.text, target
+            attempts = (await harness.http.get(f"/api/{NAMESPACE}/tasks/{task_id}/attempts")).json()
+            (attempt,) = attempts["items"]
+            assert "***" in attempt["error"]
+            assert "in handle" in attempt["traceback"]
+
+        runner.run(go())
+
+    run_cases(seeded, drive)
