@@ -34,7 +34,7 @@ from steeple.postgres.queue._failures import describe, log_failure
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._shared import LOG, WorkerEnv
-from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_name
+from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_text
 from steeple.postgres.queue.errors import (
     ArgsEncodingError,
     JobError,
@@ -133,7 +133,7 @@ class JobContext:
             )
         shown: dict[str, object] = {"fraction": value}
         if message is not None:
-            shown["message"] = check_name(
+            shown["message"] = check_text(
                 message, "progress message", max_len=_MAX_PROGRESS_MESSAGE
             )
         text = json.dumps(shown, separators=(",", ":"), ensure_ascii=False)
