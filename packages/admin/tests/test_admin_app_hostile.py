@@ -702,3 +702,115 @@ def test_a_failure_quoting_the_worker_dsn_shows_no_password(seeded: Any) -> None
         runner.run(go())
 
     run_cases(seeded, drive)
+
+
+# --- names: exact, by the library's one rule ------------------------------------------------
+
+LOOKALIKE_NAMES = [
+    "mail\u200b",
+    "\u202eliame-dnes",
+    " mail",
+    "mail ",
+    "   ",
+    "mail\u2028",
+    "\ufeffmail",
+    "\u3164",
+]
+"""Names that look like "mail" (or like no name): each refused where a name is read."""
+
+
+def name_cases(value: str) -> list[Case]:
+    q = escape(value)
+    cron = "* * * * *"
+    bodies: list[tuple[str, dict[str, object]]] = [
+        ("tasks/bulk-cancel", {"queue": value}),
+        ("tasks/bulk-cancel", {"name": value}),
+        ("tasks/bulk-retry", {"queue": value}),
+        ("tasks/bulk-retry", {"name": value}),
+        ("queues/pause", {"queue": value}),
+        ("queues/resume", {"queue": value}),
+        ("jobs/pause", {"name": value}),
+        ("jobs/resume", {"name": value}),
+        ("jobs/delete", {"name": value}),
+        ("jobs/reschedule", {"name": value, "cron": cron}),
+        ("jobs/create", {"name": value, "task": "mail", "cron": cron, "args": {}}),
+        ("jobs/create", {"name": "mail-job", "task": value, "cron": cron, "args": {}}),
+    ]
+    return [
+        Case("GET", f"/api/{NAMESPACE}/tasks?queue={q}"),
+        Case("GET", f"/api/{NAMESPACE}/tasks?name={q}"),
+        Case("GET", f"/ui/{NAMESPACE}/tasks?queue={q}"),
+        Case("GET", f"/ui/{NAMESPACE}/tasks?name={q}"),
+        *(
+            Case("POST", f"/api/{NAMESPACE}/{route}", json.dumps(body).encode())
+            for route, body in bodies
+        ),
+    ]
+
+
+@pytest.mark.postgres
+def test_lookalike_names_are_refused_in_every_name_slot(seeded: Any) -> None:
+    """Filters, bulk actions, queue and job actions refuse a name the library would not
+    store, with a 422 and one line; nothing changes (no trimming turns " mail" into
+    "mail", and a blank queue does not select every task)."""
+    from steeple.postgres.queue import EnqueueOptions, Task, enqueue
+
+    def drive(harness: Harness, runner: asyncio.Runner) -> None:
+        async def go() -> None:
+            mail: Task[Any] = Task("mail")
+            await enqueue(
+                harness.pool, mail, {}, EnqueueOptions(queue="mail"), schema=harness.schema
+            )
+            for value in LOOKALIKE_NAMES:
+                for case in name_cases(value):
+                    await harness.check(case)
+                    response = await harness.http.request(
+                        case.method,
+                        case.target,
+                        content=case.body,
+                        headers={"content-type": "application/json", CSRF_HEADER: CSRF},
+                    )
+                    assert response.status_code == 422, (case, response.text[:300])
+
+        runner.run(go())
+
+    run_cases(seeded, drive)
+
+
+@pytest.mark.postgres
+def test_a_filter_on_a_padded_name_does_not_act_on_the_name(seeded: Any) -> None:
+    """A bulk cancel filtered on queue " mail" (or task " mail") neither previews nor
+    cancels the tasks of "mail"; the exact name does."""
+    from steeple.postgres.queue import EnqueueOptions, Task, enqueue, run_state
+
+    def drive(harness: Harness, runner: asyncio.Runner) -> None:
+        async def go() -> None:
+            headers = {"content-type": "application/json", CSRF_HEADER: CSRF}
+            mail: Task[Any] = Task("mail")
+            task_id = (
+                await enqueue(
+                    harness.pool, mail, {}, EnqueueOptions(queue="mail"), schema=harness.schema
+                )
+            ).id
+
+            async def preview(body: dict[str, str]) -> httpx.Response:
+                return await harness.http.post(
+                    f"/api/{NAMESPACE}/tasks/bulk-cancel", json=body, headers=headers
+                )
+
+            for body in ({"queue": " mail"}, {"name": " mail"}, {"queue": "   "}):
+                refused = await preview(body)
+                assert refused.status_code == 422, (body, refused.text)
+                detail = refused.json()["detail"]
+                assert any(w in detail for w in ("whitespace", "blank", "empty")), detail
+            listed = await harness.http.get(f"/api/{NAMESPACE}/tasks?queue=%20mail")
+            assert listed.status_code == 422
+            exact = await preview({"queue": "mail"})
+            assert exact.status_code == 200
+            assert exact.json()["task_ids"] == [task_id]
+            run = await run_state(harness.pool, task_id, schema=harness.schema)
+            assert run.state.value == "pending"
+
+        runner.run(go())
+
+    run_cases(seeded, drive)

@@ -451,3 +451,62 @@ def test_log_lines_of_the_command_are_escaped() -> None:
     assert lines[2] == "  File 'h.py'"
     for line in (lines[0], lines[3]):
         assert_shown_safely(line)
+
+
+# --- names: the library's one rule, exactly as typed --------------------------------------------
+
+LOOKALIKE_NAMES = ["mail\u200b", "\u202eliame-dnes", " mail", "mail ", "   ", "mail\u2028"]
+"""Names that look like "mail" (or like none): refused before anything is stored."""
+
+
+def name_commands(value: str) -> list[list[str]]:
+    cron = ["--cron", "* * * * *"]
+    return [
+        ["enqueue", value],
+        ["enqueue", "mail", "--queue", value],
+        ["tasks", "--name", value],
+        ["tasks", "list", "--name", value],
+        ["jobs", "create", value, "--task", "mail", *cron],
+        ["jobs", "create", "mail-job", "--task", value, *cron],
+        ["jobs", "ensure", value, "--task", "mail", *cron],
+        ["jobs", "pause", value],
+        ["jobs", "resume", value],
+        ["jobs", "reschedule", value, "* * * * *"],
+        ["jobs", "delete", value, "--yes"],
+        ["queues", "pause", value, "--yes"],
+        ["queues", "resume", value],
+        ["queues", "limit", value, "--max-running", "1"],
+    ]
+
+
+async def _stored(dsn: str, schema: str) -> tuple[Any, ...]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        row = await conn.fetchrow(
+            f"""SELECT (SELECT count(*) FROM "{schema}".tasks),
+                       (SELECT count(*) FROM "{schema}".jobs),
+                       (SELECT count(*) FROM "{schema}".settings)"""
+        )
+        assert row is not None
+        return tuple(row)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("value", LOOKALIKE_NAMES)
+async def test_lookalike_names_are_refused_by_every_command(seeded: Any, value: str) -> None:
+    """Usage (2), one line naming the rule, nothing stored; never trimmed into "mail"."""
+    env = seeded.env()
+    before = await _stored(seeded.dsn, seeded.schema)
+    for args in name_commands(value):
+        result = await asyncio.to_thread(
+            CliRunner().invoke, app, args, env=env, catch_exceptions=False
+        )
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert lines[0].startswith("steeple: error: "), (args, result.stderr)
+        assert len(lines) <= 2, (args, result.stderr)
+        assert any(w in lines[0] for w in ("whitespace", "blank", "invisible")), lines[0]
+        for raw in ("\u200b", "\u202e", "\u2028"):
+            assert raw not in result.output
+    assert await _stored(seeded.dsn, seeded.schema) == before
