@@ -44,6 +44,12 @@ SECRET = "Hunter2Secret"
         ("postgresql://u@h/db?pass%77ord=pw1", "postgresql://u@h/db?pass%77ord=***"),
         ("postgresql://u@h/db?sslpassword=pw1", "postgresql://u@h/db?sslpassword=***"),
         ("postgresql://u@h/db?password=a%26b&x", "postgresql://u@h/db?password=***&***"),
+        # a raw '&' in the password: its tail looks like a parameter of its own
+        ("postgresql://u@h?password=pw0&pw1tail=", "postgresql://u@h?password=***&***=***"),
+        (
+            "postgresql://u@h?password=pw0&pw1&sslmode=require",
+            "postgresql://u@h?password=***&***&sslmode=require",
+        ),
         ("postgresql://u@h/db?password", "postgresql://u@h/db?***"),
         ("postgresql://u@h/db?k%20ey=pw1", "postgresql://u@h/db?k%20ey=***"),
         ("postgresql://u@h/db?k;ey=pw1", "postgresql://u@h/db?***=***"),
