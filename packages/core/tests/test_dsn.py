@@ -262,3 +262,19 @@ def test_secrets_cover_every_reading_of_the_password() -> None:
     # values shown by redact_dsn are not secrets
     assert dsn_secrets("postgresql://u@h/db?sslmode=require") == ()
     assert dsn_secrets(None) == ()
+
+
+@pytest.mark.parametrize(
+    ("dsn", "text", "hidden"),
+    [
+        # libpq stops the password at the space; the '@' in it was percent-encoded.
+        ("postgresql://app:pw0%40pw1 @h", "error: pw0@pw1!", ("pw0", "pw1")),
+        # a raw '&' in a ?password= value: its tail reads as a parameter of its own.
+        ("postgresql://app@h?password=pw0&pw1tail=", "bad option pw1tail", ("pw1tail",)),
+    ],
+)
+def test_scrub_masks_every_reading_of_the_password(
+    dsn: str, text: str, hidden: tuple[str, ...]
+) -> None:
+    scrubbed = scrub(text, dsn)
+    assert [h for h in hidden if h in scrubbed] == [], scrubbed

@@ -441,8 +441,12 @@ def dsn_secrets(dsn: object) -> tuple[str, ...]:
                 found.update({value, written})
     pieces = set()
     for secret in found:
-        pieces.update({secret, _decode(secret)})
-        pieces.update(re.split(r"[@:/?#&=,'\\\s]", secret))
+        decoded = _decode(secret)
+        pieces.update({secret, decoded, decoded.strip(_CONNINFO_SPACE)})
+        # Fragments of the written and of the decoded form (a parser may stop at an
+        # encoded '@' or a space inside the value).
+        for form in (secret, decoded):
+            pieces.update(re.split(r"[@:/?#&=,'\\\s]", form))
     return tuple(sorted((p for p in pieces if len(p) >= 3), key=len, reverse=True))
 
 
