@@ -91,7 +91,7 @@ def one_line(text: str) -> str:
 
     The one escaping every output path uses (plain lines, errors, table cells): any given
     DSN's secrets masked, whitespace runs made one space, control, format (bidi) and
-    separator characters escaped as ``\\xNN``/``\\uNNNN``, lone surrogates escaped, at
+    separator characters escaped as ``\xNN``/``\uNNNN``, lone surrogates escaped, at
     most 1000 characters.
     """
     return _escaped(" ".join(_scrubbed(text).split()))
