@@ -636,3 +636,181 @@ def test_queue_pause_refuses_names_no_queue_can_have(seeded: Any) -> None:
         runner.run(go())
 
     run_cases(seeded, drive)
+
+
+# --- what the dashboard and the API show of a failure quoting the worker's DSN --------------
+
+
+@pytest.mark.postgres
+def test_a_failure_quoting_the_worker_dsn_shows_no_password(seeded: Any) -> None:
+    """The attempts API, the task API and the dashboard pages show what the worker stored:
+    a handler's error quoting the worker's own DSN arrives there with its password masked."""
+    from urllib.parse import urlsplit
+
+    from steeple.postgres.queue import JobContext, Scheduler, Task, enqueue, run_state
+
+    parts = urlsplit(seeded.dsn)
+    password = "Pw-dashboard-55810"
+    worker_dsn = (
+        f"postgresql://{parts.username or 'postgres'}:{password}@{parts.hostname}:"
+        f"{parts.port or 5432}{parts.path}"
+    )
+    task: Task[Any] = Task("leaky-dashboard")
+
+    async def handle(ctx: JobContext, args: Any) -> None:
+        raise ConnectionError(f"could not reach {worker_dsn} (password={password})")
+
+    async def fail_once(harness: Harness) -> int:
+        task_id = (await enqueue(harness.pool, task, None, schema=harness.schema)).id
+        worker = Scheduler(
+            worker_dsn, worker_id="dash-w", schema=harness.schema, poll_interval=0.05
+        )
+        worker.register(task, handle)
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run_until_shutdown(stop))
+        try:
+            for _ in range(1500):  # until the failure is stored (or the worker ended)
+                run = await run_state(harness.pool, task_id, schema=harness.schema)
+                if run.state.value == "failed" or running.done():
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+        assert run.state.value == "failed"
+        return int(task_id)
+
+    def drive(harness: Harness, runner: asyncio.Runner) -> None:
+        async def go() -> None:
+            task_id = await fail_once(harness)
+            for target in (
+                f"/api/{NAMESPACE}/tasks/{task_id}/attempts",
+                f"/api/{NAMESPACE}/tasks/{task_id}",
+                f"/api/{NAMESPACE}/tasks",
+                f"/ui/{NAMESPACE}/tasks/{task_id}",
+                f"/ui/{NAMESPACE}/tasks",
+            ):
+                response = await harness.http.get(target)
+                assert response.status_code == 200, (target, response.text[:300])
+                assert password not in response.text, target
+                assert "could not reach" in response.text, target
+            attempts = (await harness.http.get(f"/api/{NAMESPACE}/tasks/{task_id}/attempts")).json()
+            (attempt,) = attempts["items"]
+            assert "***" in attempt["error"]
+            assert "in handle" in attempt["traceback"]
+
+        runner.run(go())
+
+    run_cases(seeded, drive)
+
+
+# --- names: exact, by the library's one rule ------------------------------------------------
+
+LOOKALIKE_NAMES = [
+    "mail\u200b",
+    "\u202eliame-dnes",
+    " mail",
+    "mail ",
+    "   ",
+    "mail\u2028",
+    "\ufeffmail",
+    "\u3164",
+]
+"""Names that look like "mail" (or like no name): each refused where a name is read."""
+
+
+def name_cases(value: str) -> list[Case]:
+    q = escape(value)
+    cron = "* * * * *"
+    bodies: list[tuple[str, dict[str, object]]] = [
+        ("tasks/bulk-cancel", {"queue": value}),
+        ("tasks/bulk-cancel", {"name": value}),
+        ("tasks/bulk-retry", {"queue": value}),
+        ("tasks/bulk-retry", {"name": value}),
+        ("queues/pause", {"queue": value}),
+        ("queues/resume", {"queue": value}),
+        ("jobs/pause", {"name": value}),
+        ("jobs/resume", {"name": value}),
+        ("jobs/delete", {"name": value}),
+        ("jobs/reschedule", {"name": value, "cron": cron}),
+        ("jobs/create", {"name": value, "task": "mail", "cron": cron, "args": {}}),
+        ("jobs/create", {"name": "mail-job", "task": value, "cron": cron, "args": {}}),
+    ]
+    return [
+        Case("GET", f"/api/{NAMESPACE}/tasks?queue={q}"),
+        Case("GET", f"/api/{NAMESPACE}/tasks?name={q}"),
+        Case("GET", f"/ui/{NAMESPACE}/tasks?queue={q}"),
+        Case("GET", f"/ui/{NAMESPACE}/tasks?name={q}"),
+        *(
+            Case("POST", f"/api/{NAMESPACE}/{route}", json.dumps(body).encode())
+            for route, body in bodies
+        ),
+    ]
+
+
+@pytest.mark.postgres
+def test_lookalike_names_are_refused_in_every_name_slot(seeded: Any) -> None:
+    """Filters, bulk actions, queue and job actions refuse a name the library would not
+    store, with a 422 and one line; nothing changes (no trimming turns " mail" into
+    "mail", and a blank queue does not select every task)."""
+    from steeple.postgres.queue import EnqueueOptions, Task, enqueue
+
+    def drive(harness: Harness, runner: asyncio.Runner) -> None:
+        async def go() -> None:
+            mail: Task[Any] = Task("mail")
+            await enqueue(
+                harness.pool, mail, {}, EnqueueOptions(queue="mail"), schema=harness.schema
+            )
+            for value in LOOKALIKE_NAMES:
+                for case in name_cases(value):
+                    await harness.check(case)
+                    response = await harness.http.request(
+                        case.method,
+                        case.target,
+                        content=case.body,
+                        headers={"content-type": "application/json", CSRF_HEADER: CSRF},
+                    )
+                    assert response.status_code == 422, (case, response.text[:300])
+
+        runner.run(go())
+
+    run_cases(seeded, drive)
+
+
+@pytest.mark.postgres
+def test_a_filter_on_a_padded_name_does_not_act_on_the_name(seeded: Any) -> None:
+    """A bulk cancel filtered on queue " mail" (or task " mail") neither previews nor
+    cancels the tasks of "mail"; the exact name does."""
+    from steeple.postgres.queue import EnqueueOptions, Task, enqueue, run_state
+
+    def drive(harness: Harness, runner: asyncio.Runner) -> None:
+        async def go() -> None:
+            headers = {"content-type": "application/json", CSRF_HEADER: CSRF}
+            mail: Task[Any] = Task("mail")
+            task_id = (
+                await enqueue(
+                    harness.pool, mail, {}, EnqueueOptions(queue="mail"), schema=harness.schema
+                )
+            ).id
+
+            async def preview(body: dict[str, str]) -> httpx.Response:
+                return await harness.http.post(
+                    f"/api/{NAMESPACE}/tasks/bulk-cancel", json=body, headers=headers
+                )
+
+            for body in ({"queue": " mail"}, {"name": " mail"}, {"queue": "   "}):
+                refused = await preview(body)
+                assert refused.status_code == 422, (body, refused.text)
+                detail = refused.json()["detail"]
+                assert any(w in detail for w in ("whitespace", "blank", "empty")), detail
+            listed = await harness.http.get(f"/api/{NAMESPACE}/tasks?queue=%20mail")
+            assert listed.status_code == 422
+            exact = await preview({"queue": "mail"})
+            assert exact.status_code == 200
+            assert exact.json()["task_ids"] == [task_id]
+            run = await run_state(harness.pool, task_id, schema=harness.schema)
+            assert run.state.value == "pending"
+
+        runner.run(go())
+
+    run_cases(seeded, drive)

@@ -392,3 +392,122 @@ async def test_undecodable_and_huge_arguments_as_a_real_process(
 
     for argv, codes in cases:
         await one(argv, codes)
+
+
+# --- stored text printed by every output path ------------------------------------------------
+
+STORED = "\x1b[31mred\x1b[0m [bold]loud[/bold] :smile: \u202eevil\u2066x\u2069 a\u2028b\x85c\x07"
+"""Stored text that would steer a terminal (ESC, BEL, C1), spoof it (bidi override and
+isolate, line separator) or be read as rich markup or an emoji code."""
+
+
+def assert_shown_safely(text: str) -> None:
+    for raw in ("\x1b", "\x07", "\x85", "\u202e", "\u2066", "\u2069", "\u2028"):
+        assert raw not in text, (raw, text)
+    assert "\\x1b[31mred\\x1b[0m [bold]loud[/bold] :smile: \\u202eevil\\u2066x\\u2069" in text
+    assert "\U0001f604" not in text  # the emoji code is printed as written
+
+
+async def test_stored_text_is_escaped_in_tables_and_lines(seeded: Any) -> None:
+    """Tables (listings) and plain lines (tasks show) escape what handlers stored."""
+    from steeple.postgres import queue
+    from steeple.postgres.queue._sql import queue_sql
+
+    env = {**seeded.env(), "COLUMNS": "600"}
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        task: queue.Task[Any] = queue.Task("stored-text")
+        options = queue.EnqueueOptions(max_attempts=1)
+        task_id = (await queue.enqueue(conn, task, None, options, schema=seeded.schema)).id
+        sql = queue_sql(seeded.schema)
+        give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
+        (row,) = await conn.fetch(sql.claim, ["stored-text"], 1, "w", give_up)
+        await conn.fetch(sql.fail, task_id, row["lease_token"], STORED, "w", None, None, None)
+    finally:
+        await conn.close()
+    listed = await asyncio.to_thread(
+        CliRunner().invoke, app, ["tasks", "--state", "failed"], env=env, catch_exceptions=False
+    )
+    assert listed.exit_code == 0, listed.output
+    assert_shown_safely(listed.stdout)
+    shown = await asyncio.to_thread(
+        CliRunner().invoke, app, ["tasks", "show", str(task_id)], env=env, catch_exceptions=False
+    )
+    assert shown.exit_code == 0, shown.output
+    assert_shown_safely(shown.stdout)
+
+
+def test_log_lines_of_the_command_are_escaped() -> None:
+    """Library log records (a worker's failed attempts, with their traceback) are escaped
+    line by line, indentation kept."""
+    import logging
+
+    from steeple.admin._cli.output import LineFormatter
+
+    record = logging.LogRecord("steeple.postgres.queue", logging.ERROR, "x", 1, STORED, (), None)
+    record.exc_text = f"Traceback (most recent call last):\n  File 'h.py'\nLookupError: {STORED}"
+    text = LineFormatter("steeple: warning: %(message)s").format(record)
+    lines = text.split("\n")
+    assert len(lines) == 4
+    assert lines[2] == "  File 'h.py'"
+    for line in (lines[0], lines[3]):
+        assert_shown_safely(line)
+
+
+# --- names: the library's one rule, exactly as typed --------------------------------------------
+
+LOOKALIKE_NAMES = ["mail\u200b", "\u202eliame-dnes", " mail", "mail ", "   ", "mail\u2028"]
+"""Names that look like "mail" (or like none): refused before anything is stored."""
+
+
+def name_commands(value: str) -> list[list[str]]:
+    cron = ["--cron", "* * * * *"]
+    return [
+        ["enqueue", value],
+        ["enqueue", "mail", "--queue", value],
+        ["tasks", "--name", value],
+        ["tasks", "list", "--name", value],
+        ["jobs", "create", value, "--task", "mail", *cron],
+        ["jobs", "create", "mail-job", "--task", value, *cron],
+        ["jobs", "ensure", value, "--task", "mail", *cron],
+        ["jobs", "pause", value],
+        ["jobs", "resume", value],
+        ["jobs", "reschedule", value, "* * * * *"],
+        ["jobs", "delete", value, "--yes"],
+        ["queues", "pause", value, "--yes"],
+        ["queues", "resume", value],
+        ["queues", "limit", value, "--max-running", "1"],
+    ]
+
+
+async def _stored(dsn: str, schema: str) -> tuple[Any, ...]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        row = await conn.fetchrow(
+            f"""SELECT (SELECT count(*) FROM "{schema}".tasks),
+                       (SELECT count(*) FROM "{schema}".jobs),
+                       (SELECT count(*) FROM "{schema}".settings)"""
+        )
+        assert row is not None
+        return tuple(row)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("value", LOOKALIKE_NAMES)
+async def test_lookalike_names_are_refused_by_every_command(seeded: Any, value: str) -> None:
+    """Usage (2), one line naming the rule, nothing stored; never trimmed into "mail"."""
+    env = seeded.env()
+    before = await _stored(seeded.dsn, seeded.schema)
+    for args in name_commands(value):
+        result = await asyncio.to_thread(
+            CliRunner().invoke, app, args, env=env, catch_exceptions=False
+        )
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert lines[0].startswith("steeple: error: "), (args, result.stderr)
+        assert len(lines) <= 2, (args, result.stderr)
+        assert any(w in lines[0] for w in ("whitespace", "blank", "invisible")), lines[0]
+        for raw in ("\u200b", "\u202e", "\u2028"):
+            assert raw not in result.output
+    assert await _stored(seeded.dsn, seeded.schema) == before

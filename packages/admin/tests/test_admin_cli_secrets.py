@@ -713,3 +713,49 @@ def test_json_listing_never_shows_the_dsn(seeded: Any, pg_dsn: str) -> None:
     assert result.exit_code == 0, output_of(result)
     assert json.loads(result.stdout)["items"]
     assert_clean(output_of(result), seeded.keys.partition(":")[2], "json")
+
+
+@pytest.mark.parametrize("form", ["userinfo", "query"])
+async def test_a_worker_failure_quoting_its_dsn_reaches_no_command_output(
+    seeded: Any, form: str
+) -> None:
+    """A handler failing with the worker's own DSN in its message: the worker stored it
+    masked, so ``steeple tasks`` and ``tasks show`` (given a DSN without the password, so
+    their own scrubbing cannot help) print no password, in tables, lines or JSON."""
+    from steeple.postgres.queue import JobContext, Scheduler, Task, enqueue, run_state
+
+    worker_dsn = with_password(seeded.dsn, form)
+    task: Task[Any] = Task("leaky-cli")
+
+    async def handle(ctx: JobContext, args: Any) -> None:
+        raise ConnectionError(f"could not reach {worker_dsn}")
+
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        task_id = (await enqueue(conn, task, None, schema=seeded.schema)).id
+        worker = Scheduler(worker_dsn, worker_id="cli-w", schema=seeded.schema, poll_interval=0.05)
+        worker.register(task, handle)
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run_until_shutdown(stop))
+        try:
+            for _ in range(1500):  # until the failure is stored (or the worker ended)
+                run = await run_state(conn, task_id, schema=seeded.schema)
+                if run.state.value == "failed" or running.done():
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+        assert run.state.value == "failed"
+    finally:
+        await conn.close()
+    env = {**seeded.env(), "COLUMNS": "400"}  # the DSN without a password
+    for args in (
+        ["tasks", "--state", "failed"],
+        ["tasks", "show", str(task_id)],
+        ["tasks", "show", str(task_id), "--json"],
+    ):
+        result = await asyncio.to_thread(invoke, args, env)
+        assert result.exit_code == 0, output_of(result)
+        assert "could not reach" in output_of(result)
+        assert_clean(output_of(result), "", args)

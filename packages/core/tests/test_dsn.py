@@ -44,6 +44,12 @@ SECRET = "Hunter2Secret"
         ("postgresql://u@h/db?pass%77ord=pw1", "postgresql://u@h/db?pass%77ord=***"),
         ("postgresql://u@h/db?sslpassword=pw1", "postgresql://u@h/db?sslpassword=***"),
         ("postgresql://u@h/db?password=a%26b&x", "postgresql://u@h/db?password=***&***"),
+        # a raw '&' in the password: its tail looks like a parameter of its own
+        ("postgresql://u@h?password=pw0&pw1tail=", "postgresql://u@h?password=***&***=***"),
+        (
+            "postgresql://u@h?password=pw0&pw1&sslmode=require",
+            "postgresql://u@h?password=***&***&sslmode=require",
+        ),
         ("postgresql://u@h/db?password", "postgresql://u@h/db?***"),
         ("postgresql://u@h/db?k%20ey=pw1", "postgresql://u@h/db?k%20ey=***"),
         ("postgresql://u@h/db?k;ey=pw1", "postgresql://u@h/db?***=***"),
@@ -256,3 +262,19 @@ def test_secrets_cover_every_reading_of_the_password() -> None:
     # values shown by redact_dsn are not secrets
     assert dsn_secrets("postgresql://u@h/db?sslmode=require") == ()
     assert dsn_secrets(None) == ()
+
+
+@pytest.mark.parametrize(
+    ("dsn", "text", "hidden"),
+    [
+        # libpq stops the password at the space; the '@' in it was percent-encoded.
+        ("postgresql://app:pw0%40pw1 @h", "error: pw0@pw1!", ("pw0", "pw1")),
+        # a raw '&' in a ?password= value: its tail reads as a parameter of its own.
+        ("postgresql://app@h?password=pw0&pw1tail=", "bad option pw1tail", ("pw1tail",)),
+    ],
+)
+def test_scrub_masks_every_reading_of_the_password(
+    dsn: str, text: str, hidden: tuple[str, ...]
+) -> None:
+    scrubbed = scrub(text, dsn)
+    assert [h for h in hidden if h in scrubbed] == [], scrubbed

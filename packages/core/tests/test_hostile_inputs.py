@@ -869,3 +869,72 @@ def test_recurring_keyring_and_schema_errors_format_hostile_values() -> None:
     assert isinstance(unknown, core_errors.UnknownKeyIdError)
     with pytest.raises(ConfigurationError, match="not a valid FailureKind"):
         FailureKind("bogus")
+
+
+# --- the one name rule (steeple.core.names) --------------------------------------------------
+
+LOOKALIKE_NAMES = [
+    "mail\u200b",  # zero-width space: shown as "mail"
+    "\u202eliame-dnes",  # right-to-left override: shown as "send-email"
+    "\u2066mail\u2069",  # bidi isolates
+    "\ufeffmail",  # byte-order mark
+    "ma\u00adil",  # soft hyphen (format character)
+    " mail",
+    "mail ",
+    "\tmail",
+    "   ",
+    "\u3000",  # ideographic space only
+    "",
+    "mail\u2028",  # line separator
+    "mail\u2029",  # paragraph separator
+    "mail\x85",  # next line (C1 control)
+    "\u3164",  # Hangul filler: renders as nothing
+    "m\u034fail",  # combining grapheme joiner
+    "mail\x1b[31m",
+    "mail\x00",
+    "mail\ud800",
+    "mail\ue000",  # private use
+    "mail\U000e0001",  # language tag
+    "x" * 201,
+]
+
+
+@pytest.mark.parametrize("name", LOOKALIKE_NAMES)
+def test_the_one_name_rule_refuses_lookalikes_everywhere_in_core(name: str) -> None:
+    """Schedule names (definitions, the schedules cursor) and names checked by
+    steeple.core.names.check_name refuse what looks like another name, or like none."""
+    from steeple.core.config import validate_definition_name
+    from steeple.core.names import check_name, name_problem
+
+    problem = name_problem(name, "name")
+    assert problem is not None
+    assert "\n" not in problem
+    problem.encode("utf-8")
+    with pytest.raises(ConfigurationError):
+        check_name(name, "name")
+    with pytest.raises(ConfigurationError):
+        validate_definition_name(name)
+
+
+@pytest.mark.parametrize("name", ["mail", "e-mail box", "résumé", "邮件", "a\u00a0b", "📦 parcels"])
+def test_the_one_name_rule_keeps_readable_names(name: str) -> None:
+    from steeple.core.names import check_name
+
+    assert check_name(name, "name") == name
+
+
+def test_the_name_rule_raises_the_callers_error_types() -> None:
+    from steeple.core.names import check_name
+
+    class Mine(ValueError):
+        pass
+
+    class MineType(Mine, TypeError):
+        pass
+
+    with pytest.raises(Mine):
+        check_name(" x", "name", error=Mine, type_error=MineType)
+    with pytest.raises(MineType):
+        check_name(5, "name", error=Mine, type_error=MineType)
+    with pytest.raises(ConfigurationTypeError):
+        check_name(5, "name")

@@ -48,7 +48,20 @@ HOSTILE_QUEUES: list[tuple[object, type[Exception], str]] = [
     ("line\nbreak", QueueConfigurationError, "control character"),
     (42, QueueTypeError, "must be a str"),
     (b"bytes", QueueTypeError, "must be a str"),
+    # Names that look like another name, or like none: refused by the library's one name
+    # rule (steeple.core.names), as schedule names are.
+    ("mail\u200b", QueueConfigurationError, "format character.*U\\+200B at position 4"),
+    ("\u202eliame-dnes", QueueConfigurationError, "format character.*U\\+202E"),
+    ("\ufeffmail", QueueConfigurationError, "format character.*U\\+FEFF"),
+    (" mail", QueueConfigurationError, "start or end with whitespace"),
+    ("mail ", QueueConfigurationError, "start or end with whitespace"),
+    ("   ", QueueConfigurationError, "empty or blank"),
+    ("mail\u2028", QueueConfigurationError, "line separator"),
+    ("mail\u2029box", QueueConfigurationError, "paragraph separator"),
+    ("\u3164", QueueConfigurationError, "invisible filler"),
 ]
+NAME_RULE_BREAKERS = [value for value, _, _ in HOSTILE_QUEUES[7:]]
+"""The values only the name rule refuses (each a str a driver would store)."""
 
 
 async def _call(call: Callable[[], Any]) -> None:
@@ -127,11 +140,41 @@ async def test_hostile_queue_names_are_refused_everywhere_and_nothing_is_stored(
         lambda: limit_task(conn, bad, max_running=1, schema=schema),  # type: ignore[arg-type]
         lambda: Scheduler(dsn, worker_id="w", schema=schema, queues=[bad]),  # type: ignore[list-item]
         lambda: Scheduler(dsn, worker_id="w", schema=schema, queues={bad: 1}),  # type: ignore[dict-item]
+        lambda: admin.list_tasks(conn, schema=schema, queue=bad),  # type: ignore[arg-type]
     ]
     for call in calls:
         with pytest.raises(error, match=words):
             await _call(call)
     assert await _count(conn, schema) == 0
+    assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".settings') == 0
+    assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".jobs') == 0
+
+
+@pytest.mark.parametrize("bad", NAME_RULE_BREAKERS)
+async def test_task_job_and_worker_names_follow_the_one_name_rule(
+    queue: QueueFixture, bad: str
+) -> None:
+    """Task, job and worker names are refused as queue names are; nothing is stored."""
+    dsn, schema, conn = queue
+    await enqueue(conn, JOB, {}, schema=schema)  # a task a filter could wrongly select
+    calls: list[Callable[[], Any]] = [
+        lambda: Task(bad),
+        lambda: jobs.create(conn, bad, JOB, "* * * * *", {}, schema=schema),
+        lambda: jobs.ensure_job(conn, bad, JOB, "* * * * *", {}, schema=schema),
+        lambda: jobs.pause(conn, bad, schema=schema),
+        lambda: jobs.resume(conn, bad, schema=schema),
+        lambda: jobs.delete(conn, bad, schema=schema),
+        lambda: jobs.get(conn, bad, schema=schema),
+        lambda: limit_task(conn, bad, max_running=1, schema=schema),
+        lambda: admin.list_tasks(conn, schema=schema, task_name=bad),
+        lambda: admin.list_jobs(conn, schema=schema, after=bad),
+        lambda: Scheduler(dsn, worker_id=bad, schema=schema),
+    ]
+    for call in calls:
+        with pytest.raises(QueueConfigurationError) as caught:
+            await _call(call)
+        assert "\n" not in str(caught.value)
+    assert await _count(conn, schema) == 1
     assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".settings') == 0
     assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".jobs') == 0
 

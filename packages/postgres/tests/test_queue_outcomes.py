@@ -9,10 +9,12 @@ import functools
 import logging
 import math
 import threading
+import urllib.parse
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
+import asyncpg
 import pytest
 
 import queue_support
@@ -107,8 +109,11 @@ async def test_a_failure_records_type_message_and_traceback_and_logs_them(
     message = record.getMessage()
     for part in (str(done.id), "charge", "attempt 1/5", str(run.run_id), "failed for good"):
         assert part in message
-    assert record.exc_info is not None
-    assert record.exc_info[0] is RuntimeError
+    # The traceback rides as text (the recorded, scrubbed one), never the live exception.
+    assert record.exc_info is None
+    assert record.exc_text is not None
+    assert record.exc_text.endswith("RuntimeError: charging failed")
+    assert "PaymentDeclinedError: card declined for 12" in caplog.text
     assert getattr(record, "task_id", None) == done.id
     assert getattr(record, "run_id", None) == str(run.run_id)
     assert "4111-secret" not in caplog.text
@@ -618,3 +623,86 @@ async def test_undecodable_args_stay_terminal_under_a_retry_policy(queue: QueueF
     assert run.last_error is not None
     assert run.last_error.startswith("ArgsEncodingError: stored args of task 'shape'")
     assert run.history[0].error_type == "steeple.postgres.queue.errors.ArgsEncodingError"
+
+
+# --- the worker's own secrets ----------------------------------------------------------------
+
+
+def _with_password(dsn: str, form: str, password: str) -> str:
+    """``dsn`` (a URL without a password) carrying ``password`` in the given libpq form."""
+    parts = urllib.parse.urlsplit(dsn)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 5432
+    user, db = parts.username or "postgres", parts.path.lstrip("/")
+    if form == "userinfo":
+        return f"postgresql://{user}:{password}@{host}:{port}/{db}"
+    if form == "query":
+        return f"postgresql://{user}@{host}:{port}/{db}?password={password}"
+    return f"host={host} port={port} dbname={db} user={user} password={password}"
+
+
+@pytest.mark.parametrize("form", ["userinfo", "query", "keyvalue", "asyncpg_kwarg"])
+async def test_a_failure_quoting_the_worker_dsn_stores_and_logs_no_password(
+    queue: QueueFixture, caplog: pytest.LogCaptureFixture, form: str
+) -> None:
+    """A handler whose exception quotes the worker's own DSN (a driver error, a log line it
+    re-raises) leaves the password in neither the error, the traceback nor the log."""
+    import psycopg_pool
+
+    dsn, schema, conn = queue
+    password = f"Pw-{form}-93127"
+    pool: Any = None
+    if form == "keyvalue":
+        secret_dsn = _with_password(dsn, form, password)
+        pool = psycopg_pool.AsyncConnectionPool(secret_dsn, min_size=3, max_size=4, open=False)
+        await pool.open()
+        source: Any = pool
+    elif form == "asyncpg_kwarg":
+        secret_dsn = f"{dsn} password={password}"  # how a message might show both
+        pool = await asyncpg.create_pool(dsn, password=password, min_size=3, max_size=4)
+        source = pool
+    else:
+        secret_dsn = _with_password(dsn, form, password)
+        source = secret_dsn
+    task: Task[Any] = Task("leaky", retry=FAST)
+
+    async def handle(ctx: JobContext, args: Any) -> None:
+        try:
+            raise ConnectionError(f"could not connect: password={password!r}")
+        except ConnectionError as exc:
+            if ctx.attempt == 1:
+                raise JobError.retry(f"retrying {secret_dsn}") from exc
+            raise RuntimeError(f"gave up on {secret_dsn}") from exc
+
+    done = await enqueue(conn, task, None, schema=schema)
+    worker = Scheduler(
+        source, worker_id="out-w", schema=schema, poll_interval=0.05, maintenance_interval=0.05
+    )
+    worker.register(task, handle)
+    try:
+        with caplog.at_level(logging.WARNING, logger="steeple.postgres.queue"):
+            async with running(worker):
+                await wait_until(lambda: worker.stats.failed == 1)
+    finally:
+        if pool is not None:
+            await pool.close()
+    run = await run_state(conn, done.id, schema=schema)
+    assert (run.state.value, len(run.history)) == ("failed", 3)
+    stored = [run.last_error] + [a.error for a in run.history]
+    stored += [a.traceback for a in run.history]
+    for text in stored:
+        assert text is not None
+        assert password not in text
+        assert "***" in text
+    assert run.history[-1].traceback is not None
+    assert "in handle" in run.history[-1].traceback  # the rest of the traceback is kept
+    assert password not in caplog.text
+    assert [r.levelno for r in caplog.records if "leaky" in r.getMessage()] == [
+        logging.WARNING,
+        logging.WARNING,
+        logging.ERROR,
+    ]
+    (rows,) = await conn.fetch(
+        f'SELECT count(*) FROM "{schema}".attempts WHERE error LIKE $1 OR traceback LIKE $1',
+        f"%{password}%",
+    )
+    assert rows[0] == 0

@@ -56,6 +56,7 @@ from steeple.core.errors import (
     RecurringStorageError,
     SteepleError,
 )
+from steeple.core.names import check_name
 from steeple.core.policies import validate_budget
 from steeple.core.ports import RecurringStore
 from steeple.core.records import (
@@ -557,7 +558,7 @@ def create_admin_app(
         async def handler(request: Request, namespace: str) -> Response:
             body = await json_body(request)
             _fields(body, ("queue",))
-            name = _string_field(body, "queue")
+            name = _name(_string_field(body, "queue"), "queue")
             record = await (await tasks_of(namespace)).pause_queue(name, paused)
             return JSONResponse(record.to_json())
 
@@ -684,8 +685,8 @@ def create_admin_app(
         if not isinstance(queue, str):
             raise _bad_request("queue must be a string (the named queue its runs wait in)")
         job = await (await tasks_of(namespace)).create_job(
-            _string_field(body, "name"),
-            _string_field(body, "task"),
+            _name(_string_field(body, "name"), "job name"),
+            _name(_string_field(body, "task"), "task"),
             _string_field(body, "cron"),
             body["args"],
             timezone or "UTC",
@@ -703,7 +704,7 @@ def create_admin_app(
             if timezone is not None and not isinstance(timezone, str):
                 raise _bad_request("timezone must be a string (an IANA name such as UTC)")
             job = await (await tasks_of(namespace)).change_job(
-                verb, _string_field(body, "name"), cron, timezone
+                verb, _name(_string_field(body, "name"), "job name"), cron, timezone
             )
             return JSONResponse({"deleted": True} if job is None else job.to_json())
 
@@ -939,6 +940,11 @@ def _valid(check: Callable[[Any], T], value: object, reason: str | None = None) 
         raise _invalid(reason or str(exc)) from None
 
 
+def _name(value: str, what: str) -> str:
+    """Require a valid name by the library's one rule, exactly as given; else a 422."""
+    return _valid(lambda v: check_name(v, what), value)
+
+
 def _flag(raw: str | None, name: str) -> bool:
     if raw in (None, "", "0", "false"):
         return False
@@ -963,7 +969,12 @@ def _instant(raw: str, name: str) -> datetime:
 
 
 def _task_filter(params: Mapping[str, Any], strict: Mapping[str, Any] | None = None) -> TaskFilter:
-    """Read a task filter from query parameters (or a JSON body: ``strict`` checks types)."""
+    """Read a task filter from query parameters (or a JSON body: ``strict`` checks types).
+
+    Names are used exactly as given (never trimmed: a filter on ``" mail"`` must not act on
+    ``"mail"``) and refused (422, one line) unless valid by the library's one name rule;
+    an empty field (as an HTML form sends an unset filter) selects every task.
+    """
     if strict is not None:
         for key in ("state", "name", "since", "until", "queue"):
             if key in strict and not isinstance(strict[key], str):
@@ -979,8 +990,8 @@ def _task_filter(params: Mapping[str, Any], strict: Mapping[str, Any] | None = N
     until = params.get("until") or None
     return TaskFilter(
         state=state,
-        name=name.strip() if name and name.strip() else None,
-        queue=queue.strip() if queue and queue.strip() else None,
+        name=None if name is None else _name(name, "name (a task name)"),
+        queue=None if queue is None else _name(queue, "queue"),
         since=None if since is None or not since.strip() else _instant(since, "since"),
         until=None if until is None or not until.strip() else _instant(until, "until"),
     )

@@ -23,6 +23,7 @@ from typer.core import TyperGroup
 
 from steeple.admin import simulate_cli
 from steeple.admin._cli import demo, keys, queue, recurring, serve, worker
+from steeple.admin._cli.output import LineFormatter
 
 __all__ = ["app", "main"]
 
@@ -125,5 +126,8 @@ app.command(name="simulate")(simulate_cli.simulate)
 def main() -> None:
     """Run the ``steeple`` command."""
     # Library warnings (e.g. a superuser runtime role) go to stderr as one line each.
-    logging.basicConfig(level=logging.WARNING, format="steeple: warning: %(message)s")
+    # Their messages may quote stored text (a handler's error): escaped as every output is.
+    handler = logging.StreamHandler()
+    handler.setFormatter(LineFormatter("steeple: warning: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     app(prog_name="steeple")

@@ -376,7 +376,7 @@ class WorkQueueBroker(AsyncLifecycle):
 
         Raises:
             BrokerRejectedError: ``task_name`` failed on this message, or returned a name the
-                queue refuses (empty, over 200 characters, control characters): the same
+                queue refuses (see :mod:`steeple.core.names`): the same
                 message would fail the same way on every attempt.
         """
         try:

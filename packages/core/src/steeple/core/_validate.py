@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import enum
 import math
-import unicodedata
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from steeple.core.errors import ConfigurationError, ConfigurationTypeError, shown
 from steeple.core.errors import _plain as plain
+from steeple.core.names import check_name
 
 __all__ = [
     "INT64_MAX",
@@ -33,11 +33,6 @@ __all__ = [
 
 INT64_MAX = 2**63 - 1
 """The largest value a stored integer (PostgreSQL ``bigint``, SQLite ``INTEGER``) holds."""
-
-# Categories never allowed in a name-like string: controls (NUL, CR, LF...), format
-# characters (zero-width, bidi overrides), lone surrogates (no UTF-8 encoding exists),
-# private use, unassigned, and the Unicode line and paragraph separators.
-_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
 
 def _type_error(error: type[ValueError], message: str) -> ValueError:
@@ -99,27 +94,14 @@ def encodable(value: str, what: str, error: type[ValueError] = ConfigurationErro
 
 
 def text(value: object, what: str, *, max_len: int, error: type[ValueError]) -> str:
-    """Validate a non-empty, bounded, printable name-like string.
+    """Validate a name-like string by the library's one name rule (see :mod:`steeple.core.names`).
 
     Raises:
         error: not a str, empty or blank, longer than ``max_len``, holding a control,
-            invisible or unencodable character, or starting/ending with whitespace.
+            format, separator, invisible or unencodable character, or starting/ending with
+            whitespace.
     """
-    if not isinstance(value, str):
-        raise _type_error(error, f"{what} must be a str, not {type(value).__name__}")
-    if not value or not value.strip():
-        raise error(f"{what} must not be empty")
-    if len(value) > max_len:
-        raise error(f"{what} is {len(value)} characters; the limit is {max_len}")
-    for ch in value:
-        if unicodedata.category(ch) in _REFUSED_CATEGORIES:
-            raise error(
-                f"{what} contains a control, invisible or unencodable character "
-                f"{shown(ch)}; remove it"
-            )
-    if value != value.strip():
-        raise error(f"{what} must not start or end with whitespace")
-    return value
+    return check_name(value, what, max_len=max_len, error=error)
 
 
 def duration(value: object, what: str, error: type[ValueError]) -> timedelta:

@@ -195,9 +195,18 @@ def _redact_url(dsn: str) -> str:
     shown += hosts + path
     if query is not None:
         items = []
+        after_secret = False
         for item in query.split("&"):
             key, sep, value = item.partition("=")
+            if after_secret and _decode(key) not in SAFE_PARAMETERS:
+                # A raw '&' in a secret value makes its tail look like a parameter of its
+                # own: an unknown key after a secret may be a piece of it.
+                items.append(f"{MASK}={MASK}" if sep else MASK)
+                continue
             items.append(_shown_parameter(key, value if sep else None))
+            after_secret = (
+                after_secret or not sep or _secret_parameter(_decode(key), _decode(value))
+            )
         shown += "?" + "&".join(items)
     return shown
 
@@ -412,12 +421,17 @@ def dsn_secrets(dsn: object) -> tuple[str, ...]:
                 user = re.split(r"[:@]", userinfo, maxsplit=1)[0]
                 found.add(userinfo[len(user) + 1 :])
         query = rest.partition("?")[2]
+        after_secret = False
         for item in query.split("&") if query else ():
             key, sep, value = item.partition("=")
+            if after_secret and _decode(key) not in SAFE_PARAMETERS:
+                found.update({key, value})  # maybe the tail of a secret holding a raw '&'
             if not sep:
                 found.add(item)
+                after_secret = True
             elif _secret_parameter(_decode(key), _decode(value)):
                 found.update({value, _decode(value)})
+                after_secret = True
     else:
         pairs = _conninfo_pairs(dsn)
         if pairs is None:
@@ -427,8 +441,12 @@ def dsn_secrets(dsn: object) -> tuple[str, ...]:
                 found.update({value, written})
     pieces = set()
     for secret in found:
-        pieces.update({secret, _decode(secret)})
-        pieces.update(re.split(r"[@:/?#&=,'\\\s]", secret))
+        decoded = _decode(secret)
+        pieces.update({secret, decoded, decoded.strip(_CONNINFO_SPACE)})
+        # Fragments of the written and of the decoded form (a parser may stop at an
+        # encoded '@' or a space inside the value).
+        for form in (secret, decoded):
+            pieces.update(re.split(r"[@:/?#&=,'\\\s]", form))
     return tuple(sorted((p for p in pieces if len(p) >= 3), key=len, reverse=True))
 
 

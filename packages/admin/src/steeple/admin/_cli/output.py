@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import sys
+import unicodedata
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from steeple.postgres import PostgresRecurringStore
 
 __all__ = [
+    "LineFormatter",
     "check_limit",
     "confirm",
     "err",
@@ -67,23 +70,59 @@ def err() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-_CONTROL: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
+# Control characters (ESC, DEL, C1...), format characters (bidi overrides and isolates,
+# zero-width ones) and line/paragraph separators: from stored text -- a handler's error
+# message, a task's name or result -- they would steer the terminal or disguise what is
+# shown, so they are printed escaped.
+_HIDDEN: Final = frozenset({"Cc", "Cf", "Zl", "Zp"})
+_SUSPECT: Final = re.compile("[^\x20-\x7e]")
+
+
+def _escape_hidden(match: re.Match[str]) -> str:
+    ch = match.group()
+    if unicodedata.category(ch) not in _HIDDEN:
+        return ch
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def one_line(text: str) -> str:
-    """Scrub ``text`` of any given DSN's secrets and make it one bounded, printable line."""
+    r"""Return ``text`` as the command prints it: one bounded line, safe on a terminal.
+
+    The one escaping every output path uses (plain lines, errors, table cells): any given
+    DSN's secrets masked, whitespace runs made one space, control, format (bidi) and
+    separator characters escaped as ``\xNN``/``\uNNNN``, lone surrogates escaped, at
+    most 1000 characters.
+    """
+    return _escaped(" ".join(_scrubbed(text).split()))
+
+
+def _scrubbed(text: str) -> str:
     from steeple.core.dsn import scrub
 
     for dsn in (*given_dsns, os.environ.get(DSN_ENV)):
         if dsn:
             text = scrub(text, dsn)
-    text = " ".join(text.split())
-    # Other control characters (ESC, DEL, C1...) from stored text -- a handler's error
-    # message, a task's result -- would steer the terminal: shown escaped instead.
-    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return text
+
+
+def _escaped(line: str) -> str:
+    line = _SUSPECT.sub(_escape_hidden, line)
     # Lone surrogates (from undecodable arguments) cannot be written to stdout/stderr.
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= _MAX_LINE else text[: _MAX_LINE - 3] + "..."
+    line = line.encode("utf-8", "backslashreplace").decode("utf-8")
+    return line if len(line) <= _MAX_LINE else line[: _MAX_LINE - 3] + "..."
+
+
+class LineFormatter(logging.Formatter):
+    """Formats log records (a traceback included) as :func:`one_line` does each line.
+
+    Indentation is kept; every other control, format or separator character is escaped
+    and the DSNs' secrets are masked: a worker's log carries handlers' error messages.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Return the record formatted, each line scrubbed and escaped."""
+        return "\n".join(_escaped(line) for line in _scrubbed(super().format(record)).split("\n"))
 
 
 def say(text: str, *, stderr: bool = False) -> None:
@@ -214,15 +253,19 @@ def print_json(data: Any) -> None:
 
 
 def print_table(title: str, columns: Iterable[str], rows: Iterable[Sequence[str]]) -> None:
-    """Print a table on stdout (cells are text, never markup)."""
-    from rich.markup import escape
-    from rich.table import Table
+    """Print a table on stdout: every cell through :func:`one_line`, as text, never markup.
 
-    table = Table(title=escape(title))
+    Cells are rich ``Text`` (never parsed for markup or emoji codes): a stored ``[bold]``
+    prints as written.
+    """
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=Text(one_line(title)))
     for column in columns:
-        table.add_column(escape(column))
+        table.add_column(Text(one_line(column)))
     for row in rows:
-        table.add_row(*(escape(cell) for cell in row))
+        table.add_row(*(Text(one_line(cell)) for cell in row))
     out().print(table)
 
 

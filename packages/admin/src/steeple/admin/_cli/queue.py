@@ -110,9 +110,18 @@ def _check_state(state: str | None) -> None:
         )
 
 
+def _check_name(value: str, what: str) -> str:
+    """Refuse (usage) a value no name can be: the library's one name rule, exact (no trim)."""
+    from steeple.core.names import check_name
+
+    return output.typed(lambda: check_name(value, what), code=ExitCode.USAGE)
+
+
 def _list_tasks(where: Where, listing: Listing, state: str | None, name: str | None) -> None:
     output.check_limit(listing.limit)
     _check_state(state)
+    if name is not None:
+        guard(lambda: _check_name(name, "--name (a task name)"))
     target = guard(where.target)
 
     async def page(conn: Any) -> Any:
@@ -543,7 +552,8 @@ def _cron(cron: str, timezone: str | None = None) -> str:
     return cron
 
 
-def _job_call(where: Where, call: Callable[[Any, str], Awaitable[T]]) -> T:
+def _job_call(name: str, where: Where, call: Callable[[Any, str], Awaitable[T]]) -> T:
+    guard(lambda: _check_name(name, "job name"))
     target = guard(where.target)
 
     async def op(conn: Any) -> T:
@@ -583,6 +593,7 @@ def _declare(
     guard(lambda: _encodable(kind, value))
     declare = jobs.create if verb == "created" else jobs.ensure_job
     job = _job_call(
+        name,
         where,
         lambda conn, schema: declare(
             conn, name, kind, cron, value, options, schema=schema, timezone=timezone, queue=queue
@@ -663,7 +674,7 @@ def jobs_pause(name: JobNameArg, where: Where, as_json: JsonOpt = False) -> None
     """Stop a job making tasks (tasks it made still run). Idempotent."""
     from steeple.postgres.queue import jobs
 
-    job = _job_call(where, lambda conn, schema: jobs.pause(conn, name, schema=schema))
+    job = _job_call(name, where, lambda conn, schema: jobs.pause(conn, name, schema=schema))
     _say_job(job, "paused", as_json)
 
 
@@ -673,7 +684,7 @@ def jobs_resume(name: JobNameArg, where: Where, as_json: JsonOpt = False) -> Non
     """Resume a paused job from now (runs due while paused are not made up). Idempotent."""
     from steeple.postgres.queue import jobs
 
-    job = _job_call(where, lambda conn, schema: jobs.resume(conn, name, schema=schema))
+    job = _job_call(name, where, lambda conn, schema: jobs.resume(conn, name, schema=schema))
     _say_job(job, "resumed", as_json)
 
 
@@ -703,7 +714,7 @@ def jobs_reschedule(
             return jobs.reschedule(conn, name, cron, schema=schema)
         return jobs.reschedule(conn, name, cron, schema=schema, timezone=timezone)
 
-    job = _job_call(where, reschedule)
+    job = _job_call(name, where, reschedule)
     _say_job(job, "rescheduled", as_json)
 
 
@@ -713,9 +724,10 @@ def jobs_delete(name: JobNameArg, where: Where, yes: YesOpt = False) -> None:
     """Delete a job (tasks it already made are kept). Asks first; --yes skips the question."""
     from steeple.postgres.queue import jobs
 
+    guard(lambda: _check_name(name, "job name"))
     output.confirm(f"Delete the recurring job {name!r}?", yes=yes, what=f"delete job {name!r}")
 
-    _job_call(where, lambda conn, schema: jobs.delete(conn, name, schema=schema))
+    _job_call(name, where, lambda conn, schema: jobs.delete(conn, name, schema=schema))
     say(f"deleted job {name!r}")
 
 

@@ -37,12 +37,12 @@ import attrs
 from steeple.core.tasks import retry_decision
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
-from steeple.postgres.queue._failures import describe
+from steeple.postgres.queue._failures import describe, log_failure
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._json import storable_json
 from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._shared import LOG, WorkerEnv
-from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_name
+from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_text
 from steeple.postgres.queue.errors import (
     ArgsEncodingError,
     JobError,
@@ -144,7 +144,7 @@ class JobContext:
         # -0.0 is 0.0 here: the database has no negative zero, and the fraction means none.
         shown: dict[str, object] = {"fraction": value + 0.0}
         if message is not None:
-            shown["message"] = check_name(
+            shown["message"] = check_text(
                 message, "progress message", max_len=_MAX_PROGRESS_MESSAGE
             )
         text = storable_json(
@@ -415,7 +415,7 @@ class Executor:
     ) -> None:
         ctx = claimed.ctx
         _tracing.record_failure(exc)  # on the run's span, when tracing is active
-        failure = describe(exc)
+        failure = describe(exc, self._env.secrets)
         retry_after: timedelta | None = None
         if retryable:
             now = self._env.clock.now()
@@ -438,17 +438,21 @@ class Executor:
             if retry_after is not None
             else "failed for good"
         )
-        LOG.log(
+        log_failure(
+            LOG,
             logging.WARNING if retry_after is not None else logging.ERROR,
             "task %s (%s) attempt %s/%s, run %s, %s: %s",
-            ctx.task_id,
-            ctx.task_name,
-            ctx.attempt,
-            ctx.max_attempts,
-            ctx.run_id,
-            what,
-            failure.summary,
-            exc_info=None if isinstance(exc, JobError) else (type(exc), exc, exc.__traceback__),
+            (
+                ctx.task_id,
+                ctx.task_name,
+                ctx.attempt,
+                ctx.max_attempts,
+                ctx.run_id,
+                what,
+                failure.summary,
+            ),
+            failure,
+            with_traceback=not isinstance(exc, JobError),
             extra={
                 "task_id": ctx.task_id,
                 "task_name": ctx.task_name,

@@ -1,17 +1,22 @@
 """What is recorded of a failed attempt: the exception's type, message and traceback, bounded.
 
 Only what the handler's exception itself says is kept (its type, ``str()`` and the
-traceback's frames and source lines, no local variables), made storable (NUL and lone
-surrogates escaped) and bounded in UTF-8 bytes, cut at character boundaries.
+traceback's frames and source lines, no local variables), with the worker's own connection
+secrets masked (a handler that fails with its DSN in the message must not store or log the
+password: the failure is shown by the admin dashboard, its API and the CLI), made storable
+(NUL and lone surrogates escaped) and bounded in UTF-8 bytes, cut at character boundaries.
 """
 
 from __future__ import annotations
 
+import logging
 import traceback
-from typing import Final
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
 
 import attrs
 
+from steeple.core.dsn import MASK, dsn_secrets
 from steeple.postgres.queue._validate import storable_text
 
 __all__ = [
@@ -19,7 +24,10 @@ __all__ = [
     "MAX_TRACEBACK_BYTES",
     "Failure",
     "bounded_utf8",
+    "connection_secrets",
     "describe",
+    "log_failure",
+    "scrub_secrets",
     "summary",
 ]
 
@@ -66,6 +74,47 @@ def bounded_utf8(text: str, limit: int) -> str:
     return head + _ELIDED.format(elided) + tail
 
 
+def connection_secrets(source: object) -> tuple[str, ...]:
+    """Every secret a worker's connection source holds, longest first (for :func:`scrub_secrets`).
+
+    ``source`` is a DSN (either libpq form: see :func:`steeple.core.dsn.dsn_secrets`), an
+    asyncpg pool (its DSN and ``password`` connect arguments) or a psycopg_pool pool (its
+    ``conninfo`` and ``password`` keyword). Anything else holds none. Never raises.
+    """
+    found: set[str] = set()
+    dsns: list[object] = []
+    passwords: list[object] = []
+    if isinstance(source, str):
+        dsns.append(source)
+    else:
+        # asyncpg's Pool keeps what it connects with in these (create_pool(dsn, **kwargs)).
+        args = getattr(source, "_connect_args", None)
+        kwargs = getattr(source, "_connect_kwargs", None)
+        # psycopg_pool's AsyncConnectionPool: conninfo (either libpq form) and kwargs.
+        conninfo = getattr(source, "conninfo", None)
+        pool_kwargs = getattr(source, "kwargs", None)
+        if isinstance(args, tuple | list):
+            dsns.extend(args)
+        for extra in (kwargs, pool_kwargs):
+            if isinstance(extra, Mapping):
+                dsns.append(extra.get("dsn"))
+                dsns.append(extra.get("conninfo"))
+                passwords.append(extra.get("password"))
+        dsns.append(conninfo)
+    for dsn in dsns:
+        found.update(dsn_secrets(dsn))
+    found.update(p for p in passwords if isinstance(p, str) and p)
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def scrub_secrets(text: str, secrets: Iterable[str]) -> str:
+    """Return ``text`` with every one of ``secrets`` (longest first) masked."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, MASK)
+    return text
+
+
 def _type_name(exc: BaseException) -> str:
     kind = type(exc)
     module = getattr(kind, "__module__", None)
@@ -81,23 +130,63 @@ def _message(exc: BaseException) -> str:
         return "<the exception's message could not be read>"
 
 
-def _traceback(exc: BaseException) -> str:
+def _traceback(exc: BaseException, secrets: tuple[str, ...]) -> str:
     try:
         text = "".join(traceback.format_exception(exc))
     except Exception:  # __str__ failing again, a broken __traceback__...
         text = f"{type(exc).__name__} (its traceback could not be formatted)"
-    return bounded_utf8(storable_text(text), MAX_TRACEBACK_BYTES)
+    # Masked before the cut: a secret split by the elision would escape the mask.
+    return bounded_utf8(storable_text(scrub_secrets(text, secrets)), MAX_TRACEBACK_BYTES)
 
 
-def summary(exc: BaseException) -> str:
-    """Return ``"Type: message"`` for ``exc``: bounded, storable."""
-    text = f"{type(exc).__name__}: {_message(exc)}"
+def summary(exc: BaseException, secrets: Iterable[str] = ()) -> str:
+    """Return ``"Type: message"`` for ``exc``: ``secrets`` masked, bounded, storable."""
+    text = scrub_secrets(f"{type(exc).__name__}: {_message(exc)}", secrets)
     if len(text) > MAX_ERROR_TEXT:
         text = text[: MAX_ERROR_TEXT - 3] + "..."
     # Handlers' messages may hold NUL or lone surrogates, which PostgreSQL text cannot.
     return storable_text(text)
 
 
-def describe(exc: BaseException) -> Failure:
-    """Return what is recorded of ``exc``, a handler's exception."""
-    return Failure(summary=summary(exc), error_type=_type_name(exc), traceback=_traceback(exc))
+def describe(exc: BaseException, secrets: Iterable[str] = ()) -> Failure:
+    """Return what is recorded of ``exc``, a handler's exception, with ``secrets`` masked.
+
+    ``secrets`` are the worker's own (see :func:`connection_secrets`): they are masked in
+    the summary and the traceback (chained causes included) before either is bounded.
+    """
+    hidden = tuple(secrets)
+    return Failure(
+        summary=summary(exc, hidden),
+        error_type=_type_name(exc),
+        traceback=_traceback(exc, hidden),
+    )
+
+
+def log_failure(
+    logger: logging.Logger,
+    level: int,
+    message: str,
+    args: tuple[object, ...],
+    failure: Failure,
+    *,
+    with_traceback: bool,
+    extra: Mapping[str, Any],
+) -> None:
+    """Log a failed attempt with the recorded (scrubbed) traceback, never the live exception.
+
+    A record's ``exc_info`` would be formatted by the handler from the exception itself,
+    secrets included; the record carries the scrubbed text as ``exc_text`` instead, which
+    :class:`logging.Formatter` prints where it prints a traceback.
+    """
+    if not logger.isEnabledFor(level):
+        return
+    try:
+        path, line, function, _ = logger.findCaller(stacklevel=2)
+    except ValueError:
+        path, line, function = "(unknown file)", 0, "(unknown function)"
+    record = logger.makeRecord(
+        logger.name, level, path, line, message, args, None, function, dict(extra)
+    )
+    if with_traceback:
+        record.exc_text = failure.traceback.rstrip("\n")
+    logger.handle(record)

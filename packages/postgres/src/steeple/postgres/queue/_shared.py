@@ -168,6 +168,8 @@ class WorkerEnv:
     # clock, so neither wall clock's steps can void them for long.
     server_clock: RemoteClockEstimate = attrs.field(factory=RemoteClockEstimate)
     db_or_none: WorkerDb | None = None
+    secrets: tuple[str, ...] = ()
+    """The worker's own connection secrets, masked in every failure it records or logs."""
 
     @property
     def db(self) -> WorkerDb:

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Final
 
 from steeple.core.limits import MAX_NAME_LENGTH
+from steeple.core.names import check_name as core_check_name
 from steeple.postgres.queue.errors import QueueConfigurationError, QueueTypeError
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "check_queue",
     "check_seconds",
     "check_task_id",
+    "check_text",
     "check_timedelta",
     "storable_text",
 ]
@@ -38,7 +40,27 @@ _REFUSED_CATEGORIES: Final = frozenset({"Cc", "Cs"})
 
 
 def check_name(value: object, what: str, *, max_len: int = MAX_NAME_LENGTH) -> str:
+    """Return ``value`` if it is a valid name by the library's one rule (:mod:`steeple.core.names`).
+
+    For every name the queue stores and an operator filters on: queue, task, job and worker
+    names. Compared exactly: nothing is trimmed.
+
+    Raises:
+        QueueTypeError: not a str.
+        QueueConfigurationError: empty or blank, too long, leading or trailing whitespace,
+            or a control, format (zero-width, bidi), separator, invisible or unencodable
+            character.
+    """
+    return core_check_name(
+        value, what, max_len=max_len, error=QueueConfigurationError, type_error=QueueTypeError
+    )
+
+
+def check_text(value: object, what: str, *, max_len: int = MAX_NAME_LENGTH) -> str:
     """Return ``value`` if it is a str of 1..max_len characters, none control or surrogate.
+
+    For short free text the queue stores but never treats as a name: a dedup key (derived
+    from the caller's data, compared only by the database) and a progress message.
 
     Raises:
         QueueTypeError: not a str.
@@ -68,7 +90,7 @@ def check_queue(value: object) -> str:
 
     Raises:
         QueueTypeError: not a str.
-        QueueConfigurationError: empty, too long, or a control character / lone surrogate.
+        QueueConfigurationError: not a valid name (see :func:`check_name`).
     """
     return check_name(value, "queue")
 

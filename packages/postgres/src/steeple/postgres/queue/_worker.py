@@ -61,6 +61,7 @@ from steeple.postgres.queue._execution import (
     Registration,
     check_handler,
 )
+from steeple.postgres.queue._failures import connection_secrets, scrub_secrets
 from steeple.postgres.queue._maintenance import Maintainer
 from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._renewal import Renewer
@@ -275,6 +276,7 @@ class Scheduler:
             random=random or SystemRandom(),
             status=WorkerStatus(listen=listen),
             stats=self.stats,
+            secrets=connection_secrets(pool_or_dsn),
         )
 
     def __repr__(self) -> str:
@@ -404,7 +406,8 @@ class Scheduler:
                 await self._check_fit(env.db)
             except DB_ERRORS as exc:
                 raise QueueUnavailableError(
-                    f"the worker could not start: {type(exc).__name__}: {exc}"
+                    "the worker could not start: "
+                    + scrub_secrets(f"{type(exc).__name__}: {exc}", env.secrets)
                 ) from exc
             env.status.started()
             wakeups = Wakeups(env)

@@ -17,6 +17,7 @@ from steeple.postgres.queue._validate import (
     check_int,
     check_name,
     check_queue,
+    check_text,
     check_timedelta,
 )
 from steeple.postgres.queue.errors import (
@@ -290,7 +291,7 @@ def _check_delay(_i: object, _a: object, value: Any) -> None:
 
 def _check_dedup(_i: object, _a: object, value: Any) -> None:
     if value is not None:
-        _check_name(value, "dedup_key")
+        check_text(value, "dedup_key")
 
 
 def _check_backoff(_i: object, _a: object, value: Any) -> None:
