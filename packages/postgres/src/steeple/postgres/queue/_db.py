@@ -132,8 +132,8 @@ class _AsyncpgDb:
         async with self._pool.acquire(timeout=timeout) as conn:
             try:
                 return [tuple(r) for r in await conn.fetch(sql, *args, timeout=timeout)]
-            except BaseException as exc:
-                _discard_if_unsure(conn, exc)
+            except BaseException:
+                _discard(conn)
                 raise
 
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
@@ -149,11 +149,10 @@ class _AsyncpgDb:
                         await asyncio.wait_for(work, 1.0)
                     raise TimeoutError(f"no answer within {timeout} s")
                 return work.result()
-            except BaseException as exc:
+            except BaseException:
                 if not work.done():
-                    _terminate(conn)
                     work.cancel()
-                _discard_if_unsure(conn, exc)
+                _discard(conn)
                 raise
 
     async def listen(
@@ -171,30 +170,34 @@ class _AsyncpgDb:
             on_notify(payload if isinstance(payload, str) else "")
 
         async with self._pool.acquire() as conn:
-            conn.add_termination_listener(lambda _c: lost.set())
-            # Named so operators (and tests) can tell the listener apart.
-            await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
-            await conn.execute(_SET_KEEPALIVES)
-            await conn.add_listener(channel, notified)
-            if on_listening is not None:
-                on_listening()
-            on_notify("")  # anything enqueued while nobody was listening
             try:
+                conn.add_termination_listener(lambda _c: lost.set())
+                # Named so operators (and tests) can tell the listener apart.
+                await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
+                await conn.execute(_SET_KEEPALIVES)
+                await conn.add_listener(channel, notified)
+                if on_listening is not None:
+                    on_listening()
+                on_notify("")  # anything enqueued while nobody was listening
                 while not stop.is_set() and not lost.is_set():
                     await _wait_any((stop, lost), 5.0)
                     if not stop.is_set() and not lost.is_set():
                         # A cheap probe: a silently dead socket fails here.
                         async with asyncio.timeout(5.0):
                             await conn.execute("SELECT 1")
-            finally:
-                if not _is_closed(conn):
-                    try:
-                        async with asyncio.timeout(2.0):
-                            await conn.remove_listener(channel, notified)
-                    except _UNLISTEN_ERRORS:
-                        # Unreachable (or we are being cancelled): never pool it again.
-                        _terminate(conn)
-                        raise
+            except BaseException:
+                # Whatever failed, the connection is never used again (nor UNLISTENed: a
+                # statement on a broken session fails, or waits on a dead socket).
+                _terminate(conn)
+                raise
+            if not _is_closed(conn):
+                try:
+                    async with asyncio.timeout(2.0):
+                        await conn.remove_listener(channel, notified)
+                except _UNLISTEN_ERRORS:
+                    # Unreachable (or we are being cancelled): never pool it again.
+                    _terminate(conn)
+                    raise
         if lost.is_set() and not stop.is_set():
             raise ConnectionError("the listener connection was closed")
 
@@ -207,17 +210,16 @@ class _AsyncpgDb:
             self._pool.terminate()
 
 
-def _discard_if_unsure(conn: Any, exc: BaseException) -> None:
-    """Close a pooled connection whose protocol state is unknown after ``exc``.
+def _discard(conn: Any) -> None:
+    """Close a pooled connection on which an operation failed, whatever the failure.
 
-    A server-reported error leaves the connection in sync. A timed-out or cancelled
-    statement may still be running, and a cut connection may be mid-message: handing
-    either back to the pool would poison the next user.
+    It is never handed back to the pool: a cut connection may be mid-message, a timed-out
+    or cancelled statement may still run, and a session ended by the server (say by
+    ``pg_terminate_backend``) reports the end as an ordinary server error while its
+    protocol waits for an answer that never comes. The next user of any of them would fail
+    ("another operation is in progress") or block; a new connection costs one round trip.
     """
-    in_sync = isinstance(exc, asyncpg.PostgresError) and not isinstance(
-        exc, asyncpg.exceptions.QueryCanceledError
-    )
-    if not in_sync and not _is_closed(conn):
+    if not _is_closed(conn):
         _terminate(conn)
 
 
@@ -249,11 +251,19 @@ class _PsycopgDb:
 
     async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
         async with asyncio.timeout(timeout), self._pool.connection() as conn:
-            return await _driver.fetch(conn, sql, *args)
+            try:
+                return await _driver.fetch(conn, sql, *args)
+            except BaseException:
+                await _close_psycopg(conn)
+                raise
 
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
         async with asyncio.timeout(timeout), self._pool.connection() as conn:
-            return await fn(conn)
+            try:
+                return await fn(conn)
+            except BaseException:
+                await _close_psycopg(conn)
+                raise
 
     async def listen(
         self,
@@ -285,6 +295,12 @@ class _PsycopgDb:
 
     async def close(self) -> None:
         await self._pool.close()
+
+
+async def _close_psycopg(conn: Any) -> None:
+    """Close a psycopg connection on which an operation failed: the pool then replaces it."""
+    with contextlib.suppress(Exception):
+        await conn.close()
 
 
 def open_db(pool: Any) -> WorkerDb | None:

@@ -454,7 +454,12 @@ class Scheduler:
                     min_size=2,
                     max_size=8,
                     max_inactive_connection_lifetime=60,
-                    server_settings=dict(SERVER_SETTINGS),
+                    # Named per worker: operators (and tests) find its sessions in
+                    # pg_stat_activity, as they find its listener.
+                    server_settings={
+                        **SERVER_SETTINGS,
+                        "application_name": f"steeple-queue {self.worker_id}"[:63],
+                    },
                 )
         except (ValueError, TypeError) as exc:
             # asyncpg parses the DSN here (a bad port, an unknown option...).
