@@ -18,6 +18,9 @@ the proxy's mode can be switched at any time:
 - ``cut_reply_after(trigger)``: one shot: the connection that executes a statement
   holding ``trigger`` is cut at the server's answer to it, which is dropped (an
   ambiguous autocommit);
+- ``refuse()``: the server is down: every current connection is aborted and each new
+  one is reset (TCP RST) as soon as it is accepted, counted in ``refused``, until
+  ``pass_through()``;
 - ``reset()``: abort every current connection with a TCP RST on both sides;
 - ``cut_after(n)``: one shot: after ``n`` more bytes are forwarded (either way), abort
   that connection;
@@ -424,6 +427,7 @@ class FaultProxy:
         commits_cut: COMMITs after which a connection was cut.
         cuts: connections cut by :meth:`cut_after` or :meth:`cut_at_client_chunk`.
         replies_cut: connections cut by :meth:`cut_reply_after`.
+        refused: connection attempts reset at once while :meth:`refuse` was on.
         backend_pids: pids of every PostgreSQL backend that served a connection through
             this proxy (read from BackendKeyData), kept after the connection ends.
     """
@@ -460,6 +464,8 @@ class FaultProxy:
         self._awaiting_ready = False
         self._reply_trigger: bytes | None = None
         self.replies_cut = 0
+        self.refused = 0
+        self._refusing = False
         self._forward_commit = True
         self._handlers: set[asyncio.Task[None]] = set()
 
@@ -517,9 +523,15 @@ class FaultProxy:
     # --- modes -------------------------------------------------------------------------
 
     def pass_through(self) -> None:
-        """Forward everything without delay; resume blackholed connections."""
+        """Forward everything without delay; resume blackholed connections; accept again."""
         self._delay = 0.0
+        self._refusing = False
         self._flowing.set()
+
+    def refuse(self) -> None:
+        """Act as a stopped server: abort every connection, reset each new one at once."""
+        self._refusing = True
+        self.reset()
 
     def delay(self, seconds: float) -> None:
         """Deliver every chunk, both ways, ``seconds`` after it was read."""
@@ -603,6 +615,11 @@ class FaultProxy:
         assert task is not None
         self._handlers.add(task)
         self.accepted += 1
+        if self._refusing:
+            self.refused += 1
+            _abort(writer)
+            self._handlers.discard(task)
+            return
         try:
             try:
                 upstream = await open_pg(self.upstream_host, self.upstream_port)

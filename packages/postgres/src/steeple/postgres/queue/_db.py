@@ -96,7 +96,12 @@ class WorkerDb(Protocol):
         ...
 
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
-        """Run ``fn(conn)`` on one pooled connection within ``timeout`` seconds."""
+        """Run ``fn(conn)`` on one pooled connection within ``timeout`` seconds.
+
+        ``fn`` may be run a second time, on another connection, when the first refused
+        its first statement unsent (it had broken while idle in the pool): ``fn`` is one
+        transaction, or reads only.
+        """
         ...
 
     async def listen(
@@ -128,32 +133,59 @@ class _AsyncpgDb:
     def max_size(self) -> int:
         return int(self._pool.get_max_size())
 
-    async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
-        async with self._pool.acquire(timeout=timeout) as conn:
+    async def _on_fresh(
+        self, use: Callable[[Any], Awaitable[T]], acquire_timeout: float | None
+    ) -> T:
+        """Run ``use(conn)`` on a pooled connection, which is discarded if anything fails.
+
+        A connection whose backend ended while it sat idle in the pool (say by
+        ``pg_terminate_backend``) can still look open: asyncpg refuses the first statement
+        on it (``InternalClientError``) before sending anything. Nothing ran, so ``use``
+        runs again on another connection.
+        """
+        # Every idle connection may have been ended at once: try each, then a new one.
+        for _ in range(self.max_size()):
+            async with self._pool.acquire(timeout=acquire_timeout) as conn:
+                try:
+                    return await use(conn)
+                except asyncpg.exceptions.InternalClientError as exc:
+                    _discard(conn)
+                    if not _never_sent(exc):
+                        raise
+                except BaseException:
+                    _discard(conn)
+                    raise
+        async with self._pool.acquire(timeout=acquire_timeout) as conn:
             try:
-                return [tuple(r) for r in await conn.fetch(sql, *args, timeout=timeout)]
+                return await use(conn)
             except BaseException:
                 _discard(conn)
                 raise
 
+    async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        async def run(conn: Any) -> list[tuple[Any, ...]]:
+            return [tuple(r) for r in await conn.fetch(sql, *args, timeout=timeout)]
+
+        return await self._on_fresh(run, timeout)
+
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
-        async with self._pool.acquire(timeout=timeout) as conn:
+        async def run(conn: Any) -> T:
             work = asyncio.ensure_future(fn(conn))
             try:
                 done, _ = await asyncio.wait({work}, timeout=timeout)
-                if not done:
-                    # Cancelling alone is not enough: a ROLLBACK on the way out would wait
-                    # on the same dead socket. Closing the connection fails all its I/O.
-                    _terminate(conn)
-                    with contextlib.suppress(BaseException):
-                        await asyncio.wait_for(work, 1.0)
-                    raise TimeoutError(f"no answer within {timeout} s")
-                return work.result()
             except BaseException:
-                if not work.done():
-                    work.cancel()
-                _discard(conn)
+                work.cancel()
                 raise
+            if not done:
+                # Cancelling alone is not enough: a ROLLBACK on the way out would wait on
+                # the same dead socket. Closing the connection fails all its I/O.
+                _terminate(conn)
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(work, 1.0)
+                raise TimeoutError(f"no answer within {timeout} s")
+            return work.result()
+
+        return await self._on_fresh(run, timeout)
 
     async def listen(
         self,
@@ -164,32 +196,25 @@ class _AsyncpgDb:
         *,
         on_listening: Callable[[], None] | None = None,
     ) -> None:
-        lost = asyncio.Event()
-
         def notified(_conn: object, _pid: int, _channel: str, payload: object) -> None:
             on_notify(payload if isinstance(payload, str) else "")
 
-        async with self._pool.acquire() as conn:
-            try:
-                conn.add_termination_listener(lambda _c: lost.set())
-                # Named so operators (and tests) can tell the listener apart.
-                await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
-                await conn.execute(_SET_KEEPALIVES)
-                await conn.add_listener(channel, notified)
-                if on_listening is not None:
-                    on_listening()
-                on_notify("")  # anything enqueued while nobody was listening
-                while not stop.is_set() and not lost.is_set():
-                    await _wait_any((stop, lost), 5.0)
-                    if not stop.is_set() and not lost.is_set():
-                        # A cheap probe: a silently dead socket fails here.
-                        async with asyncio.timeout(5.0):
-                            await conn.execute("SELECT 1")
-            except BaseException:
-                # Whatever failed, the connection is never used again (nor UNLISTENed: a
-                # statement on a broken session fails, or waits on a dead socket).
-                _terminate(conn)
-                raise
+        async def run(conn: Any) -> bool:
+            lost = asyncio.Event()  # this connection's (an earlier one may still report)
+            conn.add_termination_listener(lambda _c: lost.set())
+            # Named so operators (and tests) can tell the listener apart.
+            await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
+            await conn.execute(_SET_KEEPALIVES)
+            await conn.add_listener(channel, notified)
+            if on_listening is not None:
+                on_listening()
+            on_notify("")  # anything enqueued while nobody was listening
+            while not stop.is_set() and not lost.is_set():
+                await _wait_any((stop, lost), 5.0)
+                if not stop.is_set() and not lost.is_set():
+                    # A cheap probe: a silently dead socket fails here.
+                    async with asyncio.timeout(5.0):
+                        await conn.execute("SELECT 1")
             if not _is_closed(conn):
                 try:
                     async with asyncio.timeout(2.0):
@@ -198,7 +223,9 @@ class _AsyncpgDb:
                     # Unreachable (or we are being cancelled): never pool it again.
                     _terminate(conn)
                     raise
-        if lost.is_set() and not stop.is_set():
+            return lost.is_set()
+
+        if await self._on_fresh(run, None) and not stop.is_set():
             raise ConnectionError("the listener connection was closed")
 
     async def close(self) -> None:
@@ -221,6 +248,15 @@ def _discard(conn: Any) -> None:
     """
     if not _is_closed(conn):
         _terminate(conn)
+
+
+def _never_sent(exc: BaseException) -> bool:
+    """Tell whether asyncpg refused a statement before sending it: its protocol was busy.
+
+    asyncpg says so only in the message ("cannot switch to state N; another operation
+    is in progress"); anything else is not known to be unsent.
+    """
+    return str(exc).startswith("cannot switch to state")
 
 
 def _terminate(conn: Any) -> None:

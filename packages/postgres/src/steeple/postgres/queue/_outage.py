@@ -27,7 +27,7 @@ __all__ = ["REPORT_EVERY", "DatabaseReporter", "Retry", "unreachable"]
 
 LOG: Final = logging.getLogger("steeple.postgres.queue")
 
-REPORT_EVERY: Final = 10.0
+REPORT_EVERY = 10.0
 """Seconds between the summary lines of one outage."""
 
 
@@ -65,9 +65,9 @@ class DatabaseReporter:
     """The worker's one report of an unreachable database: rate-limited logs, a health line."""
 
     def __init__(
-        self, *, every: float = REPORT_EVERY, now: Callable[[], float] = time.monotonic
+        self, *, every: float | None = None, now: Callable[[], float] = time.monotonic
     ) -> None:
-        self._every = every
+        self._every = REPORT_EVERY if every is None else every
         self._now = now
         self._streak: FailureStreak | None = None
         self._latest = ""
@@ -84,8 +84,8 @@ class DatabaseReporter:
         self._streak, report = streak_failed(self._streak, self._now(), self._every)
         if report is StreakReport.BEGAN:
             LOG.warning(
-                "database unreachable (%s); every loop retries with backoff (up to %g s "
-                "apart) and one summary is logged every %g s until it answers again",
+                "database connection failed (%s); every loop retries with backoff (up to %g "
+                "s apart), with one summary every %g s while the database is unreachable",
                 self._latest,
                 DATABASE_RETRY.maximum.total_seconds(),
                 self._every,

@@ -451,7 +451,10 @@ class Scheduler:
             async with asyncio.timeout(self._env.timeout):
                 pool: asyncpg.Pool = await asyncpg.create_pool(
                     dsn,
-                    min_size=2,
+                    # No floor: asyncpg would restore it in the background while the
+                    # database is down, logging a traceback for each attempt; the loops
+                    # open what they need, with their own backoff and one report.
+                    min_size=0,
                     max_size=8,
                     max_inactive_connection_lifetime=60,
                     # Named per worker: operators (and tests) find its sessions in
