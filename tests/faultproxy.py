@@ -22,6 +22,8 @@ the proxy's mode can be switched at any time:
   one is reset (TCP RST) as soon as it is accepted, counted in ``refused``, until
   ``pass_through()``;
 - ``reset()``: abort every current connection with a TCP RST on both sides;
+- ``cut_before(trigger)``: one shot: the client chunk holding ``trigger`` (say a
+  statement's text) is dropped and its connection reset: the server never sees it;
 - ``cut_after(n)``: one shot: after ``n`` more bytes are forwarded (either way), abort
   that connection;
 - ``cut_at_client_chunk(n)``: one shot: drop the ``n``-th client chunk from now and
@@ -302,6 +304,7 @@ class _Link:
             if item is None:
                 if proxy._eof_delay:
                     # The peer's close travels slower than its last words.
+                    proxy.eofs_held += 1
                     await asyncio.sleep(proxy._eof_delay)
                 with contextlib.suppress(OSError, RuntimeError):
                     writer.write_eof()
@@ -328,6 +331,11 @@ class _Link:
                 await proxy._flowing.wait()
                 if self.is_cut():
                     return
+            if upstream and proxy._drop_trigger is not None and proxy._drop_trigger in data:
+                proxy._drop_trigger = None
+                proxy.cuts += 1
+                self.abort()  # this chunk never reaches the server
+                return
             if upstream and proxy._cut_chunk is not None:
                 proxy._cut_chunk -= 1
                 if proxy._cut_chunk <= 0:
@@ -425,9 +433,12 @@ class FaultProxy:
         port: the local port it listens on (after :meth:`start`).
         accepted: connections accepted so far.
         commits_cut: COMMITs after which a connection was cut.
-        cuts: connections cut by :meth:`cut_after` or :meth:`cut_at_client_chunk`.
+        cuts: connections cut by :meth:`cut_after`, :meth:`cut_at_client_chunk` or
+            :meth:`cut_before`.
         replies_cut: connections cut by :meth:`cut_reply_after`.
         refused: connection attempts reset at once while :meth:`refuse` was on.
+        eofs_held: ends of stream held back by :meth:`delay_close` (counted when the data
+            before them has been delivered).
         backend_pids: pids of every PostgreSQL backend that served a connection through
             this proxy (read from BackendKeyData), kept after the connection ends.
     """
@@ -465,7 +476,9 @@ class FaultProxy:
         self._reply_trigger: bytes | None = None
         self.replies_cut = 0
         self.refused = 0
+        self.eofs_held = 0
         self._refusing = False
+        self._drop_trigger: bytes | None = None
         self._forward_commit = True
         self._handlers: set[asyncio.Task[None]] = set()
 
@@ -576,6 +589,10 @@ class FaultProxy:
         for link in list(self._links):
             link.abort()
 
+    def cut_before(self, trigger: bytes) -> None:
+        """Drop the next client chunk holding ``trigger`` and reset its connection (one shot)."""
+        self._drop_trigger = trigger
+
     def cut_after(self, n: int) -> None:
         """Abort the connection that forwards the ``n``-th byte from now (one shot)."""
         self._cut_budget = n
@@ -607,6 +624,7 @@ class FaultProxy:
         self._blackhole_trigger = None
         self._awaiting_ready = False
         self._reply_trigger = None
+        self._drop_trigger = None
 
     # --- relaying ----------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+import faultprobe
 import queue_support
 import steeple.postgres.queue._outage as outage_module
 from faultproxy import FaultProxy
@@ -276,3 +277,75 @@ async def test_a_terminate_storm_reuses_no_broken_connection_and_loses_no_outcom
     )
     assert "InternalClientError" not in text
     assert "another operation" not in text
+
+
+async def test_a_failure_outcome_cut_on_its_way_is_written_again_before_the_lease_lapses(
+    queue: tuple[str, str, asyncpg.Connection], fault_proxy: FaultProxy
+) -> None:
+    """The connection carrying a failed attempt's outcome dies before the server sees it:
+    the worker writes it again on another connection, and the task is retried as it asked,
+    not recovered (and run again) after its lease lapses."""
+    dsn, schema, conn = queue
+    runs: list[int] = []
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        runs.append(ctx.attempt)
+        if ctx.attempt == 1:
+            raise JobError.retry("once more", delay=timedelta(milliseconds=10))
+
+    worker = Scheduler(
+        fault_proxy.dsn(),
+        worker_id="cut-failure",
+        schema=schema,
+        poll_interval=0.1,
+        maintenance_interval=0.2,
+    )
+    worker.register(WORK, handler)
+    # The retry statement's text travels in its Parse message.
+    trigger = b"run_at = clock_timestamp() + $3::interval"
+    assert trigger.decode() in worker._sql.retry
+    fault_proxy.cut_before(trigger)
+    task = await enqueue(
+        conn, WORK, "x", EnqueueOptions(lease_duration=timedelta(seconds=2)), schema=schema
+    )
+    async with running(worker):
+        await wait_until(lambda: fault_proxy.cuts == 1)
+        await queue_support.finished_once(dsn, schema, [task.id], timeout=30)
+    history = await conn.fetch(
+        f'SELECT attempt, outcome FROM "{schema}".attempts WHERE task_id = $1 ORDER BY id',
+        task.id,
+    )
+    assert [(r["attempt"], r["outcome"]) for r in history] == [(1, "retried"), (2, "succeeded")]
+    assert runs == [1, 2]
+    assert (worker.stats.retried, worker.stats.recovered) == (1, 0)
+
+
+async def test_a_connection_ended_while_idle_in_the_pool_is_not_used(
+    queue: tuple[str, str, asyncpg.Connection], fault_proxy: FaultProxy
+) -> None:
+    """A pooled connection whose backend was terminated, its FATAL message received and
+    its close still on the way, looks open: the statement goes to another connection."""
+    from steeple.postgres.queue._db import open_db
+
+    dsn, _schema, _conn = queue
+    pool = await asyncpg.create_pool(fault_proxy.dsn(), min_size=1, max_size=2)
+    try:
+        db = open_db(pool)
+        assert db is not None
+        assert await db.fetch("SELECT 1", timeout=5) == [(1,)]
+        fault_proxy.delay_close(30)
+        (pid,) = fault_proxy.live_backend_pids
+        assert await faultprobe.terminate(dsn, [pid]) == 1
+        # The backend is gone once the server no longer lists it; its FATAL message went
+        # through the proxy at once, its close (FIN) is held back.
+        await wait_until(lambda: _gone(dsn, pid))
+        await wait_until(lambda: fault_proxy.eofs_held >= 1)
+        for _ in range(3):
+            assert await db.fetch("SELECT 1", timeout=5) == [(1,)]
+    finally:
+        fault_proxy.delay_close(0)
+        await pool.close()
+
+
+async def _gone(dsn: str, pid: int) -> bool:
+    return pid not in await faultprobe.sessions(dsn, [pid])
