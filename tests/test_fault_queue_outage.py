@@ -265,6 +265,14 @@ async def test_a_terminate_storm_reuses_no_broken_connection_and_loses_no_outcom
             attempt,
             per_task[task_id],
         )
+    # A lapsed attempt never started its handler: its claim's answer was lost to a kill
+    # (renewals, retried on fresh connections, kept every running lease).
+    lapsed_started = [
+        (task_id, attempt)
+        for (task_id, attempt), outcome in outcomes.items()
+        if outcome == "lease_expired" and (task_id, attempt) in set(started)
+    ]
+    assert lapsed_started == []
     # Each handler ran once (twice for those that fail on purpose the first time).
     runs = Counter(task_id for task_id, _ in finished)
     assert {t: n for t, n in runs.items() if n != (2 if kinds[t] == _RETRY else 1)} == {}
