@@ -7,6 +7,8 @@ refuses for the values it carries (a result it cannot store) is split in halves 
 refused outcomes are alone: the others are written, and each refused one fails its own task
 with a :class:`ResultEncodingError`, so one bad value never holds back the rest. Failures
 (retry or fail for good) are written one by one; work handed back at shutdown is released.
+A write that fails (a killed connection, an outage) is retried with backoff on another
+connection, sooner when a lease would lapse first: a killed backend costs no re-run.
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ class Health(enum.Enum):
     HEALTHY = "healthy"
     """Claiming, with the database and the wake-up listener working."""
     DEGRADED = "degraded"
-    """Running, but claims, completions, lease renewals or maintenance keep failing (or
-    claims are being refused), or the listener is down (polling); ``health_reasons()``
-    names the cause."""
+    """Running, but the database is unreachable, claims, completions, lease renewals or
+    maintenance keep failing (or claims are being refused), or the listener is down
+    (polling); ``health_reasons()`` names the cause."""
     STOPPED = "stopped"
     """``run_until_shutdown`` returned (or never ran and was closed)."""
 

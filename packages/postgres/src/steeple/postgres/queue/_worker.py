@@ -16,6 +16,8 @@ Module map of the worker (``steeple.postgres.queue``), one room per concern:
 - ``_wakeups.py``     Wakeups: the claim loop's wake event, LISTEN/NOTIFY, due-time timers.
 - ``_maintenance.py`` Maintainer: expired-lease recovery, recurring-job materialization.
 - ``_inflight.py``    Claimed (one running attempt) and InFlight (all of them, slots, idle).
+- ``_outage.py``      each loop's retry backoff; the one rate-limited report of an
+                      unreachable database (logs, health()).
 - ``_shared.py``      WorkerEnv (settings, pool, clocks shared by the rooms), WorkerStatus
                       (the flags behind health()), Health, WorkerStats.
 - ``_aio.py``         small asyncio waits shared by the loops.
@@ -305,7 +307,9 @@ class Scheduler:
 
         Starting until the first claim round has finished and the wake-up listener is
         LISTENing (or its first attempt failed and the worker polls). Then healthy, or
-        degraded while the latest claim round failed or was refused (until a claim
+        degraded while the database is unreachable (connections refused, lost or
+        unanswered, until a statement is answered again), while the latest claim round
+        failed or was refused (until a claim
         succeeds again), while completions, lease renewals or maintenance keep failing
         (each until that same activity succeeds again: claims that work say nothing about
         completions that time out), or while the wake-up listener is down.
