@@ -164,6 +164,7 @@ def _kind(n: int) -> str:
     return _QUICK
 
 
+@pytest.mark.slow
 async def test_a_terminate_storm_reuses_no_broken_connection_and_loses_no_outcome(
     queue: tuple[str, str, asyncpg.Connection], caplog: pytest.LogCaptureFixture
 ) -> None:
