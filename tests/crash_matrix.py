@@ -159,7 +159,9 @@ async def idle_in_transaction(dsn: str, application: str, schema: str) -> int:
         count: Any = 0
         for _ in range(40):  # a session between two statements of one transaction
             count = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+                # The worker names its sessions "<application> <worker id>".
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE (application_name = $1 OR application_name LIKE $1 || ' %') "
                 "AND state LIKE 'idle in transaction%' AND position($2 in query) > 0",
                 application,
                 schema,

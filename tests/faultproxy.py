@@ -18,7 +18,12 @@ the proxy's mode can be switched at any time:
 - ``cut_reply_after(trigger)``: one shot: the connection that executes a statement
   holding ``trigger`` is cut at the server's answer to it, which is dropped (an
   ambiguous autocommit);
+- ``refuse()``: the server is down: every current connection is aborted and each new
+  one is reset (TCP RST) as soon as it is accepted, counted in ``refused``, until
+  ``pass_through()``;
 - ``reset()``: abort every current connection with a TCP RST on both sides;
+- ``cut_before(trigger)``: one shot: the client chunk holding ``trigger`` (say a
+  statement's text) is dropped and its connection reset: the server never sees it;
 - ``cut_after(n)``: one shot: after ``n`` more bytes are forwarded (either way), abort
   that connection;
 - ``cut_at_client_chunk(n)``: one shot: drop the ``n``-th client chunk from now and
@@ -299,6 +304,7 @@ class _Link:
             if item is None:
                 if proxy._eof_delay:
                     # The peer's close travels slower than its last words.
+                    proxy.eofs_held += 1
                     await asyncio.sleep(proxy._eof_delay)
                 with contextlib.suppress(OSError, RuntimeError):
                     writer.write_eof()
@@ -325,6 +331,11 @@ class _Link:
                 await proxy._flowing.wait()
                 if self.is_cut():
                     return
+            if upstream and proxy._drop_trigger is not None and proxy._drop_trigger in data:
+                proxy._drop_trigger = None
+                proxy.cuts += 1
+                self.abort()  # this chunk never reaches the server
+                return
             if upstream and proxy._cut_chunk is not None:
                 proxy._cut_chunk -= 1
                 if proxy._cut_chunk <= 0:
@@ -422,8 +433,12 @@ class FaultProxy:
         port: the local port it listens on (after :meth:`start`).
         accepted: connections accepted so far.
         commits_cut: COMMITs after which a connection was cut.
-        cuts: connections cut by :meth:`cut_after` or :meth:`cut_at_client_chunk`.
+        cuts: connections cut by :meth:`cut_after`, :meth:`cut_at_client_chunk` or
+            :meth:`cut_before`.
         replies_cut: connections cut by :meth:`cut_reply_after`.
+        refused: connection attempts reset at once while :meth:`refuse` was on.
+        eofs_held: ends of stream held back by :meth:`delay_close` (counted when the data
+            before them has been delivered).
         backend_pids: pids of every PostgreSQL backend that served a connection through
             this proxy (read from BackendKeyData), kept after the connection ends.
     """
@@ -460,6 +475,10 @@ class FaultProxy:
         self._awaiting_ready = False
         self._reply_trigger: bytes | None = None
         self.replies_cut = 0
+        self.refused = 0
+        self.eofs_held = 0
+        self._refusing = False
+        self._drop_trigger: bytes | None = None
         self._forward_commit = True
         self._handlers: set[asyncio.Task[None]] = set()
 
@@ -517,9 +536,15 @@ class FaultProxy:
     # --- modes -------------------------------------------------------------------------
 
     def pass_through(self) -> None:
-        """Forward everything without delay; resume blackholed connections."""
+        """Forward everything without delay; resume blackholed connections; accept again."""
         self._delay = 0.0
+        self._refusing = False
         self._flowing.set()
+
+    def refuse(self) -> None:
+        """Act as a stopped server: abort every connection, reset each new one at once."""
+        self._refusing = True
+        self.reset()
 
     def delay(self, seconds: float) -> None:
         """Deliver every chunk, both ways, ``seconds`` after it was read."""
@@ -564,6 +589,10 @@ class FaultProxy:
         for link in list(self._links):
             link.abort()
 
+    def cut_before(self, trigger: bytes) -> None:
+        """Drop the next client chunk holding ``trigger`` and reset its connection (one shot)."""
+        self._drop_trigger = trigger
+
     def cut_after(self, n: int) -> None:
         """Abort the connection that forwards the ``n``-th byte from now (one shot)."""
         self._cut_budget = n
@@ -595,6 +624,7 @@ class FaultProxy:
         self._blackhole_trigger = None
         self._awaiting_ready = False
         self._reply_trigger = None
+        self._drop_trigger = None
 
     # --- relaying ----------------------------------------------------------------------
 
@@ -603,6 +633,11 @@ class FaultProxy:
         assert task is not None
         self._handlers.add(task)
         self.accepted += 1
+        if self._refusing:
+            self.refused += 1
+            _abort(writer)
+            self._handlers.discard(task)
+            return
         try:
             try:
                 upstream = await open_pg(self.upstream_host, self.upstream_port)

@@ -209,7 +209,7 @@ async def test_standby_refused_then_promoted_node_works_after_reconnecting(
         # The running worker's claims are refused (read-only): degraded, nothing runs.
         await poll(
             "the worker's claim to be refused as read-only",
-            lambda: _logged(caplog, "read-only transaction"),
+            lambda: _logged(caplog, "session is read-only (SQLSTATE 25006"),
         )
         assert worker.scheduler.health() is Health.DEGRADED
 

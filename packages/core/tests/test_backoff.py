@@ -90,3 +90,33 @@ def test_bad_backoff_rejected(kwargs: dict[str, object]) -> None:
 def test_bad_attempt_rejected(attempt: object) -> None:
     with pytest.raises(ConfigurationError, match="attempt"):
         RELAY_BACKOFF.delay(attempt)  # type: ignore[arg-type]
+
+
+def test_database_retry_starts_fast_and_is_capped() -> None:
+    from steeple.core.backoff import DATABASE_RETRY
+
+    ms = timedelta(milliseconds=1)
+    delays = [DATABASE_RETRY.delay(n) for n in range(1, 10)]
+    assert delays == [ms * m for m in (100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000)]
+    # Jitter takes off up to half, from the injected draw.
+    assert DATABASE_RETRY.delay(1, 0.999999) > 50 * ms
+    assert DATABASE_RETRY.delay(9, 0.5) == 3750 * ms
+    assert DATABASE_RETRY.delay(10**9, 0.0) == 5 * S
+
+
+def test_a_failure_streak_reports_its_start_then_one_summary_per_interval() -> None:
+    from steeple.core.backoff import StreakReport, streak_failed
+
+    streak, report = streak_failed(None, 100.0, 10.0)
+    assert report is StreakReport.BEGAN
+    assert (streak.since, streak.attempts, streak.reported_at) == (100.0, 1, 100.0)
+    reports = []
+    # 240 failed attempts 50 ms apart: 12 s of outage
+    for n in range(1, 241):
+        streak, report = streak_failed(streak, 100.0 + n * 0.05, 10.0)
+        reports.append(report)
+    assert reports.count(StreakReport.ONGOING) == 1
+    assert reports.count(StreakReport.QUIET) == 239
+    assert streak.attempts == 241
+    assert streak.lasted(112.0) == 12.0
+    assert streak.lasted(99.0) == 0.0  # never negative

@@ -20,7 +20,7 @@ from steeple.postgres.queue import (
 )
 from steeple.postgres.queue._db import (
     KEEPALIVE_SETTINGS,
-    _discard_if_unsure,
+    _discard,
     _terminate,
     open_db,
 )
@@ -55,7 +55,7 @@ async def test_pools_the_worker_opens_carry_tcp_keepalives(queue: QueueFixture) 
     await wait_until(lambda: seen)
     stop.set()
     await asyncio.wait_for(run, 30)
-    assert seen == [(*KEEPALIVE_SETTINGS.values(), "steeple-queue")]
+    assert seen == [(*KEEPALIVE_SETTINGS.values(), "steeple-queue ka")]
     assert KEEPALIVE_SETTINGS["tcp_user_timeout"] == "30000"
 
 
@@ -89,7 +89,7 @@ async def test_discarding_a_released_connection_keeps_the_original_error(
             proxy.is_closed()  # the hazard: any call on a released proxy raises
         # Called from an `except CancelledError` path, it must neither raise nor close
         # a connection that now belongs to someone else.
-        _discard_if_unsure(proxy, asyncio.CancelledError())
+        _discard(proxy)
         _terminate(proxy)
         async with pool.acquire() as again:
             assert await again.fetchval("SELECT 1") == 1

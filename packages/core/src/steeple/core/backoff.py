@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from datetime import timedelta
 
@@ -11,7 +12,14 @@ from steeple.core import limits
 from steeple.core._validate import shown, unit_float
 from steeple.core.errors import ConfigurationError, ConfigurationTypeError
 
-__all__ = ["RELAY_BACKOFF", "Backoff"]
+__all__ = [
+    "DATABASE_RETRY",
+    "RELAY_BACKOFF",
+    "Backoff",
+    "FailureStreak",
+    "StreakReport",
+    "streak_failed",
+]
 
 
 @attrs.frozen
@@ -88,3 +96,64 @@ class Backoff:
 
 RELAY_BACKOFF = Backoff(initial=timedelta(seconds=1), maximum=timedelta(minutes=5), factor=2)
 """The recurring relay's automatic retry backoff (stops after ten attempts or window end)."""
+
+
+DATABASE_RETRY = Backoff(
+    initial=timedelta(milliseconds=100), maximum=timedelta(seconds=5), factor=2, jitter=0.5
+)
+"""How long a worker loop waits before it retries a database operation that failed.
+
+The first retry comes quickly (a single killed connection costs a tenth of a second);
+an outage is retried at most every five seconds by each loop, half of that jittered so
+the workers of a fleet do not reconnect in lockstep when the database returns.
+"""
+
+
+class StreakReport(enum.Enum):
+    """What to say about a failure streak after one more failed attempt."""
+
+    BEGAN = "began"
+    """The first failure of a streak: report it, with its cause."""
+    ONGOING = "ongoing"
+    """A summary is due: the streak has lasted another reporting interval."""
+    QUIET = "quiet"
+    """Nothing to say yet: counted, reported with the next summary."""
+
+
+@attrs.frozen
+class FailureStreak:
+    """A run of failed attempts to reach a dependency, on a monotonic clock in seconds.
+
+    Pure: the caller passes ``now`` and keeps the returned value. One line when the
+    streak begins, one summary per ``every`` seconds while it lasts, one when it ends,
+    however many attempts fail in between.
+    """
+
+    since: float
+    """When the first failure of the streak happened."""
+    attempts: int
+    """How many attempts have failed in the streak."""
+    reported_at: float
+    """When the streak was last reported."""
+
+    def lasted(self, now: float) -> float:
+        """Seconds from the first failure to ``now`` (never negative)."""
+        return max(0.0, now - self.since)
+
+
+def streak_failed(
+    streak: FailureStreak | None, now: float, every: float
+) -> tuple[FailureStreak, StreakReport]:
+    """Count a failed attempt at ``now`` in ``streak`` (``None``: none yet); say what to report.
+
+    The first failure begins a streak (:attr:`StreakReport.BEGAN`); later ones are quiet
+    until ``every`` seconds have passed since the last report (:attr:`StreakReport.ONGOING`).
+    """
+    if streak is None:
+        return FailureStreak(since=now, attempts=1, reported_at=now), StreakReport.BEGAN
+    if now - streak.reported_at >= every:
+        return (
+            attrs.evolve(streak, attempts=streak.attempts + 1, reported_at=now),
+            StreakReport.ONGOING,
+        )
+    return attrs.evolve(streak, attempts=streak.attempts + 1), StreakReport.QUIET

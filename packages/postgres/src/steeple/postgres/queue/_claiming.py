@@ -44,8 +44,10 @@ from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_any, wait_either
 from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._driver import describe_db_error
 from steeple.postgres.queue._execution import Executor, JobContext
 from steeple.postgres.queue._inflight import Claimed
+from steeple.postgres.queue._outage import Retry
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._wakeups import Wakeups
 
@@ -230,6 +232,7 @@ class Claimer:
         turn = 0
         held_before = False
         names_before: list[str] | None = None
+        retry = Retry(env.random)
         try:
             while not stop.is_set():
                 free, names = self._capacity()
@@ -282,9 +285,16 @@ class Claimer:
                     status.failed("claims", exc)
                     status.claimed_once = True
                     stats.failed_claims += 1
-                    LOG.warning("claim failed (%s); retrying after the poll interval", exc)
-                    await wait_either(wake, stop_waiter, env.poll)
+                    delay = retry.failed()
+                    if not status.database.failed("claims", exc):
+                        LOG.warning(
+                            "claim failed (%s); retrying in %.2f s", describe_db_error(exc), delay
+                        )
+                    # Backing off: only a stop cuts the wait short (wake-ups would not help).
+                    await wait_any((), stop_waiter, delay)
                     continue
+                retry.succeeded()
+                status.database.succeeded()
                 crash_point("queue.claim.committed")
                 stats.claim_rounds += 1
                 server_now = float(answer[0][0])

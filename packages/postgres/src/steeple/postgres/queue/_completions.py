@@ -7,13 +7,16 @@ refuses for the values it carries (a result it cannot store) is split in halves 
 refused outcomes are alone: the others are written, and each refused one fails its own task
 with a :class:`ResultEncodingError`, so one bad value never holds back the rest. Failures
 (retry or fail for good) are written one by one; work handed back (at shutdown, or a task
-the worker could not start) is released.
+the worker could not start) is released. A write that fails (a killed connection, an
+outage) is retried with backoff on another connection, sooner when a lease would lapse
+first: a killed backend costs no re-run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from datetime import timedelta
 from typing import Final
 
@@ -25,6 +28,7 @@ from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._driver import describe_db_error, is_data_error
 from steeple.postgres.queue._failures import Failure, describe
 from steeple.postgres.queue._inflight import Claimed
+from steeple.postgres.queue._outage import Retry
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._wakeups import Wakeups
 from steeple.postgres.queue.errors import ResultEncodingError
@@ -75,46 +79,40 @@ class Completions:
         the latest reported), for an outcome the database refused to store.
         """
         env = self._env
-        pool = env.db
         ctx = claimed.ctx
         progress = None if keep_stored_progress else ctx.progress_text
         inst = _metrics.instruments()
         attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
-        try:
-            if retry_after is not None:
-                crash_point("queue.retry.before")
-                rows = await pool.fetch(
-                    env.sql.retry,
-                    ctx.task_id,
-                    claimed.token,
-                    retry_after,
-                    failure.summary,
-                    env.worker_id,
-                    failure.error_type,
-                    failure.traceback,
-                    progress,
-                    timeout=env.timeout,
+        retry = Retry(env.random)
+        while True:
+            try:
+                rows = await self._write_failure(claimed, failure, retry_after, progress)
+                break
+            except DB_ERRORS as exc2:
+                env.status.failed("completions", exc2)
+                delay = retry.failed()
+                # Retried (on another connection: the failed one was discarded) while the
+                # lease, renewed meanwhile, has time left; a write the database refuses for
+                # its values would fail again. Past that the lease lapses and the task is
+                # recovered and run again.
+                hopeless = is_data_error(exc2) or (
+                    time.monotonic() + delay >= claimed.expires_at or env.closing.is_set()
                 )
-                crash_point("queue.retry.committed")
-                outcome = _AFTER_RETRY
-            else:
-                rows = await pool.fetch(
-                    env.sql.fail,
-                    ctx.task_id,
-                    claimed.token,
-                    failure.summary,
-                    env.worker_id,
-                    failure.error_type,
-                    failure.traceback,
-                    progress,
-                    timeout=env.timeout,
-                )
-                outcome = _AFTER_FAILURE
-        except DB_ERRORS as exc2:
-            # Nothing recorded: the lease expires and the task is recovered and rerun.
-            env.status.failed("completions", exc2)
-            LOG.warning("could not record the failure of task %s: %s", ctx.task_id, exc2)
-            return
+                if not env.status.database.failed("completions", exc2) or hopeless:
+                    LOG.warning(
+                        "could not record the failure of task %s (%s)%s",
+                        ctx.task_id,
+                        describe_db_error(exc2),
+                        "; its lease will lapse" if hopeless else f"; retrying in {delay:.2f} s",
+                    )
+                if hopeless:
+                    return
+                claimed.unsure = True
+                await asyncio.sleep(delay)
+        if not rows and claimed.unsure and await self._failure_recorded(claimed, retry_after):
+            rows = [(ctx.task_id,)]  # the earlier, ambiguous write had committed
+        env.status.database.succeeded()
+        outcome = _AFTER_RETRY if retry_after is not None else _AFTER_FAILURE
         env.status.succeeded("completions")
         env.inflight.outcome_written.set()
         if not rows:
@@ -127,6 +125,71 @@ class Completions:
         else:
             env.stats.failed += 1
             inst.failed.add(1, attributes)
+
+    async def _write_failure(
+        self,
+        claimed: Claimed,
+        failure: Failure,
+        retry_after: timedelta | None,
+        progress: str | None,
+    ) -> list[tuple[object, ...]]:
+        """Write one failed attempt (retry later, or fail for good); return the rows."""
+        env = self._env
+        ctx = claimed.ctx
+        if retry_after is not None:
+            crash_point("queue.retry.before")
+            rows = await env.db.fetch(
+                env.sql.retry,
+                ctx.task_id,
+                claimed.token,
+                retry_after,
+                failure.summary,
+                env.worker_id,
+                failure.error_type,
+                failure.traceback,
+                progress,
+                timeout=env.timeout,
+            )
+            crash_point("queue.retry.committed")
+            return rows
+        return await env.db.fetch(
+            env.sql.fail,
+            ctx.task_id,
+            claimed.token,
+            failure.summary,
+            env.worker_id,
+            failure.error_type,
+            failure.traceback,
+            progress,
+            timeout=env.timeout,
+        )
+
+    async def _failure_recorded(self, claimed: Claimed, retry_after: timedelta | None) -> bool:
+        """Tell whether an earlier, ambiguous write of this attempt's failure committed.
+
+        Its own history row says so: this attempt of this claim, by this worker, with that
+        outcome (a lapsed lease records another one).
+        """
+        env = self._env
+        ctx = claimed.ctx
+        try:
+            rows = await env.db.fetch(
+                env.sql.failure_recorded,
+                ctx.task_id,
+                ctx.attempt,
+                claimed.started_at,
+                env.worker_id,
+                retry_after is not None,
+                timeout=env.timeout,
+            )
+        except DB_ERRORS as exc:
+            LOG.warning(
+                "could not confirm the failure of task %s (%s)", ctx.task_id, describe_db_error(exc)
+            )
+            return False
+        if rows:
+            LOG.info("task %s: an earlier failure write had committed", ctx.task_id)
+        return bool(rows)
 
     def fenced(self, claimed: Claimed) -> None:
         """Count an outcome the database rejected: the lease was lost or the task cancelled."""
@@ -147,6 +210,7 @@ class Completions:
         stats = env.stats
         inst = _metrics.instruments()
         buffer = self._buffer
+        retry = Retry(env.random)
         while True:
             await self._flush_wake.wait()
             self._flush_wake.clear()
@@ -158,17 +222,27 @@ class Completions:
                     done = await self._write(batch, refused)
                 except DB_ERRORS as exc:
                     env.status.failed("completions", exc)
-                    LOG.warning("could not record %d completions: %r", len(batch), exc)
                     # Part of a split batch may have committed: the retry confirms it.
                     for claimed in batch:
                         claimed.unsure = True
                     buffer[:0] = batch
+                    delay = _before_lapse(retry.failed(), batch)
+                    if not env.status.database.failed("completions", exc):
+                        LOG.warning(
+                            "could not record %d completions (%s); retrying in %.2f s",
+                            len(batch),
+                            describe_db_error(exc),
+                            delay,
+                        )
                     if env.closing.is_set():
                         # Shutting down: the leases expire and the tasks are rerun elsewhere.
                         buffer.clear()
                         return
-                    await asyncio.sleep(min(env.poll, 1.0))
+                    # The failed connection was discarded: the retry runs on another one.
+                    await asyncio.sleep(delay)
                     continue
+                retry.succeeded()
+                env.status.database.succeeded()
                 env.status.succeeded("completions")
                 env.inflight.outcome_written.set()
                 bad = {c.ctx.task_id for c, _ in refused}
@@ -324,3 +398,13 @@ class Completions:
         for claimed in self._to_release:
             await self.release_now(claimed)
         self._to_release.clear()
+
+
+def _before_lapse(delay: float, batch: list[Claimed]) -> float:
+    """``delay``, shortened so a retry comes while the soonest lease still has time left.
+
+    A finished handler's lease is no longer renewed: its outcome must be written before
+    the lease lapses, or the task is recovered and run again.
+    """
+    left = min(c.expires_at for c in batch) - time.monotonic()
+    return min(delay, left / 2) if left > 0 else delay

@@ -96,7 +96,12 @@ class WorkerDb(Protocol):
         ...
 
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
-        """Run ``fn(conn)`` on one pooled connection within ``timeout`` seconds."""
+        """Run ``fn(conn)`` on one pooled connection within ``timeout`` seconds.
+
+        ``fn`` may be run a second time, on another connection, when the first refused
+        its first statement unsent (it had broken while idle in the pool): ``fn`` is one
+        transaction, or reads only.
+        """
         ...
 
     async def listen(
@@ -128,33 +133,59 @@ class _AsyncpgDb:
     def max_size(self) -> int:
         return int(self._pool.get_max_size())
 
-    async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
-        async with self._pool.acquire(timeout=timeout) as conn:
+    async def _on_fresh(
+        self, use: Callable[[Any], Awaitable[T]], acquire_timeout: float | None
+    ) -> T:
+        """Run ``use(conn)`` on a pooled connection, which is discarded if anything fails.
+
+        A connection whose backend ended while it sat idle in the pool (say by
+        ``pg_terminate_backend``) can still look open: asyncpg refuses the first statement
+        on it (``InternalClientError``) before sending anything. Nothing ran, so ``use``
+        runs again on another connection.
+        """
+        # Every idle connection may have been ended at once: try each, then a new one.
+        for _ in range(self.max_size()):
+            async with self._pool.acquire(timeout=acquire_timeout) as conn:
+                try:
+                    return await use(conn)
+                except asyncpg.exceptions.InternalClientError as exc:
+                    _discard(conn)
+                    if not _never_sent(exc):
+                        raise
+                except BaseException:
+                    _discard(conn)
+                    raise
+        async with self._pool.acquire(timeout=acquire_timeout) as conn:
             try:
-                return [tuple(r) for r in await conn.fetch(sql, *args, timeout=timeout)]
-            except BaseException as exc:
-                _discard_if_unsure(conn, exc)
+                return await use(conn)
+            except BaseException:
+                _discard(conn)
                 raise
 
+    async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        async def run(conn: Any) -> list[tuple[Any, ...]]:
+            return [tuple(r) for r in await conn.fetch(sql, *args, timeout=timeout)]
+
+        return await self._on_fresh(run, timeout)
+
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
-        async with self._pool.acquire(timeout=timeout) as conn:
+        async def run(conn: Any) -> T:
             work = asyncio.ensure_future(fn(conn))
             try:
                 done, _ = await asyncio.wait({work}, timeout=timeout)
-                if not done:
-                    # Cancelling alone is not enough: a ROLLBACK on the way out would wait
-                    # on the same dead socket. Closing the connection fails all its I/O.
-                    _terminate(conn)
-                    with contextlib.suppress(BaseException):
-                        await asyncio.wait_for(work, 1.0)
-                    raise TimeoutError(f"no answer within {timeout} s")
-                return work.result()
-            except BaseException as exc:
-                if not work.done():
-                    _terminate(conn)
-                    work.cancel()
-                _discard_if_unsure(conn, exc)
+            except BaseException:
+                work.cancel()
                 raise
+            if not done:
+                # Cancelling alone is not enough: a ROLLBACK on the way out would wait on
+                # the same dead socket. Closing the connection fails all its I/O.
+                _terminate(conn)
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(work, 1.0)
+                raise TimeoutError(f"no answer within {timeout} s")
+            return work.result()
+
+        return await self._on_fresh(run, timeout)
 
     async def listen(
         self,
@@ -165,12 +196,11 @@ class _AsyncpgDb:
         *,
         on_listening: Callable[[], None] | None = None,
     ) -> None:
-        lost = asyncio.Event()
-
         def notified(_conn: object, _pid: int, _channel: str, payload: object) -> None:
             on_notify(payload if isinstance(payload, str) else "")
 
-        async with self._pool.acquire() as conn:
+        async def run(conn: Any) -> bool:
+            lost = asyncio.Event()  # this connection's (an earlier one may still report)
             conn.add_termination_listener(lambda _c: lost.set())
             # Named so operators (and tests) can tell the listener apart.
             await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
@@ -179,23 +209,23 @@ class _AsyncpgDb:
             if on_listening is not None:
                 on_listening()
             on_notify("")  # anything enqueued while nobody was listening
-            try:
-                while not stop.is_set() and not lost.is_set():
-                    await _wait_any((stop, lost), 5.0)
-                    if not stop.is_set() and not lost.is_set():
-                        # A cheap probe: a silently dead socket fails here.
-                        async with asyncio.timeout(5.0):
-                            await conn.execute("SELECT 1")
-            finally:
-                if not _is_closed(conn):
-                    try:
-                        async with asyncio.timeout(2.0):
-                            await conn.remove_listener(channel, notified)
-                    except _UNLISTEN_ERRORS:
-                        # Unreachable (or we are being cancelled): never pool it again.
-                        _terminate(conn)
-                        raise
-        if lost.is_set() and not stop.is_set():
+            while not stop.is_set() and not lost.is_set():
+                await _wait_any((stop, lost), 5.0)
+                if not stop.is_set() and not lost.is_set():
+                    # A cheap probe: a silently dead socket fails here.
+                    async with asyncio.timeout(5.0):
+                        await conn.execute("SELECT 1")
+            if not _is_closed(conn):
+                try:
+                    async with asyncio.timeout(2.0):
+                        await conn.remove_listener(channel, notified)
+                except _UNLISTEN_ERRORS:
+                    # Unreachable (or we are being cancelled): never pool it again.
+                    _terminate(conn)
+                    raise
+            return lost.is_set()
+
+        if await self._on_fresh(run, None) and not stop.is_set():
             raise ConnectionError("the listener connection was closed")
 
     async def close(self) -> None:
@@ -207,18 +237,26 @@ class _AsyncpgDb:
             self._pool.terminate()
 
 
-def _discard_if_unsure(conn: Any, exc: BaseException) -> None:
-    """Close a pooled connection whose protocol state is unknown after ``exc``.
+def _discard(conn: Any) -> None:
+    """Close a pooled connection on which an operation failed, whatever the failure.
 
-    A server-reported error leaves the connection in sync. A timed-out or cancelled
-    statement may still be running, and a cut connection may be mid-message: handing
-    either back to the pool would poison the next user.
+    It is never handed back to the pool: a cut connection may be mid-message, a timed-out
+    or cancelled statement may still run, and a session ended by the server (say by
+    ``pg_terminate_backend``) reports the end as an ordinary server error while its
+    protocol waits for an answer that never comes. The next user of any of them would fail
+    ("another operation is in progress") or block; a new connection costs one round trip.
     """
-    in_sync = isinstance(exc, asyncpg.PostgresError) and not isinstance(
-        exc, asyncpg.exceptions.QueryCanceledError
-    )
-    if not in_sync and not _is_closed(conn):
+    if not _is_closed(conn):
         _terminate(conn)
+
+
+def _never_sent(exc: BaseException) -> bool:
+    """Tell whether asyncpg refused a statement before sending it: its protocol was busy.
+
+    asyncpg says so only in the message ("cannot switch to state N; another operation
+    is in progress"); anything else is not known to be unsent.
+    """
+    return str(exc).startswith("cannot switch to state")
 
 
 def _terminate(conn: Any) -> None:
@@ -249,11 +287,19 @@ class _PsycopgDb:
 
     async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
         async with asyncio.timeout(timeout), self._pool.connection() as conn:
-            return await _driver.fetch(conn, sql, *args)
+            try:
+                return await _driver.fetch(conn, sql, *args)
+            except BaseException:
+                await _close_psycopg(conn)
+                raise
 
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
         async with asyncio.timeout(timeout), self._pool.connection() as conn:
-            return await fn(conn)
+            try:
+                return await fn(conn)
+            except BaseException:
+                await _close_psycopg(conn)
+                raise
 
     async def listen(
         self,
@@ -285,6 +331,12 @@ class _PsycopgDb:
 
     async def close(self) -> None:
         await self._pool.close()
+
+
+async def _close_psycopg(conn: Any) -> None:
+    """Close a psycopg connection on which an operation failed: the pool then replaces it."""
+    with contextlib.suppress(Exception):
+        await conn.close()
 
 
 def open_db(pool: Any) -> WorkerDb | None:

@@ -11,6 +11,8 @@ from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._driver import describe_db_error
+from steeple.postgres.queue._outage import Retry
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._wakeups import Wakeups
 
@@ -32,7 +34,9 @@ class Maintainer:
         env = self._env
         pool = env.db
         inst = _metrics.instruments()
+        retry = Retry(env.random)
         while True:
+            wait = self._interval
             try:
                 crash_point("queue.recover.before")
                 rows = await pool.fetch(env.sql.recover_expired, 100, timeout=env.timeout)
@@ -52,8 +56,15 @@ class Maintainer:
                     self._wakeups.wake.set()
                 env.stats.maintenance_rounds += 1
                 env.status.succeeded("maintenance")
+                env.status.database.succeeded()
+                retry.succeeded()
             except DB_ERRORS as exc:
                 env.status.failed("maintenance", exc)
-                LOG.warning("maintenance failed: %s", exc)
-            if await wait_event(env.closing, self._interval):
+                # Never more often than the interval; less often while failures go on.
+                wait = max(self._interval, retry.failed())
+                if not env.status.database.failed("maintenance", exc):
+                    LOG.warning(
+                        "maintenance failed (%s); retrying in %.2f s", describe_db_error(exc), wait
+                    )
+            if await wait_event(env.closing, wait):
                 return

@@ -15,7 +15,9 @@ from steeple.engine.crashpoints import crash_point
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._driver import describe_db_error
 from steeple.postgres.queue._inflight import Claimed
+from steeple.postgres.queue._outage import Retry
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 
 __all__ = ["Renewer"]
@@ -32,6 +34,8 @@ class Renewer:
         env = self._env
         pool = env.db
         running = env.inflight.running
+        retry = Retry(env.random)
+        retry_at = 0.0  # after a failure: no renewal before this (monotonic)
         while not env.closing.is_set():
             leases = [c.lease for c in running.values()]
             tick = min(0.5, max(0.02, min(leases) / 6)) if leases else min(0.5, env.poll)
@@ -44,7 +48,7 @@ class Renewer:
                 env.status.succeeded("renewals")
                 continue
             due = [c for c in running.values() if not c.lost and now >= c.renew_at]
-            if not due:
+            if not due or now < retry_at:
                 continue
             # A renewal slower than half a lease is as good as lost: give up and retry.
             deadline = max(0.1, min(env.timeout, min(c.lease for c in due) / 2))
@@ -58,12 +62,27 @@ class Renewer:
                 )
                 crash_point("queue.renew.committed")
                 env.status.succeeded("renewals")
+                env.status.database.succeeded()
+                retry.succeeded()
+                retry_at = 0.0
             except DB_ERRORS as exc:
                 env.status.failed("renewals", exc)
-                LOG.warning("lease renewal failed: %r", exc)
+                failed_at = time.monotonic()
                 for claimed in due:
-                    if time.monotonic() >= claimed.expires_at:
+                    if failed_at >= claimed.expires_at:
                         self._lose(claimed, cancelled=False)
+                # Back off, but try again while the soonest lease still has time to spare.
+                left = [c.expires_at - failed_at for c in due if not c.lost]
+                delay = retry.failed()
+                if left:
+                    delay = min(delay, max(0.0, min(left)) / 2)
+                retry_at = failed_at + delay
+                if not env.status.database.failed("lease renewal", exc):
+                    LOG.warning(
+                        "lease renewal failed (%s); retrying in %.2f s",
+                        describe_db_error(exc),
+                        delay,
+                    )
                 continue
             renewed = {r[0] for r in rows}
             lost = [c for c in due if c.ctx.task_id not in renewed]

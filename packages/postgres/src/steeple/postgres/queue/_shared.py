@@ -19,6 +19,7 @@ from steeple.core.remote_clock import RemoteClockEstimate
 from steeple.postgres.queue._db import WorkerDb
 from steeple.postgres.queue._driver import describe_db_error
 from steeple.postgres.queue._inflight import InFlight
+from steeple.postgres.queue._outage import DatabaseReporter
 from steeple.postgres.queue._sql import QueueSql
 from steeple.postgres.queue.errors import QueueError
 
@@ -36,9 +37,9 @@ class Health(enum.Enum):
     HEALTHY = "healthy"
     """Claiming, with the database and the wake-up listener working."""
     DEGRADED = "degraded"
-    """Running, but claims, completions, lease renewals or maintenance keep failing (or
-    claims are being refused), or the listener is down (polling); ``health_reasons()``
-    names the cause."""
+    """Running, but the database is unreachable, claims, completions, lease renewals or
+    maintenance keep failing (or claims are being refused), or the listener is down
+    (polling); ``health_reasons()`` names the cause."""
     STOPPED = "stopped"
     """``run_until_shutdown`` returned (or never ran and was closed)."""
 
@@ -103,6 +104,8 @@ class WorkerStatus:
         """The wake-up listener is LISTENing (always true without one)."""
         self.listener_settled = not listen
         """LISTEN is in place, or its first attempt failed and the worker polls."""
+        self.database = DatabaseReporter()
+        """Counts and reports the attempts that could not reach the database."""
 
     def failed(self, activity: str, exc: BaseException) -> None:
         """Record that ``activity`` failed with ``exc`` (degraded until it succeeds)."""
@@ -116,7 +119,9 @@ class WorkerStatus:
         """Say why the worker is not healthy (empty when it is, or is starting/stopped)."""
         if self.phase is not _Phase.RUNNING or not self.claimed_once:
             return ()
-        reasons = list(self.failing.values())
+        outage = self.database.reason()
+        reasons = [outage] if outage is not None else []
+        reasons += self.failing.values()
         if not self.claims_ok and "claims" not in self.failing:
             reasons.append(
                 "claims refused: the server answered after the worker's give-up time (its "
@@ -140,7 +145,12 @@ class WorkerStatus:
             return Health.STOPPED
         if self.phase is _Phase.NEW or not (self.claimed_once and self.listener_settled):
             return Health.STARTING
-        if self.claims_ok and not self.failing and self.listener_ok:
+        if (
+            self.claims_ok
+            and not self.failing
+            and self.listener_ok
+            and self.database.reason() is None
+        ):
             return Health.HEALTHY
         return Health.DEGRADED
 

@@ -144,6 +144,7 @@ class QueueSql:
     renew: str
     complete: str
     completed_by: str
+    failure_recorded: str
     retry: str
     fail: str
     progress: str
@@ -258,6 +259,13 @@ JOIN unnest($1::text[]::bigint[], $2::text[]::integer[], $3::text[]::timestamptz
   ON t.id = h.id
 WHERE t.state = {_lit(SUCCEEDED)} AND t.attempts = h.attempt AND t.started_at = h.started_at
   AND t.worker_id = $4""",
+        # $1 id, $2 attempt, $3 claim start time, $4 worker id, $5 retried (else failed):
+        # whether that claim's failure is in the history (written by this worker)
+        failure_recorded=f"""
+SELECT a.task_id FROM {s}.attempts a
+WHERE a.task_id = $1 AND a.attempt = $2 AND a.started_at = $3 AND a.worker_id = $4
+  AND a.outcome = CASE WHEN $5::boolean THEN {_OUTCOME[TaskEvent.FAIL_RETRYABLE]}
+                       ELSE {_OUTCOME[TaskEvent.FAIL_PERMANENT]} END""",
         # $1 id, $2 token, $3 delay interval, $4 error, $5 worker id, $6 error type,
         # $7 traceback, $8 latest progress (JSON text|null: keep what was written)
         retry=f"""

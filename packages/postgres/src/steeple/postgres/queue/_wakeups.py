@@ -3,7 +3,7 @@
 A NOTIFY for work due now wakes the claim loop at once; one for later work (its payload is
 the due time on the server's clock) arms a timer counted on this host's monotonic clock.
 Retries arm timers too. When the listener dies the worker polls every ``poll_interval``
-and LISTENs again.
+and LISTENs again, backing off while it keeps failing.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Final
 
 from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._driver import describe_db_error
+from steeple.postgres.queue._outage import Retry
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 
 __all__ = ["Wakeups"]
@@ -30,6 +32,7 @@ class Wakeups:
         self.wake = asyncio.Event()
         """Set when due work may be waiting; the claim loop clears it before each claim."""
         self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._retry = Retry(env.random)
 
     def wake_at(self, delay: float) -> None:
         """Wake the claim loop after ``delay`` seconds (a delayed task or a retry comes due)."""
@@ -74,9 +77,11 @@ class Wakeups:
         status = self._env.status
         status.listener_ok = True
         status.listener_settled = True
+        self._retry.succeeded()
+        status.database.succeeded()
 
     async def listen_forever(self) -> None:
-        """LISTEN until the worker closes, LISTENing again after each loss."""
+        """LISTEN until the worker closes, LISTENing again (with backoff) after each loss."""
         env = self._env
         db = env.db
         status = env.status
@@ -89,12 +94,21 @@ class Wakeups:
                     env.closing,
                     on_listening=self._listening,
                 )
+                delay = self._retry.failed()  # ended without an error: not LISTENing either
             except _LISTEN_ERRORS as exc:
-                LOG.warning("wake-up listener lost (%s); polling until it reconnects", exc)
+                # LISTENing resets the schedule: a listener lost after a while comes back
+                # at once, one that cannot connect backs off.
+                delay = self._retry.failed()
+                if not status.database.failed("wake-up listener", exc):
+                    LOG.warning(
+                        "wake-up listener lost (%s); polling, LISTENing again in %.2f s",
+                        describe_db_error(exc),
+                        delay,
+                    )
             finally:
                 # Down, or never up: either way the worker polls (health says degraded).
                 status.listener_ok = False
                 status.listener_settled = True
             if env.closing.is_set():
                 return
-            await wait_event(env.closing, min(env.poll, 1.0))
+            await wait_event(env.closing, delay)

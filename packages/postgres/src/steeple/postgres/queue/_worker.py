@@ -19,6 +19,8 @@ Module map of the worker (``steeple.postgres.queue``), one room per concern:
 - ``_wakeups.py``     Wakeups: the claim loop's wake event, LISTEN/NOTIFY, due-time timers.
 - ``_maintenance.py`` Maintainer: expired-lease recovery, recurring-job materialization.
 - ``_inflight.py``    Claimed (one running attempt) and InFlight (all of them, slots, idle).
+- ``_outage.py``      each loop's retry backoff; the one rate-limited report of an
+                      unreachable database (logs, health()).
 - ``_shared.py``      WorkerEnv (settings, pool, clocks shared by the rooms), WorkerStatus
                       (the flags behind health()), Health, WorkerStats.
 - ``_aio.py``         small asyncio waits shared by the loops.
@@ -321,7 +323,9 @@ class Scheduler:
 
         Starting until the first claim round has finished and the wake-up listener is
         LISTENing (or its first attempt failed and the worker polls). Then healthy, or
-        degraded while the latest claim round failed or was refused (until a claim
+        degraded while the database is unreachable (connections refused, lost or
+        unanswered, until a statement is answered again), while the latest claim round
+        failed or was refused (until a claim
         succeeds again), while completions, lease renewals or maintenance keep failing
         (each until that same activity succeeds again: claims that work say nothing about
         completions that time out), or while the wake-up listener is down.
@@ -481,10 +485,18 @@ class Scheduler:
             async with asyncio.timeout(self._env.timeout):
                 pool: asyncpg.Pool = await asyncpg.create_pool(
                     dsn,
-                    min_size=2,
+                    # No floor: asyncpg would restore it in the background while the
+                    # database is down, logging a traceback for each attempt; the loops
+                    # open what they need, with their own backoff and one report.
+                    min_size=0,
                     max_size=8,
                     max_inactive_connection_lifetime=60,
-                    server_settings=dict(SERVER_SETTINGS),
+                    # Named per worker: operators (and tests) find its sessions in
+                    # pg_stat_activity, as they find its listener.
+                    server_settings={
+                        **SERVER_SETTINGS,
+                        "application_name": f"steeple-queue {self.worker_id}"[:63],
+                    },
                 )
         except (ValueError, TypeError) as exc:
             # asyncpg parses the DSN here (a bad port, an unknown option...).
