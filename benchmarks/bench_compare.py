@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
 import statistics
@@ -110,7 +111,7 @@ def format_table(rows: Sequence[Comparison], rounds: int, threshold: float) -> s
 # --- one measurement, in its own process ----------------------------------------------------
 
 
-async def _measure(dsn: str, schema: str, n: int) -> dict[str, float]:
+async def _measure(dsn: str, schema: str, n: int, profile: str | None) -> dict[str, float]:
     import asyncpg
 
     from steeple.postgres.queue import Scheduler, Task, enqueue_many, install
@@ -139,12 +140,18 @@ async def _measure(dsn: str, schema: str, n: int) -> dict[str, float]:
         worker = Scheduler(dsn, worker_id="bench-compare", schema=schema, **WORKER)
         worker.register(noop, handler)
         stop = asyncio.Event()
+        profiler = cProfile.Profile() if profile else None
         t0 = time.perf_counter()
         cpu0 = time.process_time()
+        if profiler is not None:
+            profiler.enable()
         run = asyncio.create_task(worker.run_until_shutdown(stop))
         await asyncio.wait_for(done.wait(), 3600)
         while worker.stats.succeeded < n:  # noqa: ASYNC110 (a counter, polled)
             await asyncio.sleep(0.001)
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile)
         process = n / (time.perf_counter() - t0)
         process_cpu = n / (time.process_time() - cpu0)
         stop.set()
@@ -186,11 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base-label", default="base")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--schema", default="bench_compare", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile", metavar="FILE", help="with --measure: cProfile the drain into FILE"
+    )
     args = parser.parse_args(argv)
     if args.n < 1 or args.rounds < 1:
         parser.error("--n and --rounds must be at least 1")
     if args.measure:
-        print(json.dumps(asyncio.run(_measure(args.dsn, args.schema, args.n))))
+        print(json.dumps(asyncio.run(_measure(args.dsn, args.schema, args.n, args.profile))))
         return 0
     if not args.base_python:
         parser.error("--base-python is required (nox -s bench-compare -- BASE builds one)")
