@@ -16,7 +16,8 @@ the environment's packages are importable) against the same PostgreSQL: ``--dsn`
 installs the queue in a schema of its own, enqueues N no-op tasks with ``enqueue_many``
 (chunks of 5,000), drains them with one ``Scheduler(concurrency=200, batch_size=200)``
 and drops the schema. The table shows each metric's median per side and head/base; a
-median more than ``--threshold`` worse than the base's exits with status 1.
+median more than ``--threshold`` worse than the base's exits with status 1 (only the
+metrics named by ``--gate``, when given).
 
 Only the public API that every version since named queues and before shares is used
 (``install``, ``Task``, ``enqueue_many``, ``Scheduler``, ``register``,
@@ -40,7 +41,12 @@ from dataclasses import dataclass
 from typing import Any
 
 CHUNK = 5000
-WORKER = {"concurrency": 200, "batch_size": 200, "poll_interval": 1.0, "maintenance_interval": 5.0}
+WORKER: dict[str, Any] = {
+    "concurrency": 200,
+    "batch_size": 200,
+    "poll_interval": 1.0,
+    "maintenance_interval": 5.0,
+}
 # metric -> unit; every metric is a rate: higher is better.
 # process_cpu: tasks per CPU second of the worker's process while it drains (the harness
 # and the worker share the process, the harness idles meanwhile); far less sensitive to
@@ -149,7 +155,7 @@ async def _measure(dsn: str, schema: str, n: int, profile: str | None) -> dict[s
         await asyncio.wait_for(done.wait(), 3600)
         while worker.stats.succeeded < n:  # noqa: ASYNC110 (a counter, polled)
             await asyncio.sleep(0.001)
-        if profiler is not None:
+        if profiler is not None and profile:
             profiler.disable()
             profiler.dump_stats(profile)
         process = n / (time.perf_counter() - t0)
@@ -188,6 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=20_000, help="tasks per measurement")
     parser.add_argument("--rounds", type=int, default=5, help="base/head pairs")
     parser.add_argument("--threshold", type=float, default=0.10, help="allowed median drop")
+    parser.add_argument(
+        "--gate",
+        choices=sorted(METRICS),
+        action="append",
+        help="a metric whose regression fails the run (repeatable; default: every metric)",
+    )
     parser.add_argument("--base-python", help="interpreter of the base build's environment")
     parser.add_argument("--head-python", default=sys.executable)
     parser.add_argument("--base-label", default="base")
@@ -230,7 +242,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for side in ("base", "head"):
         for metric, values in samples[side].items():
             print(f"  {side} {metric}: " + ", ".join(f"{v:,.0f}" for v in values))
-    return 1 if any(r.regressed for r in rows) else 0
+    gated = set(args.gate or METRICS)
+    failed = [r.metric for r in rows if r.regressed and r.metric in gated]
+    if failed:
+        print(f"FAILED: {', '.join(failed)} more than {args.threshold:.0%} below the base")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -107,3 +107,15 @@ def test_usage_errors_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         bench.main(argv)
     assert exc.value.code == 2
+
+
+def test_only_gated_metrics_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_run(python: str, dsn: str, schema: str, n: int) -> dict[str, float]:
+        base = python == "base-py"
+        return {"process": 10_000.0 if base else 5_000.0, "process_cpu": 30_000.0}
+
+    monkeypatch.setattr(bench, "_run_one", fake_run)
+    argv = ["--dsn", "postgresql://x@127.0.0.1/db", "--base-python", "base-py", "--rounds", "1"]
+    assert bench.main([*argv, "--gate", "process_cpu"]) == 0
+    assert bench.main([*argv, "--gate", "process_cpu", "--gate", "process"]) == 1
+    assert bench.main(argv) == 1
