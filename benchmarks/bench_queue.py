@@ -6,7 +6,10 @@ Measured on the same PostgreSQL, one system at a time, each in its own schema:
 - bulk enqueue rate (tasks/s) of N no-op tasks (each system's bulk API);
 - processing rate (tasks/s) of those N no-op tasks by one worker process (this one);
 - pickup latency p50/p99 (ms) of single tasks on an idle queue: from just before the
-  enqueue call to the start of the handler, with the worker already waiting.
+  enqueue call to the start of the handler, with the worker already waiting;
+- named queues ("mix"): the processing rate of --mix-n tasks of one queue at the worker's
+  defaults, served alone, then with an extra idle queue, then with an extra paused one
+  (the three take turns, three times; the median of each).
 
 The "limit" is the same insert -> claim -> complete lifecycle as raw SQL on the steeple
 schema with no Python in the loop: a server-side INSERT ... SELECT generate_series for
@@ -31,6 +34,7 @@ from typing import Any
 import asyncpg
 
 SCHEMAS = {
+    "mix": "bench_steeple_mix",
     "steeple": "bench_steeple",
     "pgqueuer": "bench_pgqueuer",
     "procrastinate": "bench_procrastinate",
@@ -43,6 +47,7 @@ PROCRASTINATE_MAX_N = 5000
 LIMIT_SESSIONS = 2
 LIMIT_BATCH = 1000
 GLOBAL_LIMIT = 50
+MIX_REPEATS = 3
 STEEPLE_TUNED: dict[str, Any] = {
     "concurrency": 200,
     "batch_size": 200,
@@ -59,6 +64,10 @@ class Result:
         self.process_defaults: float | None = None
         # processing under a global concurrency limit of GLOBAL_LIMIT on the one queue
         self.process_limited: float | None = None
+        # one queue drained at the defaults: served alone, with an idle and a paused queue
+        self.mix_alone: float | None = None
+        self.mix_idle: float | None = None
+        self.mix_paused: float | None = None
         self.p50: float | None = None
         self.p99: float | None = None
         self.error: str | None = None
@@ -107,9 +116,15 @@ async def measure_latency(
 
 
 async def steeple_drain(
-    dsn: str, schema: str, conn: asyncpg.Connection, n: int, settings: dict[str, Any]
+    dsn: str,
+    schema: str,
+    conn: asyncpg.Connection,
+    n: int,
+    settings: dict[str, Any],
+    queue: str | None = None,
 ) -> float:
-    """Process the ``n`` pending no-op tasks with one worker of ``settings``; tasks/s."""
+    """Process the ``n`` pending no-op tasks (of ``queue``: the others may stay pending)
+    with one worker of ``settings``; tasks/s."""
     from steeple.postgres.queue import Scheduler, Task
 
     done = asyncio.Event()
@@ -134,10 +149,50 @@ async def steeple_drain(
     stop.set()
     await run
     stuck = await conn.fetchval(
-        f"SELECT count(*) FROM \"{schema}\".tasks WHERE state <> 'succeeded'"
+        f"SELECT count(*) FROM \"{schema}\".tasks WHERE state <> 'succeeded' "
+        "AND ($1::text IS NULL OR queue = $1)",
+        queue,
     )
     assert stuck == 0, f"{stuck} tasks not succeeded"
     return rate
+
+
+async def bench_mix(dsn: str, n: int, samples: int) -> Result:
+    """Drain ``n`` tasks of queue ``b`` at the worker's defaults, serving ``b`` alone, then
+    ``["a", "b"]`` with ``a`` empty, then with ``a`` paused (holding tasks)."""
+    from steeple.postgres.queue import Task, enqueue_many, install, pause_queue, resume_queue
+
+    schema = SCHEMAS["mix"]
+    result = Result()
+    await reset_schema(dsn, schema)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await install(conn, schema=schema)
+        noop: Task[dict[str, int]] = Task("noop")
+        payloads = [{"i": i} for i in range(n)]
+        rates: dict[str, list[float]] = {"alone": [], "idle": [], "paused": []}
+        # The variants take turns, MIX_REPEATS times: a busy machine slows them alike.
+        for _ in range(MIX_REPEATS):
+            for label, queues in (("alone", ["b"]), ("idle", ["a", "b"]), ("paused", ["a", "b"])):
+                if label == "paused":
+                    await pause_queue(conn, "a", schema=schema)
+                    await enqueue_many(conn, noop, payloads[:100], schema=schema, queue="a")
+                for start in range(0, n, CHUNK):
+                    await enqueue_many(
+                        conn, noop, payloads[start : start + CHUNK], schema=schema, queue="b"
+                    )
+                settings: dict[str, Any] = {"queues": queues}
+                rates[label].append(await steeple_drain(dsn, schema, conn, n, settings, queue="b"))
+                if label == "paused":
+                    await resume_queue(conn, "a", schema=schema)
+                    await conn.execute(f'DELETE FROM "{schema}".tasks')
+        result.mix_alone, result.mix_idle, result.mix_paused = (
+            statistics.median(rates[k]) for k in ("alone", "idle", "paused")
+        )
+    finally:
+        await conn.close()
+        await drop_schema(dsn, schema)
+    return result
 
 
 async def bench_steeple(dsn: str, n: int, samples: int) -> Result:
@@ -494,7 +549,7 @@ def ratio(a: float | None, b: float | None, inverse: bool = False) -> str:
     return f"{(b / a if inverse else a / b):.2f}x"
 
 
-def print_table(results: dict[str, Result], n: int, samples: int) -> None:
+def print_table(results: dict[str, Result], n: int, samples: int, mix_n: int) -> None:
     names = ["steeple", "pgqueuer", "procrastinate", "limit"]
     head = [
         "metric",
@@ -556,6 +611,21 @@ def print_table(results: dict[str, Result], n: int, samples: int) -> None:
     for k in names:
         if results[k].error:
             print(f"{k}: could not run: {results[k].error}")
+    mix = results.get("mix")
+    if mix is not None and mix.mix_alone is not None:
+        print(
+            f"\nnamed queues (steeple at its defaults, N={mix_n:,} tasks of queue 'b', "
+            f"tasks/s, median of {MIX_REPEATS}; ratio = rate / rate served alone, "
+            "higher is better):"
+        )
+        for label, rate in (
+            ("served alone (queues=['b'])", mix.mix_alone),
+            ("with an idle queue (['a', 'b'], 'a' empty)", mix.mix_idle),
+            ("with a paused queue (['a', 'b'], 'a' paused)", mix.mix_paused),
+        ):
+            print(f"  {label:<46} {fmt(rate):>8}  {ratio(rate, mix.mix_alone)}")
+    elif mix is not None and mix.error:
+        print(f"mix: could not run: {mix.error}")
 
 
 async def main() -> int:
@@ -564,7 +634,10 @@ async def main() -> int:
     parser.add_argument("--n", type=int, default=50_000, help="tasks for enqueue/processing")
     parser.add_argument("--samples", type=int, default=200, help="latency samples")
     parser.add_argument(
-        "--only", choices=["steeple", "pgqueuer", "procrastinate", "limit"], action="append"
+        "--mix-n", type=int, default=2000, help="tasks for the named-queues drain (mix)"
+    )
+    parser.add_argument(
+        "--only", choices=["steeple", "pgqueuer", "procrastinate", "limit", "mix"], action="append"
     )
     args = parser.parse_args()
     server = None
@@ -590,6 +663,7 @@ async def run_all(args: argparse.Namespace) -> int:
         "steeple": bench_steeple,
         "pgqueuer": bench_pgqueuer,
         "procrastinate": bench_procrastinate,
+        "mix": bench_mix,
     }
     results: dict[str, Result] = {}
     for name, bench in benches.items():
@@ -599,12 +673,13 @@ async def run_all(args: argparse.Namespace) -> int:
             continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
         try:
-            results[name] = await bench(args.dsn, args.n, args.samples)
+            n = args.mix_n if name == "mix" else args.n
+            results[name] = await bench(args.dsn, n, args.samples)
         except Exception as exc:  # a peer that cannot run is reported, not fatal
             traceback.print_exc()
             results[name] = Result()
             results[name].error = f"{type(exc).__name__}: {exc}"
-    print_table(results, args.n, args.samples)
+    print_table(results, args.n, args.samples, args.mix_n)
     return 0
 
 

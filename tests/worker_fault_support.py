@@ -198,13 +198,16 @@ class World:
         env.update(extra)
         return env
 
-    async def spawn(self, worker: str, **extra: str) -> WorkerProc:
-        """Start ``steeple worker --app faultapp:make`` named ``worker``; wait until it runs."""
+    async def spawn(self, worker: str, app: str = "faultapp:make", **extra: str) -> WorkerProc:
+        """Start ``steeple worker --app <app>`` named ``worker``; wait until it runs.
+
+        ``app`` is a ``module:object`` in :attr:`home` (default: :data:`APP`'s ``make``).
+        """
         proc = await asyncio.create_subprocess_exec(
             *STEEPLE,
             "worker",
             "--app",
-            "faultapp:make",
+            app,
             env=self.env(worker, **extra),
             cwd=self.home,
             stdin=asyncio.subprocess.DEVNULL,

@@ -377,21 +377,23 @@ def test_short_csrf_token_is_refused() -> None:
 
 @pytest.mark.postgres
 async def test_token_app_of_admin_serve(live: dict[str, Any]) -> None:
+    token = "Zr8kQ2vNw5LxT9cHj3mPb7YgF4sDa6EuK1oRi0WnVq"
     app = token_app(
-        token="t" * 20, namespace="ops", stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+        token=token, namespace="ops", stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
     )
-    basic = base64.b64encode(b"admin:" + b"t" * 20).decode()
+    basic = base64.b64encode(b"admin:" + token.encode()).decode()
     async with client(app) as http:
         anonymous = await http.get("/ui/ops")
         wrong = await http.get("/ui/ops", headers={"authorization": "Bearer nope"})
         browser = await http.get("/ui/ops", headers={"authorization": f"Basic {basic}"})
-        api = await http.get("/api/ops/tasks", headers={"authorization": "Bearer " + "t" * 20})
-        other = await http.get("/api/zzz/tasks", headers={"authorization": "Bearer " + "t" * 20})
+        api = await http.get("/api/ops/tasks", headers={"authorization": "Bearer " + token})
+        other = await http.get("/api/zzz/tasks", headers={"authorization": "Bearer " + token})
         other_page = await http.get("/ui/zzz", headers={"authorization": f"Basic {basic}"})
     assert anonymous.status_code == 401
     assert "Basic" in anonymous.headers["www-authenticate"]
     assert_security_headers(anonymous)
-    assert wrong.status_code == 403
+    assert wrong.status_code == 401  # a wrong token is counted against its address
+    assert "Basic" in wrong.headers["www-authenticate"]
     assert browser.status_code == 200
     assert 'class="row schedule"' in browser.text
     assert api.status_code == 200
@@ -678,3 +680,162 @@ async def test_job_routes_create_change_and_refuse(live: dict[str, Any]) -> None
     assert [j["name"] for j in listing.json()["items"]] == ["nightly"]
     assert deleted.json() == {"deleted": True}
     assert gone.status_code == 404
+
+
+async def _succeed_one(seeded: Any, name: str, result: Any) -> int:
+    """Enqueue a task named ``name`` and record that its handler returned ``result``."""
+    from steeple.postgres import queue
+
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        task: queue.Task[Any] = queue.Task(name)
+        enqueued = await queue.enqueue(
+            conn, task, {}, queue.EnqueueOptions.immediate(), schema=seeded.schema
+        )
+        await conn.execute(
+            f"UPDATE \"{seeded.schema}\".tasks SET state = 'succeeded', attempts = 1,"
+            " started_at = clock_timestamp(), finished_at = clock_timestamp(),"
+            " result = $2::text::jsonb WHERE id = $1",
+            enqueued.id,
+            json.dumps(result),
+        )
+        return enqueued.id
+    finally:
+        await conn.close()
+
+
+class Grants:
+    """An authorize callback that allows exactly the listed actions."""
+
+    def __init__(self, *actions: str) -> None:
+        self.actions = set(actions)
+        self.calls: list[str] = []
+
+    async def __call__(self, request: Request, action: str, namespace: str) -> bool:
+        assert action in ACTIONS
+        self.calls.append(action)
+        return action in self.actions
+
+
+@pytest.mark.postgres
+async def test_pages_ask_what_the_api_routes_of_their_data_ask(live: dict[str, Any]) -> None:
+    seeded = live["seeded"]
+    failed = await _fail_one(seeded, "charge", "CardDeclined: secret-detail")
+    done = await _succeed_one(seeded, "report", {"token": "result-secret"})
+
+    def app(*actions: str) -> Any:
+        return create_admin_app(
+            authorize=Grants(*actions), stores=live["stores"], tasks=live["tasks"]
+        )
+
+    # dashboard.read alone: no task data, on the pages or their live JSON.
+    async with client(app("dashboard.read", "static.read")) as http:
+        for path in (f"/ui/ops/tasks/{done}", f"/ui/ops/tasks/{failed}", "/ui/ops/tasks"):
+            page = await http.get(path)
+            live_json = await http.get(path, params={"live": "1"})
+            assert page.status_code == 403, path
+            assert live_json.status_code == 403, path
+            assert live_json.json()["detail"] == "not allowed: tasks.read"
+            for body in (page.text, live_json.text):
+                assert "result-secret" not in body
+                assert "secret-detail" not in body
+        assert (await http.get("/ui/ops/jobs")).status_code == 403
+        assert (await http.get("/ui/ops/schedules")).status_code == 403
+        overview = await http.get("/ui/ops", params={"live": "1"})
+        assert overview.status_code == 200
+        assert "secret-detail" not in overview.text
+        assert "not allowed: tasks.read" in overview.text
+        assert "not allowed: schedules.read" in overview.text
+
+    # tasks.read: the task page as the API shows it, its result withheld without tasks.results.
+    async with client(app("dashboard.read", "tasks.read")) as http:
+        page = await http.get(f"/ui/ops/tasks/{done}")
+        live_json = await http.get(f"/ui/ops/tasks/{done}", params={"live": "1"})
+        api = await http.get(f"/api/ops/tasks/{done}")
+        failure = await http.get(f"/ui/ops/tasks/{failed}")
+    assert page.status_code == live_json.status_code == api.status_code == 200
+    for body in (page.text, live_json.text, api.text):
+        assert "result-secret" not in body
+    assert "not allowed (tasks.results)" in page.text
+    assert (api.json()["result"], api.json()["result_withheld"]) == (None, True)
+    assert "secret-detail" in failure.text  # errors are task data, as the API shows them
+
+    async with client(app("dashboard.read", "tasks.read", "tasks.results")) as http:
+        page = await http.get(f"/ui/ops/tasks/{done}")
+        api = await http.get(f"/api/ops/tasks/{done}")
+    assert "result-secret" in page.text
+    assert (api.json()["result"], api.json()["result_withheld"]) == (
+        {"token": "result-secret"},
+        False,
+    )
+
+
+@pytest.mark.postgres
+async def test_jobs_carry_their_queue_through_the_api_and_the_dashboard(
+    live: dict[str, Any],
+) -> None:
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
+    job = {"name": "mailer", "task": "send-mail", "cron": "0 3 * * *", "args": {}}
+    async with client(app) as http:
+
+        async def post(path: str, body: dict[str, Any]) -> httpx.Response:
+            return await http.post(f"/api/ops/jobs/{path}", json=body, headers=post_headers())
+
+        created = await post("create", {**job, "queue": "emails"})
+        plain = await post("create", {**job, "name": "plain"})
+        not_text = await post("create", {**job, "name": "x", "queue": 5})
+        bad_name = await post("create", {**job, "name": "y", "queue": "a\nb"})
+        listing = await http.get("/api/ops/jobs")
+        page = await http.get("/ui/ops/jobs")
+    assert created.status_code == 200, created.text
+    assert created.json()["queue"] == "emails"
+    assert plain.json()["queue"] == "default"
+    assert not_text.status_code == 400
+    assert bad_name.status_code == 422
+    assert {j["name"]: j["queue"] for j in listing.json()["items"]} == {
+        "mailer": "emails",
+        "plain": "default",
+    }
+    assert ">queue</th>" in page.text
+    assert 'href="/ui/ops/tasks?queue=emails">emails</a>' in page.text
+    assert '<input name="queue" value="default"' in page.text  # the form asks for it
+
+
+@pytest.mark.postgres
+async def test_the_overview_flags_a_queue_with_due_work_no_worker_claims(
+    live: dict[str, Any], seeded: Any
+) -> None:
+    app = create_admin_app(
+        authorize=Recorder(), stores=live["stores"], tasks=live["tasks"], csrf_token=CSRF
+    )
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        # What a job left in a queue no worker serves: due ten minutes ago, never claimed.
+        for queue in ("orphan", "held"):
+            await conn.execute(
+                f"""INSERT INTO "{seeded.schema}".tasks (task_name, args, max_attempts,
+                    lease_duration, backoff_initial_us, backoff_maximum_us, backoff_factor,
+                    backoff_jitter, queue, run_at, created_at)
+                VALUES ('send-mail', '{{}}', 3, interval '60 s', 1000000, 60000000, 2, 0.1,
+                        $1, clock_timestamp() - interval '10 minutes',
+                        clock_timestamp() - interval '10 minutes')""",
+                queue,
+            )
+    finally:
+        await conn.close()
+    async with client(app) as http:
+        paused = await http.post(
+            "/api/ops/queues/pause", json={"queue": "held"}, headers=post_headers()
+        )
+        assert paused.status_code == 200, paused.text
+        queues = {q["name"]: q for q in (await http.get("/api/ops/queues")).json()["items"]}
+        page = await http.get("/ui/ops")
+    assert queues["orphan"]["unserved"] is True
+    assert queues["orphan"]["due_since"] is not None
+    assert queues["held"]["unserved"] is False  # paused on purpose: not a missing worker
+    assert all(not q["unserved"] for name, q in queues.items() if name != "orphan")
+    assert 'id="unserved-queues"' in page.text
+    assert "no worker seems to serve orphan" in page.text
+    assert page.text.count(">unserved</span>") == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import sys
 import uuid
 from pathlib import Path
@@ -252,7 +253,7 @@ def test_every_option_with_hostile_values(
 ) -> None:
     # `keys generate --out VALUE` writes a file named VALUE: keep those in the test's own dir
     monkeypatch.chdir(tmp_path)
-    env = {**seeded.env(), "STEEPLE_ADMIN_TOKEN": "t" * 20}
+    env = {**seeded.env(), "STEEPLE_ADMIN_TOKEN": secrets.token_urlsafe(32)}
     # an empty --queue-schema means the default, <schema>_queue, which migrate creates
     drop_queue_schema.append(f"{seeded.schema}_queue")
     runner = CliRunner()

@@ -185,6 +185,7 @@ async def test_schedules_create_from_a_definitions_file(
         ('[{"name": "x", "cron": "* * * * *", "first_after": "2031-01-01"}]', "time zone"),
         ("{not json", "not valid JSON"),
         ('[{"name": "a", "cron": "* * * * *"}, {"name": "a", "cron": "* * * * *"}]', "twice"),
+        ('[{"name": "x", "cron": "* * * * *", "first_after": ' + "9" * 5000 + "}]", "digits"),
     ],
 )
 async def test_schedules_create_refuses_bad_files_before_storing(
@@ -516,6 +517,45 @@ def test_environment_key_file_mode_is_checked(tmp_path: Path) -> None:
     result = invoke(["keys", "show", "--keys-file", str(path)])
     assert result.exit_code == ExitCode.CONFIG
     assert "chmod 600" in result.stderr
+
+
+async def test_jobs_carry_their_queue(seeded: Any) -> None:
+    env = seeded.env()
+    create = ["jobs", "create", "mailer", "--task", "send-mail", "--cron", "0 3 * * *"]
+    created = await ainvoke([*create, "--queue", "emails"], env)
+    assert created.exit_code == 0, created.output
+    assert "queue 'emails'" in created.stdout
+    listed = json.loads((await ainvoke(["jobs", "--json"], env)).stdout)["items"]
+    assert [(j["name"], j["queue"]) for j in listed] == [("mailer", "emails")]
+    table = await ainvoke(["jobs", "list"], {**env, "COLUMNS": "200"})
+    assert "emails" in table.stdout
+    # ensure without --queue brings it to the default queue, as any other option
+    ensure = ["jobs", "ensure", "mailer", "--task", "send-mail", "--cron", "0 3 * * *"]
+    ensured = await ainvoke([*ensure, "--json"], env)
+    assert json.loads(ensured.stdout)["queue"] == "default"
+    bad = await ainvoke([*create[:2], "other", *create[3:], "--queue", "a\nb"], env)
+    assert bad.exit_code == ExitCode.USAGE
+    assert "control character" in one_error(bad)
+    assert len(json.loads((await ainvoke(["jobs", "--json"], env)).stdout)["items"]) == 1
+    # Its runs would wait in a queue no worker serves: `steeple queues` says so.
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        await conn.execute(
+            f"""INSERT INTO "{seeded.schema}".tasks (task_name, args, max_attempts,
+                lease_duration, backoff_initial_us, backoff_maximum_us, backoff_factor,
+                backoff_jitter, queue, run_at, created_at)
+            VALUES ('send-mail', '{{}}', 3, interval '60 s', 1000000, 60000000, 2, 0.1,
+                    'emails', clock_timestamp() - interval '10 minutes',
+                    clock_timestamp() - interval '10 minutes')"""
+        )
+    finally:
+        await conn.close()
+    queues = json.loads((await ainvoke(["queues", "--json"], env)).stdout)
+    assert [(q["name"], q["unserved"]) for q in queues if q["name"] == "emails"] == [
+        ("emails", True)
+    ]
+    table = await ainvoke(["queues"], {**env, "COLUMNS": "200"})
+    assert "active, unserved" in table.stdout
 
 
 async def test_jobs_with_time_zones_and_shorthands(seeded: Any) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import re
+import secrets
 import select
 import signal
 import socket
@@ -23,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 STEEPLE = [sys.executable, "-c", "from steeple.admin.cli import main; main()"]
-TOKEN = "process-token-0123456789"
+TOKEN = "process-" + secrets.token_urlsafe(32)
 URL = re.compile(r"steeple admin: (http://\S+)")
 
 

@@ -42,7 +42,7 @@ PASSWORD = f"Pw{secrets.token_hex(8)}"
 AT_HEAD, AT_TAIL = f"Ah{secrets.token_hex(5)}", f"At{secrets.token_hex(5)}"  # "head@tail"
 SLASH_HEAD, SLASH_TAIL = f"Sh{secrets.token_hex(5)}", f"St{secrets.token_hex(5)}"  # "head/tail"
 PLANTED = (PASSWORD, AT_HEAD, AT_TAIL, SLASH_HEAD, SLASH_TAIL)
-TOKEN = "admin-token-" + secrets.token_hex(8)
+TOKEN = "admin-token-" + secrets.token_urlsafe(32)
 APP_MODULE = f"secretapp_{uuid.uuid4().hex[:8]}"
 WORKER_APP = """
 import os

@@ -215,3 +215,25 @@ def test_embedded_without_a_server_there_says_so(tmp_path: Path) -> None:
     assert result.exit_code == ExitCode.CONFIG
     assert "holds none" in result.stderr
     assert "steeple demo" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "max_definitions = " + "7" * 5000 + "\n",  # Python refuses to read it
+        "lease = 0x" + "f" * 5000 + "\n",  # read, but has no decimal text under the limit
+        "max_definitions = 0x" + "f" * 5000 + "\n",
+    ],
+)
+def test_an_integer_of_thousands_of_digits_is_one_configuration_error(
+    tmp_path: Path, text: str
+) -> None:
+    write(tmp_path / "steeple.toml", text)
+    result = invoke(["tasks"], None, tmp_path)
+    assert result.exit_code == ExitCode.CONFIG, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("steeple: error: ")
+    assert "the settings file" in lines[0]
+    assert len(lines) <= 2
+    assert all(len(line) < 400 for line in lines)
+    assert "Traceback" not in result.output

@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import re
+import secrets
 import shlex
 import signal
 import subprocess
@@ -453,11 +454,12 @@ async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Pa
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    token = "serve-token-0123456789"
+    token = secrets.token_urlsafe(32)
+    csrf = secrets.token_urlsafe(32)
     env = {
         **seeded.env(),
         "STEEPLE_ADMIN_TOKEN": token,
-        "STEEPLE_ADMIN_CSRF_TOKEN": "csrf-token-0123456789",
+        "STEEPLE_ADMIN_CSRF_TOKEN": csrf,
     }
     proc = await _spawn(["admin", "serve", "--port", str(port)], env, tmp_path)
     base = f"http://127.0.0.1:{port}"
@@ -477,7 +479,7 @@ async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Pa
             cancel = await http.post(
                 "/api/ops/tasks/cancel",
                 json={"task_id": seeded.task_ids[0]},
-                headers={**bearer, "X-Steeple-CSRF": "csrf-token-0123456789"},
+                headers={**bearer, "X-Steeple-CSRF": csrf},
             )
             forged = await http.post(
                 "/api/ops/tasks/cancel",
@@ -494,6 +496,86 @@ async def test_admin_serve_answers_with_the_token_only(seeded: Any, tmp_path: Pa
     assert [t["task_id"] for t in tasks.json()["items"]] == list(seeded.task_ids)
     assert cancel.status_code == 200
     assert forged.status_code == 403
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """Write a self-signed certificate for 127.0.0.1 and its key (PEM)."""
+    import ipaddress
+    from datetime import UTC, datetime, timedelta
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    certfile, keyfile = directory / "cert.pem", directory / "key.pem"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return certfile, keyfile
+
+
+@pytest.mark.postgres
+async def test_admin_serve_on_every_interface_serves_https_with_a_certificate(
+    seeded: Any, tmp_path: Path
+) -> None:
+    import socket
+    import ssl
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    certfile, keyfile = _self_signed(tmp_path)
+    token = secrets.token_urlsafe(32)
+    env = {**seeded.env(), "STEEPLE_ADMIN_TOKEN": token}
+    args = ["admin", "serve", "--host", "0.0.0.0", "--port", str(port)]
+    tls = ["--certfile", str(certfile), "--keyfile", str(keyfile)]
+    proc = await _spawn([*args, *tls], env, tmp_path)
+    trusted = ssl.create_default_context(cafile=str(certfile))
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"https://127.0.0.1:{port}", timeout=5, verify=trusted
+        ) as http:
+            for _ in range(150):
+                try:
+                    anonymous = await http.get("/ui/ops")
+                    break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.2)
+            else:
+                pytest.fail("admin serve did not start")
+            page = await http.get("/ui/ops", headers={"authorization": f"Bearer {token}"})
+    finally:
+        _, err = await _stop(proc, signal.SIGINT)
+    assert anonymous.status_code == 401
+    assert page.status_code == 200
+    assert f"https://0.0.0.0:{port}/ui/ops" in err.decode()
+    assert "plain HTTP" not in err.decode()
 
 
 POISONED_APP = """

@@ -359,6 +359,7 @@ def test_hostile_input_gets_one_line_and_the_usage_or_config_code(
         ('{"defs": []}', "unknown top-level key"),
         ('[{"name": "a", "cron": "* * * * *", "when": 1}]', "unknown field 'when'"),
         ('[{"cron": "* * * * *"}]', "'name' is required"),
+        ('[{"name": "a", "cron": "* * * * *", "first_after": ' + "9" * 5000 + "}]", "digits"),
         ('[{"name": 5, "cron": "* * * * *"}]', "must be a string"),
         ('[{"name": "a", "cron": "* * * * *", "policy": "never"}]', "policy"),
         ('[{"name": "a", "cron": "* * * * *", "first_after": "2026-01-01"}]', "time zone"),
@@ -421,3 +422,24 @@ def test_the_readme_simulation_tour_prints_what_the_readme_says() -> None:
     readme = (Path(__file__).parents[3] / "README.md").read_text()
     for line in done.stdout.splitlines():
         assert f"`{line}" in readme.replace("\n", " ")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        'name = "a"\n' + "x = " + "9" * 5000 + "\n",  # Python refuses to read it
+        '[[definitions]]\nname = "a"\ncron = "* * * * *"\npolicy = 0x' + "f" * 5000 + "\n",
+    ],
+)
+def test_a_toml_integer_of_thousands_of_digits_is_one_usage_error(
+    tmp_path: Path, content: str
+) -> None:
+    path = tmp_path / "defs.toml"
+    path.write_text(content, encoding="utf-8")
+    result = invoke(["--definitions", str(path), *RANGE])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("steeple: error: ")
+    assert len(lines) <= 2
+    assert all(len(line) < 400 for line in lines)
+    assert "Traceback" not in result.output

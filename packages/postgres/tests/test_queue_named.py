@@ -14,6 +14,7 @@ import pytest
 from queue_support import QueueFixture, wait_until
 from steeple.postgres.queue import (
     LIBRARY_SCHEMA_VERSION,
+    App,
     EnqueueOptions,
     JobContext,
     QueueConfigurationError,
@@ -398,6 +399,37 @@ async def test_recurring_jobs_enqueue_into_their_queue(queue: QueueFixture) -> N
     assert again.queue == "moved"
 
 
+async def test_an_app_task_gives_its_queue_to_its_jobs_and_enqueues(queue: QueueFixture) -> None:
+    dsn, schema, conn = queue
+    app = App(schema=schema)
+
+    @app.task(name="mail-digest", queue="emails")
+    async def digest(ctx: JobContext, args: Any) -> None:
+        return None
+
+    made = await jobs.create(conn, "digest", digest, "* * * * *", {}, schema=schema)
+    assert made.queue == "emails"  # the queue app.scheduler() serves for it
+    assert made.task_name == "mail-digest"
+    ensured = await jobs.ensure_job(conn, "digest2", digest, "* * * * *", {}, schema=schema)
+    assert ensured.queue == "emails"
+    # Named elsewhere explicitly, it goes there.
+    named = await jobs.create(conn, "d3", digest, "* * * * *", {}, schema=schema, queue="bulk")
+    assert named.queue == "bulk"
+    opts = EnqueueOptions(queue="opts")
+    chosen = await jobs.create(conn, "d4", digest, "* * * * *", {}, opts, schema=schema)
+    assert chosen.queue == "opts"
+    # The explicit enqueue functions take the decorated function too.
+    single = await enqueue(conn, digest, {}, schema=schema)
+    assert (await run_state(conn, single.id, schema=schema)).queue == "emails"
+    (many,) = await enqueue_many(conn, digest, [{}], schema=schema)
+    assert (await run_state(conn, many, schema=schema)).queue == "emails"
+    worker = _worker(dsn, schema, queues=["emails"])
+    worker.register(digest, digest.handler)
+    not_a_task: Any = digest.handler
+    with pytest.raises(QueueTypeError, match=r"@app\.task function"):
+        await jobs.create(conn, "bad", not_a_task, "* * * * *", {}, schema=schema)
+
+
 async def test_a_version_5_schema_upgrades_and_its_tasks_join_the_default_queue(
     pg_schema: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -503,3 +535,55 @@ async def test_the_claim_walks_the_index_of_its_queue_and_never_scans_the_table(
     assert scans["idx_scan"] >= 1, dict(scans)
     # The queue leads the index: the walk never reads the 5,000 tasks queued before ours.
     assert scans["idx_tup_fetch"] < 50, dict(scans)
+
+
+async def _due_long_ago(conn: asyncpg.Connection, schema: str, queue: str) -> int:
+    """A task that has been due for ten minutes in ``queue`` (as if nobody served it)."""
+    return int(
+        await conn.fetchval(
+            f"""INSERT INTO "{schema}".tasks (task_name, args, max_attempts, lease_duration,
+                backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter, queue,
+                run_at, created_at)
+            VALUES ('named-job', '{{}}', 3, interval '60 s', 1000000, 60000000, 2, 0.1, $1,
+                    clock_timestamp() - interval '10 minutes',
+                    clock_timestamp() - interval '10 minutes')
+            RETURNING id""",
+            queue,
+        )
+    )
+
+
+async def test_a_queue_whose_due_work_nobody_claims_is_judged_unserved_until_served(
+    queue: QueueFixture,
+) -> None:
+    dsn, schema, conn = queue
+    orphan = await _due_long_ago(conn, schema, "orphan")
+    await _due_long_ago(conn, schema, "held")
+    await pause_queue(conn, "held", schema=schema)
+    await enqueue(conn, JOB, {}, schema=schema, queue="fresh")  # due now: not waiting yet
+    listed = {q.name: q for q in await list_queues(conn, schema=schema)}
+    assert listed["orphan"].unserved
+    assert listed["orphan"].due_since is not None
+    assert not listed["held"].unserved  # paused on purpose
+    assert not listed["fresh"].unserved
+    # With more patience than the orphan has waited, no queue is judged unserved.
+    later = await list_queues(conn, schema=schema, unserved_after=timedelta(hours=1))
+    assert not any(q.unserved for q in later)
+    with pytest.raises(QueueConfigurationError, match="unserved_after"):
+        await list_queues(conn, schema=schema, unserved_after=timedelta(0))
+
+    done = asyncio.Event()
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        done.set()
+
+    worker = _worker(dsn, schema, queues=["orphan"])
+    worker.register(JOB, handler)
+
+    async def served() -> None:
+        await wait_until(lambda: done.is_set())
+
+    await _running(worker, served)
+    assert (await run_state(conn, orphan, schema=schema)).state.value == "succeeded"
+    listed = {q.name: q for q in await list_queues(conn, schema=schema)}
+    assert "orphan" not in listed or not listed["orphan"].unserved

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
 
+from queue_support import wait_until
 from steeple.postgres.queue import (
     LIBRARY_SCHEMA_VERSION,
     QueueConfigurationError,
@@ -15,7 +20,9 @@ from steeple.postgres.queue import (
     Task,
     _schema,
     check_schema,
+    enqueue,
     install,
+    run_state,
     schema_version,
 )
 
@@ -185,5 +192,70 @@ async def test_invalid_schema_names_are_refused(pg_dsn: str, bad: str) -> None:
     try:
         with pytest.raises(QueueConfigurationError):
             await install(conn, schema=bad)
+    finally:
+        await conn.close()
+
+
+async def test_the_shipped_sql_applied_by_hand_with_psql_is_a_schema_a_worker_runs_on(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    # A host that ships the queue's SQL in its own migration tool: every up.sql, in order,
+    # __SCHEMA__ replaced by the quoted schema name, each run by psql in one transaction.
+    dsn, schema = pg_schema
+    psql = shutil.which("psql")
+    assert psql is not None, "psql (postgresql-client) is needed to apply the SQL by hand"
+    root = resources.files("steeple.postgres.queue") / "migrations"
+    names = sorted(entry.name for entry in root.iterdir() if entry.is_dir())
+    assert names == [name for _, name in _schema._MIGRATIONS]
+    for name in names:
+        script = tmp_path / f"{name}.sql"
+        script.write_text((root / name / "up.sql").read_text().replace("__SCHEMA__", f'"{schema}"'))
+        process = await asyncio.create_subprocess_exec(
+            psql,
+            "-X",
+            "-q",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "--single-transaction",
+            "-d",
+            dsn,
+            "-f",
+            str(script),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await process.communicate()
+        assert process.returncode == 0, (name, err.decode())
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await schema_version(conn, schema) == LIBRARY_SCHEMA_VERSION
+        await check_schema(conn, schema)
+        # The library's own runner accepts the hand-built schema as current (a no-op).
+        assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
+        task: Task[Any] = Task("by_hand")
+        handle = await enqueue(conn, task, {"n": 20}, schema=schema)
+        worker = Scheduler(
+            dsn, worker_id="w", schema=schema, poll_interval=0.1, maintenance_interval=0.1
+        )
+
+        async def handler(ctx: object, args: Any) -> int:
+            return int(args["n"]) + 1
+
+        worker.register(task, handler)
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run_until_shutdown(stop))
+        try:
+
+            async def succeeded() -> bool:
+                if running.done():
+                    running.result()  # a refusal of the schema surfaces here
+                state = await run_state(conn, handle.id, schema=schema)
+                return state.state.value == "succeeded"
+
+            await wait_until(succeeded)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+        assert (await run_state(conn, handle.id, schema=schema)).result == 21
     finally:
         await conn.close()

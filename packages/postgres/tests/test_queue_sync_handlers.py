@@ -100,13 +100,19 @@ async def test_the_thread_pool_is_bounded_by_threads(queue: QueueFixture) -> Non
     worker = worker_for(dsn, schema, concurrency=6, threads=2)
     worker.register(SYNC, handle)
     async with running(worker):
-        # All six are claimed (concurrency 6) but only two run at once (two threads).
-        await wait_until(lambda: worker.stats.claimed == 6)
+        # Two run at once (two threads), and only those two are claimed although
+        # concurrency is 6: a worker claims only what it can start, the other four stay
+        # pending for any worker (before: all six were claimed, four leased to no thread).
         await wait_until(lambda: peak == 2)
-        assert running_now == 2
+        rounds = worker.stats.maintenance_rounds
+        await wait_until(lambda: worker.stats.maintenance_rounds >= rounds + 3)
+        assert (running_now, worker.stats.claimed) == (2, 2)
+        states = await conn.fetch(f'SELECT state, count(*) FROM "{schema}".tasks GROUP BY 1')
+        assert {r[0]: r[1] for r in states} == {"running": 2, "pending": 4}
         release.set()
         await wait_until(lambda: worker.stats.succeeded == 6)
     assert peak == 2
+    assert worker.stats.not_started == 0
 
 
 async def test_cancellation_and_lease_loss_are_visible_in_the_thread(queue: QueueFixture) -> None:

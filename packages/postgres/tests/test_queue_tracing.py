@@ -37,6 +37,7 @@ from steeple.postgres.queue import (
     enqueue_many,
     enqueue_many_sync,
     enqueue_sync,
+    install,
     run_state,
 )
 
@@ -232,10 +233,16 @@ async def test_batches_sync_and_deduplicated_enqueues(
 async def test_a_failed_enqueue_marks_its_span(
     pg_schema: tuple[str, str], spans: InMemorySpanExporter
 ) -> None:
-    dsn, schema = pg_schema  # the queue is not installed here: the insert fails
+    dsn, schema = pg_schema
     conn = await asyncpg.connect(dsn)
     try:
-        with pytest.raises(asyncpg.UndefinedTableError):
+        await install(conn, schema=schema)
+        # A constraint the insert breaks: the enqueue fails at the database.
+        await conn.execute(
+            f'ALTER TABLE "{schema}".tasks '
+            "ADD CONSTRAINT no_mail CHECK (task_name <> 'send-mail')"
+        )
+        with pytest.raises(asyncpg.CheckViolationError):
             await enqueue(conn, MAIL, 1, schema=schema)
     finally:
         await conn.close()

@@ -399,3 +399,48 @@ async def test_every_transaction_commits_synchronously(deployed: tuple[str, str]
         assert await conn.fetchval("SHOW synchronous_commit") == "off"  # local only
     finally:
         await conn.close()
+
+
+class _NaiveClock:
+    """A clock that forgets its time zone (a common mistake: ``datetime.now()``)."""
+
+    def __init__(self, aware: bool = False) -> None:
+        self.aware = aware
+
+    def now(self) -> datetime:
+        reading = datetime(2031, 3, 4, 5, 6, 7)
+        return reading.replace(tzinfo=UTC) if self.aware else reading
+
+
+async def test_initialize_with_an_exhausted_seal_budget_raises_a_recurring_error(
+    pg_schema: tuple[str, str],
+) -> None:
+    from steeple.core import RecurringError, SealBudgetExhaustedError
+
+    dsn, schema = pg_schema
+    spent = Keyring(StorageKey("k1", b"\x02" * 32), seal_budget=1, seal_counts={"k1": 1})
+    with pytest.raises(RecurringError) as caught:
+        await PostgresRecurringStore.initialize(dsn, CONFIG, spent, FakeClock(START), schema=schema)
+    # Still the keyring's own class, as create's refusal is, and it says what to do.
+    assert isinstance(caught.value, SealBudgetExhaustedError)
+    assert "rotate" in str(caught.value)
+
+
+async def test_initialize_connect_and_operations_with_a_naive_clock_raise_recurring_errors(
+    pg_schema: tuple[str, str],
+) -> None:
+    dsn, schema = pg_schema
+    with pytest.raises(RecurringConfigurationError, match="timezone-aware"):
+        await PostgresRecurringStore.initialize(dsn, CONFIG, KEYRING, _NaiveClock(), schema=schema)
+    clock = _NaiveClock(aware=True)
+    store = await PostgresRecurringStore.initialize(dsn, CONFIG, KEYRING, clock, schema=schema)
+    try:
+        clock.aware = False
+        with pytest.raises(RecurringConfigurationError, match="timezone-aware"):
+            await store.tick(10)
+        with pytest.raises(RecurringConfigurationError, match="timezone-aware"):
+            await store.schedules()
+    finally:
+        await store.close()
+    with pytest.raises(RecurringConfigurationError, match="timezone-aware"):
+        await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, _NaiveClock(), schema=schema)

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -481,3 +482,46 @@ def test_claims_purges_and_ticks_walk_their_indexes(tmp_path: Path) -> None:
         assert index in plan, (index, plan)
         assert "TEMP B-TREE" not in plan, (index, plan)
     conn.close()
+
+
+class _NaiveClock:
+    """A clock that forgets its time zone (a common mistake: ``datetime.now()``)."""
+
+    def __init__(self, aware: bool = False) -> None:
+        self.aware = aware
+
+    def now(self) -> datetime:
+        reading = datetime(2031, 3, 4, 5, 6, 7)
+        return reading.replace(tzinfo=UTC) if self.aware else reading
+
+
+async def test_initialize_with_an_exhausted_seal_budget_raises_a_recurring_error(
+    tmp_path: Path,
+) -> None:
+    from steeple.core.errors import RecurringError, SealBudgetExhaustedError
+
+    spent = Keyring(StorageKey("k1", b"\x02" * 32), seal_budget=1, seal_counts={"k1": 1})
+    with pytest.raises(RecurringError) as caught:
+        await SqliteRecurringStore.initialize(tmp_path / "s.db", CONFIG, spent, FakeClock(START))
+    assert isinstance(caught.value, SealBudgetExhaustedError)
+    assert "rotate" in str(caught.value)
+
+
+async def test_initialize_connect_and_operations_with_a_naive_clock_raise_recurring_errors(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "s.db"
+    with pytest.raises(RecurringConfigurationError, match="timezone-aware"):
+        await SqliteRecurringStore.initialize(path, CONFIG, KEYRING, _NaiveClock())
+    clock = _NaiveClock(aware=True)
+    store = await SqliteRecurringStore.initialize(path, CONFIG, KEYRING, clock)
+    try:
+        clock.aware = False
+        with pytest.raises(RecurringConfigurationError, match="timezone-aware"):
+            await store.tick(10)
+        with pytest.raises(RecurringConfigurationError, match="timezone-aware"):
+            await store.schedules()
+    finally:
+        await store.close()
+    with pytest.raises(RecurringConfigurationError, match="timezone-aware"):
+        await SqliteRecurringStore.connect(path, CONFIG, KEYRING, _NaiveClock())

@@ -427,9 +427,17 @@ def args_section(task: TaskRecord, revealable: bool) -> str:
     )
 
 
-def result_section(task: TaskRecord) -> str:
-    """Render the task's progress and, once it succeeded, the JSON value it returned."""
-    if task.state == "succeeded":
+def result_section(task: TaskRecord, *, withheld: bool = False) -> str:
+    """Render the task's progress and, once it succeeded, the JSON value it returned.
+
+    ``withheld``: the caller may not read results (``tasks.results``); the page says so.
+    """
+    if withheld:
+        result = (
+            '<p class="note" id="result-withheld">the result is not shown: '
+            "not allowed (tasks.results)</p>"
+        )
+    elif task.state == "succeeded":
         text = json.dumps(task.result, indent=2, ensure_ascii=False)
         if len(text) > _MAX_RESULT_SHOWN:
             text = text[:_MAX_RESULT_SHOWN] + "\n... (cut here; the API has all of it)"
@@ -462,9 +470,17 @@ def queues_section(links: Links, queues: Sequence[QueueRecord], actions: bool) -
             limits.append(f"at most {q.max_running} running")
         if q.rate_limit is not None and q.rate_period_seconds is not None:
             limits.append(f"{q.rate_limit} starts per {q.rate_period_seconds:g} s")
+        state = badge("paused" if q.paused else "active")
+        if q.unserved:
+            # Judged from the tasks (workers do not register): say what was seen.
+            state += (
+                f' <span class="state state-failed unserved" title="due work has waited since '
+                f"{esc(utc(q.due_since))} UTC and none of its tasks runs: no live worker seems "
+                f'to serve this queue (or its workers lack the task)">unserved</span>'
+            )
         row = [
             f'<a href="{esc(links.tasks(TaskFilter(queue=q.name)))}">{esc(q.name)}</a>',
-            badge("paused" if q.paused else "active"),
+            state,
             esc(q.pending),
             esc(q.running),
             esc(", ".join(limits) or "-"),
@@ -483,8 +499,20 @@ def queues_section(links: Links, queues: Sequence[QueueRecord], actions: bool) -
             )
             row.append(button.render())
         rows.append(row)
-    return heading("Queues", len(queues), "with live tasks or settings") + table(
-        "queue", ["queue", "state", "pending", "running", "limits"], rows, actions
+    unserved = [q.name for q in queues if q.unserved]
+    warning = (
+        '<p class="unavailable" id="unserved-queues">'
+        f"no worker seems to serve {esc(', '.join(unserved))}: due work has waited there for "
+        "minutes and none of its tasks runs (start a worker that serves it: "
+        "<code>Scheduler(queues=[...])</code>, or <code>App.scheduler()</code> for an "
+        "app that declares tasks in it)</p>"
+        if unserved
+        else ""
+    )
+    return (
+        heading("Queues", len(queues), "with live tasks or settings")
+        + warning
+        + table("queue", ["queue", "state", "pending", "running", "limits"], rows, actions)
     )
 
 
@@ -508,6 +536,11 @@ def chart_section(overview: Overview) -> str:
     )
 
 
+def withheld(title: str, action: str) -> str:
+    """Render a section the caller may not read (``authorize`` refused ``action``)."""
+    return heading(title) + f'<p class="unavailable">not allowed: {esc(action)}</p>'
+
+
 def unavailable(title: str, reason: str) -> str:
     """Render a section that could not be read (e.g. the queue is not migrated yet)."""
     return heading(title) + f'<p class="unavailable">unavailable: {esc(reason)}</p>'
@@ -516,7 +549,7 @@ def unavailable(title: str, reason: str) -> str:
 # --- recurring jobs of the queue -------------------------------------------------------------
 
 
-def jobs_table(items: Sequence[JobRecord], actions: bool) -> str:
+def jobs_table(links: Links, items: Sequence[JobRecord], actions: bool) -> str:
     """Render the queue's recurring jobs with pause/resume/reschedule/delete."""
     rows = []
     for j in items:
@@ -525,6 +558,7 @@ def jobs_table(items: Sequence[JobRecord], actions: bool) -> str:
             esc(j.task_name),
             f"<code>{esc(j.cron)}</code>",
             esc(j.timezone),
+            f'<a href="{esc(links.tasks(TaskFilter(queue=j.queue)))}">{esc(j.queue)}</a>',
             badge("paused" if j.paused else "active"),
             esc(utc(j.next_run_at)),
         ]
@@ -553,7 +587,7 @@ def jobs_table(items: Sequence[JobRecord], actions: bool) -> str:
             ]
         rows.append(row)
     return heading("Recurring jobs", len(items), "next run in UTC") + table(
-        "job", ["name", "task", "cron", "zone", "state", "next run"], rows, actions
+        "job", ["name", "task", "cron", "zone", "queue", "state", "next run"], rows, actions
     )
 
 
@@ -567,6 +601,7 @@ def job_form() -> str:
         '<label>cron <input name="cron" required placeholder="*/5 * * * *" maxlength="200">'
         "</label>"
         '<label>time zone <input name="timezone" value="UTC" maxlength="128"></label>'
+        '<label>queue <input name="queue" value="default" required maxlength="200"></label>'
         '<label class="wide">args (JSON) <textarea name="args" rows="2">{}</textarea></label>'
         '<button type="submit" id="job-create-submit">create</button></form>'
     )

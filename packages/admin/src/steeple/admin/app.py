@@ -44,6 +44,7 @@ from steeple.admin import _pages
 from steeple.admin.tasks import (
     TaskAdmin,
     TaskFilter,
+    TaskRecord,
     parse_task_cursor,
     validate_task_id,
     validate_task_state,
@@ -99,6 +100,7 @@ ACTIONS = (
     "tasks.retry",
     "tasks.purge",
     "tasks.args",
+    "tasks.results",
     "jobs.read",
     "jobs.create",
     "jobs.pause",
@@ -111,7 +113,14 @@ ACTIONS = (
     "dashboard.read",
     "static.read",
 )
-"""Every action the app asks ``authorize`` about."""
+"""Every action the app asks ``authorize`` about.
+
+A dashboard page asks ``dashboard.read`` and then what the API route that returns the
+same data asks (``tasks.read`` for the task pages, ``jobs.read``, ``schedules.read`` and
+``occurrences.read``, ``queues.read``); a part the caller may not read is left out. A
+task's result (what its handler returned) is shown, by the page and the API alike, only
+to who is also allowed ``tasks.results``.
+"""
 
 SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (
@@ -359,6 +368,20 @@ def create_admin_app(
         if allowed is not True:
             raise _Refusal(403, "forbidden", f"not allowed: {action}")
 
+    async def may(request: Request, action: str, namespace: str) -> bool:
+        """Whether ``authorize`` allows ``action`` too (for a part of a page or answer)."""
+        try:
+            await gate(request, action, namespace)
+        except _Refusal:
+            return False
+        return True
+
+    async def visible(request: Request, namespace: str, record: TaskRecord) -> TaskRecord:
+        """Withhold ``record``'s result from a caller not allowed ``tasks.results``."""
+        if record.result is None or await may(request, "tasks.results", namespace):
+            return record
+        return attrs.evolve(record, result=None)
+
     async def json_body(request: Request) -> dict[str, Any]:
         if expected_token is None:
             raise _Refusal(403, "forbidden", "state-changing requests are disabled")
@@ -500,7 +523,8 @@ def create_admin_app(
         record = await (await tasks_of(namespace)).task(task_id)
         if record is None:
             return _json_error(404, "not_found", "no such task")
-        return JSONResponse(record.to_json())
+        shown = await visible(request, namespace, record)
+        return JSONResponse({**shown.to_json(), "result_withheld": shown is not record})
 
     async def task_attempts(request: Request, namespace: str) -> Response:
         task_id = _path_task_id(str(request.path_params.get("task_id", "")))
@@ -650,18 +674,22 @@ def create_admin_app(
 
     async def create_job(request: Request, namespace: str) -> Response:
         body = await json_body(request)
-        _fields(body, ("name", "task", "cron", "timezone", "args"))
+        _fields(body, ("name", "task", "cron", "timezone", "args", "queue"))
         if "args" not in body:
             raise _bad_request('give the job\'s "args" (any JSON value, e.g. {})')
         timezone = body.get("timezone", "UTC")
         if not isinstance(timezone, str):
             raise _bad_request("timezone must be a string (an IANA name such as UTC)")
+        queue = body.get("queue", "default")
+        if not isinstance(queue, str):
+            raise _bad_request("queue must be a string (the named queue its runs wait in)")
         job = await (await tasks_of(namespace)).create_job(
             _string_field(body, "name"),
             _string_field(body, "task"),
             _string_field(body, "cron"),
             body["args"],
             timezone or "UTC",
+            queue or "default",
         )
         return JSONResponse(job.to_json())
 
@@ -687,7 +715,9 @@ def create_admin_app(
         await known(namespace)
         links = links_of(request, namespace)
         sections: list[_pages.Section] = []
-        if tasks is not None:
+        if tasks is not None and not await may(request, "tasks.read", namespace):
+            sections.append(_pages.Section("counts", _pages.withheld("Tasks", "tasks.read"), True))
+        elif tasks is not None:
             try:
                 overview = await (await tasks_of(namespace)).overview()
             except SteepleError as exc:
@@ -700,9 +730,15 @@ def create_admin_app(
                     _pages.Section("counts", _pages.counts_section(links, overview), live=True)
                 )
                 sections.append(_pages.Section("chart", _pages.chart_section(overview), live=True))
-                queues = _pages.queues_section(links, overview.queues, actions_enabled)
+                if await may(request, "queues.read", namespace):
+                    queues = _pages.queues_section(links, overview.queues, actions_enabled)
+                else:
+                    queues = _pages.withheld("Queues", "queues.read")
                 sections.append(_pages.Section("queues", queues, live=True))
-        if stores is not None:
+        if stores is not None and not await may(request, "schedules.read", namespace):
+            withheld = _pages.withheld("Publications", "schedules.read")
+            sections.append(_pages.Section("schedules", withheld, live=True))
+        elif stores is not None:
             store = await store_of(namespace)
             schedules = (await store.schedules(limit=100)).items
             sections.append(
@@ -721,6 +757,7 @@ def create_admin_app(
         where = _task_filter(params)
         after = params.get("after") or None
         _valid(parse_task_cursor, after)
+        await gate(request, "tasks.read", namespace)
         admin = await tasks_of(namespace)
         try:
             page = await admin.tasks(after=after, limit=PAGE_SIZE, where=where, newest_first=True)
@@ -744,27 +781,33 @@ def create_admin_app(
 
     async def task_page(request: Request, namespace: str) -> Response:
         task_id = _path_task_id(str(request.path_params.get("task_id", "")))
+        await gate(request, "tasks.read", namespace)
         admin = await tasks_of(namespace)
         record = await admin.task(task_id)
         if record is None:
             raise _Refusal(404, "not_found", f"no task {task_id} (it may have been purged)")
         attempts = await admin.attempts(task_id)
+        shown = await visible(request, namespace, record)
+        result = _pages.result_section(shown, withheld=shown is not record)
         sections = [
             _pages.Section("task", _pages.task_detail(record, actions_enabled), live=True),
-            _pages.Section("result", _pages.result_section(record), live=True),
+            _pages.Section("result", result, live=True),
             _pages.Section("attempts", _pages.attempts_table(attempts), live=True),
             _pages.Section("args", _pages.args_section(record, revealable(record.name))),
         ]
         return render(request, namespace, f"Task {task_id}", "tasks", sections)
 
     async def jobs_page(request: Request, namespace: str) -> Response:
+        await gate(request, "jobs.read", namespace)
         admin = await tasks_of(namespace)
         try:
             jobs = (await admin.jobs(limit=100)).items
         except SteepleError as exc:
             listing = _pages.Section("jobs", _pages.unavailable("Recurring jobs", str(exc)), True)
             return render(request, namespace, "Recurring jobs", "jobs", [listing])
-        sections = [_pages.Section("jobs", _pages.jobs_table(jobs, actions_enabled), live=True)]
+        links = links_of(request, namespace)
+        table = _pages.jobs_table(links, jobs, actions_enabled)
+        sections = [_pages.Section("jobs", table, live=True)]
         if actions_enabled:
             sections.append(_pages.Section("new-job", _pages.job_form()))
         return render(request, namespace, "Recurring jobs", "jobs", sections)
@@ -779,6 +822,8 @@ def create_admin_app(
             )
             sections = [_pages.Section("schedules", _pages.heading("Publications") + note)]
             return render(request, namespace, "Recurring publications", "publications", sections)
+        await gate(request, "schedules.read", namespace)
+        await gate(request, "occurrences.read", namespace)
         store = await store_of(namespace)
         schedules = (await store.schedules(limit=100)).items
         occurrences = (await store.occurrences(limit=100)).items

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -84,6 +85,10 @@ class DefinitionDefaults:
 
 
 def _short(value: object) -> str:
+    if isinstance(value, int) and value.bit_length() > 64:
+        # A huge integer (a TOML hex literal) has no short decimal form: Python refuses
+        # to write one of more than 4,300 digits.
+        return "a very large number"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -240,4 +245,11 @@ def load_definitions(
         ) from None
     except RecursionError:
         raise DefinitionsFileError("the definitions file is nested too deeply") from None
+    except ValueError:
+        # Python refuses to read an integer of more than 4,300 decimal digits (its guard
+        # against quadratic-time conversion); no definition field takes such a number.
+        raise DefinitionsFileError(
+            "the definitions file holds an integer with more than "
+            f"{sys.get_int_max_str_digits()} digits"
+        ) from None
     return definitions_from_data(data, defaults)

@@ -262,8 +262,10 @@ def print_inspect_commands(options: DemoOptions, config: Path, dsn: str, console
         )
     for command in ("schedules", "occurrences", "tasks", "jobs", "keys show"):
         console.print(f"  steeple {command} --config {shown}", markup=False)
+    from steeple.admin.serve import TOKEN_RECIPE  # the admin app, only once it is needed
+
     console.print(
-        f"  STEEPLE_ADMIN_TOKEN=<16+ characters> steeple admin serve --config {shown}",
+        f"  STEEPLE_ADMIN_TOKEN=$({TOKEN_RECIPE}) steeple admin serve --config {shown}",
         markup=False,
     )
     console.print(
@@ -387,7 +389,7 @@ async def _serve_dashboard(
 
     keyring, _ = _demo_keyring(options.data_dir)
     target = Target(dsn, options.schema, demo_settings(options.namespace))
-    password = token or secrets.token_urlsafe(18)
+    password = token or secrets.token_urlsafe(32)
     if token is None:
         console.print(
             f"dashboard sign-in: any user name, password {password} (made for this run; set "

@@ -75,6 +75,8 @@ def queue_record(info: QueueInfo) -> QueueRecord:
         max_running=info.max_running,
         rate_limit=info.rate_limit,
         rate_period_seconds=None if period is None else period.total_seconds(),
+        due_since=info.due_since,
+        unserved=info.unserved,
     )
 
 
@@ -89,6 +91,7 @@ def job_record(job: JobInfo) -> JobRecord:
         next_run_at=job.next_run_at,
         created_at=job.created_at,
         updated_at=job.updated_at,
+        queue=job.queue,
     )
 
 
@@ -318,12 +321,20 @@ class PostgresTaskAdmin:
         return Page(items=[job_record(j) for j in page.items], next_cursor=page.next_cursor)
 
     async def create_job(
-        self, name: str, task_name: str, cron: str, args: Any, timezone: str = "UTC"
+        self,
+        name: str,
+        task_name: str,
+        cron: str,
+        args: Any,
+        timezone: str = "UTC",
+        queue: str = "default",
     ) -> JobRecord:
         """Create a recurring job whose occurrences run ``task_name`` with the JSON ``args``.
 
+        Its runs wait in ``queue``: one the workers that run ``task_name`` serve.
+
         Raises:
-            ConfigurationError: a bad name, task name, cron expression, zone or args.
+            ConfigurationError: a bad name, task name, cron expression, zone, queue or args.
             JobExistsError: a job of that name exists.
         """
         from steeple.postgres.queue import Task, jobs
@@ -331,7 +342,14 @@ class PostgresTaskAdmin:
         task: Task[Any] = Task(task_name)
         return job_record(
             await jobs.create(
-                self.pool, name, task, cron, args, schema=self.schema, timezone=timezone
+                self.pool,
+                name,
+                task,
+                cron,
+                args,
+                schema=self.schema,
+                timezone=timezone,
+                queue=queue,
             )
         )
 

@@ -15,6 +15,7 @@ import enum
 import os
 import re
 import stat
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -471,6 +472,14 @@ def load_settings_file(config: Path | None, *, cwd: Path | None = None) -> Setti
         raise CliError(
             f"the settings file {shown} is not valid TOML: {exc}", code=ExitCode.CONFIG
         ) from None
+    except ValueError:
+        # Python refuses to read an integer of more than 4,300 decimal digits (its guard
+        # against quadratic-time conversion); no setting takes such a number.
+        raise CliError(
+            f"the settings file {shown} holds an integer with more than "
+            f"{sys.get_int_max_str_digits()} digits",
+            code=ExitCode.CONFIG,
+        ) from None
     return _settings(path, values, mode)
 
 
@@ -492,10 +501,14 @@ def _settings(path: Path, values: dict[str, Any], mode: int) -> SettingsFile:
         elif key in _INT_KEYS:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise CliError(f"{where} must be a whole number", code=ExitCode.CONFIG)
+            if value.bit_length() > 63:  # beyond every limit, and maybe beyond str()
+                raise CliError(f"{where} is far too large", code=ExitCode.CONFIG)
             fields[key] = value
         elif isinstance(value, str):
             fields[key] = _config_duration(value, where)
         elif isinstance(value, int) and not isinstance(value, bool):
+            if value.bit_length() > 64:  # a huge hex literal: no decimal text to parse
+                raise CliError(f"{where} is longer than 100 years", code=ExitCode.CONFIG)
             fields[key] = _config_duration(str(value), where)
         else:
             raise CliError(

@@ -185,6 +185,11 @@ class QueueRecord:
     max_running: int | None = None
     rate_limit: int | None = None
     rate_period_seconds: float | None = None
+    due_since: datetime | None = None
+    """Since when its oldest due task has waited (the database server's clock)."""
+    unserved: bool = False
+    """No worker appears to claim from it: due work waits and nothing of it runs (see
+    ``steeple.postgres.queue.QueueInfo.unserved``)."""
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -196,6 +201,8 @@ class QueueRecord:
             "max_running": self.max_running,
             "rate_limit": self.rate_limit,
             "rate_period_seconds": self.rate_period_seconds,
+            "due_since": _iso(self.due_since),
+            "unserved": self.unserved,
         }
 
 
@@ -242,6 +249,8 @@ class JobRecord:
     next_run_at: datetime | None
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    queue: str = "default"
+    """The named queue its runs are enqueued into (a worker must serve it)."""
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -254,6 +263,7 @@ class JobRecord:
             "next_run_at": _iso(self.next_run_at),
             "created_at": _iso(self.created_at),
             "updated_at": _iso(self.updated_at),
+            "queue": self.queue,
         }
 
 
@@ -329,9 +339,15 @@ class TaskAdmin(Protocol):
         ...
 
     async def create_job(
-        self, name: str, task_name: str, cron: str, args: Any, timezone: str = "UTC"
+        self,
+        name: str,
+        task_name: str,
+        cron: str,
+        args: Any,
+        timezone: str = "UTC",
+        queue: str = "default",
     ) -> JobRecord:
-        """Create a recurring job whose occurrences run ``task_name`` with ``args``."""
+        """Create a recurring job whose occurrences run ``task_name`` with ``args`` in ``queue``."""
         ...
 
     async def change_job(

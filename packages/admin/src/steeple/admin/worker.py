@@ -12,6 +12,10 @@ running handlers are cancelled and their tasks handed back (pending, attempt ref
 a release that cannot be written leaves the lease to lapse), and a relay round still
 publishing is cancelled (its leases lapse; the occurrences are relayed again under the
 same idempotency keys). Every outcome is fenced, so nothing finished is recorded twice.
+A handler that ignores being stopped cannot keep the process alive: a plain ``def``
+handler's thread is a daemon, a coroutine that ignores its cancellation is closed, and
+the ``steeple worker`` command ends the process if it is still running ten seconds after
+the hard stop (its tasks were handed back first).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import asyncio
 import contextlib
 import importlib
 import inspect
+import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +40,11 @@ from steeple.core.ports import MessageBroker
 if TYPE_CHECKING:
     from steeple.admin._backend import Target
 
-__all__ = ["WorkerApp", "load_worker_app", "run_worker"]
+__all__ = ["EXIT_AFTER_HARD_STOP", "WorkerApp", "load_worker_app", "run_worker"]
+
+EXIT_AFTER_HARD_STOP = 10.0
+"""Seconds after a hard stop at which the ``steeple worker`` process ends itself if its
+work has not stopped (a handler ignores even being closed): its tasks were handed back."""
 
 
 @attrs.frozen
@@ -142,8 +152,14 @@ async def run_worker(
     *,
     log: Callable[[str], None] = print,
     stop: asyncio.Event | None = None,
+    exit_after_hard_stop: float | None = None,
 ) -> None:
     """Run until ``stop`` is set or SIGINT / SIGTERM arrives.
+
+    ``exit_after_hard_stop`` (the ``steeple worker`` command passes
+    :data:`EXIT_AFTER_HARD_STOP`): seconds after a hard stop at which the process is
+    ended (``os._exit(1)``, output flushed) if the work has not stopped by then; ``None``
+    never ends it.
 
     Raises:
         CliError: the application object, the store or the queue is unusable.
@@ -162,6 +178,7 @@ async def run_worker(
     relay: Any = None
     store = None
     scheduler = None
+    watchdog = _Watchdog(exit_after_hard_stop, log)
     try:
         if worker_app.broker is not None:
             store = await connect_store(target)
@@ -209,10 +226,20 @@ async def run_worker(
                     )
                 )
             group.create_task(
-                _supervise(work, relay_task, stop, hard_stop, worker_app.drain_timeout, log),
+                _supervise(
+                    work,
+                    relay_task,
+                    stop,
+                    hard_stop,
+                    worker_app.drain_timeout,
+                    log,
+                    watchdog,
+                ),
                 name="steeple worker stop",
             )
     finally:
+        if watchdog.timer is not None:
+            watchdog.timer.cancel()
         for signum in installed:
             loop.remove_signal_handler(signum)
         if store is not None:
@@ -252,6 +279,7 @@ async def _supervise(
     hard_stop: asyncio.Event,
     drain_timeout: float,
     log: Callable[[str], None],
+    watchdog: _Watchdog,
 ) -> None:
     """After ``stop``, give the work ``drain_timeout`` seconds, then stop it hard.
 
@@ -276,6 +304,7 @@ async def _supervise(
         if not hard_stop.is_set():
             log(f"steeple worker: the {drain_timeout:g} s drain deadline passed; stopping hard")
             hard_stop.set()
+        watchdog.arm()
         if relay_task is not None and not relay_task.done():
             log(
                 "steeple worker: relay round cancelled; its leases lapse and the occurrences "
@@ -285,6 +314,35 @@ async def _supervise(
         await done
     finally:
         done.cancel()
+
+
+class _Watchdog:
+    """Ends the process if its work has not stopped some seconds after the hard stop.
+
+    A thread, so that it acts whatever runs on the event loop.
+    """
+
+    def __init__(self, seconds: float | None, log: Callable[[str], None]) -> None:
+        self._seconds = seconds
+        self._log = log
+        self.timer: threading.Timer | None = None
+
+    def arm(self) -> None:
+        if self._seconds is None or self.timer is not None:
+            return
+        self.timer = threading.Timer(self._seconds, self._exit)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _exit(self) -> None:
+        self._log(
+            f"steeple worker: still running {self._seconds:g} s after the hard stop (a "
+            "handler ignores being stopped); ending the process"
+        )
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(ExitCode.FAILED)
 
 
 def _stopper(

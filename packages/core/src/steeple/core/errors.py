@@ -414,6 +414,22 @@ def recurring_keyring_error(exc: KeyringError, record: str) -> RecurringKeyringE
     return RecurringKeyringError(detail)
 
 
+def recurring_error(exc: SteepleError, what: str) -> RecurringError:
+    """Return the recurring store's error for a library failure during ``what``.
+
+    A store operation fails only with :class:`RecurringError` subtypes; this maps what a
+    port (the keyring, the clock, a validator) raised into that family at the boundary,
+    keeping the original class as a base where one exists. Raise the result ``from exc``.
+    """
+    if isinstance(exc, RecurringError):
+        return exc
+    if isinstance(exc, KeyringError):
+        return recurring_keyring_error(exc, what)
+    if isinstance(exc, ConfigurationError):
+        return RecurringConfigurationError(f"{_plain(what, 200)}: {exc}")
+    return RecurringError(f"{_plain(what, 200)}: {exc}")
+
+
 class RecurringSchemaVersionError(RecurringStorageError):
     """The database holds another version of the recurring schema than this library uses.
 
@@ -445,6 +461,7 @@ __all__ += [
     "RecurringSchemaVersionError",
     "RecurringSealBudgetExhaustedError",
     "RecurringUnknownKeyIdError",
+    "recurring_error",
     "recurring_keyring_error",
 ]
 

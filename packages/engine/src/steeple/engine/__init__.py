@@ -21,6 +21,7 @@ from steeple.engine.looplag import (
     LoopStall,
     watching_event_loop,
 )
+from steeple.engine.opening import read_clock, recurring_errors
 from steeple.engine.ports import (
     DefinitionRow,
     DefinitionUpdate,
@@ -50,6 +51,8 @@ __all__ = [
     "RecurringStorage",
     "RelayStatistics",
     "apply_step",
+    "read_clock",
+    "recurring_errors",
     "seal_binding",
     "verify_binding",
     "watching_event_loop",

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from steeple.core.config import RecurringConfig
-from steeple.core.errors import KeyringError, RecurringConfigurationError
+from steeple.core.errors import KeyringError, RecurringConfigurationError, recurring_keyring_error
 from steeple.core.ports import Sealer
 from steeple.engine.codec import encode_binding
 
@@ -36,16 +36,20 @@ def seal_binding(sealer: Sealer, config: RecurringConfig) -> bytes:
     """Return the sealed configuration binding of ``config`` under the primary key.
 
     Raises:
-        KeyringError: the sealer refused (e.g. its seal budget is exhausted).
+        RecurringKeyringError: the sealer refused (e.g. its seal budget is exhausted); also
+            an instance of the keyring's own error class.
     """
-    if isinstance(sealer, _BindingSealer):
-        return sealer.seal_binding(config.fingerprint(), namespace=config.namespace)
-    return sealer.seal(
-        encode_binding(config),
-        namespace=config.namespace,
-        purpose=PURPOSE_BINDING,
-        identity=config.namespace,
-    )
+    try:
+        if isinstance(sealer, _BindingSealer):
+            return sealer.seal_binding(config.fingerprint(), namespace=config.namespace)
+        return sealer.seal(
+            encode_binding(config),
+            namespace=config.namespace,
+            purpose=PURPOSE_BINDING,
+            identity=config.namespace,
+        )
+    except KeyringError as exc:
+        raise recurring_keyring_error(exc, "the configuration binding") from exc
 
 
 def verify_binding(sealer: Sealer, config: RecurringConfig, sealed: bytes) -> None:

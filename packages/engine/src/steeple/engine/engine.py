@@ -86,6 +86,7 @@ from steeple.core.records import (
 from steeple.engine import codec
 from steeple.engine.binding import seal_binding, verify_binding
 from steeple.engine.crashpoints import crash_point
+from steeple.engine.opening import read_clock, recurring_errors
 from steeple.engine.ports import (
     DefinitionRow,
     DefinitionUpdate,
@@ -261,7 +262,7 @@ class RecurringEngine:
         async def work(repo: RecurringRepository) -> tuple[T, datetime]:
             state = repo.namespace
             # The clock is read only now, after the lock was granted.
-            now = adopt_time(state.recorded_time, self._clock.now())
+            now = adopt_time(state.recorded_time, read_clock(self._clock))
             if state.binding is not None:
                 if state.binding != self._verified_binding:
                     # The same sealed bytes, opened with the same keyring for the same
@@ -279,18 +280,19 @@ class RecurringEngine:
             result = await body(tx)
             # Re-checked around the commit: the recorded time includes the time spent in
             # this transaction, and never moves backwards.
-            recorded = adopt_time(now, self._clock.now())
+            recorded = adopt_time(now, read_clock(self._clock))
             await repo.record_namespace(recorded, tx.definition_delta, tx.occurrence_delta)
             if points is not None:
                 crash_point(points + ".written")
             return result, recorded
 
-        if points is None:
-            return await self._storage.transaction(what, work)
-        crash_point(points + ".begin")
-        done = await self._storage.transaction(what, work)
-        crash_point(points + ".committed")
-        return done
+        with recurring_errors(what):
+            if points is None:
+                return await self._storage.transaction(what, work)
+            crash_point(points + ".begin")
+            done = await self._storage.transaction(what, work)
+            crash_point(points + ".committed")
+            return done
 
     def _seal_with(self, seal: Callable[[], bytes], record: str) -> bytes:
         try:
@@ -653,7 +655,7 @@ class RecurringEngine:
         granted, recorded = await self._run("claim", body, points="claim")
         # Judged after the commit: a lease that lapsed while the claim committed is not
         # handed out; its occurrence stays claimable for the next claim.
-        after = max(recorded, self._clock.now())
+        after = max(recorded, read_clock(self._clock))
         return [lease for lease in granted if is_live(lease.expires_at, after)]
 
     async def _grant(self, tx: _Tx, limit: int) -> tuple[list[Lease], list[OccurrenceChange]]:
@@ -927,7 +929,7 @@ class RecurringEngine:
         """Publish one checked lease now (its turn came): see :meth:`_publish`."""
         # Judged again when the publication starts (after the check committed, and
         # after waiting for a turn): a lease that lapsed publishes nothing.
-        remaining = prepared.expires_at - max(checked_at, self._clock.now())
+        remaining = prepared.expires_at - max(checked_at, read_clock(self._clock))
         if remaining <= timedelta(0):
             return _Attempt(
                 error=RelayLeaseLostError(

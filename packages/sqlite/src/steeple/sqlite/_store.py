@@ -56,6 +56,8 @@ from steeple.engine import (
     NamespaceState,
     RecurringEngine,
     RecurringRepository,
+    read_clock,
+    recurring_errors,
     seal_binding,
     verify_binding,
 )
@@ -282,7 +284,7 @@ class _SqliteStorage:
         try:
             for statement in _sql.SCHEMA:
                 conn.execute(statement)
-            conn.execute(_sql.INSERT_VERSION, (microseconds(clock.now()),))
+            conn.execute(_sql.INSERT_VERSION, (microseconds(read_clock(clock)),))
             (version,) = conn.execute(_sql.READ_VERSION).fetchone()
             if version != _sql.SCHEMA_VERSION:
                 raise RecurringSchemaVersionError(str(self.path), version, _sql.SCHEMA_VERSION)
@@ -290,7 +292,7 @@ class _SqliteStorage:
             if row is not None:
                 verify_binding(keyring, config, bytes(row[0]))
             else:
-                now = microseconds(clock.now())
+                now = microseconds(read_clock(clock))
                 binding = seal_binding(keyring, config)
                 conn.execute(
                     _sql.INSERT_NAMESPACE,
@@ -421,10 +423,11 @@ class SqliteRecurringStore:
         file = _check_inputs(path, config, keyring, clock)
         storage = _SqliteStorage(file, config.namespace)
         try:
-            await storage.run(
-                "initialize", lambda call: storage.install(call, config, keyring, clock)
-            )
-            return await cls._open(storage, config, keyring, clock, random)
+            with recurring_errors("initialize"):
+                await storage.run(
+                    "initialize", lambda call: storage.install(call, config, keyring, clock)
+                )
+                return await cls._open(storage, config, keyring, clock, random)
         except BaseException:
             await storage.close()
             raise
@@ -460,7 +463,8 @@ class SqliteRecurringStore:
         file = _check_inputs(path, config, keyring, clock)
         storage = _SqliteStorage(file, config.namespace)
         try:
-            return await cls._open(storage, config, keyring, clock, random)
+            with recurring_errors("connect"):
+                return await cls._open(storage, config, keyring, clock, random)
         except BaseException:
             await storage.close()
             raise
@@ -478,7 +482,7 @@ class SqliteRecurringStore:
         binding = found.state.binding
         assert binding is not None  # the column is NOT NULL
         verify_binding(keyring, config, binding)
-        adopt_time(found.state.recorded_time, clock.now())
+        adopt_time(found.state.recorded_time, read_clock(clock))
         warnings = []
         if found.mode & 0o077:
             warnings.append(

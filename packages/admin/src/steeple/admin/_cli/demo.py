@@ -83,6 +83,14 @@ def demo(
         int,
         typer.Option("--port", min=0, max=65535, help="With --serve: the TCP port (0: any)."),
     ] = 8520,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="With --serve: allow an address other machines can reach (plain HTTP: the "
+            "password crosses the network in clear text).",
+        ),
+    ] = False,
 ) -> None:
     """Run both products end to end on the embedded default, with live progress.
 
@@ -115,14 +123,20 @@ def demo(
     sock = None
     token = os.environ.get("STEEPLE_ADMIN_TOKEN") or None
     if serve:
-        from steeple.admin.serve import bind
+        from steeple.admin._cli.serve import checked_token
+        from steeple.admin.serve import bind, check_exposure
 
-        if token is not None and len(token) < 16:
-            raise fail(
-                CliError("STEEPLE_ADMIN_TOKEN must be at least 16 characters", code=ExitCode.CONFIG)
-            )
+        if token is not None:
+            guard(lambda: checked_token(token, "STEEPLE_ADMIN_TOKEN"))
         # Bound first: a busy port is refused before the demo runs.
         sock = guard(lambda: bind(host, port))
+        try:
+            warning = check_exposure(sock, tls=False, insecure=insecure)
+        except CliError as exc:
+            sock.close()
+            raise fail(exc) from None
+        if warning is not None:
+            output.say(warning, stderr=True)
     try:
         output.run(lambda: run_demo(options, output.out(), dashboard=sock, token=token))
     finally:

@@ -459,6 +459,7 @@ def _job_row(job: JobInfo) -> tuple[str, ...]:
         job.task_name,
         job.cron,
         job.timezone,
+        job.queue,
         "paused" if job.paused else "active",
         output.when(job.next_run_at),
     )
@@ -470,6 +471,7 @@ def _job_json(job: JobInfo) -> dict[str, Any]:
         "task_name": job.task_name,
         "cron": job.cron,
         "timezone": job.timezone,
+        "queue": job.queue,
         "paused": job.paused,
         "next_run_at": None if job.next_run_at is None else job.next_run_at.isoformat(),
         "priority": job.priority,
@@ -486,7 +488,10 @@ def _say_job(job: JobInfo, verb: str, as_json: bool) -> None:
         return
     state = "paused" if job.paused else f"next run {output.when(job.next_run_at)} UTC"
     zone = "" if job.timezone == "UTC" else f" ({job.timezone})"
-    say(f"{verb} job {job.name!r}: {job.task_name} at {job.cron!r}{zone}, {state}")
+    say(
+        f"{verb} job {job.name!r}: {job.task_name} at {job.cron!r}{zone}, {state}, "
+        f"queue {job.queue!r}"
+    )
 
 
 def _list_jobs(where: Where, listing: Listing) -> None:
@@ -505,7 +510,7 @@ def _list_jobs(where: Where, listing: Listing) -> None:
         as_json=listing.as_json,
         to_json=_job_json,
         title=f"recurring jobs in {target.queue_schema}",
-        columns=("name", "task", "cron", "time zone", "state", "next run (UTC)"),
+        columns=("name", "task", "cron", "time zone", "queue", "state", "next run (UTC)"),
         row=_job_row,
     )
 
@@ -564,6 +569,7 @@ def _declare(
     args: str,
     priority: int | None,
     max_attempts: int | None,
+    queue: str,
     where: Where,
     as_json: bool,
 ) -> None:
@@ -573,12 +579,13 @@ def _declare(
     guard(lambda: _cron(cron, timezone))
     options = guard(lambda: _options(None, None, priority, max_attempts))
     kind: Task[Any] = guard(lambda: output.typed(lambda: Task(task), code=ExitCode.USAGE))
+    guard(lambda: _check_queue(queue))
     guard(lambda: _encodable(kind, value))
     declare = jobs.create if verb == "created" else jobs.ensure_job
     job = _job_call(
         where,
         lambda conn, schema: declare(
-            conn, name, kind, cron, value, options, schema=schema, timezone=timezone
+            conn, name, kind, cron, value, options, schema=schema, timezone=timezone, queue=queue
         ),
     )
     _say_job(job, verb, as_json)
@@ -597,6 +604,14 @@ TimezoneOpt = Annotated[
         "--timezone", help="IANA time zone whose wall clock the cron follows, e.g. Europe/Berlin."
     ),
 ]
+JobQueueOpt = Annotated[
+    str,
+    typer.Option(
+        "--queue",
+        help="The named queue its runs wait in: one a worker serves (an @app.task(queue=...) "
+        "task's workers serve that queue).",
+    ),
+]
 
 
 @jobs_app.command("create")
@@ -610,10 +625,13 @@ def jobs_create(
     args: ArgsOpt = "{}",
     priority: PriorityOpt = None,
     max_attempts: MaxAttemptsOpt = None,
+    queue: JobQueueOpt = "default",
     as_json: JsonOpt = False,
 ) -> None:
     """Create a recurring job; its first run is the first due time after now."""
-    _declare("created", name, task, cron, timezone, args, priority, max_attempts, where, as_json)
+    _declare(
+        "created", name, task, cron, timezone, args, priority, max_attempts, queue, where, as_json
+    )
 
 
 @jobs_app.command("ensure")
@@ -627,13 +645,16 @@ def jobs_ensure(
     args: ArgsOpt = "{}",
     priority: PriorityOpt = None,
     max_attempts: MaxAttemptsOpt = None,
+    queue: JobQueueOpt = "default",
     as_json: JsonOpt = False,
 ) -> None:
     """Create a recurring job, or bring an existing one to this definition (idempotent).
 
     A changed cron restarts its schedule from now; a paused job stays paused.
     """
-    _declare("ensured", name, task, cron, timezone, args, priority, max_attempts, where, as_json)
+    _declare(
+        "ensured", name, task, cron, timezone, args, priority, max_attempts, queue, where, as_json
+    )
 
 
 @jobs_app.command("pause")
@@ -722,6 +743,8 @@ def _queue_json(info: QueueInfo) -> dict[str, Any]:
         "rate_period_seconds": None if period is None else period.total_seconds(),
         "pending": info.pending,
         "running": info.running,
+        "due_since": None if info.due_since is None else info.due_since.isoformat(),
+        "unserved": info.unserved,
     }
 
 
@@ -762,7 +785,7 @@ def _list_queues(where: Where, as_json: bool) -> None:
         [
             (
                 q.name,
-                "paused" if q.paused else "active",
+                ("paused" if q.paused else "active") + (", unserved" if q.unserved else ""),
                 _limits_text(q),
                 str(q.pending),
                 str(q.running),

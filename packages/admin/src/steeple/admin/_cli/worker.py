@@ -34,15 +34,21 @@ def worker(
 
     SIGINT or SIGTERM stops it gracefully: in-flight work finishes, nothing new starts.
     A second signal (or the app's drain_timeout) stops it hard: running tasks are handed
-    back, relay leases left to lapse.
+    back, relay leases left to lapse, and the process exits even if a handler ignores
+    being stopped (ended ten seconds after the hard stop, exit code 1, if need be).
     """
-    from steeple.admin.worker import load_worker_app, run_worker
+    from steeple.admin.worker import EXIT_AFTER_HARD_STOP, load_worker_app, run_worker
 
     target = guard(where.target)
     spec = guard(lambda: load_worker_app(app_ref))
 
     async def body() -> None:
-        await run_worker(spec, target, log=lambda line: say(line, stderr=True))
+        await run_worker(
+            spec,
+            target,
+            log=lambda line: say(line, stderr=True),
+            exit_after_hard_stop=EXIT_AFTER_HARD_STOP,
+        )
 
     output.run(body, target)
     say("steeple worker: stopped", stderr=True)

@@ -3,22 +3,37 @@
 Each round takes up to ``batch_size`` due tasks in one call of the schema's claim function
 (``UPDATE ... FROM (SELECT ... FOR NO KEY UPDATE SKIP LOCKED)``, a fresh random lease token
 per task) and starts a handler for each, never more than ``concurrency`` at once, nor more
-than a queue's own limit in this worker. The free slots are shared out among the queues,
-starting from a different queue each round so none starves the others. The claim function
-applies what is stored for all workers (paused queues, global concurrency and rate limits)
-and says when a limit held work back: the loop then also retries as soon as this worker
-writes an outcome (that freed a global slot); slots freed by other workers are seen at the
-next poll or wake-up. Every
-claim carries a give-up time on the server's clock (estimated from this host's monotonic
-clock, re-anchored by every answer): a claim the server runs later than that takes nothing.
+than a queue's own limit in this worker, nor more plain ``def`` handlers than the worker
+has threads: a worker claims only what it can start.
+
+Slots follow demand. The free slots are shared evenly among the queues with room, starting
+from a different queue each round so none starves the others; a queue that answered with
+less than it was asked for (empty, paused, or held by a limit) is drained: the next rounds
+give its slots to the others, at once, without waiting for a poll, until a wake-up (a NOTIFY,
+a due-time timer), an outcome written while a limit held work back, or a poll interval says
+it may have work again. The loop sleeps only when every queue it asked answered short.
+
+The claim function applies what is stored for all workers (paused queues, global
+concurrency and rate limits) and says when a limit held work back: the loop then also
+retries as soon as this worker writes an outcome (that freed a global slot); slots freed by
+other workers are seen at the next poll or wake-up. Every claim carries a give-up time on
+the server's clock (estimated from this host's monotonic clock, re-anchored by every
+answer): a claim the server runs later than that takes nothing.
+
+A claimed task whose handler is a plain ``def`` waits for one of the worker's threads at
+most a quarter of its lease (before its first renewal would be due); if none frees up by
+then, or the worker stops first, it is handed back (pending, attempt refunded) for other
+workers, instead of keeping a lease this worker cannot use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import time
-from collections.abc import Coroutine, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +42,7 @@ from steeple.engine.crashpoints import crash_point
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_any, wait_either
+from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._execution import Executor, JobContext
 from steeple.postgres.queue._inflight import Claimed
@@ -50,6 +66,80 @@ def _backoff(initial_us: int, maximum_us: int, factor: int, jitter: float) -> Ba
     )
 
 
+class _ThreadGate:
+    """The worker's threads as the claim loop hands them out: one per started sync handler.
+
+    Waiters are served first come, first served; a freed thread passes straight to the
+    oldest waiter.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.busy = 0
+        """Threads handed out (to handlers running, or about to run, in them)."""
+        self.held = 0
+        """Sync attempts in this worker: given a thread, or waiting for one."""
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def _prune(self) -> None:
+        while self._waiters and self._waiters[0].done():
+            self._waiters.popleft()
+
+    async def take(self, timeout: float, stopping: asyncio.Future[Any]) -> bool:
+        """Take a thread, waiting at most ``timeout`` s; return False if none freed up.
+
+        Also False when ``stopping`` finishes first.
+        """
+        self._prune()
+        if self.busy < self.size and not self._waiters:
+            self.busy += 1
+            return True
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait(
+                {waiter, stopping}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        except BaseException:
+            # Cancelled while waiting: a thread passed to it meanwhile goes to the next one.
+            if waiter.done() and not waiter.cancelled():
+                self.give_back()
+            waiter.cancel()
+            raise
+        if waiter.done():
+            return True
+        waiter.cancel()
+        return False
+
+    def give_back(self) -> None:
+        """Free a thread taken with :meth:`take` (the oldest waiter gets it)."""
+        self._prune()
+        if self._waiters:
+            self._waiters.popleft().set_result(None)
+        else:
+            self.busy -= 1
+
+
+def _share_out(left: int, names: Sequence[str], room: dict[str, int], shares: Counter[str]) -> int:
+    """Share ``left`` slots evenly among ``names`` within their ``room``; return what is left.
+
+    The first names get the remainder of an uneven split; what a name has no room for goes
+    to the others. ``room`` and ``shares`` are updated.
+    """
+    open_ = [name for name in names if room[name] > 0]
+    while left > 0 and open_:
+        each = max(1, left // len(open_))
+        for name in open_:
+            take = min(each, room[name], left)
+            shares[name] += take
+            room[name] -= take
+            left -= take
+            if not left:
+                break
+        open_ = [name for name in open_ if room[name] > 0]
+    return left
+
+
 class Claimer:
     """The claim loop of one worker."""
 
@@ -63,31 +153,67 @@ class Claimer:
         batch: int,
         wakeups: Wakeups,
         executor: Executor,
+        completions: Completions,
+        sync_names: Collection[str] = (),
+        threads: int = 1,
     ) -> None:
         self._env = env
         self._names = list(names)
+        self._sync = frozenset(sync_names).intersection(self._names)
+        # The names whose handlers run on the event loop: what the worker claims while
+        # every thread is taken.
+        self._async_names = [name for name in self._names if name not in self._sync]
         self._queues = list(queues)
         self._concurrency = concurrency
         self._batch = batch
-        self._min_claim = max(1, min(batch, concurrency) // 4)
+        self._gate = _ThreadGate(threads)
+        capacity = concurrency if self._async_names else min(concurrency, threads)
+        self._min_claim = max(1, min(batch, capacity) // 4)
         self._wakeups = wakeups
         self._executor = executor
+        self._completions = completions
+        # Queues that answered with less than asked for -> when (monotonic): their slots go
+        # to the other queues until a wake-up, an outcome written under a held limit, or a
+        # poll interval says they may have due work again.
+        self._drained: dict[str, float] = {}
+
+    def _capacity(self) -> tuple[int, list[str]]:
+        """Return the slots free for new claims and the task names to claim for them."""
+        free = self._concurrency - len(self._env.inflight)
+        if not self._sync:
+            return free, self._names
+        free_threads = self._gate.size - self._gate.held
+        if not self._async_names:  # every handler needs a thread
+            return min(free, free_threads), self._names
+        if free_threads <= 0:  # only what starts now: the handlers on the event loop
+            return free, self._async_names
+        return free, self._names
 
     def _wants(self, free: int, turn: int) -> tuple[list[str], list[int]]:
-        """Share ``min(free, batch)`` slots out among the queues with room, from ``turn``."""
+        """Share ``min(free, batch)`` slots out among the queues with room, from ``turn``.
+
+        Evenly among the queues that may have due work first (the queue at ``turn`` and
+        those after it get the remainder), what they have no room for to the others; what
+        is still left goes to the drained queues, so an idle worker asks every queue.
+        """
         per_queue = self._env.inflight.per_queue
-        left = min(free, self._batch)
-        queues: list[str] = []
-        wants: list[int] = []
         count = len(self._queues)
-        for i in range(count):
-            name, limit = self._queues[(turn + i) % count]
-            want = min(left, limit - per_queue[name])
-            if want > 0:
-                queues.append(name)
-                wants.append(want)
-                left -= want
-        return queues, wants
+        order = [self._queues[(turn + i) % count][0] for i in range(count)]
+        room = {name: limit - per_queue[name] for name, limit in self._queues}
+        drained = self._drained
+        shares: Counter[str] = collections.Counter()
+        left = min(free, self._batch)
+        left = _share_out(left, [n for n in order if n not in drained], room, shares)
+        _share_out(left, [n for n in order if n in drained], room, shares)
+        queues = [name for name in order if shares[name] > 0]
+        return queues, [shares[name] for name in queues]
+
+    def _more_may_be_due(self) -> bool:
+        """Whether a queue with room in this worker has not answered short since last asked."""
+        per_queue = self._env.inflight.per_queue
+        return any(
+            limit > per_queue[name] and name not in self._drained for name, limit in self._queues
+        )
 
     async def claim_until(self, stop: asyncio.Event, handlers: asyncio.TaskGroup) -> None:
         """Claim and start handlers in ``handlers`` until ``stop`` is set."""
@@ -98,19 +224,34 @@ class Claimer:
         inflight = env.inflight
         server_clock = env.server_clock
         wake = self._wakeups.wake
-        names = self._names
+        drained = self._drained
         inst = _metrics.instruments()
         stop_waiter = asyncio.ensure_future(stop.wait())
         turn = 0
+        held_before = False
+        names_before: list[str] | None = None
         try:
             while not stop.is_set():
-                free = self._concurrency - len(inflight)
+                free, names = self._capacity()
                 # Claim in worthwhile batches: while a quarter of a batch is not yet free
                 # and handlers are running, wait for more slots instead of claiming crumbs.
                 if free <= 0 or (inflight.running and free < self._min_claim):
                     inflight.slot_freed.clear()
                     await wait_either(inflight.slot_freed, stop_waiter, None)
                     continue
+                if (
+                    wake.is_set()
+                    or names is not names_before
+                    or (held_before and inflight.outcome_written.is_set())
+                ):
+                    # Work may have come (a NOTIFY, a timer), a limit may have freed a
+                    # slot, or other names are asked for: every queue may have work again.
+                    drained.clear()
+                else:
+                    expired = time.monotonic() - env.poll
+                    for name in [n for n, since in drained.items() if since <= expired]:
+                        del drained[name]
+                names_before = names
                 queues, wants = self._wants(free, turn)
                 turn += 1
                 if not wants:  # every queue is at its own limit in this worker
@@ -172,6 +313,15 @@ class Claimer:
                 status.claims_ok = True
                 status.succeeded("claims")
                 status.claimed_once = True
+                # Slots follow demand: a queue that answered short is drained (row[15]: the
+                # queue of a claimed task), one that filled its share may have more.
+                got = collections.Counter(row[15] for row in rows)
+                for name, want in zip(queues, wants, strict=True):
+                    if got[name] < want:
+                        drained[name] = sent
+                    else:
+                        drained.pop(name, None)
+                held_before = held is not None
                 # Tracing (only while a tracer provider is configured) reads the enqueuers'
                 # trace contexts of the batch with one more query; none otherwise. The
                 # leases already run and are renewed only once the handlers start, so the
@@ -188,16 +338,24 @@ class Claimer:
                     else None
                 )
                 for row in rows:
-                    self._start(row, sent, handlers, inst, tracer, contexts)
+                    self._start(row, sent, handlers, inst, tracer, contexts, stop_waiter)
+                if len(rows) >= wanted or self._more_may_be_due():
+                    # Let handlers and the flusher run before the next claim, which gives
+                    # the slots of the queues that answered short to the others.
+                    await asyncio.sleep(0)
+                    continue
+                stats.idle_waits += 1
+                events = [wake]
                 if held is not None:
                     # A global limit frees up when an outcome of this worker is written
                     # (perhaps while the claim ran: the event was cleared before it).
-                    await wait_any((wake, inflight.outcome_written), stop_waiter, env.poll)
-                elif len(rows) < wanted:
-                    await wait_either(wake, stop_waiter, env.poll)
-                else:
-                    # Let handlers and the flusher run before the next claim.
-                    await asyncio.sleep(0)
+                    events.append(inflight.outcome_written)
+                if len(drained) < len(self._queues):
+                    # A queue at its own limit in this worker filled its share: it may have
+                    # more, to claim as soon as one of its handlers ends.
+                    inflight.slot_freed.clear()
+                    events.append(inflight.slot_freed)
+                await wait_any(tuple(events), stop_waiter, env.poll)
         finally:
             stop_waiter.cancel()
 
@@ -209,6 +367,7 @@ class Claimer:
         inst: _metrics.QueueInstruments,
         tracer: Tracer | None,
         contexts: dict[int, str] | None,
+        stopping: asyncio.Future[Any],
     ) -> None:
         (task_id, name, args_text, attempt, max_attempts, run_id, token, lease,
          b_init, b_max, b_factor, b_jitter, run_at, started_at, scheduled_for, queue,
@@ -239,10 +398,74 @@ class Claimer:
         inst.pickup_latency.record(max((started_at - run_at).total_seconds(), 0.0), attributes)
         env.stats.claimed += 1
         env.inflight.add(claimed)
-        run: Coroutine[Any, Any, None] = self._executor.execute(claimed)
-        if tracer is not None and contexts is not None:
-            run = _tracing.traced_run(tracer, claimed.ctx, contexts.get(task_id), run)
+
+        def run() -> Coroutine[Any, Any, None]:
+            execution = self._executor.execute(claimed)
+            if tracer is not None and contexts is not None:
+                return _tracing.traced_run(tracer, claimed.ctx, contexts.get(task_id), execution)
+            return execution
+
+        if name in self._sync:
+            self._gate.held += 1
+            # A quarter of the lease: handed back before its first renewal is due (at a third).
+            attempt_run = self._on_a_thread(claimed, now + lease_s / 4, stopping, run)
+        else:
+            attempt_run = run()
         # Named for the loop-lag monitor, which reports the task that blocks the loop.
         env.inflight.tasks[task_id] = handlers.create_task(
-            run, name=f"steeple task {name!r} #{task_id} attempt {attempt}"
+            attempt_run, name=f"steeple task {name!r} #{task_id} attempt {attempt}"
         )
+
+    async def _on_a_thread(
+        self,
+        claimed: Claimed,
+        start_by: float,
+        stopping: asyncio.Future[Any],
+        run: Callable[[], Coroutine[Any, Any, None]],
+    ) -> None:
+        """Run a sync handler once a thread is free, else hand the task back.
+
+        Handed back when no thread frees up by ``start_by`` (monotonic), or ``stopping``
+        finishes first (the worker stops).
+        """
+        gate = self._gate
+        try:
+            try:
+                started = await gate.take(max(0.0, start_by - time.monotonic()), stopping)
+            except asyncio.CancelledError:
+                # A hard stop while it waited: handed back with the others at shutdown.
+                self._completions.hand_back(claimed)
+                self._env.inflight.remove(claimed.ctx.task_id)
+                raise
+            if started:
+                try:
+                    await run()
+                finally:
+                    gate.give_back()
+                return
+            try:
+                await self._hand_back(claimed, stopping=stopping.done())
+            finally:
+                self._env.inflight.remove(claimed.ctx.task_id)
+        finally:
+            gate.held -= 1
+
+    async def _hand_back(self, claimed: Claimed, *, stopping: bool) -> None:
+        """Release a task this worker could not start: pending again, attempt refunded."""
+        ctx = claimed.ctx
+        LOG.info(
+            "task %s (%s): not started, %s; handed back for other workers",
+            ctx.task_id,
+            ctx.task_name,
+            "the worker is stopping"
+            if stopping
+            else f"no thread of this worker freed up within {claimed.lease / 4:g} s",
+        )
+        try:
+            await self._completions.release_now(claimed)
+        except asyncio.CancelledError:
+            # A hard stop cut the release short: tried again with the others at shutdown.
+            self._completions.hand_back(claimed)
+            raise
+        finally:
+            self._env.stats.not_started += 1

@@ -2,8 +2,12 @@
 
 Successes are buffered and written by one flusher in batches (one statement for up to
 ``_FLUSH_BATCH``); a batch whose reply was lost is retried, and a task found already
-completed by that lost write is confirmed, not reported as fenced. Failures (retry or
-fail for good) are written one by one; work handed back at shutdown is released.
+completed by that lost write is confirmed, not reported as fenced. A batch the database
+refuses for the values it carries (a result it cannot store) is split in halves until the
+refused outcomes are alone: the others are written, and each refused one fails its own task
+with a :class:`ResultEncodingError`, so one bad value never holds back the rest. Failures
+(retry or fail for good) are written one by one; work handed back (at shutdown, or a task
+the worker could not start) is released.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from steeple.engine.crashpoints import crash_point
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._db import DB_ERRORS
-from steeple.postgres.queue._failures import Failure
+from steeple.postgres.queue._driver import describe_db_error, is_data_error
+from steeple.postgres.queue._failures import Failure, describe
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._wakeups import Wakeups
+from steeple.postgres.queue.errors import ResultEncodingError
 
 __all__ = ["Completions"]
 
@@ -56,12 +62,22 @@ class Completions:
         self._flush_wake.set()
 
     async def failed(
-        self, claimed: Claimed, failure: Failure, retry_after: timedelta | None
+        self,
+        claimed: Claimed,
+        failure: Failure,
+        retry_after: timedelta | None,
+        *,
+        keep_stored_progress: bool = False,
     ) -> None:
-        """Record a failed attempt: run again after ``retry_after``, or fail for good."""
+        """Record a failed attempt: run again after ``retry_after``, or fail for good.
+
+        ``keep_stored_progress``: leave the task's stored progress as it is (do not write
+        the latest reported), for an outcome the database refused to store.
+        """
         env = self._env
         pool = env.db
         ctx = claimed.ctx
+        progress = None if keep_stored_progress else ctx.progress_text
         inst = _metrics.instruments()
         attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         try:
@@ -76,7 +92,7 @@ class Completions:
                     env.worker_id,
                     failure.error_type,
                     failure.traceback,
-                    ctx.progress_text,
+                    progress,
                     timeout=env.timeout,
                 )
                 crash_point("queue.retry.committed")
@@ -90,7 +106,7 @@ class Completions:
                     env.worker_id,
                     failure.error_type,
                     failure.traceback,
-                    ctx.progress_text,
+                    progress,
                     timeout=env.timeout,
                 )
                 outcome = _AFTER_FAILURE
@@ -128,7 +144,6 @@ class Completions:
     async def flush_forever(self) -> None:
         """Write buffered successes in batches until the worker closes and the buffer is empty."""
         env = self._env
-        pool = env.db
         stats = env.stats
         inst = _metrics.instruments()
         buffer = self._buffer
@@ -138,23 +153,13 @@ class Completions:
             while buffer:
                 batch = buffer[:_FLUSH_BATCH]
                 del buffer[:_FLUSH_BATCH]
+                refused: list[tuple[Claimed, BaseException]] = []
                 try:
-                    crash_point("queue.complete.before")
-                    rows = await pool.fetch(
-                        env.sql.complete,
-                        text_array(c.ctx.task_id for c in batch),
-                        text_array(c.token for c in batch),
-                        env.worker_id,
-                        [c.result for c in batch],
-                        [c.ctx.progress_text for c in batch],
-                        timeout=env.timeout,
-                    )
-                    crash_point("queue.complete.committed")
-                    env.status.succeeded("completions")
-                    env.inflight.outcome_written.set()
+                    done = await self._write(batch, refused)
                 except DB_ERRORS as exc:
                     env.status.failed("completions", exc)
                     LOG.warning("could not record %d completions: %r", len(batch), exc)
+                    # Part of a split batch may have committed: the retry confirms it.
                     for claimed in batch:
                         claimed.unsure = True
                     buffer[:0] = batch
@@ -164,9 +169,13 @@ class Completions:
                         return
                     await asyncio.sleep(min(env.poll, 1.0))
                     continue
-                done = {r[0] for r in rows}
+                env.status.succeeded("completions")
+                env.inflight.outcome_written.set()
+                bad = {c.ctx.task_id for c, _ in refused}
                 missed = [c for c in batch if c.ctx.task_id not in done]
-                confirmed = await self._confirm_completed([c for c in missed if c.unsure])
+                confirmed = await self._confirm_completed(
+                    [c for c in missed if c.unsure and c.ctx.task_id not in bad]
+                )
                 # Counted per task name and queue: a batch mixes everything that finished.
                 per_name: collections.Counter[tuple[str, str]] = collections.Counter()
                 for claimed in batch:
@@ -177,12 +186,84 @@ class Completions:
                         stats.succeeded += 1
                         stats.confirmed_completions += 1
                         per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
-                    else:
+                    elif claimed.ctx.task_id not in bad:
                         self.fenced(claimed)
                 for (name, queue), count in per_name.items():
                     inst.succeeded.add(count, _metrics.task_attributes(name, queue))
+                for claimed, why in refused:
+                    await self._refused(claimed, why)
             if env.closing.is_set() and not buffer:
                 return
+
+    async def _write(
+        self, batch: list[Claimed], refused: list[tuple[Claimed, BaseException]]
+    ) -> set[int]:
+        """Write ``batch``'s successes; return the ids written (their tokens matched).
+
+        A batch refused for its data is split in halves, down to single outcomes, which
+        are added to ``refused`` with the database's error; the rest are written. Each
+        statement commits on its own, so a later failure leaves earlier halves written
+        (the caller's retry confirms them).
+
+        Raises:
+            DB_ERRORS: any other database failure (lost connection, timeout, refusal).
+        """
+        env = self._env
+        try:
+            crash_point("queue.complete.before")
+            rows = await env.db.fetch(
+                env.sql.complete,
+                text_array(c.ctx.task_id for c in batch),
+                text_array(c.token for c in batch),
+                env.worker_id,
+                [c.result for c in batch],
+                [c.ctx.progress_text for c in batch],
+                timeout=env.timeout,
+            )
+            crash_point("queue.complete.committed")
+            return {r[0] for r in rows}
+        except DB_ERRORS as exc:
+            if not is_data_error(exc):
+                raise
+            if len(batch) == 1:
+                refused.append((batch[0], exc))
+                return set()
+            LOG.warning(
+                "the database refused a batch of %d completions (%s); writing it in halves "
+                "to find the outcomes it refuses",
+                len(batch),
+                describe_db_error(exc),
+            )
+        half = len(batch) // 2
+        done = await self._write(batch[:half], refused)
+        return done | await self._write(batch[half:], refused)
+
+    async def _refused(self, claimed: Claimed, exc: BaseException) -> None:
+        """Fail the task whose success the database refused to store, for good.
+
+        Running it again would return the same; its last stored progress is kept.
+        """
+        ctx = claimed.ctx
+        error = ResultEncodingError(
+            f"the result of task {ctx.task_name!r} was refused by the database "
+            f"({describe_db_error(exc)})"
+        )
+        LOG.error(
+            "task %s (%s) attempt %s/%s, run %s, failed for good: %s",
+            ctx.task_id,
+            ctx.task_name,
+            ctx.attempt,
+            ctx.max_attempts,
+            ctx.run_id,
+            error,
+            extra={
+                "task_id": ctx.task_id,
+                "task_name": ctx.task_name,
+                "attempt": ctx.attempt,
+                "run_id": str(ctx.run_id),
+            },
+        )
+        await self.failed(claimed, describe(error), None, keep_stored_progress=True)
 
     async def _confirm_completed(self, unsure: list[Claimed]) -> set[int]:
         """Return the ids among ``unsure`` whose earlier completion write did commit.
@@ -213,20 +294,33 @@ class Completions:
             LOG.info("task %s: an earlier completion write had committed", task_id)
         return confirmed
 
+    async def release_now(self, claimed: Claimed) -> bool:
+        """Hand ``claimed`` back at once (pending, attempt refunded); return whether it was.
+
+        Listening workers are woken to take it. A release that fails or finds the lease
+        gone changes nothing: the lease lapses and the task is recovered.
+        """
+        env = self._env
+        try:
+            rows = await env.db.fetch(
+                env.sql.release,
+                claimed.ctx.task_id,
+                claimed.token,
+                env.worker_id,
+                timeout=env.timeout,
+            )
+        except DB_ERRORS as exc:
+            # The lease will expire and maintenance elsewhere recovers the task.
+            LOG.warning("could not release task %s: %s", claimed.ctx.task_id, exc)
+            return False
+        if not rows:
+            return False
+        env.stats.released += 1
+        env.inflight.outcome_written.set()  # a global limit's slot is free again
+        return True
+
     async def release_unfinished(self) -> None:
         """Hand back the tasks whose handlers the drain cancelled (pending, attempt refunded)."""
-        env = self._env
         for claimed in self._to_release:
-            try:
-                await env.db.fetch(
-                    env.sql.release,
-                    claimed.ctx.task_id,
-                    claimed.token,
-                    env.worker_id,
-                    timeout=env.timeout,
-                )
-                env.stats.released += 1
-            except DB_ERRORS as exc:
-                # The lease will expire and maintenance elsewhere recovers the task.
-                LOG.warning("could not release task %s: %s", claimed.ctx.task_id, exc)
+            await self.release_now(claimed)
         self._to_release.clear()

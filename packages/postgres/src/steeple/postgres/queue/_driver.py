@@ -150,6 +150,22 @@ def typed_db_error(exc: BaseException) -> QueueError | None:
     return None
 
 
+# SQLSTATE classes of a statement refused for the data it carries: 22 (data exception: a
+# value out of range, bad text), 23 (integrity: a CHECK), 54 (program limit: too large).
+_DATA_CLASSES: Final = ("22", "23", "54")
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """Tell whether the database refused a statement for the values it carried.
+
+    Such a statement fails again however often it is retried (unlike a lost connection, a
+    timeout or a refused write), so a batch that hits one is split to find the bad value.
+    Works for asyncpg and psycopg alike.
+    """
+    state = getattr(exc, "sqlstate", None)
+    return isinstance(state, str) and state[:2] in _DATA_CLASSES
+
+
 def _is_lost_connection(exc: BaseException) -> bool:
     """Tell whether a driver error without a SQLSTATE means the connection is closed."""
     module = type(exc).__module__

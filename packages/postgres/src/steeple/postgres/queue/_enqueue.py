@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
 
 from steeple.postgres.queue import _driver, _metrics, _tracing
-from steeple.postgres.queue._schema import DEFAULT_SCHEMA
+from steeple.postgres.queue._schema import DEFAULT_SCHEMA, entry_point, entry_point_sync
 from steeple.postgres.queue._sql import QueueSql, queue_sql
 from steeple.postgres.queue._validate import check_queue
 from steeple.postgres.queue.errors import QueueConfigurationError, QueueError, QueueTypeError
-from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, Task
+from steeple.postgres.queue.tasks import (
+    EnqueuedTask,
+    EnqueueOptions,
+    Task,
+    declared_task,
+    with_declared_queue,
+)
+
+if TYPE_CHECKING:
+    from steeple.postgres.queue._app import TaskFunction
 
 __all__ = ["MAX_ENQUEUE_MANY", "enqueue", "enqueue_many", "enqueue_many_sync", "enqueue_sync"]
 
@@ -25,13 +34,15 @@ MAX_ENQUEUE_MANY: Final = 10_000
 _DEDUP_ROUNDS: Final = 5
 
 
-def _checked(task: object, options: object, queue: object = None) -> EnqueueOptions:
-    """Check the task, options and queue a caller passed; return the options to use.
+def _checked(
+    task: object, options: object, queue: object = None
+) -> tuple[Task[Any], EnqueueOptions]:
+    """Check the task, options and queue a caller passed; return the task and options to use.
 
-    ``queue`` (when given) names the queue instead of ``options.queue``.
+    ``queue`` (when given) names the queue instead of ``options.queue``; otherwise a task
+    declared with ``@app.task(queue=...)`` goes to its queue unless ``options`` name another.
     """
-    if not isinstance(task, Task):
-        raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
+    checked, declared = declared_task(task)
     if options is None:
         options = _DEFAULT_OPTIONS
     elif not isinstance(options, EnqueueOptions):
@@ -39,8 +50,8 @@ def _checked(task: object, options: object, queue: object = None) -> EnqueueOpti
             f"options must be EnqueueOptions or None, not {type(options).__name__}"
         )
     if queue is None:
-        return options
-    return attrs.evolve(options, queue=check_queue(queue))
+        return checked, with_declared_queue(options, declared)
+    return checked, attrs.evolve(options, queue=check_queue(queue))
 
 
 def _params(
@@ -61,10 +72,10 @@ def _sending(
     return _tracing.sending(task.name, count, options.queue)
 
 
-@_driver.errors_typed
+@entry_point
 async def enqueue(
     conn: Any,
-    task: Task[A],
+    task: Task[A] | TaskFunction[A],
     args: A,
     options: EnqueueOptions | None = None,
     *,
@@ -79,7 +90,8 @@ async def enqueue(
 
     Args:
         conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
-        task: the task definition.
+        task: the task definition, or a function declared with ``@app.task`` (its
+            declared queue applies unless ``queue`` or ``options.queue`` name another).
         args: arguments of the task's args type.
         options: when and how it runs (default: now, priority 0, 60 s lease, 5 attempts).
         schema: the queue's PostgreSQL schema.
@@ -93,14 +105,15 @@ async def enqueue(
         ArgsEncodingError: ``args`` cannot be encoded.
         UnsupportedConnectionError: ``conn`` is not an async asyncpg/psycopg connection.
         QueueConfigurationError: invalid schema or queue name.
-        QueueTypeError: ``task`` is not a Task, ``options`` not EnqueueOptions, or
+        QueueTypeError: ``task`` is not a Task (or ``@app.task`` function), ``options`` not
+            EnqueueOptions, or
             ``queue`` not a str.
         QueueError: the duplicate kept changing under us (pathological churn).
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    options = _checked(task, options, queue)
+    task, options = _checked(task, options, queue)
     _driver.connection_kind(conn)
     args_text = task.encode(args)
     with _sending(task, options, 1) as sending:
@@ -118,10 +131,10 @@ async def enqueue(
         raise QueueError(f"could not enqueue or find a live duplicate of {task.name!r}")
 
 
-@_driver.errors_typed_sync
+@entry_point_sync
 def enqueue_sync(
     conn: Any,
-    task: Task[A],
+    task: Task[A] | TaskFunction[A],
     args: A,
     options: EnqueueOptions | None = None,
     *,
@@ -134,14 +147,15 @@ def enqueue_sync(
         ArgsEncodingError: ``args`` cannot be encoded.
         UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
         QueueConfigurationError: invalid schema or queue name.
-        QueueTypeError: ``task`` is not a Task, ``options`` not EnqueueOptions, or
+        QueueTypeError: ``task`` is not a Task (or ``@app.task`` function), ``options`` not
+            EnqueueOptions, or
             ``queue`` not a str.
         QueueError: the duplicate kept changing under us (pathological churn).
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    options = _checked(task, options, queue)
+    task, options = _checked(task, options, queue)
     _driver.connection_kind(conn)
     args_text = task.encode(args)
     with _sending(task, options, 1) as sending:
@@ -165,14 +179,14 @@ def _enqueued(sending: _tracing.Sending, task_id: int, *, deduplicated: bool) ->
 
 
 def _many_params(
-    task: Task[A],
+    task: Task[A] | TaskFunction[A],
     args_list: Sequence[A],
     options: EnqueueOptions | None,
     sql: QueueSql,
     queue: str | None,
-) -> tuple[list[Any], EnqueueOptions]:
+) -> tuple[list[Any], Task[A], EnqueueOptions]:
     """Check and encode a batch; the parameters lack the trace context (appended last)."""
-    options = _checked(task, options, queue)
+    task, options = _checked(task, options, queue)
     if not isinstance(args_list, Sequence) or isinstance(args_list, str | bytes | bytearray):
         raise QueueTypeError(
             f"args_list must be a sequence (list or tuple) of args, not {type(args_list).__name__}"
@@ -188,13 +202,13 @@ def _many_params(
     params[1] = texts
     del params[10]  # no dedup key: the channel becomes $11, the delay $12
     del params[12]  # the trace context ($14) is the producer span's, added by the caller
-    return params, options  # ... after the queue ($13)
+    return params, task, options  # ... after the queue ($13)
 
 
-@_driver.errors_typed
+@entry_point
 async def enqueue_many(
     conn: Any,
-    task: Task[A],
+    task: Task[A] | TaskFunction[A],
     args_list: Sequence[A],
     options: EnqueueOptions | None = None,
     *,
@@ -224,7 +238,7 @@ async def enqueue_many(
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    params, checked = _many_params(task, args_list, options, sql, queue)
+    params, task, checked = _many_params(task, args_list, options, sql, queue)
     if not args_list:
         return []
     with _sending(task, checked, len(args_list)) as sending:
@@ -235,10 +249,10 @@ async def enqueue_many(
     return [int(i) for i in rows[0][0]]
 
 
-@_driver.errors_typed_sync
+@entry_point_sync
 def enqueue_many_sync(
     conn: Any,
-    task: Task[A],
+    task: Task[A] | TaskFunction[A],
     args_list: Sequence[A],
     options: EnqueueOptions | None = None,
     *,
@@ -257,7 +271,7 @@ def enqueue_many_sync(
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    params, checked = _many_params(task, args_list, options, sql, queue)
+    params, task, checked = _many_params(task, args_list, options, sql, queue)
     if not args_list:
         return []
     with _sending(task, checked, len(args_list)) as sending:

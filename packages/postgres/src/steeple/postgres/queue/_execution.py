@@ -4,9 +4,13 @@ A handler is an ``async def`` (run on the event loop) or a plain ``def`` (run in
 worker's bounded thread pool, with the same context); :func:`check_handler` refuses at
 registration what cannot run. A handler's return is a success (buffered for the
 completion flusher); a :class:`~steeple.postgres.queue.JobError` or any other exception
-is a failure, turned here into the text and retry time the completion room records. When
-the drain's deadline passes, running handlers are cancelled and their tasks handed back
-(a thread cannot be interrupted: its ``ctx.lease_lost`` is set so it can stop).
+is a failure, turned here into the text and retry time the completion room records. So is
+a ``BaseException`` the handler raises (``SystemExit``, ``KeyboardInterrupt``,
+``GeneratorExit``, a ``CancelledError`` nobody asked for): it fails that task alone, and
+the worker goes on. When the drain's deadline passes, running handlers are cancelled and
+their tasks handed back (a thread cannot be interrupted: its ``ctx.lease_lost`` is set so
+it can stop, and its task is handed back at once); a coroutine that ignores the
+cancellation is closed after a short grace, so it cannot keep the worker from stopping.
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import concurrent.futures
 import contextvars
 import functools
 import inspect
-import json
 import logging
 import math
+import signal
+import threading
 import time
+import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timedelta
+from types import CodeType
 from typing import Any, Final, Generic, TypeVar
 
 import attrs
@@ -32,6 +39,7 @@ from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._failures import describe
 from steeple.postgres.queue._inflight import Claimed
+from steeple.postgres.queue._json import storable_json
 from steeple.postgres.queue._progress import ProgressWriter
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_name
@@ -43,7 +51,7 @@ from steeple.postgres.queue.errors import (
     QueueTypeError,
     ResultEncodingError,
 )
-from steeple.postgres.queue.tasks import Task, storable_json
+from steeple.postgres.queue.tasks import Task
 
 __all__ = [
     "MAX_RESULT_BYTES",
@@ -61,8 +69,10 @@ Handler = Callable[["JobContext", A], Awaitable[object] | object]
 ``def handle(ctx: JobContext, args)`` (run in the worker's thread pool)."""
 
 MAX_RESULT_BYTES: Final = 64 * 1024
-"""A handler's result is limited to 64 KiB of JSON."""
+"""A handler's result is limited to 64 KiB of JSON (as the database stores it)."""
 _MAX_PROGRESS_MESSAGE: Final = 200
+# The stored progress column allows 8 KiB; a fraction and 200 characters take under 1.2 KiB.
+_MAX_PROGRESS_BYTES: Final = 8192
 
 
 @attrs.define(eq=False)
@@ -131,12 +141,15 @@ class JobContext:
             raise QueueConfigurationError(
                 f"progress fraction must be a finite number within [0, 1], got {value!r}"
             )
-        shown: dict[str, object] = {"fraction": value}
+        # -0.0 is 0.0 here: the database has no negative zero, and the fraction means none.
+        shown: dict[str, object] = {"fraction": value + 0.0}
         if message is not None:
             shown["message"] = check_name(
                 message, "progress message", max_len=_MAX_PROGRESS_MESSAGE
             )
-        text = json.dumps(shown, separators=(",", ":"), ensure_ascii=False)
+        text = storable_json(
+            shown, QueueConfigurationError, "progress", _MAX_PROGRESS_BYTES, "a fraction and text"
+        )
         previous = self._progress
         self._progress = (1 if previous is None else previous[0] + 1, text)
         notify = self._on_progress
@@ -260,12 +273,17 @@ class Executor:
         self._threads = threads
         self._progress = progress
         self._hard_stop = False
+        # The awaitable each running async handler returned (closed if it ignores a hard
+        # stop), and the attempts given up on that way: nothing of theirs is recorded.
+        self._awaiting: dict[Claimed, Awaitable[object]] = {}
+        self._abandoned: set[Claimed] = set()
 
     def cancel_all(self) -> None:
         """Cancel every running handler; their tasks are handed back (the drain timed out).
 
         A handler running in a thread cannot be interrupted: its ``ctx.lease_lost`` is set
-        (as for every handler) so it can see that whatever it does next is not recorded.
+        (as for every handler) so it can see that whatever it does next is not recorded;
+        its task is handed back at once, and the thread is left to end on its own.
         """
         self._hard_stop = True
         for claimed in list(self._env.inflight.running.values()):
@@ -273,21 +291,68 @@ class Executor:
         for task in list(self._env.inflight.tasks.values()):
             task.cancel()
 
-    async def _run(self, registration: Registration[Any], ctx: JobContext, args: Any) -> object:
-        """Run the handler: awaited on the loop, or called in the thread pool."""
+    def close_stubborn(self) -> int:
+        """Give up on the handlers still running after :meth:`cancel_all`; return how many.
+
+        Their tasks are handed back, and each coroutine is closed (``GeneratorExit`` is
+        raised where it waits) so that it cannot keep the worker, or the event loop, from
+        stopping. One that ignores even that is left running, and nothing it does later is
+        recorded (the lease it held is released, so any outcome it wrote would be fenced).
+        """
+        inflight = self._env.inflight
+        stubborn = list(inflight.running.items())
+        for task_id, claimed in stubborn:
+            self._abandoned.add(claimed)
+            self._completions.hand_back(claimed)
+            awaiting = self._awaiting.pop(claimed, None)
+            close = getattr(awaiting, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:  # it ignored GeneratorExit, or its cleanup failed
+                    LOG.error(
+                        "task %s (%s): its handler ignored the hard stop and could not be "
+                        "closed (%s); it is left running, and nothing it does is recorded",
+                        task_id,
+                        claimed.ctx.task_name,
+                        type(exc).__name__,
+                    )
+            running = inflight.tasks.get(task_id)
+            if running is not None:
+                # Wakes the attempt, which sees its closed handler and ends unrecorded.
+                running.cancel()
+            inflight.remove(task_id)
+        return len(stubborn)
+
+    async def _run(self, registration: Registration[Any], claimed: Claimed, args: Any) -> object:
+        """Run the handler: awaited on the loop, or called in the thread pool.
+
+        What a plain ``def`` handler raises comes back as a :class:`_Raised` (never through
+        the future: asyncio refuses some exceptions there, such as ``StopIteration``).
+        """
+        ctx = claimed.ctx
         if registration.run_async:
-            return await registration.handler(ctx, args)  # type: ignore[misc]
+            return await self._awaited(claimed, registration.handler(ctx, args))  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         # The thread sees the context variables of this run (its tracing span among them).
         value = await loop.run_in_executor(
             self._threads,
-            functools.partial(contextvars.copy_context().run, registration.handler, ctx, args),
+            functools.partial(
+                _call_in_thread, contextvars.copy_context(), registration.handler, ctx, args
+            ),
         )
         if inspect.isawaitable(value):
             # A plain function that returns an awaitable (a lambda around a coroutine, a
             # decorator that hid ``async``): the awaitable runs on the loop.
-            value = await value
+            value = await self._awaited(claimed, value)
         return value
+
+    async def _awaited(self, claimed: Claimed, awaitable: Awaitable[object]) -> object:
+        self._awaiting[claimed] = awaitable
+        try:
+            return await awaitable
+        finally:
+            self._awaiting.pop(claimed, None)
 
     async def execute(self, claimed: Claimed) -> None:
         """Run ``claimed``'s handler and record its outcome."""
@@ -298,6 +363,9 @@ class Executor:
         inst = _metrics.instruments()
         attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         started = time.monotonic()
+        me = asyncio.current_task()
+        error: BaseException | None = None
+        result: str | None = None
         try:
             try:
                 try:
@@ -305,29 +373,40 @@ class Executor:
                 except ArgsEncodingError as exc:
                     # Stored args that no longer fit the args type: running again cannot help.
                     raise _Terminal(exc) from exc
-                value = await self._run(registration, ctx, args)
-                result = encode_result(ctx.task_name, value)
-            except asyncio.CancelledError:
+                value = await self._run(registration, claimed, args)
+                if isinstance(value, _Raised):
+                    error = value.error
+                else:
+                    result = encode_result(ctx.task_name, value)
+            except asyncio.CancelledError as exc:
+                if claimed in self._abandoned:
+                    return
                 if self._hard_stop:
                     self._completions.hand_back(claimed)
                     return
-                raise
-            except JobError as exc:
-                inst.run_time.record(time.monotonic() - started, attributes)
-                await self._failed(claimed, exc, exc.retryable, exc.delay)
-            except ResultEncodingError as exc:  # running again would return the same
-                inst.run_time.record(time.monotonic() - started, attributes)
-                await self._failed(claimed, exc, False, None)
-            except _Terminal as wrapped:
-                inst.run_time.record(time.monotonic() - started, attributes)
-                await self._failed(claimed, wrapped.error, False, None)
-            except Exception as exc:  # a handler's failure is data: recorded on the task
-                inst.run_time.record(time.monotonic() - started, attributes)
-                # Plain exceptions are terminal (seed 002) unless the task opted in.
-                await self._failed(claimed, exc, registration.task.retry is not None, None)
-            else:
-                inst.run_time.record(time.monotonic() - started, attributes)
+                if me is not None and me.cancelling():
+                    raise  # the worker's owner cancelled it: not this handler's failure
+                error = exc  # the handler raised it, and nobody cancelled it
+            except BaseException as exc:
+                if _from_outside(exc, me):
+                    raise
+                # A handler's failure is data, recorded on the task, whatever it raised
+                # (SystemExit, KeyboardInterrupt, GeneratorExit included).
+                error = exc
+            if claimed in self._abandoned:
+                return  # handed back at the hard stop: its late outcome is not recorded
+            inst.run_time.record(time.monotonic() - started, attributes)
+            if error is None:
                 self._completions.succeeded(claimed, result)
+            elif isinstance(error, JobError):
+                await self._failed(claimed, error, error.retryable, error.delay)
+            elif isinstance(error, ResultEncodingError):  # running again returns the same
+                await self._failed(claimed, error, False, None)
+            elif isinstance(error, _Terminal):
+                await self._failed(claimed, error.error, False, None)
+            else:
+                # Unexpected exceptions are terminal unless the task opted in to retries.
+                await self._failed(claimed, error, registration.task.retry is not None, None)
         finally:
             self._env.inflight.remove(ctx.task_id)
 
@@ -388,12 +467,84 @@ class _Terminal(Exception):
         self.error = error
 
 
+@attrs.frozen
+class _Raised:
+    """What a plain ``def`` handler raised in its thread."""
+
+    error: BaseException
+
+
+def _call_in_thread(
+    context: contextvars.Context, handler: Callable[..., object], ctx: JobContext, args: Any
+) -> object:
+    """Call a plain ``def`` handler in its thread; return what it raised as a :class:`_Raised`.
+
+    Signals are handled in the main thread only, so whatever a handler raises in its
+    thread (``SystemExit`` from ``sys.exit()``, ``KeyboardInterrupt`` included) is its own.
+    """
+    try:
+        return context.run(handler, ctx, args)
+    except BaseException as exc:  # the handler's failure, recorded on its task
+        return _Raised(exc)
+
+
+def _from_outside(exc: BaseException, attempt: asyncio.Task[Any] | None) -> bool:
+    """Whether ``exc`` reached a handler on the event loop from outside it.
+
+    That is: its coroutine is being closed (``GeneratorExit`` thrown in while ``attempt``
+    is not running: the loop is closing, or the task was dropped), or a signal handler of
+    this process raised it where the handler was (a real Ctrl-C, an application's
+    ``SIGTERM`` handler calling ``sys.exit()``). Anything else it raises is its own.
+    """
+    try:
+        current = asyncio.current_task()
+    except RuntimeError:  # no loop runs: the garbage collector closes the coroutine
+        current = None
+    if current is None or current is not attempt:
+        return True
+    return isinstance(exc, KeyboardInterrupt | SystemExit) and _raised_by_signal(exc)
+
+
+def _raised_by_signal(exc: BaseException) -> bool:
+    """Whether a signal handler raised ``exc`` (it runs in the main thread, where it lands)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if isinstance(exc, KeyboardInterrupt) and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        # Python's own SIGINT handler raises it wherever the main thread is, leaving no
+        # frame of its own: a handler's KeyboardInterrupt cannot be told from Ctrl-C then,
+        # and Ctrl-C must keep working (asyncio.run and the steeple worker command install
+        # their own SIGINT handlers, which leave a frame or raise nothing).
+        return True
+    handlers: set[CodeType] = set()
+    for signum in signal.valid_signals():
+        code = _code_of(signal.getsignal(signum))
+        if code is not None:
+            handlers.add(code)
+    return any(frame.f_code in handlers for frame, _ in traceback.walk_tb(exc.__traceback__))
+
+
+def _code_of(handler: object) -> CodeType | None:
+    """Return the code of a Python signal handler (a function, bound method or partial)."""
+    while isinstance(handler, functools.partial):
+        handler = handler.func
+    handler = getattr(handler, "__func__", handler)
+    code = getattr(handler, "__code__", None)
+    return code if isinstance(code, CodeType) else None
+
+
 def encode_result(task_name: str, value: object) -> str | None:
     """Return the JSON text stored as a handler's result (``None`` for ``None``).
 
+    ``run_state`` returns a value equal to the one returned (tuples as lists), or the
+    result is refused.
+
     Raises:
         ResultEncodingError: not JSON-encodable (NaN, infinity, a set, an object, a cycle,
-            nesting too deep, a lone surrogate, a NUL), or over 64 KiB of JSON.
+            nesting too deep, a lone surrogate, a NUL), one that would not come back equal
+            (``-0.0``, a non-str object key), or over 64 KiB of JSON as the database
+            stores it (numbers written out in full: ``1e300`` takes 303 bytes).
     """
     if value is None:
         return None

@@ -11,8 +11,7 @@ import attrs
 
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver, _metrics
-from steeple.postgres.queue._driver import errors_typed
-from steeple.postgres.queue._schema import DEFAULT_SCHEMA
+from steeple.postgres.queue._schema import DEFAULT_SCHEMA, entry_point
 from steeple.postgres.queue._sql import queue_sql
 from steeple.postgres.queue._validate import (
     DEFAULT_QUEUE,
@@ -218,7 +217,7 @@ class TaskRun:
         return cls(*values)
 
 
-@errors_typed
+@entry_point
 async def run_state(
     conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA, history: int = 50
 ) -> TaskRun:
@@ -246,7 +245,7 @@ async def run_state(
     return TaskRun.from_row(rows[0])
 
 
-@errors_typed
+@entry_point
 async def cancel(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> TaskState:
     """Cancel a pending or running task, atomically.
 
@@ -273,7 +272,7 @@ async def cancel(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> Ta
     return before
 
 
-@errors_typed
+@entry_point
 async def prune_terminal(
     conn: Any,
     older_than: timedelta,

@@ -8,14 +8,18 @@ queues without settings stay on the claim's fast path.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 import attrs
 
 from steeple.postgres.queue import _driver
-from steeple.postgres.queue._driver import errors_typed
-from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
+from steeple.postgres.queue._schema import (
+    DEFAULT_SCHEMA,
+    entry_point,
+    notify_channel,
+    validate_schema,
+)
 from steeple.postgres.queue._sql import DURABLE, PENDING, RUNNING
 from steeple.postgres.queue._validate import check_int, check_name, check_queue, check_seconds
 from steeple.postgres.queue.errors import QueueConfigurationError
@@ -23,6 +27,7 @@ from steeple.postgres.queue.errors import QueueConfigurationError
 __all__ = [
     "MAX_RATE_LIMIT",
     "MAX_RUNNING_LIMIT",
+    "UNSERVED_AFTER",
     "QueueInfo",
     "TaskLimits",
     "check_limits",
@@ -40,6 +45,10 @@ MAX_RATE_LIMIT: Final = 10_000
 """The most starts a rate limit allows per period (the claim keeps a log of them)."""
 _MAX_PERIOD: Final = 86_400.0
 _MAX_LISTED: Final = 1000
+UNSERVED_AFTER: Final = timedelta(minutes=5)
+"""How long due work may wait, with nothing of its queue running, before the queue is
+judged unserved (a worker LISTENing claims due work at once, and polls every second by
+default; one told to poll less often than this may be judged unserved between polls)."""
 _QUEUE: Final = "queue"
 _TASK: Final = "task"
 _SETTINGS: Final = "paused, max_running, rate_limit, rate_period"
@@ -57,6 +66,14 @@ class QueueInfo:
         rate_period: the rate limit's sliding window, or None.
         pending: tasks waiting in it (due or not).
         running: tasks of it running now.
+        due_since: since when its oldest due pending task has been due (the later of its
+            run time and its creation, on the database server's clock), or None.
+        unserved: no worker appears to serve it: it is not paused, none of its tasks
+            runs, no rate-limited start happened lately, and due work has waited longer
+            than :func:`list_queues`' ``unserved_after``. Judged from the tasks alone
+            (workers do not register themselves): a queue no live worker serves, or whose
+            workers do not register that task, looks like this. Only :func:`list_queues`
+            judges it (False elsewhere).
     """
 
     name: str
@@ -66,6 +83,8 @@ class QueueInfo:
     rate_period: timedelta | None
     pending: int = 0
     running: int = 0
+    due_since: datetime | None = None
+    unserved: bool = False
 
 
 @attrs.frozen
@@ -152,7 +171,7 @@ async def _queue_info(conn: Any, schema: str, row: list[Any]) -> QueueInfo:
     return QueueInfo(name, paused, max_running, rate_limit, rate_period, pending, running)
 
 
-@errors_typed
+@entry_point
 async def pause_queue(conn: Any, queue: str, *, schema: str = DEFAULT_SCHEMA) -> QueueInfo:
     """Pause ``queue`` for every worker: no claim that starts after this commits takes from it.
 
@@ -180,7 +199,7 @@ async def pause_queue(conn: Any, queue: str, *, schema: str = DEFAULT_SCHEMA) ->
     return await _queue_info(conn, schema, row)
 
 
-@errors_typed
+@entry_point
 async def resume_queue(conn: Any, queue: str, *, schema: str = DEFAULT_SCHEMA) -> QueueInfo:
     """Resume a paused ``queue`` and wake the workers; idempotent (a queue never paused too).
 
@@ -211,7 +230,7 @@ _SET_LIMITS: Final = """INSERT INTO {{s}}.settings AS t (scope, name, max_runnin
     RETURNING t.scope, t.name, {settings}"""
 
 
-@errors_typed
+@entry_point
 async def limit_queue(
     conn: Any,
     queue: str,
@@ -247,7 +266,7 @@ async def limit_queue(
     return await _queue_info(conn, schema, row)
 
 
-@errors_typed
+@entry_point
 async def limit_task(
     conn: Any,
     task_name: str,
@@ -269,35 +288,57 @@ async def limit_task(
     return TaskLimits(row[0], *row[2:5])
 
 
-@errors_typed
-async def list_queues(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> list[QueueInfo]:
+@entry_point
+async def list_queues(
+    conn: Any, *, schema: str = DEFAULT_SCHEMA, unserved_after: timedelta = UNSERVED_AFTER
+) -> list[QueueInfo]:
     """List the queues that hold live tasks or have settings, by name (at most 1000).
 
+    Each is judged ``unserved`` when no worker appears to claim from it: see
+    :attr:`QueueInfo.unserved`.
+
+    Args:
+        conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
+        schema: the queue's PostgreSQL schema.
+        unserved_after: how long due work may wait, with nothing of the queue running,
+            before the queue is judged unserved (1 s .. 1 day; default 5 minutes).
+
     Raises:
-        QueueConfigurationError: an invalid schema name.
+        QueueConfigurationError: an invalid schema name, or ``unserved_after`` out of range.
+        QueueTypeError: ``unserved_after`` is not a timedelta or a number of seconds.
     """
     s = validate_schema(schema)
+    wait = timedelta(seconds=check_seconds(unserved_after, "unserved_after", 1.0, _MAX_PERIOD))
     rows = await _driver.fetch(
         conn,
         f"""WITH live AS (
             SELECT queue, count(*) FILTER (WHERE state = '{PENDING.value}') AS pending,
-                   count(*) FILTER (WHERE state = '{RUNNING.value}') AS running
+                   count(*) FILTER (WHERE state = '{RUNNING.value}') AS running,
+                   min(greatest(run_at, created_at))
+                       FILTER (WHERE state = '{PENDING.value}') AS due_since
             FROM {s}.tasks WHERE state IN ('{PENDING.value}', '{RUNNING.value}')
             GROUP BY queue
         ), named AS (
-            SELECT name, {_SETTINGS} FROM {s}.settings WHERE scope = '{_QUEUE}'
-        )
+            SELECT name, {_SETTINGS},
+                   (SELECT max(t) FROM unnest(recent_starts) AS t) AS last_start
+            FROM {s}.settings WHERE scope = '{_QUEUE}'
+        ), now AS (SELECT clock_timestamp() - $1::interval AS since)
         SELECT coalesce(named.name, live.queue), coalesce(named.paused, false),
                named.max_running, named.rate_limit, named.rate_period,
-               coalesce(live.pending, 0), coalesce(live.running, 0)
-        FROM named FULL JOIN live ON live.queue = named.name
+               coalesce(live.pending, 0), coalesce(live.running, 0),
+               CASE WHEN live.due_since <= clock_timestamp() THEN live.due_since END,
+               coalesce(NOT coalesce(named.paused, false) AND live.running = 0
+                        AND live.due_since < now.since
+                        AND (named.last_start IS NULL OR named.last_start < now.since), false)
+        FROM named FULL JOIN live ON live.queue = named.name CROSS JOIN now
         ORDER BY 1
         LIMIT {_MAX_LISTED}""",
+        wait,
     )
     return [QueueInfo(*row) for row in rows]
 
 
-@errors_typed
+@entry_point
 async def list_task_limits(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> list[TaskLimits]:
     """List the task names that have limits, by name (at most 1000).
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.resources
 import re
-from typing import Any, Final
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, ParamSpec, TypeVar
 
 from steeple.postgres._durability import (
     WRITABLE_QUERY,
@@ -13,15 +17,27 @@ from steeple.postgres._durability import (
     require_writable,
 )
 from steeple.postgres._ident import quote_ident, shown_name
-from steeple.postgres.queue._driver import errors_typed
+from steeple.postgres.queue import _driver
+from steeple.postgres.queue._driver import errors_typed, errors_typed_sync
 from steeple.postgres.queue.errors import (
     QueueConfigurationError,
+    QueueError,
     QueueTypeError,
     SchemaVersionMismatchError,
     UnfitDatabaseError,
 )
 
-__all__ = ["DEFAULT_SCHEMA", "LIBRARY_SCHEMA_VERSION", "check_schema", "install"]
+__all__ = [
+    "DEFAULT_SCHEMA",
+    "LIBRARY_SCHEMA_VERSION",
+    "check_schema",
+    "entry_point",
+    "entry_point_sync",
+    "install",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 DEFAULT_SCHEMA: Final = "steeple_queue"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -121,7 +137,10 @@ async def install(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> int:
                 continue
             await conn.execute(_migration_sql(name, quoted))
             await conn.execute(
-                f"INSERT INTO {quoted}.schema_migrations (version, name) VALUES ($1, $2)",
+                # Each shipped migration records its own version (so it can be applied
+                # by hand); recording it here too keeps any file that does not correct.
+                f"INSERT INTO {quoted}.schema_migrations (version, name) VALUES ($1, $2)"
+                " ON CONFLICT (version) DO NOTHING",
                 version,
                 name,
             )
@@ -134,8 +153,6 @@ async def schema_version(conn: Any, schema: str) -> int:
     Raises:
         QueueConfigurationError: invalid schema name.
     """
-    from steeple.postgres.queue import _driver
-
     quoted = validate_schema(schema)
     ((exists,),) = await _driver.fetch(
         conn, "SELECT to_regclass($1) IS NOT NULL", f"{quoted}.schema_migrations"
@@ -163,3 +180,157 @@ async def check_schema(conn: Any, schema: str = DEFAULT_SCHEMA) -> None:
     version = await schema_version(conn, schema)
     if version != LIBRARY_SCHEMA_VERSION:
         raise SchemaVersionMismatchError(schema, version, LIBRARY_SCHEMA_VERSION)
+
+
+def _schema_version_sync(conn: Any, schema: str) -> int:
+    """Like :func:`schema_version`, on a psycopg (sync) connection."""
+    quoted = validate_schema(schema)
+    ((exists,),) = _driver.fetch_sync(
+        conn, "SELECT to_regclass($1) IS NOT NULL", f"{quoted}.schema_migrations"
+    )
+    if not exists:
+        return 0
+    ((version,),) = _driver.fetch_sync(
+        conn, f"SELECT coalesce(max(version), 0) FROM {quoted}.schema_migrations"
+    )
+    return int(version)
+
+
+# What a statement of this library meets on an older (or absent) schema: a table, column,
+# function or the schema itself that its version lacks.
+_MISSING_OBJECT: Final = frozenset({"42P01", "42703", "42883", "3F000"})
+
+# (session, schema) pairs already found at this library's version: each session's version
+# is read once, before its first statement (a statement failing on a missing column would
+# abort the caller's transaction, leaving nothing to read the version with; and a statement
+# an old schema happens to accept must not write to it either). Weak: a closed connection
+# or pool leaves the cache with its object.
+_CURRENT: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _session(conn: Any) -> Any:
+    """Return the object that lives exactly as long as ``conn``'s session (or pool)."""
+    if _driver.connection_kind(conn) == "asyncpg":
+        import asyncpg.pool
+
+        # asyncpg hands out a new proxy object per acquire; the connection behind it
+        # lasts. A pool cannot be weakly referenced; its queue of idle connections lives
+        # exactly as long as it does.
+        if isinstance(conn, asyncpg.pool.PoolConnectionProxy):
+            return getattr(conn, "_con", None) or conn
+        if isinstance(conn, asyncpg.Pool):
+            return getattr(conn, "_queue", conn)
+    return conn
+
+
+def _in_transaction(conn: Any) -> bool:
+    """Tell (without I/O) whether ``conn`` is inside a transaction (none for a pool)."""
+    if _driver.connection_kind(conn) == "asyncpg":
+        is_in = getattr(conn, "is_in_transaction", None)  # a pool has none
+        return bool(is_in()) if is_in is not None else False
+    import psycopg
+
+    return bool(conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE)
+
+
+def _cached(conn: Any, schema: str) -> bool:
+    try:
+        return schema in _CURRENT.get(_session(conn), ())
+    except TypeError:  # not weakly referenceable: never cached
+        return False
+
+
+def _remember(conn: Any, schema: str) -> None:
+    with contextlib.suppress(TypeError):  # not weakly referenceable: never cached
+        _CURRENT.setdefault(_session(conn), set()).add(schema)
+
+
+def _missing_object(exc: BaseException) -> bool:
+    state = getattr(exc, "sqlstate", None)
+    return isinstance(state, str) and state in _MISSING_OBJECT
+
+
+def entry_point(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Make ``fn(conn, ..., schema=...)`` refuse a schema of another version, then type errors.
+
+    A schema older or newer than the library (or absent) raises
+    :class:`SchemaVersionMismatchError` naming both versions, never the driver's missing
+    table or column. The version is read once per session (connection or pool) and schema,
+    before its first statement; a statement that still meets a missing object (the schema
+    was dropped and rebuilt since) has the version read again, when the session can.
+    """
+    typed = errors_typed(fn)
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        conn = args[0] if args else kwargs.get("conn")
+        schema = kwargs.get("schema", DEFAULT_SCHEMA)
+        if isinstance(schema, str) and _driver_kind_known(conn) and not _cached(conn, schema):
+            await errors_typed(_require_current)(conn, schema)
+        try:
+            return await typed(*args, **kwargs)
+        except Exception as exc:
+            cause = exc if exc.__cause__ is None else exc.__cause__
+            if not _missing_object(cause) or _in_transaction(conn):
+                raise
+            version = await errors_typed(schema_version)(conn, schema)  # type: ignore[arg-type]
+            if version == LIBRARY_SCHEMA_VERSION:
+                raise
+            raise SchemaVersionMismatchError(
+                str(schema), version, LIBRARY_SCHEMA_VERSION
+            ) from cause
+
+    return wrapper
+
+
+def entry_point_sync(fn: Callable[P, R]) -> Callable[P, R]:
+    """Like :func:`entry_point`, for the psycopg (sync) functions."""
+    typed = errors_typed_sync(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        conn = args[0] if args else kwargs.get("conn")
+        schema = kwargs.get("schema", DEFAULT_SCHEMA)
+        if (
+            isinstance(schema, str)
+            and _driver_kind_known(conn, sync=True)
+            and not _cached(conn, schema)
+        ):
+            errors_typed_sync(_require_current_sync)(conn, schema)
+        try:
+            return typed(*args, **kwargs)
+        except Exception as exc:
+            cause = exc if exc.__cause__ is None else exc.__cause__
+            if not _missing_object(cause) or _in_transaction(conn):
+                raise
+            version = errors_typed_sync(_schema_version_sync)(conn, schema)  # type: ignore[arg-type]
+            if version == LIBRARY_SCHEMA_VERSION:
+                raise
+            raise SchemaVersionMismatchError(
+                str(schema), version, LIBRARY_SCHEMA_VERSION
+            ) from cause
+
+    return wrapper
+
+
+def _driver_kind_known(conn: Any, *, sync: bool = False) -> bool:
+    """Tell whether ``conn`` is a connection the entry point itself would accept."""
+    try:
+        kind = _driver.connection_kind(conn)
+    except QueueError:
+        return False  # the entry point says so itself
+    return (kind == "psycopg_sync") == sync
+
+
+async def _require_current(conn: Any, schema: str) -> None:
+    version = await schema_version(conn, schema)
+    if version != LIBRARY_SCHEMA_VERSION:
+        raise SchemaVersionMismatchError(schema, version, LIBRARY_SCHEMA_VERSION)
+    _remember(conn, schema)
+
+
+def _require_current_sync(conn: Any, schema: str) -> None:
+    version = _schema_version_sync(conn, schema)
+    if version != LIBRARY_SCHEMA_VERSION:
+        raise SchemaVersionMismatchError(schema, version, LIBRARY_SCHEMA_VERSION)
+    _remember(conn, schema)

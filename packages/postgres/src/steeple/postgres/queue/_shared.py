@@ -52,6 +52,7 @@ class WorkerStats:
     retried: int = 0
     failed: int = 0
     released: int = 0
+    """Tasks handed back (pending again, attempt refunded): at shutdown, or not started."""
     recovered: int = 0
     rejected_completions: int = 0
     confirmed_completions: int = 0
@@ -67,6 +68,13 @@ class WorkerStats:
     """Claim rounds the server refused as arriving after the worker had given up on them
     (its clock moved, or the network held the request): each re-anchors the worker's
     estimate of the server's clock from the answer."""
+    idle_waits: int = 0
+    """Times the claim loop waited for a wake-up or the poll interval because every queue
+    it asked answered with less than it asked for (a queue that answered short while
+    another may have more is not waited for: its slots go to the others at once)."""
+    not_started: int = 0
+    """Claimed tasks handed back unstarted: a plain ``def`` handler for which no thread of
+    this worker freed up within a quarter of the task's lease, or the worker stopped first."""
     loop_stalls: int = 0
     """Times the event loop stalled past ``loop_lag_threshold`` while the worker ran (a
     handler, or other code on its loop, blocked it); each is logged naming the culprit."""

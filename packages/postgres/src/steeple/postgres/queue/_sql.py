@@ -50,6 +50,11 @@ def _from(event: TaskEvent) -> frozenset[TaskState]:
     return frozenset(state for (state, on) in TASK_TRANSITIONS if on is event)
 
 
+def _quoted(text: str) -> str:
+    """``text`` as an SQL string literal (a NOTIFY channel: built from a validated schema)."""
+    return "'" + text.replace("'", "''") + "'"
+
+
 def _lit(state: TaskState) -> str:
     return f"'{state.value}'"
 
@@ -297,8 +302,10 @@ FROM {RELAXED}, unnest($1::text[]::bigint[], $2::text[]::uuid[], $3::text[])
     AS h(id, token, progress)
 WHERE t.id = h.id AND t.lease_token = h.token
 RETURNING t.id""",
-        # $1 id, $2 token, $3 worker id: hand back unfinished work at shutdown, attempt refunded.
-        # It keeps its run_at: it was due, and stays due whatever the server's clock does.
+        # $1 id, $2 token, $3 worker id: hand back work this worker will not finish (at
+        # shutdown, or not started for want of a thread), attempt refunded. It keeps its
+        # run_at: it was due, and stays due whatever the server's clock does; a NOTIFY wakes
+        # the listening workers to take it.
         release=f"""
 WITH done AS (
     UPDATE {s}.tasks t
@@ -312,7 +319,7 @@ WITH done AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at)
     SELECT id, attempts + 1, $3, {_OUTCOME[TaskEvent.RELEASE]}, started_at FROM done
 )
-SELECT id FROM done""",
+SELECT id, pg_notify({_quoted(notify_channel(schema))}, '') FROM done""",
         # $1 limit. Exhausted attempts fail for good so a task that kills workers stops.
         # A recovered task keeps its run_at: it has waited longest and goes first again.
         recover_expired=f"""

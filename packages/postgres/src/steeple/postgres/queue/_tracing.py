@@ -34,8 +34,10 @@ import attrs
 
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue._db import DB_ERRORS
+from steeple.postgres.queue._json import storable_json
 from steeple.postgres.queue._shared import LOG
 from steeple.postgres.queue._validate import DEFAULT_QUEUE
+from steeple.postgres.queue.errors import QueueConfigurationError
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -176,8 +178,23 @@ def _send_span(traced: Tracer, task_name: str, count: int, queue: str) -> Iterat
     ) as span:
         carrier: dict[str, str] = {}
         api.propagator.inject(carrier, context=api.trace.set_span_in_context(span))
-        text = json.dumps(carrier) if carrier else None
-        yield _TracedSending(span, text if text is None or len(text) <= _MAX_CARRIER else None)
+        yield _TracedSending(span, _stored_carrier(carrier))
+
+
+def _stored_carrier(carrier: dict[str, str]) -> str | None:
+    """Return the carrier's JSON text as stored, or None (empty, or not storable).
+
+    One the column cannot hold (over 4 KiB, a NUL...) costs the runs their parent, never
+    the enqueue.
+    """
+    if not carrier:
+        return None
+    try:
+        return storable_json(
+            carrier, QueueConfigurationError, "the trace context", _MAX_CARRIER, "str values"
+        )
+    except QueueConfigurationError:
+        return None
 
 
 # --- running ------------------------------------------------------------------------------

@@ -5,9 +5,12 @@ Module map of the worker (``steeple.postgres.queue``), one room per concern:
 - ``_worker.py``      Scheduler: options, registration, health(), run_until_shutdown
                       (start-up checks, composing the rooms, drain, shutdown).
 - ``_claiming.py``    Claimer: the claim loop, batch claims with give-up times on the
-                      estimated server clock, claimed rows into running attempts.
+                      estimated server clock, free slots shared by demand among queues,
+                      claimed rows into running attempts (sync ones onto free threads,
+                      handed back when none frees up in time).
 - ``_execution.py``   JobContext, Handler, Registration; Executor: runs a handler, turns
                       its return or exception into an outcome; cancels at a hard stop.
+- ``_threads.py``     HandlerThreads: the daemon thread pool of plain ``def`` handlers.
 - ``_completions.py`` Completions: the batched success flusher, confirming lost replies,
                       writing failures/retries, fencing, releasing at shutdown.
 - ``_renewal.py``     Renewer: token-guarded lease renewal, lease-lost/cancelled signals.
@@ -28,11 +31,10 @@ lease cannot finish, fail, renew or release anything.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import asyncpg
 
@@ -65,6 +67,7 @@ from steeple.postgres.queue._renewal import Renewer
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, check_schema, validate_schema
 from steeple.postgres.queue._shared import LOG, Health, WorkerEnv, WorkerStats, WorkerStatus
 from steeple.postgres.queue._sql import queue_sql
+from steeple.postgres.queue._threads import HandlerThreads
 from steeple.postgres.queue._validate import (
     DEFAULT_QUEUE,
     check_bool,
@@ -81,7 +84,10 @@ from steeple.postgres.queue.errors import (
     QueueUnavailableError,
     UnknownTaskError,
 )
-from steeple.postgres.queue.tasks import Task
+from steeple.postgres.queue.tasks import Task, declared_task
+
+if TYPE_CHECKING:
+    from steeple.postgres.queue._app import TaskFunction
 
 __all__ = ["Handler", "Health", "JobContext", "Scheduler", "WorkerStats"]
 
@@ -93,6 +99,8 @@ _MAX_CONCURRENCY: Final = 100_000
 _MAX_THREADS: Final = 1024
 _DEFAULT_THREADS: Final = 32
 _MAX_QUEUES: Final = 100
+# Seconds handlers get to end once a hard stop cancelled them, before they are closed.
+_CANCEL_GRACE: Final = 2.0
 
 
 def _served(queues: object, concurrency: int) -> list[tuple[str, int]]:
@@ -138,10 +146,16 @@ class Scheduler:
         concurrency: the most handlers running at once in this worker.
         threads: the size of the thread pool that runs plain ``def`` handlers (1..1024;
             default ``min(concurrency, 32)``). Created only when such a handler is
-            registered; sync handlers beyond it wait for a thread (their leases are kept).
+            registered. The worker claims no more sync tasks than it has free threads
+            (while every thread is taken it claims only tasks of async handlers); a claimed
+            sync task that gets no thread within a quarter of its lease is handed back
+            (pending, attempt refunded) for other workers.
         queues: the named queues served: a list of names (each may use all of
             ``concurrency``), or a mapping of name to the most of its tasks running at
             once in this worker (capped by ``concurrency``). Default: ``["default"]``.
+            Free slots follow demand: shared among the queues each round, and those of a
+            queue that answers empty (or paused, or held by a limit) go to the others
+            without waiting for a poll.
             Limits across all workers, pauses and rate limits are stored in the database
             (see :mod:`steeple.postgres.queue.admin`) and applied by every claim.
         batch_size: the most tasks claimed per query (default: ``concurrency``).
@@ -275,7 +289,7 @@ class Scheduler:
     def _db(self) -> WorkerDb | None:
         return self._env.db_or_none
 
-    def register(self, task: Task[A], handler: Handler[A]) -> None:
+    def register(self, task: Task[A] | TaskFunction[A], handler: Handler[A]) -> None:
         """Run ``handler`` for tasks named ``task.name``.
 
         ``handler(ctx, args)`` is an ``async def`` (run on the event loop) or a plain
@@ -286,13 +300,13 @@ class Scheduler:
 
         Raises:
             UnknownTaskError: that task name already has a handler.
-            QueueTypeError: ``task`` is not a Task; ``handler`` is not a function that can
-                be called as ``handler(ctx, args)`` (not callable, a coroutine object, a
-                class, a generator or async generator function, another arity).
+            QueueTypeError: ``task`` is not a Task (or an ``@app.task`` function);
+                ``handler`` is not a function that can be called as ``handler(ctx, args)``
+                (not callable, a coroutine object, a class, a generator or async generator
+                function, another arity).
             QueueError: the worker has already started.
         """
-        if not isinstance(task, Task):
-            raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
+        task, _ = declared_task(task)
         run_async = check_handler(handler)
         if self._started:
             raise QueueError("register handlers before run_until_shutdown")
@@ -333,14 +347,25 @@ class Scheduler:
     ) -> None:
         """Work until ``stop`` is set, then drain gracefully within ``drain_timeout``.
 
-        After ``stop``: no new claims; running handlers get ``drain_timeout`` to finish;
+        After ``stop``: no new claims; claimed tasks not yet started (sync handlers waiting
+        for a thread) are handed back at once; running handlers get ``drain_timeout`` to finish;
         the rest are cancelled and their tasks handed back (pending, attempt refunded);
         buffered completions are written; the pool (if the worker opened it) is closed.
         Setting ``hard_stop`` (say on a second SIGTERM) ends the drain at once: it stops
         claiming as ``stop`` does, and the handlers still running are cancelled and their
-        tasks handed back now. A task whose release cannot be written is left to its lease,
-        which lapses; it is recovered and run again, never completed twice (every outcome
-        is fenced by the lease token).
+        tasks handed back now. A handler that ignores its cancellation (a coroutine that
+        catches ``CancelledError``) is closed two seconds later (one that ignores even
+        that keeps this call waiting for it, its task already handed back: the ``steeple
+        worker`` command then ends its process); a plain ``def`` handler's
+        thread cannot be stopped, so it is left running (its ``ctx.lease_lost`` set,
+        nothing it does recorded), in a daemon thread that never keeps the process alive.
+        A task whose release cannot be written is left to its lease, which lapses; it is
+        recovered and run again, never completed twice (every outcome is fenced by the
+        lease token). What a handler raises, ``BaseException`` included (``SystemExit``,
+        ``KeyboardInterrupt``, ``GeneratorExit``, a ``CancelledError`` nobody asked for),
+        fails its task alone; a ``KeyboardInterrupt`` or ``SystemExit`` raised by a signal
+        handler of the process (Ctrl-C, while SIGINT has Python's default handler) is not
+        a handler's failure and propagates.
 
         Raises:
             SchemaVersionMismatchError: the queue schema is missing or another version.
@@ -369,9 +394,7 @@ class Scheduler:
         env = self._env
         owned = isinstance(self._source, str)
         threads = (
-            concurrent.futures.ThreadPoolExecutor(
-                max_workers=self._threads, thread_name_prefix="steeple-handler"
-            )
+            HandlerThreads(max_workers=self._threads, thread_name_prefix="steeple-handler")
             if any(not r.run_async for r in self._registry.values())
             else None
         )
@@ -396,6 +419,9 @@ class Scheduler:
                 batch=self._batch,
                 wakeups=wakeups,
                 executor=executor,
+                completions=completions,
+                sync_names=[name for name, r in self._registry.items() if not r.run_async],
+                threads=self._threads,
             )
             async with (
                 watching_event_loop(self._loop_lag, on_stall=self._stalled),
@@ -415,7 +441,7 @@ class Scheduler:
                 try:
                     async with asyncio.TaskGroup() as handlers:
                         await claimer.claim_until(claiming, handlers)
-                        await self._drain(executor, drain, hard)
+                        await self._drain(executor, completions, drain, hard)
                     await completions.release_unfinished()
                 finally:
                     env.closing.set()
@@ -426,7 +452,8 @@ class Scheduler:
             env.status.stopped()
             if threads is not None:
                 # Threads the drain gave up on keep running (a thread cannot be stopped);
-                # their ctx.lease_lost is set and nothing they do is recorded.
+                # their ctx.lease_lost is set and nothing they do is recorded. They are
+                # daemon threads: they never keep the process from exiting.
                 threads.shutdown(wait=False, cancel_futures=True)
             if owned and env.db_or_none is not None:
                 await env.db_or_none.close()
@@ -489,7 +516,9 @@ class Scheduler:
 
         await db.with_connection(check, timeout=self._env.timeout)
 
-    async def _drain(self, executor: Executor, timeout: float, hard: asyncio.Event) -> None:
+    async def _drain(
+        self, executor: Executor, completions: Completions, timeout: float, hard: asyncio.Event
+    ) -> None:
         inflight = self._env.inflight
         if not inflight.running:
             return
@@ -506,6 +535,26 @@ class Scheduler:
                 "hard stop" if hard.is_set() else f"the {timeout:g} s drain deadline passed",
             )
             executor.cancel_all()
+            # A handler that ignores its cancellation (a coroutine catching CancelledError)
+            # must not keep the worker from stopping: after a short grace it is closed.
+            if inflight.running:
+                idle = asyncio.ensure_future(inflight.idle.wait())
+                try:
+                    await asyncio.wait({idle}, timeout=_CANCEL_GRACE)
+                finally:
+                    idle.cancel()
+            if inflight.running:
+                closed = executor.close_stubborn()
+                LOG.warning(
+                    "%s: %d handler(s) ignored the hard stop for %g s: closed, their tasks "
+                    "handed back",
+                    self.worker_id,
+                    closed,
+                    _CANCEL_GRACE,
+                )
+            # Written now, not once every handler has ended: a handler that ignores even
+            # being closed cannot hold them back.
+            await completions.release_unfinished()
 
 
 async def _either(

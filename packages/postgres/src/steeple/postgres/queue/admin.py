@@ -37,7 +37,7 @@ from steeple.postgres.queue._queues import (
     pause_queue,
     resume_queue,
 )
-from steeple.postgres.queue._schema import DEFAULT_SCHEMA, LIBRARY_SCHEMA_VERSION
+from steeple.postgres.queue._schema import DEFAULT_SCHEMA, LIBRARY_SCHEMA_VERSION, entry_point
 from steeple.postgres.queue._validate import (
     INT64,
     check_bool,
@@ -139,7 +139,7 @@ def _state(value: object) -> str | None:
     return value
 
 
-@errors_typed
+@entry_point
 async def list_tasks(
     conn: Any,
     *,
@@ -197,7 +197,7 @@ async def list_tasks(
     return Page(items=items, next_cursor=cursor)
 
 
-@errors_typed
+@entry_point
 async def task_detail(
     conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA, history: int = 50
 ) -> TaskRun:
@@ -228,7 +228,7 @@ async def task_detail(
         raise
 
 
-@errors_typed
+@entry_point
 async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[TaskState, int]:
     """Return how many tasks are in each state (every state present, zeros included).
 
@@ -244,7 +244,7 @@ async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[Tas
     return counts
 
 
-@errors_typed
+@entry_point
 async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> TaskRun:
     """Send a failed task back to pending, to run again at once.
 
@@ -291,7 +291,7 @@ async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SC
     return await run_state(conn, task_id, schema=schema)
 
 
-@errors_typed
+@entry_point
 async def count_prunable(conn: Any, older_than: timedelta, *, schema: str = DEFAULT_SCHEMA) -> int:
     """Count the tasks :func:`~steeple.postgres.queue.prune_terminal` would remove.
 
@@ -310,7 +310,7 @@ async def count_prunable(conn: Any, older_than: timedelta, *, schema: str = DEFA
     return int(rows[0][0])
 
 
-@errors_typed
+@entry_point
 async def list_jobs(
     conn: Any, *, schema: str = DEFAULT_SCHEMA, after: str | None = None, limit: int = 100
 ) -> Page[JobInfo]:
@@ -352,7 +352,7 @@ async def server_time(conn: Any) -> datetime:
     return cast(datetime, now)
 
 
-@errors_typed
+@entry_point
 async def task_args(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> str:
     """Return a task's args as stored: the JSON text its producer encoded.
 
@@ -387,7 +387,7 @@ class Throughput:
     finished: dict[TaskState, tuple[int, ...]]
 
 
-@errors_typed
+@entry_point
 async def throughput(
     conn: Any,
     *,

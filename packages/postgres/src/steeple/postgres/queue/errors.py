@@ -160,8 +160,10 @@ class ArgsEncodingError(QueueError, ValueError):
 class ResultEncodingError(QueueError, ValueError):
     """A handler returned a value that cannot be stored as the task's result.
 
-    Not JSON-encodable (a set, an object, NaN, a cycle, a lone surrogate, a NUL...), or
-    over 64 KiB of JSON. The task fails with this error (its attempt history says which).
+    Not JSON-encodable (a set, an object, NaN, a cycle, a lone surrogate, a NUL...), not
+    coming back equal (``-0.0``, a non-str object key), over 64 KiB of JSON as the database
+    stores it, or refused by the database when written. The task fails with this error (its
+    attempt history says which); the other outcomes written with it are not affected.
     """
 
 

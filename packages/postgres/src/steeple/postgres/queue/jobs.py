@@ -36,8 +36,12 @@ from steeple.core.ports import Clock
 from steeple.core.zoned import DEFAULT_ZONE, ZonedCalendar
 from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _driver
-from steeple.postgres.queue._driver import errors_typed
-from steeple.postgres.queue._schema import DEFAULT_SCHEMA, notify_channel, validate_schema
+from steeple.postgres.queue._schema import (
+    DEFAULT_SCHEMA,
+    entry_point,
+    notify_channel,
+    validate_schema,
+)
 from steeple.postgres.queue._shared import LOG
 from steeple.postgres.queue._validate import DEFAULT_QUEUE, check_int, check_queue
 from steeple.postgres.queue.errors import (
@@ -47,10 +51,18 @@ from steeple.postgres.queue.errors import (
     QueueError,
     QueueTypeError,
 )
-from steeple.postgres.queue.tasks import EnqueueOptions, Task, _check_name
+from steeple.postgres.queue.tasks import (
+    EnqueueOptions,
+    Task,
+    _check_name,
+    declared_task,
+    with_declared_queue,
+)
 
 if TYPE_CHECKING:
     from zoneinfo import ZoneInfo
+
+    from steeple.postgres.queue._app import TaskFunction
 
     Zone = str | ZoneInfo | None
 
@@ -195,25 +207,28 @@ def _template(options: EnqueueOptions | None, queue: str | None) -> EnqueueOptio
 
 
 def _params(
-    task: Task[A],
+    task: Task[A] | TaskFunction[A],
     calendar: ZonedCalendar,
     args: A,
     options: EnqueueOptions | None,
     queue: str | None,
 ) -> list[Any]:
-    if not isinstance(task, Task):
-        raise QueueTypeError(f"task must be a steeple Task, not {type(task).__name__}")
+    task, declared = declared_task(task)
     template = _template(options, queue)
+    if queue is None:
+        # A job of an ``@app.task(queue=...)`` task enqueues into the queue the app's
+        # workers serve, unless its options name another.
+        template = with_declared_queue(template, declared)
     priority, max_attempts, lease, b_init, b_max, b_factor, b_jitter = template.snapshot(task)
     return [task.name, calendar.expression, calendar.zone, task.encode(args), priority,
             max_attempts, lease, b_init, b_max, b_factor, b_jitter, template.queue]  # fmt: skip
 
 
-@errors_typed
+@entry_point
 async def create(
     conn: Any,
     name: str,
-    task: Task[A],
+    task: Task[A] | TaskFunction[A],
     cron: str,
     args: A,
     options: EnqueueOptions | None = None,
@@ -228,7 +243,9 @@ async def create(
     Args:
         conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
         name: the job's unique name (1-200 chars, no control characters).
-        task: the task every occurrence becomes.
+        task: the task every occurrence becomes: a :class:`Task`, or a function declared
+            with ``@app.task`` (its declared queue is the job's unless ``queue`` or
+            ``options.queue`` name another).
         cron: a five-field cron expression or ``@hourly``, ``@daily``, ``@weekly``,
             ``@monthly``, ``@yearly``, read in the wall-clock time of ``timezone``.
         args: the args copied onto every occurrence.
@@ -239,7 +256,7 @@ async def create(
             ``"UTC"`` (the default) or ``None`` for UTC. Daylight-saving rules: see
             :class:`steeple.core.zoned.ZonedCalendar`.
         queue: the named queue of every occurrence (replaces ``options.queue`` when given;
-            default ``"default"``).
+            default: the task's declared queue, else ``"default"``).
 
     Raises:
         JobExistsError: a job with that name exists.
@@ -267,11 +284,11 @@ async def create(
     return JobInfo.from_row(rows[0])
 
 
-@errors_typed
+@entry_point
 async def ensure_job(
     conn: Any,
     name: str,
-    task: Task[A],
+    task: Task[A] | TaskFunction[A],
     cron: str,
     args: A,
     options: EnqueueOptions | None = None,
@@ -329,7 +346,7 @@ async def ensure_job(
 ensure = ensure_job
 
 
-@errors_typed
+@entry_point
 async def get(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
     """Return the job named ``name``.
 
@@ -346,7 +363,7 @@ async def get(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
     return JobInfo.from_row(rows[0])
 
 
-@errors_typed
+@entry_point
 async def pause(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> JobInfo:
     """Stop materializing the job (already materialized tasks still run). Idempotent.
 
@@ -407,7 +424,7 @@ async def _restart(
     raise QueueError(f"job {name!r} kept changing; try again")
 
 
-@errors_typed
+@entry_point
 async def resume(
     conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA, clock: Clock | None = None
 ) -> JobInfo:
@@ -424,7 +441,7 @@ async def resume(
     return await _restart(conn, name, schema, clock, None, _KEEP)
 
 
-@errors_typed
+@entry_point
 async def reschedule(
     conn: Any,
     name: str,
@@ -457,7 +474,7 @@ async def reschedule(
     return await _restart(conn, name, schema, clock, cron, timezone)
 
 
-@errors_typed
+@entry_point
 async def delete(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> None:
     """Delete the job. Tasks it already materialized are not touched.
 
@@ -473,7 +490,7 @@ async def delete(conn: Any, name: str, *, schema: str = DEFAULT_SCHEMA) -> None:
         raise JobNotFoundError(name)
 
 
-@errors_typed
+@entry_point
 async def materialize_due(
     conn: Any, *, schema: str = DEFAULT_SCHEMA, clock: Clock | None = None, limit: int = 100
 ) -> int:

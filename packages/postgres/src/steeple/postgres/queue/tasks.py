@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Generic, TypeVar, cast
 
 import attrs
 
 from steeple.core.backoff import Backoff
+from steeple.postgres.queue._json import storable_json
 from steeple.postgres.queue._validate import (
     DEFAULT_QUEUE,
     INT32,
@@ -39,9 +39,7 @@ __all__ = [
 A = TypeVar("A")
 
 MAX_ARGS_BYTES: Final = 1024 * 1024
-"""Encoded task arguments are limited to 1 MiB of JSON."""
-# An escaped NUL (an odd run of backslashes before u0000): PostgreSQL's jsonb refuses it.
-_JSON_NUL: Final = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+"""Encoded task arguments are limited to 1 MiB of JSON (as the database stores it)."""
 MAX_TASK_LEASE: Final = timedelta(hours=24)
 MAX_DELAY: Final = timedelta(days=36_500)
 """The longest ``EnqueueOptions.after`` delay (about 100 years)."""
@@ -184,10 +182,14 @@ class Task(Generic[A]):
     def encode(self, args: A) -> str:
         """Encode ``args`` to the JSON text stored on the task.
 
+        What the handler receives is equal to ``args`` (numbers keep their value and type;
+        tuples arrive as lists), or the args are refused.
+
         Raises:
             ArgsEncodingError: wrong type, a value JSON cannot represent (NaN, infinity, an
-                int with more than 4300 digits, a cycle, a lone surrogate, a NUL), nesting
-                too deep, or over 1 MiB.
+                int with more than 4300 digits, a cycle, a lone surrogate, a NUL), one that
+                would not come back equal (``-0.0``, a non-str object key), nesting too
+                deep, or over 1 MiB as stored.
         """
         kind = self.args_type
         value: Any = args
@@ -434,51 +436,37 @@ class EnqueueOptions:
         )
 
 
-def _reason(exc: BaseException) -> str:
-    text = str(exc)
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-_E = TypeVar("_E", bound=Exception)
-
-
-def storable_json(value: object, error: type[_E], subject: str, limit: int, kinds: str) -> str:
-    """Return ``value`` as the compact JSON text a ``jsonb`` column stores, within ``limit``.
-
-    The one check for what the queue stores as JSON (task args, handler results): every
-    refusal is ``error`` naming ``subject``, with what to do (``kinds``: the values to use).
-
-    Raises:
-        error: not JSON-encodable (NaN, infinity, a set, an object, a cycle, nesting too
-            deep), a NUL character or a lone surrogate (PostgreSQL cannot store either),
-            or more than ``limit`` bytes of JSON.
-    """
-    try:
-        text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
-    except RecursionError:
-        raise error(f"{subject} nests too deeply for JSON (or holds a cycle)") from None
-    except (TypeError, ValueError) as exc:
-        raise error(f"{subject} cannot be stored as JSON ({_reason(exc)}); {kinds}") from None
-    if "\\u0000" in text and _JSON_NUL.search(text):
-        raise error(f"{subject} contains a NUL character, which cannot be stored")
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise error(
-            f"{subject} contains a lone surrogate (not valid Unicode); remove it or encode "
-            "the data, e.g. as base64"
-        ) from None
-    if size > limit:
-        raise error(
-            f"{subject} is {size} bytes of JSON, over the {limit}-byte limit; store large "
-            "data elsewhere and pass a reference"
-        )
-    return text
-
-
 @attrs.frozen
 class EnqueuedTask:
     """The outcome of an enqueue: the task id, and whether a live duplicate was returned."""
 
     id: int
     deduplicated: bool = False
+
+
+def declared_task(task: object) -> tuple[Task[Any], str | None]:
+    """Return the :class:`Task` behind ``task`` and the queue it was declared in, if any.
+
+    ``task`` is a :class:`Task` (no declared queue) or a function declared with
+    ``@app.task`` (a ``TaskFunction``: its task and its ``queue=``).
+
+    Raises:
+        QueueTypeError: anything else.
+    """
+    if isinstance(task, Task):
+        return task, None
+    # The decorator API is built on this module: import it only when it is in use.
+    from steeple.postgres.queue._app import TaskFunction
+
+    if isinstance(task, TaskFunction):
+        return task.task, task.queue
+    raise QueueTypeError(
+        f"task must be a steeple Task or an @app.task function, not {type(task).__name__}"
+    )
+
+
+def with_declared_queue(options: EnqueueOptions, declared: str | None) -> EnqueueOptions:
+    """Send ``options`` to a task's declared queue unless they name another than the default."""
+    if declared is None or options.queue != DEFAULT_QUEUE or declared == DEFAULT_QUEUE:
+        return options
+    return attrs.evolve(options, queue=declared)

@@ -35,6 +35,8 @@ from steeple.core.errors import (
     RecurringRelayError,
     RecurringSchemaVersionError,
     RecurringStorageError,
+    SteepleError,
+    recurring_error,
 )
 from steeple.core.leases import adopt_time
 from steeple.core.messages import BrokerReceipt
@@ -47,7 +49,14 @@ from steeple.core.records import (
     ScheduleInfo,
     TickResult,
 )
-from steeple.engine import RecurringEngine, RecurringRepository, seal_binding, verify_binding
+from steeple.engine import (
+    RecurringEngine,
+    RecurringRepository,
+    read_clock,
+    recurring_errors,
+    seal_binding,
+    verify_binding,
+)
 from steeple.postgres._durability import (
     AnyConnection,
     DurabilityProblem,
@@ -260,7 +269,7 @@ async def _install(
             config.namespace,
             seal_binding(keyring, config),
             keyring.primary_key_id,
-            clock.now(),
+            read_clock(clock),
         )
     await transaction.commit()
     return migrated
@@ -337,8 +346,11 @@ class PostgresRecurringStore:
                 await conn.close(timeout=_POOL_DEADLINE)
         except DurabilityProblem as exc:
             raise _problem(exc) from None
-        except (RecurringError, KeyringError):
+        except RecurringError:
             raise
+        except SteepleError as exc:
+            # e.g. the keyring's seal budget, a naive clock: still a recurring error.
+            raise recurring_error(exc, "initialize") from exc
         except _DRIVER_ERRORS as exc:
             raise _map_driver_error(exc, "initialize") from exc
         return await cls.connect(dsn, config, keyring, clock, schema=schema, random=random)
@@ -406,7 +418,8 @@ class PostgresRecurringStore:
             ),
         )
         try:
-            await store._verify()
+            with recurring_errors("connect"):
+                await store._verify()
         except BaseException:
             pool.terminate()
             raise
@@ -439,7 +452,7 @@ class PostgresRecurringStore:
                 f"{self._schema!r}; run initialize with the deployment role first"
             )
         verify_binding(self._sealer, self._config, bytes(row["binding"]))
-        adopt_time(row["recorded_time"], self._clock.now())
+        adopt_time(row["recorded_time"], read_clock(self._clock))
 
     # --- lifecycle -----------------------------------------------------------------------
 

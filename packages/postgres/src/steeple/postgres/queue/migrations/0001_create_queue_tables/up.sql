@@ -1,5 +1,16 @@
 -- steeple work queue, schema version 1. Forward-only: there is no down migration.
--- __SCHEMA__ is replaced by the quoted target schema name by install().
+-- __SCHEMA__ is replaced by the quoted target schema name by install() (or by hand: see
+-- "Applying the SQL by hand" in the Scheduler Design page).
+
+-- The schema and the version table, so that this file applied alone (by psql or a host's
+-- own migration tool) starts the schema exactly as install() does; both already exist when
+-- install() runs it.
+CREATE SCHEMA IF NOT EXISTS __SCHEMA__;
+CREATE TABLE IF NOT EXISTS __SCHEMA__.schema_migrations (
+    version     integer PRIMARY KEY,
+    name        text NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT clock_timestamp()
+);
 
 CREATE TABLE __SCHEMA__.tasks (
     id                  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -146,3 +157,9 @@ BEGIN
     SELECT * FROM claimed;
 END
 $$;
+
+-- Every migration records its own version, so a schema built by applying these files in
+-- order is one the library accepts; install() records it too (a no-op here).
+INSERT INTO __SCHEMA__.schema_migrations (version, name)
+VALUES (1, '0001_create_queue_tables')
+ON CONFLICT (version) DO NOTHING;

@@ -1,6 +1,7 @@
 -- steeple work queue, schema version 2: work that was due when it was created stays due
 -- when the server's clock is stepped back. Forward-only: there is no down migration.
--- __SCHEMA__ is replaced by the quoted target schema name by install().
+-- __SCHEMA__ is replaced by the quoted target schema name by install() (or by hand: see
+-- "Applying the SQL by hand" in the Scheduler Design page).
 --
 -- Version 1 judged every pending task by `run_at <= clock_timestamp()`. After the server's
 -- clock steps back by X (NTP, an operator, a failover to a host whose clock is behind),
@@ -60,3 +61,9 @@ BEGIN
     SELECT * FROM claimed;
 END
 $$;
+
+-- Every migration records its own version, so a schema built by applying these files in
+-- order is one the library accepts; install() records it too (a no-op here).
+INSERT INTO __SCHEMA__.schema_migrations (version, name)
+VALUES (2, '0002_due_work_survives_clock_steps')
+ON CONFLICT (version) DO NOTHING;

@@ -1,6 +1,7 @@
 -- steeple work queue, schema version 5: recurring jobs in a time zone, and the trace context
 -- of the enqueuer on each task. Forward-only: there is no down migration.
--- __SCHEMA__ is replaced by the quoted target schema name by install().
+-- __SCHEMA__ is replaced by the quoted target schema name by install() (or by hand: see
+-- "Applying the SQL by hand" in the Scheduler Design page).
 --
 -- Neither column rewrites its table: a constant default and a nullable column are
 -- catalogue-only changes since PostgreSQL 11.
@@ -22,3 +23,9 @@ ALTER TABLE __SCHEMA__.tasks
         trace_context IS NULL
         OR (jsonb_typeof(trace_context) = 'object' AND octet_length(trace_context::text) <= 4096)
     ) NOT VALID;
+
+-- Every migration records its own version, so a schema built by applying these files in
+-- order is one the library accepts; install() records it too (a no-op here).
+INSERT INTO __SCHEMA__.schema_migrations (version, name)
+VALUES (5, '0005_job_time_zones_and_trace_context')
+ON CONFLICT (version) DO NOTHING;

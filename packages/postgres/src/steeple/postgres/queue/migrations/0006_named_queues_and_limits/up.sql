@@ -1,6 +1,7 @@
 -- steeple work queue, schema version 6: named queues, global limits, rate limits, paused
 -- queues. Forward-only: there is no down migration.
--- __SCHEMA__ is replaced by the quoted target schema name by install().
+-- __SCHEMA__ is replaced by the quoted target schema name by install() (or by hand: see
+-- "Applying the SQL by hand" in the Scheduler Design page).
 --
 -- Every task and recurring job belongs to a named queue ('default' unless told). A constant
 -- default is a catalogue-only change (no table rewrite); the CHECKs are NOT VALID so they
@@ -260,3 +261,9 @@ BEGIN
     WHERE v_held;
 END
 $$;
+
+-- Every migration records its own version, so a schema built by applying these files in
+-- order is one the library accepts; install() records it too (a no-op here).
+INSERT INTO __SCHEMA__.schema_migrations (version, name)
+VALUES (6, '0006_named_queues_and_limits')
+ON CONFLICT (version) DO NOTHING;

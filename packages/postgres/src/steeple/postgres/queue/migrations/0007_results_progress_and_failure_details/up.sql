@@ -1,6 +1,7 @@
 -- steeple work queue, schema version 7: a handler's result and progress on the task, and the
 -- exception type and traceback of each failed attempt. Forward-only: no down migration.
--- __SCHEMA__ is replaced by the quoted target schema name by install().
+-- __SCHEMA__ is replaced by the quoted target schema name by install() (or by hand: see
+-- "Applying the SQL by hand" in the Scheduler Design page).
 --
 -- Every column is nullable without a default, and every CHECK is NOT VALID (existing rows
 -- are NULL): catalogue-only changes, no rewrite and no scan under the table's lock. New and
@@ -34,3 +35,9 @@ ALTER TABLE __SCHEMA__.attempts
     ADD CONSTRAINT attempts_traceback_check CHECK (
         traceback IS NULL OR octet_length(traceback) <= 65536
     ) NOT VALID;
+
+-- Every migration records its own version, so a schema built by applying these files in
+-- order is one the library accepts; install() records it too (a no-op here).
+INSERT INTO __SCHEMA__.schema_migrations (version, name)
+VALUES (7, '0007_results_progress_and_failure_details')
+ON CONFLICT (version) DO NOTHING;
