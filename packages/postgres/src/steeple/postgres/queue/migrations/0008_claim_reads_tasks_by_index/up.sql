@@ -14,3 +14,9 @@
 -- are unchanged, so workers of version 7 that are already running call it as before.
 ALTER FUNCTION __SCHEMA__.claim(text[], integer[], text[], text, double precision)
     SET enable_seqscan = off;
+
+-- Every migration records its own version, so a schema built by applying these files in
+-- order is one the library accepts; install() records it too (a no-op here).
+INSERT INTO __SCHEMA__.schema_migrations (version, name)
+VALUES (8, '0008_claim_reads_tasks_by_index')
+ON CONFLICT (version) DO NOTHING;
