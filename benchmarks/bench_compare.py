@@ -51,7 +51,14 @@ WORKER: dict[str, Any] = {
 # process_cpu: tasks per CPU second of the worker's process while it drains (the harness
 # and the worker share the process, the harness idles meanwhile); far less sensitive to
 # other jobs on the machine than the wall-clock rate, but blind to the server's share.
-METRICS = {"enqueue": "tasks/s", "process": "tasks/s", "process_cpu": "tasks/CPU s"}
+# server_cpu: tasks per CPU second of the whole PostgreSQL cluster while the worker drains
+# (only on a private cluster, where nothing else runs: see _server_cpu_seconds).
+METRICS = {
+    "enqueue": "tasks/s",
+    "process": "tasks/s",
+    "process_cpu": "tasks/CPU s",
+    "server_cpu": "tasks/server CPU s",
+}
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,32 @@ def format_table(rows: Sequence[Comparison], rounds: int, threshold: float) -> s
 # --- one measurement, in its own process ----------------------------------------------------
 
 
-async def _measure(dsn: str, schema: str, n: int, profile: str | None) -> dict[str, float]:
+def _proc_stat(pid: int | str) -> list[str]:
+    """Fields 3 on of ``/proc/<pid>/stat`` (after "pid (comm)"): [1] is the parent's pid."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _server_cpu_seconds(postmaster: int) -> float:
+    """CPU seconds a PostgreSQL on this machine has used: its postmaster, the backends and
+    helpers it runs now, and those it already reaped (their time is in its ``cutime``)."""
+
+    fields = _proc_stat(postmaster)
+    total = sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                child = _proc_stat(entry)
+            except OSError:  # gone meanwhile: reaped, so counted in cutime
+                continue
+            if int(child[1]) == postmaster:
+                total += int(child[11]) + int(child[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(
+    dsn: str, schema: str, n: int, profile: str | None, server_cpu: bool
+) -> dict[str, float]:
     import asyncpg
 
     from steeple.postgres.queue import Scheduler, Task, enqueue_many, install
@@ -127,6 +159,13 @@ async def _measure(dsn: str, schema: str, n: int, profile: str | None) -> dict[s
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await conn.execute(f'CREATE SCHEMA "{schema}"')
         await install(conn, schema=schema)
+        postmaster = 0
+        if server_cpu:
+            backend = await conn.fetchval("SELECT pg_backend_pid()")
+            try:
+                postmaster = int(_proc_stat(backend)[1])  # the backend's parent
+            except OSError:
+                raise RuntimeError("server CPU needs a PostgreSQL on this machine") from None
         noop: Any = Task("noop")
         payloads = [{"i": i} for i in range(n)]
         t0 = time.perf_counter()
@@ -149,6 +188,7 @@ async def _measure(dsn: str, schema: str, n: int, profile: str | None) -> dict[s
         profiler = cProfile.Profile() if profile else None
         t0 = time.perf_counter()
         cpu0 = time.process_time()
+        server0 = _server_cpu_seconds(postmaster) if postmaster else 0.0
         if profiler is not None:
             profiler.enable()
         run = asyncio.create_task(worker.run_until_shutdown(stop))
@@ -160,6 +200,7 @@ async def _measure(dsn: str, schema: str, n: int, profile: str | None) -> dict[s
             profiler.dump_stats(profile)
         process = n / (time.perf_counter() - t0)
         process_cpu = n / (time.process_time() - cpu0)
+        server = _server_cpu_seconds(postmaster) - server0 if postmaster else 0.0
         stop.set()
         await run
         left = await conn.fetchval(
@@ -167,19 +208,22 @@ async def _measure(dsn: str, schema: str, n: int, profile: str | None) -> dict[s
         )
         if left:
             raise RuntimeError(f"{left} tasks did not succeed")
-        return {"enqueue": enqueue, "process": process, "process_cpu": process_cpu}
+        rates = {"enqueue": enqueue, "process": process, "process_cpu": process_cpu}
+        if postmaster:
+            rates["server_cpu"] = n / max(server, 1e-9)
+        return rates
     finally:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await conn.close()
 
 
-def _run_one(python: str, dsn: str, schema: str, n: int) -> dict[str, float]:
+def _run_one(python: str, dsn: str, schema: str, n: int, server_cpu: bool) -> dict[str, float]:
     """One measurement in a fresh process of ``python``, run from an empty directory."""
     with tempfile.TemporaryDirectory(prefix="steeple-bench-compare-") as cwd:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         done = subprocess.run(
             [python, os.path.abspath(__file__), "--measure", "--dsn", dsn,
-             "--schema", schema, "--n", str(n)],
+             "--schema", schema, "--n", str(n), *(["--server-cpu"] if server_cpu else [])],
             cwd=cwd, env=env, capture_output=True, text=True, timeout=3600, check=False,
         )  # fmt: skip
     if done.returncode != 0:
@@ -203,7 +247,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base-python", help="interpreter of the base build's environment")
     parser.add_argument("--head-python", default=sys.executable)
     parser.add_argument("--base-label", default="base")
+    parser.add_argument(
+        "--private",
+        action="store_true",
+        help="use a private PostgreSQL cluster even if a DSN is set, and measure its CPU",
+    )
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--server-cpu", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--schema", default="bench_compare", help=argparse.SUPPRESS)
     parser.add_argument(
         "--profile", metavar="FILE", help="with --measure: cProfile the drain into FILE"
@@ -212,23 +262,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.n < 1 or args.rounds < 1:
         parser.error("--n and --rounds must be at least 1")
     if args.measure:
-        print(json.dumps(asyncio.run(_measure(args.dsn, args.schema, args.n, args.profile))))
+        print(
+            json.dumps(
+                asyncio.run(_measure(args.dsn, args.schema, args.n, args.profile, args.server_cpu))
+            )
+        )
         return 0
     if not args.base_python:
         parser.error("--base-python is required (nox -s bench-compare -- BASE builds one)")
     server = None
-    if not args.dsn:
-        # No server named: a private PostgreSQL (pgserver), as the test suite does.
+    if args.private or not args.dsn:
+        # A private PostgreSQL (pgserver), as the test suite does without a DSN: nothing
+        # else runs on it, so its CPU time is this run's (the server_cpu metric).
         from pgserver.postgres_server import get_server
 
-        print("no --dsn: starting a private PostgreSQL (pgserver)", file=sys.stderr)
+        print("starting a private PostgreSQL (pgserver)", file=sys.stderr)
         server = get_server(tempfile.mkdtemp(prefix="steeple-bench-"), cleanup_mode="delete")
         args.dsn = server.get_uri()
     try:
         samples: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
         for i in range(args.rounds):
             for side, python in (("base", args.base_python), ("head", args.head_python)):
-                got = _run_one(python, args.dsn, f"bench_compare_{side}", args.n)
+                got = _run_one(
+                    python, args.dsn, f"bench_compare_{side}", args.n, server is not None
+                )
                 for metric, value in got.items():
                     samples[side].setdefault(metric, []).append(value)
                 shown = ", ".join(f"{m} {v:,.0f}" for m, v in got.items())

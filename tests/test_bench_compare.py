@@ -81,7 +81,7 @@ def test_runs_alternate_base_and_head_and_a_regression_fails_the_run(
 ) -> None:
     calls: list[str] = []
 
-    def fake_run(python: str, dsn: str, schema: str, n: int) -> dict[str, float]:
+    def fake_run(python: str, dsn: str, schema: str, n: int, server_cpu: bool) -> dict[str, float]:
         calls.append(python)
         assert n == 123
         return {"process": 10_000.0 if python == "base-py" else head_rate}
@@ -110,7 +110,7 @@ def test_usage_errors_exit_2(argv: list[str]) -> None:
 
 
 def test_only_gated_metrics_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fake_run(python: str, dsn: str, schema: str, n: int) -> dict[str, float]:
+    def fake_run(python: str, dsn: str, schema: str, n: int, server_cpu: bool) -> dict[str, float]:
         base = python == "base-py"
         return {"process": 10_000.0 if base else 5_000.0, "process_cpu": 30_000.0}
 
