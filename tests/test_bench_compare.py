@@ -4,6 +4,8 @@ threshold and the base/head alternation, without a database (measurements are fa
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -119,3 +121,14 @@ def test_only_gated_metrics_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> Non
     assert bench.main([*argv, "--gate", "process_cpu"]) == 0
     assert bench.main([*argv, "--gate", "process_cpu", "--gate", "process"]) == 1
     assert bench.main(argv) == 1
+
+
+def test_server_cpu_counts_the_parent_its_children_and_those_it_reaped() -> None:
+    # This process stands in for the postmaster: a child that burns CPU and exits (reaped
+    # by subprocess.run) must show up in the total, as a finished backend does.
+    before = bench._server_cpu_seconds(os.getpid())
+    burn = "import time\nwhile time.process_time() < 0.3: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True, timeout=120)
+    after = bench._server_cpu_seconds(os.getpid())
+    assert after - before >= 0.25
+    assert int(bench._proc_stat(os.getpid())[1]) == os.getppid()
