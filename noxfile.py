@@ -502,9 +502,9 @@ def bench_compare(session: nox.Session) -> None:
         archive = scratch / "base.tar"
         session.run("git", "archive", "--output", str(archive), commit, external=True)
         shutil.unpack_archive(archive, tree)
-        # Both sides are installed alike: the packages and their runtime dependencies, no
-        # extras or dev tools (this session's own venv has them, an OpenTelemetry SDK
-        # among them, which the worker would find); that venv only runs the comparison.
+        # Both sides are installed alike (the packages and their runtime dependencies, no
+        # extras or dev tools), so a package on one side only makes no difference; this
+        # session's own venv, which has them, only runs the comparison.
         venvs = {"base": scratch / "base-venv", "head": scratch / "head-venv"}
         for side, directory in (("base", tree), ("head", ROOT)):
             session.run_install(
