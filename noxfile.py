@@ -475,6 +475,54 @@ def bench(session: nox.Session) -> None:
             session.run("python", f"benchmarks/{script}", *session.posargs)
 
 
+@nox.session(name="bench-compare")
+def bench_compare(session: nox.Session) -> None:
+    """The work queue's speed at a base commit beside the work tree's, interleaved in one run.
+
+    ``nox -s bench-compare -- BASE [--rounds 5] [--n 20000] [--threshold 0.10]``: BASE's
+    tree is exported (``git archive``) into a scratch directory; it and the work tree are
+    each synced into a scratch venv the same way; then ``benchmarks/bench_compare.py``
+    alternates a measurement of BASE and one of the work tree, each in its own process,
+    against ``STEEPLE_TEST_DSN`` (or a private pgserver cluster: ``--private``), prints the
+    medians and their ratio, and fails when a median dropped by more than the threshold.
+    """
+    if not session.posargs or session.posargs[0].startswith("-"):
+        session.error("usage: nox -s bench-compare -- BASE [--rounds R] [--n N] [--threshold T]")
+    base, *options = session.posargs
+    commit = str(
+        session.run(
+            "git", "rev-parse", "--verify", f"{base}^{{commit}}", external=True, silent=True
+        )
+    ).strip()
+    _sync(session)
+    scratch = Path(tempfile.mkdtemp(prefix="steeple-bench-base-"))
+    try:
+        tree = scratch / "tree"
+        tree.mkdir()
+        archive = scratch / "base.tar"
+        session.run("git", "archive", "--output", str(archive), commit, external=True)
+        shutil.unpack_archive(archive, tree)
+        # Both sides are installed alike (the packages and their runtime dependencies, no
+        # extras or dev tools), so a package on one side only makes no difference; this
+        # session's own venv, which has them, only runs the comparison.
+        venvs = {"base": scratch / "base-venv", "head": scratch / "head-venv"}
+        for side, directory in (("base", tree), ("head", ROOT)):
+            session.run_install(
+                "uv", "sync", "--frozen", "--all-packages", "--no-dev",
+                "--directory", str(directory),
+                env={"UV_PROJECT_ENVIRONMENT": str(venvs[side])},
+            )  # fmt: skip
+        session.run(
+            "python", "benchmarks/bench_compare.py",
+            "--base-python", str(venvs["base"] / "bin" / "python"),
+            "--head-python", str(venvs["head"] / "bin" / "python"),
+            "--base-label", f"{base} ({commit[:12]})",
+            *options,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 @nox.session
 def crashmatrix(session: nox.Session) -> None:
     """Every crash point x (SIGKILL, immediate PostgreSQL restart), not the per-run sample.

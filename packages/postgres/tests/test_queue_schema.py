@@ -44,6 +44,7 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             (5, "0005_job_time_zones_and_trace_context"),
             (6, "0006_named_queues_and_limits"),
             (7, "0007_results_progress_and_failure_details"),
+            (8, "0008_claim_reads_tasks_by_index"),
         ]
         assert await conn.fetchval("SELECT to_regproc($1) IS NOT NULL", f'"{schema}".claim')
         tables = {
