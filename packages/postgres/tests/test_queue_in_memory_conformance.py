@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from hypothesis import HealthCheck, settings
+
 from steeple.postgres.queue import App, EnqueueOptions, Task, enqueue
 from steeple.postgres.queue.testing import InMemoryQueue
 from steeple.testing.conformance.queue import (
