@@ -24,10 +24,12 @@ from steeple.postgres.queue import (
     RetryPolicy,
     Task,
     TaskNotFoundError,
+    cancel,
     enqueue,
     enqueue_many,
     enqueue_many_sync,
     enqueue_sync,
+    run_state,
 )
 from steeple.postgres.queue.testing import InMemoryQueue
 
@@ -56,6 +58,27 @@ async def test_every_enqueue_function_takes_it_where_a_connection_goes() -> None
     assert [t.args["a"] for t in memory.enqueued()] == [1, 2, 3, 4, 5, 6, 7]
     with pytest.raises(QueueConfigurationError, match="schema 'shop'"):
         await enqueue(memory, declared, {"a": 8})  # the default schema: not this queue's
+
+
+async def test_run_state_and_cancel_take_it_where_a_connection_goes() -> None:
+    app = App()
+
+    @app.task(name="t")
+    async def fails(ctx: JobContext, args: Any) -> None:
+        raise JobError.retry("again", delay=timedelta(0))
+
+    memory = InMemoryQueue(app)
+    kept = await fails.enqueue(memory, {})
+    dropped = await fails.enqueue(memory, {})
+    assert await cancel(memory, dropped.id) is TaskState.CANCELLED
+    await memory.run_until_idle()
+    run = await run_state(memory, kept.id, history=2)
+    assert (run.state, run.attempts, len(run.history)) == (TaskState.FAILED, 5, 2)
+    assert run.history[-1].attempt == 5
+    assert (await run_state(memory, kept.id, history=0)).history == ()
+    assert (await run_state(memory, dropped.id)).state is TaskState.CANCELLED
+    with pytest.raises(TaskNotFoundError):
+        await run_state(memory, 99)
 
 
 async def test_options_are_snapshotted_as_on_a_database() -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from queue_support import QueueFixture
 
+from queue_support import QueueFixture
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import (
     App,

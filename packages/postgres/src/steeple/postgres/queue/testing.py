@@ -60,7 +60,7 @@ from steeple.postgres.queue._execution import (
 )
 from steeple.postgres.queue._failures import Failure
 from steeple.postgres.queue._local import LocalQueue
-from steeple.postgres.queue._ops import Progress, TaskAttempt, TaskRun
+from steeple.postgres.queue._ops import MAX_HISTORY, Progress, TaskAttempt, TaskRun
 from steeple.postgres.queue._queues import QueueInfo, TaskLimits, check_limits
 from steeple.postgres.queue._validate import check_int, check_name, check_queue, check_timedelta
 from steeple.postgres.queue.errors import QueueError, QueueTypeError, TaskNotFoundError
@@ -336,17 +336,24 @@ class InMemoryQueue(LocalQueue):
                 return function
         return None
 
-    def run_state(self, task_id: int) -> TaskRun:
+    def run_state(self, task_id: int, *, history: int = 50) -> TaskRun:
         """Return the task as :func:`~steeple.postgres.queue.run_state` does (result, history).
+
+        ``await queue.run_state(memory, task_id)`` (the module function) answers the same.
+
+        Args:
+            task_id: the task id.
+            history: how many of its latest attempts to return (0..1000).
 
         Raises:
             TaskNotFoundError: no such task (never enqueued, or pruned).
         """
-        return _run(self._get(task_id))
+        check_int(history, "history", 0, MAX_HISTORY)
+        return _run(self._get(task_id), history)
 
     def tasks(self, state: TaskState | None = None) -> list[TaskRun]:
         """Return every stored task (or those in ``state``), by id."""
-        return [_run(s) for s in sorted(self._tasks.values(), key=lambda s: s.id) if
+        return [_run(s, MAX_HISTORY) for s in sorted(self._tasks.values(), key=lambda s: s.id) if
                 state is None or s.state is state]  # fmt: skip
 
     def _get(self, task_id: int) -> _Stored:
@@ -565,7 +572,8 @@ class InMemoryQueue(LocalQueue):
         """Cancel a pending or running task, as :func:`~steeple.postgres.queue.cancel` does.
 
         A running handler's ``ctx.cancelled`` and ``ctx.lease_lost`` are set, and its lease
-        is dropped, so whatever it returns is not recorded.
+        is dropped, so whatever it returns is not recorded. ``await queue.cancel(memory,
+        task_id)`` (the module function) does the same.
 
         Returns:
             The state afterwards (``CANCELLED``, or the terminal state it already had).
@@ -791,7 +799,7 @@ def _task_name(task: object) -> str | None:
     )
 
 
-def _run(stored: _Stored) -> TaskRun:
+def _run(stored: _Stored, history: int) -> TaskRun:
     return TaskRun(
         id=stored.id,
         task_name=stored.task_name,
@@ -813,5 +821,5 @@ def _run(stored: _Stored) -> TaskRun:
         queue=stored.queue,
         progress=Progress.from_json(stored.progress_text),
         result=None if stored.result_text is None else json.loads(stored.result_text),
-        history=tuple(stored.history),
+        history=tuple(stored.history[len(stored.history) - history :]),
     )
