@@ -151,7 +151,7 @@ async def test_failures_are_judged_as_the_worker_judges_them() -> None:
     assert states["unexpected"].state is TaskState.FAILED
     assert states["unexpected"].history[0].error_type == "KeyError"
     assert states["bad-result"].state is TaskState.FAILED
-    assert states["bad-result"].history[0].error_type.endswith("ResultEncodingError")
+    assert str(states["bad-result"].history[0].error_type).endswith("ResultEncodingError")
     assert states["asks"].state is TaskState.PENDING
     assert states["asks"].run_at == start + timedelta(hours=2)  # its own delay, not backoff
 
