@@ -24,11 +24,14 @@ from steeple.postgres.queue import (
     RetryPolicy,
     Task,
     TaskNotFoundError,
+    UnsupportedConnectionError,
     cancel,
     enqueue,
     enqueue_many,
     enqueue_many_sync,
     enqueue_sync,
+    list_queues,
+    pause_queue,
     run_state,
 )
 from steeple.postgres.queue.testing import InMemoryQueue
@@ -79,6 +82,14 @@ async def test_run_state_and_cancel_take_it_where_a_connection_goes() -> None:
     assert (await run_state(memory, dropped.id)).state is TaskState.CANCELLED
     with pytest.raises(TaskNotFoundError):
         await run_state(memory, 99)
+
+
+async def test_operations_it_does_not_model_refuse_it_plainly() -> None:
+    memory = InMemoryQueue(App())
+    with pytest.raises(UnsupportedConnectionError):
+        await pause_queue(memory, "q")  # memory.pause_queue is the in-memory one
+    with pytest.raises(UnsupportedConnectionError):
+        await list_queues(memory)
 
 
 async def test_options_are_snapshotted_as_on_a_database() -> None:
