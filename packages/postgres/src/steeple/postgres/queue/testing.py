@@ -353,8 +353,8 @@ class InMemoryQueue(LocalQueue):
 
     def tasks(self, state: TaskState | None = None) -> list[TaskRun]:
         """Return every stored task (or those in ``state``), by id."""
-        return [_run(s, MAX_HISTORY) for s in sorted(self._tasks.values(), key=lambda s: s.id) if
-                state is None or s.state is state]  # fmt: skip
+        stored = sorted(self._tasks.values(), key=lambda s: s.id)
+        return [_run(s, MAX_HISTORY) for s in stored if state is None or s.state is state]
 
     def _get(self, task_id: int) -> _Stored:
         check_int(task_id, "task_id", 1, 2**63 - 1)
@@ -513,9 +513,7 @@ class InMemoryQueue(LocalQueue):
         stored.lease_expires_at = self.clock.now() + stored.lease_duration
         return True
 
-    def complete(
-        self, task_id: int, token: Hashable, result_text: str | None = None
-    ) -> bool:  # fmt: skip
+    def complete(self, task_id: int, token: Hashable, result_text: str | None = None) -> bool:
         """Record success (``result_text``: the result's stored JSON); ``True`` if fenced in."""
         stored = self._held(task_id, token)
         if stored is None:
@@ -690,9 +688,11 @@ class InMemoryQueue(LocalQueue):
                     upcoming = [
                         s.run_at
                         for s in self._tasks.values()
-                        if s.state is _PENDING and s.queue in served and s.task_name in names
+                        if s.state is _PENDING
+                        and s.queue in served
+                        and s.task_name in names
                         and s.run_at > self.clock.now()
-                    ]  # fmt: skip
+                    ]
                     if upcoming:
                         self.clock.set(min(upcoming))
                         continue
