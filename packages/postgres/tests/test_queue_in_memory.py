@@ -21,6 +21,7 @@ from steeple.postgres.queue import (
     JobError,
     QueueConfigurationError,
     QueueError,
+    QueueTypeError,
     RetryPolicy,
     Task,
     TaskNotFoundError,
@@ -240,6 +241,8 @@ async def test_pause_holds_a_queue_and_only_the_apps_queues_are_served() -> None
     assert await memory.run_until_idle() == 1
     assert [t.queue for t in memory.enqueued()] == ["elsewhere"]
     assert await memory.run_until_idle(queues=["elsewhere"]) == 1
+    with pytest.raises(QueueTypeError):
+        await memory.run_until_idle(queues="elsewhere")  # a str is not a list of queues
 
 
 async def test_a_task_the_app_does_not_declare_waits() -> None:

@@ -439,8 +439,12 @@ class InMemoryQueue(LocalQueue):
         now = self.clock.now()
         if deadline is not None and now >= deadline:
             return []
-        allowed = None if names is None else frozenset(names)
-        order = sorted({s.queue for s in self._tasks.values()}) if queues is None else queues
+        allowed = None if names is None else frozenset(_names(names, "names"))
+        order = (
+            sorted({s.queue for s in self._tasks.values()})
+            if queues is None
+            else _names(queues, "queues")
+        )
         running_by_queue = _count(s.queue for s in self._running())
         running_by_name = _count(s.task_name for s in self._running())
         taken: list[_Stored] = []
@@ -472,10 +476,8 @@ class InMemoryQueue(LocalQueue):
             )
             got = 0
             for name in limited:
-                room = budget - got
-                cap = self._names[name].max_running
-                assert cap is not None
-                room = min(room, cap - running_by_name.get(name, 0))
+                cap = self._names[name].max_running or 0
+                room = min(budget - got, cap - running_by_name.get(name, 0))
                 if room <= 0:
                     continue
                 chosen = [s for s in due if s.task_name == name][:room]
@@ -677,7 +679,7 @@ class InMemoryQueue(LocalQueue):
         """
         check_int(concurrency, "concurrency", 1, 1000)
         check_int(max_attempts_run, "max_attempts_run", 1, 10**9)
-        served = list(self.app.queues if queues is None else [check_queue(q) for q in queues])
+        served = self.app.queues if queues is None else _names(queues, "queues")
         names = {f.name for f in self.app.tasks}
         ran = 0
         while True:
@@ -768,6 +770,15 @@ async def _call(handler: Callable[..., Any], ctx: JobContext, args: Any) -> obje
     if inspect.isawaitable(value):
         return await value
     return value
+
+
+def _names(values: Iterable[str], what: str) -> list[str]:
+    """Check a collection of queue or task names (a lone str is refused, not iterated)."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise QueueTypeError(f"{what} must be a list of names, not {type(values).__name__}")
+    if what == "queues":
+        return [check_queue(value) for value in values]
+    return [check_name(value, "task name") for value in values]
 
 
 def _no_jitter() -> float:
