@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import attrs
 
 from steeple.postgres.queue import _driver, _metrics, _tracing
+from steeple.postgres.queue._local import local_queue
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, entry_point, entry_point_sync
 from steeple.postgres.queue._sql import QueueSql, queue_sql
 from steeple.postgres.queue._validate import check_queue
@@ -114,8 +115,12 @@ async def enqueue(
     """
     sql = queue_sql(schema)
     task, options = _checked(task, options, queue)
-    _driver.connection_kind(conn)
+    local = local_queue(conn, schema)
+    if local is None:
+        _driver.connection_kind(conn)
     args_text = task.encode(args)
+    if local is not None:
+        return local.store(task, args_text, options)
     with _sending(task, options, 1) as sending:
         params = _params(sql, task, args_text, options, sending.carrier)
         for _ in range(_DEDUP_ROUNDS):
@@ -156,8 +161,12 @@ def enqueue_sync(
     """
     sql = queue_sql(schema)
     task, options = _checked(task, options, queue)
-    _driver.connection_kind(conn)
+    local = local_queue(conn, schema)
+    if local is None:
+        _driver.connection_kind(conn)
     args_text = task.encode(args)
+    if local is not None:
+        return local.store(task, args_text, options)
     with _sending(task, options, 1) as sending:
         params = _params(sql, task, args_text, options, sending.carrier)
         for _ in range(_DEDUP_ROUNDS):
@@ -239,6 +248,9 @@ async def enqueue_many(
     """
     sql = queue_sql(schema)
     params, task, checked = _many_params(task, args_list, options, sql, queue)
+    local = local_queue(conn, schema)
+    if local is not None:
+        return local.store_many(task, params[1], checked)
     if not args_list:
         return []
     with _sending(task, checked, len(args_list)) as sending:
@@ -272,6 +284,9 @@ def enqueue_many_sync(
     """
     sql = queue_sql(schema)
     params, task, checked = _many_params(task, args_list, options, sql, queue)
+    local = local_queue(conn, schema)
+    if local is not None:
+        return local.store_many(task, params[1], checked)
     if not args_list:
         return []
     with _sending(task, checked, len(args_list)) as sending:

@@ -27,17 +27,18 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from types import CodeType
 from typing import Any, Final, Generic, TypeVar
 
 import attrs
 
+from steeple.core.backoff import Backoff
 from steeple.core.tasks import retry_decision
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
-from steeple.postgres.queue._failures import describe, log_failure
+from steeple.postgres.queue._failures import Failure, describe, log_failure
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._json import storable_json
 from steeple.postgres.queue._progress import ProgressWriter
@@ -60,7 +61,10 @@ __all__ = [
     "JobContext",
     "Registration",
     "check_handler",
+    "decode_args",
     "encode_result",
+    "judge_failure",
+    "settle_failure",
 ]
 
 A = TypeVar("A")
@@ -368,11 +372,7 @@ class Executor:
         result: str | None = None
         try:
             try:
-                try:
-                    args = registration.task.decode(claimed.args_text)
-                except ArgsEncodingError as exc:
-                    # Stored args that no longer fit the args type: running again cannot help.
-                    raise _Terminal(exc) from exc
+                args = decode_args(registration.task, claimed.args_text)
                 value = await self._run(registration, claimed, args)
                 if isinstance(value, _Raised):
                     error = value.error
@@ -398,15 +398,8 @@ class Executor:
             inst.run_time.record(time.monotonic() - started, attributes)
             if error is None:
                 self._completions.succeeded(claimed, result)
-            elif isinstance(error, JobError):
-                await self._failed(claimed, error, error.retryable, error.delay)
-            elif isinstance(error, ResultEncodingError):  # running again returns the same
-                await self._failed(claimed, error, False, None)
-            elif isinstance(error, _Terminal):
-                await self._failed(claimed, error.error, False, None)
             else:
-                # Unexpected exceptions are terminal unless the task opted in to retries.
-                await self._failed(claimed, error, registration.task.retry is not None, None)
+                await self._failed(claimed, *judge_failure(error, registration.task))
         finally:
             self._env.inflight.remove(ctx.task_id)
 
@@ -415,21 +408,16 @@ class Executor:
     ) -> None:
         ctx = claimed.ctx
         _tracing.record_failure(exc)  # on the run's span, when tracing is active
-        failure = describe(exc, self._env.secrets)
-        retry_after: timedelta | None = None
-        if retryable:
-            now = self._env.clock.now()
-            decision = retry_decision(
-                ctx.attempt, ctx.max_attempts, claimed.backoff, now, self._env.random.random()
-            )
-            if decision.retry and decision.run_at is not None:
-                retry_after = delay if delay is not None else decision.run_at - now
-            else:
-                failure = attrs.evolve(
-                    failure,
-                    summary=f"attempts exhausted ({ctx.attempt}/{ctx.max_attempts}): "
-                    + failure.summary,
-                )
+        failure, retry_after = settle_failure(
+            exc,
+            retryable,
+            delay,
+            ctx,
+            claimed.backoff,
+            self._env.clock.now,
+            self._env.random.random,
+            secrets=self._env.secrets,
+        )
         # The task's identity and the handler's own exception, traceback included for an
         # unexpected one (a JobError is the handler's deliberate verdict: its message says
         # it, and its traceback is in the attempt history); never the task's args.
@@ -461,6 +449,70 @@ class Executor:
             },
         )
         await self._completions.failed(claimed, failure, retry_after)
+
+
+def decode_args(task: Task[A], args_text: str) -> A:
+    """Decode a claimed task's stored args for its handler.
+
+    Raises:
+        _Terminal: the stored args no longer fit the args type (running again cannot help).
+    """
+    try:
+        return task.decode(args_text)
+    except ArgsEncodingError as exc:
+        raise _Terminal(exc) from exc
+
+
+def judge_failure(
+    error: BaseException, task: Task[Any]
+) -> tuple[BaseException, bool, timedelta | None]:
+    """Return what a handler's failure amounts to: what to record, retryable, asked delay.
+
+    That is the exception to record, whether it may run again, and the delay it asked for
+    (``None``: the task's backoff decides). A :class:`JobError` says so itself; a result
+    that cannot be stored, or args that no longer decode, fail for good (running again
+    gives the same); any other exception is retryable only when the task opted in with a
+    :class:`RetryPolicy`.
+    """
+    if isinstance(error, JobError):
+        return error, error.retryable, error.delay
+    if isinstance(error, ResultEncodingError):
+        return error, False, None
+    if isinstance(error, _Terminal):
+        return error.error, False, None
+    return error, task.retry is not None, None
+
+
+def settle_failure(
+    exc: BaseException,
+    retryable: bool,
+    delay: timedelta | None,
+    ctx: JobContext,
+    backoff: Backoff,
+    now: Callable[[], datetime],
+    draw: Callable[[], float],
+    *,
+    secrets: Iterable[str] = (),
+) -> tuple[Failure, timedelta | None]:
+    """Return what is recorded of a failed attempt and how long until it runs again.
+
+    ``None`` for the delay means it fails for good: not retryable, or its attempts are
+    used up (core's :func:`~steeple.core.tasks.retry_decision`; the recorded summary then
+    says so). ``now`` and ``draw`` are read only for a retryable failure; ``secrets`` (the
+    worker's own, see :func:`describe`) are masked in what is recorded.
+    """
+    failure = describe(exc, secrets)
+    if not retryable:
+        return failure, None
+    instant = now()
+    decision = retry_decision(ctx.attempt, ctx.max_attempts, backoff, instant, draw())
+    if decision.retry and decision.run_at is not None:
+        return failure, delay if delay is not None else decision.run_at - instant
+    exhausted = attrs.evolve(
+        failure,
+        summary=f"attempts exhausted ({ctx.attempt}/{ctx.max_attempts}): " + failure.summary,
+    )
+    return exhausted, None
 
 
 class _Terminal(Exception):

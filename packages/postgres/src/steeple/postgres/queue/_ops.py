@@ -11,6 +11,7 @@ import attrs
 
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres.queue import _driver, _metrics
+from steeple.postgres.queue._local import local_queue
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, entry_point
 from steeple.postgres.queue._sql import queue_sql
 from steeple.postgres.queue._validate import (
@@ -239,6 +240,9 @@ async def run_state(
     sql = queue_sql(schema)
     check_task_id(task_id)
     check_int(history, "history", 0, MAX_HISTORY)
+    local = local_queue(conn, schema)
+    if local is not None:
+        return local.run_state(task_id, history=history)
     rows = await _driver.fetch(conn, sql.run_state, task_id, history)
     if not rows:
         raise TaskNotFoundError(task_id)
@@ -262,6 +266,9 @@ async def cancel(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> Ta
         QueueTypeError: ``task_id`` is not an int.
     """
     sql = queue_sql(schema)
+    local = local_queue(conn, schema)
+    if local is not None:
+        return local.cancel(check_task_id(task_id))
     rows = await _driver.fetch(conn, sql.cancel, check_task_id(task_id))
     if not rows:
         raise TaskNotFoundError(task_id)
