@@ -1,10 +1,11 @@
-"""nox sessions for steeple: lint, typecheck, tests, stress, core (driverless), isolated, bench,
-demo.
+"""nox sessions for steeple: lint, typecheck, tests, stress, core (driverless), isolated,
+wheels, bench, demo, docs.
 
 Sessions reuse uv for speed and never download an interpreter.
 
 ``nox -s isolated`` installs each package of ``packages/`` alone, as a user would, and
-imports every module it ships (see :func:`isolated`).
+imports every module it ships (see :func:`isolated`); ``nox -s wheels`` builds every sdist
+and wheel and installs ``steeple[all]`` from them with pip, as a user would (see :func:`wheels`).
 """
 
 from __future__ import annotations
