@@ -1,10 +1,11 @@
-"""nox sessions for steeple: lint, typecheck, tests, stress, core (driverless), isolated, bench,
-demo.
+"""nox sessions for steeple: lint, typecheck, tests, stress, core (driverless), isolated,
+wheels, bench, demo, docs.
 
 Sessions reuse uv for speed and never download an interpreter.
 
 ``nox -s isolated`` installs each package of ``packages/`` alone, as a user would, and
-imports every module it ships (see :func:`isolated`).
+imports every module it ships (see :func:`isolated`); ``nox -s wheels`` builds every sdist
+and wheel and installs ``steeple[all]`` from them with pip, as a user would (see :func:`wheels`).
 """
 
 from __future__ import annotations
@@ -219,6 +220,22 @@ assert done.returncode == 4 and "connection refused" in done.stderr, (
     done.returncode, done.stdout + done.stderr
 )
 """,
+    # The meta-distribution: the domain alone, then what its extras promise.
+    "steeple": """
+import importlib.util
+import steeple.core
+assert importlib.util.find_spec("steeple.postgres") is None, "steeple alone installed postgres"
+""",
+    "steeple[queue]": """
+import shutil, subprocess
+from steeple.admin.embedded import database_url
+from steeple.postgres.queue import App
+steeple = shutil.which("steeple")
+assert steeple, "no steeple command"
+for args in (["--help"], ["worker", "--help"], ["migrate", "--help"]):
+    done = subprocess.run([steeple, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+""",
 }
 
 # Run inside each clean environment: import every module of the package (recursing into
@@ -250,7 +267,12 @@ print(json.dumps({"imported": imported, "failures": failures}))
 
 _Project = TypedDict(
     "_Project",
-    {"name": str, "dependencies": list[str], "optional-dependencies": dict[str, list[str]]},
+    {
+        "name": str,
+        "version": str,
+        "dependencies": list[str],
+        "optional-dependencies": dict[str, list[str]],
+    },
     total=False,
 )
 
@@ -265,6 +287,11 @@ def _project(package: str) -> _Project:
 
 def _extras(package: str) -> list[str]:
     return sorted(_project(package).get("optional-dependencies", {}))
+
+
+def _has_code(package: str) -> bool:
+    """Whether a package ships modules (``steeple``, the meta-distribution, ships none)."""
+    return (ROOT / "packages" / package / "src").is_dir()
 
 
 def _module_root(package: str) -> str:
@@ -309,13 +336,31 @@ def _workspace_closure(package: str, extra: str | None) -> dict[str, set[str]]:
     return needed
 
 
-def _skipped_modules(package: str, extra: str | None) -> list[str]:
-    """Modules not imported in ``package[extra]``'s environment: other extras' and hosted."""
+def _skipped_modules(package: str, extras: set[str]) -> list[str]:
+    """Modules not imported where ``package[extras]`` is installed: other extras' and hosted."""
     root = _module_root(package)
     behind = {f"{root}.{e}": e for e in _extras(package)}
     behind.update({m: e for m, e in BEHIND_EXTRA.items() if m.startswith(root + ".")})
-    skipped = [m for m, e in behind.items() if e != extra]
+    skipped = [m for m, e in behind.items() if e not in extras]
     return skipped + [m for m in HOSTED if m.startswith(root + ".")]
+
+
+def _imported_roots(package: str, extra: str | None) -> list[tuple[str, list[str]]]:
+    """The module trees to import in ``package[extra]``'s environment, each with its skips.
+
+    A package's own code; for the meta-distribution, which has none, the code of every
+    workspace package its extra installs (with the extras it installs them with).
+    """
+    if _has_code(package):
+        return [
+            (_module_root(package), _skipped_modules(package, set() if extra is None else {extra}))
+        ]
+    closure = _workspace_closure(package, extra)
+    return [
+        (_module_root(sibling), _skipped_modules(sibling, extras))
+        for sibling, extras in sorted(closure.items())
+        if _has_code(sibling)
+    ]
 
 
 @nox.session(venv_backend="none")
@@ -401,19 +446,21 @@ def _check_alone(
         if not k.startswith(("PYTHON", "VIRTUAL_ENV", "STEEPLE_"))
     }
     clean["PATH"] = f"{bin_dir}{os.pathsep}{clean.get('PATH', '')}"
-    root = _module_root(package)
-    out = session.run(
-        env_python, "-I", "-c", _IMPORT_ALL, root, json.dumps(_skipped_modules(package, extra)),
-        external=True, silent=True, env=clean, include_outer_env=False, log=False,
-    )  # fmt: skip
-    lines = [line for line in str(out).splitlines() if line.startswith('{"imported"')]
-    if not lines:
-        return [f"importing {_module_root(package)}'s modules crashed:\n{out}"]
-    report = json.loads(lines[-1])
-    problems = [f"import {name}: {why}" for name, why in sorted(report["failures"].items())]
-    session.log(f"  imported {len(report['imported'])} modules of {root}")
+    problems: list[str] = []
+    for root, skipped in _imported_roots(package, extra):
+        out = session.run(
+            env_python, "-I", "-c", _IMPORT_ALL, root, json.dumps(skipped),
+            external=True, silent=True, env=clean, include_outer_env=False, log=False,
+        )  # fmt: skip
+        lines = [line for line in str(out).splitlines() if line.startswith('{"imported"')]
+        if not lines:
+            problems.append(f"importing {root}'s modules crashed:\n{out}")
+            continue
+        report = json.loads(lines[-1])
+        problems += [f"import {name}: {why}" for name, why in sorted(report["failures"].items())]
+        session.log(f"  imported {len(report['imported'])} modules of {root}")
     for module, host in HOSTED.items():
-        if extra is None and module.startswith(root + "."):
+        if extra is None and _has_code(package) and module.startswith(_module_root(package) + "."):
             session.run(
                 uv, "pip", "install", "--quiet", "--python", env_python, host, external=True
             )  # fmt: skip
@@ -438,6 +485,185 @@ def _try(
     except nox.command.CommandFailed as exc:
         return [f"{what}: {exc.reason or 'failed'}"]
     return []
+
+
+# --- the distributions as a user installs them ------------------------------------------------
+
+# The README's work-queue tour (the README holds this file verbatim; the tests run it too).
+QUEUE_TOUR = ROOT / "packages" / "admin" / "tests" / "readme_snippets" / "queue_tour.py"
+
+# Run in the fresh environment: every steeple distribution installed there, by name, with its
+# METADATA text (compared with the built wheels': nothing may come from anywhere else), and
+# where the steeple namespace and the command's code were imported from.
+_INSTALLED = """
+import json, importlib.metadata as md
+import steeple, steeple.admin
+dists = {}
+for dist in md.distributions():
+    name = dist.metadata["Name"]
+    if name == "steeple" or name.startswith("steeple-"):
+        dists[name] = dist.read_text("METADATA")
+print(json.dumps({"dists": dists, "namespace": list(steeple.__path__),
+                  "init": getattr(steeple, "__file__", None), "admin": steeple.admin.__file__}))
+"""
+
+# Run in the fresh environment when STEEPLE_TEST_DSN is set: drop the tour's schema.
+_DROP_SCHEMA = """
+import asyncio, sys, asyncpg
+async def main(dsn, schema):
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def _check_built(dist: Path) -> list[str]:
+    """Each package's sdist and wheel exist and carry their metadata and licence."""
+    import email.parser
+    import tarfile
+    import zipfile
+
+    problems = []
+    for package in PACKAGES:
+        meta = _project(package)
+        stem = f"{canonicalize_name(meta['name']).replace('-', '_')}-{meta['version']}"
+        wheel, sdist = dist / f"{stem}-py3-none-any.whl", dist / f"{stem}.tar.gz"
+        if not wheel.exists() or not sdist.exists():
+            problems.append(f"{package}: no {wheel.name} or no {sdist.name}")
+            continue
+        with zipfile.ZipFile(wheel) as archive:
+            files = archive.namelist()
+            info = email.parser.Parser().parsestr(
+                archive.read(f"{stem}.dist-info/METADATA").decode()
+            )
+        if "steeple/__init__.py" in files:
+            problems.append(f"{wheel.name} ships steeple/__init__.py (steeple is a namespace)")
+        if f"{stem}.dist-info/licenses/LICENSE" not in files:
+            problems.append(f"{wheel.name}: no licenses/LICENSE")
+        if info["License-Expression"] != "Apache-2.0" or info["License-File"] != "LICENSE":
+            problems.append(f"{wheel.name}: license metadata {info['License-Expression']!r}")
+        if info["Description-Content-Type"] != "text/markdown" or not info.get_payload():
+            problems.append(f"{wheel.name}: no readme in its metadata")
+        if not info.get_all("Classifier"):
+            problems.append(f"{wheel.name}: no classifiers")
+        with tarfile.open(sdist) as archive:
+            names = set(archive.getnames())
+        missing = {f"{stem}/{f}" for f in ("LICENSE", "README.md", "pyproject.toml", "PKG-INFO")}
+        if missing - names:
+            problems.append(f"{sdist.name}: missing {sorted(missing - names)}")
+    return problems
+
+
+@nox.session(venv_backend="none")
+def wheels(session: nox.Session) -> None:
+    """Every package built (sdist and wheel), installed with plain pip away from the checkout.
+
+    ``uv build --all-packages`` builds each package's sdist, then its wheel from that sdist,
+    into a temporary directory, and their metadata is checked (licence expression and file,
+    readme, classifiers; no ``steeple/__init__.py``). A fresh virtual environment of the
+    machine's Python (``STEEPLE_WHEELS_PYTHON``, else ``python3`` on PATH) gets
+    ``pip install --find-links DIR "steeple[all]"`` (third-party dependencies come from the
+    index): every steeple distribution must be installed, each from these wheels, and
+    ``pip check`` must pass. Then, from a temporary directory, ``steeple --help`` and the
+    README's queue tour run (on ``STEEPLE_TEST_DSN`` in a schema of their own, dropped
+    afterwards; without it on the embedded PostgreSQL). ``nox -s isolated`` checks each
+    extra of ``steeple`` alone.
+    """
+    beside = Path(sys.executable).parent / "uv"
+    uv = str(beside) if beside.exists() else shutil.which("uv")
+    python = os.environ.get("STEEPLE_WHEELS_PYTHON") or shutil.which("python3")
+    if uv is None or python is None:
+        session.error("needs uv (python3 dev.py lint puts it in .venv/bin) and python3")
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="steeple-wheels-"))
+    if work.resolve().is_relative_to(ROOT):
+        session.error(f"the temporary directory {work} is inside the checkout")
+    dist, env_dir, cwd = work / "dist", work / "venv", work / "cwd"
+    cwd.mkdir()
+    bin_dir = env_dir / ("Scripts" if os.name == "nt" else "bin")
+    env_python = str(bin_dir / "python")
+    # Nothing of the outer environment steers the install or the tour: no virtualenv, no
+    # PYTHONPATH, no STEEPLE_* setting but the ones given below.
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTHON", "VIRTUAL_ENV", "STEEPLE_"))
+    }
+    clean["PATH"] = f"{bin_dir}{os.pathsep}{clean.get('PATH', '')}"
+    pip = [env_python, "-m", "pip", "install", "--quiet", "--find-links", str(dist)]
+
+    def run(*args: str, **kw: Any) -> str:
+        out = session.run(*args, external=True, env=clean, include_outer_env=False, **kw)
+        return str(out)
+
+    dsn = os.environ.get("STEEPLE_TEST_DSN")
+    schema = f"steeple_wheels_{os.getpid()}"
+    try:
+        session.chdir(ROOT)
+        session.run(uv, "build", "--quiet", "--all-packages", "--out-dir", str(dist), external=True)
+        problems = _check_built(dist)
+        if problems:
+            session.error("the built distributions are incomplete:\n  " + "\n  ".join(problems))
+        built = time.monotonic()
+        session.chdir(cwd)  # nothing of the checkout is importable from here
+        run(python, "-m", "venv", str(env_dir))
+        run(*pip, "steeple[all]")
+        run(env_python, "-m", "pip", "check")
+        installed = time.monotonic()
+        report = json.loads(run(env_python, "-I", "-c", _INSTALLED, silent=True).splitlines()[-1])
+        problems = _check_installed(dist, env_dir, report)
+        if problems:
+            session.error("steeple[all] is not what was built:\n  " + "\n  ".join(problems))
+        run(str(bin_dir / "steeple"), "--help", silent=True)
+        shutil.copy(QUEUE_TOUR, cwd / QUEUE_TOUR.name)
+        tour_env = dict(clean)
+        if dsn:
+            tour_env.update(STEEPLE_DATABASE_URL=dsn, STEEPLE_QUEUE_SCHEMA=schema)
+        out = session.run(
+            env_python, "-I", QUEUE_TOUR.name,
+            external=True, env=tour_env, include_outer_env=False, silent=True,
+        )  # fmt: skip
+        lines = str(out).splitlines()
+        if "succeeded" not in lines[-1:] or not any("{'width': 256}" in x for x in lines):
+            session.error(f"the queue tour did not print what the README shows:\n{out}")
+    finally:
+        if dsn and (bin_dir / "python").exists():
+            session.run(
+                env_python, "-I", "-c", _DROP_SCHEMA, dsn, schema,
+                external=True, env=clean, include_outer_env=False, success_codes=[0, 1],
+            )  # fmt: skip
+        session.chdir(ROOT)
+        shutil.rmtree(work, ignore_errors=True)
+    session.log(
+        f"wheels: built and checked in {built - started:.1f} s, steeple[all] installed in "
+        f"{installed - built:.1f} s, checked and toured in {time.monotonic() - installed:.1f} s"
+    )
+
+
+def _check_installed(dist: Path, env_dir: Path, report: dict[str, Any]) -> list[str]:
+    """Every distribution is installed, from the wheel built here; steeple is a namespace."""
+    import zipfile
+
+    problems = []
+    for package in PACKAGES:
+        meta = _project(package)
+        name = meta["name"]
+        stem = f"{canonicalize_name(name).replace('-', '_')}-{meta['version']}"
+        with zipfile.ZipFile(dist / f"{stem}-py3-none-any.whl") as archive:
+            built = archive.read(f"{stem}.dist-info/METADATA").decode()
+        installed = report["dists"].get(name)
+        if installed is None:
+            problems.append(f"{name} is not installed")
+        elif installed != built:
+            problems.append(f"{name} was installed from elsewhere, not the wheel built here")
+    if report["init"] is not None:
+        problems.append(f"steeple is a regular package ({report['init']}), not a namespace")
+    if not Path(report["admin"]).resolve().is_relative_to(env_dir.resolve()):
+        problems.append(f"steeple.admin was imported from {report['admin']}")
+    return problems
 
 
 @nox.session

@@ -56,8 +56,12 @@ log = logging.getLogger("mkdocs.plugins.steeple_docs")
 
 
 def source_dirs(root: Path = ROOT) -> list[Path]:
-    """Return every package's ``src`` directory, in name order."""
-    return sorted(p.parent / "src" for p in root.glob("packages/*/pyproject.toml"))
+    """Return every package's ``src`` directory, in name order.
+
+    The ``steeple`` distribution has none: it only installs the others.
+    """
+    found = (p.parent / "src" for p in root.glob("packages/*/pyproject.toml"))
+    return sorted(src for src in found if src.is_dir())
 
 
 def packages(root: Path = ROOT) -> list[tuple[str, str]]:

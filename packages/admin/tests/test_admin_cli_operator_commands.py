@@ -174,6 +174,28 @@ async def test_schedules_create_from_a_definitions_file(
     assert again.exit_code == 0, again.output  # a deployment may run it every time
 
 
+EXAMPLE = Path(__file__).resolve().parents[3] / "docs" / "examples" / "nightly-jobs.toml"
+
+
+async def test_the_example_definitions_file_applies_twice(seeded: Any) -> None:
+    """docs/examples/nightly-jobs.toml as a deployment would run it, every time."""
+    env = seeded.env()
+    args = ["schedules", "create", "--file", str(EXAMPLE)]
+    first = await ainvoke(args, env)
+    assert first.exit_code == 0, first.output
+    again = await ainvoke(args, env)
+    assert again.exit_code == 0, again.output
+    assert again.stdout == first.stdout
+    names = ["nightly-billing", "nightly-report", "invoice-reminders", "hourly-sync", "cache-warm"]
+    assert [line.split("'")[1] for line in first.stdout.splitlines()] == names
+    listed = json.loads((await ainvoke(["schedules", "--json"], env)).stdout)["items"]
+    mine = [s for s in listed if s["name"] in names]
+    assert sorted(s["name"] for s in mine) == sorted(names)  # each once
+    assert {datetime.fromisoformat(s["first_after"]) for s in mine} == {
+        datetime(2026, 1, 30, tzinfo=UTC)
+    }
+
+
 @pytest.mark.parametrize(
     ("content", "fragment"),
     [

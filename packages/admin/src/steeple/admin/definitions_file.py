@@ -1,7 +1,7 @@
 """The definitions file: recurring definitions written as JSON or TOML, read in one place.
 
-``steeple simulate --definitions FILE`` reads it (and ``schedules create`` is to read the
-same format). A file holds a list of definitions, either as the whole JSON document or
+``steeple simulate --definitions FILE`` and ``steeple schedules create --file FILE`` read
+it. A file holds a list of definitions, either as the whole JSON document or
 under a ``definitions`` key (JSON object or TOML ``[[definitions]]`` tables)::
 
     [[definitions]]
