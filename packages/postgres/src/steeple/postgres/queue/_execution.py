@@ -34,10 +34,10 @@ from typing import Any, Final, Generic, TypeVar
 
 import attrs
 
-from steeple.core.tasks import retry_decision
+from steeple.core.tasks import FailureKind, failure_outcome
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
-from steeple.postgres.queue._failures import describe
+from steeple.postgres.queue._failures import describe, noted, verdict_note
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._json import storable_json
 from steeple.postgres.queue._progress import ProgressWriter
@@ -399,56 +399,67 @@ class Executor:
             if error is None:
                 self._completions.succeeded(claimed, result)
             elif isinstance(error, JobError):
-                await self._failed(claimed, error, error.retryable, error.delay)
+                kind = FailureKind.RETRY_ASKED if error.retryable else FailureKind.VERDICT
+                await self._failed(claimed, registration, error, kind, error.delay)
             elif isinstance(error, ResultEncodingError):  # running again returns the same
-                await self._failed(claimed, error, False, None)
+                await self._failed(claimed, registration, error, FailureKind.VERDICT, None)
             elif isinstance(error, _Terminal):
-                await self._failed(claimed, error.error, False, None)
+                await self._failed(claimed, registration, error.error, FailureKind.VERDICT, None)
             else:
-                # Unexpected exceptions are terminal unless the task opted in to retries.
-                await self._failed(claimed, error, registration.task.retry is not None, None)
+                await self._failed(claimed, registration, error, FailureKind.UNEXPECTED, None)
         finally:
             self._env.inflight.remove(ctx.task_id)
 
     async def _failed(
-        self, claimed: Claimed, exc: BaseException, retryable: bool, delay: timedelta | None
+        self,
+        claimed: Claimed,
+        registration: Registration[Any],
+        exc: BaseException,
+        kind: FailureKind,
+        delay: timedelta | None,
     ) -> None:
         ctx = claimed.ctx
         _tracing.record_failure(exc)  # on the run's span, when tracing is active
-        failure = describe(exc)
-        retry_after: timedelta | None = None
-        if retryable:
-            now = self._env.clock.now()
-            decision = retry_decision(
-                ctx.attempt, ctx.max_attempts, claimed.backoff, now, self._env.random.random()
-            )
-            if decision.retry and decision.run_at is not None:
-                retry_after = delay if delay is not None else decision.run_at - now
-            else:
-                failure = attrs.evolve(
-                    failure,
-                    summary=f"attempts exhausted ({ctx.attempt}/{ctx.max_attempts}): "
-                    + failure.summary,
-                )
-        # The task's identity and the handler's own exception, traceback included for an
-        # unexpected one (a JobError is the handler's deliberate verdict: its message says
-        # it, and its traceback is in the attempt history); never the task's args.
-        what = (
-            f"retries in {retry_after.total_seconds():.3f} s"
-            if retry_after is not None
-            else "failed for good"
+        now = self._env.clock.now()
+        # Whether it runs again is decided once, in core; the log line and the recorded
+        # error (what run_state, the CLI and the dashboard show) both say that decision.
+        outcome = failure_outcome(
+            kind,
+            retries_unexpected=registration.task.retry is not None,
+            attempt=ctx.attempt,
+            max_attempts=ctx.max_attempts,
+            backoff=claimed.backoff,
+            now=now,
+            draw=self._env.random.random(),
         )
+        note = verdict_note(outcome.verdict, ctx.attempt, ctx.max_attempts)
+        failure = noted(describe(exc), note)
+        retry_after: timedelta | None = None
+        if outcome.retry and outcome.run_at is not None:
+            retry_after = delay if delay is not None else outcome.run_at - now
+        if retry_after is not None:
+            # An expected retry is one line: its traceback is in the attempt history.
+            attempt = f"attempt {ctx.attempt}/{ctx.max_attempts}"
+            what = f"retries in {retry_after.total_seconds():.3f} s"
+        else:
+            # No "n/max" here: it would promise retries that never come.
+            attempt = f"attempt {ctx.attempt}"
+            what = "failed, not retried" if note is None else "failed"
+        # The task's identity and the handler's own exception, with its traceback when it
+        # failed for good on something unexpected (a JobError is the handler's deliberate
+        # verdict: its message says it, and its traceback is in the attempt history);
+        # never the task's args.
+        with_traceback = retry_after is None and not isinstance(exc, JobError)
         LOG.log(
             logging.WARNING if retry_after is not None else logging.ERROR,
-            "task %s (%s) attempt %s/%s, run %s, %s: %s",
+            "task %s (%s) %s, run %s, %s: %s",
             ctx.task_id,
             ctx.task_name,
-            ctx.attempt,
-            ctx.max_attempts,
+            attempt,
             ctx.run_id,
             what,
             failure.summary,
-            exc_info=None if isinstance(exc, JobError) else (type(exc), exc, exc.__traceback__),
+            exc_info=(type(exc), exc, exc.__traceback__) if with_traceback else None,
             extra={
                 "task_id": ctx.task_id,
                 "task_name": ctx.task_name,
