@@ -30,6 +30,7 @@ from steeple.postgres.queue import (
     jobs,
     run_state,
 )
+from steeple.postgres.queue import admin as queue_admin
 from steeple.testing import FakeClock
 
 wait_until = functools.partial(queue_support.wait_until, timeout=15.0)
@@ -419,3 +420,24 @@ def test_periodic_declarations_refuse_what_could_not_be_ensured() -> None:
     assert [p.name for p in app.periodic_jobs] == ["periodic:typed"]
     with pytest.raises(QueueTypeError):
         app.scheduler("postgresql://u@127.0.0.1/x", worker_id="w", remove_stale_periodic=1)  # type: ignore[arg-type]
+
+
+async def test_the_decorated_task_is_taken_wherever_a_task_is(queue: QueueFixture) -> None:
+    """Listing by task and snapshotting options take ``resize`` itself, not ``resize.task``."""
+    _, schema, conn = queue
+    app = App(schema=schema)
+
+    @app.task(name="resize", retry=RetryPolicy(max_attempts=7))
+    async def resize(ctx: JobContext, args: Any) -> None:
+        pass
+
+    done = await resize.enqueue(conn, None)
+    page = await queue_admin.list_tasks(conn, schema=schema, task_name=resize)
+    assert [t.id for t in page.items] == [done.id]
+    assert await queue_admin.list_tasks(conn, schema=schema, task_name=resize.task) == page
+    assert EnqueueOptions().snapshot(resize) == EnqueueOptions().snapshot(resize.task)
+    assert EnqueueOptions().snapshot(resize)[1] == 7
+    with pytest.raises(QueueTypeError, match=r"@app\.task function"):
+        EnqueueOptions().snapshot("resize")
+    with pytest.raises(QueueTypeError, match=r"@app\.task function"):
+        await queue_admin.list_tasks(conn, schema=schema, task_name=object())  # type: ignore[arg-type]
