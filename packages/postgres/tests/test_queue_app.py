@@ -441,3 +441,19 @@ async def test_the_decorated_task_is_taken_wherever_a_task_is(queue: QueueFixtur
         EnqueueOptions().snapshot("resize")
     with pytest.raises(QueueTypeError, match=r"@app\.task function"):
         await queue_admin.list_tasks(conn, schema=schema, task_name=object())  # type: ignore[arg-type]
+
+
+async def test_a_periodic_calendar_that_never_fires_stops_the_worker_start(
+    queue: QueueFixture,
+) -> None:
+    dsn, schema, conn = queue
+    app = App(schema=schema)
+
+    @app.task(name="leap", cron="0 0 30 2 *")  # February 30th: parses, never fires
+    async def leap(ctx: JobContext, args: None) -> None:
+        pass
+
+    worker = app.scheduler(dsn, worker_id="never", poll_interval=0.05)
+    with pytest.raises(QueueConfigurationError, match="never fires"):
+        await asyncio.wait_for(worker.run_until_shutdown(asyncio.Event()), 30)
+    assert await conn.fetchval(f'SELECT count(*) FROM "{schema}".jobs') == 0

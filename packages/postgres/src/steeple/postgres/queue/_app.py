@@ -547,7 +547,9 @@ class App:
         """Build a worker for every task this app declares, on the app's schema.
 
         When it starts (before its first claim) it ensures the app's periodic jobs
-        (:meth:`ensure_periodic`), and logs a warning for each stale one.
+        (:meth:`ensure_periodic`), and logs a warning for each stale one; a declared
+        calendar that never fires again stops the start with a
+        ``QueueConfigurationError`` (from ``run_until_shutdown``).
 
         Args:
             pool_or_dsn: as for :class:`Scheduler`.
