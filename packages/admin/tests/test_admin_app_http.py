@@ -839,3 +839,22 @@ async def test_the_overview_flags_a_queue_with_due_work_no_worker_claims(
     assert 'id="unserved-queues"' in page.text
     assert "no worker seems to serve orphan" in page.text
     assert page.text.count(">unserved</span>") == 1
+
+
+@pytest.mark.postgres
+async def test_task_list_and_page_say_a_terminal_failure_is_not_retried(
+    live: dict[str, Any],
+) -> None:
+    """A task failed at its first of five attempts reads "1, not retried", never "1/5"."""
+    seeded = live["seeded"]
+    failed = await _fail_one(seeded, "charge", "ValueError: no")
+    app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"])
+    async with client(app) as http:
+        listing = await http.get("/ui/ops/tasks")
+        page = await http.get(f"/ui/ops/tasks/{failed}")
+    assert listing.status_code == page.status_code == 200
+    assert "<td>1, not retried</td>" in listing.text
+    assert "1/5" not in listing.text
+    assert "<td>0/5</td>" in listing.text  # pending tasks can still be retried
+    assert "<dd>1, not retried (4 of its 5 attempts unused)</dd>" in page.text
+    assert "1 of 5" not in page.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import stat
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -255,6 +256,12 @@ async def test_tasks_retry_show_cancel_and_filters(seeded: Any) -> None:
     detail = json.loads(shown.stdout)
     assert (detail["state"], detail["attempts"], detail["last_error"]) == ("failed", 1, "boom")
     assert "args" not in detail
+    # A terminal failure reads as one, not as "1/1" or "1 of 5" awaiting retries.
+    text_list = await ainvoke(["tasks", "--state", "failed"], env)
+    assert "1, not retried" in text_list.stdout, text_list.output
+    assert "1/1" not in text_list.stdout
+    text_show = await ainvoke(["tasks", "show", str(failed)], env)
+    assert re.search(r"^attempts\s+1, not retried$", text_show.stdout, re.M), text_show.output
 
     retried = await ainvoke(["tasks", "retry", str(failed)], env)
     assert retried.exit_code == 0, retried.output

@@ -536,7 +536,7 @@ def test_task_page_attempts_args_and_timings(browser: Any, site: Site, tmp_path:
     open_page(browser, site.page(f"/tasks/{failed}"))
     detail = by_css(browser, "dl.detail").text
     assert "failed" in detail
-    assert "1 of" in detail
+    assert "1, not retried (4 of its 5 attempts unused)" in detail
     assert "worker-7" in detail
     assert "last run took" in detail
     attempts = all_css(browser, "tr.row.attempt")

@@ -752,3 +752,82 @@ async def test_worker_serves_a_queue_app_and_refuses_another_schema(
         await _reap(proc)
     assert proc.returncode == ExitCode.CONFIG, raw_stderr
     assert "differs from the app's schema" in raw_stderr.decode()
+
+
+PERIODIC_APP = """
+import os
+from steeple.postgres import queue
+
+app = queue.App(schema=os.environ["APP_SCHEMA"])
+
+if os.environ.get("WITH_NIGHTLY") == "1":
+    @app.periodic("0 2 * * *", timezone="Europe/Berlin", args={"n": 0}, name="nightly")
+    @app.task(name="write-report", queue="reports")
+    def write_report(ctx, args):
+        return None
+else:
+    @app.task(name="write-report", queue="reports")
+    def write_report(ctx, args):
+        return None
+"""
+
+
+async def _job_names(dsn: str, schema: str) -> list[tuple[str, str, str]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(f'SELECT name, queue, timezone FROM "{schema}".jobs ORDER BY name')
+        return [(r[0], r[1], r[2]) for r in rows]
+    finally:
+        await conn.close()
+
+
+@pytest.mark.postgres
+async def test_worker_app_ensures_its_periodic_jobs_and_removes_stale_ones_only_when_asked(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    """``steeple worker --app`` ensures an App's periodic jobs when it starts.
+
+    A job its code no longer declares is reported and keeps running; it is deleted only
+    with ``--remove-stale-periodic``.
+    """
+    from steeple.postgres import queue
+
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    try:
+        await queue.install(conn, schema=schema)
+    finally:
+        await conn.close()
+    (tmp_path / "periodic_app.py").write_text(textwrap.dedent(PERIODIC_APP))
+    nightly = ("periodic:nightly", "reports", "Europe/Berlin")
+
+    async def run_until(env: dict[str, str], args: list[str], marker: str) -> str:
+        """Run the worker until its stderr shows ``marker`` (its start-up got there)."""
+        proc = await _spawn(["worker", "--app", "periodic_app:app", *args], env, tmp_path)
+        seen: list[str] = []
+        try:
+            assert proc.stderr is not None
+            async with asyncio.timeout(30):
+                while not any(marker in line for line in seen):
+                    line = await proc.stderr.readline()
+                    assert line, "".join(seen)  # the worker ended before the marker
+                    seen.append(line.decode())
+            _, rest = await _stop(proc)
+        finally:
+            await _reap(proc)
+        stderr = "".join(seen) + rest.decode()
+        assert proc.returncode == 0, stderr
+        return stderr
+
+    base = _env(STEEPLE_DATABASE_URL=dsn, APP_SCHEMA=schema)
+    # The first start declares it; a start of the code without it reports it, and keeps it.
+    await run_until({**base, "WITH_NIGHTLY": "1"}, [], "steeple worker: running")
+    # It has exited: its start (which ensures the jobs, even when stopped at once) is done.
+    assert await _job_names(dsn, schema) == [nightly]
+    kept = await run_until(base, [], "is no longer declared by this app")
+    assert "'periodic:nightly' is no longer declared by this app" in kept
+    assert "--remove-stale-periodic" in kept
+    assert await _job_names(dsn, schema) == [nightly]
+    removed = await run_until(base, ["--remove-stale-periodic"], "removed periodic job")
+    assert "removed periodic job 'periodic:nightly'" in removed
+    assert await _job_names(dsn, schema) == []

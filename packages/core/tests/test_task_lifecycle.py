@@ -5,19 +5,25 @@ from __future__ import annotations
 import itertools
 import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from steeple.core import Backoff, ConfigurationError, InvalidTransitionError
+from steeple.core.errors import ConfigurationTypeError
 from steeple.core.tasks import (
     TASK_TRANSITIONS,
     TERMINAL_TASK_STATES,
+    FailureKind,
+    FailureVerdict,
     RetryDecision,
     TaskEvent,
     TaskState,
     attempts_exhausted,
+    attempts_outlook,
+    failure_outcome,
     lease_expiry_event,
     retry_decision,
     transition,
@@ -235,3 +241,91 @@ def test_retry_decision_normalizes_to_utc() -> None:
     assert decision.run_at == NOW + timedelta(seconds=2)
     assert decision.run_at is not None
     assert decision.run_at.utcoffset() == timedelta(0)
+
+
+# --- what becomes of a failed attempt, and how its attempts read ------------------------------
+
+_NOW = datetime(2031, 3, 4, 5, 6, 7, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("kind", "retries_unexpected", "attempt", "max_attempts", "verdict"),
+    [
+        (FailureKind.UNEXPECTED, False, 1, 5, FailureVerdict.UNEXPECTED),
+        (FailureKind.UNEXPECTED, True, 1, 5, FailureVerdict.RETRIED),
+        (FailureKind.UNEXPECTED, True, 5, 5, FailureVerdict.EXHAUSTED),
+        (FailureKind.RETRY_ASKED, False, 1, 5, FailureVerdict.RETRIED),
+        (FailureKind.RETRY_ASKED, False, 1, 1, FailureVerdict.EXHAUSTED),
+        (FailureKind.VERDICT, True, 1, 5, FailureVerdict.VERDICT),
+    ],
+)
+def test_failure_outcome_decides_retry_once(
+    kind: FailureKind,
+    retries_unexpected: bool,
+    attempt: int,
+    max_attempts: int,
+    verdict: FailureVerdict,
+) -> None:
+    outcome = failure_outcome(
+        kind,
+        retries_unexpected=retries_unexpected,
+        attempt=attempt,
+        max_attempts=max_attempts,
+        backoff=Backoff(),
+        now=_NOW,
+    )
+    assert outcome.verdict is verdict
+    assert outcome.retry is (verdict is FailureVerdict.RETRIED)
+    assert (outcome.run_at is not None) is outcome.retry
+    expected = TaskEvent.FAIL_RETRYABLE if outcome.retry else TaskEvent.FAIL_PERMANENT
+    assert outcome.event is expected
+    assert transition(TaskState.RUNNING, outcome.event) in (TaskState.PENDING, TaskState.FAILED)
+
+
+def test_failure_outcome_refuses_a_foreign_kind() -> None:
+    with pytest.raises(ConfigurationTypeError):
+        failure_outcome(
+            "unexpected",  # type: ignore[arg-type]
+            retries_unexpected=False,
+            attempt=1,
+            max_attempts=5,
+            backoff=Backoff(),
+            now=_NOW,
+        )
+
+
+@pytest.mark.parametrize(
+    ("state", "attempts", "max_attempts", "shown"),
+    [
+        (TaskState.PENDING, 0, 5, "0/5"),
+        (TaskState.RUNNING, 2, 5, "2/5"),
+        (TaskState.PENDING, 0, 1, "0, no retries"),
+        (TaskState.RUNNING, 1, 1, "1, no retries"),
+        (TaskState.FAILED, 1, 5, "1, not retried"),  # a terminal failure: no "1/5"
+        (TaskState.FAILED, 1, 1, "1, not retried"),
+        (TaskState.FAILED, 5, 5, "5/5, attempts exhausted"),
+        (TaskState.SUCCEEDED, 2, 5, "2"),
+        (TaskState.CANCELLED, 0, 5, "0"),
+    ],
+)
+def test_attempts_outlook_shows_n_of_max_only_while_retries_can_come(
+    state: TaskState, attempts: int, max_attempts: int, shown: str
+) -> None:
+    assert attempts_outlook(state, attempts, max_attempts) == shown
+
+
+@pytest.mark.parametrize(
+    ("state", "attempts", "max_attempts", "error"),
+    [
+        ("failed", 1, 5, ConfigurationTypeError),
+        (TaskState.FAILED, -1, 5, ConfigurationError),
+        (TaskState.FAILED, True, 5, ConfigurationTypeError),
+        (TaskState.FAILED, 1, 0, ConfigurationError),
+        (TaskState.FAILED, 1, "5", ConfigurationTypeError),
+    ],
+)
+def test_attempts_outlook_refuses_bad_input(
+    state: Any, attempts: Any, max_attempts: Any, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        attempts_outlook(state, attempts, max_attempts)

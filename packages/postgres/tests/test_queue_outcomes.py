@@ -37,6 +37,10 @@ from steeple.postgres.queue import (
 from steeple.postgres.queue._failures import MAX_TRACEBACK_BYTES, bounded_utf8
 
 wait_until = functools.partial(queue_support.wait_until, timeout=15.0)
+NOT_RETRIED = (
+    "not retried (plain exceptions are terminal: raise JobError.retry(...) or give the task "
+    "a RetryPolicy to retry them)"
+)
 FAST = RetryPolicy(
     max_attempts=3, base_delay=timedelta(milliseconds=1), max_delay=timedelta(milliseconds=5)
 )
@@ -93,10 +97,10 @@ async def test_a_failure_records_type_message_and_traceback_and_logs_them(
             await wait_until(lambda: worker.stats.failed == 1)
     run = await run_state(conn, done.id, schema=schema)
     assert run.state.value == "failed"
-    assert run.last_error == "RuntimeError: charging failed"
+    assert run.last_error == f"{NOT_RETRIED}: RuntimeError: charging failed"
     (attempt,) = run.history
     assert (attempt.attempt, attempt.outcome, attempt.worker_id) == (1, "failed", "out-w")
-    assert attempt.error == "RuntimeError: charging failed"
+    assert attempt.error == f"{NOT_RETRIED}: RuntimeError: charging failed"
     assert attempt.error_type == "RuntimeError"  # builtins are not module-qualified
     assert attempt.traceback is not None
     # The chain is kept: the cause's type (module-qualified in the traceback), its frame.
@@ -107,8 +111,9 @@ async def test_a_failure_records_type_message_and_traceback_and_logs_them(
     (record,) = [r for r in caplog.records if "charge" in r.getMessage()]
     assert record.levelno == logging.ERROR
     message = record.getMessage()
-    for part in (str(done.id), "charge", "attempt 1/5", str(run.run_id), "failed for good"):
+    for part in (str(done.id), "charge", "attempt 1,", str(run.run_id), "failed: not retried"):
         assert part in message
+    assert "1/5" not in message  # no promise of retries that never come
     # The traceback rides as text (the recorded, scrubbed one), never the live exception.
     assert record.exc_info is None
     assert record.exc_text is not None
@@ -266,7 +271,7 @@ async def test_huge_and_hostile_failures_are_bounded_and_storable(queue: QueueFi
     assert run.last_error is not None
     assert len(run.last_error) <= 2010
     run = await run_state(conn, unprintable.id, schema=schema)
-    assert run.last_error == "_Hostile: <the exception's message could not be read>"
+    assert run.last_error == f"{NOT_RETRIED}: _Hostile: <the exception's message could not be read>"
     assert run.history[0].error_type is not None
     assert run.history[0].error_type.endswith("test_queue_outcomes._Hostile")
 
@@ -706,3 +711,76 @@ async def test_a_failure_quoting_the_worker_dsn_stores_and_logs_no_password(
         f"%{password}%",
     )
     assert rows[0] == 0
+
+
+async def test_a_terminal_failure_says_it_is_not_retried_and_expected_retries_log_one_line(
+    queue: QueueFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plain exception without a retry policy fails at once: nothing says ``1/5``.
+
+    Its log line, its recorded error and ``run_state`` say it was not retried and how to
+    have it retried; a retry that is expected logs one line without a traceback; a
+    handler's own verdict (``JobError.permanent``) is not retried either, and says so.
+    """
+    dsn, schema, conn = queue
+    plain: Task[Any] = Task("resize")
+    flaky: Task[Any] = Task("fetch", retry=FAST)
+    judged: Task[Any] = Task("judge")
+
+    async def resize(ctx: JobContext, args: Any) -> None:
+        raise ValueError("no such image")
+
+    def fetch(ctx: JobContext, args: Any) -> str:
+        if ctx.attempt < 3:
+            raise ConnectionError(f"attempt {ctx.attempt} timed out")
+        raise KeyError("gone")
+
+    async def judge(ctx: JobContext, args: Any) -> None:
+        raise JobError.permanent("the account is closed")
+
+    resized = await enqueue(conn, plain, None, schema=schema)
+    fetched = await enqueue(conn, flaky, None, schema=schema)
+    closed = await enqueue(conn, judged, None, schema=schema)
+    worker = worker_for(dsn, schema)
+    worker.register(plain, resize)
+    worker.register(flaky, fetch)
+    worker.register(judged, judge)
+    with caplog.at_level(logging.WARNING, logger="steeple.postgres.queue"):
+        async with running(worker):
+            await wait_until(lambda: worker.stats.failed == 3)
+
+    run = await run_state(conn, resized.id, schema=schema)
+    assert (run.state.value, run.attempts, run.max_attempts) == ("failed", 1, 5)
+    assert run.attempts_shown == "1, not retried"
+    assert run.last_error == f"{NOT_RETRIED}: ValueError: no such image"
+    run = await run_state(conn, fetched.id, schema=schema)
+    assert run.attempts_shown == "3/3, attempts exhausted"
+    assert run.last_error == "attempts exhausted (3/3): KeyError: 'gone'"
+    run = await run_state(conn, closed.id, schema=schema)
+    assert run.attempts_shown == "1, not retried"
+    assert run.last_error == "JobError: the account is closed"
+
+    def logged(name: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if f"({name}) attempt" in r.getMessage()]
+
+    (record,) = logged("resize")
+    assert record.levelno == logging.ERROR
+    message = record.getMessage()
+    assert f"task {resized.id} (resize) attempt 1, run " in message
+    assert f"failed: {NOT_RETRIED}: ValueError: no such image" in message
+    assert "1/5" not in message
+    # An unexpected crash keeps its traceback (the recorded, scrubbed text).
+    assert record.exc_text is not None and "ValueError: no such image" in record.exc_text
+    retries = logged("fetch")[:2]
+    assert [r.levelno for r in retries] == [logging.WARNING, logging.WARNING]
+    assert all(r.exc_text is None for r in retries)  # expected: one line, no traceback
+    assert "attempt 1/3" in retries[0].getMessage()
+    assert "retries in" in retries[0].getMessage()
+    (exhausted,) = logged("fetch")[2:]
+    assert "attempt 3, run" in exhausted.getMessage()
+    assert "failed: attempts exhausted (3/3): KeyError: 'gone'" in exhausted.getMessage()
+    assert exhausted.exc_text is not None
+    (verdict,) = logged("judge")
+    assert "attempt 1, run" in verdict.getMessage()
+    assert "failed, not retried: JobError: the account is closed" in verdict.getMessage()
+    assert verdict.exc_text is None

@@ -159,7 +159,9 @@ async def test_a_sync_handler_exception_is_a_failure_like_an_async_one(
         await wait_until(lambda: worker.stats.failed == 1)
     run = await run_state(conn, done.id, schema=schema)
     assert run.state.value == "failed"
-    assert run.last_error == "RuntimeError: sync boom"
+    assert run.last_error is not None
+    assert run.last_error.endswith(": RuntimeError: sync boom")
+    assert run.last_error.startswith("not retried (plain exceptions are terminal")
 
 
 async def test_a_plain_function_returning_a_coroutine_has_it_awaited(queue: QueueFixture) -> None:
@@ -334,3 +336,77 @@ class _HostileSignature:
 def test_register_refuses_a_handler_whose_signature_cannot_be_read() -> None:
     with pytest.raises(QueueTypeError, match="could not be read"):
         Scheduler("postgresql://localhost/db", worker_id="w").register(SYNC, _HostileSignature())
+
+
+class _BillingError(Exception):
+    """An application's own exception type."""
+
+
+class _NoSuchFile(FileNotFoundError):
+    """An OSError subclass of the application's."""
+
+
+def _read_invoice(kind: str) -> None:
+    if kind == "timeout":
+        raise TimeoutError("the invoice service did not answer")
+    if kind == "value":
+        raise ValueError("an invoice total of -3")
+    if kind == "key":
+        raise KeyError("customer")
+    if kind == "oserror":
+        raise _NoSuchFile(2, "no such invoice", "/invoices/7.pdf")
+    if kind == "custom":
+        raise _BillingError("the ledger is closed")
+    if kind == "stop":
+        raise StopIteration("an iterator ran dry")
+    try:
+        raise ConnectionResetError("the ledger hung up")
+    except ConnectionResetError as exc:
+        raise _BillingError("posting failed") from exc
+
+
+@pytest.mark.parametrize(
+    ("kind", "error_type", "last_line"),
+    [
+        ("timeout", "TimeoutError", "TimeoutError: the invoice service did not answer"),
+        ("value", "ValueError", "ValueError: an invoice total of -3"),
+        ("key", "KeyError", "KeyError: 'customer'"),
+        ("oserror", f"{__name__}._NoSuchFile", "[Errno 2] no such invoice: '/invoices/7.pdf'"),
+        ("custom", f"{__name__}._BillingError", "_BillingError: the ledger is closed"),
+        ("stop", "StopIteration", "StopIteration: an iterator ran dry"),
+        ("chained", f"{__name__}._BillingError", "_BillingError: posting failed"),
+    ],
+)
+async def test_a_sync_handlers_traceback_keeps_its_own_frames_whatever_it_raises(
+    queue: QueueFixture, kind: str, error_type: str, last_line: str
+) -> None:
+    """The recorded traceback holds the handler's frames, not only the executor's.
+
+    Crossing a future, CPython replaces a ``TimeoutError`` (and asyncio refuses a
+    ``StopIteration``): the exception is taken inside the thread, so what is recorded is
+    what the handler raised, with every frame of its code.
+    """
+    dsn, schema, conn = queue
+    task: Task[Any] = Task(f"invoice-{kind}")
+
+    def post_invoice(ctx: JobContext, args: Any) -> None:
+        _read_invoice(args)
+
+    done = await enqueue(conn, task, kind, schema=schema)
+    worker = worker_for(dsn, schema)
+    worker.register(task, post_invoice)
+    async with running(worker):
+        await wait_until(lambda: worker.stats.failed == 1)
+    run = await run_state(conn, done.id, schema=schema)
+    assert run.state.value == "failed"
+    (attempt,) = run.history
+    assert attempt.error_type == error_type
+    tb = attempt.traceback
+    assert tb is not None
+    assert "in post_invoice" in tb  # the handler's frame
+    assert "in _read_invoice" in tb  # and the frame below it that raised
+    assert "run_in_executor" not in tb
+    assert tb.rstrip().endswith(last_line)
+    if kind == "chained":
+        assert "ConnectionResetError: the ledger hung up" in tb
+        assert "direct cause" in tb

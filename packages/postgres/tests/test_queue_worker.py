@@ -217,7 +217,11 @@ async def test_retry_with_explicit_delay_then_success_keeps_the_run_id(queue: Qu
     ("error", "expected"),
     [
         (JobError.permanent("bad input"), "JobError: bad input"),
-        (ValueError("boom"), "ValueError: boom"),
+        (
+            ValueError("boom"),
+            "not retried (plain exceptions are terminal: raise JobError.retry(...) or give "
+            "the task a RetryPolicy to retry them): ValueError: boom",
+        ),
     ],
 )
 async def test_permanent_errors_and_other_exceptions_are_terminal(

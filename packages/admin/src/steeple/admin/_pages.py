@@ -232,7 +232,7 @@ def tasks_table(links: Links, items: Sequence[TaskRecord], actions: bool) -> str
             esc(t.name),
             esc(t.queue),
             badge(t.state),
-            f"{t.attempts}/{t.max_attempts}",
+            esc(t.attempts_shown),
             progress_cell(t),
             esc(utc(t.created_at)),
             esc(utc(t.run_at)),
@@ -333,6 +333,14 @@ def pager(links: Links, where: TaskFilter, after: str | None, next_cursor: str |
     return f'<nav class="pager">{" ".join(parts)}</nav>'
 
 
+def _attempts_detail(task: TaskRecord) -> str:
+    """Render the attempts row of a task's page: the count, and whether more can come."""
+    unused = task.max_attempts - task.attempts
+    if task.state == "failed" and unused > 0:
+        return f"{task.attempts_shown} ({unused} of its {task.max_attempts} attempts unused)"
+    return task.attempts_shown
+
+
 def task_detail(task: TaskRecord, actions: bool) -> str:
     """Render the task's metadata and timings."""
     waited = _span(task.run_at, task.started_at)
@@ -341,7 +349,7 @@ def task_detail(task: TaskRecord, actions: bool) -> str:
         ("state", badge(task.state)),
         ("task name", esc(task.name)),
         ("queue", esc(task.queue)),
-        ("attempts", f"{task.attempts} of {task.max_attempts}"),
+        ("attempts", esc(_attempts_detail(task))),
         ("priority", esc(task.priority)),
         ("created (UTC)", esc(utc(task.created_at))),
         ("due (UTC)", esc(utc(task.run_at))),

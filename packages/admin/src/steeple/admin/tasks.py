@@ -16,7 +16,7 @@ import attrs
 
 from steeple.core.errors import ConfigurationError
 from steeple.core.records import Page
-from steeple.core.tasks import TaskState
+from steeple.core.tasks import TaskState, attempts_outlook
 
 __all__ = [
     "MAX_TASK_ID",
@@ -101,6 +101,19 @@ class TaskRecord:
     progress_message: str | None = None
     result: Any = None
     """The JSON value its handler returned (``None`` in listings, which leave it out)."""
+
+    @property
+    def attempts_shown(self) -> str:
+        """Its attempts as an operator reads them: ``"1/5"`` only while retries can happen.
+
+        ``"1, not retried"`` for a task whose failure was terminal (see
+        :func:`steeple.core.tasks.attempts_outlook`).
+        """
+        try:
+            state = TaskState(self.state)
+        except ValueError:  # a state this version does not know: the bare counts
+            return f"{self.attempts}/{self.max_attempts}"
+        return attempts_outlook(state, self.attempts, self.max_attempts)
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""

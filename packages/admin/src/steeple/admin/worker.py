@@ -66,6 +66,9 @@ class WorkerApp:
             set from a ``steeple.postgres.queue.App``'s schema.
         queues: the named queues the task worker serves (default: ``"default"`` only);
             set from the queues an App's tasks are declared in.
+        queue_app: the ``steeple.postgres.queue.App`` it was made from, if any: its
+            worker is the App's (:meth:`App.scheduler`), which ensures the App's
+            periodic jobs when it starts.
     """
 
     broker: MessageBroker | None = None
@@ -77,6 +80,7 @@ class WorkerApp:
     loop_lag_threshold: float | None = 0.5
     queue_schema: str | None = None
     queues: Sequence[str] | None = None
+    queue_app: Any = None
 
 
 def load_worker_app(reference: str) -> Any:
@@ -130,7 +134,12 @@ async def _resolve(value: Any) -> WorkerApp:
                 code=ExitCode.CONFIG,
                 hint="decorate a handler with @app.task in the module --app imports",
             )
-        value = WorkerApp(tasks=value.handlers(), queue_schema=value.schema, queues=value.queues)
+        value = WorkerApp(
+            tasks=value.handlers(),
+            queue_schema=value.schema,
+            queues=value.queues,
+            queue_app=value,
+        )
     if not isinstance(value, WorkerApp):
         raise CliError(
             f"--app gave a {type(value).__name__}, not a steeple.admin.WorkerApp or a "
@@ -153,8 +162,13 @@ async def run_worker(
     log: Callable[[str], None] = print,
     stop: asyncio.Event | None = None,
     exit_after_hard_stop: float | None = None,
+    remove_stale_periodic: bool = False,
 ) -> None:
     """Run until ``stop`` is set or SIGINT / SIGTERM arrives.
+
+    A queue App's periodic jobs are ensured when its worker starts; a job it declared
+    earlier and no longer does is reported, and deleted only with
+    ``remove_stale_periodic``.
 
     ``exit_after_hard_stop`` (the ``steeple worker`` command passes
     :data:`EXIT_AFTER_HARD_STOP`): seconds after a hard stop at which the process is
@@ -186,16 +200,27 @@ async def run_worker(
         if worker_app.tasks:
             from steeple.postgres.queue import Scheduler
 
-            scheduler = Scheduler(
-                target.dsn,
-                worker_id=worker_app.worker_id,
-                schema=queue_schema,
-                concurrency=worker_app.concurrency,
-                loop_lag_threshold=worker_app.loop_lag_threshold,
-                queues=["default"] if worker_app.queues is None else list(worker_app.queues),
-            )
-            for task, handler in worker_app.tasks:
-                scheduler.register(task, handler)
+            queues = ["default"] if worker_app.queues is None else list(worker_app.queues)
+            if worker_app.queue_app is not None:
+                scheduler = worker_app.queue_app.scheduler(
+                    target.dsn,
+                    worker_id=worker_app.worker_id,
+                    remove_stale_periodic=remove_stale_periodic,
+                    concurrency=worker_app.concurrency,
+                    loop_lag_threshold=worker_app.loop_lag_threshold,
+                    queues=queues,
+                )
+            else:
+                scheduler = Scheduler(
+                    target.dsn,
+                    worker_id=worker_app.worker_id,
+                    schema=queue_schema,
+                    concurrency=worker_app.concurrency,
+                    loop_lag_threshold=worker_app.loop_lag_threshold,
+                    queues=queues,
+                )
+                for task, handler in worker_app.tasks:
+                    scheduler.register(task, handler)
         parts = []
         if store is not None:
             parts.append(f"relay for namespace {target.namespace!r}")

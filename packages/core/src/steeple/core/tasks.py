@@ -17,10 +17,15 @@ from steeple.core.errors import ConfigurationError, ConfigurationTypeError, Inva
 __all__ = [
     "TASK_TRANSITIONS",
     "TERMINAL_TASK_STATES",
+    "FailureKind",
+    "FailureOutcome",
+    "FailureVerdict",
     "RetryDecision",
     "TaskEvent",
     "TaskState",
     "attempts_exhausted",
+    "attempts_outlook",
+    "failure_outcome",
     "lease_expiry_event",
     "retry_decision",
     "transition",
@@ -192,3 +197,125 @@ def retry_decision(
         # A cap of centuries past year 9999: "never sooner than the end of time".
         run_at = datetime.max.replace(tzinfo=instant.tzinfo)
     return RetryDecision(retry=True, run_at=run_at)
+
+
+class FailureKind(enum.Enum, metaclass=TypedEnumType):
+    """What a failed attempt was, as the worker saw it (the input of :func:`failure_outcome`)."""
+
+    RETRY_ASKED = "retry_asked"
+    """The handler asked to run again (``JobError.retry``)."""
+    VERDICT = "verdict"
+    """Running again cannot help: the handler said so (``JobError.permanent``), or its
+    stored args no longer decode, or its result cannot be stored."""
+    UNEXPECTED = "unexpected"
+    """Any other exception the handler raised."""
+
+
+class FailureVerdict(enum.Enum, metaclass=TypedEnumType):
+    """What becomes of a task after a failed attempt, and why."""
+
+    RETRIED = "retried"
+    """It runs again later."""
+    EXHAUSTED = "exhausted"
+    """It would have run again, but that was its last allowed attempt."""
+    VERDICT = "verdict"
+    """It failed for good: running again cannot help (the handler's own verdict)."""
+    UNEXPECTED = "unexpected"
+    """It failed for good: an unexpected exception, and its task retries none."""
+
+
+@attrs.frozen
+class FailureOutcome:
+    """The decision taken on a failed attempt.
+
+    Attributes:
+        verdict: whether it runs again, and if not why.
+        run_at: when it runs again (``None`` unless ``verdict`` is ``RETRIED``).
+    """
+
+    verdict: FailureVerdict
+    run_at: datetime | None
+
+    @property
+    def retry(self) -> bool:
+        """Whether the task runs again."""
+        return self.verdict is FailureVerdict.RETRIED
+
+    @property
+    def event(self) -> TaskEvent:
+        """The table event this decision amounts to."""
+        return TaskEvent.FAIL_RETRYABLE if self.retry else TaskEvent.FAIL_PERMANENT
+
+
+def failure_outcome(
+    kind: FailureKind,
+    *,
+    retries_unexpected: bool,
+    attempt: int,
+    max_attempts: int,
+    backoff: Backoff,
+    now: datetime,
+    draw: float = 0.0,
+) -> FailureOutcome:
+    """Decide what becomes of a task whose attempt failed: run again (when), or fail, and why.
+
+    An unexpected exception fails the task for good unless its task retries them (a retry
+    policy); a retry asked for, or allowed, runs again until the attempts are used up.
+
+    Args:
+        kind: what the failure was.
+        retries_unexpected: whether the task retries unexpected exceptions.
+        attempt: how many attempts have run, the failed one included (1-based).
+        max_attempts: the task's snapshotted attempt limit (>= 1).
+        backoff: the task's snapshotted backoff policy.
+        now: the current instant (aware).
+        draw: a random float in [0, 1) for jitter, injected by the caller.
+
+    Raises:
+        ConfigurationError: as :func:`retry_decision`.
+        ConfigurationTypeError: ``kind`` is not a :class:`FailureKind`; as
+            :func:`retry_decision`.
+    """
+    if not isinstance(kind, FailureKind):
+        raise ConfigurationTypeError(f"kind must be a FailureKind, not {type(kind).__name__}")
+    if kind is FailureKind.VERDICT:
+        return FailureOutcome(FailureVerdict.VERDICT, None)
+    if kind is FailureKind.UNEXPECTED and not retries_unexpected:
+        return FailureOutcome(FailureVerdict.UNEXPECTED, None)
+    decision = retry_decision(attempt, max_attempts, backoff, now, draw)
+    if decision.retry:
+        return FailureOutcome(FailureVerdict.RETRIED, decision.run_at)
+    return FailureOutcome(FailureVerdict.EXHAUSTED, None)
+
+
+def attempts_outlook(state: TaskState, attempts: int, max_attempts: int) -> str:
+    """How a task's attempts read to an operator: ``n/max`` only while retries can happen.
+
+    A live task (pending, running) that may still be retried reads ``"1/5"``; a failed
+    one says whether it was retried until its attempts were used up (``"5/5, attempts
+    exhausted"``) or failed at once (``"1, not retried"``: its failure was terminal, so
+    the four attempts it had left never come). A task that succeeded or was cancelled,
+    or that allows one attempt only, reads as the count.
+
+    Raises:
+        ConfigurationError: ``attempts`` is negative or ``max_attempts`` is not a positive
+            int (a ``ConfigurationTypeError`` when not an int at all).
+        ConfigurationTypeError: ``state`` is not a :class:`TaskState`.
+    """
+    if not isinstance(state, TaskState):
+        raise ConfigurationTypeError(f"state must be a TaskState, not {type(state).__name__}")
+    limit = _positive_int(max_attempts, "max_attempts")
+    if isinstance(attempts, bool) or not isinstance(attempts, int):
+        raise ConfigurationTypeError(f"attempts must be an int, not {type(attempts).__name__}")
+    if attempts < 0:
+        raise ConfigurationError(f"attempts must be at least 0; got {shown(attempts)}")
+    count = attempts
+    if state is TaskState.FAILED:
+        if limit > 1 and count >= limit:
+            return f"{count}/{limit}, attempts exhausted"
+        return f"{count}, not retried"
+    if state in (TaskState.PENDING, TaskState.RUNNING) and limit > 1:
+        return f"{count}/{limit}"
+    if state in (TaskState.PENDING, TaskState.RUNNING):
+        return f"{count}, no retries"
+    return str(count)

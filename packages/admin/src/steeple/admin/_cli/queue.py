@@ -150,7 +150,7 @@ def _list_tasks(where: Where, listing: Listing, state: str | None, name: str | N
             t.task_name,
             t.queue,
             t.state.value,
-            f"{t.attempts}/{t.max_attempts}",
+            t.attempts_shown,
             output.when(t.run_at),
             t.last_error or "",
         ),
@@ -196,6 +196,8 @@ def _print_run(run: TaskRun, as_json: bool) -> None:
     history = fields.pop("history")
     fields.pop("result")
     progress = fields.pop("progress")
+    # Attempts read as what happens next ("1, not retried"), not as a promise of more.
+    fields["attempts"] = run.attempts_shown
     width = max(len(k) for k in fields)
     for key, value in fields.items():
         say(f"{key:<{width}}  {'-' if value is None else value}")

@@ -29,6 +29,15 @@ def worker(
         ),
     ],
     where: Where,
+    remove_stale_periodic: Annotated[
+        bool,
+        typer.Option(
+            "--remove-stale-periodic",
+            help="Delete the periodic jobs a queue App declared earlier and no longer "
+            "does (by default they are reported and keep running). Use it once every "
+            "worker runs the same code.",
+        ),
+    ] = False,
 ) -> None:
     """Run the recurring relay and/or the task worker of your application until stopped.
 
@@ -48,6 +57,7 @@ def worker(
             target,
             log=lambda line: say(line, stderr=True),
             exit_after_hard_stop=EXIT_AFTER_HARD_STOP,
+            remove_stale_periodic=remove_stale_periodic,
         )
 
     output.run(body, target)

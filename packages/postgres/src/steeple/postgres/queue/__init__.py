@@ -13,7 +13,13 @@ count and retry tasks and list jobs and queues with :mod:`.admin`.
 from __future__ import annotations
 
 from steeple.postgres.queue import admin, jobs
-from steeple.postgres.queue._app import App, TaskFunction
+from steeple.postgres.queue._app import (
+    PERIODIC_PREFIX,
+    App,
+    PeriodicJob,
+    PeriodicReport,
+    TaskFunction,
+)
 from steeple.postgres.queue._enqueue import enqueue, enqueue_many, enqueue_many_sync, enqueue_sync
 from steeple.postgres.queue._ops import (
     Progress,
@@ -64,6 +70,7 @@ from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, RetryPoli
 __all__ = [
     "DEFAULT_SCHEMA",
     "LIBRARY_SCHEMA_VERSION",
+    "PERIODIC_PREFIX",
     "App",
     "ArgsEncodingError",
     "EnqueueOptions",
@@ -75,6 +82,8 @@ __all__ = [
     "JobExistsError",
     "JobNotFoundError",
     "LeaseLostError",
+    "PeriodicJob",
+    "PeriodicReport",
     "Progress",
     "QueueConfigurationError",
     "QueueDeadlineError",

@@ -323,11 +323,10 @@ class Completions:
             f"({describe_db_error(exc)})"
         )
         LOG.error(
-            "task %s (%s) attempt %s/%s, run %s, failed for good: %s",
+            "task %s (%s) attempt %s, run %s, failed, not retried: %s",
             ctx.task_id,
             ctx.task_name,
             ctx.attempt,
-            ctx.max_attempts,
             ctx.run_id,
             error,
             extra={

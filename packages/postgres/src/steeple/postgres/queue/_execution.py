@@ -35,10 +35,10 @@ from typing import Any, Final, Generic, TypeVar
 import attrs
 
 from steeple.core.backoff import Backoff
-from steeple.core.tasks import retry_decision
+from steeple.core.tasks import FailureKind, FailureVerdict, failure_outcome
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
-from steeple.postgres.queue._failures import Failure, describe, log_failure
+from steeple.postgres.queue._failures import Failure, describe, log_failure, noted, verdict_note
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._json import storable_json
 from steeple.postgres.queue._progress import ProgressWriter
@@ -404,43 +404,46 @@ class Executor:
             self._env.inflight.remove(ctx.task_id)
 
     async def _failed(
-        self, claimed: Claimed, exc: BaseException, retryable: bool, delay: timedelta | None
+        self,
+        claimed: Claimed,
+        exc: BaseException,
+        kind: FailureKind,
+        delay: timedelta | None,
+        retries_unexpected: bool,
     ) -> None:
         ctx = claimed.ctx
         _tracing.record_failure(exc)  # on the run's span, when tracing is active
-        failure, retry_after = settle_failure(
+        failure, retry_after, verdict = settle_failure(
             exc,
-            retryable,
+            kind,
             delay,
             ctx,
             claimed.backoff,
             self._env.clock.now,
             self._env.random.random,
+            retries_unexpected=retries_unexpected,
             secrets=self._env.secrets,
         )
-        # The task's identity and the handler's own exception, traceback included for an
-        # unexpected one (a JobError is the handler's deliberate verdict: its message says
-        # it, and its traceback is in the attempt history); never the task's args.
-        what = (
-            f"retries in {retry_after.total_seconds():.3f} s"
-            if retry_after is not None
-            else "failed for good"
-        )
+        if retry_after is not None:
+            # An expected retry is one line: its traceback is in the attempt history.
+            attempt = f"attempt {ctx.attempt}/{ctx.max_attempts}"
+            what = f"retries in {retry_after.total_seconds():.3f} s"
+        else:
+            # No "n/max" here: it would promise retries that never come. The handler's own
+            # verdict (JobError.permanent) says so here; the others say why in the summary.
+            attempt = f"attempt {ctx.attempt}"
+            what = "failed, not retried" if verdict is FailureVerdict.VERDICT else "failed"
+        # The task's identity and the handler's own exception, with its traceback when it
+        # failed for good on something unexpected (a JobError is the handler's deliberate
+        # verdict: its message says it, and its traceback is in the attempt history);
+        # never the task's args. The traceback logged is the recorded, scrubbed one.
         log_failure(
             LOG,
             logging.WARNING if retry_after is not None else logging.ERROR,
-            "task %s (%s) attempt %s/%s, run %s, %s: %s",
-            (
-                ctx.task_id,
-                ctx.task_name,
-                ctx.attempt,
-                ctx.max_attempts,
-                ctx.run_id,
-                what,
-                failure.summary,
-            ),
+            "task %s (%s) %s, run %s, %s: %s",
+            (ctx.task_id, ctx.task_name, attempt, ctx.run_id, what, failure.summary),
             failure,
-            with_traceback=not isinstance(exc, JobError),
+            with_traceback=retry_after is None and not isinstance(exc, JobError),
             extra={
                 "task_id": ctx.task_id,
                 "task_name": ctx.task_name,
@@ -465,54 +468,63 @@ def decode_args(task: Task[A], args_text: str) -> A:
 
 def judge_failure(
     error: BaseException, task: Task[Any]
-) -> tuple[BaseException, bool, timedelta | None]:
-    """Return what a handler's failure amounts to: what to record, retryable, asked delay.
+) -> tuple[BaseException, FailureKind, timedelta | None, bool]:
+    """Return what a handler's failure amounts to, for :func:`settle_failure`.
 
-    That is the exception to record, whether it may run again, and the delay it asked for
-    (``None``: the task's backoff decides). A :class:`JobError` says so itself; a result
-    that cannot be stored, or args that no longer decode, fail for good (running again
-    gives the same); any other exception is retryable only when the task opted in with a
+    That is the exception to record, what kind of failure it is, the delay it asked for
+    (``None``: the task's backoff decides) and whether the task retries unexpected
+    exceptions. A :class:`JobError` says itself whether it wants a retry; a result that
+    cannot be stored, or args that no longer decode, fail for good (running again gives the
+    same); any other exception is unexpected, retried only when the task opted in with a
     :class:`RetryPolicy`.
     """
+    retries_unexpected = task.retry is not None
     if isinstance(error, JobError):
-        return error, error.retryable, error.delay
+        kind = FailureKind.RETRY_ASKED if error.retryable else FailureKind.VERDICT
+        return error, kind, error.delay, retries_unexpected
     if isinstance(error, ResultEncodingError):
-        return error, False, None
+        return error, FailureKind.VERDICT, None, retries_unexpected
     if isinstance(error, _Terminal):
-        return error.error, False, None
-    return error, task.retry is not None, None
+        return error.error, FailureKind.VERDICT, None, retries_unexpected
+    return error, FailureKind.UNEXPECTED, None, retries_unexpected
 
 
 def settle_failure(
     exc: BaseException,
-    retryable: bool,
+    kind: FailureKind,
     delay: timedelta | None,
     ctx: JobContext,
     backoff: Backoff,
     now: Callable[[], datetime],
     draw: Callable[[], float],
     *,
+    retries_unexpected: bool,
     secrets: Iterable[str] = (),
-) -> tuple[Failure, timedelta | None]:
-    """Return what is recorded of a failed attempt and how long until it runs again.
+) -> tuple[Failure, timedelta | None, FailureVerdict]:
+    """Return what is recorded of a failed attempt, how long until it runs again, and why.
 
-    ``None`` for the delay means it fails for good: not retryable, or its attempts are
-    used up (core's :func:`~steeple.core.tasks.retry_decision`; the recorded summary then
-    says so). ``now`` and ``draw`` are read only for a retryable failure; ``secrets`` (the
+    Whether it runs again is decided once, in core (:func:`~steeple.core.tasks.failure_outcome`);
+    ``None`` for the delay means it fails for good, and the recorded summary then says why
+    (attempts exhausted, or a plain exception, which is terminal), so the log line,
+    ``run_state``, the CLI and the dashboard all tell the same decision. ``secrets`` (the
     worker's own, see :func:`describe`) are masked in what is recorded.
     """
-    failure = describe(exc, secrets)
-    if not retryable:
-        return failure, None
     instant = now()
-    decision = retry_decision(ctx.attempt, ctx.max_attempts, backoff, instant, draw())
-    if decision.retry and decision.run_at is not None:
-        return failure, delay if delay is not None else decision.run_at - instant
-    exhausted = attrs.evolve(
-        failure,
-        summary=f"attempts exhausted ({ctx.attempt}/{ctx.max_attempts}): " + failure.summary,
+    outcome = failure_outcome(
+        kind,
+        retries_unexpected=retries_unexpected,
+        attempt=ctx.attempt,
+        max_attempts=ctx.max_attempts,
+        backoff=backoff,
+        now=instant,
+        draw=draw(),
     )
-    return exhausted, None
+    failure = noted(
+        describe(exc, secrets), verdict_note(outcome.verdict, ctx.attempt, ctx.max_attempts)
+    )
+    if outcome.retry and outcome.run_at is not None:
+        return failure, delay if delay is not None else outcome.run_at - instant, outcome.verdict
+    return failure, None, outcome.verdict
 
 
 class _Terminal(Exception):

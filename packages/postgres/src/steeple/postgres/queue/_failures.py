@@ -17,6 +17,7 @@ from typing import Any, Final
 import attrs
 
 from steeple.core.dsn import MASK, dsn_secrets
+from steeple.core.tasks import FailureVerdict
 from steeple.postgres.queue._validate import storable_text
 
 __all__ = [
@@ -27,8 +28,10 @@ __all__ = [
     "connection_secrets",
     "describe",
     "log_failure",
+    "noted",
     "scrub_secrets",
     "summary",
+    "verdict_note",
 ]
 
 MAX_ERROR_TEXT: Final = 2000
@@ -146,6 +149,35 @@ def summary(exc: BaseException, secrets: Iterable[str] = ()) -> str:
         text = text[: MAX_ERROR_TEXT - 3] + "..."
     # Handlers' messages may hold NUL or lone surrogates, which PostgreSQL text cannot.
     return storable_text(text)
+
+
+_UNEXPECTED_NOTE: Final = (
+    "not retried (plain exceptions are terminal: raise JobError.retry(...) or give the "
+    "task a RetryPolicy to retry them)"
+)
+
+
+def verdict_note(verdict: FailureVerdict, attempt: int, max_attempts: int) -> str | None:
+    """Return what a failed task's recorded error starts with to say why it was not retried.
+
+    ``None`` when the failure speaks for itself: the task runs again, or the handler gave
+    its own verdict (``JobError.permanent``, args or a result that cannot be used).
+    """
+    if verdict is FailureVerdict.EXHAUSTED:
+        return f"attempts exhausted ({attempt}/{max_attempts})"
+    if verdict is FailureVerdict.UNEXPECTED:
+        return _UNEXPECTED_NOTE
+    return None
+
+
+def noted(failure: Failure, note: str | None) -> Failure:
+    """Return ``failure`` with ``note`` before its summary (kept within its bound)."""
+    if note is None:
+        return failure
+    text = f"{note}: {failure.summary}"
+    if len(text) > MAX_ERROR_TEXT:
+        text = text[: MAX_ERROR_TEXT - 3] + "..."
+    return attrs.evolve(failure, summary=text)
 
 
 def describe(exc: BaseException, secrets: Iterable[str] = ()) -> Failure:

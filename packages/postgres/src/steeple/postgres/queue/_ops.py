@@ -9,7 +9,7 @@ from typing import Any, Final
 
 import attrs
 
-from steeple.core.tasks import TaskEvent, TaskState, transition
+from steeple.core.tasks import TaskEvent, TaskState, attempts_outlook, transition
 from steeple.postgres.queue import _driver, _metrics
 from steeple.postgres.queue._local import local_queue
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, entry_point
@@ -176,6 +176,16 @@ class TaskRun:
     progress: Progress | None = None
     result: Any = None
     history: tuple[TaskAttempt, ...] = ()
+
+    @property
+    def attempts_shown(self) -> str:
+        """Its attempts as an operator reads them: ``"1/5"`` only while retries can happen.
+
+        ``"1, not retried"`` for a task whose failure was terminal, ``"5/5, attempts
+        exhausted"`` for one retried until its attempts ran out (see
+        :func:`steeple.core.tasks.attempts_outlook`).
+        """
+        return attempts_outlook(self.state, self.attempts, self.max_attempts)
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict of every field (instants in ISO 8601, never args)."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -266,6 +266,9 @@ class Scheduler:
         self._listen = listen
         self._require_durable = require_durable
         self._registry: dict[str, Registration[Any]] = {}
+        # Run on one connection once the schema is checked, before the first claim (an
+        # App ensures its periodic jobs there).
+        self._at_start: list[Callable[[Any], Awaitable[None]]] = []
         self._started = False
         self.stats = WorkerStats()
         self._env = WorkerEnv(
@@ -528,6 +531,8 @@ class Scheduler:
                 conn, "SELECT extract(epoch FROM clock_timestamp())::double precision"
             )
             self._env.server_clock.observe(float(server), time.monotonic())
+            for step in self._at_start:
+                await step(conn)
 
         await db.with_connection(check, timeout=self._env.timeout)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timedelta
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
 
@@ -55,6 +55,10 @@ from steeple.postgres.queue.errors import (
     TaskStateError,
 )
 from steeple.postgres.queue.jobs import JobInfo
+from steeple.postgres.queue.tasks import Task, declared_task
+
+if TYPE_CHECKING:
+    from steeple.postgres.queue._app import TaskFunction
 
 __all__ = [
     "MAX_PAGE",
@@ -145,7 +149,7 @@ async def list_tasks(
     *,
     schema: str = DEFAULT_SCHEMA,
     state: TaskState | str | None = None,
-    task_name: str | None = None,
+    task_name: str | Task[Any] | TaskFunction[Any] | None = None,
     after: str | None = None,
     limit: int = 100,
     created_after: datetime | None = None,
@@ -160,7 +164,8 @@ async def list_tasks(
         schema: the queue's PostgreSQL schema.
         state: only tasks in this state (a :class:`~steeple.core.tasks.TaskState` or its
             value, e.g. ``"failed"``).
-        task_name: only tasks of this name.
+        task_name: only tasks of this name (or of this :class:`Task`, or function
+            declared with ``@app.task``).
         after: the ``next_cursor`` of the previous page (exclusive); ``None`` for the first.
         limit: the most tasks returned (1..1000).
         created_after: only tasks created at or after this instant (timezone-aware).
@@ -181,6 +186,8 @@ async def list_tasks(
     check_bool(newest_first, "newest_first")
     position = _newest_cursor(after) if newest_first else _task_cursor(after)
     wanted = _state(state)
+    if task_name is not None and not isinstance(task_name, str):
+        task_name = declared_task(task_name)[0].name
     if task_name is not None:
         check_name(task_name, "task_name")
     check_int(limit, "limit", 1, MAX_PAGE)

@@ -577,3 +577,30 @@ async def materialize_due(
             await _driver.fetch(conn, "SELECT pg_notify($1, '')", notify_channel(schema))
     crash_point("queue.materialize.committed")
     return created
+
+
+@entry_point
+async def _undeclared(
+    conn: Any,
+    prefix: str,
+    declared: list[str],
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    remove: bool = False,
+) -> list[str]:
+    """Return (``remove``: delete and return) the jobs named ``prefix...`` not in ``declared``.
+
+    An App names the jobs it declares with its prefix, so a job with that prefix that it no
+    longer declares was declared by an earlier version of its code. The check and the
+    deletion are one statement: a job declared again meanwhile (same name) is not taken.
+    """
+    s = validate_schema(schema)
+    verb = f"DELETE FROM {s}.jobs" if remove else f"SELECT name FROM {s}.jobs"
+    rows = await _driver.fetch(
+        conn,
+        f"""{verb} WHERE left(name, length($1)) = $1 AND NOT (name = ANY($2::text[]))
+        {"RETURNING name" if remove else "ORDER BY name"}""",
+        prefix,
+        declared,
+    )
+    return sorted(name for (name,) in rows)

@@ -406,15 +406,18 @@ class EnqueueOptions:
         check_timedelta(delay, "delay", timedelta(0), MAX_DELAY)
         return cls._build(options, delay=delay)
 
-    def snapshot(
-        self, task: Task[Any] | None = None
-    ) -> tuple[int, int, timedelta, int, int, int, float]:
+    def snapshot(self, task: object = None) -> tuple[int, int, timedelta, int, int, int, float]:
         """(priority, max_attempts, lease, backoff initial us, max us, factor, jitter).
 
-        What these options leave unset (``None``) comes from ``task`` (its
-        ``max_attempts``, its ``retry`` policy), else the defaults (5 attempts,
-        ``Backoff()``).
+        What these options leave unset (``None``) comes from ``task`` (a :class:`Task` or
+        a function declared with ``@app.task``: its ``max_attempts``, its ``retry``
+        policy), else the defaults (5 attempts, ``Backoff()``).
+
+        Raises:
+            QueueTypeError: ``task`` is neither ``None``, a Task nor an ``@app.task`` function.
         """
+        if task is not None:
+            task = declared_task(task)[0]
         retry = None if task is None else task.retry
         if self.max_attempts is not None:
             max_attempts = self.max_attempts

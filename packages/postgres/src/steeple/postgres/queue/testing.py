@@ -749,9 +749,16 @@ class InMemoryQueue(LocalQueue):
         if error is None:
             self.complete(claimed.task_id, claimed.token, result)
             return
-        recorded, retryable, delay = judge_failure(error, declared.task)
-        failure, retry_after = settle_failure(
-            recorded, retryable, delay, ctx, stored.backoff, self.clock.now, self._random
+        recorded, kind, delay, retries_unexpected = judge_failure(error, declared.task)
+        failure, retry_after, _ = settle_failure(
+            recorded,
+            kind,
+            delay,
+            ctx,
+            stored.backoff,
+            self.clock.now,
+            self._random,
+            retries_unexpected=retries_unexpected,
         )
         if retry_after is not None:
             self.retry(claimed.task_id, claimed.token, retry_after, failure)
