@@ -770,7 +770,8 @@ async def test_a_terminal_failure_says_it_is_not_retried_and_expected_retries_lo
     assert f"failed: {NOT_RETRIED}: ValueError: no such image" in message
     assert "1/5" not in message
     # An unexpected crash keeps its traceback (the recorded, scrubbed text).
-    assert record.exc_text is not None and "ValueError: no such image" in record.exc_text
+    assert record.exc_text is not None
+    assert "ValueError: no such image" in record.exc_text
     retries = logged("fetch")[:2]
     assert [r.levelno for r in retries] == [logging.WARNING, logging.WARNING]
     assert all(r.exc_text is None for r in retries)  # expected: one line, no traceback
