@@ -279,9 +279,15 @@ def _redact_conninfo(dsn: str) -> str:
     if pairs is None:
         return MASK
     shown = []
+    after_secret = False
     for key, value, _ in pairs:
-        if _secret_parameter(key, value):
+        if after_secret and key not in SAFE_PARAMETERS:
+            # A raw space in a secret value makes its tail look like a pair of its own: an
+            # unknown key after a secret may be a piece of it.
+            shown.append(f"{MASK}={MASK}")
+        elif _secret_parameter(key, value):
             shown.append(f"{key if _SHOWN_KEY.fullmatch(key) else MASK}={MASK}")
+            after_secret = True
         else:
             shown.append(f"{key}={_quote_conninfo(value)}")
     return " ".join(shown)
@@ -436,9 +442,13 @@ def dsn_secrets(dsn: object) -> tuple[str, ...]:
         pairs = _conninfo_pairs(dsn)
         if pairs is None:
             found.add(dsn)  # unreadable: any part of it may be the secret
+        after_secret = False
         for key, value, written in pairs or ():
-            if _secret_parameter(key, value):
+            if after_secret and key not in SAFE_PARAMETERS:
+                found.update({key, value, written})  # maybe the tail of a secret
+            elif _secret_parameter(key, value):
                 found.update({value, written})
+                after_secret = True
     pieces = set()
     for secret in found:
         decoded = _decode(secret)
