@@ -81,6 +81,8 @@ from steeple.core.records import (
     ScheduleInfo,
     ScheduleState,
     TickResult,
+    trusted_lease,
+    trusted_outcome,
     validate_occurrence_id,
 )
 from steeple.engine import codec
@@ -678,7 +680,7 @@ class RecurringEngine:
                     lease_digest=capability_digest(capability),
                 )
             )
-            granted.append(Lease(row.occurrence_id, expires, revision, capability))
+            granted.append(trusted_lease(row.occurrence_id, expires, revision, capability))
         return granted, changes
 
     # --- relay ---------------------------------------------------------------------------
@@ -813,7 +815,7 @@ class RecurringEngine:
                 for r in await tx.repo.occurrences([c.occurrence_id for c in changes])
             }
             leased = {c.occurrence_id: c.applied_to(stored[c.occurrence_id]) for c in changes}
-            checked, checks = self._check(tx, granted, leased)
+            checked, checks = self._check(tx, granted, leased, granted=True)
             # A check's change is made from the leased row, so it carries the lease: one
             # write per occurrence.
             final = {c.occurrence_id: c for c in changes} | {c.occurrence_id: c for c in checks}
@@ -843,7 +845,7 @@ class RecurringEngine:
         unopenable: list[tuple[int, Lease, _Attempt]] = []
         for index, entry in enumerate(checked):
             if not isinstance(entry, _Checked):
-                outcomes[index] = RelayOutcome(leases[index].occurrence_id, error=entry)
+                outcomes[index] = trusted_outcome(leases[index].occurrence_id, error=entry)
                 continue
             try:
                 ready.append((index, self._opened(entry)))
@@ -975,9 +977,19 @@ class RecurringEngine:
         return await self._run("relay", body, points="relay.check")
 
     def _check(
-        self, tx: _Tx, leases: Sequence[Lease], rows: Mapping[str, OccurrenceRow]
+        self,
+        tx: _Tx,
+        leases: Sequence[Lease],
+        rows: Mapping[str, OccurrenceRow],
+        *,
+        granted: bool = False,
     ) -> tuple[list[_Checked | SteepleError], list[OccurrenceChange]]:
         """Relay step one's decisions: check each lease against its row (content loaded).
+
+        ``granted``: the leases were granted from these rows in this very transaction
+        (claim and relay in one), so each row holds its lease, live, by construction: the
+        capability digest is not computed again. Leases a caller hands in are always
+        checked in full.
 
         Returns one entry per lease (the checked lease with its sealed content, or the
         error to report) and the changes to write: the attempt counted.
@@ -990,12 +1002,16 @@ class RecurringEngine:
             if (
                 row is None
                 or lease.occurrence_id in taken
-                or not holds_lease(
-                    row.lease_digest, row.lease_revision, lease.capability, lease.revision
-                )
                 or row.state is not OccurrenceState.LEASED
                 or row.lease_expires_at is None
-                or not is_live(row.lease_expires_at, tx.now)
+            ) or (
+                not granted
+                and (
+                    not holds_lease(
+                        row.lease_digest, row.lease_revision, lease.capability, lease.revision
+                    )
+                    or not is_live(row.lease_expires_at, tx.now)
+                )
             ):
                 results.append(
                     RelayLeaseLostError(
@@ -1152,12 +1168,12 @@ class RecurringEngine:
         """Return one lease's outcome, from its attempt and what recording it came to."""
         occurrence_id = lease.occurrence_id
         if attempt.error is not None:
-            return RelayOutcome(occurrence_id, error=attempt.error)
+            return trusted_outcome(occurrence_id, error=attempt.error)
         if attempt.unopenable is not None:
-            return RelayOutcome(occurrence_id, error=stored or attempt.unopenable)
+            return trusted_outcome(occurrence_id, error=stored or attempt.unopenable)
         if attempt.receipt is not None:
             if stored is not None:
-                return RelayOutcome(
+                return trusted_outcome(
                     occurrence_id,
                     error=_caused(
                         RelayAcknowledgementError(
@@ -1170,18 +1186,18 @@ class RecurringEngine:
                     ),
                 )
             if isinstance(note, SteepleError):
-                return RelayOutcome(occurrence_id, error=note)
-            return RelayOutcome(occurrence_id, receipt=attempt.receipt)
+                return trusted_outcome(occurrence_id, error=note)
+            return trusted_outcome(occurrence_id, receipt=attempt.receipt)
         failure, raised = attempt.failure, attempt.raised
         assert failure is not None
         assert raised is not None
         if stored is not None:
             if failure.kind is FailureKind.ACKNOWLEDGEMENT and isinstance(raised, SteepleError):
                 # The broker's own error carries the receipt.
-                return RelayOutcome(occurrence_id, error=_caused(raised, stored))
-            return RelayOutcome(occurrence_id, error=stored)
+                return trusted_outcome(occurrence_id, error=_caused(raised, stored))
+            return trusted_outcome(occurrence_id, error=stored)
         error = publication_error(failure, raised, occurrence_id, str(note))
-        return RelayOutcome(
+        return trusted_outcome(
             occurrence_id, error=error if error is raised else _caused(error, raised)
         )
 
