@@ -92,7 +92,15 @@ class _Timed:
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._store, name)
-        if name not in {"tick", "claim", "relay", "occurrences", "purge_terminal", "schedules"}:
+        if name not in {
+            "tick",
+            "claim",
+            "relay",
+            "claim_and_relay",
+            "occurrences",
+            "purge_terminal",
+            "schedules",
+        }:
             return target
         totals = self._totals[name]
 

@@ -1,9 +1,9 @@
 """The simulator's results are those of the reference store, to the bit.
 
-The in-memory store was made fast (rows indexed by state, an undo log instead of copies,
-cheaper engine paths): the digests below were recorded by running these scenarios on the
-store as it was before (commit ed580a0, which copied its dicts on every transaction and
-converted every row it read). Each digest covers the whole result with every
+The digests below were recorded with the relay workers running the worker's batched
+claim-and-relay rounds, on the engine as it was before values built from values it had
+already checked stopped being checked again (the trusted constructors must change
+nothing). Each digest covers the whole result with every
 occurrence's trace: due and materialization instants, state, attempts, publication
 instant, lateness, backlog samples and the count of every kind of store call. A change of
 any of them, for any occurrence, fails the test.
@@ -130,25 +130,25 @@ REFERENCE = [
         month_end,
         1,
         (10490, 10349, 141, 0, 0),
-        "8c12f811e4b833e928e16a33580bde3c3367c14e1b2da091e61886aca69a21e1",
+        "3247dda2508960abaa8ba36ababfc763e0c5722753c9555a7f0a6638ea26ab09",
     ),
     (
         month_end,
         2,
         (10490, 10350, 140, 0, 0),
-        "0931a561c27de48e3b327d97d94fb9122f989124fb6f363c9a0642089599b12f",
+        "e2bda9eb38dad57e0272890c4cda892bcb9a90024f6367517e76ac6f1589d6c4",
     ),
     (
         turbulent,
         3,
-        (322, 264, 4, 46, 5),
-        "d0941c08d55aca6da2cba5e9c6a98e4312d004d2aadbe48eb8bd385be24005b7",
+        (322, 305, 13, 1, 0),
+        "773ed49ffd3916479b67edebf6bcf9f9d3322f3d1ad61f4a29081d060e6fc40c",
     ),
     (
         turbulent,
         4,
-        (322, 265, 4, 45, 5),
-        "4c8ef44f4236ecfdfcd10217b73864afa607a04c93ce3a48c1d565deb8d4a6b6",
+        (322, 306, 13, 0, 0),
+        "6ed1c91d47661f8b3ccc9b5f7c03aee64172912066961cd82661562d24c4ac27",
     ),
 ]
 

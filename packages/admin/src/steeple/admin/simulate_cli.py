@@ -359,7 +359,12 @@ def simulate(
     ] = 100,
     workers: Annotated[int, typer.Option("--workers", help="Relay workers.")] = 1,
     rate: Annotated[
-        float, typer.Option("--rate", help="Publications per second per worker (0: no limit).")
+        float,
+        typer.Option(
+            "--rate",
+            help="Publications per second of one publication in flight (1 / the broker's "
+            "latency; 0: no time); a worker has up to 32 in flight, as steeple worker does.",
+        ),
     ] = 50.0,
     claim_limit: Annotated[
         int, typer.Option("--claim-limit", help="Leases per claim (1-100).")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from steeple.core._validate import aware_utc, byte_string, encodable
 from steeple.core.errors import ConfigurationTypeError
@@ -51,15 +53,22 @@ def idempotency_key(
         ConfigurationError: a name holds a lone surrogate (no UTF-8 form), ``due_at`` is
             naive, or ``generation`` is over 64 KiB (each also a ``ValueError``).
     """
-    parts = [
-        _text_part(purpose, "purpose"),
-        _text_part(namespace, "namespace"),
-        _text_part(definition_name, "definition_name"),
-    ]
+    digest = _prefix(_text_part(purpose, "purpose"), _text_part(namespace, "namespace")).copy()
     due_ms = (aware_utc(due_at, "due_at") - _EPOCH) // _MS
-    parts.append(str(due_ms).encode())
-    parts.append(byte_string(generation, "generation", max_len=_MAX_PART_BYTES))
-    digest = hashlib.sha256()
-    for part in parts:
+    for part in (
+        _text_part(definition_name, "definition_name"),
+        str(due_ms).encode(),
+        byte_string(generation, "generation", max_len=_MAX_PART_BYTES),
+    ):
         digest.update(_part(part))
     return f"stp1-{digest.hexdigest()[:48]}"
+
+
+@functools.lru_cache(maxsize=64)
+def _prefix(purpose: bytes, namespace: bytes) -> Any:
+    # Every key of a namespace and purpose starts with the same two parts: hashed once,
+    # copied for each key (the same digest as hashing them every time).
+    digest = hashlib.sha256()
+    digest.update(_part(purpose))
+    digest.update(_part(namespace))
+    return digest

@@ -33,6 +33,8 @@ __all__ = [
     "TickResult",
     "occurrence_cursor",
     "parse_occurrence_cursor",
+    "trusted_lease",
+    "trusted_outcome",
     "validate_occurrence_id",
 ]
 
@@ -94,6 +96,26 @@ class Lease:
             f"Lease(occurrence_id={self.occurrence_id!r}, "
             f"expires_at={self.expires_at.isoformat()!r}, revision={self.revision})"
         )
+
+
+def trusted_lease(
+    occurrence_id: str, expires_at: datetime, revision: int, capability: bytes
+) -> Lease:
+    """Build a :class:`Lease` from values a store produced itself, without checking them.
+
+    For the engine only: the id is one it issued, the expiry an aware instant it
+    computed, the revision a stored counter plus one, the capability fresh random bytes.
+    Everything a caller hands in goes through ``Lease(...)``, which checks every field;
+    a test requires both to build equal leases from the same values.
+    """
+    lease = object.__new__(Lease)
+    # A frozen attrs class: fields are set the way its own __init__ sets them.
+    _set = object.__setattr__
+    _set(lease, "occurrence_id", occurrence_id)
+    _set(lease, "expires_at", expires_at)
+    _set(lease, "revision", revision)
+    _set(lease, "capability", capability)
+    return lease
 
 
 class ScheduleState:
@@ -206,6 +228,27 @@ class RelayOutcome:
 
 
 # --- identities and cursors a boundary can check before anything reaches storage -------------
+
+
+def trusted_outcome(
+    occurrence_id: str,
+    receipt: BrokerReceipt | None = None,
+    error: SteepleError | None = None,
+) -> RelayOutcome:
+    """Build a :class:`RelayOutcome` from values the engine holds, without checking them.
+
+    For the engine only: the id comes from a checked :class:`Lease`, the receipt passed
+    the engine's own type check, exactly one of ``receipt`` and ``error`` is set. A
+    caller's values go through ``RelayOutcome(...)``; a test requires both to build equal
+    outcomes.
+    """
+    outcome = object.__new__(RelayOutcome)
+    _set = object.__setattr__
+    _set(outcome, "occurrence_id", occurrence_id)
+    _set(outcome, "receipt", receipt)
+    _set(outcome, "error", error)
+    return outcome
+
 
 _OCCURRENCE_ID: Final = re.compile(r"[0-9a-f]{32}\Z")
 _OCCURRENCE_CURSOR: Final = re.compile(r"([0-9]{15})\.([0-9a-f]{32})\Z")

@@ -81,6 +81,8 @@ from steeple.core.records import (
     ScheduleInfo,
     ScheduleState,
     TickResult,
+    trusted_lease,
+    trusted_outcome,
     validate_occurrence_id,
 )
 from steeple.engine import codec
@@ -680,7 +682,7 @@ class RecurringEngine:
                     lease_digest=capability_digest(capability),
                 )
             )
-            granted.append(Lease(row.occurrence_id, expires, revision, capability))
+            granted.append(trusted_lease(row.occurrence_id, expires, revision, capability))
         return granted, changes
 
     # --- relay ---------------------------------------------------------------------------
@@ -809,17 +811,39 @@ class RecurringEngine:
             granted, changes = await self._grant(tx, limit)
             if not granted:
                 return granted, []
-            # The claimed rows as they are once leased, with their content.
+            # The claimed rows with their content (a claimable row need not carry it).
             stored = {
                 r.occurrence_id: r
                 for r in await tx.repo.occurrences([c.occurrence_id for c in changes])
             }
-            leased = {c.occurrence_id: c.applied_to(stored[c.occurrence_id]) for c in changes}
-            checked, checks = self._check(tx, granted, leased)
-            # A check's change is made from the leased row, so it carries the lease: one
-            # write per occurrence.
-            final = {c.occurrence_id: c for c in changes} | {c.occurrence_id: c for c in checks}
-            await tx.repo.update_occurrences(list(final.values()))
+            # Each lease was granted from its row just now, under this lock: the row holds
+            # it, live, by construction, so the check of ``relay_many`` (capability digest,
+            # revision, state, expiry) has nothing to find; only the attempt is counted.
+            # The grant's change carries it: one write per occurrence.
+            checked: list[_Checked | SteepleError] = []
+            final: list[OccurrenceChange] = []
+            for lease, change in zip(granted, changes, strict=True):
+                row = stored[lease.occurrence_id]
+                # Built directly (attrs.evolve is several times slower): once per relay.
+                final.append(
+                    OccurrenceChange(
+                        occurrence_id=change.occurrence_id,
+                        state=change.state,
+                        attempts=change.attempts + 1,
+                        next_attempt_at=change.next_attempt_at,
+                        last_error=change.last_error,
+                        lease_expires_at=change.lease_expires_at,
+                        lease_revision=change.lease_revision,
+                        lease_digest=change.lease_digest,
+                        updated_at=tx.now,
+                        finished_at=change.finished_at,
+                        erase_content=change.erase_content,
+                    )
+                )
+                checked.append(
+                    _Checked(lease, row.content, row.definition_name, row.due_at, lease.expires_at)
+                )
+            await tx.repo.update_occurrences(final)
             return granted, checked
 
         (granted, checked), checked_at = await self._run("claim", body, points="claim")
@@ -845,7 +869,7 @@ class RecurringEngine:
         unopenable: list[tuple[int, Lease, _Attempt]] = []
         for index, entry in enumerate(checked):
             if not isinstance(entry, _Checked):
-                outcomes[index] = RelayOutcome(leases[index].occurrence_id, error=entry)
+                outcomes[index] = trusted_outcome(leases[index].occurrence_id, error=entry)
                 continue
             try:
                 ready.append((index, self._opened(entry)))
@@ -871,9 +895,12 @@ class RecurringEngine:
             limit = asyncio.Semaphore(concurrency)
             async with asyncio.TaskGroup() as group:
                 # Named for the loop-lag monitor, which reports the task that blocks.
+                # A batch no larger than the concurrency needs no semaphore: all start.
                 tasks = [
                     group.create_task(
-                        self._publish(prepared, broker, checked_at, limit),
+                        self._publish_now(prepared, broker, checked_at)
+                        if len(ready) <= concurrency
+                        else self._publish(prepared, broker, checked_at, limit),
                         name=f"steeple relay: publish occurrence {prepared.lease.occurrence_id}",
                     )
                     for _, prepared in ready
@@ -1154,12 +1181,12 @@ class RecurringEngine:
         """Return one lease's outcome, from its attempt and what recording it came to."""
         occurrence_id = lease.occurrence_id
         if attempt.error is not None:
-            return RelayOutcome(occurrence_id, error=attempt.error)
+            return trusted_outcome(occurrence_id, error=attempt.error)
         if attempt.unopenable is not None:
-            return RelayOutcome(occurrence_id, error=stored or attempt.unopenable)
+            return trusted_outcome(occurrence_id, error=stored or attempt.unopenable)
         if attempt.receipt is not None:
             if stored is not None:
-                return RelayOutcome(
+                return trusted_outcome(
                     occurrence_id,
                     error=_caused(
                         RelayAcknowledgementError(
@@ -1172,18 +1199,18 @@ class RecurringEngine:
                     ),
                 )
             if isinstance(note, SteepleError):
-                return RelayOutcome(occurrence_id, error=note)
-            return RelayOutcome(occurrence_id, receipt=attempt.receipt)
+                return trusted_outcome(occurrence_id, error=note)
+            return trusted_outcome(occurrence_id, receipt=attempt.receipt)
         failure, raised = attempt.failure, attempt.raised
         assert failure is not None
         assert raised is not None
         if stored is not None:
             if failure.kind is FailureKind.ACKNOWLEDGEMENT and isinstance(raised, SteepleError):
                 # The broker's own error carries the receipt.
-                return RelayOutcome(occurrence_id, error=_caused(raised, stored))
-            return RelayOutcome(occurrence_id, error=stored)
+                return trusted_outcome(occurrence_id, error=_caused(raised, stored))
+            return trusted_outcome(occurrence_id, error=stored)
         error = publication_error(failure, raised, occurrence_id, str(note))
-        return RelayOutcome(
+        return trusted_outcome(
             occurrence_id, error=error if error is raised else _caused(error, raised)
         )
 

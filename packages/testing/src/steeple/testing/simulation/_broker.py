@@ -22,8 +22,11 @@ _NAME: Final = "simulated"
 class SimulatedBroker:
     """A :class:`~steeple.core.ports.MessageBroker` whose failures follow a :class:`BrokerModel`.
 
-    The simulator tells it the current instant (as microseconds since the epoch) before
-    each relay. In an outage every publication raises :class:`BrokerUnavailableError`;
+    The simulator tells it when a batch starts (:meth:`begin`, microseconds since the
+    epoch), how many publications run at once and how long each takes: the ``k``-th
+    publication of the batch (in the order they are made) starts at
+    ``start + (k // concurrency) * latency``, and the failure model judges it at that
+    instant. In an outage every publication raises :class:`BrokerUnavailableError`;
     otherwise one seeded draw per publication decides between a failure, an accepted
     publication whose acknowledgement is lost (:class:`RelayAcknowledgementError` with the
     receipt) and a plain acceptance. Acceptance goes to ``inner`` when one is given (a
@@ -35,7 +38,12 @@ class SimulatedBroker:
         model: outages and rates.
         seed: seeds the failure draws (independent of the store's random source).
         inner: the broker that accepts publications, if not this one.
-        now_us: the current instant (microseconds since the epoch), set by the simulator.
+        now_us: when the current publication starts (microseconds since the epoch).
+        concurrency: publications of a batch in flight at once.
+        latency_us: how long one publication takes (microseconds; 0: no time).
+        slots: publications made in the current batch.
+        accepted_at: when each accepted publication of the current batch ended (its
+            acknowledgement arrived), by idempotency key.
         accepted: publications accepted (first copies).
         duplicates: publications recognised by their idempotency key.
     """
@@ -44,6 +52,11 @@ class SimulatedBroker:
     seed: int
     inner: MessageBroker | None = None
     now_us: int = 0
+    concurrency: int = 1
+    latency_us: int = 0
+    batch_start_us: int = attrs.field(default=0, init=False)
+    slots: int = attrs.field(default=0, init=False)
+    accepted_at: dict[str, int] = attrs.field(factory=dict, init=False)
     accepted: int = attrs.field(default=0, init=False)
     duplicates: int = attrs.field(default=0, init=False)
     _outages: tuple[tuple[int, int], ...] = attrs.field(default=(), init=False)
@@ -53,6 +66,17 @@ class SimulatedBroker:
     def __attrs_post_init__(self) -> None:
         self._rng = _random.Random(f"steeple-broker:{self.seed}")  # noqa: S311 - a model, not secrets
         self._outages = tuple((to_us(o.start), to_us(o.end)) for o in self.model.outages)
+
+    def begin(self, start_us: int) -> None:
+        """Start a batch at ``start_us``: its first publications start then."""
+        self.batch_start_us = self.now_us = start_us
+        self.slots = 0
+        self.accepted_at.clear()
+
+    def batch_end(self) -> int:
+        """Return when the current batch's last publication ends (its start if it made none)."""
+        waves = -(-self.slots // self.concurrency)
+        return self.batch_start_us + waves * self.latency_us
 
     def down(self, at_us: int) -> bool:
         """Return whether the broker is in an outage at ``at_us``."""
@@ -67,7 +91,10 @@ class SimulatedBroker:
             BrokerUnavailableError: an outage, or a drawn failure (retryable).
             RelayAcknowledgementError: accepted, but the acknowledgement was lost.
         """
-        if self._outages and self.down(self.now_us):
+        slot = self.slots
+        self.slots = slot + 1
+        self.now_us = now = self.batch_start_us + (slot // self.concurrency) * self.latency_us
+        if self._outages and self.down(now):
             raise BrokerUnavailableError("simulated broker outage")
         model = self.model
         lose_ack = False
@@ -82,6 +109,7 @@ class SimulatedBroker:
             )
         else:
             receipt = self._accept(idempotency_key)
+        self.accepted_at[idempotency_key] = now + self.latency_us
         if receipt.duplicate:
             self.duplicates += 1
         else:

@@ -274,6 +274,7 @@ def scenario_json(scenario: Scenario) -> dict[str, Any]:
         "workers": relay.workers,
         "rate_per_worker": relay.rate,
         "claim_limit": relay.claim_limit,
+        "concurrency": relay.concurrency,
         "poll_interval_s": relay.poll_interval.total_seconds(),
         "broker_outages": [i.iso() for i in scenario.broker.outages],
         "broker_failure_rate": scenario.broker.failure_rate,

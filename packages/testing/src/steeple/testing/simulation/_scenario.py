@@ -10,6 +10,7 @@ from typing import Final
 
 import attrs
 
+from steeple.core import limits
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.errors import ConfigurationError
 from steeple.core.policies import validate_budget
@@ -281,11 +282,18 @@ class Ticking:
 class RelayCapacity:
     """The relay workers: how many, how fast each publishes, how much each claims.
 
+    Each worker runs what ``steeple worker`` runs: one batched claim-and-relay of up to
+    ``claim_limit`` leases, its publications ``concurrency`` at a time.
+
     Attributes:
         workers: relay workers claiming and publishing independently (1-1000).
-        rate: publications per second per worker (``None``: publishing takes no time).
+        rate: publications per second of one publication slot: each publication takes
+            ``1 / rate`` seconds (the broker's latency; ``None``: no time), so a worker
+            publishes up to ``concurrency * rate`` per second.
         claim_limit: leases claimed at once (1-100); a full claim is claimed again right
             after its batch, a short one waits for new work.
+        concurrency: publications of a batch in flight at once (1-100; the worker's
+            default is 32).
         poll_interval: how often an idle worker would poll (the simulator jumps straight to
             the poll that can find work).
 
@@ -298,6 +306,7 @@ class RelayCapacity:
     rate: float | None = 50.0
     claim_limit: int = 100
     poll_interval: timedelta = timedelta(seconds=1)
+    concurrency: int = limits.RELAY_CONCURRENCY
 
     def __attrs_post_init__(self) -> None:
         _count(self.workers, "workers", 1, _MAX_WORKERS)
@@ -311,6 +320,7 @@ class RelayCapacity:
                 )
         validate_budget(self.claim_limit, "claim limit")
         _positive(self.poll_interval, "poll interval")
+        _count(self.concurrency, "concurrency", limits.MIN_BATCH, limits.MAX_BATCH)
 
 
 @attrs.frozen

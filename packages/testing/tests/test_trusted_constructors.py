@@ -1,0 +1,84 @@
+"""Values the engine builds from values it checked skip the checks, and equal checked ones.
+
+The engine builds every lease it grants and every relay outcome it reports through
+trusted factories (no field checks: the values are its own). The public constructors
+keep every check. Both must build equal values, and the leases and outcomes a store
+hands out must be exactly what the public constructors build from the same fields.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import attrs
+import pytest
+
+from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage
+from steeple.core.errors import BrokerUnavailableError, ConfigurationError
+from steeple.core.messages import BrokerReceipt
+from steeple.core.records import Lease, RelayOutcome, trusted_lease, trusted_outcome
+from steeple.testing import FakeClock, MemoryBroker
+from steeple.testing.entropy import DeterministicRandom
+from steeple.testing.simulation import memory_store
+
+AT = datetime(2026, 1, 1, 12, tzinfo=UTC)
+
+
+def test_a_trusted_lease_equals_the_checked_one() -> None:
+    fields = ("ab" * 16, AT, 7, b"\x01" * 32)
+    trusted, checked = trusted_lease(*fields), Lease(*fields)
+    assert trusted == checked
+    assert hash(trusted) == hash(checked)
+    assert repr(trusted) == repr(checked)
+    assert attrs.asdict(trusted) == attrs.asdict(checked)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        trusted.revision = 8  # type: ignore[misc]
+
+
+def test_a_trusted_outcome_equals_the_checked_one() -> None:
+    receipt = BrokerReceipt(broker="memory", idempotency_key="k" * 16)
+    error = BrokerUnavailableError("down")
+    assert trusted_outcome("ab" * 16, receipt=receipt) == RelayOutcome("ab" * 16, receipt=receipt)
+    assert trusted_outcome("ab" * 16, error=error) == RelayOutcome("ab" * 16, error=error)
+    assert trusted_outcome("ab" * 16, receipt=receipt).result() == receipt
+
+
+def test_the_public_constructors_still_check_every_field() -> None:
+    with pytest.raises(ConfigurationError):
+        Lease("has space", AT, 1, b"x")
+    with pytest.raises(ConfigurationError):
+        Lease("ab" * 16, datetime(2026, 1, 1), 1, b"x")
+    with pytest.raises(ConfigurationError):
+        Lease("ab" * 16, AT, -1, b"x")
+    with pytest.raises(ConfigurationError):
+        RelayOutcome("ab" * 16)
+    with pytest.raises(ConfigurationError):
+        RelayOutcome(
+            "ab" * 16,
+            receipt=BrokerReceipt(broker="m", idempotency_key="k"),
+            error=BrokerUnavailableError("x"),
+        )
+
+
+async def test_a_stores_leases_and_outcomes_are_what_the_checked_constructors_build() -> None:
+    clock = FakeClock(AT)
+    store = await memory_store(RecurringConfig("trusted", 10, 100), clock, DeterministicRandom(3))
+    message = ScheduledMessage("jobs", "job.run", b"{}")
+    for i in range(3):
+        await store.create(
+            RecurringDefinition(f"job-{i}", "* * * * *", AT, MissedRunPolicy.CATCH_UP, message)
+        )
+    clock.advance(timedelta(minutes=2))
+    await store.tick(100)
+    leases = await store.claim(2)
+    assert len(leases) == 2
+    for lease in leases:
+        assert lease == Lease(
+            lease.occurrence_id, lease.expires_at, lease.revision, lease.capability
+        )
+    outcomes = [*await store.relay_many(leases, MemoryBroker())]
+    outcomes += await store.claim_and_relay(100, MemoryBroker())
+    assert len(outcomes) == 6
+    for outcome in outcomes:
+        assert outcome == RelayOutcome(outcome.occurrence_id, outcome.receipt, outcome.error)
+    await store.close()
