@@ -655,7 +655,7 @@ def create_admin_app(
                     if verb == "cancel":
                         after_cancel = await admin.cancel(task_id)
                         ok = after_cancel == "cancelled"
-                        reason = f"it is {after_cancel}" if after_cancel else "no such task"
+                        reason = f"it already {after_cancel}" if after_cancel else "no such task"
                     else:
                         ok = await admin.retry(task_id) is not None
                         reason = "no such task"

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
 
 from steeple.admin import simulate_cli
 from steeple.admin._cli import demo, keys, queue, recurring, serve, worker
+from steeple.admin._cli.options import GroupedGroup, Typer
 
 __all__ = ["app", "main"]
 
@@ -34,7 +34,7 @@ _EXIT_CODES_HELP = (
 _CLICK_ERRORS = tuple(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
-class _SteepleGroup(TyperGroup):
+class _SteepleGroup(GroupedGroup):
     """The root group: usage errors as one line (like every other error), servers stopped."""
 
     def main(
@@ -90,7 +90,7 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-app = typer.Typer(
+app = Typer(
     name="steeple",
     cls=_SteepleGroup,
     help="steeple: durable scheduled work on PostgreSQL.\n\n" + _EXIT_CODES_HELP,

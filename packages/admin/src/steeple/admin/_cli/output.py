@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import typer
 
 from steeple.admin._cli.options import given_dsns
+from steeple.admin._text import plural
 from steeple.admin.settings import DSN_ENV, CliError, ExitCode
 
 if TYPE_CHECKING:
@@ -39,10 +40,12 @@ __all__ = [
     "on_store",
     "one_line",
     "out",
+    "plural",
     "print_json",
     "print_page",
     "run",
     "say",
+    "short_when",
     "typed",
     "when",
 ]
@@ -51,9 +54,8 @@ T = TypeVar("T")
 _MAX_LINE = 1000
 
 
-@functools.cache
 def out() -> Console:
-    """Return the console of results (stdout)."""
+    """Return a console of results (stdout), as wide as the terminal is now."""
     from rich.console import Console
 
     return Console(highlight=False, soft_wrap=True)
@@ -70,14 +72,19 @@ def err() -> Console:
 _CONTROL: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
-def one_line(text: str) -> str:
-    """Scrub ``text`` of any given DSN's secrets and make it one bounded, printable line."""
+def one_line(text: str, *, keep_spacing: bool = False) -> str:
+    """Scrub ``text`` of any given DSN's secrets and make it one bounded, printable line.
+
+    The one escaping of what the command prints. Line breaks and tabs become spaces;
+    runs of spaces collapse unless ``keep_spacing`` (a traceback line keeps its
+    indentation, an aligned field its column).
+    """
     from steeple.core.dsn import scrub
 
     for dsn in (*given_dsns, os.environ.get(DSN_ENV)):
         if dsn:
             text = scrub(text, dsn)
-    text = " ".join(text.split())
+    text = " ".join(text.expandtabs(4).splitlines()) if keep_spacing else " ".join(text.split())
     # Other control characters (ESC, DEL, C1...) from stored text -- a handler's error
     # message, a task's result -- would steer the terminal: shown escaped instead.
     text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
@@ -86,10 +93,10 @@ def one_line(text: str) -> str:
     return text if len(text) <= _MAX_LINE else text[: _MAX_LINE - 3] + "..."
 
 
-def say(text: str, *, stderr: bool = False) -> None:
-    """Print one plain line (scrubbed), to stdout or stderr."""
+def say(text: str, *, stderr: bool = False, keep_spacing: bool = False) -> None:
+    """Print one plain line (scrubbed, escaped: :func:`one_line`), to stdout or stderr."""
     stream = sys.stderr if stderr else sys.stdout
-    stream.write(one_line(text) + "\n")
+    stream.write(one_line(text, keep_spacing=keep_spacing) + "\n")
     stream.flush()
 
 
@@ -208,21 +215,61 @@ def when(value: datetime | None) -> str:
     return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def short_when(value: datetime | None) -> str:
+    """Write an instant as ``MM-DD HH:MM:SS`` in UTC, or ``-`` (a table column; --json: all)."""
+    return "-" if value is None else value.astimezone(UTC).strftime("%m-%d %H:%M:%S")
+
+
 def print_json(data: Any) -> None:
     """Print ``data`` as indented JSON on stdout."""
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
-def print_table(title: str, columns: Iterable[str], rows: Iterable[Sequence[str]]) -> None:
-    """Print a table on stdout (cells are text, never markup)."""
-    from rich.markup import escape
-    from rich.table import Table
+def print_table(
+    title: str,
+    columns: Iterable[str],
+    rows: Iterable[Sequence[str]],
+    *,
+    elastic: str | None = None,
+) -> None:
+    """Print a table on stdout, one line per row (cells are text, never markup).
 
-    table = Table(title=escape(title))
-    for column in columns:
-        table.add_column(escape(column))
+    Every cell is escaped as :func:`one_line` escapes. The ``elastic`` column (a long
+    free text such as the last error) takes the room the others leave and is cut with an
+    ellipsis; the others keep their full width (a name is never cut to make room for it).
+    Without one, cells wrap as the terminal's width requires.
+    """
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    names = list(columns)
+    # A rule under the headings and no frame: the columns get the room borders would take.
+    table = Table(
+        title=Text(one_line(title)),
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+    )
+    for column in names:
+        if elastic is None:
+            table.add_column(Text(column))
+        elif column == elastic:
+            header = Text(column, no_wrap=True, overflow="ellipsis")
+            table.add_column(header, no_wrap=False, min_width=6)
+        else:
+            table.add_column(Text(column), no_wrap=True)
     for row in rows:
-        table.add_row(*(escape(cell) for cell in row))
+        cells = [one_line(cell, keep_spacing=True) for cell in row]
+        table.add_row(
+            *(
+                Text(cell, no_wrap=True, overflow="ellipsis")
+                if elastic is not None and name == elastic
+                else Text(cell)
+                for name, cell in zip(names, cells, strict=True)
+            )
+        )
     out().print(table)
 
 
@@ -234,11 +281,12 @@ def print_page(
     title: str,
     columns: Iterable[str],
     row: Callable[[T], Sequence[str]],
+    elastic: str | None = None,
 ) -> None:
     """Print one page of a listing as JSON or as a table, with the next page's cursor."""
     if as_json:
         print_json({"items": [to_json(i) for i in page.items], "next_cursor": page.next_cursor})
         return
-    print_table(title, columns, (row(item) for item in page.items))
+    print_table(title, columns, (row(item) for item in page.items), elastic=elastic)
     if page.next_cursor:
         say(f"more: --after {page.next_cursor}")

@@ -285,10 +285,20 @@ async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SC
         raise TaskStateError(
             task_id,
             before.value,
-            f"task {task_id} is {before.value}; only failed tasks can be retried",
+            f"task {task_id} {_AS_FOUND.get(before.value, 'is ' + before.value)}; only failed "
+            "tasks can be retried",
         )
     transition(before, TaskEvent.RETRY)  # the table's move (raises if the SQL made another)
     return await run_state(conn, task_id, schema=schema)
+
+
+# How a refusal says the state it found, in words a person would use.
+_AS_FOUND: Final = {
+    "pending": "is still pending",
+    "running": "is running",
+    "succeeded": "already succeeded",
+    "cancelled": "was cancelled",
+}
 
 
 @entry_point
