@@ -839,3 +839,29 @@ async def test_the_overview_flags_a_queue_with_due_work_no_worker_claims(
     assert 'id="unserved-queues"' in page.text
     assert "no worker seems to serve orphan" in page.text
     assert page.text.count(">unserved</span>") == 1
+
+
+def test_answered_live_polls_stay_out_of_the_access_log() -> None:
+    import logging
+
+    from steeple.admin.serve import LivePollFilter
+
+    def record(path: str, status: int) -> logging.LogRecord:
+        # uvicorn's access record: client, method, path with query, HTTP version, status.
+        return logging.LogRecord(
+            "uvicorn.access",
+            logging.INFO,
+            __file__,
+            1,
+            '%s - "%s %s HTTP/%s" %d',
+            ("127.0.0.1:5000", "GET", path, "1.1", status),
+            None,
+        )
+
+    kept = LivePollFilter()
+    assert not kept.filter(record("/ui/ops/tasks?live=1", 200))
+    assert not kept.filter(record("/ui/ops?state=failed&live=1", 200))
+    assert kept.filter(record("/ui/ops/tasks?live=1", 503))  # a failed poll is news
+    assert kept.filter(record("/ui/ops/tasks", 200))
+    assert kept.filter(record("/api/ops/tasks/retry", 200))
+    assert kept.filter(record("/ui/ops/tasks?alive=1", 200))

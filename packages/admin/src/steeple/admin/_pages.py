@@ -43,6 +43,16 @@ def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
+def stamp(value: datetime | None) -> str:
+    """Render an instant for a table cell: month, day and time (UTC); the year on hover."""
+    if value is None:
+        return '<span class="none">-</span>'
+    full = utc(value)
+    return (
+        f'<time datetime="{esc(value.isoformat())}" title="{esc(full)} UTC">{esc(full[5:])}</time>'
+    )
+
+
 def utc(value: datetime | None) -> str:
     """Format an instant in UTC (``-`` for none); the page labels its times UTC."""
     if value is None:
@@ -257,14 +267,14 @@ def tasks_table(links: Links, items: Sequence[TaskRecord], actions: bool) -> str
     rows = [
         [
             f'<a href="{esc(links.task(t.task_id))}">{t.task_id}</a>',
-            esc(t.name),
+            f'<span class="name" title="{esc(t.name)}">{esc(t.name)}</span>',
             esc(t.queue),
             badge(t.state),
             f"{t.attempts}/{t.max_attempts}",
             progress_cell(t),
-            esc(utc(t.created_at)),
-            esc(utc(t.run_at)),
-            esc(utc(t.finished_at)),
+            stamp(t.created_at),
+            stamp(t.run_at),
+            stamp(t.finished_at),
             _clip(t.last_error),
             *(task_buttons(t) if actions else []),
         ]
@@ -584,25 +594,15 @@ def chart_section(overview: Overview) -> str:
 
 
 def queue_throughput(overview: Overview) -> str:
-    """Render what each named queue finished in the last hour, per state and per minute."""
+    """Render what each named queue finished over the chart's window, per terminal state."""
     states = list(overview.finished)
-    minutes = max(
-        1.0, len(next(iter(overview.finished.values()), ())) * overview.bucket_seconds / 60
-    )
-    rows = []
-    for name, per in overview.finished_by_queue.items():
-        total = sum(per.values())
-        rows.append(
-            [
-                esc(name),
-                *(esc(per.get(s, 0)) for s in states),
-                esc(total),
-                esc(f"{total / minutes:.1f}"),
-            ]
-        )
+    rows = [
+        [esc(name), *(esc(per.get(s, 0)) for s in states), esc(sum(per.values()))]
+        for name, per in overview.finished_by_queue.items()
+    ]
     return (
         '<div class="by-queue">'
-        + table("queue-throughput", ["queue", *states, "total", "per minute"], rows, False)
+        + table("queue-throughput", ["queue", *states, "total"], rows, False)
         + "</div>"
     )
 
