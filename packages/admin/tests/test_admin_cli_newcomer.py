@@ -20,7 +20,6 @@ import pytest
 from typer.testing import CliRunner
 
 from steeple.admin.cli import app
-from steeple.admin.embedded import running_server
 from steeple.admin.settings import CliError, ExitCode, parse_duration
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -197,6 +196,8 @@ async def test_counts_and_states_read_as_sentences(seeded: Any) -> None:
 
 
 def test_a_stale_pid_file_is_no_running_server(tmp_path: Path) -> None:
+    from steeple.admin.embedded import running_server
+
     pgdata = tmp_path / "pgdata"
     pgdata.mkdir()
     assert running_server(pgdata) is None  # no file
