@@ -853,8 +853,34 @@ async def test_task_list_and_page_say_a_terminal_failure_is_not_retried(
         listing = await http.get("/ui/ops/tasks")
         page = await http.get(f"/ui/ops/tasks/{failed}")
     assert listing.status_code == page.status_code == 200
-    assert "<td>1, not retried</td>" in listing.text
+    assert ">1, not retried</td>" in listing.text
     assert "1/5" not in listing.text
-    assert "<td>0/5</td>" in listing.text  # pending tasks can still be retried
+    assert ">0/5</td>" in listing.text  # pending tasks can still be retried
     assert "<dd>1, not retried (4 of its 5 attempts unused)</dd>" in page.text
     assert "1 of 5" not in page.text
+
+
+def test_answered_live_polls_stay_out_of_the_access_log() -> None:
+    import logging
+
+    from steeple.admin.serve import LivePollFilter
+
+    def record(path: str, status: int) -> logging.LogRecord:
+        # uvicorn's access record: client, method, path with query, HTTP version, status.
+        return logging.LogRecord(
+            "uvicorn.access",
+            logging.INFO,
+            __file__,
+            1,
+            '%s - "%s %s HTTP/%s" %d',
+            ("127.0.0.1:5000", "GET", path, "1.1", status),
+            None,
+        )
+
+    kept = LivePollFilter()
+    assert not kept.filter(record("/ui/ops/tasks?live=1", 200))
+    assert not kept.filter(record("/ui/ops?state=failed&live=1", 200))
+    assert kept.filter(record("/ui/ops/tasks?live=1", 503))  # a failed poll is news
+    assert kept.filter(record("/ui/ops/tasks", 200))
+    assert kept.filter(record("/api/ops/tasks/retry", 200))
+    assert kept.filter(record("/ui/ops/tasks?alive=1", 200))

@@ -135,7 +135,13 @@ async def test_listings_as_json_and_tables(seeded: Any) -> None:
     assert "secret" not in first.stdout + rest.stdout  # never payloads
     tasks = await ainvoke(["tasks", "--json"], env)
     assert tasks.exit_code == 0, tasks.output
-    assert [t["task_id"] for t in json.loads(tasks.stdout)["items"]] == list(seeded.task_ids)
+    # The newest first: on a busy queue the latest work is on the first page.
+    newest = [t["task_id"] for t in json.loads(tasks.stdout)["items"]]
+    assert newest == sorted(seeded.task_ids, reverse=True)
+    first_page = await ainvoke(["tasks", "--json", "--limit", "1"], env)
+    assert [t["task_id"] for t in json.loads(first_page.stdout)["items"]] == [newest[0]]
+    oldest = await ainvoke(["tasks", "list", "--json", "--oldest-first"], env)
+    assert [t["task_id"] for t in json.loads(oldest.stdout)["items"]] == list(seeded.task_ids)
     pending = await ainvoke(["tasks", "--json", "--state", "succeeded"], env)
     assert json.loads(pending.stdout)["items"] == []
     bad_state = await ainvoke(["tasks", "--state", "sleeping"], env)
@@ -190,9 +196,9 @@ async def test_cancel_retry_purge(seeded: Any) -> None:
     assert no_task.exit_code == ExitCode.FAILED
     pruned = await ainvoke(["purge", "--tasks", "--older-than", "0s", "--yes"], env)
     assert pruned.exit_code == 0
-    assert "purged 1 terminal tasks" in pruned.stdout
-    states = json.loads((await ainvoke(["tasks", "--json"], env)).stdout)["items"]
-    assert [t["task_id"] for t in states] == list(seeded.task_ids[1:])
+    assert "purged 1 terminal task older" in pruned.stdout
+    states = json.loads((await ainvoke(["tasks", "--json", "--oldest-first"], env)).stdout)
+    assert [t["task_id"] for t in states["items"]] == list(seeded.task_ids[1:])
 
     listing = await ainvoke(["schedules", "--json"], env)
     listed = {s["name"]: s["state"] for s in json.loads(listing.stdout)["items"]}

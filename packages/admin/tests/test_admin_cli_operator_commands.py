@@ -268,7 +268,7 @@ async def test_tasks_retry_show_cancel_and_filters(seeded: Any) -> None:
     assert f"task {failed} (flaky) is pending again: attempt 2 of 2 runs next" in retried.stdout
     twice = await ainvoke(["tasks", "retry", str(failed)], env)
     assert twice.exit_code == ExitCode.FAILED
-    assert "only failed tasks can be retried" in one_error(twice)
+    assert f"task {failed} is still pending; only failed tasks can be retried" in one_error(twice)
     missing = await ainvoke(["tasks", "retry", "987654321"], env)
     assert missing.exit_code == ExitCode.FAILED
     assert "no task 987654321" in one_error(missing)
@@ -482,12 +482,12 @@ async def test_purge_dry_run_counts_what_a_purge_removes(seeded: Any) -> None:
     small = await ainvoke(["purge", "--older-than", "0s", "--dry-run", "--limit", "2"], env)
     assert "would remove 2 of them" in small.stdout
     tasks_dry = await ainvoke(["purge", "--tasks", "--older-than", "0s", "--dry-run"], env)
-    assert "dry run: 1 terminal tasks" in tasks_dry.stdout
+    assert "dry run: 1 terminal task finished" in tasks_dry.stdout
     assert (await ainvoke(["purge", "--dry-run"], env)).stdout.startswith("dry run: 0 ")
     removed = await ainvoke(["purge", "--older-than", "0s", "--yes"], env)
     assert f"purged {expected} terminal occurrences" in removed.stdout
     pruned = await ainvoke(["purge", "--tasks", "--older-than", "0s", "--yes", "--limit", "1"], env)
-    assert "purged 1 terminal tasks" in pruned.stdout
+    assert "purged 1 terminal task " in pruned.stdout
     assert "run it again" in pruned.stdout  # the limit was reached
     shown = await ainvoke(["tasks", "show", str(failed)], env)
     assert shown.exit_code == ExitCode.FAILED  # it is gone
@@ -713,6 +713,17 @@ async def test_tasks_show_prints_result_progress_attempts_and_the_traceback(seed
     assert "traceback of attempt 2 (LookupError):" in text
     assert "in lookup" in text
     assert "\x1b" not in text  # a handler's message cannot steer the terminal
+    assert "\\x1b[31m (an escape in a message)" in text  # shown escaped instead
+    lines = text.splitlines()
+    # Fields stay aligned: every value starts in the same column.
+    fields = lines[: lines.index("attempts (2):")]
+    starts = {len(line) - len(line.split("  ", 1)[1].lstrip()) for line in fields}
+    assert len(starts) == 1, fields
+    # The traceback keeps its indentation: frames two spaces in, source lines four.
+    trace = lines[lines.index("traceback of attempt 2 (LookupError):") + 1 :]
+    assert trace[0] == "Traceback (most recent call last):"
+    assert any(line.startswith('  File "') for line in trace), trace
+    assert any(line.startswith("    ") and line.strip() for line in trace), trace
     detail = json.loads((await ainvoke(["tasks", "show", str(bad), "--json"], env)).stdout)
     assert detail["state"] == "failed"
     assert [a["error_type"] for a in detail["history"]] == ["LookupError", "LookupError"]

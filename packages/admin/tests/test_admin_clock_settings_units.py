@@ -118,7 +118,7 @@ def test_accelerated_clock_follows_real_time_once_it_meets_it() -> None:
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [
-        ("90", 90),
+        ("90s", 90),
         ("30s", 30),
         ("5m", 300),
         ("2h", 7200),
@@ -132,7 +132,9 @@ def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text, what="x") == timedelta(seconds=seconds)
 
 
-@pytest.mark.parametrize("text", ["", "soon", "5 minutes", "1y", "-5s", "5s junk", "m5"])
+@pytest.mark.parametrize(
+    "text", ["", "soon", "5 minutes", "1y", "-5s", "5s junk", "m5", "90", "9" * 200]
+)
 def test_parse_duration_refuses(text: str) -> None:
     with pytest.raises(CliError) as caught:
         parse_duration(text, what="--older-than")

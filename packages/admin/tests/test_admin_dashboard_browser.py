@@ -449,7 +449,8 @@ def test_task_list_filters_search_pages_and_actions(
     assert len(all_css(browser, "tr.row.task")) == 1
     assert "Retry failed task" in click_action(browser, 'button[data-action="tasks/retry"]')
     until(lambda: task_state(site, failed) == "pending", "the retry")
-    assert "tasks/retry: done" in flash(browser)
+    # What happened, in words (never the API path it took).
+    assert f"task {failed} (report) is pending again" in flash(browser)
     # The list refreshes in place: the retried task is no longer failed.
     until(lambda: not all_css(browser, "tr.row.task"), "the refreshed list")
 
@@ -462,7 +463,7 @@ def test_task_list_filters_search_pages_and_actions(
 
     # Bulk cancel the filtered set: listed first, confirmed, then done (bounded at 100).
     question = click_action(browser, 'button[data-action="tasks/bulk-cancel"]')
-    assert question.startswith("Cancel 55 task(s)")
+    assert question.startswith("Cancel 55 tasks")
     until(
         lambda: (
             site.value(
@@ -472,16 +473,16 @@ def test_task_list_filters_search_pages_and_actions(
         ),
         "the bulk cancel",
     )
-    assert "cancelled 55 task(s)" in flash(browser)
+    assert "cancelled 55 tasks" in flash(browser)
     until(lambda: len(all_css(browser, "span.state-cancelled")) == 50, "the refreshed rows")
 
     # Bulk retry of failed tasks.
     again = [fail(site, "flaky", f"boom {n}") for n in range(3)]
     open_page(browser, site.page("/tasks?state=failed"))
     question = click_action(browser, 'button[data-action="tasks/bulk-retry"]')
-    assert question.startswith("Retry 3 task(s)")
+    assert question.startswith("Retry 3 tasks")
     until(lambda: all(task_state(site, t) == "pending" for t in again), "the bulk retry")
-    assert "retried 3 task(s)" in flash(browser)
+    assert "retried 3 tasks" in flash(browser)
 
     # Cancel one task from its row.
     (single,) = enqueue(site, "single", 1)
@@ -678,7 +679,7 @@ def test_publications_cancel_retry_and_purge(browser: Any, site: Site, tmp_path:
     assert site.value(published) == seeded.published
     click_action(browser, 'button[data-action="occurrences/purge"]', {"older_than_days": "0"})
     until(lambda: site.value(published) == 0, "the purge")
-    assert f"{seeded.published} removed" in flash(browser)
+    assert f"{seeded.published} finished occurrences removed" in flash(browser)
 
 
 def test_live_refresh_without_reloading(browser: Any, seeded: Any) -> None:
@@ -708,7 +709,7 @@ def test_narrow_screen_keeps_the_action_column(browser: Any, site: Site, tmp_pat
         table_width = browser.execute_script(
             "return document.querySelector('#tasks table').scrollWidth"
         )
-        assert table_width > 420  # the table scrolls sideways, the action column stays
+        assert table_width <= 420  # the columns a phone shows fit it: no sideways scrolling
         screenshot(browser, tmp_path / "narrow.png", PENDING)
         task_id = int(button.get_attribute("data-body").split(":")[1].strip(" }"))
         # Backing out of the confirmation changes nothing.
@@ -751,3 +752,157 @@ def test_error_pages_and_queue_only_mode(browser: Any, seeded: Any, tmp_path: Pa
         assert "2026-12-01 08:30" in by_css(browser, "p.detail").text
         open_page(browser, site.page("/nowhere"))
         assert "404 · Not found" in by_css(browser, "h2.title").text
+
+
+# --- what a person sees at a laptop's and a phone's width ------------------------------------
+
+DOCS_SCREENSHOTS = os.environ.get("STEEPLE_DOCS_SCREENSHOTS")
+"""A directory to also save the documentation's screenshots in (docs/images), if set."""
+
+
+def view(driver: Any, width: int, height: int = 900) -> None:
+    """Make the page ``width`` CSS pixels wide, as a laptop or a phone shows it."""
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600},
+    )
+
+
+def documented(driver: Any, tmp_path: Path, name: str, *colours: tuple[int, int, int]) -> None:
+    """Screenshot the page (checked as :func:`screenshot` does), also into the docs if asked."""
+    screenshot(driver, tmp_path / name, *colours)
+    if DOCS_SCREENSHOTS:
+        target = Path(DOCS_SCREENSHOTS)
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tmp_path / name, target / name)
+
+
+def boxes(driver: Any, selector: str) -> list[dict[str, float]]:
+    """The bounding boxes of what ``selector`` finds, plus whether each one's text is cut."""
+    script = """
+        return [...document.querySelectorAll(arguments[0])].map(e => {
+          const r = e.getBoundingClientRect();
+          const shown = getComputedStyle(e).display !== 'none';
+          return {left: r.left, right: r.right, top: r.top, bottom: r.bottom,
+                  height: r.height, shown: shown ? 1 : 0,
+                  cut: e.scrollWidth > e.clientWidth + 1 ? 1 : 0};
+        });"""
+    return list(driver.execute_script(script, selector))
+
+
+def finish(site: Site, task_ids: list[int], state: str) -> None:
+    """Mark tasks finished now (succeeded or cancelled), as their workers would."""
+    site.query(
+        "UPDATE {s}.tasks SET state = $2, finished_at = clock_timestamp(), attempts = 1 "
+        "WHERE id = ANY($1::bigint[])",
+        task_ids,
+        state,
+    )
+
+
+def test_what_a_person_sees_at_1280_and_420_pixels(
+    browser: Any, site: Site, tmp_path: Path
+) -> None:
+    long_error = "SMTPRecipientsRefused: " + "the mail server refused every recipient " * 5
+    failed = [fail(site, "send-welcome-email", long_error) for _ in range(2)]
+    finish(site, enqueue(site, "send-welcome-email", 7, queue_name="emails"), "succeeded")
+    finish(site, enqueue(site, "resize-image", 4, queue_name="media"), "succeeded")
+    finish(site, enqueue(site, "resize-image", 1, queue_name="media"), "cancelled")
+    ada = enqueue(site, "bulk-a", 1, args={"to": "ada@example.com"})
+    enqueue(site, "bulk-a", 1, args={"to": "bob@example.com"})
+    try:
+        view(browser, 1280)
+        # The root of the app opens the dashboard (not a JSON refusal).
+        open_page(browser, site.url + "/")
+        assert browser.current_url == site.page()
+
+        # The overview: a chart with a y-axis that fills its frame, throughput per queue.
+        until(lambda: all_css(browser, "#throughput svg rect"), "the chart")
+        ticks = texts(browser, "#throughput svg text.y-tick")
+        assert ticks[0] == "0"
+        assert len(ticks) >= 2, ticks
+        (plot,) = boxes(browser, "#throughput .plot")
+        (svg,) = boxes(browser, "#throughput svg")
+        assert svg["right"] - svg["left"] >= plot["right"] - plot["left"] - 1, (svg, plot)
+        assert svg["height"] == 150  # drawn at its frame's size: no letterbox bands
+        per_queue = {
+            row.find_element("css selector", "td.col-queue").text: row.find_element(
+                "css selector", "td.col-total"
+            ).text
+            for row in all_css(browser, "tr.row.queue-throughput")
+        }
+        assert per_queue == {"default": "2", "emails": "7", "media": "5"}, per_queue
+        documented(browser, tmp_path, "dashboard-overview.png", SUCCEEDED, FAILED)
+
+        # The task list at 1280 px: every column in view, the action column covers nothing,
+        # and each row is one line however long its error.
+        open_page(browser, site.page("/tasks"))
+        documented(browser, tmp_path, "dashboard-tasks.png", FAILED, PENDING)
+        heads = boxes(browser, "#tasks table.tasks th")
+        width = browser.execute_script("return window.innerWidth")
+        assert width == 1280
+        assert all(h["shown"] and 0 <= h["left"] < h["right"] <= width for h in heads), [
+            (h["left"], h["right"]) for h in heads
+        ]
+        error_head, action_head = heads[-2], heads[-1]
+        assert texts(browser, "#tasks table.tasks th")[-3:] == ["finished", "last error", "action"]
+        assert error_head["right"] <= action_head["left"] + 1, (error_head, action_head)
+        rows = boxes(browser, "#tasks tr.row.task")
+        one_line = boxes(browser, "#tasks tr.row.task")[-1]["height"]  # a pending row
+        assert all(r["height"] <= one_line + 1 for r in rows), [r["height"] for r in rows]
+        assert one_line < 40
+        assert all(b["cut"] == 0 for b in boxes(browser, "#tasks td .state")), "a badge is cut"
+
+        # Search by args, for a task name the host opted in (bulk-a); refused for others.
+        found = site.page('/tasks?name=bulk-a&args={"to":"ada@example.com"}')
+        open_page(browser, found)
+        assert texts(browser, "tr.row.task td.col-id a") == [str(ada[0])]
+        open_page(browser, site.page('/tasks?name=send-welcome-email&args={"to":"x"}'))
+        assert "403 · Not allowed" in by_css(browser, "h2.title").text
+        assert "reveal_args" in by_css(browser, "p.detail").text
+
+        # A retry says what happened, in words.
+        open_page(browser, site.page("/tasks?state=failed"))
+        click_action(
+            browser, f'button[data-action="tasks/retry"][data-body=\'{{"task_id": {failed[0]}}}\']'
+        )
+        until(lambda: task_state(site, failed[0]) == "pending", "the retry")
+        assert f"task {failed[0]} (send-welcome-email) is pending again" in flash(browser)
+
+        # The publications page: one heading, a page of occurrences, a filter by state.
+        open_page(browser, site.page("/schedules"))
+        headings = texts(browser, "h2")
+        assert sum("Recurring publications" in h for h in headings) == 1, headings
+        assert all_css(browser, "#occurrence-filters form")
+        documented(browser, tmp_path, "dashboard-publications.png", FAILED, SUCCEEDED)
+        open_page(browser, site.page("/schedules?state=dead&from="))
+        dead = texts(browser, "tr.row.occurrence td.col-id code")
+        assert dead == [site.seeded.dead_id], dead
+
+        # A phone, 420 px: which task, its state, its error and the action stay in view,
+        # each row one line, no badge cut.
+        view(browser, 420, 800)
+        open_page(browser, site.page("/tasks"))
+        assert browser.execute_script("return window.innerWidth") == 420
+        wanted = {"id", "name", "state", "last error", "action"}
+        names = texts(browser, "#tasks table.tasks th")
+        for name, head in zip(names, boxes(browser, "#tasks table.tasks th"), strict=True):
+            if name in wanted:
+                assert head["shown"], name
+                assert 0 <= head["left"] < head["right"] <= 420, (name, head)
+        by_name = dict(zip(names, boxes(browser, "#tasks table.tasks th"), strict=True))
+        assert by_name["last error"]["right"] <= by_name["action"]["left"] + 1, by_name
+        rows = boxes(browser, "#tasks tr.row.task")
+        assert all(r["height"] <= one_line + 1 for r in rows), [r["height"] for r in rows]
+        assert all(b["cut"] == 0 for b in boxes(browser, "#tasks td .state")), "a badge is cut"
+        for cell, badge in zip(
+            boxes(browser, "#tasks td.col-state"), boxes(browser, "#tasks td .state"), strict=True
+        ):
+            assert cell["left"] <= badge["left"] < badge["right"] <= cell["right"], (cell, badge)
+        documented(browser, tmp_path, "dashboard-tasks-420.png", FAILED, PENDING)
+        open_page(browser, site.page())
+        for card in boxes(browser, "#counts .card"):
+            assert 0 <= card["left"] < card["right"] <= 420, card
+        documented(browser, tmp_path, "dashboard-overview-420.png", FAILED)
+    finally:
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})

@@ -176,7 +176,14 @@ async def test_retry_refuses_tasks_that_are_not_failed_and_changes_nothing(queue
         with pytest.raises(pq.TaskStateError) as refused:
             await admin.retry_failed_task(conn, task_id, schema=schema)
         assert refused.value.state == state.value
-        assert f"is {state.value}" in str(refused.value)
+        # The state in words a person would use: never "is succeeded".
+        said = {
+            TaskState.PENDING: "is still pending",
+            TaskState.RUNNING: "is running",
+            TaskState.CANCELLED: "was cancelled",
+            TaskState.SUCCEEDED: "already succeeded",
+        }
+        assert f"task {task_id} {said[state]};" in str(refused.value)
         assert await pq.run_state(conn, task_id, schema=schema) == before
     with pytest.raises(pq.TaskNotFoundError):
         await admin.retry_failed_task(conn, 987_654_321, schema=schema)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
@@ -24,7 +25,8 @@ from steeple.admin.tasks import (
     TaskFilter,
     TaskRecord,
 )
-from steeple.core.records import OccurrenceInfo, ScheduleInfo
+from steeple.core.occurrences import OccurrenceState
+from steeple.core.records import OccurrenceInfo, ScheduleInfo, occurrence_cursor
 from steeple.core.tasks import TaskState
 
 __all__ = ["Button", "Links", "Section", "error_page", "page"]
@@ -39,6 +41,16 @@ TASK_STATES = tuple(s.value for s in TaskState)
 def esc(value: object) -> str:
     """Escape any value for HTML text or a double-quoted attribute."""
     return html.escape(str(value), quote=True)
+
+
+def stamp(value: datetime | None) -> str:
+    """Render an instant for a table cell: month, day and time (UTC); the year on hover."""
+    if value is None:
+        return '<span class="none">-</span>'
+    full = utc(value)
+    return (
+        f'<time datetime="{esc(value.isoformat())}" title="{esc(full)} UTC">{esc(full[5:])}</time>'
+    )
 
 
 def utc(value: datetime | None) -> str:
@@ -90,6 +102,8 @@ def filter_query(where: TaskFilter) -> dict[str, str]:
         query["until"] = utc(where.until)
     if where.queue:
         query["queue"] = where.queue
+    if where.args:
+        query["args"] = where.args
     return query
 
 
@@ -103,7 +117,8 @@ class Button:
     """An operator action (wired by ``admin.js``: confirm, then a JSON POST).
 
     ``fields`` asks the operator for values in the confirmation (``name: label``);
-    ``preview`` first posts the body as is and confirms the ids the answer lists.
+    ``preview`` first posts the body as is and confirms the ids the answer lists. ``done``
+    is what the page says once it worked; ``noun`` names what a purge counts.
     """
 
     action: str
@@ -113,6 +128,8 @@ class Button:
     fields: Mapping[str, str] = attrs.field(factory=dict)
     preview: bool = False
     danger: bool = False
+    done: str = ""
+    noun: str = ""
 
     def render(self) -> str:
         """Render the ``<button>`` element."""
@@ -121,6 +138,10 @@ class Button:
             extra += f' data-fields="{esc(json.dumps(dict(self.fields)))}"'
         if self.preview:
             extra += ' data-preview="1"'
+        if self.done:
+            extra += f' data-done="{esc(self.done)}"'
+        if self.noun:
+            extra += f' data-noun="{esc(self.noun)}"'
         kind = "act danger" if self.danger else "act"
         return (
             f'<button type="button" class="{kind}" data-action="{esc(self.action)}" '
@@ -149,27 +170,39 @@ def badge(state: str) -> str:
 
 
 def _clip(text: str | None) -> str:
+    """Render an error on one line: cut (with an ellipsis) to its cell, whole on hover."""
     if text is None:
         return '<span class="none">-</span>'
     line = " ".join(text.split())
     if len(line) > _MAX_ERROR_CELL:
         line = line[: _MAX_ERROR_CELL - 1] + "…"
-    return f'<span class="error" title="{esc(text[:2000])}">{esc(line)}</span>'
+    return f'<span class="error clip" title="{esc(text[:2000])}">{esc(line)}</span>'
+
+
+def _column(heading: str) -> str:
+    """Return the class of a column's cells (``col-last-error``): the stylesheet sizes each."""
+    return "col-" + "-".join(re.findall(r"[a-z0-9]+", heading.lower()))
 
 
 def table(kind: str, headings: Sequence[str], rows: Sequence[Sequence[str]], actions: bool) -> str:
-    """Render a table of cells; with ``actions`` the last column is the action column."""
+    """Render a table of cells; with ``actions`` the last column is the action column.
+
+    Every row is one line: long text is cut to its cell (``_clip``), never wrapped.
+    """
     heads = list(headings) + (["action"] if actions else [])
     head = "".join(
         f'<th class="actions">{esc(h)}</th>'
         if actions and i == len(heads) - 1
-        else f"<th>{esc(h)}</th>"
+        else f'<th class="{_column(h)}">{esc(h)}</th>'
         for i, h in enumerate(heads)
     )
     if rows:
         lines = []
         for row in rows:
-            cells = [f"<td>{c}</td>" for c in row[: len(headings)]]
+            cells = [
+                f'<td class="{_column(h)}">{c}</td>'
+                for h, c in zip(headings, row[: len(headings)], strict=True)
+            ]
             if actions:
                 cells.append(f'<td class="actions">{"".join(row[len(headings) :])}</td>')
             lines.append(f'<tr class="row {esc(kind)}">' + "".join(cells) + "</tr>")
@@ -197,7 +230,11 @@ def task_buttons(task: TaskRecord) -> list[str]:
     if task.state in LIVE_TASK_STATES:
         return [
             Button(
-                "tasks/cancel", {"task_id": task.task_id}, "cancel", f"Cancel task {task.task_id}?"
+                "tasks/cancel",
+                {"task_id": task.task_id},
+                "cancel",
+                f"Cancel task {task.task_id}?",
+                done=f"task {task.task_id} ({task.name}) cancelled",
             ).render()
         ]
     if task.state == "failed":
@@ -207,6 +244,7 @@ def task_buttons(task: TaskRecord) -> list[str]:
                 {"task_id": task.task_id},
                 "retry",
                 f"Retry failed task {task.task_id} now?",
+                done=f"task {task.task_id} ({task.name}) is pending again: it runs next",
             ).render()
         ]
     return []
@@ -229,14 +267,14 @@ def tasks_table(links: Links, items: Sequence[TaskRecord], actions: bool) -> str
     rows = [
         [
             f'<a href="{esc(links.task(t.task_id))}">{t.task_id}</a>',
-            esc(t.name),
+            f'<span class="name" title="{esc(t.name)}">{esc(t.name)}</span>',
             esc(t.queue),
             badge(t.state),
             esc(t.attempts_shown),
             progress_cell(t),
-            esc(utc(t.created_at)),
-            esc(utc(t.run_at)),
-            esc(utc(t.finished_at)),
+            stamp(t.created_at),
+            stamp(t.run_at),
+            stamp(t.finished_at),
             _clip(t.last_error),
             *(task_buttons(t) if actions else []),
         ]
@@ -280,6 +318,10 @@ def filter_form(links: Links, where: TaskFilter) -> str:
         'placeholder="2026-12-01 00:00" maxlength="40"></label>'
         f'<label>to (UTC) <input name="until" value="{esc(until)}" '
         'placeholder="2026-12-02 00:00" maxlength="40"></label>'
+        '<label title="only for a task name whose args this dashboard may show">'
+        f'args contain (JSON) <input name="args" value="{esc(where.args or "")}" '
+        """placeholder='{"to": "ada@example.com"}' maxlength="2000" autocomplete="off">"""
+        "</label>"
         '<button type="submit" id="apply-filters">filter</button>'
         f'<a class="reset" href="{esc(links.ui)}/tasks">reset</a></form>'
         f'<form class="search" method="get" action="{esc(links.ui)}/tasks">'
@@ -313,6 +355,7 @@ def bulk_bar(where: TaskFilter, bound: int) -> str:
             f"(at most {bound} per click)?",
             fields={"older_than_days": "days"},
             danger=True,
+            noun="task",
         ).render()
     )
     return (
@@ -495,7 +538,13 @@ def queues_section(links: Links, queues: Sequence[QueueRecord], actions: bool) -
         ]
         if actions:
             button = (
-                Button("queues/resume", {"queue": q.name}, "resume", f"Resume queue {q.name}?")
+                Button(
+                    "queues/resume",
+                    {"queue": q.name},
+                    "resume",
+                    f"Resume queue {q.name}?",
+                    done=f"queue {q.name} resumed: workers claim from it again",
+                )
                 if q.paused
                 else Button(
                     "queues/pause",
@@ -503,6 +552,7 @@ def queues_section(links: Links, queues: Sequence[QueueRecord], actions: bool) -
                     "pause",
                     f"Pause queue {q.name}? No worker starts its tasks until it is resumed "
                     "(running ones finish).",
+                    done=f"queue {q.name} paused: no worker starts its tasks",
                 )
             )
             row.append(button.render())
@@ -532,8 +582,14 @@ def chart_section(overview: Overview) -> str:
         "finished": {k: list(v) for k, v in overview.finished.items()},
     }
     done = sum(sum(v) for v in overview.finished.values())
+    minutes = round(len(next(iter(overview.finished.values()), ())) * overview.bucket_seconds / 60)
     return (
-        heading("Finished in the last hour", done, f"per minute, until {utc(overview.ends_at)} UTC")
+        heading(
+            "Finished in the last hour",
+            done,
+            f"tasks per minute (y) over the last {minutes} minutes (x), until "
+            f"{utc(overview.ends_at)} UTC",
+        )
         + f'<figure class="chart" id="throughput" data-series="{esc(json.dumps(series))}">'
         '<div class="plot"></div><figcaption class="legend">'
         + "".join(
@@ -541,6 +597,21 @@ def chart_section(overview: Overview) -> str:
             for s, v in overview.finished.items()
         )
         + "</figcaption></figure>"
+        + queue_throughput(overview)
+    )
+
+
+def queue_throughput(overview: Overview) -> str:
+    """Render what each named queue finished over the chart's window, per terminal state."""
+    states = list(overview.finished)
+    rows = [
+        [esc(name), *(esc(per.get(s, 0)) for s in states), esc(sum(per.values()))]
+        for name, per in overview.finished_by_queue.items()
+    ]
+    return (
+        '<div class="by-queue">'
+        + table("queue-throughput", ["queue", *states, "total"], rows, False)
+        + "</div>"
     )
 
 
@@ -572,9 +643,21 @@ def jobs_table(links: Links, items: Sequence[JobRecord], actions: bool) -> str:
         ]
         if actions:
             toggle = (
-                Button("jobs/resume", {"name": j.name}, "resume", f"Resume job {j.name} from now?")
+                Button(
+                    "jobs/resume",
+                    {"name": j.name},
+                    "resume",
+                    f"Resume job {j.name} from now?",
+                    done=f"job {j.name} resumed",
+                )
                 if j.paused
-                else Button("jobs/pause", {"name": j.name}, "pause", f"Pause job {j.name}?")
+                else Button(
+                    "jobs/pause",
+                    {"name": j.name},
+                    "pause",
+                    f"Pause job {j.name}?",
+                    done=f"job {j.name} paused",
+                )
             )
             row += [
                 toggle.render(),
@@ -584,6 +667,7 @@ def jobs_table(links: Links, items: Sequence[JobRecord], actions: bool) -> str:
                     "reschedule",
                     f"New schedule for job {j.name} (its next run is the first after now):",
                     fields={"cron": "cron expression", "timezone": "time zone"},
+                    done=f"job {j.name} rescheduled",
                 ).render(),
                 Button(
                     "jobs/delete",
@@ -591,6 +675,7 @@ def jobs_table(links: Links, items: Sequence[JobRecord], actions: bool) -> str:
                     "delete",
                     f"Delete job {j.name}? Tasks it already made stay.",
                     danger=True,
+                    done=f"job {j.name} deleted",
                 ).render(),
             ]
         rows.append(row)
@@ -618,8 +703,10 @@ def job_form() -> str:
 # --- recurring publications (seed 000) ----------------------------------------------------------
 
 
-def schedules_table(items: Sequence[ScheduleInfo], actions: bool) -> str:
-    """Render the namespace's recurring publications."""
+def schedules_table(
+    items: Sequence[ScheduleInfo], actions: bool, title: str = "Recurring publications"
+) -> str:
+    """Render the namespace's recurring publications (their definitions)."""
     rows = [
         [
             esc(s.name),
@@ -636,6 +723,7 @@ def schedules_table(items: Sequence[ScheduleInfo], actions: bool) -> str:
                         "cancel",
                         f"Cancel {s.name} for good? Its name stays reserved.",
                         danger=True,
+                        done=f"publication {s.name} cancelled for good",
                     ).render()
                 ]
                 if actions and s.state == "active"
@@ -644,13 +732,84 @@ def schedules_table(items: Sequence[ScheduleInfo], actions: bool) -> str:
         ]
         for s in items
     ]
-    return heading("Recurring publications", len(items), "next due in UTC") + table(
+    return heading(title, len(items), "next due in UTC") + table(
         "schedule", ["name", "cron", "policy", "state", "topic", "next due"], rows, actions
     )
 
 
-def occurrences_table(items: Sequence[OccurrenceInfo], actions: bool, bound: int) -> str:
-    """Render the namespace's occurrences, with retry of dead ones and a purge."""
+@attrs.frozen
+class OccurrenceFilter:
+    """Which occurrences the publications page lists: a state, a definition, due from when."""
+
+    state: str | None = None
+    definition: str | None = None
+    since: datetime | None = None
+
+    def cursor(self) -> str | None:
+        """Return the listing cursor just before ``since`` (``None``: from the first)."""
+        if self.since is None:
+            return None
+        return occurrence_cursor(self.since - timedelta(milliseconds=1), "f" * 32)
+
+    def matches(self, info: OccurrenceInfo) -> bool:
+        """Return whether ``info`` is listed."""
+        return (self.state is None or info.state.value == self.state) and (
+            self.definition is None or info.definition_name == self.definition
+        )
+
+    def query(self) -> dict[str, str]:
+        """Return the query parameters that select this filter."""
+        query = {"from": utc(self.since) if self.since else ""}
+        if self.state:
+            query["state"] = self.state
+        if self.definition:
+            query["definition"] = self.definition
+        return query
+
+
+def occurrence_filter_form(links: Links, where: OccurrenceFilter) -> str:
+    """Render the publications page's filters (a GET form)."""
+    states = [s.value for s in OccurrenceState]
+    options = "".join(
+        f'<option value="{s}"{" selected" if where.state == s else ""}>{s or "any state"}</option>'
+        for s in ("", *states)
+    )
+    since = utc(where.since) if where.since else ""
+    return (
+        f'<form class="filters" method="get" action="{esc(links.ui)}/schedules">'
+        f'<label>state <select name="state">{options}</select></label>'
+        f'<label>definition <input name="definition" value="{esc(where.definition or "")}" '
+        'maxlength="200" autocomplete="off"></label>'
+        f'<label>due from (UTC; empty: the first) <input name="from" value="{esc(since)}" '
+        'placeholder="2026-12-01 00:00" maxlength="40"></label>'
+        '<button type="submit" id="apply-occurrence-filters">filter</button>'
+        f'<a class="reset" href="{esc(links.ui)}/schedules">reset</a></form>'
+    )
+
+
+def occurrence_pager(
+    links: Links, where: OccurrenceFilter, after: str | None, next_cursor: str | None
+) -> str:
+    """Keyset pages through the occurrences in due order."""
+    base = f"{links.ui}/schedules"
+    parts = []
+    if after is not None:
+        parts.append(
+            f'<a class="page" href="{esc(base)}?{esc(urlencode(where.query()))}">« first</a>'
+        )
+    if next_cursor is not None:
+        query = urlencode({**where.query(), "after": next_cursor})
+        parts.append(f'<a class="page" id="later" href="{esc(base)}?{esc(query)}">later »</a>')
+    return f'<nav class="pager">{" ".join(parts)}</nav>'
+
+
+def occurrences_table(
+    items: Sequence[OccurrenceInfo],
+    actions: bool,
+    bound: int,
+    where: OccurrenceFilter | None = None,
+) -> str:
+    """Render a page of the namespace's occurrences, with retry of dead ones and a purge."""
     rows = [
         [
             f"<code>{esc(o.occurrence_id)}</code>",
@@ -666,6 +825,7 @@ def occurrences_table(items: Sequence[OccurrenceInfo], actions: bool, bound: int
                         {"occurrence_id": o.occurrence_id},
                         "retry",
                         f"Retry dead occurrence {o.occurrence_id}?",
+                        done=f"occurrence {o.occurrence_id} of {o.definition_name} retries next",
                     ).render()
                 ]
                 if actions and o.state.value == "dead"
@@ -682,12 +842,15 @@ def occurrences_table(items: Sequence[OccurrenceInfo], actions: bool, bound: int
             f"Delete finished occurrences older than this many days (at most {bound} per click)?",
             fields={"older_than_days": "days"},
             danger=True,
+            noun="occurrence",
         ).render()
         if actions
         else ""
     )
+    since = where.since if where is not None else None
+    note = f"due from {utc(since)} UTC, in due order" if since else "in due order (UTC)"
     return (
-        heading("Occurrences", len(items), "due in UTC")
+        heading("Occurrences", len(items), note)
         + f'<div class="bulk">{purge}</div>'
         + table(
             "occurrence",

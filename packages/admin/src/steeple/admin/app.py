@@ -57,11 +57,13 @@ from steeple.core.errors import (
     SteepleError,
 )
 from steeple.core.names import check_name
+from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import validate_budget
 from steeple.core.ports import RecurringStore
 from steeple.core.records import (
     OccurrenceInfo,
     ScheduleInfo,
+    occurrence_cursor,
     parse_occurrence_cursor,
     validate_occurrence_id,
 )
@@ -383,6 +385,20 @@ def create_admin_app(
             return record
         return attrs.evolve(record, result=None)
 
+    async def searchable(request: Request, namespace: str, where: TaskFilter) -> TaskFilter:
+        """Refuse a search by args unless its task name is opted in and ``tasks.args`` allowed."""
+        if where.args is None:
+            return where
+        if where.name is None or not revealable(where.name):
+            raise _Refusal(
+                403,
+                "forbidden",
+                "a search by args needs a task name whose args this dashboard may show "
+                "(the host opts names in: reveal_args, or steeple admin serve --show-args)",
+            )
+        await gate(request, "tasks.args", namespace)
+        return where
+
     async def json_body(request: Request) -> dict[str, Any]:
         if expected_token is None:
             raise _Refusal(403, "forbidden", "state-changing requests are disabled")
@@ -510,7 +526,7 @@ def create_admin_app(
     async def list_tasks(request: Request, namespace: str) -> Response:
         after, limit = _paging(request)
         _valid(parse_task_cursor, after)
-        where = _task_filter(request.query_params)
+        where = await searchable(request, namespace, _task_filter(request.query_params))
         newest = _flag(request.query_params.get("newest"), "newest")
         page = await (await tasks_of(namespace)).tasks(
             after=after, limit=limit, where=where, newest_first=newest
@@ -628,12 +644,13 @@ def create_admin_app(
 
         async def handler(request: Request, namespace: str) -> Response:
             body = await json_body(request)
-            _fields(body, ("state", "name", "since", "until", "queue", "task_ids"))
+            _fields(body, ("state", "name", "since", "until", "queue", "args", "task_ids"))
             admin = await tasks_of(namespace)
             if "task_ids" not in body:
                 where = _task_filter(
                     {k: v for k, v in body.items() if isinstance(v, str)}, strict=body
                 )
+                where = await searchable(request, namespace, where)
                 if where.state is not None and where.state not in states:
                     return JSONResponse({"task_ids": [], "more": False})
                 found: list[int] = []
@@ -656,7 +673,7 @@ def create_admin_app(
                     if verb == "cancel":
                         after_cancel = await admin.cancel(task_id)
                         ok = after_cancel == "cancelled"
-                        reason = f"it is {after_cancel}" if after_cancel else "no such task"
+                        reason = f"it already {after_cancel}" if after_cancel else "no such task"
                     else:
                         ok = await admin.retry(task_id) is not None
                         reason = "no such task"
@@ -759,6 +776,7 @@ def create_admin_app(
         after = params.get("after") or None
         _valid(parse_task_cursor, after)
         await gate(request, "tasks.read", namespace)
+        where = await searchable(request, namespace, where)
         admin = await tasks_of(namespace)
         try:
             page = await admin.tasks(after=after, limit=PAGE_SIZE, where=where, newest_first=True)
@@ -826,15 +844,42 @@ def create_admin_app(
         await gate(request, "schedules.read", namespace)
         await gate(request, "occurrences.read", namespace)
         store = await store_of(namespace)
+        params = request.query_params
+        shown = _occurrence_filter(params, clock())
+        after = params.get("after") or None
+        if after is not None:
+            _valid(parse_occurrence_cursor, after)
         schedules = (await store.schedules(limit=100)).items
-        occurrences = (await store.occurrences(limit=100)).items
+        # The store lists by due time; a filter is applied while paging through it, reading
+        # at most OCCURRENCE_SCAN occurrences per page shown (the pager continues there).
+        position = after or shown.cursor()
+        found: list[OccurrenceInfo] = []
+        scanned = 0
+        while len(found) < PAGE_SIZE and scanned < OCCURRENCE_SCAN:
+            page = await store.occurrences(after=position, limit=100)
+            for info in page.items:
+                scanned += 1
+                if shown.matches(info):
+                    found.append(info)
+                if len(found) == PAGE_SIZE:
+                    position = occurrence_cursor(info.due_at, info.occurrence_id)
+                    break
+            else:
+                position = page.next_cursor
+            if position is None or len(found) == PAGE_SIZE:
+                break
+        links = links_of(request, namespace)
         sections = [
             _pages.Section(
-                "schedules", _pages.schedules_table(schedules, actions_enabled), live=True
+                "schedules",
+                _pages.schedules_table(schedules, actions_enabled, title="Definitions"),
+                live=True,
             ),
+            _pages.Section("occurrence-filters", _pages.occurrence_filter_form(links, shown)),
             _pages.Section(
                 "occurrences",
-                _pages.occurrences_table(occurrences, actions_enabled, BULK_LIMIT),
+                _pages.occurrences_table(found, actions_enabled, BULK_LIMIT, shown)
+                + _pages.occurrence_pager(links, shown, after, position),
                 live=True,
             ),
         ]
@@ -848,12 +893,24 @@ def create_admin_app(
         js = resources.files("steeple.admin").joinpath("static/admin.js").read_text("utf-8")
         return Response(js, media_type="text/javascript")
 
+    async def home(request: Request) -> Response:
+        # A person opening the app's root wants the dashboard, not a JSON refusal.
+        root = str(request.scope.get("root_path", "")).rstrip("/")
+        if homes:
+            return RedirectResponse(f"{root}/ui/{homes[0]}", status_code=307)
+        return _html_error(
+            request, 404, "", "open /ui/NAMESPACE for a namespace's dashboard", homes=homes
+        )
+
     def post(
         path: str, action: str, handler: Callable[[Request, str], Awaitable[Response]]
     ) -> Route:
         return Route(f"/api/{{namespace}}/{path}", endpoint(action, handler), methods=["POST"])
 
     routes = [
+        Route("/", home),
+        Route("/ui", home),
+        Route("/ui/", home),
         Route("/api/{namespace}/schedules", endpoint("schedules.read", list_schedules)),
         Route("/api/{namespace}/occurrences", endpoint("occurrences.read", list_occurrences)),
         Route("/api/{namespace}/tasks", endpoint("tasks.read", list_tasks)),
@@ -904,6 +961,8 @@ T = TypeVar("T")
 
 PAGE_SIZE: Final = 50
 """Tasks per page of the dashboard's task list."""
+OCCURRENCE_SCAN: Final = 1000
+"""The most occurrences the publications page reads for one filtered page."""
 BULK_LIMIT: Final = 100
 """The most tasks one bulk cancel or retry acts on (the operator confirms each batch)."""
 _ERROR_TITLES: Final = {
@@ -976,7 +1035,7 @@ def _task_filter(params: Mapping[str, Any], strict: Mapping[str, Any] | None = N
     an empty field (as an HTML form sends an unset filter) selects every task.
     """
     if strict is not None:
-        for key in ("state", "name", "since", "until", "queue"):
+        for key in ("state", "name", "since", "until", "queue", "args"):
             if key in strict and not isinstance(strict[key], str):
                 raise _bad_request(f"{key} must be a string")
             if key in strict and not strict[key].strip():
@@ -988,13 +1047,49 @@ def _task_filter(params: Mapping[str, Any], strict: Mapping[str, Any] | None = N
     queue = params.get("queue") or None
     since = params.get("since") or None
     until = params.get("until") or None
+    args = params.get("args") or None
     return TaskFilter(
+        args=None if args is None or not args.strip() else _args_pattern(args),
         state=state,
         name=None if name is None else _name(name, "name (a task name)"),
         queue=None if queue is None else _name(queue, "queue"),
         since=None if since is None or not since.strip() else _instant(since, "since"),
         until=None if until is None or not until.strip() else _instant(until, "until"),
     )
+
+
+def _args_pattern(raw: str) -> str:
+    """Read an args search: a JSON object the args contain, as canonical JSON text."""
+    if len(raw) > 2000:
+        raise _invalid("args is over 2000 characters")
+    try:
+        value = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):
+        raise _invalid("""args is not JSON: write it like {"to": "ada@example.com"}""") from None
+    if not isinstance(value, dict) or not value:
+        raise _invalid(
+            """args is a JSON object of keys and values, like {"to": "ada@example.com"}"""
+        )
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _occurrence_filter(params: Mapping[str, Any], now: datetime) -> _pages.OccurrenceFilter:
+    """Read the publications page's filter: state, definition, due from (default: a day ago)."""
+    state = (params.get("state") or "").strip() or None
+    if state is not None and state not in {s.value for s in OccurrenceState}:
+        states = ", ".join(s.value for s in OccurrenceState)
+        raise _invalid(f"state is one of {states}")
+    name = (params.get("definition") or "").strip() or None
+    if name is not None:
+        _valid(validate_definition_name, name)
+    raw = params.get("from")
+    if raw is None:
+        since: datetime | None = now - timedelta(days=1)
+    elif raw.strip():
+        since = _instant(raw, "from")
+    else:
+        since = None  # cleared: from the first occurrence
+    return _pages.OccurrenceFilter(state=state, definition=name, since=since)
 
 
 def _task_ids(value: object) -> list[int]:

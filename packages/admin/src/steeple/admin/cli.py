@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
 
 from steeple.admin import simulate_cli
 from steeple.admin._cli import demo, keys, queue, recurring, serve, worker
+from steeple.admin._cli.options import GroupedGroup, Typer
 from steeple.admin._cli.output import LineFormatter
 
 __all__ = ["app", "main"]
@@ -35,7 +35,7 @@ _EXIT_CODES_HELP = (
 _CLICK_ERRORS = tuple(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
-class _SteepleGroup(TyperGroup):
+class _SteepleGroup(GroupedGroup):
     """The root group: usage errors as one line (like every other error), servers stopped."""
 
     def main(
@@ -91,7 +91,7 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-app = typer.Typer(
+app = Typer(
     name="steeple",
     cls=_SteepleGroup,
     help="steeple: durable scheduled work on PostgreSQL.\n\n" + _EXIT_CODES_HELP,

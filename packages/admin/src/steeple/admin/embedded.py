@@ -22,7 +22,7 @@ import attrs
 
 from steeple.admin.settings import CliError, ExitCode
 
-__all__ = ["EmbeddedPostgres", "database_url"]
+__all__ = ["EmbeddedPostgres", "database_url", "running_server"]
 
 
 @attrs.define
@@ -47,9 +47,17 @@ class EmbeddedPostgres:
     def start(self) -> str:
         """Start (or reuse) the server and return its DSN.
 
+        A server already running on this directory (started by a demo, ``steeple admin
+        serve`` or another command still running) is connected to as it is: nothing is
+        started, and :meth:`stop` leaves it running for whoever started it.
+
         Raises:
             CliError: (unavailable) it cannot be started; (config) the directory is unusable.
         """
+        if not self.reset:
+            running = running_server(self.pgdata)
+            if running is not None:
+                return running
         try:
             with warnings.catch_warnings():
                 # platformdirs warns when XDG_RUNTIME_DIR is unset; pgserver copes with it.
@@ -119,6 +127,40 @@ class EmbeddedPostgres:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def running_server(pgdata: Path) -> str | None:
+    """Return the DSN of the server running on ``pgdata``, or ``None`` if none is.
+
+    Read from its ``postmaster.pid`` without importing ``pgserver`` (which costs more than
+    the command): running means the pid is alive and a postgres process, the server says
+    it is ready, and its socket is there. A stale file (a killed server, a reused pid)
+    reads as none, and the caller starts one.
+    """
+    try:
+        lines = (pgdata / "postmaster.pid").read_text("utf-8").splitlines()
+        pid, port, socket_dir, status = int(lines[0]), int(lines[3]), lines[4], lines[7]
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        return None
+    if status.strip() != "ready" or not socket_dir.strip() or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        pass  # alive, run by another user (pgserver runs it as its own user under root)
+    except OSError:
+        return None
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        command = b"postgres"  # no /proc here: the live pid and the socket must do
+    if b"postgres" not in command:
+        return None
+    socket_dir = socket_dir.strip()
+    if not (Path(socket_dir) / f".s.PGSQL.{port}").exists():
+        return None
+    at_port = "" if port == 5432 else f"&port={port}"
+    return f"postgresql://postgres:@/postgres?host={socket_dir}{at_port}"
 
 
 def _is_root() -> bool:

@@ -7,6 +7,7 @@ retries, attempts, throughput), :mod:`steeple.postgres.queue` (cancel, prune) an
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
@@ -160,6 +161,7 @@ class PostgresTaskAdmin:
             created_before=where.until,
             newest_first=newest_first,
             queue=where.queue,
+            args_contain=None if where.args is None else json.loads(where.args),
         )
         return Page(items=[task_record(t) for t in page.items], next_cursor=page.next_cursor)
 
@@ -295,6 +297,10 @@ class PostgresTaskAdmin:
             bucket_seconds=seen.bucket.total_seconds(),
             finished={state.value: per for state, per in seen.finished.items()},
             queues=tuple(queue_record(q) for q in queues),
+            finished_by_queue={
+                name: {state.value: n for state, n in per.items()}
+                for name, per in seen.by_queue.items()
+            },
         )
 
     async def pause_queue(self, name: str, paused: bool) -> QueueRecord:

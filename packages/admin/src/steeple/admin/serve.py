@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MIN_TOKEN_BITS",
     "TOKEN_RECIPE",
+    "LivePollFilter",
     "Throttle",
     "bind",
     "check_exposure",
@@ -470,6 +471,8 @@ async def serve(
         ssl_certfile=certfile,
         ssl_keyfile=keyfile,
     )
+    # After the config: building it configures uvicorn's loggers.
+    logging.getLogger("uvicorn.access").addFilter(LivePollFilter())
     server = _Server(config)
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
@@ -499,6 +502,24 @@ async def serve(
             loop.remove_signal_handler(signum)
         if store is not None:
             await store.close()
+
+
+class LivePollFilter(logging.Filter):
+    """Leave an open page's answered live refreshes (``?live=1``) out of the access log.
+
+    A dashboard polls every few seconds; logging each poll would bury the requests a
+    person made. A refused or failed poll is still logged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Return whether ``record`` is logged (uvicorn's access record: path, status)."""
+        args = record.args
+        if not isinstance(args, tuple) or len(args) < 5:
+            return True
+        path, status = str(args[2]), args[4]
+        query = path.partition("?")[2]
+        live = "live=1" in query.split("&")
+        return not (live and isinstance(status, int) and status < 400)
 
 
 async def _probe(target: Target) -> None:

@@ -97,8 +97,9 @@ def resolve_dsn(dsn: str | None, *, required: bool = True) -> str | None:
             raise CliError(
                 "no database given",
                 code=ExitCode.CONFIG,
-                hint=f"pass --dsn postgresql://..., set {DSN_ENV}, or write dsn = ... "
-                f"in {SETTINGS_FILE}",
+                hint=f'pass --dsn postgresql://..., set {DSN_ENV}, or write dsn = "..." in '
+                f'{SETTINGS_FILE} (or embedded = "DIR" there for the private PostgreSQL '
+                "steeple demo starts in DIR, e.g. .steeple/demo)",
             )
         return None
     if not value.startswith(("postgresql://", "postgres://")):
@@ -242,28 +243,33 @@ def _shown(text: str) -> str:
 
 
 def parse_duration(text: str, *, what: str) -> timedelta:
-    """Parse ``90s``, ``5m``, ``2h``, ``7d``, ``1h30m`` or a bare number of seconds.
+    """Parse ``90s``, ``5m``, ``2h``, ``7d``, ``1h30m`` or ``250ms``.
 
-    At most 100 years; no sign, fraction, ``nan`` or ``inf``.
+    At most 100 years; no sign, fraction, ``nan`` or ``inf``. A bare number is refused: is
+    ``--in 10`` ten seconds or ten minutes? The unit is written, so nobody has to guess.
 
     Raises:
-        CliError: (usage) anything else.
+        CliError: (usage) anything else, a number without a unit included.
     """
     value = text.strip().lower()
     total: float | None = None
+    if value.isascii() and value.isdigit():
+        shown = value if len(value) <= 20 else value[:17] + "..."
+        raise CliError(
+            f"{what} {_shown(text)} has no unit",
+            code=ExitCode.USAGE,
+            hint=f"write {shown}s for seconds ({shown}m minutes, {shown}h hours, {shown}d days)",
+        )
     if len(value) <= 64:
-        if value.isascii() and value.isdigit():
-            total = float(int(value))
-        else:
-            pos = 0
-            total = 0.0
-            for match in _DURATION.finditer(value):
-                if match.start() != pos:
-                    break
-                total += int(match.group(1)) * _UNITS[match.group(2)]
-                pos = match.end()
-            if pos != len(value) or not value:
-                total = None
+        pos = 0
+        total = 0.0
+        for match in _DURATION.finditer(value):
+            if match.start() != pos:
+                break
+            total += int(match.group(1)) * _UNITS[match.group(2)]
+            pos = match.end()
+        if pos != len(value) or not value:
+            total = None
     if total is None:
         raise CliError(
             f"{what} {_shown(text)} is not a duration",
@@ -509,7 +515,8 @@ def _settings(path: Path, values: dict[str, Any], mode: int) -> SettingsFile:
         elif isinstance(value, int) and not isinstance(value, bool):
             if value.bit_length() > 64:  # a huge hex literal: no decimal text to parse
                 raise CliError(f"{where} is longer than 100 years", code=ExitCode.CONFIG)
-            fields[key] = _config_duration(str(value), where)
+            # A TOML integer is a number of seconds (the file's documented meaning).
+            fields[key] = _config_duration(f"{value}s", where)
         else:
             raise CliError(
                 f'{where} must be a duration such as "60s" or "1d"', code=ExitCode.CONFIG

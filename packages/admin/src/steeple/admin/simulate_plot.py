@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
+from steeple.admin._text import plural
 from steeple.testing.simulation import Interval, SimulationResult
 
 __all__ = ["PLOT_FORMATS", "PlotUnavailableError", "terminal_chart", "write_plot"]
@@ -37,7 +38,7 @@ def _title(result: SimulationResult) -> str:
     s = result.scenario
     return (
         f"{s.start:%Y-%m-%d %H:%MZ} to {s.end:%Y-%m-%d %H:%MZ}, "
-        f"{len(result.definitions)} definitions, seed {result.seed}"
+        f"{plural(len(result.definitions), 'definition')}, seed {result.seed}"
     )
 
 

@@ -151,6 +151,9 @@ class TaskFilter:
         since: created at or after this instant (timezone-aware).
         until: created before this instant (timezone-aware).
         queue: one named queue.
+        args: JSON text of an object the task's args contain (key and value), e.g.
+            ``{"to": "ada@example.com"}``. Args can hold secrets: the admin app allows it
+            only for a task name the host opted in to showing args (``reveal_args``).
     """
 
     state: str | None = None
@@ -158,6 +161,7 @@ class TaskFilter:
     since: datetime | None = None
     until: datetime | None = None
     queue: str | None = None
+    args: str | None = None
 
 
 @attrs.frozen
@@ -229,6 +233,8 @@ class Overview:
         bucket_seconds: the width of one throughput bucket.
         finished: per terminal state, counts per bucket, oldest first.
         queues: the named queues with live tasks or settings, by name.
+        finished_by_queue: per named queue that finished tasks in the window, the count
+            per terminal state over the whole window, by queue name.
     """
 
     counts: dict[str, int]
@@ -236,6 +242,7 @@ class Overview:
     bucket_seconds: float
     finished: dict[str, tuple[int, ...]]
     queues: tuple[QueueRecord, ...] = ()
+    finished_by_queue: dict[str, dict[str, int]] = attrs.field(factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -246,6 +253,7 @@ class Overview:
                 "ends_at": _iso(self.ends_at),
                 "bucket_seconds": self.bucket_seconds,
                 "finished": {k: list(v) for k, v in self.finished.items()},
+                "by_queue": self.finished_by_queue,
             },
         }
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from steeple.admin._text import plural
 from steeple.admin.settings import CliError, ExitCode
 from steeple.core.ports import MessageBroker
 
@@ -271,7 +272,8 @@ async def run_worker(
             await store.close()
     if relay is not None:
         log(
-            f"steeple worker: relayed {relay.published} occurrences ({relay.failed} relay failures)"
+            f"steeple worker: relayed {plural(relay.published, 'occurrence')} "
+            f"({plural(relay.failed, 'relay failure')})"
         )
     if scheduler is not None:
         stats = scheduler.stats

@@ -1,120 +1,129 @@
 """steeple's pure domain core: calendar, policies, leases, lifecycles, backoff, limits, ports.
 
 No I/O: time comes from an injected :class:`Clock`, randomness from an injected source.
+
+The names are loaded on first use, so a program that needs one module of the core (the
+``steeple`` command's settings need only its errors) does not pay for all of them.
 """
 
-from steeple.core.backoff import RELAY_BACKOFF, Backoff
-from steeple.core.calendar import CronCalendar
-from steeple.core.clock import SystemClock
-from steeple.core.config import RecurringConfig, RecurringDefinition
-from steeple.core.entropy import SystemRandom
-from steeple.core.errors import (
-    AuthenticationFailedError,
-    BrokerError,
-    BrokerRejectedError,
-    BrokerTimeoutError,
-    BrokerUnavailableError,
-    ConfigurationError,
-    ConfigurationTypeError,
-    InvalidCronExpression,
-    InvalidTimeZoneError,
-    InvalidTransitionError,
-    KeyringConfigurationError,
-    KeyringError,
-    MalformedEnvelopeError,
-    MessageTooLargeError,
-    RecurringCapacityError,
-    RecurringClockError,
-    RecurringConfigurationError,
-    RecurringConflictError,
-    RecurringDeadlineError,
-    RecurringError,
-    RecurringInvalidStateError,
-    RecurringKeyringError,
-    RecurringNotFoundError,
-    RecurringRelayError,
-    RecurringSchemaVersionError,
-    RecurringStorageError,
-    RecurringUnknownKeyIdError,
-    RelayAcknowledgementError,
-    RelayBrokerError,
-    RelayBrokerTimeoutError,
-    RelayLeaseLostError,
-    SealBudgetExhaustedError,
-    SteepleError,
-    UnknownKeyIdError,
-)
-from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
-from steeple.core.leases import (
-    CAPABILITY_BYTES,
-    CLAIM_RULE,
-    GENERATION_BYTES,
-    ClaimRule,
-    FailureDecision,
-    adopt_time,
-    after_publish_failure,
-    capability_digest,
-    capability_matches,
-    holds_lease,
-    is_claimable,
-    is_live,
-    lease_expiry,
-    new_capability,
-    new_generation,
-    occurrence_id_for,
-    window_end,
-)
-from steeple.core.messages import BrokerReceipt, ScheduledMessage
-from steeple.core.occurrences import (
-    CLAIMABLE_STATES,
-    OCCURRENCE_STEPS,
-    OCCURRENCE_TRANSITIONS,
-    PURGED,
-    TERMINAL_STATES,
-    Effects,
-    OccurrenceEvent,
-    OccurrenceState,
-    PurgedType,
-    Step,
-)
-from steeple.core.policies import (
-    DefinitionAdvance,
-    DueCalendar,
-    DueDefinition,
-    MissedRunPolicy,
-    NamespaceTickPlan,
-    TickPlan,
-    plan_namespace_tick,
-    plan_tick,
-    validate_budget,
-)
-from steeple.core.ports import Clock, MessageBroker, RandomSource, RecurringStore, Sealer
-from steeple.core.publication import (
-    FailureKind,
-    PublicationFailure,
-    classify_publication_failure,
-    publication_error,
-)
-from steeple.core.records import (
-    Lease,
-    OccurrenceInfo,
-    Page,
-    RelayOutcome,
-    ScheduleInfo,
-    ScheduleState,
-    TickResult,
-)
-from steeple.core.tasks import (
-    TASK_TRANSITIONS,
-    TERMINAL_TASK_STATES,
-    RetryDecision,
-    TaskEvent,
-    TaskState,
-    attempts_exhausted,
-    lease_expiry_event,
-    retry_decision,
-)
-from steeple.core.zoned import ZonedCalendar
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from steeple.core.backoff import RELAY_BACKOFF, Backoff
+    from steeple.core.calendar import CronCalendar
+    from steeple.core.clock import SystemClock
+    from steeple.core.config import RecurringConfig, RecurringDefinition
+    from steeple.core.entropy import SystemRandom
+    from steeple.core.errors import (
+        AuthenticationFailedError,
+        BrokerError,
+        BrokerRejectedError,
+        BrokerTimeoutError,
+        BrokerUnavailableError,
+        ConfigurationError,
+        ConfigurationTypeError,
+        InvalidCronExpression,
+        InvalidTimeZoneError,
+        InvalidTransitionError,
+        KeyringConfigurationError,
+        KeyringError,
+        MalformedEnvelopeError,
+        MessageTooLargeError,
+        RecurringCapacityError,
+        RecurringClockError,
+        RecurringConfigurationError,
+        RecurringConflictError,
+        RecurringDeadlineError,
+        RecurringError,
+        RecurringInvalidStateError,
+        RecurringKeyringError,
+        RecurringNotFoundError,
+        RecurringRelayError,
+        RecurringSchemaVersionError,
+        RecurringStorageError,
+        RecurringUnknownKeyIdError,
+        RelayAcknowledgementError,
+        RelayBrokerError,
+        RelayBrokerTimeoutError,
+        RelayLeaseLostError,
+        SealBudgetExhaustedError,
+        SteepleError,
+        UnknownKeyIdError,
+    )
+    from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
+    from steeple.core.leases import (
+        CAPABILITY_BYTES,
+        CLAIM_RULE,
+        GENERATION_BYTES,
+        ClaimRule,
+        FailureDecision,
+        adopt_time,
+        after_publish_failure,
+        capability_digest,
+        capability_matches,
+        holds_lease,
+        is_claimable,
+        is_live,
+        lease_expiry,
+        new_capability,
+        new_generation,
+        occurrence_id_for,
+        window_end,
+    )
+    from steeple.core.messages import BrokerReceipt, ScheduledMessage
+    from steeple.core.occurrences import (
+        CLAIMABLE_STATES,
+        OCCURRENCE_STEPS,
+        OCCURRENCE_TRANSITIONS,
+        PURGED,
+        TERMINAL_STATES,
+        Effects,
+        OccurrenceEvent,
+        OccurrenceState,
+        PurgedType,
+        Step,
+    )
+    from steeple.core.policies import (
+        DefinitionAdvance,
+        DueCalendar,
+        DueDefinition,
+        MissedRunPolicy,
+        NamespaceTickPlan,
+        TickPlan,
+        plan_namespace_tick,
+        plan_tick,
+        validate_budget,
+    )
+    from steeple.core.ports import Clock, MessageBroker, RandomSource, RecurringStore, Sealer
+    from steeple.core.publication import (
+        FailureKind,
+        PublicationFailure,
+        classify_publication_failure,
+        publication_error,
+    )
+    from steeple.core.records import (
+        Lease,
+        OccurrenceInfo,
+        Page,
+        RelayOutcome,
+        ScheduleInfo,
+        ScheduleState,
+        TickResult,
+    )
+    from steeple.core.tasks import (
+        TASK_TRANSITIONS,
+        TERMINAL_TASK_STATES,
+        RetryDecision,
+        TaskEvent,
+        TaskState,
+        attempts_exhausted,
+        lease_expiry_event,
+        retry_decision,
+    )
+    from steeple.core.zoned import ZonedCalendar
 
 __all__ = [
     "CAPABILITY_BYTES",
@@ -224,3 +233,125 @@ __all__ = [
     "validate_budget",
     "window_end",
 ]
+
+_HOMES: dict[str, str] = {
+    "RELAY_BACKOFF": "steeple.core.backoff",
+    "Backoff": "steeple.core.backoff",
+    "CronCalendar": "steeple.core.calendar",
+    "SystemClock": "steeple.core.clock",
+    "RecurringConfig": "steeple.core.config",
+    "RecurringDefinition": "steeple.core.config",
+    "SystemRandom": "steeple.core.entropy",
+    "AuthenticationFailedError": "steeple.core.errors",
+    "BrokerError": "steeple.core.errors",
+    "BrokerRejectedError": "steeple.core.errors",
+    "BrokerTimeoutError": "steeple.core.errors",
+    "BrokerUnavailableError": "steeple.core.errors",
+    "ConfigurationError": "steeple.core.errors",
+    "ConfigurationTypeError": "steeple.core.errors",
+    "InvalidCronExpression": "steeple.core.errors",
+    "InvalidTimeZoneError": "steeple.core.errors",
+    "InvalidTransitionError": "steeple.core.errors",
+    "KeyringConfigurationError": "steeple.core.errors",
+    "KeyringError": "steeple.core.errors",
+    "MalformedEnvelopeError": "steeple.core.errors",
+    "MessageTooLargeError": "steeple.core.errors",
+    "RecurringCapacityError": "steeple.core.errors",
+    "RecurringClockError": "steeple.core.errors",
+    "RecurringConfigurationError": "steeple.core.errors",
+    "RecurringConflictError": "steeple.core.errors",
+    "RecurringDeadlineError": "steeple.core.errors",
+    "RecurringError": "steeple.core.errors",
+    "RecurringInvalidStateError": "steeple.core.errors",
+    "RecurringKeyringError": "steeple.core.errors",
+    "RecurringNotFoundError": "steeple.core.errors",
+    "RecurringRelayError": "steeple.core.errors",
+    "RecurringSchemaVersionError": "steeple.core.errors",
+    "RecurringStorageError": "steeple.core.errors",
+    "RecurringUnknownKeyIdError": "steeple.core.errors",
+    "RelayAcknowledgementError": "steeple.core.errors",
+    "RelayBrokerError": "steeple.core.errors",
+    "RelayBrokerTimeoutError": "steeple.core.errors",
+    "RelayLeaseLostError": "steeple.core.errors",
+    "SealBudgetExhaustedError": "steeple.core.errors",
+    "SteepleError": "steeple.core.errors",
+    "UnknownKeyIdError": "steeple.core.errors",
+    "PUBLISH_PURPOSE": "steeple.core.idempotency",
+    "idempotency_key": "steeple.core.idempotency",
+    "CAPABILITY_BYTES": "steeple.core.leases",
+    "CLAIM_RULE": "steeple.core.leases",
+    "GENERATION_BYTES": "steeple.core.leases",
+    "ClaimRule": "steeple.core.leases",
+    "FailureDecision": "steeple.core.leases",
+    "adopt_time": "steeple.core.leases",
+    "after_publish_failure": "steeple.core.leases",
+    "capability_digest": "steeple.core.leases",
+    "capability_matches": "steeple.core.leases",
+    "holds_lease": "steeple.core.leases",
+    "is_claimable": "steeple.core.leases",
+    "is_live": "steeple.core.leases",
+    "lease_expiry": "steeple.core.leases",
+    "new_capability": "steeple.core.leases",
+    "new_generation": "steeple.core.leases",
+    "occurrence_id_for": "steeple.core.leases",
+    "window_end": "steeple.core.leases",
+    "BrokerReceipt": "steeple.core.messages",
+    "ScheduledMessage": "steeple.core.messages",
+    "CLAIMABLE_STATES": "steeple.core.occurrences",
+    "OCCURRENCE_STEPS": "steeple.core.occurrences",
+    "OCCURRENCE_TRANSITIONS": "steeple.core.occurrences",
+    "PURGED": "steeple.core.occurrences",
+    "TERMINAL_STATES": "steeple.core.occurrences",
+    "Effects": "steeple.core.occurrences",
+    "OccurrenceEvent": "steeple.core.occurrences",
+    "OccurrenceState": "steeple.core.occurrences",
+    "PurgedType": "steeple.core.occurrences",
+    "Step": "steeple.core.occurrences",
+    "DefinitionAdvance": "steeple.core.policies",
+    "DueCalendar": "steeple.core.policies",
+    "DueDefinition": "steeple.core.policies",
+    "MissedRunPolicy": "steeple.core.policies",
+    "NamespaceTickPlan": "steeple.core.policies",
+    "TickPlan": "steeple.core.policies",
+    "plan_namespace_tick": "steeple.core.policies",
+    "plan_tick": "steeple.core.policies",
+    "validate_budget": "steeple.core.policies",
+    "Clock": "steeple.core.ports",
+    "MessageBroker": "steeple.core.ports",
+    "RandomSource": "steeple.core.ports",
+    "RecurringStore": "steeple.core.ports",
+    "Sealer": "steeple.core.ports",
+    "FailureKind": "steeple.core.publication",
+    "PublicationFailure": "steeple.core.publication",
+    "classify_publication_failure": "steeple.core.publication",
+    "publication_error": "steeple.core.publication",
+    "Lease": "steeple.core.records",
+    "OccurrenceInfo": "steeple.core.records",
+    "Page": "steeple.core.records",
+    "RelayOutcome": "steeple.core.records",
+    "ScheduleInfo": "steeple.core.records",
+    "ScheduleState": "steeple.core.records",
+    "TickResult": "steeple.core.records",
+    "TASK_TRANSITIONS": "steeple.core.tasks",
+    "TERMINAL_TASK_STATES": "steeple.core.tasks",
+    "RetryDecision": "steeple.core.tasks",
+    "TaskEvent": "steeple.core.tasks",
+    "TaskState": "steeple.core.tasks",
+    "attempts_exhausted": "steeple.core.tasks",
+    "lease_expiry_event": "steeple.core.tasks",
+    "retry_decision": "steeple.core.tasks",
+    "ZonedCalendar": "steeple.core.zoned",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'steeple.core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -18,6 +18,7 @@ from steeple.admin._cli.options import (
     KeysFileOpt,
     NamespaceOpt,
     SchemaOpt,
+    Typer,
     Where,
 )
 from steeple.admin._cli.output import fail, guard, say
@@ -25,7 +26,7 @@ from steeple.admin.settings import KEYS_ENV, CliError, ExitCode
 
 __all__ = ["register"]
 
-keys_app = typer.Typer(
+keys_app = Typer(
     help="Storage keys: generate one, show the key ids in use.",
     no_args_is_help=True,
     rich_markup_mode=None,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, TypeVar
 
 import attrs
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from steeple.admin.settings import (
     CONFIG_ENV,
@@ -42,16 +43,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULTS",
+    "WHERE_PANEL",
     "AfterOpt",
     "ConfigOpt",
     "DryRunOpt",
     "DsnOpt",
+    "GroupedCommand",
+    "GroupedGroup",
     "JsonOpt",
     "KeysFileOpt",
     "LimitOpt",
     "Listing",
     "NamespaceOpt",
     "SchemaOpt",
+    "Typer",
     "Where",
     "YesOpt",
     "listing_options",
@@ -61,6 +66,7 @@ __all__ = [
 ]
 
 R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULTS: Final[dict[str, Any]] = {
     "schema": "steeple",
@@ -73,11 +79,14 @@ DEFAULTS: Final[dict[str, Any]] = {
 """What a setting is when no flag, environment variable or settings file gives it."""
 
 _FROM_FILE = f"(default: as in {SETTINGS_FILE}, else {{}})"
+WHERE_PANEL: Final = "Where (every command: flag, else environment, else steeple.toml)"
+"""The heading the connection and namespace options are listed under in every --help."""
 
 DsnOpt = Annotated[
     str | None,
     typer.Option(
         "--dsn",
+        rich_help_panel=WHERE_PANEL,
         envvar=DSN_ENV,
         show_envvar=True,
         show_default=False,
@@ -89,6 +98,7 @@ ConfigOpt = Annotated[
     Path | None,
     typer.Option(
         "--config",
+        rich_help_panel=WHERE_PANEL,
         envvar=CONFIG_ENV,
         show_envvar=True,
         show_default=False,
@@ -99,6 +109,7 @@ SchemaOpt = Annotated[
     str | None,
     typer.Option(
         "--schema",
+        rich_help_panel=WHERE_PANEL,
         envvar="STEEPLE_SCHEMA",
         show_envvar=True,
         show_default=False,
@@ -110,6 +121,7 @@ NamespaceOpt = Annotated[
     typer.Option(
         "--namespace",
         "-n",
+        rich_help_panel=WHERE_PANEL,
         envvar="STEEPLE_NAMESPACE",
         show_envvar=True,
         show_default=False,
@@ -120,6 +132,7 @@ QueueSchemaOpt = Annotated[
     str | None,
     typer.Option(
         "--queue-schema",
+        rich_help_panel=WHERE_PANEL,
         envvar="STEEPLE_QUEUE_SCHEMA",
         show_envvar=True,
         show_default=False,
@@ -131,6 +144,7 @@ KeysFileOpt = Annotated[
     Path | None,
     typer.Option(
         "--keys-file",
+        rich_help_panel=WHERE_PANEL,
         envvar="STEEPLE_KEYS_FILE",
         show_envvar=True,
         show_default=False,
@@ -142,6 +156,7 @@ MaxDefinitionsOpt = Annotated[
     int | None,
     typer.Option(
         "--max-definitions",
+        rich_help_panel=WHERE_PANEL,
         envvar="STEEPLE_MAX_DEFINITIONS",
         show_envvar=True,
         show_default=False,
@@ -152,6 +167,7 @@ MaxOccurrencesOpt = Annotated[
     int | None,
     typer.Option(
         "--max-occurrences",
+        rich_help_panel=WHERE_PANEL,
         envvar="STEEPLE_MAX_OCCURRENCES",
         show_envvar=True,
         show_default=False,
@@ -162,6 +178,7 @@ WindowOpt = Annotated[
     str | None,
     typer.Option(
         "--delivery-window",
+        rich_help_panel=WHERE_PANEL,
         envvar="STEEPLE_DELIVERY_WINDOW",
         show_envvar=True,
         show_default=False,
@@ -172,6 +189,7 @@ LeaseOpt = Annotated[
     str | None,
     typer.Option(
         "--lease",
+        rich_help_panel=WHERE_PANEL,
         envvar="STEEPLE_LEASE",
         show_envvar=True,
         show_default=False,
@@ -398,3 +416,53 @@ def _expand_options(
         return wrapper
 
     return decorate
+
+
+def _format_grouped(command: Any, ctx: Any, formatter: Any) -> None:
+    """List a command's own options first, then each titled group (the place options)."""
+    arguments: list[tuple[str, str]] = []
+    own: list[tuple[str, str]] = []
+    panels: dict[str, list[tuple[str, str]]] = {}
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is None:
+            continue
+        if param.param_type_name == "argument":
+            arguments.append(record)
+            continue
+        panel = getattr(param, "rich_help_panel", None)
+        (panels.setdefault(panel, []) if panel else own).append(record)
+    for title, records in (("Arguments", arguments), ("Options", own), *panels.items()):
+        if records:
+            with formatter.section(title):
+                formatter.write_dl(records)
+
+
+class GroupedCommand(TyperCommand):
+    """A command whose --help lists the place options under one heading, after its own."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        _format_grouped(self, ctx, formatter)
+
+
+class GroupedGroup(TyperGroup):
+    """A command group whose --help lists the place options as :class:`GroupedCommand`."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        _format_grouped(self, ctx, formatter)
+        self.format_commands(ctx, formatter)
+
+
+class Typer(typer.Typer):
+    """A ``typer.Typer`` whose commands and groups list their place options apart."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("cls", GroupedGroup)
+        kwargs.setdefault("rich_markup_mode", None)
+        super().__init__(**kwargs)
+
+    def command(self, name: str | None = None, **kwargs: Any) -> Callable[[F], F]:
+        """Declare a command (as ``typer.Typer.command``), of class :class:`GroupedCommand`."""
+        kwargs.setdefault("cls", GroupedCommand)
+        decorate: Callable[[F], F] = super().command(name, **kwargs)
+        return decorate

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import typer
 
 from steeple.admin._cli.options import given_dsns
+from steeple.admin._text import plural
 from steeple.admin.settings import DSN_ENV, CliError, ExitCode
 
 if TYPE_CHECKING:
@@ -42,10 +43,12 @@ __all__ = [
     "on_store",
     "one_line",
     "out",
+    "plural",
     "print_json",
     "print_page",
     "run",
     "say",
+    "short_when",
     "typed",
     "when",
 ]
@@ -54,9 +57,8 @@ T = TypeVar("T")
 _MAX_LINE = 1000
 
 
-@functools.cache
 def out() -> Console:
-    """Return the console of results (stdout)."""
+    """Return a console of results (stdout), as wide as the terminal is now."""
     from rich.console import Console
 
     return Console(highlight=False, soft_wrap=True)
@@ -86,15 +88,19 @@ def _escape_hidden(match: re.Match[str]) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
-def one_line(text: str) -> str:
+def one_line(text: str, *, keep_spacing: bool = False) -> str:
     r"""Return ``text`` as the command prints it: one bounded line, safe on a terminal.
 
     The one escaping every output path uses (plain lines, errors, table cells): any given
-    DSN's secrets masked, whitespace runs made one space, control, format (bidi) and
-    separator characters escaped as ``\xNN``/``\uNNNN``, lone surrogates escaped, at
-    most 1000 characters.
+    DSN's secrets masked, line breaks and tabs made spaces, runs of spaces collapsed unless
+    ``keep_spacing`` (a traceback line keeps its indentation, an aligned field its column),
+    control, format (bidi) and separator characters escaped as ``\xNN``/``\uNNNN``, lone
+    surrogates escaped, at most 1000 characters.
     """
-    return _escaped(" ".join(_scrubbed(text).split()))
+    text = _scrubbed(text)
+    if keep_spacing:
+        return _escaped(" ".join(text.expandtabs(4).splitlines()))
+    return _escaped(" ".join(text.split()))
 
 
 def _scrubbed(text: str) -> str:
@@ -125,10 +131,10 @@ class LineFormatter(logging.Formatter):
         return "\n".join(_escaped(line) for line in _scrubbed(super().format(record)).split("\n"))
 
 
-def say(text: str, *, stderr: bool = False) -> None:
-    """Print one plain line (scrubbed), to stdout or stderr."""
+def say(text: str, *, stderr: bool = False, keep_spacing: bool = False) -> None:
+    """Print one plain line (scrubbed, escaped: :func:`one_line`), to stdout or stderr."""
     stream = sys.stderr if stderr else sys.stdout
-    stream.write(one_line(text) + "\n")
+    stream.write(one_line(text, keep_spacing=keep_spacing) + "\n")
     stream.flush()
 
 
@@ -247,25 +253,61 @@ def when(value: datetime | None) -> str:
     return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def short_when(value: datetime | None) -> str:
+    """Write an instant as ``MM-DD HH:MM:SS`` in UTC, or ``-`` (a table column; --json: all)."""
+    return "-" if value is None else value.astimezone(UTC).strftime("%m-%d %H:%M:%S")
+
+
 def print_json(data: Any) -> None:
     """Print ``data`` as indented JSON on stdout."""
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
-def print_table(title: str, columns: Iterable[str], rows: Iterable[Sequence[str]]) -> None:
-    """Print a table on stdout: every cell through :func:`one_line`, as text, never markup.
+def print_table(
+    title: str,
+    columns: Iterable[str],
+    rows: Iterable[Sequence[str]],
+    *,
+    elastic: str | None = None,
+) -> None:
+    """Print a table on stdout, one line per row (cells are text, never markup).
 
-    Cells are rich ``Text`` (never parsed for markup or emoji codes): a stored ``[bold]``
-    prints as written.
+    Every cell is escaped as :func:`one_line` escapes. The ``elastic`` column (a long
+    free text such as the last error) takes the room the others leave and is cut with an
+    ellipsis; the others keep their full width (a name is never cut to make room for it).
+    Without one, cells wrap as the terminal's width requires.
     """
+    from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=Text(one_line(title)))
-    for column in columns:
-        table.add_column(Text(one_line(column)))
+    names = list(columns)
+    # A rule under the headings and no frame: the columns get the room borders would take.
+    table = Table(
+        title=Text(one_line(title)),
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+    )
+    for column in names:
+        if elastic is None:
+            table.add_column(Text(one_line(column)))
+        elif column == elastic:
+            header = Text(one_line(column), no_wrap=True, overflow="ellipsis")
+            table.add_column(header, no_wrap=False, min_width=4)
+        else:
+            table.add_column(Text(one_line(column)), no_wrap=True)
     for row in rows:
-        table.add_row(*(Text(one_line(cell)) for cell in row))
+        cells = [one_line(cell, keep_spacing=True) for cell in row]
+        table.add_row(
+            *(
+                Text(cell, no_wrap=True, overflow="ellipsis")
+                if elastic is not None and name == elastic
+                else Text(cell)
+                for name, cell in zip(names, cells, strict=True)
+            )
+        )
     out().print(table)
 
 
@@ -277,11 +319,12 @@ def print_page(
     title: str,
     columns: Iterable[str],
     row: Callable[[T], Sequence[str]],
+    elastic: str | None = None,
 ) -> None:
     """Print one page of a listing as JSON or as a table, with the next page's cursor."""
     if as_json:
         print_json({"items": [to_json(i) for i in page.items], "next_cursor": page.next_cursor})
         return
-    print_table(title, columns, (row(item) for item in page.items))
+    print_table(title, columns, (row(item) for item in page.items), elastic=elastic)
     if page.next_cursor:
         say(f"more: --after {page.next_cursor}")

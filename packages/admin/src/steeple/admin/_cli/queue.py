@@ -16,6 +16,7 @@ from steeple.admin._cli import output
 from steeple.admin._cli.options import (
     JsonOpt,
     Listing,
+    Typer,
     Where,
     YesOpt,
     listing_options,
@@ -32,19 +33,19 @@ __all__ = ["cancel_task", "register"]
 
 T = TypeVar("T")
 
-tasks_app = typer.Typer(
+tasks_app = Typer(
     help="Work-queue tasks: list them (the default), show, retry or cancel one.",
     invoke_without_command=True,
     rich_markup_mode=None,
 )
-jobs_app = typer.Typer(
+jobs_app = Typer(
     help="The work queue's recurring jobs: list them (the default), create, ensure, pause, "
     "resume, reschedule, delete.",
     invoke_without_command=True,
     rich_markup_mode=None,
 )
 
-queues_app = typer.Typer(
+queues_app = Typer(
     help="The work queue's named queues: list them (the default), pause, resume, limit.",
     invoke_without_command=True,
     rich_markup_mode=None,
@@ -117,7 +118,19 @@ def _check_name(value: str, what: str) -> str:
     return output.typed(lambda: check_name(value, what), code=ExitCode.USAGE)
 
 
-def _list_tasks(where: Where, listing: Listing, state: str | None, name: str | None) -> None:
+OldestFirstOpt = Annotated[
+    bool,
+    typer.Option(
+        "--oldest-first",
+        help="List the oldest tasks first (default: the newest first, so a busy queue's "
+        "latest work is on the first page).",
+    ),
+]
+
+
+def _list_tasks(
+    where: Where, listing: Listing, state: str | None, name: str | None, oldest_first: bool
+) -> None:
     output.check_limit(listing.limit)
     _check_state(state)
     if name is not None:
@@ -134,6 +147,7 @@ def _list_tasks(where: Where, listing: Listing, state: str | None, name: str | N
             task_name=name,
             after=listing.after,
             limit=listing.limit,
+            newest_first=not oldest_first,
         )
 
     from steeple.admin.queue_admin import task_record
@@ -143,7 +157,8 @@ def _list_tasks(where: Where, listing: Listing, state: str | None, name: str | N
         listed,
         as_json=listing.as_json,
         to_json=lambda t: task_record(t).to_json(),
-        title=f"tasks in {target.queue_schema}",
+        title=f"tasks in {target.queue_schema}, {'oldest' if oldest_first else 'newest'} first",
+        elastic="last error",
         columns=("id", "name", "queue", "state", "attempts", "run at (UTC)", "last error"),
         row=lambda t: (
             str(t.id),
@@ -151,7 +166,7 @@ def _list_tasks(where: Where, listing: Listing, state: str | None, name: str | N
             t.queue,
             t.state.value,
             t.attempts_shown,
-            output.when(t.run_at),
+            output.short_when(t.run_at),
             t.last_error or "",
         ),
     )
@@ -166,23 +181,28 @@ def tasks(
     listing: Listing,
     state: StateOpt = None,
     name: NameOpt = None,
+    oldest_first: OldestFirstOpt = False,
 ) -> None:
     """Work-queue tasks (metadata only: never arguments or lease tokens).
 
-    Without a subcommand, list them (oldest first).
+    Without a subcommand, list them (newest first).
     """
     if ctx.invoked_subcommand is None:
-        _list_tasks(where, listing, state, name)
+        _list_tasks(where, listing, state, name, oldest_first)
 
 
 @tasks_app.command("list")
 @where_options(queue=True, store=False)
 @listing_options()
 def tasks_list(
-    where: Where, listing: Listing, state: StateOpt = None, name: NameOpt = None
+    where: Where,
+    listing: Listing,
+    state: StateOpt = None,
+    name: NameOpt = None,
+    oldest_first: OldestFirstOpt = False,
 ) -> None:
-    """List tasks, oldest first (metadata only)."""
-    _list_tasks(where, listing, state, name)
+    """List tasks, newest first (metadata only)."""
+    _list_tasks(where, listing, state, name, oldest_first)
 
 
 _MAX_SHOWN_RESULT = 2000
@@ -198,35 +218,42 @@ def _print_run(run: TaskRun, as_json: bool) -> None:
     progress = fields.pop("progress")
     # Attempts read as what happens next ("1, not retried"), not as a promise of more.
     fields["attempts"] = run.attempts_shown
-    width = max(len(k) for k in fields)
+    width = max(len(k) for k in (*fields, "progress", "result"))
+
+    def field(key: str, value: object) -> None:
+        # The value goes through the one escaping, on one line; the padding is kept.
+        shown = "-" if value is None else " ".join(str(value).split())
+        say(f"{key:<{width}}  {shown}", keep_spacing=True)
+
     for key, value in fields.items():
-        say(f"{key:<{width}}  {'-' if value is None else value}")
+        field(key, value)
     if progress is not None:
         shown = f"{progress['fraction']:.0%}"
         if "message" in progress:
             shown += f" {progress['message']}"
-        say(f"{'progress':<{width}}  {shown}")
+        field("progress", shown)
     if run.result is not None:
         # Compact JSON escapes control characters: a result cannot steer the terminal.
         text = json.dumps(run.result, separators=(",", ":"))
         if len(text) > _MAX_SHOWN_RESULT:
             text = text[: _MAX_SHOWN_RESULT - 3] + "... (see --json)"
-        say(f"{'result':<{width}}  {text}")
+        field("result", text)
     if history:
-        say("attempts:")
+        say(f"attempts ({len(history)}):")
         for attempt in history:
-            error = f"  {attempt['error']}" if attempt["error"] else ""
+            error = f"  {' '.join(attempt['error'].split())}" if attempt["error"] else ""
             say(
-                f"  #{attempt['attempt']} {attempt['outcome']} on {attempt['worker_id'] or '-'}"
-                f" at {attempt['finished_at']}{error}"
+                f"  #{attempt['attempt']} {attempt['outcome']} on "
+                f"{attempt['worker_id'] or '-'} at {attempt['finished_at']}{error}",
+                keep_spacing=True,
             )
     failed = [a for a in history if a["traceback"]]
     if failed:
         latest = failed[-1]
         say(f"traceback of attempt {latest['attempt']} ({latest['error_type']}):")
         for line in latest["traceback"].splitlines():
-            # say() makes each line printable: a handler's message cannot steer the terminal.
-            say(line)
+            # Each line keeps its indentation; control characters are still shown escaped.
+            say(line, keep_spacing=True)
 
 
 @tasks_app.command("show")

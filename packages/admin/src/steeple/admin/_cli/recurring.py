@@ -12,12 +12,13 @@ from steeple.admin._cli import output
 from steeple.admin._cli.options import (
     DryRunOpt,
     Listing,
+    Typer,
     Where,
     YesOpt,
     listing_options,
     where_options,
 )
-from steeple.admin._cli.output import fail, guard, on_store, say
+from steeple.admin._cli.output import fail, guard, on_store, plural, say
 from steeple.admin.settings import CliError, ExitCode, parse_duration
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["register"]
 
-schedules_app = typer.Typer(
+schedules_app = Typer(
     help="Recurring definitions: list them (the default), create them.",
     invoke_without_command=True,
     rich_markup_mode=None,
@@ -476,7 +477,8 @@ def purge(
     """
     output.check_limit(limit)
     age = guard(lambda: parse_duration(older_than, what="--older-than"))
-    what = "tasks" if include_tasks else "occurrences"
+    noun = "task" if include_tasks else "occurrence"
+    what = noun + "s"
     if not dry_run:
         output.confirm(
             f"Remove up to {limit} terminal {what} finished more than {older_than} ago?",
@@ -487,7 +489,8 @@ def purge(
     if dry_run:
         eligible = _count_purgeable(target, age, include_tasks)
         say(
-            f"dry run: {eligible} terminal {what} finished more than {older_than} ago; a purge "
+            f"dry run: {plural(eligible, 'terminal ' + noun)} finished more than {older_than} "
+            "ago; a purge "
             f"would remove {min(eligible, limit)} of them (--limit {limit}); nothing was removed"
         )
         return
@@ -502,7 +505,7 @@ def purge(
         cutoff = datetime.now(UTC) - age
         removed = on_store(target, lambda store: store.purge_terminal(cutoff, limit))
     more = " (the limit: run it again to remove more)" if removed == limit else ""
-    say(f"purged {removed} terminal {what} older than {older_than}{more}")
+    say(f"purged {plural(removed, 'terminal ' + noun)} older than {older_than}{more}")
 
 
 def _count_purgeable(target: Any, age: timedelta, tasks: bool) -> int:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from steeple.admin._cli import output
-from steeple.admin._cli.options import Where, where_options
+from steeple.admin._cli.options import Typer, Where, where_options
 from steeple.admin._cli.output import fail, guard, say
 from steeple.admin.settings import CliError, ExitCode
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["admin_tokens", "checked_token", "register"]
 
-admin_app = typer.Typer(help="The admin web app.", no_args_is_help=True, rich_markup_mode=None)
+admin_app = Typer(help="The admin web app.", no_args_is_help=True, rich_markup_mode=None)
 
 TOKEN_ENV = "STEEPLE_ADMIN_TOKEN"  # noqa: S105 - the name of a variable, not a secret
 CSRF_ENV = "STEEPLE_ADMIN_CSRF_TOKEN"

@@ -86,17 +86,25 @@
     });
   }
 
-  function summary(action, result) {
+  function plural(count, noun) {
+    return `${count} ${count === 1 ? noun : `${noun}s`}`;
+  }
+
+  // What an action did, in words: the button says it (data-done), with the counts the
+  // answer gives; never an API path.
+  function summary(button, result) {
+    const noun = button.dataset.noun || "task";
     if (result.purged !== undefined) {
-      return `${action}: ${result.purged} removed`;
+      return `${plural(result.purged, `finished ${noun}`)} removed`;
     }
     for (const key of ["cancelled", "retried"]) {
       if (Array.isArray(result[key])) {
         const skipped = Object.keys(result.skipped || {}).length;
-        return `${key} ${result[key].length} task(s)` + (skipped ? `, ${skipped} skipped` : "");
+        const rest = skipped ? ` (${plural(skipped, "task")} skipped: already finished)` : "";
+        return `${key} ${plural(result[key].length, "task")}${rest}`;
       }
     }
-    return `${action}: done`;
+    return button.dataset.done || "done";
   }
 
   async function act(button) {
@@ -112,7 +120,7 @@
       const more = preview.task_ids.length > 20 ? ", ..." : "";
       const rest = preview.more ? " (the first batch; more match: repeat after this)" : "";
       const ok = await ask(
-        `${button.dataset.confirm} ${preview.task_ids.length} task(s)${rest}: ${shown}${more}?`,
+        `${button.dataset.confirm} ${plural(preview.task_ids.length, "task")}${rest}: ${shown}${more}?`,
         {},
       );
       if (ok === null) {
@@ -128,7 +136,7 @@
       payload = { ...payload, ...values };
     }
     const result = await post(action, payload);
-    flash(summary(action, result), "ok");
+    flash(summary(button, result), "ok");
   }
 
   async function run(what, work) {
@@ -233,6 +241,29 @@
 
   // --- the throughput chart: stacked bars per minute, drawn as SVG from the data --------
 
+  function niceStep(peak) {
+    // A y-axis step of 1, 2 or 5 times a power of ten, for about four gridlines.
+    const rough = peak / 4;
+    const power = 10 ** Math.floor(Math.log10(Math.max(rough, 1)));
+    for (const m of [1, 2, 5, 10]) {
+      if (m * power >= rough) {
+        return Math.max(1, m * power);
+      }
+    }
+    return Math.max(1, 10 * power);
+  }
+
+  function svgNode(name, attributes, text) {
+    const node = document.createElementNS(SVG, name);
+    for (const [key, value] of Object.entries(attributes)) {
+      node.setAttribute(key, String(value));
+    }
+    if (text !== undefined) {
+      node.textContent = text;
+    }
+    return node;
+  }
+
   function drawCharts() {
     for (const figure of document.querySelectorAll("figure[data-series]")) {
       const series = JSON.parse(figure.dataset.series);
@@ -241,58 +272,83 @@
       const totals = Array.from({ length: n }, (_, i) =>
         states.reduce((sum, s) => sum + series.finished[s][i], 0),
       );
-      const peak = Math.max(1, ...totals);
-      const width = 600;
-      const height = 120;
-      const bar = width / Math.max(1, n);
-      const svg = document.createElementNS(SVG, "svg");
-      svg.setAttribute("viewBox", `0 0 ${width} ${height + 16}`);
-      svg.setAttribute("role", "img");
-      svg.setAttribute("aria-label", `tasks finished per minute, peak ${peak}`);
-      const axis = document.createElementNS(SVG, "line");
-      axis.setAttribute("x1", "0");
-      axis.setAttribute("x2", String(width));
-      axis.setAttribute("y1", String(height));
-      axis.setAttribute("y2", String(height));
-      axis.setAttribute("class", "axis");
-      svg.appendChild(axis);
+      const plot = figure.querySelector(".plot");
+      // Drawn at the plot's own width in pixels: the chart fills its frame, never letterboxed.
+      const width = Math.max(240, Math.floor(plot.clientWidth || 600));
+      const height = 150;
+      const left = 36;
+      const bottom = 18;
+      const top = 6;
+      const inner = height - bottom - top;
+      const step = niceStep(Math.max(1, ...totals));
+      const peak = step * Math.ceil(Math.max(1, ...totals) / step);
+      const bar = (width - left) / Math.max(1, n);
+      const minutes = Math.round((n * series.bucket_seconds) / 60);
+      const svg = svgNode("svg", {
+        viewBox: `0 0 ${width} ${height}`,
+        width,
+        height,
+        role: "img",
+        "aria-label": `tasks finished per minute over the last ${minutes} minutes, at most ${Math.max(0, ...totals)} in one minute`,
+      });
+      const y = (value) => top + inner - (value / peak) * inner;
+      // The y-axis: gridlines and labels at each step (tasks per minute).
+      for (let value = 0; value <= peak; value += step) {
+        svg.appendChild(
+          svgNode("line", { x1: left, x2: width, y1: y(value), y2: y(value), class: "grid" }),
+        );
+        svg.appendChild(
+          svgNode(
+            "text",
+            { x: left - 4, y: y(value) + 4, "text-anchor": "end", class: "tick y-tick" },
+            String(value),
+          ),
+        );
+      }
+      svg.appendChild(svgNode("line", { x1: left, x2: left, y1: top, y2: top + inner, class: "axis" }));
+      svg.appendChild(
+        svgNode("line", { x1: left, x2: width, y1: top + inner, y2: top + inner, class: "axis" }),
+      );
       for (let i = 0; i < n; i += 1) {
-        let top = height;
+        let stacked = 0;
         for (const state of states) {
           const count = series.finished[state][i];
           if (!count) {
             continue;
           }
-          const h = (count / peak) * (height - 4);
-          const rect = document.createElementNS(SVG, "rect");
-          rect.setAttribute("x", String(i * bar + 0.5));
-          rect.setAttribute("y", String(top - h));
-          rect.setAttribute("width", String(Math.max(1, bar - 1)));
-          rect.setAttribute("height", String(h));
-          rect.setAttribute("class", `bar state-${state}`);
-          const title = document.createElementNS(SVG, "title");
-          title.textContent = `${count} ${state}, ${n - i} min ago`;
-          rect.appendChild(title);
+          const rect = svgNode("rect", {
+            x: left + i * bar + 0.5,
+            y: y(stacked + count),
+            width: Math.max(1, bar - 1),
+            height: y(stacked) - y(stacked + count),
+            class: `bar state-${state}`,
+          });
+          rect.appendChild(svgNode("title", {}, `${count} ${state}, ${n - i} min ago`));
           svg.appendChild(rect);
-          top -= h;
+          stacked += count;
         }
       }
-      for (const [x, label, anchor] of [
-        [0, "-60 min", "start"],
-        [width, `peak ${peak}/min · now`, "end"],
-      ]) {
-        const text = document.createElementNS(SVG, "text");
-        text.setAttribute("x", String(x));
-        text.setAttribute("y", String(height + 13));
-        text.setAttribute("text-anchor", anchor);
-        text.setAttribute("class", "tick");
-        text.textContent = label;
-        svg.appendChild(text);
+      // The x-axis: minutes ago, every quarter of the window.
+      for (let q = 0; q <= 4; q += 1) {
+        const ago = Math.round((minutes * (4 - q)) / 4);
+        const anchor = q === 0 ? "start" : q === 4 ? "end" : "middle";
+        svg.appendChild(
+          svgNode(
+            "text",
+            { x: left + ((width - left) * q) / 4, y: height - 4, "text-anchor": anchor, class: "tick x-tick" },
+            ago ? `-${ago} min` : "now",
+          ),
+        );
       }
-      const plot = figure.querySelector(".plot");
       plot.replaceChildren(svg);
     }
   }
+
+  let resized = null;
+  window.addEventListener("resize", () => {
+    window.clearTimeout(resized);
+    resized = window.setTimeout(drawCharts, 150);
+  });
 
   drawCharts();
   const period = Math.max(1, Number(body.dataset.refresh || "5")) * 1000;

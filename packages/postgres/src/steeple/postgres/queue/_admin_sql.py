@@ -58,12 +58,14 @@ def _admin_sql(schema: str) -> AdminSql:
     s = validate_schema(schema)
     return AdminSql(
         # $1 exclusive id cursor, $2 state|null, $3 task name|null, $4 limit,
-        # $5/$6 created at or after / before (null: unbounded), $7 queue|null
+        # $5/$6 created at or after / before (null: unbounded), $7 queue|null,
+        # $8 JSON the args contain (jsonb @>), or null
         list_tasks=f"""
 SELECT {RUN_STATE_COLUMNS} FROM {s}.tasks
 WHERE id > $1 AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR task_name = $3)
   AND ($5::timestamptz IS NULL OR created_at >= $5)
   AND ($6::timestamptz IS NULL OR created_at < $6) AND ($7::text IS NULL OR queue = $7)
+  AND ($8::text IS NULL OR args @> $8::text::jsonb)
 ORDER BY id
 LIMIT $4""",
         # The same, newest first: $1 is the exclusive upper id cursor (null: from the top).
@@ -73,6 +75,7 @@ WHERE ($1::bigint IS NULL OR id < $1) AND ($2::text IS NULL OR state = $2)
   AND ($3::text IS NULL OR task_name = $3)
   AND ($5::timestamptz IS NULL OR created_at >= $5)
   AND ($6::timestamptz IS NULL OR created_at < $6) AND ($7::text IS NULL OR queue = $7)
+  AND ($8::text IS NULL OR args @> $8::text::jsonb)
 ORDER BY id DESC
 LIMIT $4""",
         count_by_state=f"SELECT state, count(*) FROM {s}.tasks GROUP BY state",
@@ -81,15 +84,15 @@ LIMIT $4""",
         # on finished_at serves the range. The first row carries the clock even when empty.
         throughput=f"""
 WITH now AS (SELECT clock_timestamp() AS at)
-SELECT now.at, NULL::text, NULL::integer, 0::bigint FROM now
+SELECT now.at, NULL::text, NULL::integer, 0::bigint, NULL::text FROM now
 UNION ALL
 SELECT now.at, t.state,
        floor(extract(epoch FROM now.at - t.finished_at) / extract(epoch FROM $2::interval))::int,
-       count(*)
+       count(*), t.queue
 FROM {s}.tasks t, now
 WHERE t.state IN {TERMINAL} AND t.finished_at > now.at - $1::interval
   AND t.finished_at <= now.at
-GROUP BY now.at, t.state, 3""",
+GROUP BY now.at, t.state, 3, t.queue""",
         # $1 task id: the args as stored (JSON text)
         task_args=f"SELECT args::text FROM {s}.tasks WHERE id = $1",
         # $1 id. A live task holding the same dedup key blocks the retry (the unique index

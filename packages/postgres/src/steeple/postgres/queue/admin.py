@@ -13,6 +13,7 @@ return metadata only (never a task's args or lease token). Cancelling and prunin
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -102,6 +103,17 @@ async def _fetch(conn: Any, schema: str, sql: str, *args: Any) -> list[tuple[Any
         raise
 
 
+def _contained_json(value: Any) -> str:
+    """Return ``value`` as JSON text for a containment search (bounded like a task's args)."""
+    try:
+        text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        raise QueueTypeError("args_contain must be a JSON value") from None
+    if len(text) > 4096:
+        raise QueueConfigurationError("args_contain is over 4096 characters of JSON")
+    return text
+
+
 def _task_cursor(after: object) -> int:
     if after is None:
         return 0
@@ -156,6 +168,7 @@ async def list_tasks(
     created_before: datetime | None = None,
     newest_first: bool = False,
     queue: str | None = None,
+    args_contain: Any = None,
 ) -> Page[TaskRun]:
     """List tasks in id order, optionally of one state, task name, queue and creation range.
 
@@ -172,6 +185,9 @@ async def list_tasks(
         created_before: only tasks created before this instant (timezone-aware).
         newest_first: descending ids (the newest task first); the cursor then pages down.
         queue: only tasks of this named queue.
+        args_contain: only tasks whose args contain this JSON value (PostgreSQL's jsonb
+            ``@>``: ``{"to": "ada@example.com"}`` matches args with that key and value).
+            Args can hold secrets: callers decide who may search them.
 
     Returns:
         A page of tasks (metadata only); ``next_cursor`` is ``None`` on the last page.
@@ -196,8 +212,19 @@ async def list_tasks(
     statement = sql.list_tasks_newest if newest_first else sql.list_tasks
     if queue is not None:
         check_queue(queue)
+    contained = None if args_contain is None else _contained_json(args_contain)
     rows = await _fetch(
-        conn, schema, statement, position, wanted, task_name, limit + 1, since, until, queue
+        conn,
+        schema,
+        statement,
+        position,
+        wanted,
+        task_name,
+        limit + 1,
+        since,
+        until,
+        queue,
+        contained,
     )
     items = [TaskRun.from_row(tuple(row)) for row in rows[:limit]]
     cursor = str(items[-1].id) if len(rows) > limit else None
@@ -292,10 +319,20 @@ async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SC
         raise TaskStateError(
             task_id,
             before.value,
-            f"task {task_id} is {before.value}; only failed tasks can be retried",
+            f"task {task_id} {_AS_FOUND.get(before.value, 'is ' + before.value)}; only failed "
+            "tasks can be retried",
         )
     transition(before, TaskEvent.RETRY)  # the table's move (raises if the SQL made another)
     return await run_state(conn, task_id, schema=schema)
+
+
+# How a refusal says the state it found, in words a person would use.
+_AS_FOUND: Final = {
+    "pending": "is still pending",
+    "running": "is running",
+    "succeeded": "already succeeded",
+    "cancelled": "was cancelled",
+}
 
 
 @entry_point
@@ -387,11 +424,14 @@ class Throughput:
         bucket: the width of one bucket.
         finished: per terminal state, the count of each bucket, oldest bucket first (the
             last bucket ends at ``ends_at``).
+        by_queue: per named queue that finished any task in the window, the count per
+            terminal state over the whole window.
     """
 
     ends_at: datetime
     bucket: timedelta
     finished: dict[TaskState, tuple[int, ...]]
+    by_queue: dict[str, dict[TaskState, int]] = attrs.field(factory=dict)
 
 
 @entry_point
@@ -425,9 +465,17 @@ async def throughput(
     rows = await _fetch(conn, schema, sql.throughput, window, width)
     ends_at = rows[0][0]
     finished = {s: [0] * buckets for s in TaskState if s in _TERMINAL}
-    for _, state, ago, count in rows:
+    by_queue: dict[str, dict[TaskState, int]] = {}
+    for _, state, ago, count, queue in rows:
         if state is None:
             continue  # the row that carries the clock
         index = buckets - 1 - min(max(int(ago), 0), buckets - 1)
         finished[TaskState(state)][index] += int(count)
-    return Throughput(ends_at, width, {s: tuple(c) for s, c in finished.items()})
+        per_state = by_queue.setdefault(str(queue), dict.fromkeys(finished, 0))
+        per_state[TaskState(state)] += int(count)
+    return Throughput(
+        ends_at,
+        width,
+        {s: tuple(c) for s, c in finished.items()},
+        dict(sorted(by_queue.items())),
+    )
