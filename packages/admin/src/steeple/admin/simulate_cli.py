@@ -455,7 +455,8 @@ def simulate(
     except CliError as exc:
         raise _fail(exc) from None
     try:
-        result = run(scenario, seed=seed)
+        # The plot draws every due run's end, which only a traced run records.
+        result = run(scenario, seed=seed, trace=plot is not None)
     except KeyboardInterrupt:
         _err().print("steeple: interrupted")
         raise typer.Exit(130) from None
