@@ -522,7 +522,8 @@ def test_due_runs_show_every_due_instant_and_what_coalesce_folded_away() -> None
     assert {r.coalesced_into for r in folded} == {seven}
     carrier = next(r for r in quarterly if r.due_at == seven)
     assert carrier.state is OccurrenceState.PUBLISHED
-    assert carrier.lateness is not None and 3600 <= carrier.lateness < 3601
+    assert carrier.lateness is not None
+    assert 3600 <= carrier.lateness < 3601
     assert carrier.published_at == seven + timedelta(seconds=carrier.lateness)
     # Catch-up folds nothing: each due instant has its own occurrence.
     hourly = [r for r in runs if r.definition_name == "hourly"]
@@ -547,7 +548,8 @@ def test_due_runs_agree_with_the_counts_in_a_busy_run() -> None:
         assert states.count(OccurrenceState.CANCELLED) == job.stats.cancelled
         for run_ in mine:
             if run_.coalesced_into is not None:
-                assert job.policy is MissedRunPolicy.COALESCE and run_.state is None
+                assert job.policy is MissedRunPolicy.COALESCE
+                assert run_.state is None
                 carrier = made[(job.name, run_.coalesced_into)]
                 assert carrier.due_at < run_.due_at <= carrier.materialized_at
     # The definition cancelled at 01:50 has no due run after it.

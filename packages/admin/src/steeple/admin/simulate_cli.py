@@ -403,8 +403,8 @@ def simulate(
         Path | None,
         typer.Option(
             "--plot",
-            help="Write a plot (.png or .svg; needs the plot extra of steeple-admin, else "
-            "a terminal chart is printed).",
+            help="Write a plot of what became of every due run, outages shaded (.png or "
+            ".svg; needs the plot extra of steeple-admin, else a terminal chart is printed).",
         ),
     ] = None,
     chart: Annotated[

@@ -52,6 +52,16 @@ _OUTCOMES: Final = {
 }
 
 
+_FATES: Final = {
+    "coalesced": "coalesced away",
+    "dead": "dead",
+    "expired": "expired",
+    "open": "not finished",
+    "cancelled": "cancelled",
+}
+"""What a caption calls each outcome but a publication."""
+
+
 class PlotUnavailableError(ImportError):
     """matplotlib is not installed (install ``steeple-admin[plot]``)."""
 
@@ -64,7 +74,7 @@ def _title(result: SimulationResult) -> str:
     s = result.scenario
     return (
         f"{s.start:%Y-%m-%d %H:%MZ} to {s.end:%Y-%m-%d %H:%MZ}, "
-        f"{len(result.definitions)} definitions, seed {result.seed}"
+        f"{_count(len(result.definitions), 'definition')}, seed {result.seed}"
     )
 
 
@@ -140,8 +150,14 @@ def _during(runs: Sequence[DueRun], incident: _Incident, short: bool) -> str | N
         carriers[key] = by_due.get(key, run)
     published = [c for c in carriers.values() if c.published_at is not None]
     text = f"{_count(len(inside), 'run')} due during the {incident.kind} outage → "
+    unpublished: dict[str, int] = {}
+    for carrier in carriers.values():
+        if carrier.published_at is None:
+            word = _FATES[_outcome(carrier)]
+            unpublished[word] = unpublished.get(word, 0) + 1
+    fates = ", ".join(f"{n:,} {word}" for word, n in unpublished.items())
     if not published:
-        return text + "no publication"
+        return text + f"no publication ({fates})"
     times = sorted(c.published_at for c in published if c.published_at is not None)
     late = sorted(c.lateness or 0.0 for c in published)
     at = _when(times[0], short)
@@ -151,8 +167,8 @@ def _during(runs: Sequence[DueRun], incident: _Incident, short: bool) -> str | N
         _human(late[-1]) if late[-1] - late[0] < 60 else f"{_human(late[0])} to {_human(late[-1])}"
     )
     text += f"{_count(len(published), 'publication')} at {at}, {how} late"
-    if len(published) < len(carriers):
-        text += f" ({len(carriers) - len(published)} not published)"
+    if fates:
+        text += f"; {fates}"
     return text
 
 
@@ -167,13 +183,7 @@ def _caption(name: str, runs: Sequence[DueRun], incidents: Sequence[_Incident], 
     if counts["late"]:
         worst = max(r.lateness or 0.0 for r in runs if _outcome(r) == "late")
         parts.append(f"{counts['late']:,} late (worst {_human(worst)})")
-    for key, word in (
-        ("coalesced", "coalesced away"),
-        ("dead", "dead"),
-        ("expired", "expired"),
-        ("open", "not finished"),
-        ("cancelled", "cancelled"),
-    ):
+    for key, word in _FATES.items():
         if counts[key]:
             parts.append(f"{counts[key]:,} {word}")
     text = f"{name}: " + ", ".join(parts)
@@ -188,7 +198,7 @@ def _caption(name: str, runs: Sequence[DueRun], incidents: Sequence[_Incident], 
 def _zoom(
     result: SimulationResult, runs: Sequence[DueRun], incident: _Incident
 ) -> tuple[datetime, datetime]:
-    """The longest outage, padded, stretched to the last publication of a run due in it."""
+    """Return the zoom's range: the outage, padded, to the last publication of its runs."""
     i = incident.interval
     pad = max(timedelta(hours=1), (i.end - i.start) / 3)
     last = i.end
@@ -215,7 +225,7 @@ def plot_figure(result: SimulationResult) -> Any:
         ValueError: the run was not traced (run it with ``trace=True``).
     """
     try:
-        from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
+        from matplotlib.dates import AutoDateLocator, ConciseDateFormatter, date2num
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
@@ -249,10 +259,10 @@ def plot_figure(result: SimulationResult) -> Any:
             )
     longest = max(incidents, key=lambda x: _seconds(x.interval), default=None)
     fig = Figure(figsize=(12, 1.75 * len(rows) + 4.0), layout="constrained")
-    header, *subfigs = fig.subfigures(
-        len(rows) + 2, 1, height_ratios=[0.45] + [1.0] * len(rows) + [1.5]
+    grid = fig.subfigures(
+        len(rows) + 2, 1, squeeze=False, height_ratios=[0.45] + [1.0] * len(rows) + [1.5]
     )
-    first_axes: list[Any] = []
+    header, *subfigs = grid[:, 0]
     columns = 2 if longest is not None else 1
     for row, (subfig, (name, row_runs)) in enumerate(zip(subfigs[:-1], rows, strict=True)):
         axes = subfig.subplots(
@@ -278,15 +288,18 @@ def plot_figure(result: SimulationResult) -> Any:
                     incident.interval.start, incident.interval.end, color=color, alpha=0.13, lw=0
                 )
                 if row == 0 and column == 0:
-                    # Named above the top panel, so no run's marker hides the name.
-                    ax.text(
-                        incident.interval.start
-                        + (incident.interval.end - incident.interval.start) / 2,
-                        1.02,
+                    # Named inside the top of the top panel (late runs stay below 77 % of
+                    # its height), reading away from the nearer edge.
+                    span = incident.interval
+                    early = span.start - scenario.start < (scenario.end - scenario.start) * 0.7
+                    ax.annotate(
                         incident.label(short),
-                        transform=ax.get_xaxis_transform(),
-                        va="bottom",
-                        ha="center",
+                        (date2num(span.start if early else span.end), 0.96),  # type: ignore[no-untyped-call]
+                        xycoords=ax.get_xaxis_transform(),
+                        xytext=(3 if early else -3, 0),
+                        textcoords="offset points",
+                        va="top",
+                        ha="left" if early else "right",
                         fontsize=7.5,
                         color=color,
                     )
@@ -323,7 +336,7 @@ def plot_figure(result: SimulationResult) -> Any:
             ax.set_xlim(lo, hi)
             ax.set_ylim(-0.12 * top, top * 1.3)
             ax.tick_params(labelsize=7.5)
-            locator = AutoDateLocator(maxticks=7 if column == 0 else 5)  # type: ignore[no-untyped-call]
+            locator = AutoDateLocator()  # type: ignore[no-untyped-call]
             ax.xaxis.set_major_locator(locator)
             # The year and day are in the title and the tick labels: no offset text.
             ax.xaxis.set_major_formatter(
@@ -332,7 +345,6 @@ def plot_figure(result: SimulationResult) -> Any:
             if column == 1:
                 _annotate(ax, shown, scale, short)
         axes[0].set_ylabel(f"late ({unit})", fontsize=8)
-        first_axes.append(axes[0])
         if row == 0 and longest is not None:
             axes[1].set_title(f"zoom: around the {longest.label(short)}", fontsize=8, loc="left")
             axes[0].set_title(
@@ -451,7 +463,10 @@ def _distribution(
     text = f"How late: {_count(len(latenesses), 'publication')}, {on_time:,} on time"
     late = [v for v in latenesses if v > ON_TIME_S]
     if late:
-        text += f", {len(late):,} late (median of the late {_human(sorted(late)[(len(late) - 1) // 2])}, worst {_human(max(late))})"
+        median = sorted(late)[(len(late) - 1) // 2]
+        text += (
+            f", {len(late):,} late (median of the late {_human(median)}, worst {_human(max(late))})"
+        )
     subfig.suptitle(text, x=0.005, ha="left", fontsize=8.5)
 
 

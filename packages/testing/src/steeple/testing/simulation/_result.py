@@ -311,8 +311,7 @@ def _due_runs(scenario: Scenario, traced: Iterable[OccurrenceOutcome]) -> tuple[
     for since, definition in created:
         name = definition.name
         stop = min(
-            [scenario.end]
-            + [c.at for c in scenario.changes if name in c.cancel and c.at >= since]
+            [scenario.end] + [c.at for c in scenario.changes if name in c.cancel and c.at >= since]
         )
         # The runs materialized later than each instant, oldest first: the first of them
         # is the one a coalesce definition folded the instant into.
