@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ from steeple.admin.definitions_file import (
     load_definitions,
 )
 from steeple.admin.settings import ExitCode
+from steeple.admin.simulate_plot import plot_figure, write_plot
+from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage
+from steeple.testing.simulation import BrokerModel, Interval, Scenario, run
 
 runner = CliRunner()
 
@@ -179,13 +183,6 @@ def figure_texts(figure: Any) -> list[str]:
 def test_the_plot_marks_dead_letters_and_broker_outages_and_needs_a_traced_run(
     tmp_path: Path,
 ) -> None:
-    from datetime import UTC, datetime, timedelta
-
-    from steeple.admin.simulate_plot import plot_figure, write_plot
-    from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition
-    from steeple.core import ScheduledMessage
-    from steeple.testing.simulation import BrokerModel, Interval, Scenario, run
-
     start = datetime(2026, 1, 30, tzinfo=UTC)
     message = ScheduledMessage("jobs", "job", b"{}")
     scenario = Scenario(
@@ -219,13 +216,6 @@ def test_the_plot_marks_dead_letters_and_broker_outages_and_needs_a_traced_run(
 
 
 def test_many_definitions_are_drawn_one_row_per_policy() -> None:
-    from datetime import UTC, datetime, timedelta
-
-    from steeple.admin.simulate_plot import plot_figure
-    from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition
-    from steeple.core import ScheduledMessage
-    from steeple.testing.simulation import Scenario, run
-
     start = datetime(2026, 1, 30, tzinfo=UTC)
     message = ScheduledMessage("jobs", "job", b"{}")
     policies = [MissedRunPolicy.CATCH_UP, MissedRunPolicy.COALESCE]
