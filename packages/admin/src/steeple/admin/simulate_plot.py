@@ -390,16 +390,20 @@ def _annotate(ax: Any, shown: Sequence[DueRun], scale: float, short: bool) -> No
     at = _when(times[0], short)
     if times[-1] - times[0] >= timedelta(minutes=1):
         at += f"–{_when(times[-1], short)}"
+    first, last = min(r.due_at for r in late), max(r.due_at for r in late)
+    due = _when(first, short) + ("" if first == last else f"–{_when(last, short)}")
     if len(late) == 1:
-        text = f"due {_when(worst.due_at, short)}, published {at}"
+        text = f"due {due}, published {at}"
     else:
-        first, last = min(r.due_at for r in late), max(r.due_at for r in late)
-        text = (
-            f"{len(late)} runs due {_when(first, short)}–{_when(last, short)}:\nall published {at}"
-        )
-    folded = sum(1 for r in shown if r.coalesced_into == worst.due_at)
+        text = f"{len(late)} runs due {due}:\nall published {at}"
+    carriers = {(r.definition_name, r.due_at) for r in late}
+    folded = sum(
+        1
+        for r in shown
+        if r.coalesced_into is not None and (r.definition_name, r.coalesced_into) in carriers
+    )
     if folded:
-        text += f"\n+ {folded} later runs coalesced into it"
+        text += f"\n+ {folded} later runs coalesced into {'it' if len(late) == 1 else 'them'}"
     ax.annotate(
         text,
         (worst.due_at, (worst.lateness or 0.0) / scale),

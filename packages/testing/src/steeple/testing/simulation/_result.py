@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 from array import array
 from collections.abc import Iterable, Mapping
@@ -313,16 +314,18 @@ def _due_runs(scenario: Scenario, traced: Iterable[OccurrenceOutcome]) -> tuple[
         stop = min(
             [scenario.end] + [c.at for c in scenario.changes if name in c.cancel and c.at >= since]
         )
-        # The runs materialized later than each instant, oldest first: the first of them
+        # The runs by materialization: the first one materialized at or after an instant
         # is the one a coalesce definition folded the instant into.
         by_making = sorted(made.get(name, ()), key=lambda o: (o.materialized_at, o.due_at))
+        making = [o.materialized_at for o in by_making]
         due = definition.cron.next_after(definition.first_after)
         while due is not None and due < stop:
             if (name, due) not in seen:
                 seen.add((name, due))
                 into = None
                 if definition.policy is MissedRunPolicy.COALESCE:
-                    into = next((o.due_at for o in by_making if o.materialized_at >= due), None)
+                    k = bisect.bisect_left(making, due)
+                    into = by_making[k].due_at if k < len(by_making) else None
                 runs.append(DueRun(name, due, None, coalesced_into=into))
             due = definition.cron.next_after(due)
     index = {(r.definition_name, r.due_at): i for i, r in enumerate(runs)}
