@@ -39,7 +39,8 @@ scenario = Scenario(
     host_outages=[outage],
     sample_interval=timedelta(minutes=15),
 )
-result = run(scenario, seed=1)
+# trace=True records each occurrence's end: the plot draws every due run.
+result = run(scenario, seed=1, trace=True)
 
 # %% The answer, definition by definition
 for job in result.definitions:

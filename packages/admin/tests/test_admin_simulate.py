@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ from steeple.admin.definitions_file import (
     load_definitions,
 )
 from steeple.admin.settings import ExitCode
+from steeple.admin.simulate_plot import plot_figure, write_plot
+from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage
+from steeple.testing.simulation import BrokerModel, Interval, Scenario, run
 
 runner = CliRunner()
 
@@ -170,6 +174,64 @@ def test_a_plot_is_written_as_png_or_deterministic_svg(tmp_path: Path) -> None:
     assert svg.read_bytes() == svg2.read_bytes()
 
 
+def figure_texts(figure: Any) -> list[str]:
+    from matplotlib.text import Text
+
+    return [t.get_text() for t in figure.findobj(Text) if t.get_text()]
+
+
+def test_the_plot_marks_dead_letters_and_broker_outages_and_needs_a_traced_run(
+    tmp_path: Path,
+) -> None:
+    start = datetime(2026, 1, 30, tzinfo=UTC)
+    message = ScheduledMessage("jobs", "job", b"{}")
+    scenario = Scenario(
+        RecurringConfig("plot", 10, 1000, delivery_window=timedelta(hours=1)),
+        [RecurringDefinition("every-10", "*/10 * * * *", start, MissedRunPolicy.CATCH_UP, message)],
+        start,
+        start + timedelta(hours=6),
+        # Every publication fails for two hours: runs due then exhaust their window.
+        broker=BrokerModel(
+            outages=[Interval(start + timedelta(hours=1), start + timedelta(hours=3))]
+        ),
+    )
+    result = run(scenario, seed=1, trace=True)
+    stats = result.definitions[0].stats
+    lost = stats.dead + stats.expired
+    assert lost > 0
+    texts = figure_texts(plot_figure(result))
+    assert "broker down" in texts
+    assert "broker down 01:00–03:00 (2 h)" in texts
+    assert f"dead letter: {stats.dead}" in texts
+    assert f"expired (delivery window ended): {stats.expired}" in texts
+    caption = next(t for t in texts if t.startswith("every-10 (catch-up, */10 * * * *): "))
+    assert f"{stats.published} published" in caption
+    # Every run due while the broker was down went to the dead letters.
+    assert stats.dead == 12
+    assert caption.endswith("\n12 runs due during the broker outage → no publication (12 dead)")
+    # An untraced run does not know its due runs: a clear error, no file.
+    with pytest.raises(ValueError, match="trace=True"):
+        write_plot(run(scenario, seed=1), tmp_path / "untraced.svg")
+    assert not (tmp_path / "untraced.svg").exists()
+
+
+def test_many_definitions_are_drawn_one_row_per_policy() -> None:
+    start = datetime(2026, 1, 30, tzinfo=UTC)
+    message = ScheduledMessage("jobs", "job", b"{}")
+    policies = [MissedRunPolicy.CATCH_UP, MissedRunPolicy.COALESCE]
+    definitions = [
+        RecurringDefinition(f"job-{k}", f"{k} * * * *", start, policies[k % 2], message)
+        for k in range(12)
+    ]
+    scenario = Scenario(
+        RecurringConfig("plot", 20, 1000), definitions, start, start + timedelta(hours=3)
+    )
+    texts = figure_texts(plot_figure(run(scenario, seed=1, trace=True)))
+    assert any(t.startswith("6 definitions with policy catch-up: 17 due runs") for t in texts)
+    assert any(t.startswith("6 definitions with policy coalesce: 18 due runs") for t in texts)
+    assert not any(t.startswith("job-") for t in texts)
+
+
 def test_the_terminal_chart_shows_backlog_lateness_and_outages() -> None:
     result = invoke([*FLAGS, "--chart"])
     assert result.exit_code == 0, result.output
@@ -227,7 +289,7 @@ BIG = "x" * 10_000
         (["--cron", "0 0 * * 0", *RANGE], ExitCode.USAGE, "weekday"),
         (["--cron", BIG, *RANGE], ExitCode.USAGE, "cron"),
         (["--cron", "0 0 30 2 *", *RANGE], ExitCode.USAGE, "never"),
-        (["--cron", "* * * * *", "--name", BIG, *RANGE], ExitCode.USAGE, "limit is 200"),
+        (["--cron", "* * * * *", "--name", BIG, *RANGE], ExitCode.USAGE, "a name is 1..200"),
         (["--cron", "* * * * *", "--name", "a\x00b", *RANGE], ExitCode.USAGE, "control"),
         (["--cron", "* * * * *", "--policy", "sometimes", *RANGE], ExitCode.USAGE, "policy"),
         (

@@ -520,3 +520,67 @@ def test_the_simulator_imports_only_the_domain() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_due_runs_show_every_due_instant_and_what_coalesce_folded_away() -> None:
+    # Down from 07:00 to 08:00 (the first tick at 06:00:11 sees nothing due): the coalesce
+    # definition's 07:00 run carries 07:15 to 08:00, which no occurrence stands for.
+    scenario = Scenario(
+        CONFIG,
+        [
+            definition("quarterly", "*/15 * * * *", MissedRunPolicy.COALESCE),
+            definition("hourly", "0 * * * *"),
+        ],
+        T0,
+        at(3),
+        host_outages=[
+            Interval(datetime(2026, 3, 2, 7, tzinfo=UTC), datetime(2026, 3, 2, 8, tzinfo=UTC))
+        ],
+    )
+    result = run(scenario, seed=1, trace=True)
+    runs = result.due_runs()
+    quarterly = [r for r in runs if r.definition_name == "quarterly"]
+    # 06:15 to 09:00: every instant of the calendar in the range, materialized or not.
+    assert [r.due_at for r in quarterly] == [
+        datetime(2026, 3, 2, 6, 15, tzinfo=UTC) + timedelta(minutes=15 * k) for k in range(12)
+    ]
+    seven = datetime(2026, 3, 2, 7, tzinfo=UTC)
+    folded = [r for r in quarterly if r.state is None]
+    assert [r.due_at for r in folded] == [seven + timedelta(minutes=15 * k) for k in range(1, 5)]
+    assert {r.coalesced_into for r in folded} == {seven}
+    carrier = next(r for r in quarterly if r.due_at == seven)
+    assert carrier.state is OccurrenceState.PUBLISHED
+    assert carrier.lateness is not None
+    assert 3600 <= carrier.lateness < 3601
+    assert carrier.published_at == seven + timedelta(seconds=carrier.lateness)
+    # Catch-up folds nothing: each due instant has its own occurrence.
+    hourly = [r for r in runs if r.definition_name == "hourly"]
+    assert [r.due_at.hour for r in hourly] == [7, 8, 9]
+    assert all(r.state is OccurrenceState.PUBLISHED and r.coalesced_into is None for r in hourly)
+    untraced = run(scenario, seed=1)
+    with pytest.raises(ValueError, match="trace=True"):
+        untraced.due_runs()
+
+
+def test_due_runs_agree_with_the_counts_in_a_busy_run() -> None:
+    result = run(busy_scenario(), seed=2, trace=True)
+    runs = result.due_runs()
+    made = {(o.definition_name, o.due_at): o for o in result.occurrences or ()}
+    assert {(r.definition_name, r.due_at) for r in runs if r.state is not None} == set(made)
+    for job in result.definitions:
+        mine = [r for r in runs if r.definition_name == job.name]
+        states = [r.state for r in mine]
+        assert states.count(OccurrenceState.PUBLISHED) == job.stats.published
+        assert states.count(OccurrenceState.DEAD) == job.stats.dead
+        assert states.count(OccurrenceState.EXPIRED) == job.stats.expired
+        assert states.count(OccurrenceState.CANCELLED) == job.stats.cancelled
+        for run_ in mine:
+            if run_.coalesced_into is not None:
+                assert job.policy is MissedRunPolicy.COALESCE
+                assert run_.state is None
+                carrier = made[(job.name, run_.coalesced_into)]
+                assert carrier.due_at < run_.due_at <= carrier.materialized_at
+    # The definition cancelled at 01:50 has no due run after it.
+    cancelled_at = at(1, 50)
+    assert all(r.due_at < cancelled_at for r in runs if r.definition_name == "every-7")
+    assert any(r.coalesced_into is not None for r in runs)

@@ -408,8 +408,8 @@ def simulate(
         Path | None,
         typer.Option(
             "--plot",
-            help="Write a plot (.png or .svg; needs the plot extra of steeple-admin, else "
-            "a terminal chart is printed).",
+            help="Write a plot of what became of every due run, outages shaded (.png or "
+            ".svg; needs the plot extra of steeple-admin, else a terminal chart is printed).",
         ),
     ] = None,
     chart: Annotated[
@@ -460,7 +460,8 @@ def simulate(
     except CliError as exc:
         raise _fail(exc) from None
     try:
-        result = run(scenario, seed=seed)
+        # The plot draws every due run's end, which only a traced run records.
+        result = run(scenario, seed=seed, trace=plot is not None)
     except KeyboardInterrupt:
         _err().print("steeple: interrupted")
         raise typer.Exit(130) from None

@@ -42,6 +42,7 @@ from steeple.testing.simulation._broker import SimulatedBroker
 from steeple.testing.simulation._driver import SimulationError, StoreFactory, drive
 from steeple.testing.simulation._result import (
     DefinitionResult,
+    DueRun,
     Hits,
     Lateness,
     OccurrenceOutcome,
@@ -68,6 +69,7 @@ __all__ = [
     "BrokerModel",
     "ClockRegression",
     "DefinitionResult",
+    "DueRun",
     "Hits",
     "Interval",
     "Lateness",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 from array import array
 from collections.abc import Iterable, Mapping
@@ -16,6 +17,7 @@ from steeple.testing.simulation._scenario import Scenario
 
 __all__ = [
     "DefinitionResult",
+    "DueRun",
     "Hits",
     "Lateness",
     "OccurrenceOutcome",
@@ -213,6 +215,33 @@ class OccurrenceOutcome:
 
 
 @attrs.frozen
+class DueRun:
+    """One due instant of a definition's calendar in the simulated range, and its end.
+
+    Derived from the traced occurrences and the calendars (see
+    :meth:`SimulationResult.due_runs`); a due instant no occurrence was materialized for
+    is here too, which the occurrence trace alone cannot show.
+
+    Attributes:
+        definition_name: whose calendar.
+        due_at: the due instant.
+        state: the end of the occurrence materialized for it, ``None`` when none was.
+        published_at: when a relay recorded its publication, if it was published.
+        lateness: ``published_at - due_at`` in seconds, if it was published.
+        coalesced_into: for a due instant a coalesce definition folded into another run
+            (the one materialized for the oldest missed instant), that run's due instant;
+            ``None`` otherwise. ``state`` is then ``None``.
+    """
+
+    definition_name: str
+    due_at: datetime
+    state: OccurrenceState | None
+    published_at: datetime | None = None
+    lateness: float | None = None
+    coalesced_into: datetime | None = None
+
+
+@attrs.frozen
 class SimulationResult:
     """Everything one run measured. Same scenario and seed: an equal result.
 
@@ -254,6 +283,65 @@ class SimulationResult:
     def dumps(self, *, indent: int | None = 2) -> str:
         """Return :meth:`to_json` as JSON text (keys in a fixed order, no NaN)."""
         return json.dumps(self.to_json(), indent=indent, allow_nan=False)
+
+    def due_runs(self) -> tuple[DueRun, ...]:
+        """Return every due instant of every definition in the range, with what became of it.
+
+        By definition name, then due instant. A definition's calendar counts from its
+        ``first_after`` to the end of the range or to the scheduled cancellation of its name.
+        A due instant with no materialized occurrence was coalesced into the first run of
+        its definition materialized at or after it (a coalesce definition), or was not
+        materialized before the range ended.
+
+        Raises:
+            ValueError: the run was not traced (``trace=True`` records the occurrences).
+        """
+        if self.occurrences is None:
+            raise ValueError("due runs need the occurrences: run the simulation with trace=True")
+        return _due_runs(self.scenario, self.occurrences)
+
+
+def _due_runs(scenario: Scenario, traced: Iterable[OccurrenceOutcome]) -> tuple[DueRun, ...]:
+    made: dict[str, list[OccurrenceOutcome]] = {}
+    for outcome in traced:
+        made.setdefault(outcome.definition_name, []).append(outcome)
+    created = [(scenario.start, d) for d in scenario.definitions]
+    created += [(c.at, d) for c in scenario.changes for d in c.create]
+    runs: list[DueRun] = []
+    seen: set[tuple[str, datetime]] = set()
+    for since, definition in created:
+        name = definition.name
+        stop = min(
+            [scenario.end] + [c.at for c in scenario.changes if name in c.cancel and c.at >= since]
+        )
+        # The runs by materialization: the first one materialized at or after an instant
+        # is the one a coalesce definition folded the instant into.
+        by_making = sorted(made.get(name, ()), key=lambda o: (o.materialized_at, o.due_at))
+        making = [o.materialized_at for o in by_making]
+        due = definition.cron.next_after(definition.first_after)
+        while due is not None and due < stop:
+            if (name, due) not in seen:
+                seen.add((name, due))
+                into = None
+                if definition.policy is MissedRunPolicy.COALESCE:
+                    k = bisect.bisect_left(making, due)
+                    into = by_making[k].due_at if k < len(by_making) else None
+                runs.append(DueRun(name, due, None, coalesced_into=into))
+            due = definition.cron.next_after(due)
+    index = {(r.definition_name, r.due_at): i for i, r in enumerate(runs)}
+    for outcome in traced:
+        late = None
+        if outcome.published_at is not None:
+            late = (outcome.published_at - outcome.due_at).total_seconds()
+        run = DueRun(
+            outcome.definition_name, outcome.due_at, outcome.state, outcome.published_at, late
+        )
+        key = (run.definition_name, run.due_at)
+        if key in index:
+            runs[index[key]] = run
+        else:
+            runs.append(run)
+    return tuple(sorted(runs, key=lambda r: (r.definition_name, r.due_at)))
 
 
 def scenario_json(scenario: Scenario) -> dict[str, Any]:
