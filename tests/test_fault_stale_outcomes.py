@@ -2,10 +2,10 @@
 
 Real ``steeple worker`` processes. Worker A claims a task and freezes past its lease, at
 a named step (``STEEPLE_CRASH_PAUSE``: its whole process stops, event loop included, so it
-neither renews nor writes) or mid-handler (``SIGSTOP``). Worker B recovers the task, claims it under a new
-lease token and is held running (its handler waits for a gate file the test opens). Only
-then is A let go, so its completion, renewal, retry or permanent failure reaches the
-database while B still runs the task. The database must refuse it: the row stays
+neither renews nor writes) or mid-handler (``SIGSTOP``). Worker B recovers the task,
+claims it under a new lease token and is held running (its handler waits for a gate
+file the test opens). Only then is A let go, so its completion, renewal, retry or
+permanent failure reaches the database while B still runs the task. The database must refuse it: the row stays
 ``running`` under B's token, the attempt history records A's attempt as lost, never as
 A's outcome, and A's handler is told that its lease is gone. B's outcome is the one
 recorded, exactly once. A cancel that lands while a handler's success is on its way is
@@ -32,7 +32,7 @@ import queue_support
 from pg_cluster import Clusters
 from steeple.core.tasks import TaskState
 from steeple.postgres import queue as q
-from worker_fault_support import World, WorkerProc, private_database, world
+from worker_fault_support import WorkerProc, World, private_database, world
 
 # Each test runs on a private cluster: worker processes and their pools only.
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
