@@ -1,15 +1,15 @@
 """A stale worker's outcome arrives while another worker holds the task: it is refused.
 
 Real ``steeple worker`` processes. Worker A claims a task and freezes past its lease, at
-a named step (``STEEPLE_CRASH_PAUSE``: its whole process stops, event loop included, so it
-neither renews nor writes) or mid-handler (``SIGSTOP``). Worker B recovers the task,
+a named step (``STEEPLE_CRASH_PAUSE``: its whole process stops, event loop included, so
+it neither renews nor writes) or mid-handler (``SIGSTOP``). Worker B recovers the task,
 claims it under a new lease token and is held running (its handler waits for a gate
 file the test opens). Only then is A let go, so its completion, renewal, retry or
-permanent failure reaches the database while B still runs the task. The database must refuse it: the row stays
-``running`` under B's token, the attempt history records A's attempt as lost, never as
-A's outcome, and A's handler is told that its lease is gone. B's outcome is the one
-recorded, exactly once. A cancel that lands while a handler's success is on its way is
-kept the same way: the late success is refused.
+permanent failure reaches the database while B still runs the task. The database must
+refuse it: the row stays ``running`` under B's token, the attempt history records A's
+attempt as lost, never as A's outcome, and A's handler is told that its lease is gone.
+B's outcome is the one recorded, exactly once. A cancel that lands while a handler's
+success is on its way is kept the same way: the late success is refused.
 
 Each wait is on state (a row, a trace row, the file a paused step writes), bounded.
 """
