@@ -175,7 +175,7 @@ async def _b_finishes(w: World, task_id: int, a: WorkerProc, b: WorkerProc) -> N
     (w.home / "gate-b").touch()
 
     async def succeeded() -> bool:
-        return (await _row(w, task_id))["state"] == "succeeded"
+        return bool((await _row(w, task_id))["state"] == "succeeded")
 
     await wait_until(succeeded)
     for proc in (a, b):
