@@ -9,7 +9,11 @@ finishes the work. After each scenario the checker asserts:
   ends published, and reached the broker;
 - no publication under a different key: the broker's journal holds exactly the keys
   derived from the stored occurrences (one per occurrence, repeats only of that key);
-- fencing: every lease the crashed worker had claimed is refused by ``relay`` afterwards
+- fencing while the work is taken over: once a killed worker's leases have lapsed, a new
+  claim takes its unpublished occurrences and, while it holds them (before it publishes),
+  the dead worker's lease for each is refused by ``relay`` with ``RelayLeaseLostError``:
+  nothing reaches the broker and the row does not change;
+- fencing afterwards: every lease the crashed worker had claimed is refused by ``relay``
   (nothing published), and one whose occurrence it had not published was re-claimed
   under a higher revision;
 - no session of the store left idle in transaction; a frozen worker that was let go
@@ -169,6 +173,66 @@ async def _finish(dsn: str, schema: str, journal: Path, owed: dict[str, list[dat
             await runner
 
 
+async def _probe_while_taken_over(
+    dsn: str,
+    schema: str,
+    journal: Path,
+    leases: Path,
+    at_crash: dict[str, tuple[str, datetime, str, int]],
+) -> int:
+    """Take over the killed worker's unpublished occurrences and, while the new claim holds
+    them, present each of the dead worker's leases to ``relay``: refused, nothing sent,
+    nothing recorded. Then publish what was taken. Return how many stale leases were probed
+    while their new holder was live (its own relay, right after, succeeded).
+
+    The new claim's lease is as short as the worker's (the configuration is bound to the
+    namespace), so a round whose claim lapsed before its relay is simply taken again.
+    """
+    stale = [json.loads(line) for line in read_lines(leases)]
+    owed = {lease[0] for lease in stale if at_crash[lease[0]][2] == "leased"}
+    if not owed:
+        return 0
+    probe = FileBroker(str(journal.with_name("takeover-probe.jsonl")))
+    broker = FileBroker(str(journal))
+    probed = 0
+    store = await PostgresRecurringStore.connect(dsn, CONFIG, KEYRING, SystemClock(), schema=schema)
+    async with store:
+
+        async def taken_over() -> bool:
+            nonlocal probed
+            taken = {lease.occurrence_id: lease for lease in await store.claim(10)}
+            before = await _rows(dsn, schema)
+            tried: set[str] = set()
+            for occurrence_id, revision, capability, _pid in stale:
+                holder = taken.get(occurrence_id)
+                if holder is None:
+                    continue
+                assert holder.revision > revision, (occurrence_id, reproduce())
+                old = Lease(
+                    occurrence_id,
+                    datetime.now(UTC) + timedelta(hours=1),
+                    revision,
+                    bytes.fromhex(capability),
+                )
+                with pytest.raises(RelayLeaseLostError):
+                    await store.relay(old, probe)
+                tried.add(occurrence_id)
+            after = await _rows(dsn, schema)
+            assert {o: after[o] for o in tried} == {o: before[o] for o in tried}, reproduce()
+            assert not read_lines(journal.with_name("takeover-probe.jsonl")), reproduce()
+            for occurrence_id, lease in taken.items():
+                try:
+                    await store.relay(lease, broker)
+                except RelayLeaseLostError:
+                    continue  # lapsed before its turn: claimed again next round
+                owed.discard(occurrence_id)
+                probed += occurrence_id in tried
+            return not owed
+
+        await poll("the dead worker's occurrences to be taken over", taken_over, timeout=90)
+    return probed
+
+
 async def _check(
     dsn: str,
     schema: str,
@@ -227,7 +291,9 @@ async def _check(
 
 async def _scenario(
     dsn: str, schema: str, tmp_path: Path, point: str, mode: str, how: str, cluster: Cluster | None
-) -> None:
+) -> int:
+    """Run one crash scenario and check it; return how many stale leases were probed while
+    taken over (kills only)."""
     owed = await _prepare(dsn, schema)
     journal = tmp_path / "broker.jsonl"
     journal.touch()
@@ -239,8 +305,11 @@ async def _scenario(
     async def snapshot() -> None:
         seen["rows"] = await _rows(dsn, schema)
 
+    probed = 0
     try:
         await worker.crash(cluster, snapshot)
+        if how == "kill":
+            probed = await _probe_while_taken_over(dsn, schema, journal, leases, seen["rows"])
         await _finish(dsn, schema, journal, owed)
     finally:
         code = await worker.finish()
@@ -248,6 +317,7 @@ async def _scenario(
         assert code == 0, (code, await worker.stderr(), reproduce())
     await _check(dsn, schema, journal, leases, owed, seen["rows"], how)
     assert await idle_in_transaction(dsn, "steeple-recurring", schema) == 0
+    return probed
 
 
 @pytest.mark.timeout(900)
@@ -268,3 +338,16 @@ async def test_immediate_restart_at_a_crash_point_loses_and_repeats_nothing(
     dsn, schema, cluster = private_schema
     point, mode = scenario
     await _scenario(dsn, schema, tmp_path, point, mode, "restart", cluster)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("point", ["relay.check.committed", "relay.record.begin"])
+async def test_a_killed_relays_leases_are_fenced_while_another_claim_holds_them(
+    point: str, pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    """Killed between checking its leases and publishing, or after publishing and before
+    recording: its unpublished occurrences are taken over, and its leases are refused while
+    the new claim still holds them (every scenario, not a sample)."""
+    dsn, schema = pg_schema
+    probed = await _scenario(dsn, schema, tmp_path, point, "stepwise", "kill", None)
+    assert probed >= 1, reproduce()

@@ -14,7 +14,8 @@ equal the model:
   (a retried task is due again *now*, behind everything already waiting), and counts an
   attempt;
 - only the current lease token renews, completes, retries or fails a running task; stale
-  (earlier leases of the same task) and forged tokens change nothing;
+  (earlier leases of the same task) and forged tokens change nothing, also when the stale
+  one arrives while a newer claim of the same task is running;
 - a claim delivered after its sender's give-up time takes nothing;
 - cancel reports the prior state and changes only pending or running work, fencing out
   the running lease;
@@ -335,7 +336,35 @@ class QueueConformance(RuleBasedStateMachine):
     @rule(data=st.data())
     def lease_expires(self, data: st.DataObject) -> None:
         """Let a running task's lease lapse; recovery requeues or fails it."""
+        self._expire(data.draw(st.sampled_from(self._ids_in("running"))))
+
+    @precondition(lambda self: any(t.state == "running" for t in self.model.values()))
+    @rule(data=st.data(), late=st.sampled_from(("complete", "retry", "fail", "renew")))
+    def stale_holder_reports_while_another_runs_it(self, data: st.DataObject, late: str) -> None:
+        """Take a task over, then deliver the first holder's late outcome: it is refused.
+
+        The lease lapses, the task is claimed again, and the first holder's completion,
+        retry, failure or renewal arrives while the new holder runs it: nothing changes.
+        """
         task_id = data.draw(st.sampled_from(self._ids_in("running")))
+        task = self.model[task_id]
+        stale = task.token
+        self._expire(task_id)
+        if task.state != "pending":
+            return  # attempts exhausted: failed for good, nobody takes it over
+        # Claim every due task, so this one is taken over whatever its place in line.
+        self.claim(sum(1 for t in self.model.values() if t.state == "pending" and t.due))
+        assert task.state == "running"
+        assert task.token != stale
+        call = {
+            "complete": self.driver.complete,
+            "retry": self.driver.retry,
+            "fail": self.driver.fail,
+            "renew": self.driver.renew,
+        }[late]
+        assert not self._run(call(task_id, stale)), f"a stale {late} was accepted"
+
+    def _expire(self, task_id: int) -> None:
         self._run(self.driver.expire_lease(task_id))
         recovered = self._run(self.driver.recover_expired())
         task = self.model[task_id]
