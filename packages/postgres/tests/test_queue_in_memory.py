@@ -229,6 +229,59 @@ async def test_concurrency_limits_are_honoured() -> None:
     assert memory.tasks(TaskState.SUCCEEDED) == memory.tasks()
 
 
+async def test_a_queue_rate_limit_holds_the_third_start_until_the_window_frees_one() -> None:
+    app = App()
+    declared = app.task(name="t", queue="api")(_noop)
+    memory = InMemoryQueue(app)
+    info = memory.limit_queue("api", rate_limit=2, per=10)
+    assert (info.rate_limit, info.rate_period) == (2, timedelta(seconds=10))
+    first, second, third = [(await declared.enqueue(memory, {"i": i})).id for i in range(3)]
+    start = memory.clock.now()
+    assert [c.task_id for c in memory.claim(1)] == [first]
+    assert memory.rate_frees_at is None  # one of two starts used: nothing held back
+    memory.clock.advance(timedelta(seconds=4))
+    assert [c.task_id for c in memory.claim(3)] == [second]
+    # The window is full: held until the oldest start (at 0 s) is a full period old.
+    assert memory.rate_frees_at == start + timedelta(seconds=10)
+    memory.clock.advance(timedelta(seconds=6) - timedelta(microseconds=1))
+    assert memory.claim(3) == []
+    assert memory.rate_frees_at == start + timedelta(seconds=10)
+    # A start exactly a period old no longer counts (the window's far boundary is out).
+    memory.clock.advance(timedelta(microseconds=1))
+    assert [c.task_id for c in memory.claim(3)] == [third]
+    assert memory.rate_frees_at == start + timedelta(seconds=14)  # the 4 s start leaves next
+
+
+async def test_advance_time_jumps_to_when_a_task_rate_window_frees_a_start() -> None:
+    app = App()
+    started: list[timedelta] = []
+    memory = InMemoryQueue(app)
+    origin = memory.clock.now()
+
+    @app.task(name="call")
+    async def call(ctx: JobContext, args: Any) -> None:
+        started.append(memory.clock.now() - origin)
+
+    assert memory.limit_task("call", rate_limit=2, per=timedelta(seconds=10)).rate_limit == 2
+    await call.enqueue_many(memory, [{}] * 5)
+    assert await memory.run_until_idle() == 2  # the clock stays: the third waits
+    assert started == [timedelta(0)] * 2
+    assert len(memory.enqueued(call)) == 3
+    assert await memory.run_until_idle(advance_time=True) == 3
+    seconds = timedelta(seconds=1)
+    assert started == [timedelta(0)] * 2 + [10 * seconds] * 2 + [20 * seconds]
+    # Removing the rate limit forgets the starts; the limits are checked as the database's.
+    memory.limit_task("call")
+    await call.enqueue(memory, {})
+    assert await memory.run_until_idle() == 1
+    with pytest.raises(QueueConfigurationError):
+        memory.limit_task("call", rate_limit=2)  # no per
+    with pytest.raises(QueueConfigurationError):
+        memory.limit_queue("default", rate_limit=0, per=1)
+    with pytest.raises(QueueTypeError):
+        memory.limit_queue("default", rate_limit=2, per="10s")  # type: ignore[arg-type]
+
+
 async def test_pause_holds_a_queue_and_only_the_apps_queues_are_served() -> None:
     app = App()
     declared = app.task(name="t", queue="mail")(_noop)

@@ -1,12 +1,19 @@
 """The in-memory queue's claim takes what the PostgreSQL claim takes under pauses and limits.
 
-Pauses and concurrency limits are judged by the claim function in SQL; the in-memory
-queue follows it in Python. The same work, settings and claims, run on both, must take the
-same tasks round after round (finishing some in between).
+Pauses, concurrency limits and rate limits are judged by the claim function in SQL; the
+in-memory queue follows it in Python. The same work, settings and claims, run on both, must
+take the same tasks round after round (finishing some in between), and say alike whether a
+limit held work back and when a rate window frees a start.
+
+The SQL claim reads the server's clock, so rate windows here are an hour long: every claim
+of a run falls inside the first one's window whatever the timing. Where a window's boundary
+lies (a start exactly a period old no longer counts) is checked on the in-memory side alone
+in test_queue_in_memory.py.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -36,7 +43,14 @@ SETTINGS: list[dict[str, Any]] = [
     {"queue": None, "tasks": {"a": 1, "b": 2}},
     {"queue": 4, "tasks": {"a": 1}},
     {"queue": 2, "tasks": {"c": 1}, "pause_first": True},
+    {"queue": None, "queue_rate": 4, "tasks": {}},
+    {"queue": None, "tasks": {}, "task_rates": {"a": 2, "b": 1}},
+    {"queue": 2, "queue_rate": 5, "tasks": {"c": 1}, "task_rates": {"a": 1}},
+    {"queue": None, "queue_rate": 3, "tasks": {"b": 1}, "task_rates": {"b": 2}},
+    {"queue": None, "queue_rate": 2, "tasks": {}, "pause_first": True},
 ]
+# Long enough that every claim of a run is inside the window of the first start.
+PER = timedelta(hours=1)
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
@@ -51,22 +65,53 @@ async def test_claims_match_the_sql_claim(queue: QueueFixture, settings: dict[st
         db_ids.append((await enqueue(conn, Task(name), {}, options, schema=schema)).id)
         memory_ids.append((await enqueue(memory, Task(name), {}, options, schema=schema)).id)
 
-    if settings["queue"] is not None:
-        await limit_queue(conn, "default", max_running=settings["queue"], schema=schema)
-        memory.limit_queue("default", max_running=settings["queue"])
-    for name, most in settings["tasks"].items():
-        await limit_task(conn, name, max_running=most, schema=schema)
-        memory.limit_task(name, max_running=most)
+    rate = settings.get("queue_rate")
+    per = None if rate is None else PER
+    if settings["queue"] is not None or rate is not None:
+        running = settings["queue"]
+        await limit_queue(
+            conn, "default", max_running=running, rate_limit=rate, per=per, schema=schema
+        )
+        memory.limit_queue("default", max_running=running, rate_limit=rate, per=per)
+    task_rates: dict[str, int] = settings.get("task_rates", {})
+    for name in sorted({*settings["tasks"], *task_rates}):
+        most = settings["tasks"].get(name)
+        rate = task_rates.get(name)
+        per = None if rate is None else PER
+        await limit_task(conn, name, max_running=most, rate_limit=rate, per=per, schema=schema)
+        memory.limit_task(name, max_running=most, rate_limit=rate, per=per)
     if settings.get("pause_first"):
         await pause_queue(conn, "default", schema=schema)
         memory.pause_queue("default")
 
+    db_starts: set[Any] = set()
+    memory_starts: set[Any] = set()
+    rounds_held_by_a_window = 0
     for round_number in range(6):
-        rows = await conn.fetch(sql.claim, NAMES, 3, "w", 4e9)
+        all_rows = await conn.fetch(
+            f"SELECT * FROM {schema}.claim(ARRAY['default'], ARRAY[3], $1::text[], 'w', 4e9)",
+            NAMES,
+        )
+        rows = [r for r in all_rows if r["id"] is not None]
+        held_rows = [r for r in all_rows if r["id"] is None]
         db_claimed = {db_ids.index(r["id"]): r["lease_token"] for r in rows}
+        db_starts |= {r["started_at"] for r in rows}
         claims = memory.claim(3, queues=["default"], names=NAMES)
         memory_claimed = {memory_ids.index(c.task_id): c.token for c in claims}
+        memory_starts |= {memory.run_state(c.task_id).started_at for c in claims}
         assert sorted(db_claimed) == sorted(memory_claimed), f"round {round_number}"
+        # A rate limit that held work back says when a start frees: on both sides, a
+        # period after a start this run made (the oldest in the window that binds).
+        db_frees = held_rows[0]["run_at"] if held_rows else None
+        memory_frees = memory.rate_frees_at
+        assert (db_frees is None) == (memory_frees is None), f"round {round_number}"
+        if db_frees is not None:
+            assert db_frees - PER in db_starts
+            assert memory_frees is not None
+            assert memory_frees - PER in memory_starts
+            rounds_held_by_a_window += 1
+        # Virtual time moves on a little each round, as the server's clock does.
+        memory.clock.advance(timedelta(seconds=1))
         if round_number == 0 and settings.get("pause_first"):
             assert db_claimed == {}
             await resume_queue(conn, "default", schema=schema)
@@ -78,3 +123,5 @@ async def test_claims_match_the_sql_claim(queue: QueueFixture, settings: dict[st
                 sql.complete, text_array([db_ids[index]]), text_array([token]), "w", [None], [None]
             )
             assert memory.complete(memory_ids[index], memory_claimed[index])
+    # Every setting with a rate limit runs into it within the six rounds.
+    assert (rounds_held_by_a_window > 0) == bool(settings.get("queue_rate") or task_rates)

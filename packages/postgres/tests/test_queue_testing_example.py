@@ -117,3 +117,19 @@ async def test_a_paused_queue_runs_nothing_until_resumed() -> None:
 
 
 # --8<-- [end:limits]
+
+
+# --8<-- [start:rates]
+async def test_a_rate_limit_spaces_starts_on_the_virtual_clock() -> None:
+    memory = InMemoryQueue(app)
+    start = memory.clock.now()
+    memory.limit_queue("emails", rate_limit=2, per=timedelta(seconds=10))
+    for order in range(3):
+        await send_receipt.enqueue(memory, {"order": order, "email": "eve@example.com"})
+    assert await memory.run_until_idle() == 2  # the third waits for the window
+    assert memory.rate_frees_at == start + timedelta(seconds=10)
+    assert await memory.run_until_idle(advance_time=True) == 1
+    assert memory.clock.now() == start + timedelta(seconds=10)
+
+
+# --8<-- [end:rates]

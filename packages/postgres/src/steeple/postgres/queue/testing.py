@@ -14,13 +14,14 @@ snapshot (priority, attempts, backoff, dedup key, queue), how a failure is judge
 (``JobError.retry`` / ``permanent``, a :class:`RetryPolicy`), core's retry decision and
 backoff, core's task lifecycle table. Time is a virtual clock (:attr:`InMemoryQueue.clock`)
 that moves only when told to. The claim (priority, then due time, then the order tasks
-became due; queue pauses and concurrency limits) follows the PostgreSQL claim function, and
-the storage operations pass the same conformance state machine as the PostgreSQL queue.
+became due; queue pauses, concurrency limits and sliding-window rate limits on the virtual
+clock) follows the PostgreSQL claim function, and the storage operations pass the same
+conformance state machine as the PostgreSQL queue.
 
 What it does not model: SQL-level races between concurrent claimers and transactions
 (an enqueue is stored at once; there is no commit or rollback), leases held across
 processes (handlers run inline, so a lease lapses only through :meth:`expire_lease`),
-rate limits, recurring jobs, the NOTIFY wake-ups and the schema's size checks.
+recurring jobs, the NOTIFY wake-ups and the schema's size checks.
 """
 
 from __future__ import annotations
@@ -187,6 +188,34 @@ class _Stored:
 class _Limits:
     paused: bool = False
     max_running: int | None = None
+    rate_limit: int | None = None
+    rate_period: timedelta | None = None
+    # The start instants inside the last rate_period (the sliding-window log the database
+    # keeps in settings.recent_starts).
+    starts: list[datetime] = attrs.field(factory=list)
+
+    def set(
+        self, max_running: int | None, rate_limit: int | None, rate_period: timedelta | None
+    ) -> None:
+        self.max_running = max_running
+        self.rate_limit = rate_limit
+        self.rate_period = rate_period
+        if rate_limit is None:
+            self.starts = []  # as the database clears its log when the rate limit goes
+
+    def in_window(self, now: datetime) -> list[datetime]:
+        """Return the starts still in the window: later than a period ago (that instant is out)."""
+        assert self.rate_period is not None
+        return [at for at in self.starts if at > now - self.rate_period]
+
+    def frees_at(self, now: datetime) -> datetime:
+        """Return when the oldest start in the window leaves it (now's, when it is empty)."""
+        assert self.rate_period is not None
+        return min(self.in_window(now), default=now) + self.rate_period
+
+    def record(self, now: datetime, count: int) -> None:
+        if self.rate_period is not None and count > 0:
+            self.starts = [*self.in_window(now), *([now] * count)]
 
 
 class InMemoryQueue(LocalQueue):
@@ -229,6 +258,9 @@ class InMemoryQueue(LocalQueue):
         self._order = itertools.count(1)
         self._queues: dict[str, _Limits] = {}
         self._names: dict[str, _Limits] = {}
+        # What the last claim says a rate limit held back: when a start frees up (the
+        # "held" row's run_at of the database's claim), else None.
+        self._rate_frees_at: datetime | None = None
 
     def __repr__(self) -> str:
         return f"InMemoryQueue(schema={self.schema!r}, tasks={len(self._tasks)})"
@@ -375,29 +407,53 @@ class InMemoryQueue(LocalQueue):
         self._queues.setdefault(check_queue(queue), _Limits()).paused = False
         return self._info(queue)
 
-    def limit_queue(self, queue: str, *, max_running: int | None = None) -> QueueInfo:
-        """Set the most of ``queue``'s tasks running at once (``None`` removes the limit).
+    def limit_queue(
+        self,
+        queue: str,
+        *,
+        max_running: int | None = None,
+        rate_limit: int | None = None,
+        per: float | timedelta | None = None,
+    ) -> QueueInfo:
+        """Set ``queue``'s limits, as :func:`~steeple.postgres.queue.limit_queue` does.
+
+        ``None`` removes a limit. A rate limit allows ``rate_limit`` starts in any window
+        of ``per`` on the virtual clock: a start counts while it is less than ``per`` old,
+        so one made exactly ``per`` ago no longer does. Changing the limits keeps the
+        starts already made, unless the rate limit is removed.
 
         Raises:
-            QueueConfigurationError: a limit out of range (as for ``limit_queue``).
+            QueueConfigurationError: a limit out of range, ``rate_limit`` without ``per``
+                (or the reverse), as for ``limit_queue``.
             QueueTypeError: a value of the wrong type.
         """
         check_queue(queue)
-        running, _rate, _per = check_limits(max_running, None, None)
-        self._queues.setdefault(queue, _Limits()).max_running = running
+        running, rate, period = check_limits(max_running, rate_limit, per)
+        self._queues.setdefault(queue, _Limits()).set(running, rate, period)
         return self._info(queue)
 
-    def limit_task(self, task_name: str, *, max_running: int | None = None) -> TaskLimits:
-        """Set the most tasks named ``task_name`` running at once, in all queues.
+    def limit_task(
+        self,
+        task_name: str,
+        *,
+        max_running: int | None = None,
+        rate_limit: int | None = None,
+        per: float | timedelta | None = None,
+    ) -> TaskLimits:
+        """Set the limits of the tasks named ``task_name``, in all queues together.
+
+        As :func:`~steeple.postgres.queue.limit_task` does; the rate limit's window is
+        the one :meth:`limit_queue` describes.
 
         Raises:
-            QueueConfigurationError: a limit out of range (as for ``limit_task``).
+            QueueConfigurationError: a limit out of range, ``rate_limit`` without ``per``
+                (or the reverse), as for ``limit_task``.
             QueueTypeError: a value of the wrong type.
         """
         check_name(task_name, "task_name")
-        running, _rate, _per = check_limits(max_running, None, None)
-        self._names.setdefault(task_name, _Limits()).max_running = running
-        return TaskLimits(task_name, running, None, None)
+        running, rate, period = check_limits(max_running, rate_limit, per)
+        self._names.setdefault(task_name, _Limits()).set(running, rate, period)
+        return TaskLimits(task_name, running, rate, period)
 
     def _info(self, queue: str) -> QueueInfo:
         limits = self._queues.get(queue, _Limits())
@@ -406,8 +462,8 @@ class InMemoryQueue(LocalQueue):
             queue,
             limits.paused,
             limits.max_running,
-            None,
-            None,
+            limits.rate_limit,
+            limits.rate_period,
             held.count(_PENDING),
             held.count(_RUNNING),
         )
@@ -425,9 +481,12 @@ class InMemoryQueue(LocalQueue):
         """Claim up to ``limit`` due pending tasks, as the database's claim does.
 
         Per queue (in the order given): nothing from a paused queue; at most its
-        ``max_running`` minus what of it runs; task names with a limit first, each within
-        its own, then the others; highest priority first, then earliest due, then the
-        order they became due. Each claim counts an attempt and issues a new lease token.
+        ``max_running`` minus what of it runs, and its ``rate_limit`` minus its starts in
+        the window; task names with a limit first, each within its own, then the others;
+        highest priority first, then earliest due, then the order they became due. Each
+        claim counts an attempt, issues a new lease token, and counts a start now in the
+        rate windows of its queue and name. :attr:`rate_frees_at` then says when a rate
+        limit that held work back frees a start.
 
         Args:
             limit: the most tasks to take (1..1000).
@@ -437,6 +496,7 @@ class InMemoryQueue(LocalQueue):
         """
         check_int(limit, "limit", 1, 1000)
         now = self.clock.now()
+        self._rate_frees_at = None
         if deadline is not None and now >= deadline:
             return []
         allowed = None if names is None else frozenset(_names(names, "names"))
@@ -447,9 +507,12 @@ class InMemoryQueue(LocalQueue):
         )
         running_by_queue = _count(s.queue for s in self._running())
         running_by_name = _count(s.task_name for s in self._running())
+        taken_by_name: dict[str, int] = {}
         taken: list[_Stored] = []
+        held = False
+        frees_at: datetime | None = None
         for queue in order:
-            budget = limit - len(taken)
+            wanted = budget = limit - len(taken)
             if budget <= 0:
                 break
             settings = self._queues.get(queue)
@@ -458,6 +521,11 @@ class InMemoryQueue(LocalQueue):
                     continue
                 if settings.max_running is not None:
                     budget = min(budget, settings.max_running - running_by_queue.get(queue, 0))
+                if settings.rate_limit is not None:
+                    budget = min(budget, settings.rate_limit - len(settings.in_window(now)))
+                    frees_at = _earliest(frees_at, settings.frees_at(now))
+                if budget < wanted:
+                    held = True
             due = sorted(
                 (
                     s
@@ -472,21 +540,42 @@ class InMemoryQueue(LocalQueue):
             limited = sorted(
                 n
                 for n, lim in self._names.items()
-                if lim.max_running is not None and (allowed is None or n in allowed)
+                if (lim.max_running is not None or lim.rate_limit is not None)
+                and (allowed is None or n in allowed)
             )
             got = 0
             for name in limited:
-                cap = self._names[name].max_running or 0
-                room = min(budget - got, cap - running_by_name.get(name, 0))
+                if budget - got <= 0:
+                    break
+                lim = self._names[name]
+                room = budget - got
+                if lim.max_running is not None:
+                    room = min(room, lim.max_running - running_by_name.get(name, 0))
+                if lim.rate_limit is not None:
+                    room = min(
+                        room,
+                        lim.rate_limit - taken_by_name.get(name, 0) - len(lim.in_window(now)),
+                    )
+                    frees_at = _earliest(frees_at, lim.frees_at(now))
+                if room < budget - got:
+                    held = True
                 if room <= 0:
                     continue
                 chosen = [s for s in due if s.task_name == name][:room]
                 running_by_name[name] = running_by_name.get(name, 0) + len(chosen)
+                taken_by_name[name] = taken_by_name.get(name, 0) + len(chosen)
                 got += len(chosen)
                 taken.extend(chosen)
             if budget - got > 0:
                 free = [s for s in due if s.task_name not in limited][: budget - got]
+                got += len(free)
                 taken.extend(free)
+            if settings is not None:
+                settings.record(now, got)
+        for name, count in taken_by_name.items():
+            self._names[name].record(now, count)
+        if held:
+            self._rate_frees_at = frees_at
         claims = []
         for stored in taken:
             stored.state = transition(stored.state, TaskEvent.CLAIM)
@@ -497,6 +586,15 @@ class InMemoryQueue(LocalQueue):
             stored.started_at = now
             claims.append(MemoryClaim(stored.id, stored.attempts, stored.lease_token))
         return claims
+
+    @property
+    def rate_frees_at(self) -> datetime | None:
+        """When a rate limit that held back part of the last claim frees a start, else None.
+
+        The instant the oldest start in a full window leaves it (the database's claim
+        returns the same as its "held" row's ``run_at``; a worker claims again then).
+        """
+        return self._rate_frees_at
 
     def _running(self) -> list[_Stored]:
         return [s for s in self._tasks.values() if s.state is _RUNNING]
@@ -668,8 +766,10 @@ class InMemoryQueue(LocalQueue):
         Args:
             queues: the queues to serve (default: the app's, like ``app.scheduler()``).
             concurrency: the most handlers running at once (1..1000).
-            advance_time: when nothing is due, move the clock to the next pending task's
-                due time (a retry's backoff, a delayed task) and go on; by default the
+            advance_time: when nothing can be claimed, move the clock to the next pending
+                task's due time (a retry's backoff, a delayed task) or, when a rate limit
+                holds due work back, to when its window frees a start
+                (:attr:`rate_frees_at`), whichever comes first, and go on; by default the
                 clock stays, and such tasks wait for :meth:`VirtualClock.advance`.
             max_attempts_run: give up after this many attempts (a handler that enqueues
                 itself forever).
@@ -695,6 +795,9 @@ class InMemoryQueue(LocalQueue):
                         and s.task_name in names
                         and s.run_at > self.clock.now()
                     ]
+                    frees_at = self._rate_frees_at
+                    if frees_at is not None and self._due_waiting(served, names):
+                        upcoming.append(frees_at)
                     if upcoming:
                         self.clock.set(min(upcoming))
                         continue
@@ -708,6 +811,14 @@ class InMemoryQueue(LocalQueue):
             async with asyncio.TaskGroup() as group:
                 for claimed in claims:
                     group.create_task(self._execute(claimed))
+
+    def _due_waiting(self, served: Sequence[str], names: set[str]) -> bool:
+        """Whether a due task of these queues and names waits (a limit holds it back)."""
+        now = self.clock.now()
+        return any(
+            s.state is _PENDING and s.queue in served and s.task_name in names and s.run_at <= now
+            for s in self._tasks.values()
+        )
 
     async def _execute(self, claimed: MemoryClaim) -> None:
         stored = self._tasks[claimed.task_id]
@@ -786,6 +897,10 @@ def _names(values: Iterable[str], what: str) -> list[str]:
     if what == "queues":
         return [check_queue(value) for value in values]
     return [check_name(value, "task name") for value in values]
+
+
+def _earliest(known: datetime | None, instant: datetime) -> datetime:
+    return instant if known is None else min(known, instant)
 
 
 def _no_jitter() -> float:
