@@ -115,7 +115,9 @@ def check_anchors(mutants: list[Mutant], tree: Path) -> None:
         if count != 1:
             problems.append(f"{m.name}: its text occurs {count} times in {m.file} (must be once)")
     if problems:
-        raise CatalogueError("the catalogue no longer matches the code:\n  " + "\n  ".join(problems))
+        raise CatalogueError(
+            "the catalogue no longer matches the code:\n  " + "\n  ".join(problems)
+        )
 
 
 def scratch_tree(into: Path) -> Path:
@@ -174,7 +176,7 @@ def run_one(m: Mutant, tree: Path) -> Outcome:
 
 
 def choose(mutants: list[Mutant], args: argparse.Namespace, seed: int) -> list[Mutant]:
-    """The canaries, then the selected mutants (a seeded sample when asked)."""
+    """Return the canaries, then the selected mutants (a seeded sample when asked)."""
     canaries = [m for m in mutants if m.canary]
     rest = [m for m in mutants if not m.canary]
     if args.only:
@@ -190,7 +192,7 @@ def choose(mutants: list[Mutant], args: argparse.Namespace, seed: int) -> list[M
 
 
 def table(outcomes: list[Outcome]) -> str:
-    """The results as a Markdown table, then the totals."""
+    """Return the outcomes as a Markdown table, then the totals."""
     rows = ["| mutant | invariant | killed | by | s |", "|---|---|---|---|---|"]
     for o in outcomes:
         killed = {"killed": "yes", "survived": "**no**", "not run": "not run"}[o.status]
