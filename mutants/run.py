@@ -27,6 +27,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -220,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, help="also write the outcomes here (JSON)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
     args = parser.parse_args(argv)
+    # The real tree is never touched, but a stopped run must still end its pytest and
+    # remove the scratch copy: SIGTERM unwinds like Ctrl-C.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     seed_text = os.environ.get("STEEPLE_MUTANT_SEED")
     seed = args.seed if args.seed is not None else int(seed_text or random.randrange(10**6))
     try:
