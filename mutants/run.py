@@ -1,7 +1,8 @@
 """Run the mutant catalogue: every named mutant must be killed by the tests of its area.
 
-Each mutant of ``mutants/catalogue.toml`` replaces one exact text (which must occur exactly
-once in its file) in a scratch copy of the committed tree (``git archive HEAD``), runs its
+Each mutant of ``mutants/catalogue.toml`` replaces exact text (each ``find`` must occur exactly
+once in its file; a mutant may list several ``find``/``replace`` pairs when one invariant is
+guarded twice) in a scratch copy of the committed tree (``git archive HEAD``), runs its
 tests there with this interpreter and the copy's ``packages/*/src`` first on the path, and
 restores the file. A mutant is killed when its tests fail; a survivor fails the run. The
 canary mutants run first and prove that a mutation reaches the code the tests import (a
@@ -55,8 +56,8 @@ class Mutant:
     area: str
     invariant: str
     file: str
-    find: str
-    replace: str
+    find: tuple[str, ...]
+    replace: tuple[str, ...]
     tests: tuple[str, ...]
     canary: bool = False
 
@@ -86,8 +87,11 @@ def load(path: Path = CATALOGUE) -> list[Mutant]:
             raise CatalogueError(f"{entry.get('name', entry)}: missing {missing}, unknown {extra}")
         if entry["name"] in seen:
             raise CatalogueError(f"two mutants are named {entry['name']!r}")
-        if entry["find"] == entry["replace"]:
-            raise CatalogueError(f"{entry['name']}: the replacement changes nothing")
+        finds, replaces = _texts(entry["find"]), _texts(entry["replace"])
+        if len(finds) != len(replaces) or not finds:
+            raise CatalogueError(f"{entry['name']}: find and replace must pair up")
+        if any(f == r for f, r in zip(finds, replaces, strict=True)):
+            raise CatalogueError(f"{entry['name']}: a replacement changes nothing")
         seen.add(entry["name"])
         mutants.append(
             Mutant(
@@ -95,13 +99,21 @@ def load(path: Path = CATALOGUE) -> list[Mutant]:
                 area=entry["area"],
                 invariant=entry["invariant"],
                 file=entry["file"],
-                find=entry["find"],
-                replace=entry["replace"],
+                find=finds,
+                replace=replaces,
                 tests=tuple(entry["tests"]),
                 canary=bool(entry.get("canary", False)),
             )
         )
     return mutants
+
+
+def _texts(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise CatalogueError(f"find and replace are a string or a list of strings, not {value!r}")
 
 
 def check_anchors(mutants: list[Mutant], tree: Path) -> None:
@@ -112,9 +124,13 @@ def check_anchors(mutants: list[Mutant], tree: Path) -> None:
         if not target.is_file():
             problems.append(f"{m.name}: no file {m.file}")
             continue
-        count = target.read_text(encoding="utf-8").count(m.find)
-        if count != 1:
-            problems.append(f"{m.name}: its text occurs {count} times in {m.file} (must be once)")
+        text = target.read_text(encoding="utf-8")
+        for find in m.find:
+            count = text.count(find)
+            if count != 1:
+                problems.append(
+                    f"{m.name}: its text occurs {count} times in {m.file} (must be once)"
+                )
     if problems:
         raise CatalogueError(
             "the catalogue no longer matches the code:\n  " + "\n  ".join(problems)
@@ -145,9 +161,12 @@ def run_one(m: Mutant, tree: Path) -> Outcome:
     """Apply ``m`` in ``tree``, run its tests, restore the file, and say what happened."""
     target = tree / m.file
     original = target.read_text(encoding="utf-8")
-    if original.count(m.find) != 1:
-        raise CatalogueError(f"{m.name}: its text does not occur exactly once in {m.file}")
-    target.write_text(original.replace(m.find, m.replace), encoding="utf-8")
+    mutated = original
+    for find, replace in zip(m.find, m.replace, strict=True):
+        if mutated.count(find) != 1:
+            raise CatalogueError(f"{m.name}: its text does not occur exactly once in {m.file}")
+        mutated = mutated.replace(find, replace)
+    target.write_text(mutated, encoding="utf-8")
     command = [
         sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
         *m.tests,

@@ -38,8 +38,8 @@ def test_every_anchor_occurs_exactly_once_in_the_working_tree() -> None:
 
 def test_a_missing_or_repeated_anchor_is_refused(tmp_path: Path) -> None:
     (tmp_path / "f.py").write_text("x = 1\nx = 1\n", encoding="utf-8")
-    twice = runner.Mutant("twice", "a", "i", "f.py", "x = 1", "x = 2", ("t",))
-    absent = runner.Mutant("absent", "a", "i", "f.py", "y = 1", "y = 2", ("t",))
+    twice = runner.Mutant("twice", "a", "i", "f.py", ("x = 1",), ("x = 2",), ("t",))
+    absent = runner.Mutant("absent", "a", "i", "f.py", ("y = 1",), ("y = 2",), ("t",))
     with pytest.raises(runner.CatalogueError, match=r"twice: its text occurs 2 times"):
         runner.check_anchors([twice], tmp_path)
     with pytest.raises(runner.CatalogueError, match=r"absent: its text occurs 0 times"):
@@ -84,14 +84,14 @@ def test_a_survivor_is_reported_and_a_failing_test_kills(tmp_path: Path) -> None
         encoding="utf-8",
     )
     killed = runner.run_one(
-        runner.Mutant("k", "a", "i", "code.py", "VALUE = 1", "VALUE = 2", ("test_code.py",)),
+        runner.Mutant("k", "a", "i", "code.py", ("VALUE = 1",), ("VALUE = 2",), ("test_code.py",)),
         tmp_path,
     )
     assert killed.status == "killed"
     assert killed.by == "test_code.py::test_value"
     assert (tmp_path / "code.py").read_text(encoding="utf-8") == "VALUE = 1\n"  # restored
     survived = runner.run_one(
-        runner.Mutant("s", "a", "i", "code.py", "\n", "\n\n", ("test_code.py",)), tmp_path
+        runner.Mutant("s", "a", "i", "code.py", ("\n",), ("\n\n",), ("test_code.py",)), tmp_path
     )
     assert survived.status == "survived"
     assert "| s | i | **no** |  |" in runner.table([killed, survived])
