@@ -17,8 +17,9 @@ Usage (``nox -s mutants -- ARGS`` passes ARGS here)::
     python mutants/run.py --area keyring --results mutants.json
 
 ``--seed`` defaults to ``STEEPLE_MUTANT_SEED``, else a fresh one; it is always printed so a
-sample can be replayed. ``--budget`` stops starting new mutants after that many seconds;
-those not started are listed as not run (they neither pass nor fail the run).
+sample can be replayed. ``--budget`` time-boxes the run: no mutant starts after that many
+seconds and one still running then is stopped; both are listed as not run (they neither
+pass nor fail the run). The canaries always run to the end.
 """
 
 from __future__ import annotations
@@ -157,8 +158,12 @@ def _env(tree: Path) -> dict[str, str]:
     return env
 
 
-def run_one(m: Mutant, tree: Path) -> Outcome:
-    """Apply ``m`` in ``tree``, run its tests, restore the file, and say what happened."""
+def run_one(m: Mutant, tree: Path, budget: float | None = None) -> Outcome:
+    """Apply ``m`` in ``tree``, run its tests, restore the file, and say what happened.
+
+    Tests still running after ``budget`` seconds are stopped and the mutant is "not run";
+    after :data:`PER_MUTANT_TIMEOUT` (a hang the mutant caused) it counts as killed.
+    """
     target = tree / m.file
     original = target.read_text(encoding="utf-8")
     mutated = original
@@ -179,9 +184,11 @@ def run_one(m: Mutant, tree: Path) -> Outcome:
             env=_env(tree),
             capture_output=True,
             text=True,
-            timeout=PER_MUTANT_TIMEOUT,
+            timeout=min(PER_MUTANT_TIMEOUT, budget) if budget is not None else PER_MUTANT_TIMEOUT,
         )
     except subprocess.TimeoutExpired:
+        if budget is not None and budget < PER_MUTANT_TIMEOUT:
+            return Outcome(m, "not run", "(stopped at the budget)", time.monotonic() - start)
         return Outcome(m, "killed", "(timeout)", time.monotonic() - start)
     finally:
         target.write_text(original, encoding="utf-8")
@@ -236,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--area", action="append", default=[], help="queue, recurring, ...")
     parser.add_argument("--sample", type=int, help="run this many mutants chosen by --seed")
     parser.add_argument("--seed", type=int, help="default: STEEPLE_MUTANT_SEED, else random")
-    parser.add_argument("--budget", type=float, help="start no mutant after this many seconds")
+    parser.add_argument(
+        "--budget", type=float, help="time box in seconds (mutants past it: not run)"
+    )
     parser.add_argument("--results", type=Path, help="also write the outcomes here (JSON)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
     args = parser.parse_args(argv)
@@ -260,11 +269,13 @@ def main(argv: list[str] | None = None) -> int:
             tree = scratch_tree(Path(scratch))
             check_anchors(mutants, tree)  # the whole catalogue, whatever was chosen
             for m in chosen:
-                over = args.budget is not None and time.monotonic() - started > args.budget
-                if over and not m.canary:
+                left = None if args.budget is None else args.budget - (time.monotonic() - started)
+                if m.canary:
+                    left = None  # the canaries always run to the end: everything rests on them
+                elif left is not None and left <= 0:
                     outcomes.append(Outcome(m, "not run"))
                     continue
-                outcome = run_one(m, tree)
+                outcome = run_one(m, tree, left)
                 outcomes.append(outcome)
                 print(f"  {outcome.status:8} {m.name} {outcome.by} ({outcome.seconds:.0f} s)")
                 sys.stdout.flush()
