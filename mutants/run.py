@@ -152,8 +152,10 @@ def scratch_tree(into: Path) -> Path:
 def _env(tree: Path) -> dict[str, str]:
     env = dict(os.environ)
     sources = [str(p) for p in sorted(tree.glob("packages/*/src"))]
-    # Before the editable installs' .pth entries (which point at the real tree).
-    env["PYTHONPATH"] = os.pathsep.join([*sources, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # Before the editable installs' .pth entries (which point at the real tree); then this
+    # directory, for the plugin that stops Hypothesis shrinking (see _no_shrink.py).
+    path = [*sources, str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(path).rstrip(os.pathsep)
     env.setdefault("STEEPLE_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
     return env
 
@@ -174,6 +176,7 @@ def run_one(m: Mutant, tree: Path, budget: float | None = None) -> Outcome:
     target.write_text(mutated, encoding="utf-8")
     command = [
         sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+        "-p", "_no_shrink",
         *m.tests,
     ]  # fmt: skip
     start = time.monotonic()
