@@ -95,3 +95,19 @@ def test_a_survivor_is_reported_and_a_failing_test_kills(tmp_path: Path) -> None
     )
     assert survived.status == "survived"
     assert "| s | i | **no** |  |" in runner.table([killed, survived])
+
+
+def test_paired_texts_must_pair_up_and_each_must_change_something(tmp_path: Path) -> None:
+    head = '[[mutant]]\nname = "m"\narea = "a"\ninvariant = "i"\nfile = "f"\ntests = ["t"]\n'
+    unpaired = tmp_path / "unpaired.toml"
+    unpaired.write_text(head + 'find = ["a", "b"]\nreplace = ["c"]\n', encoding="utf-8")
+    with pytest.raises(runner.CatalogueError, match="must pair up"):
+        runner.load(unpaired)
+    idle = tmp_path / "idle.toml"
+    idle.write_text(head + 'find = ["a", "b"]\nreplace = ["c", "b"]\n', encoding="utf-8")
+    with pytest.raises(runner.CatalogueError, match="changes nothing"):
+        runner.load(idle)
+    paired = tmp_path / "paired.toml"
+    paired.write_text(head + 'find = ["a", "b"]\nreplace = ["c", "d"]\n', encoding="utf-8")
+    [m] = runner.load(paired)
+    assert (m.find, m.replace) == (("a", "b"), ("c", "d"))
