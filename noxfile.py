@@ -1,5 +1,5 @@
 """nox sessions for steeple: lint, typecheck, tests, stress, core (driverless), isolated,
-wheels, bench, demo, docs.
+wheels, bench, bench-compare, mutants, demo, docs.
 
 Sessions reuse uv for speed and never download an interpreter.
 
@@ -767,6 +767,20 @@ def crashmatrix(session: nox.Session) -> None:
         *session.posargs,
         env={"STEEPLE_CRASH_MATRIX": "all"},
     )
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """Apply each mutant of ``mutants/catalogue.toml`` and require its tests to kill it.
+
+    Arguments after ``--`` go to ``mutants/run.py``: ``--sample N --seed S --budget SECONDS``
+    for a replayable sample, ``--only NAME``, ``--area AREA``, ``--results FILE``, ``--list``.
+    A surviving mutant, a canary that survives or an anchor text that is missing or occurs
+    more than once fails the session.
+    """
+    _sync(session)
+    session.env.setdefault("STEEPLE_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+    session.run("python", "mutants/run.py", *session.posargs)
 
 
 @nox.session

@@ -1,0 +1,315 @@
+"""Run the mutant catalogue: every named mutant must be killed by the tests of its area.
+
+Each mutant of ``mutants/catalogue.toml`` replaces exact text (each ``find`` must occur exactly
+once in its file; a mutant may list several ``find``/``replace`` pairs when one invariant is
+guarded twice) in a scratch copy of the committed tree (``git archive HEAD``), runs its
+tests there with this interpreter and the copy's ``packages/*/src`` first on the path, and
+restores the file. A mutant is killed when its tests fail; a survivor fails the run. The
+canary mutants run first and prove that a mutation reaches the code the tests import (a
+Python module and an SQL migration the tests install): if one survives, nothing else is
+trusted and the run stops.
+
+Usage (``nox -s mutants -- ARGS`` passes ARGS here)::
+
+    python mutants/run.py                          # the whole catalogue
+    python mutants/run.py --sample 8 --seed 1234 --budget 300
+    python mutants/run.py --only queue.pause.ignored --only keyring.nonce.fixed
+    python mutants/run.py --area keyring --results mutants.json
+
+``--seed`` defaults to ``STEEPLE_MUTANT_SEED``, else a fresh one; it is always printed so a
+sample can be replayed. ``--budget`` time-boxes the run: no mutant starts after that many
+seconds and one still running then is stopped; both are listed as not run (they neither
+pass nor fail the run). The canaries always run to the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CATALOGUE = ROOT / "mutants" / "catalogue.toml"
+# One mutant's tests may not run longer than this (a hang counts as killed, and says so).
+PER_MUTANT_TIMEOUT = 1200.0
+_FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)")
+
+
+class CatalogueError(Exception):
+    """The catalogue is malformed, or an anchor text is missing or ambiguous."""
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One named mutation and the tests that must kill it."""
+
+    name: str
+    area: str
+    invariant: str
+    file: str
+    find: tuple[str, ...]
+    replace: tuple[str, ...]
+    tests: tuple[str, ...]
+    canary: bool = False
+
+
+@dataclass
+class Outcome:
+    """What running one mutant's tests showed."""
+
+    mutant: Mutant
+    status: str  # "killed", "survived", "not run"
+    by: str = ""
+    seconds: float = 0.0
+    detail: list[str] = field(default_factory=list)
+
+
+def load(path: Path = CATALOGUE) -> list[Mutant]:
+    """Read the catalogue; refuse duplicate names, missing fields and unknown keys."""
+    with path.open("rb") as f:
+        entries = tomllib.load(f).get("mutant", [])
+    mutants: list[Mutant] = []
+    seen: set[str] = set()
+    required = {"name", "area", "invariant", "file", "find", "replace", "tests"}
+    for entry in entries:
+        missing = required - entry.keys()
+        extra = entry.keys() - required - {"canary"}
+        if missing or extra:
+            raise CatalogueError(f"{entry.get('name', entry)}: missing {missing}, unknown {extra}")
+        if entry["name"] in seen:
+            raise CatalogueError(f"two mutants are named {entry['name']!r}")
+        finds, replaces = _texts(entry["find"]), _texts(entry["replace"])
+        if len(finds) != len(replaces) or not finds:
+            raise CatalogueError(f"{entry['name']}: find and replace must pair up")
+        if any(f == r for f, r in zip(finds, replaces, strict=True)):
+            raise CatalogueError(f"{entry['name']}: a replacement changes nothing")
+        seen.add(entry["name"])
+        mutants.append(
+            Mutant(
+                name=entry["name"],
+                area=entry["area"],
+                invariant=entry["invariant"],
+                file=entry["file"],
+                find=finds,
+                replace=replaces,
+                tests=tuple(entry["tests"]),
+                canary=bool(entry.get("canary", False)),
+            )
+        )
+    return mutants
+
+
+def _texts(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise CatalogueError(f"find and replace are a string or a list of strings, not {value!r}")
+
+
+def check_anchors(mutants: list[Mutant], tree: Path) -> None:
+    """Fail loudly unless every mutant's text occurs exactly once in its file under ``tree``."""
+    problems = []
+    for m in mutants:
+        target = tree / m.file
+        if not target.is_file():
+            problems.append(f"{m.name}: no file {m.file}")
+            continue
+        text = target.read_text(encoding="utf-8")
+        for find in m.find:
+            count = text.count(find)
+            if count != 1:
+                problems.append(
+                    f"{m.name}: its text occurs {count} times in {m.file} (must be once)"
+                )
+    if problems:
+        raise CatalogueError(
+            "the catalogue no longer matches the code:\n  " + "\n  ".join(problems)
+        )
+
+
+def scratch_tree(into: Path) -> Path:
+    """Extract the committed tree (HEAD) into ``into``: what the mutants mutate."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def _env(tree: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    sources = [str(p) for p in sorted(tree.glob("packages/*/src"))]
+    # Before the editable installs' .pth entries (which point at the real tree); then this
+    # directory, for the plugin that stops Hypothesis shrinking (see _no_shrink.py).
+    path = [*sources, str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(path).rstrip(os.pathsep)
+    env.setdefault("STEEPLE_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+    return env
+
+
+def run_one(m: Mutant, tree: Path, budget: float | None = None) -> Outcome:
+    """Apply ``m`` in ``tree``, run its tests, restore the file, and say what happened.
+
+    Tests still running after ``budget`` seconds are stopped and the mutant is "not run";
+    after :data:`PER_MUTANT_TIMEOUT` (a hang the mutant caused) it counts as killed.
+    """
+    target = tree / m.file
+    original = target.read_text(encoding="utf-8")
+    mutated = original
+    for find, replace in zip(m.find, m.replace, strict=True):
+        if mutated.count(find) != 1:
+            raise CatalogueError(f"{m.name}: its text does not occur exactly once in {m.file}")
+        mutated = mutated.replace(find, replace)
+    target.write_text(mutated, encoding="utf-8")
+    command = [
+        sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+        "-p", "_no_shrink",
+        *m.tests,
+    ]  # fmt: skip
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            command,
+            cwd=tree,
+            env=_env(tree),
+            capture_output=True,
+            text=True,
+            timeout=min(PER_MUTANT_TIMEOUT, budget) if budget is not None else PER_MUTANT_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired:
+        if budget is not None and budget < PER_MUTANT_TIMEOUT:
+            return Outcome(m, "not run", "(stopped at the budget)", time.monotonic() - start)
+        return Outcome(m, "killed", "(timeout)", time.monotonic() - start)
+    finally:
+        target.write_text(original, encoding="utf-8")
+    seconds = time.monotonic() - start
+    lines = done.stdout.splitlines()
+    if done.returncode == 0:
+        return Outcome(m, "survived", "", seconds)
+    if done.returncode in (4, 5):  # usage error or nothing collected: the entry is wrong
+        raise CatalogueError(f"{m.name}: pytest exit {done.returncode}: {lines[-3:]}")
+    by = next((g.group(2) for g in map(_FAILED_LINE.match, lines) if g), "")
+    return Outcome(m, "killed", by or f"(pytest exit {done.returncode})", seconds, lines[-15:])
+
+
+def choose(mutants: list[Mutant], args: argparse.Namespace, seed: int) -> list[Mutant]:
+    """Return the canaries, then the selected mutants (a seeded sample when asked)."""
+    canaries = [m for m in mutants if m.canary]
+    rest = [m for m in mutants if not m.canary]
+    if args.only:
+        unknown = set(args.only) - {m.name for m in mutants}
+        if unknown:
+            raise CatalogueError(f"no mutants named {sorted(unknown)}")
+        rest = [m for m in rest if m.name in args.only]
+    if args.area:
+        rest = [m for m in rest if m.area in args.area]
+    if args.sample is not None and args.sample < len(rest):
+        rest = random.Random(seed).sample(rest, args.sample)
+    return canaries + rest
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """Return the outcomes as a Markdown table, then the totals."""
+    rows = ["| mutant | invariant | killed | by | s |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        killed = {"killed": "yes", "survived": "**no**", "not run": "not run"}[o.status]
+        rows.append(
+            f"| {o.mutant.name} | {o.mutant.invariant} | {killed} | {o.by} | {o.seconds:.0f} |"
+        )
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("killed", "survived", "not run")}
+    rows.append("")
+    rows.append(
+        f"{len(outcomes)} mutants: {counts['killed']} killed, {counts['survived']} survived, "
+        f"{counts['not run']} not run; {sum(o.seconds for o in outcomes):.0f} s of tests"
+    )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen mutants; exit 1 when any survives (or a canary does), 2 on a bad entry."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--catalogue", type=Path, default=CATALOGUE)
+    parser.add_argument("--only", action="append", default=[], help="a mutant's name")
+    parser.add_argument("--area", action="append", default=[], help="queue, recurring, ...")
+    parser.add_argument("--sample", type=int, help="run this many mutants chosen by --seed")
+    parser.add_argument("--seed", type=int, help="default: STEEPLE_MUTANT_SEED, else random")
+    parser.add_argument(
+        "--budget", type=float, help="time box in seconds (mutants past it: not run)"
+    )
+    parser.add_argument("--results", type=Path, help="also write the outcomes here (JSON)")
+    parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    args = parser.parse_args(argv)
+    # The real tree is never touched, but a stopped run must still end its pytest and
+    # remove the scratch copy: SIGTERM unwinds like Ctrl-C.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    seed_text = os.environ.get("STEEPLE_MUTANT_SEED")
+    seed = args.seed if args.seed is not None else int(seed_text or random.randrange(10**6))
+    try:
+        mutants = load(args.catalogue)
+        if args.list:
+            for m in mutants:
+                print(f"{m.name}\t{m.file}\t{m.invariant}")
+            return 0
+        chosen = choose(mutants, args, seed)
+        print(f"mutants: seed {seed} (replay: STEEPLE_MUTANT_SEED={seed}); {len(chosen)} chosen")
+        sys.stdout.flush()
+        outcomes: list[Outcome] = []
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="steeple-mutants-") as scratch:
+            tree = scratch_tree(Path(scratch))
+            check_anchors(mutants, tree)  # the whole catalogue, whatever was chosen
+            for m in chosen:
+                left = None if args.budget is None else args.budget - (time.monotonic() - started)
+                if m.canary:
+                    left = None  # the canaries always run to the end: everything rests on them
+                elif left is not None and left <= 0:
+                    outcomes.append(Outcome(m, "not run"))
+                    continue
+                outcome = run_one(m, tree, left)
+                outcomes.append(outcome)
+                print(f"  {outcome.status:8} {m.name} {outcome.by} ({outcome.seconds:.0f} s)")
+                sys.stdout.flush()
+                if m.canary and outcome.status != "killed":
+                    print(f"canary {m.name} survived: mutations do not reach the tests")
+                    return 1
+    except CatalogueError as e:
+        print(f"mutants: {e}", file=sys.stderr)
+        return 2
+    print(table(outcomes))
+    print(f"seed {seed}")
+    if args.results is not None:
+        args.results.write_text(
+            json.dumps(
+                [
+                    {
+                        "name": o.mutant.name,
+                        "invariant": o.mutant.invariant,
+                        "status": o.status,
+                        "by": o.by,
+                        "seconds": round(o.seconds, 1),
+                    }
+                    for o in outcomes
+                ],
+                indent=1,
+            )
+            + "\n",
+            encoding="utf-8",
+        )
+    return 1 if any(o.status == "survived" for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""mutants/catalogue.toml and mutants/run.py (``nox -s mutants``), without running a mutant:
+the catalogue matches the code, and the runner's choice, verdicts and refusals."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load() -> ModuleType:
+    path = ROOT / "mutants" / "run.py"
+    spec = importlib.util.spec_from_file_location("mutant_runner", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mutant_runner"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+runner = _load()
+
+
+def test_every_anchor_occurs_exactly_once_in_the_working_tree() -> None:
+    mutants = runner.load()
+    runner.check_anchors(mutants, ROOT)
+    assert len([m for m in mutants if not m.canary]) >= 60
+    assert {m.area for m in mutants} >= {"queue", "recurring", "keyring", "calendar"}
+    assert sum(m.canary for m in mutants) == 2
+
+
+def test_a_missing_or_repeated_anchor_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "f.py").write_text("x = 1\nx = 1\n", encoding="utf-8")
+    twice = runner.Mutant("twice", "a", "i", "f.py", ("x = 1",), ("x = 2",), ("t",))
+    absent = runner.Mutant("absent", "a", "i", "f.py", ("y = 1",), ("y = 2",), ("t",))
+    with pytest.raises(runner.CatalogueError, match=r"twice: its text occurs 2 times"):
+        runner.check_anchors([twice], tmp_path)
+    with pytest.raises(runner.CatalogueError, match=r"absent: its text occurs 0 times"):
+        runner.check_anchors([absent], tmp_path)
+
+
+def test_duplicate_names_and_unknown_keys_are_refused(tmp_path: Path) -> None:
+    entry = 'name = "m"\narea = "a"\ninvariant = "i"\nfile = "f"\nfind = "a"\nreplace = "b"\n'
+    entry += 'tests = ["t"]\n'
+    twice = tmp_path / "twice.toml"
+    twice.write_text(f"[[mutant]]\n{entry}[[mutant]]\n{entry}", encoding="utf-8")
+    with pytest.raises(runner.CatalogueError, match="two mutants are named 'm'"):
+        runner.load(twice)
+    odd = tmp_path / "odd.toml"
+    odd.write_text(f'[[mutant]]\n{entry}color = "red"\n', encoding="utf-8")
+    with pytest.raises(runner.CatalogueError, match="unknown"):
+        runner.load(odd)
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    return argparse.Namespace(**{"only": [], "area": [], "sample": None, **kw})
+
+
+def test_a_sample_is_the_canaries_then_a_choice_the_seed_replays() -> None:
+    mutants = runner.load()
+    first = runner.choose(mutants, _args(sample=5), 1234)
+    assert [m.name for m in first] == [
+        m.name for m in runner.choose(mutants, _args(sample=5), 1234)
+    ]
+    assert [m.canary for m in first] == [True, True, False, False, False, False, False]
+    other = runner.choose(mutants, _args(sample=5), 4321)
+    assert [m.name for m in other] != [m.name for m in first]
+
+
+def test_a_survivor_is_reported_and_a_failing_test_kills(tmp_path: Path) -> None:
+    (tmp_path / "packages").mkdir()
+    (tmp_path / "code.py").write_text("VALUE = 1\n", encoding="utf-8")
+    (tmp_path / "test_code.py").write_text(
+        "import pathlib\n\n"
+        "def test_value() -> None:\n"
+        "    assert 'VALUE = 1' in pathlib.Path('code.py').read_text()\n",
+        encoding="utf-8",
+    )
+    killed = runner.run_one(
+        runner.Mutant("k", "a", "i", "code.py", ("VALUE = 1",), ("VALUE = 2",), ("test_code.py",)),
+        tmp_path,
+    )
+    assert killed.status == "killed"
+    assert killed.by == "test_code.py::test_value"
+    assert (tmp_path / "code.py").read_text(encoding="utf-8") == "VALUE = 1\n"  # restored
+    survived = runner.run_one(
+        runner.Mutant("s", "a", "i", "code.py", ("\n",), ("\n\n",), ("test_code.py",)), tmp_path
+    )
+    assert survived.status == "survived"
+    assert "| s | i | **no** |  |" in runner.table([killed, survived])
+
+
+def test_paired_texts_must_pair_up_and_each_must_change_something(tmp_path: Path) -> None:
+    head = '[[mutant]]\nname = "m"\narea = "a"\ninvariant = "i"\nfile = "f"\ntests = ["t"]\n'
+    unpaired = tmp_path / "unpaired.toml"
+    unpaired.write_text(head + 'find = ["a", "b"]\nreplace = ["c"]\n', encoding="utf-8")
+    with pytest.raises(runner.CatalogueError, match="must pair up"):
+        runner.load(unpaired)
+    idle = tmp_path / "idle.toml"
+    idle.write_text(head + 'find = ["a", "b"]\nreplace = ["c", "b"]\n', encoding="utf-8")
+    with pytest.raises(runner.CatalogueError, match="changes nothing"):
+        runner.load(idle)
+    paired = tmp_path / "paired.toml"
+    paired.write_text(head + 'find = ["a", "b"]\nreplace = ["c", "d"]\n', encoding="utf-8")
+    [m] = runner.load(paired)
+    assert (m.find, m.replace) == (("a", "b"), ("c", "d"))
