@@ -123,7 +123,8 @@ def test_progress_is_reported_and_changes_nothing() -> None:
     assert len(reports) > 3
     times = [at for at, _ in reports]
     shares = [done for _, done in reports]
-    assert times == sorted(times) and shares == sorted(shares)
+    assert times == sorted(times)
+    assert shares == sorted(shares)
     assert all(scenario.start <= at < scenario.end for at in times)
     assert all(0 <= done <= 1 for done in shares)
 

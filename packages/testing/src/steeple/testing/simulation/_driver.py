@@ -378,7 +378,7 @@ class _Driver:
         self.buckets = -(-(self.end - self.origin) // self.sample_step)
         for per in (self.bucket_published, self.bucket_materialized, self.bucket_late):
             for key in per:
-                del per[key][self.buckets :]  # type: ignore[attr-defined]
+                del per[key][self.buckets :]
         # One backlog sample per bucket: the final listing makes the last one.
         for key in self.series_keys:
             series = self.backlog[key]
