@@ -620,6 +620,8 @@ def test_ctrl_c_prints_the_partial_table_and_one_line(monkeypatch: pytest.Monkey
     done = invoke([*FLAGS, "--plot", "never.svg"])
     assert done.exit_code == 130
     assert "nightly-billing" in done.stdout
+    assert "to 2026-01-31 " in done.stdout
+    assert "(stopped early), seed 4" in done.stdout
     assert "stopped at 2026-01-31 " in done.stderr
     assert done.stderr.strip().endswith("by Ctrl-C: partial result")
     assert not Path("never.svg").exists()

@@ -102,9 +102,12 @@ def render_table(result: SimulationResult) -> Table:
     from rich.table import Table
 
     s = result.scenario
+    # A stopped run's counts cover the range up to where it stopped.
+    end = f"{s.end:%Y-%m-%d %H:%MZ}"
+    if result.stopped_at is not None:
+        end = f"{result.stopped_at:%Y-%m-%d %H:%M:%SZ} (stopped early)"
     table = Table(
-        title=f"steeple simulate: {s.start:%Y-%m-%d %H:%MZ} to {s.end:%Y-%m-%d %H:%MZ}, "
-        f"seed {result.seed}",
+        title=f"steeple simulate: {s.start:%Y-%m-%d %H:%MZ} to {end}, seed {result.seed}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
