@@ -483,6 +483,8 @@ def simulate(
 
     The real store logic runs on a fake clock (no database, no broker), jumping from one
     event to the next, so a year takes seconds. Same options and --seed: same result.
+    A run estimated above --allow-occurrences due runs is refused before it starts;
+    Ctrl-C stops a run and prints the result so far (exit code 130).
     """
     from rich.console import Console
 
