@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -505,3 +506,122 @@ def test_a_toml_integer_of_thousands_of_digits_is_one_usage_error(
     assert len(lines) <= 2
     assert all(len(line) < 400 for line in lines)
     assert "Traceback" not in result.output
+
+
+def test_a_run_beyond_the_work_limit_is_refused_in_one_line() -> None:
+    hostile = [
+        *[arg for i in range(50) for arg in ("--cron", "* * * * *", "--name", f"every-{i}")],
+        "--from",
+        "2026-01-01T00:00Z",
+        "--days",
+        "3660",
+    ]
+    done = invoke(hostile)
+    assert done.exit_code == ExitCode.USAGE
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "about 5,270,400 due runs or more" in lines[0]
+    assert "beyond the limit of 2,000,000" in lines[0]
+    assert "--allow-occurrences N" in lines[0]
+
+
+def test_the_work_limit_is_raised_or_lowered_by_its_own_flag() -> None:
+    hourly = ["--cron", "0 * * * *", *RANGE]  # 71 due runs: after the start, before the end
+    refused = invoke([*hourly, "--allow-occurrences", "70"])
+    assert refused.exit_code == ExitCode.USAGE
+    assert "about 71 due runs or more, beyond the limit of 70" in refused.stderr
+    allowed = invoke([*hourly, "--allow-occurrences", "71", "--json"])
+    assert allowed.exit_code == 0, allowed.stderr
+    assert json.loads(allowed.stdout)["overall"]["materialized"] == 71
+    # --max-occurrences stays the simulated namespace's quota, not the work limit.
+    outage = ["--host-outage", "2026-01-30T06:00Z/P1D", "--broker-outage", "2026-01-31T06:00Z/PT6H"]
+    quota = invoke(
+        [*hourly, *outage, "--max-occurrences", "5", "--allow-occurrences", "71", "--json"]
+    )
+    assert quota.exit_code == 0, quota.stderr
+    assert json.loads(quota.stdout)["hits"]["capacity_errors"] > 0
+
+
+@pytest.mark.parametrize("value", ["0", "-5", str(2**63)])
+def test_a_bad_work_limit_is_a_usage_error(value: str) -> None:
+    done = invoke(["--cron", "0 * * * *", *RANGE, "--allow-occurrences", value])
+    assert done.exit_code == ExitCode.USAGE
+    assert "--allow-occurrences must be at least 1" in done.stderr
+
+
+def test_ctrl_c_stops_a_long_run_with_its_partial_result(tmp_path: Path) -> None:
+    # Announces the run's first progress report, so the test signals a run under way.
+    script = (
+        "import sys\n"
+        "import steeple.testing.simulation as simulation\n"
+        "from steeple.admin.cli import main\n"
+        "real = simulation.run\n"
+        "def run(scenario, seed, *, trace, progress):\n"
+        "    announced = []\n"
+        "    def report(at, done):\n"
+        "        if not announced:\n"
+        "            announced.append(at)\n"
+        "            sys.stderr.write('running\\n')\n"
+        "            sys.stderr.flush()\n"
+        "        return progress(at, done)\n"
+        "    return real(scenario, seed, trace=trace, progress=report)\n"
+        "simulation.run = run\n"
+        "sys.argv = ['steeple', 'simulate', *sys.argv[1:]]\n"
+        "main()\n"
+    )
+    # Days of simulated work: it only ends by the signal.
+    crons = [arg for i in range(20) for arg in ("--cron", "* * * * *", "--name", f"m{i}")]
+    args = [*crons, "--from", "2026-01-01T00:00Z", "--days", "3000"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEEPLE_")}
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, *args, "--allow-occurrences", "100000000", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stderr is not None
+        assert process.stderr.readline() == "running\n"
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("stopped at 2026-01-")
+    assert lines[0].endswith("by Ctrl-C: partial result")
+    result = json.loads(stdout)
+    assert result["stopped_at"].startswith("2026-01-")
+    assert (
+        lines[0] == f"stopped at {result['stopped_at'].replace('T', ' ')} by Ctrl-C: partial result"
+    )
+    assert result["overall"]["materialized"] > 0
+
+
+def test_ctrl_c_prints_the_partial_table_and_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import steeple.testing.simulation as simulation
+
+    real = simulation.run
+
+    def interrupted(scenario: Scenario, seed: int, *, trace: bool, progress: Any) -> Any:
+        def report(at: datetime, done: float) -> bool:
+            if done > 0.5:
+                raise KeyboardInterrupt
+            return bool(progress(at, done))
+
+        return real(scenario, seed, trace=trace, progress=report)
+
+    monkeypatch.setattr(simulation, "run", interrupted)
+    done = invoke([*FLAGS, "--plot", "never.svg"])
+    assert done.exit_code == 130
+    assert "nightly-billing" in done.stdout
+    assert "to 2026-01-31 " in done.stdout
+    assert "(stopped early), seed 4" in done.stdout
+    assert "stopped at 2026-01-31 " in done.stderr
+    assert done.stderr.strip().endswith("by Ctrl-C: partial result")
+    assert not Path("never.svg").exists()

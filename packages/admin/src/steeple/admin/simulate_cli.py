@@ -31,6 +31,10 @@ __all__ = ["build_scenario", "render_hits", "render_table", "simulate", "table_t
 
 MAX_DAYS: Final = 3660
 """The longest range ``steeple simulate`` accepts (ten years)."""
+DEFAULT_ALLOWED: Final = 2_000_000
+"""Due runs a ``steeple simulate`` run may materialize unless raised (minutes of work)."""
+_SHOW_PROGRESS: Final = 20_000
+"""Due runs above which a run takes more than a few seconds: a progress bar on a terminal."""
 _TOPIC: Final = "simulated"
 _NAMESPACE: Final = "simulation"
 
@@ -98,9 +102,12 @@ def render_table(result: SimulationResult) -> Table:
     from rich.table import Table
 
     s = result.scenario
+    # A stopped run's counts cover the range up to where it stopped.
+    end = f"{s.end:%Y-%m-%d %H:%MZ}"
+    if result.stopped_at is not None:
+        end = f"{result.stopped_at:%Y-%m-%d %H:%M:%SZ} (stopped early)"
     table = Table(
-        title=f"steeple simulate: {s.start:%Y-%m-%d %H:%MZ} to {s.end:%Y-%m-%d %H:%MZ}, "
-        f"seed {result.seed}",
+        title=f"steeple simulate: {s.start:%Y-%m-%d %H:%MZ} to {end}, seed {result.seed}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -309,6 +316,53 @@ def build_scenario(
         raise _usage(str(exc)) from None
 
 
+def _run(scenario: Scenario, seed: int, *, trace: bool, estimate: int) -> SimulationResult:
+    """Run ``scenario``: a progress bar on a terminal for a long run; Ctrl-C stops it cleanly.
+
+    The first Ctrl-C asks the simulator to stop between two events, which returns the
+    result so far; a second one interrupts at once (KeyboardInterrupt).
+    """
+    import signal
+    import threading
+
+    from steeple.testing.simulation import run
+
+    asked = threading.Event()
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        if asked.is_set():
+            raise KeyboardInterrupt
+        asked.set()
+
+    try:
+        previous = signal.signal(signal.SIGINT, on_interrupt)
+    except ValueError:  # not the main thread: Ctrl-C is not ours to handle
+        previous = None
+    try:
+        err = _err()
+        if not err.is_terminal or estimate <= _SHOW_PROGRESS:
+            return run(scenario, seed, trace=trace, progress=lambda _at, _done: not asked.is_set())
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        columns = (
+            TextColumn("simulated {task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=err, transient=True) as bar:
+            task = bar.add_task(f"{scenario.start:%Y-%m-%d %H:%M}", total=1.0)
+
+            def report(at: datetime, done: float) -> bool:
+                bar.update(task, completed=done, description=f"{at:%Y-%m-%d %H:%M}")
+                return not asked.is_set()
+
+            return run(scenario, seed, trace=trace, progress=report)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 def _fail(error: CliError) -> typer.Exit:
     _err().print(f"steeple: error: {error}", markup=False)
     if error.hint:
@@ -402,6 +456,15 @@ def simulate(
         str | None,
         typer.Option("--sample-interval", help="Backlog sample spacing (default: from the range)."),
     ] = None,
+    allow_occurrences: Annotated[
+        int,
+        typer.Option(
+            "--allow-occurrences",
+            help="Refuse a run estimated (from the calendars) to materialize more due runs "
+            f"than this (default {DEFAULT_ALLOWED:,}: minutes of work; about 10,000 a "
+            "second). Not --max-occurrences, the namespace quota being simulated.",
+        ),
+    ] = DEFAULT_ALLOWED,
     seed: Annotated[int, typer.Option("--seed", help="Seed: same seed, same result.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     plot: Annotated[
@@ -420,13 +483,17 @@ def simulate(
 
     The real store logic runs on a fake clock (no database, no broker), jumping from one
     event to the next, so a year takes seconds. Same options and --seed: same result.
+    A run estimated above --allow-occurrences due runs is refused before it starts;
+    Ctrl-C stops a run and prints the result so far (exit code 130).
     """
     from rich.console import Console
 
     from steeple.admin.simulate_plot import PLOT_FORMATS, PlotUnavailableError, terminal_chart
-    from steeple.testing.simulation import run
+    from steeple.testing.simulation import estimate_occurrences
 
     try:
+        if not 1 <= allow_occurrences < 2**63:
+            raise _usage(f"--allow-occurrences must be at least 1; got {allow_occurrences}")
         if not 0 <= seed < 2**63:
             raise _usage("--seed must be between 0 and 2**63 - 1")
         if plot is not None and plot.suffix.lower() not in PLOT_FORMATS:
@@ -457,11 +524,19 @@ def simulate(
             clock_regressions=clock_regression or [],
             sample_interval=sample_interval,
         )
+        # Counting stops past the limit, so a hostile run is refused at once.
+        estimate = estimate_occurrences(scenario, stop_after=allow_occurrences)
+        if estimate > allow_occurrences:
+            raise _usage(
+                f"this run would materialize about {estimate:,} due runs or more, beyond "
+                f"the limit of {allow_occurrences:,} (about 10,000 a second); raise it "
+                "with --allow-occurrences N, or shorten the range"
+            )
     except CliError as exc:
         raise _fail(exc) from None
     try:
         # The plot draws every due run's end, which only a traced run records.
-        result = run(scenario, seed=seed, trace=plot is not None)
+        result = _run(scenario, seed, trace=plot is not None, estimate=estimate)
     except KeyboardInterrupt:
         _err().print("steeple: interrupted")
         raise typer.Exit(130) from None
@@ -475,6 +550,13 @@ def simulate(
             # A file or a pipe does not wrap: the whole table, one row per line.
             sys.stdout.write(table_text(render_table(result)) + "\n")
         out.print(render_hits(result), markup=False)
+    if result.stopped_at is not None:
+        _err().print(
+            f"stopped at {result.stopped_at:%Y-%m-%d %H:%M:%SZ} by Ctrl-C: partial result",
+            markup=False,
+        )
+        # A plot or chart of a partial run would show every later due run as missed.
+        raise typer.Exit(130)
     text_chart = chart
     if plot is not None:
         from steeple.admin.simulate_plot import write_plot

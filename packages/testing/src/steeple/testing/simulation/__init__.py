@@ -39,7 +39,8 @@ from steeple.core.config import RecurringConfig
 from steeple.core.ports import Clock, MessageBroker, RandomSource, RecurringStore
 from steeple.testing.recurring import InMemoryRecurringStore
 from steeple.testing.simulation._broker import SimulatedBroker
-from steeple.testing.simulation._driver import SimulationError, StoreFactory, drive
+from steeple.testing.simulation._driver import Progress, SimulationError, StoreFactory, drive
+from steeple.testing.simulation._estimate import estimate_occurrences
 from steeple.testing.simulation._result import (
     DefinitionResult,
     DueRun,
@@ -74,6 +75,7 @@ __all__ = [
     "Interval",
     "Lateness",
     "OccurrenceOutcome",
+    "Progress",
     "RelayCapacity",
     "Scenario",
     "ScenarioError",
@@ -85,6 +87,7 @@ __all__ = [
     "Stats",
     "StoreFactory",
     "Ticking",
+    "estimate_occurrences",
     "memory_store",
     "parse_instant",
     "parse_iso_duration",
@@ -107,6 +110,7 @@ async def simulate(
     store: StoreFactory = memory_store,
     broker: MessageBroker | None = None,
     trace: bool = False,
+    progress: Progress | None = None,
 ) -> SimulationResult:
     """Run ``scenario`` on a fake clock and return what happened (the async form of :func:`run`).
 
@@ -122,6 +126,10 @@ async def simulate(
             :class:`~steeple.testing.MemoryBroker` to inspect them); by default a broker
             that only deduplicates.
         trace: also return each occurrence's outcome (memory grows with the run).
+        progress: called every few hundred events with the simulated instant and the
+            share of the range done (0 to 1); it changes nothing in the result. Returning
+            False (or raising KeyboardInterrupt) stops the run between two events: the
+            result then covers the range up to that instant (``stopped_at`` says where).
 
     Raises:
         ScenarioError: ``seed`` is not an int, or ``broker`` is not a MessageBroker.
@@ -129,10 +137,16 @@ async def simulate(
         RecurringError: the store refused a definition or failed (not expected from the
             in-memory store once the scenario validated).
     """
-    return await drive(scenario, seed, store, inner_broker=broker, trace=trace)
+    return await drive(scenario, seed, store, inner_broker=broker, trace=trace, progress=progress)
 
 
-def run(scenario: Scenario, seed: int = 0, *, trace: bool = False) -> SimulationResult:
+def run(
+    scenario: Scenario,
+    seed: int = 0,
+    *,
+    trace: bool = False,
+    progress: Progress | None = None,
+) -> SimulationResult:
     """Run ``scenario`` on the in-memory reference store; see :func:`simulate`.
 
     Works inside a running event loop too (a notebook): the run then gets its own thread.
@@ -144,6 +158,7 @@ def run(scenario: Scenario, seed: int = 0, *, trace: bool = False) -> Simulation
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(simulate(scenario, seed, trace=trace))
+        return asyncio.run(simulate(scenario, seed, trace=trace, progress=progress))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, simulate(scenario, seed, trace=trace)).result()
+        work = simulate(scenario, seed, trace=trace, progress=progress)
+        return pool.submit(asyncio.run, work).result()

@@ -73,7 +73,10 @@ from steeple.testing.simulation._result import (
 from steeple.testing.simulation._scenario import Scenario, ScenarioError
 from steeple.testing.simulation._timeline import align_up, from_us, span_us, to_us
 
-__all__ = ["StoreFactory", "drive"]
+__all__ = ["Progress", "StoreFactory", "drive"]
+
+Progress = Callable[[datetime, float], "bool | None"]
+"""Told the simulated time and the share of the range done; returning False stops the run."""
 
 StoreFactory = Callable[[RecurringConfig, Clock, RandomSource], Awaitable[RecurringStore]]
 """Builds the store under simulation from the namespace, the fake clock and the seeded random."""
@@ -165,8 +168,11 @@ class _Driver:
         *,
         trace: bool,
         exhaustive: bool = False,
+        progress: Progress | None = None,
     ) -> None:
         self.scenario = scenario
+        self.progress = progress
+        self.stopped_at: int | None = None
         self.exhaustive = exhaustive
         """Poll at every grid instant instead of jumping (tests compare the two)."""
         self.seed = seed
@@ -310,6 +316,9 @@ class _Driver:
                 # Let the event loop run: it drops the timers of finished publication
                 # deadlines (cancelled, never due), which otherwise pile up in its heap.
                 await asyncio.sleep(0)
+                if self.progress is not None and not self.report():
+                    await self.stop()
+                    break
             at, kind, arg, _, token = heapq.heappop(self.heap)
             if at >= self.end and kind != _END:
                 continue  # the range is half-open: only the final count runs at its end
@@ -351,6 +360,32 @@ class _Driver:
                 await self.finish()
                 break
         return self.result()
+
+    def report(self) -> bool:
+        """Tell the progress callback where the run is; False: stop here."""
+        assert self.progress is not None
+        done = (self.t - self.origin) / (self.end - self.origin)
+        try:
+            return self.progress(from_us(self.t), min(max(done, 0.0), 1.0)) is not False
+        except KeyboardInterrupt:
+            # Ctrl-C while reporting: stop between two events, where the state is whole.
+            return False
+
+    async def stop(self) -> None:
+        """End the run early, between two events: the result covers ``[start, now]``."""
+        self.stopped_at = self.t
+        self.end = self.t + 1
+        self.buckets = -(-(self.end - self.origin) // self.sample_step)
+        for per in (self.bucket_published, self.bucket_materialized, self.bucket_late):
+            for key in per:
+                del per[key][self.buckets :]
+        # One backlog sample per bucket: the final listing makes the last one.
+        for key in self.series_keys:
+            series = self.backlog[key]
+            del series[self.buckets - 1 :]
+            while len(series) < self.buckets - 1:
+                series.append(self.last_backlog[key])
+        await self.finish()
 
     # --- the store, through the fake clock -----------------------------------------------------
 
@@ -823,6 +858,7 @@ class _Driver:
             series=series,
             hits=Hits(**self.hits),
             occurrences=outcomes,
+            stopped_at=None if self.stopped_at is None else from_us(self.stopped_at),
         )
 
 
@@ -834,6 +870,7 @@ async def drive(
     inner_broker: object | None = None,
     trace: bool = False,
     exhaustive: bool = False,
+    progress: Progress | None = None,
 ) -> SimulationResult:
     """Run ``scenario`` against the store ``store_factory`` builds; see :func:`simulate`."""
     from steeple.core.ports import MessageBroker
@@ -849,7 +886,16 @@ async def drive(
     store = await store_factory(scenario.config, clock, DeterministicRandom(seed))
     broker = SimulatedBroker(scenario.broker, seed, inner_broker)
     try:
-        driver = _Driver(scenario, seed, store, clock, broker, trace=trace, exhaustive=exhaustive)
+        driver = _Driver(
+            scenario,
+            seed,
+            store,
+            clock,
+            broker,
+            trace=trace,
+            exhaustive=exhaustive,
+            progress=progress,
+        )
         result = await driver.run()
     finally:
         await store.close()

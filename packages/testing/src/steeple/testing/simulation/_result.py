@@ -254,6 +254,9 @@ class SimulationResult:
         series: backlog and lateness over time.
         hits: limits and faults hit.
         occurrences: each occurrence's end, by definition and due time (only when traced).
+        stopped_at: when the run was stopped early (its progress callback said so, or
+            Ctrl-C): the counts cover the range up to that simulated instant only, and
+            what was still open then counts as open. None: the whole range ran.
     """
 
     scenario: Scenario
@@ -264,6 +267,7 @@ class SimulationResult:
     series: Series
     hits: Hits
     occurrences: tuple[OccurrenceOutcome, ...] | None = None
+    stopped_at: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Return the whole result as JSON-ready data (instants ISO 8601, durations seconds)."""
@@ -278,6 +282,8 @@ class SimulationResult:
         }
         if self.occurrences is not None:
             data["occurrences"] = [o.to_json() for o in self.occurrences]
+        if self.stopped_at is not None:
+            data["stopped_at"] = _iso(self.stopped_at)
         return data
 
     def dumps(self, *, indent: int | None = 2) -> str:
