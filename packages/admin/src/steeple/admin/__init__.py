@@ -9,8 +9,9 @@ does not import the web framework.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from steeple.core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from steeple.admin.app import ACTIONS, CSRF_HEADER, SECURITY_HEADERS, create_admin_app
@@ -41,14 +42,4 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'steeple.admin' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports("steeple.admin", _HOMES, globals(), __all__)

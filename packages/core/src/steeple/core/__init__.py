@@ -8,8 +8,9 @@ The names are loaded on first use, so a program that needs one module of the cor
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from steeple.core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from steeple.core.backoff import RELAY_BACKOFF, Backoff
@@ -344,14 +345,4 @@ _HOMES: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'steeple.core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports("steeple.core", _HOMES, globals(), __all__)
