@@ -688,6 +688,24 @@ async def test_purge_removes_only_old_terminal_occurrences(store: Any, clock: Fa
         await store.purge_terminal(datetime(2031, 1, 1))
 
 
+async def test_purge_with_a_limit_removes_no_more_than_the_limit(
+    store: Any, clock: FakeClock
+) -> None:
+    # Three occurrences are eligible; each bounded call removes exactly its limit, oldest first.
+    await store.create(definition(back=timedelta(minutes=3)))
+    assert (await store.tick(100)).materialized == 3
+    broker = MemoryBroker()
+    for lease in await store.claim(3):
+        await store.relay(lease, broker)
+        clock.advance(timedelta(seconds=1))
+    later = clock.now() + timedelta(seconds=1)
+    assert await store.purge_terminal(later, limit=1) == 1
+    assert len(await listed(store)) == 2
+    assert await store.purge_terminal(later, limit=2) == 2
+    assert await listed(store) == []
+    assert await store.purge_terminal(later, limit=2) == 0
+
+
 async def test_expired_occurrences_free_capacity_only_when_purged(
     clock: FakeClock, open_store: OpenStore
 ) -> None:

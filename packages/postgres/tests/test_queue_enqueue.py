@@ -181,6 +181,10 @@ async def test_dedup_returns_the_live_task_and_allows_a_new_one_after_it_ends(
     third = await enqueue(conn, PLAIN, 3, options, schema=schema)
     assert not third.deduplicated
     assert third.id != first.id
+    # a duplicate now names the live holder of the key, never the finished task before it
+    fourth = await enqueue(conn, PLAIN, 4, options, schema=schema)
+    assert fourth.deduplicated
+    assert fourth.id == third.id
     assert await _count(conn, schema) == 3
 
 

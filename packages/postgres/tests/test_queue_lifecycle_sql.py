@@ -10,6 +10,7 @@ or the SQL alone makes this file fail.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from datetime import timedelta
 from importlib import resources
@@ -27,7 +28,7 @@ from steeple.core.tasks import (
     transition,
 )
 from steeple.postgres._arrays import text_array
-from steeple.postgres.queue import EnqueueOptions, Task, enqueue
+from steeple.postgres.queue import EnqueueOptions, Progress, Task, enqueue, run_state
 from steeple.postgres.queue._admin_sql import admin_sql
 from steeple.postgres.queue._sql import queue_sql
 
@@ -268,6 +269,38 @@ async def test_recovery_of_expired_leases_follows_core_over_a_grid(queue: Any) -
         assert (state in TERMINAL_TASK_STATES) == (row["finished_at"] is not None)
     outcomes = await conn.fetch(f'SELECT DISTINCT outcome FROM "{schema}".attempts')
     assert [r["outcome"] for r in outcomes] == ["lease_expired"]
+
+
+async def test_a_stale_holder_cannot_overwrite_the_new_holders_progress(queue: Any) -> None:
+    _, schema, conn = queue
+    db = Db(conn, schema)
+    task_id = await db.enqueue()
+    stale = await db.claim(task_id)
+    # The first holder's lease lapses and is recovered; another claim takes the task over.
+    await conn.execute(
+        f"UPDATE \"{schema}\".tasks SET lease_expires_at = clock_timestamp() - interval '1 second' "
+        "WHERE id = $1",
+        task_id,
+    )
+    assert [r["id"] for r in await conn.fetch(db.sql.recover_expired, 100)] == [task_id]
+    current = await db.claim(task_id)
+    assert current != stale
+
+    async def write(token: Any, fraction: float) -> list[Any]:
+        return list(
+            await conn.fetch(
+                db.sql.progress,
+                text_array([task_id]),
+                text_array([token]),
+                [json.dumps({"fraction": fraction})],
+            )
+        )
+
+    assert [r["id"] for r in await write(current, 0.75)] == [task_id]
+    # The first holder, not yet aware it lost the task, reports late: nothing is written.
+    assert await write(stale, 0.25) == []
+    run = await run_state(conn, task_id, schema=schema)
+    assert run.progress == Progress(0.75)
 
 
 @pytest.mark.parametrize("event", list(TaskEvent))

@@ -542,6 +542,43 @@ async def test_a_claim_held_by_a_rate_limit_says_when_the_window_frees_a_start(
     assert [(r["held"], r["queue"]) for r in last] == [(False, "default")]
 
 
+async def _claim_ids(conn: asyncpg.Connection, schema: str, want: int) -> list[int]:
+    """The ids one claim of up to ``want`` tasks of ``JOB`` from the default queue takes."""
+    from steeple.postgres._arrays import text_array
+    from steeple.postgres.queue._sql import queue_sql
+
+    give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
+    rows = await conn.fetch(
+        queue_sql(schema).claim_timed, ["default"], text_array([want]), [JOB.name], "w", give_up
+    )
+    return [int(r["id"]) for r in rows if r["id"] is not None]
+
+
+async def test_a_task_names_rate_limit_allows_exactly_its_starts_per_period(
+    queue: QueueFixture,
+) -> None:
+    _dsn, schema, conn = queue
+    await limit_task(conn, JOB.name, rate_limit=2, per=timedelta(minutes=1), schema=schema)
+    tasks = await enqueue_many(conn, JOB, [{}] * 5, schema=schema)
+    # One claim asking for more than the limit starts exactly the limit, no more.
+    assert await _claim_ids(conn, schema, 5) == tasks[:2]
+    # The window is full: a later claim inside the period starts nothing.
+    assert await _claim_ids(conn, schema, 5) == []
+
+
+async def test_the_rate_window_counts_every_start_of_the_period_across_claims(
+    queue: QueueFixture,
+) -> None:
+    _dsn, schema, conn = queue
+    await limit_queue(conn, "default", rate_limit=2, per=timedelta(minutes=1), schema=schema)
+    tasks = await enqueue_many(conn, JOB, [{}] * 4, schema=schema)
+    # Two claims, one start each, fill the window between them.
+    assert await _claim_ids(conn, schema, 1) == tasks[:1]
+    assert await _claim_ids(conn, schema, 1) == tasks[1:2]
+    # A third claim in the same period still sees both earlier starts and takes nothing.
+    assert await _claim_ids(conn, schema, 5) == []
+
+
 @pytest.mark.parametrize("limited", [False, True])
 async def test_the_claim_walks_the_index_of_its_queue_and_never_scans_the_table(
     queue: QueueFixture, limited: bool
