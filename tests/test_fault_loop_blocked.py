@@ -108,10 +108,10 @@ async def test_a_broker_publish_blocking_the_loop_loses_its_lease_and_is_named(
         # The graceful stop lets the round finish: its record is fenced (lease lost).
         blocked.signal(signal.SIGTERM)
         assert await blocked.exited() == 0, blocked.stderr
-        assert "relayed 0 occurrences (1 relay failures)" in blocked.stderr
+        assert "relayed 0 occurrences (1 relay failure)" in blocked.stderr
         taker.signal(signal.SIGTERM)
         assert await taker.exited() == 0, taker.stderr
-        assert "relayed 1 occurrences (0 relay failures)" in taker.stderr
+        assert "relayed 1 occurrence (0 relay failures)" in taker.stderr
     [row] = await w.occurrences()
     # the taker's claim (revision 2) recorded it; the stale holder's record changed nothing
     assert (row["state"], row["lease_revision"], row["attempts"]) == ("published", 2, 2)
