@@ -136,7 +136,9 @@ async def test_runtime_role_with_the_documented_grants_runs_the_queue(
         running = asyncio.create_task(worker.run_until_shutdown(stop))
         try:
             await asyncio.wait_for(started.wait(), 30)
-            assert worker.health() is Health.HEALTHY
+            # Healthy once its wake-up listener is up too: a handler may start first (the
+            # LISTEN connection is opened beside the first claim).
+            await wait_until(lambda: worker.health() is Health.HEALTHY)
             assert (await pgq.cancel(runtime, held.id, schema=schema)).value == "cancelled"
 
             async def settled() -> bool:
