@@ -789,7 +789,7 @@ def demo(session: nox.Session) -> None:
     session.run("steeple", "demo", *session.posargs)
 
 
-# --- documentation site (issue 14.4) ------------------------------------------------------
+# --- documentation site -------------------------------------------------------------------
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the site (mkdocs.yml, docs/) with --strict: a broken reference, page or link fails."""

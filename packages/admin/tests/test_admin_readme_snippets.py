@@ -1,5 +1,6 @@
-"""The README's five-minute tours are real: the README holds these files verbatim, and each
-file runs against a real PostgreSQL and prints what the README says it prints."""
+"""The five-minute tours are real: the README holds the work-queue tour verbatim, the docs
+include every tour from these files, and each file runs against a real PostgreSQL and
+prints what the pages say it prints."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import pytest
 
 HERE = Path(__file__).parent
 SNIPPETS = HERE / "readme_snippets"
-README = HERE.parents[2] / "README.md"  # the top-level README holds the tours
+ROOT = HERE.parents[2]
+README = ROOT / "README.md"  # the top-level README holds the work-queue tour
+DOCS = ROOT / "docs"
 
 
 def readme_snippets() -> dict[str, str]:
@@ -24,12 +27,26 @@ def readme_snippets() -> dict[str, str]:
     return dict(found)
 
 
-def test_readme_holds_every_snippet_verbatim() -> None:
+def docs_includes() -> set[str]:
+    """The snippet files the documentation pages include (``--8<--``), by file name."""
+    prefix = "packages/admin/tests/readme_snippets/"
+    found: set[str] = set()
+    for page in DOCS.rglob("*.md"):
+        text = page.read_text(encoding="utf-8")
+        found.update(re.findall(r'--8<-- "' + re.escape(prefix) + r'(\S+?)"', text))
+    return found
+
+
+def test_the_readme_holds_the_queue_tour_verbatim() -> None:
     snippets = readme_snippets()
-    files = sorted(p.name for p in SNIPPETS.glob("*.py"))
-    assert sorted(snippets) == files
+    assert sorted(snippets) == ["queue_tour.py"]
     for name, code in snippets.items():
         assert code == (SNIPPETS / name).read_text(encoding="utf-8"), name
+
+
+def test_the_docs_include_every_snippet() -> None:
+    files = {p.name for p in SNIPPETS.glob("*.py")}
+    assert docs_includes() == files
 
 
 async def _run(name: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -4,8 +4,8 @@ the work queue alike.
 - ``synchronous_commit`` at each level (off, local, remote_write, remote_apply, on) set on
   the server (``ALTER SYSTEM`` + reload), the database, the role and the session, on a
   private cluster: ``off`` is refused by both, every other level is accepted and works (on
-  one node each of them flushes the local WAL before COMMIT returns; see the README's
-  deployment section).
+  one node each of them flushes the local WAL before COMMIT returns; see the operations
+  guide's durability checks, docs/operations.md).
 - ``fsync=off`` and ``full_page_writes=off`` on the server (reload): refused by both.
 - Unlogged tables: each table of each product (with the tables that must go unlogged with
   it), refused naming the table.

@@ -700,7 +700,7 @@ def job_form() -> str:
     )
 
 
-# --- recurring publications (seed 000) ----------------------------------------------------------
+# --- recurring publications ----------------------------------------------------------------------
 
 
 def schedules_table(

@@ -175,7 +175,7 @@ def database_url(data_dir: str | Path = ".steeple/tour") -> Iterator[str]:
 
     The embedded server (a private cluster in ``data_dir / "pgdata"``, kept between runs)
     is started on entry and stopped on exit; with the variable set nothing is started. What
-    the README's tours use, so they run with no environment at all.
+    the five-minute tours use, so they run with no environment at all.
 
     Raises:
         CliError: (unavailable) the embedded server cannot start (e.g. ``pgserver`` is not

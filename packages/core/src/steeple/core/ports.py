@@ -78,7 +78,7 @@ class Sealer(Protocol):
 
 
 class RecurringStore(Protocol):
-    """The recurring-publication store contract (seed 000); the conformance suite runs it."""
+    """The recurring-publication store contract; the conformance suite runs it."""
 
     async def create(self, definition: RecurringDefinition) -> ScheduleInfo:
         """Create an immutable definition, or replay an identical earlier creation."""

@@ -52,7 +52,7 @@ def _is_token(value: str) -> bool:
 def _check_occurrence_id(_: object, __: object, value: Any) -> None:
     if not isinstance(value, str):
         raise ConfigurationTypeError(f"occurrence_id must be a str, not {type(value).__name__}")
-    # Stores issue 32 hex characters; anything outside printable ASCII is no id of theirs
+    # Stores hand out 32 hex characters; anything outside printable ASCII is no id of theirs
     # and would only fail later, inside a driver.
     if not 1 <= len(value) <= _MAX_OCCURRENCE_ID_LENGTH or not _is_token(value):
         raise ConfigurationError(

@@ -3,8 +3,8 @@
 :class:`ZonedCalendar` reads the five fields exactly as :class:`~steeple.core.calendar.
 CronCalendar` does (same parser, same rules), also accepts the shorthands ``@hourly``,
 ``@daily`` (``@midnight``), ``@weekly``, ``@monthly`` and ``@yearly`` (``@annually``), and
-matches them against the wall clock of an IANA time zone. The recurring publications of
-seed 000 keep using :class:`CronCalendar` (UTC only, no shorthands); this module is for
+matches them against the wall clock of an IANA time zone. Recurring publications
+keep using :class:`CronCalendar` (UTC only, no shorthands); this module is for
 the work queue's recurring jobs.
 
 Daylight-saving rules (see the package README for worked examples). An expression is an

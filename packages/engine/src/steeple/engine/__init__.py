@@ -1,4 +1,4 @@
-"""The recurring engine: every seed-000 operation once, over a small persistence port.
+"""The recurring engine: every recurring-publication operation once, over a small persistence port.
 
 - :class:`RecurringEngine`: create, cancel, tick, claim, relay, retry_failed, schedules,
   occurrences, purge_terminal, over a :class:`~steeple.engine.ports.RecurringStorage`.

@@ -1,4 +1,4 @@
-"""The recurring engine: every seed-000 operation, once, over the persistence port.
+"""The recurring engine: every recurring-publication operation, once, over the persistence port.
 
 Each call is one transaction (:meth:`RecurringStorage.transaction`) that holds the
 namespace's control row. Inside it the engine reads the clock only after the lock was
@@ -207,7 +207,7 @@ def _caused(error: _Error, cause: BaseException) -> _Error:
 
 @attrs.define(repr=False)
 class RecurringEngine:
-    """The seed-000 operations of one namespace over a :class:`RecurringStorage` adapter.
+    """Every recurring-publication operation of one namespace, over a :class:`RecurringStorage`.
 
     A store composes one: ``RecurringEngine(storage, config, sealer, clock)`` and
     forwards the public calls. The engine holds no connection and no state of its own.

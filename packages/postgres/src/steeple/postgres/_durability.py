@@ -43,7 +43,7 @@ __all__ = [
 
 _VERIFIED_SSL_MODES = frozenset({"verify-full", "verify-ca"})
 # Every synchronous_commit value except "off" flushes the local WAL before COMMIT returns
-# (see require_durable_server and the README's deployment section).
+# (see require_durable_server and the operations guide's durability checks).
 _DURABLE_SYNC_COMMIT = frozenset({"on", "local", "remote_write", "remote_apply"})
 
 

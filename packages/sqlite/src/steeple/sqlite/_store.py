@@ -1,4 +1,4 @@
-"""The embedded recurring-publication store (seed 000): the engine over one SQLite file.
+"""The embedded recurring-publication store: the engine over one SQLite file.
 
 :class:`SqliteRecurringStore` is the recurring engine (:mod:`steeple.engine`, which holds
 every operation and, through the core, every decision) over a SQLite adapter of the

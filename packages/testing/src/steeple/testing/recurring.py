@@ -4,7 +4,7 @@
 persistence port (:mod:`steeple.engine.ports`): each method reads or writes rows of two
 dicts (indexed by state), and a transaction undoes its writes when the engine's work
 raises (so a failed call stores nothing). :class:`InMemoryRecurringStore`
-composes it with :class:`~steeple.engine.RecurringEngine`: every rule of seed 000 comes
+composes it with :class:`~steeple.engine.RecurringEngine`: every rule of the contract comes
 from the engine and the core, exactly as for the PostgreSQL store. Everything a database
 adds (durability, SQL deadlines, privileges, several processes) is out of scope.
 

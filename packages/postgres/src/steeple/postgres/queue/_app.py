@@ -316,7 +316,7 @@ class App:
             max_attempts: the attempt limit its enqueues snapshot (1..10000; default 5,
                 or the retry policy's).
             retry: retry plain exceptions with this :class:`RetryPolicy` (default: only
-                ``JobError.retry`` retries, as in seed 002).
+                ``JobError.retry`` retries).
             queue: the named queue its tasks wait in (default ``"default"``); an enqueue
                 may name another. :meth:`scheduler` serves the queues of every task.
             cron: run it on this calendar too: a recurring job named after the task, with

@@ -245,7 +245,7 @@ class Scheduler:
                 )
             # A malformed DSN would come back from the driver with pieces of it quoted; a
             # remote host without verified TLS is refused as the recurring store refuses it
-            # (RELIABILITY row 25): one check, steeple.postgres._durability's.
+            # (durability, fail closed): one check, steeple.postgres._durability's.
             try:
                 check_transport(pool_or_dsn)
             except DurabilityProblem as exc:

@@ -220,7 +220,7 @@ class JobError(QueueError):
 
     @classmethod
     def msg(cls, message: str) -> JobError:
-        """Build a terminal failure from a message (seed 002's ``JobError::msg``).
+        """Build a terminal failure from a message.
 
         Terminal like :meth:`permanent`, even when the task's retry policy retries other
         exceptions: raise it for a failure that running again cannot fix, and say why

@@ -77,7 +77,7 @@ def _check_policy_jitter(_i: object, _a: object, value: Any) -> None:
 class RetryPolicy:
     """Opt-in retries of a task's plain exceptions, with exponential backoff.
 
-    By default (seed 002) only ``JobError.retry(...)`` runs a task again: any other
+    By default only ``JobError.retry(...)`` runs a task again: any other
     exception fails it for good. A task declared with a policy (``Task(..., retry=)`` or
     ``@app.task(retry=)``) treats every exception but ``JobError.permanent``/``JobError.msg``
     as retryable, and its enqueues snapshot the policy's attempts and backoff (unless the

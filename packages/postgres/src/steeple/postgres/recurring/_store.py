@@ -1,4 +1,4 @@
-"""The PostgreSQL recurring-publication store (seed 000) on asyncpg.
+"""The PostgreSQL recurring-publication store on asyncpg.
 
 :class:`PostgresRecurringStore` is the recurring engine (:mod:`steeple.engine`, which
 holds every operation and, through the core, every decision) over a PostgreSQL adapter
