@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from urllib.parse import quote
 
 from steeple.core.errors import ConfigurationError
 
-__all__ = ["SAFE_PARAMETERS", "check_dsn", "dsn_secrets", "redact_dsn", "scrub"]
+__all__ = ["SAFE_PARAMETERS", "check_dsn", "conninfo_url", "dsn_secrets", "redact_dsn", "scrub"]
 
 MASK = "***"
 """What a secret is shown as."""
@@ -402,6 +403,33 @@ def _check_port(port: str, where: str) -> None:
             f"the port of {where} in the database URL is not a number from 1 to 65535; "
             f"if the password holds '/', '?' or '#', {_PERCENT_HINT}"
         )
+
+
+def conninfo_url(dsn: object) -> str:
+    """Return ``dsn`` as a ``postgresql://`` URL: a libpq ``key=value`` string is rewritten.
+
+    asyncpg reads only URLs; libpq and psycopg read both forms. Every pair of a
+    ``key=value`` string (``host=a,b port=5432,5433 target_session_attrs=read-write``, the
+    multi-host form of a failover setup) becomes a percent-encoded query parameter of
+    ``postgresql://``, which asyncpg and libpq read as the same connection. A URL (or
+    anything else that is not a ``key=value`` string) is returned unchanged, for
+    :func:`check_dsn` to judge.
+
+    Raises:
+        ConfigurationError: a ``key=value`` string libpq would refuse (an unterminated
+            quote, a key without ``=``); the message never quotes it.
+    """
+    if not isinstance(dsn, str) or _SCHEME.match(dsn) or "=" not in dsn:
+        return dsn if isinstance(dsn, str) else check_dsn(dsn)
+    pairs = _conninfo_pairs(dsn)
+    if pairs is None or not pairs:
+        raise ConfigurationError(
+            "the database connection string is neither a postgresql:// URL nor a valid "
+            "key=value string (check for an unterminated quote or a word without '='); "
+            "write it like host=db1,db2 port=5432,5432 dbname=app target_session_attrs=read-write"
+        )
+    query = "&".join(f"{quote(key, safe='')}={quote(value, safe=',')}" for key, value, _ in pairs)
+    return f"postgresql://?{query}"
 
 
 def dsn_secrets(dsn: object) -> tuple[str, ...]:

@@ -87,7 +87,8 @@ def _dsn_hosts(dsn: str) -> tuple[list[str], dict[str, list[str]]]:
             hosts.append(item[1 : item.find("]")])
         else:
             hosts.append(unquote(item.rpartition(":")[0] if ":" in item else item))
-    hosts.extend(query.get("host", []))
+    for listed in query.get("host", []):
+        hosts.extend(listed.split(","))  # host=a,b: several hosts (a failover setup)
     if not any(hosts):
         hosts = [os.environ.get("PGHOST", "")]
     return [h for h in hosts if h is not None], query

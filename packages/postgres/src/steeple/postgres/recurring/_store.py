@@ -25,9 +25,11 @@ from asyncpg.transaction import Transaction
 from steeple.core import limits
 from steeple.core.cluster import ClusterWatch
 from steeple.core.config import RecurringConfig, RecurringDefinition
+from steeple.core.dsn import conninfo_url
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
     ClusterIdentityError,
+    ConfigurationError,
     KeyringError,
     RecurringClusterError,
     RecurringConfigurationError,
@@ -234,14 +236,19 @@ def _check_inputs(config: object, keyring: object, clock: object) -> None:
 
 def _check_open_args(
     dsn: str, config: object, keyring: object, clock: object, schema: object
-) -> None:
-    # What initialize and connect both check before touching the network.
+) -> str:
+    # What initialize and connect both check before touching the network; returns the
+    # DSN as the URL asyncpg reads (a libpq key=value string is rewritten).
     _check_inputs(config, keyring, clock)
     _check_schema_name(schema)
     try:
-        check_transport(dsn)
+        url = conninfo_url(dsn)
+        check_transport(url)
+    except ConfigurationError as exc:
+        raise RecurringConfigurationError(str(exc)) from None
     except DurabilityProblem as exc:
         raise _problem(exc) from None
+    return url
 
 
 async def _install(
@@ -341,7 +348,7 @@ class PostgresRecurringStore:
                 schema version.
             RecurringDeadlineError: a deadline passed.
         """
-        _check_open_args(dsn, config, keyring, clock, schema)
+        dsn = _check_open_args(dsn, config, keyring, clock, schema)
         try:
             async with asyncio.timeout(_CALL_DEADLINE):
                 conn = await asyncpg.connect(
@@ -399,7 +406,7 @@ class PostgresRecurringStore:
             RecurringDeadlineError: a deadline passed.
             RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
-        _check_open_args(dsn, config, keyring, clock, schema)
+        dsn = _check_open_args(dsn, config, keyring, clock, schema)
         try:
             async with asyncio.timeout(_CALL_DEADLINE):
                 pool = await asyncpg.create_pool(
