@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from urllib.parse import quote
 
 from steeple.core.errors import ConfigurationError
 
@@ -101,7 +100,7 @@ def _decode(text: str) -> str:
             raw.append(int(text[i + 1 : i + 3], 16))
             i += 3
             continue
-        raw.extend(ch.encode("utf-8", "surrogatepass"))
+        raw.extend(ch.encode("utf-8"))
         i += 1
     return raw.decode("utf-8", "replace")
 
@@ -417,7 +416,8 @@ def conninfo_url(dsn: object) -> str:
 
     Raises:
         ConfigurationError: a ``key=value`` string libpq would refuse (an unterminated
-            quote, a key without ``=``); the message never quotes it.
+            quote, a key without ``=``) or holding a lone surrogate; the message never
+            quotes it.
     """
     if not isinstance(dsn, str) or _SCHEME.match(dsn) or "=" not in dsn:
         return dsn if isinstance(dsn, str) else check_dsn(dsn)
@@ -428,8 +428,25 @@ def conninfo_url(dsn: object) -> str:
             "key=value string (check for an unterminated quote or a word without '='); "
             "write it like host=db1,db2 port=5432,5432 dbname=app target_session_attrs=read-write"
         )
-    query = "&".join(f"{quote(key, safe='')}={quote(value, safe=',')}" for key, value, _ in pairs)
+    try:
+        query = "&".join(f"{_encode(key, '')}={_encode(value, ',')}" for key, value, _ in pairs)
+    except UnicodeEncodeError:
+        raise ConfigurationError(
+            "the database connection string is not valid text (it holds a lone surrogate); "
+            "write it in UTF-8"
+        ) from None
     return f"postgresql://?{query}"
+
+
+_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+
+
+def _encode(text: str, safe: str) -> str:
+    """Percent-encode ``text`` (UTF-8) for a URL query, keeping unreserved and ``safe``."""
+    kept = _UNRESERVED | frozenset(safe)
+    return "".join(
+        ch if ch in kept else "".join(f"%{b:02X}" for b in ch.encode("utf-8")) for ch in text
+    )
 
 
 def dsn_secrets(dsn: object) -> tuple[str, ...]:
