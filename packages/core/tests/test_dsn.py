@@ -363,7 +363,7 @@ def test_key_value_dsns_become_urls(dsn: str, url: str) -> None:
     ["host=a password='Mk9unclosed", "host=a garbage Mk9secret=1", "host=a password=Mk9\ud800"],
 )
 def test_unreadable_key_value_dsns_are_refused_without_quoting_them(dsn: str) -> None:
-    with pytest.raises(ConfigurationError, match="key=value|not valid text") as refused:
+    with pytest.raises(ConfigurationError, match=r"key=value|not valid text") as refused:
         conninfo_url(dsn)
     assert "Mk9" not in str(refused.value)
 
