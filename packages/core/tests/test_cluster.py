@@ -48,8 +48,8 @@ def test_the_error_is_a_connection_error() -> None:
 
 
 def test_watch_adopts_newer_timelines_and_never_moves_back() -> None:
+    assert ClusterWatch().known is None
     watch = ClusterWatch()
-    assert watch.known is None
     watch.observe(node(1))
     watch.observe(node(2))
     with pytest.raises(ClusterIdentityError):

@@ -18,8 +18,7 @@ import pytest
 from steeple.core.cluster import ClusterIdentity
 from steeple.core.errors import ClusterIdentityError
 from steeple.postgres._durability import IDENTITY_QUERY, cluster_identity
-from steeple.postgres.queue import QueueClusterError, QueueUnavailableError
-from steeple.postgres.queue import _db as db_module
+from steeple.postgres.queue import QueueClusterError, QueueUnavailableError, _driver
 from steeple.postgres.queue._db import open_db
 
 pytestmark = pytest.mark.postgres
@@ -30,14 +29,15 @@ class Counting:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        real = db_module._driver.fetch
+        real = _driver.fetch
 
         async def fetch(conn: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
             if sql == IDENTITY_QUERY:
                 self.calls += 1
-            return await real(conn, sql, *args)
+            rows: list[tuple[Any, ...]] = await real(conn, sql, *args)
+            return rows
 
-        monkeypatch.setattr(db_module._driver, "fetch", fetch)
+        monkeypatch.setattr(_driver, "fetch", fetch)
 
 
 async def _identity(dsn: str) -> ClusterIdentity:
@@ -71,7 +71,7 @@ async def test_identity_is_read_once_per_connection(
             assert await db.fetch("SELECT 1", timeout=5) == [(1,)]
 
             async def read(conn: Any) -> Any:
-                return await db_module._driver.fetch(conn, "SELECT 2")
+                return await _driver.fetch(conn, "SELECT 2")
 
             assert await db.with_connection(read, timeout=5) == [(2,)]
         assert counting.calls == 1  # one pooled connection: read once, not per statement
