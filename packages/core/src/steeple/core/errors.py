@@ -504,11 +504,18 @@ class ClusterIdentityError(SteepleError, ConnectionError):
     again, and a later connection that reaches the current primary is accepted.
 
     Attributes:
-        known: the identity remembered, ``(system identifier, timeline)``.
-        seen: the identity of the node refused.
+        known: the identity remembered, ``(system identifier, timeline)`` (``None`` when
+            not given).
+        seen: the identity of the node refused (``None`` when not given).
     """
 
-    def __init__(self, message: str, *, known: tuple[int, int], seen: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        known: tuple[int, int] | None = None,
+        seen: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__(message)
         self.known = known
         self.seen = seen
