@@ -40,6 +40,8 @@ __all__ = [
 
 T = TypeVar("T")
 LOG = logging.getLogger("steeple.postgres.queue")
+_ADMIT_DEADLINE: Final = 10.0
+"""Seconds a new connection's identity read may take when the caller set no deadline."""
 
 
 def _db_errors() -> tuple[type[BaseException], ...]:
@@ -172,10 +174,12 @@ class _AsyncpgDb:
         self._pool = pool
         self._gate = _ClusterGate()
 
-    async def _admit(self, conn: Any) -> None:
+    async def _admit(self, conn: Any, timeout: float | None) -> None:
         # The pool hands out a new proxy each time; the driver connection behind it is
-        # what lives as long as the session.
-        await self._gate.admit(conn, getattr(conn, "_con", conn))
+        # what lives as long as the session. Bounded: a link that died right after it
+        # opened must not hang the caller (the connection is then discarded).
+        async with asyncio.timeout(timeout or _ADMIT_DEADLINE):
+            await self._gate.admit(conn, getattr(conn, "_con", conn))
 
     def max_size(self) -> int:
         return int(self._pool.get_max_size())
@@ -194,7 +198,7 @@ class _AsyncpgDb:
         for _ in range(self.max_size()):
             async with self._pool.acquire(timeout=acquire_timeout) as conn:
                 try:
-                    await self._admit(conn)
+                    await self._admit(conn, acquire_timeout)
                     return await use(conn)
                 except asyncpg.exceptions.InternalClientError as exc:
                     _discard(conn)
@@ -205,7 +209,7 @@ class _AsyncpgDb:
                     raise
         async with self._pool.acquire(timeout=acquire_timeout) as conn:
             try:
-                await self._admit(conn)
+                await self._admit(conn, acquire_timeout)
                 return await use(conn)
             except BaseException:
                 _discard(conn)
