@@ -465,11 +465,14 @@ async def test_failover_to_an_asynchronous_standby_reruns_and_republishes_what_i
     assert (await store.tick(100)).materialized == 15  # 04:56 .. 05:10
     await streaming(primary, replica)  # every enqueue and occurrence is on the standby
 
-    # The standby stops receiving (a lagging asynchronous standby, frozen for the test).
-    await execute(
-        replica.dsn(), "ALTER SYSTEM SET primary_conninfo = ''", "SELECT pg_reload_conf()"
-    )
-    await poll("the standby to stop receiving", lambda: _not_streaming(primary, replica))
+    # The standby stops receiving (a lagging asynchronous standby, frozen for the test):
+    # restarted without a primary to stream from, it stays in recovery and gets nothing.
+    await asyncio.to_thread(replica.stop, "fast")
+    with (replica.data / "postgresql.auto.conf").open("a") as conf:
+        conf.write("primary_conninfo = ''\n")
+    await asyncio.to_thread(replica.start, replica.port)
+    assert await fetchval(replica.dsn(), "SELECT pg_is_in_recovery()") is True
+    assert await _not_streaming(primary, replica)
 
     # The primary acknowledges every completion and publication: the standby has none.
     worker = Worker(key_value)
