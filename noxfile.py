@@ -1,5 +1,5 @@
-"""nox sessions for steeple: lint, typecheck, tests, stress, core (driverless), isolated,
-wheels, bench, bench-compare, mutants, demo, docs.
+"""nox sessions for steeple: lint, typecheck, tests, stress, failover, core (driverless),
+isolated, wheels, bench, bench-compare, mutants, demo, docs.
 
 Sessions reuse uv for speed and never download an interpreter.
 
@@ -683,6 +683,25 @@ def stress(session: nox.Session) -> None:
         "packages/brokers/tests/test_relay_stress.py",
         *session.posargs,
         env={"STEEPLE_RELAY_STRESS_SECONDS": os.environ.get("STEEPLE_RELAY_STRESS_SECONDS", "60")},
+    )
+
+
+@nox.session
+def failover(session: nox.Session) -> None:
+    """The failover tests with long load phases (``STEEPLE_FAILOVER_SECONDS``, default 30).
+
+    A synchronous standby promoted under load, the old primary back as a stale node, and
+    an asynchronous standby's lost tail re-run and republished; the suite runs the same
+    tests with 2-second phases. Needs pgserver (private clusters) only.
+    """
+    _sync(session)
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_failover.py",
+        *session.posargs,
+        env={"STEEPLE_FAILOVER_SECONDS": os.environ.get("STEEPLE_FAILOVER_SECONDS", "30")},
     )
 
 

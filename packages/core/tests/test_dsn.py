@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from steeple.core.dsn import check_dsn, dsn_secrets, redact_dsn, scrub
+from steeple.core.dsn import check_dsn, conninfo_url, dsn_secrets, redact_dsn, scrub
 from steeple.core.errors import ConfigurationError
 
 SECRET = "Hunter2Secret"
@@ -292,3 +292,84 @@ def test_an_unknown_pair_after_a_secret_is_masked_as_part_of_it(dsn: str) -> Non
     # A raw space in a key=value password makes its tail read as a pair of its own.
     assert leaked(redact_dsn(dsn)) == [], redact_dsn(dsn)
     assert leaked(scrub(dsn, dsn)) == [], scrub(dsn, dsn)
+
+
+# --- multi-host DSNs (failover setups) -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dsn", "shown"),
+    [
+        (
+            "postgresql://app:pw1@10.0.0.1:5432,10.0.0.2:5433/db?target_session_attrs=read-write",
+            "postgresql://app:***@10.0.0.1:5432,10.0.0.2:5433/db?target_session_attrs=read-write",
+        ),
+        (
+            "postgresql://app@/db?host=a,b&port=1,2&password=pw1&target_session_attrs=primary",
+            "postgresql://app@/db?host=a,b&port=1,2&password=***&target_session_attrs=primary",
+        ),
+        (
+            "host=a,b port=5432,5433 password=pw1 target_session_attrs=read-write",
+            "host=a,b port=5432,5433 password=*** target_session_attrs=read-write",
+        ),
+        (
+            "host=a,b password='pw1 pw2,pw3' user=me",
+            "host=a,b password=*** user=me",
+        ),
+    ],
+)
+def test_multi_host_dsns_are_shown_without_their_password(dsn: str, shown: str) -> None:
+    assert redact_dsn(dsn) == shown
+    assert "pw1" in dsn_secrets(dsn) or "pw1 pw2,pw3" in dsn_secrets(dsn)
+    assert "pw" not in scrub(f"failed: {dsn}", dsn).replace("password", "")
+
+
+def test_multi_host_urls_are_accepted() -> None:
+    for dsn in (
+        "postgresql://app@10.0.0.1:5432,10.0.0.2:5433/db?target_session_attrs=read-write",
+        "postgresql://app@10.0.0.1,10.0.0.2/db?port=5432,5433&target_session_attrs=read-write",
+        "postgresql://app@[::1]:5432,10.0.0.2:5433/db?target_session_attrs=primary",
+    ):
+        assert check_dsn(dsn) == dsn
+        assert conninfo_url(dsn) == dsn
+    with pytest.raises(ConfigurationError, match="host 2"):
+        check_dsn("postgresql://app@a:5432,b:99999/db")
+    with pytest.raises(ConfigurationError, match="port parameter"):
+        check_dsn("postgresql://app@a,b/db?port=5432,x")
+
+
+@pytest.mark.parametrize(
+    ("dsn", "url"),
+    [
+        (
+            "host=127.0.0.1,127.0.0.1 port=5432,5433 target_session_attrs=read-write",
+            "postgresql://?host=127.0.0.1,127.0.0.1&port=5432,5433&target_session_attrs=read-write",
+        ),
+        (
+            "host=a dbname='my db' user=me password='p@ss w/rd?&#%'",
+            "postgresql://?host=a&dbname=my%20db&user=me&password=p%40ss%20w%2Frd%3F%26%23%25",
+        ),
+    ],
+)
+def test_key_value_dsns_become_urls(dsn: str, url: str) -> None:
+    assert conninfo_url(dsn) == url
+    assert check_dsn(url) == url
+    assert "p@ss" not in redact_dsn(url)
+    assert "p%40ss" not in redact_dsn(url)
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    ["host=a password='Mk9unclosed", "host=a garbage Mk9secret=1", "host=a password=Mk9\ud800"],
+)
+def test_unreadable_key_value_dsns_are_refused_without_quoting_them(dsn: str) -> None:
+    with pytest.raises(ConfigurationError, match=r"key=value|not valid text") as refused:
+        conninfo_url(dsn)
+    assert "Mk9" not in str(refused.value)
+
+
+def test_strings_without_pairs_pass_through_for_check_dsn() -> None:
+    assert conninfo_url("postgresql://h/db") == "postgresql://h/db"
+    assert conninfo_url("just text") == "just text"
+    with pytest.raises(ConfigurationError):
+        conninfo_url(None)

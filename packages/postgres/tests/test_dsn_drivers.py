@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from steeple.core.dsn import check_dsn, dsn_secrets, redact_dsn, scrub
+from steeple.core.dsn import check_dsn, conninfo_url, dsn_secrets, redact_dsn, scrub
 from steeple.core.errors import ConfigurationError
 
 conninfo = pytest.importorskip("psycopg.conninfo")
@@ -176,3 +176,64 @@ def test_refused_urls_would_fail_or_be_misread(dsn: str, meant: str) -> None:
         or theirs["password"] != meant
         or any(not isinstance(a, str) and not 0 < a[1] < 65536 for a in theirs["addrs"])
     ), dsn
+
+
+# --- multi-host DSNs (failover setups) -------------------------------------------------------
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    password=passwords(),
+    hosts=st.sampled_from(["h1,h2", "10.0.0.1,10.0.0.2,10.0.0.3", "'h1,h2'", "h"]),
+    ports=st.sampled_from(["", " port=5432,5433", " port=5432"]),
+    extra=st.sampled_from(["", " target_session_attrs=read-write", " dbname='x y'"]),
+)
+def test_key_value_multi_host_dsns_read_the_same_as_urls(
+    password: str, hosts: str, ports: str, extra: str
+) -> None:
+    """``conninfo_url``: asyncpg reads the rewritten URL as libpq reads the key=value form."""
+    value = "'" + password.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    dsn = f"host={hosts}{ports} user=app password={value}{extra}"
+    read = libpq(dsn)
+    assert read is not None, dsn
+    if len(read.get("port", "").split(",")) not in {1, len(read["host"].split(","))}:
+        return  # libpq refuses it at connect ("could not match 2 port numbers to 3 hosts")
+    url = conninfo_url(dsn)
+    assert check_dsn(url) == url
+    theirs = asyncpg_reading(url)
+    assert theirs is not None, (dsn, url)
+    assert theirs["password"] == read["password"]
+    assert theirs["user"] == read["user"] == "app"
+    assert [a[0] for a in theirs["addrs"]] == read["host"].split(",")
+    if read.get("port"):
+        listed = [int(p) for p in read["port"].split(",")]
+        wanted = listed * len(theirs["addrs"]) if len(listed) == 1 else listed
+        assert [a[1] for a in theirs["addrs"]] == wanted
+    if "dbname" in read:
+        assert theirs["db"] == read["dbname"]
+    shown = redact_dsn(url)
+    assert not [m for m in MARKERS if m in shown], (url, shown)
+    assert not [m for m in MARKERS if m in redact_dsn(dsn)], dsn
+    assert read["password"] in dsn_secrets(url) or len(read["password"]) < 3
+
+
+def test_both_drivers_accept_the_multi_host_url() -> None:
+    """The URL form of a failover DSN: several ``host:port`` and ``target_session_attrs``."""
+    url = (
+        "postgresql://app:s%40cret@127.0.0.1:5432,127.0.0.1:5433/db?target_session_attrs=read-write"
+    )
+    assert check_dsn(url) == url
+    assert conninfo_url(url) == url
+    read = libpq(url)
+    assert read is not None
+    assert read["host"] == "127.0.0.1,127.0.0.1"
+    assert read["port"] == "5432,5433"
+    assert read["target_session_attrs"] == "read-write"
+    assert read["password"] == "s@cret"
+    theirs = asyncpg_reading(url)
+    assert theirs is not None
+    assert theirs["addrs"] == [("127.0.0.1", 5432), ("127.0.0.1", 5433)]
+    assert theirs["password"] == "s@cret"
+    assert redact_dsn(url) == (
+        "postgresql://app:***@127.0.0.1:5432,127.0.0.1:5433/db?target_session_attrs=read-write"
+    )

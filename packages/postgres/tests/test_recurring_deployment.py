@@ -352,6 +352,8 @@ async def test_excess_power_reported(
         "postgresql://app@db.example.com/prod?sslmode=require",
         "postgresql://app@10.1.2.3:5432/prod?sslmode=prefer",
         "postgresql://app@localhost,db.example.com/prod",
+        "postgresql:///prod?host=127.0.0.1,db.example.com&port=5432,5433",
+        "host=127.0.0.1,db.example.com port=5432,5433 dbname=prod sslmode=require",
     ],
 )
 async def test_remote_without_verified_tls_refused(dsn: str) -> None:
@@ -368,6 +370,8 @@ async def test_remote_without_verified_tls_refused(dsn: str) -> None:
         "postgresql://app@localhost:5433/db",
         "postgresql://app@[::1]/db",
         "postgresql:///db?host=/var/run/postgresql",
+        "postgresql:///db?host=127.0.0.1,localhost&port=5432,5433",
+        "postgresql://?host=127.0.0.1,127.0.0.1&port=5432,5433&target_session_attrs=read-write",
         "postgresql://app@db.example.com/prod?sslmode=verify-full",
         "postgresql://app@db.example.com/prod?sslmode=verify-ca",
     ],

@@ -20,7 +20,7 @@ import unicodedata
 
 from steeple.core.errors import ConfigurationError
 
-__all__ = ["SAFE_PARAMETERS", "check_dsn", "dsn_secrets", "redact_dsn", "scrub"]
+__all__ = ["SAFE_PARAMETERS", "check_dsn", "conninfo_url", "dsn_secrets", "redact_dsn", "scrub"]
 
 MASK = "***"
 """What a secret is shown as."""
@@ -100,7 +100,7 @@ def _decode(text: str) -> str:
             raw.append(int(text[i + 1 : i + 3], 16))
             i += 3
             continue
-        raw.extend(ch.encode("utf-8", "surrogatepass"))
+        raw.extend(ch.encode("utf-8"))
         i += 1
     return raw.decode("utf-8", "replace")
 
@@ -402,6 +402,51 @@ def _check_port(port: str, where: str) -> None:
             f"the port of {where} in the database URL is not a number from 1 to 65535; "
             f"if the password holds '/', '?' or '#', {_PERCENT_HINT}"
         )
+
+
+def conninfo_url(dsn: object) -> str:
+    """Return ``dsn`` as a ``postgresql://`` URL: a libpq ``key=value`` string is rewritten.
+
+    asyncpg reads only URLs; libpq and psycopg read both forms. Every pair of a
+    ``key=value`` string (``host=a,b port=5432,5433 target_session_attrs=read-write``, the
+    multi-host form of a failover setup) becomes a percent-encoded query parameter of
+    ``postgresql://``, which asyncpg and libpq read as the same connection. A URL (or
+    anything else that is not a ``key=value`` string) is returned unchanged, for
+    :func:`check_dsn` to judge.
+
+    Raises:
+        ConfigurationError: a ``key=value`` string libpq would refuse (an unterminated
+            quote, a key without ``=``) or holding a lone surrogate; the message never
+            quotes it.
+    """
+    if not isinstance(dsn, str) or _SCHEME.match(dsn) or "=" not in dsn:
+        return dsn if isinstance(dsn, str) else check_dsn(dsn)
+    pairs = _conninfo_pairs(dsn)
+    if pairs is None or not pairs:
+        raise ConfigurationError(
+            "the database connection string is neither a postgresql:// URL nor a valid "
+            "key=value string (check for an unterminated quote or a word without '='); "
+            "write it like host=db1,db2 port=5432,5432 dbname=app target_session_attrs=read-write"
+        )
+    try:
+        query = "&".join(f"{_encode(key, '')}={_encode(value, ',')}" for key, value, _ in pairs)
+    except UnicodeEncodeError:
+        raise ConfigurationError(
+            "the database connection string is not valid text (it holds a lone surrogate); "
+            "write it in UTF-8"
+        ) from None
+    return f"postgresql://?{query}"
+
+
+_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+
+
+def _encode(text: str, safe: str) -> str:
+    """Percent-encode ``text`` (UTF-8) for a URL query, keeping unreserved and ``safe``."""
+    kept = _UNRESERVED | frozenset(safe)
+    return "".join(
+        ch if ch in kept else "".join(f"%{b:02X}" for b in ch.encode("utf-8")) for ch in text
+    )
 
 
 def dsn_secrets(dsn: object) -> tuple[str, ...]:

@@ -489,3 +489,40 @@ class InvalidTimeZoneError(ConfigurationError):
 
 
 __all__ += ["InvalidTimeZoneError"]
+
+
+# --- cluster identity (failover) ----------------------------------------------------------
+
+
+class ClusterIdentityError(SteepleError, ConnectionError):
+    """A new connection reached another cluster, or a node left behind by a failover.
+
+    steeple remembers the cluster it first wrote to (its system identifier) and the newest
+    timeline it has seen there. A node with another system identifier, or on an older
+    timeline (an old primary restarted after its standby was promoted), is refused: nothing
+    is read, claimed or finalized on it. A ``ConnectionError``: workers back off and try
+    again, and a later connection that reaches the current primary is accepted.
+
+    Attributes:
+        known: the identity remembered, ``(system identifier, timeline)`` (``None`` when
+            not given).
+        seen: the identity of the node refused (``None`` when not given).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        known: tuple[int, int] | None = None,
+        seen: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.known = known
+        self.seen = seen
+
+
+class RecurringClusterError(RecurringStorageError, ClusterIdentityError):
+    """The recurring store refused a node (see :class:`ClusterIdentityError`)."""
+
+
+__all__ += ["ClusterIdentityError", "RecurringClusterError"]

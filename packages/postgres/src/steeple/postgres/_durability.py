@@ -16,6 +16,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import asyncpg
 
+from steeple.core.cluster import ClusterIdentity
 from steeple.core.dsn import check_dsn
 from steeple.core.errors import ConfigurationError
 from steeple.postgres._ident import quote_ident, shown_name
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
 
 __all__ = [
+    "IDENTITY_QUERY",
     "SERVER_QUERY",
     "TABLES_QUERY",
     "WRITABLE_QUERY",
@@ -34,6 +36,7 @@ __all__ = [
     "check_server_durability",
     "check_tables_permanent",
     "check_transport",
+    "cluster_identity",
     "quote_ident",
     "require_durable_server",
     "require_permanent_tables",
@@ -84,7 +87,8 @@ def _dsn_hosts(dsn: str) -> tuple[list[str], dict[str, list[str]]]:
             hosts.append(item[1 : item.find("]")])
         else:
             hosts.append(unquote(item.rpartition(":")[0] if ":" in item else item))
-    hosts.extend(query.get("host", []))
+    for listed in query.get("host", []):
+        hosts.extend(listed.split(","))  # host=a,b: several hosts (a failover setup)
     if not any(hosts):
         hosts = [os.environ.get("PGHOST", "")]
     return [h for h in hosts if h is not None], query
@@ -129,6 +133,31 @@ SERVER_QUERY = (
     " current_setting('transaction_read_only') AS tx_ro"
 )
 """What :func:`require_durable_server` judges, one row in that column order (any driver)."""
+
+IDENTITY_QUERY = (
+    "SELECT s.system_identifier,"
+    # A primary writes on the timeline of its current WAL file (the first 8 hex digits of
+    # its name): right after a promotion, before any checkpoint records it. A standby has no
+    # current WAL position (it is refused as read-only anyway): its last checkpoint's.
+    " CASE WHEN pg_is_in_recovery()"
+    " THEN (SELECT c.timeline_id FROM pg_catalog.pg_control_checkpoint() c)"
+    " ELSE ('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))"
+    "::bit(32)::integer END"
+    " FROM pg_catalog.pg_control_system() s"
+)
+"""``(system_identifier, timeline)`` of the node a connection reached (any driver, any role).
+
+Read once per new connection; :func:`cluster_identity` turns the row into the value
+:class:`steeple.core.cluster.ClusterWatch` judges."""
+
+
+def cluster_identity(row: Sequence[object]) -> ClusterIdentity:
+    """Read an :data:`IDENTITY_QUERY` row as a :class:`~steeple.core.cluster.ClusterIdentity`."""
+    system_identifier, timeline = row[0], row[1]
+    assert isinstance(system_identifier, int)
+    assert isinstance(timeline, int)
+    return ClusterIdentity(system_identifier=system_identifier, timeline=timeline)
+
 
 WRITABLE_QUERY = (
     "SELECT pg_is_in_recovery() AS in_recovery,"

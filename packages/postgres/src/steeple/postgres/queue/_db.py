@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, Protocol, TypeVar
 
 import asyncpg
 
+from steeple.core.cluster import ClusterWatch
+from steeple.core.errors import ClusterIdentityError
 from steeple.postgres._durability import (
+    IDENTITY_QUERY,
     SERVER_QUERY,
     TABLES_QUERY,
     DurabilityProblem,
+    cluster_identity,
     require_durable_server,
     require_permanent_tables,
 )
 from steeple.postgres.queue import _driver
-from steeple.postgres.queue.errors import UnfitDatabaseError
+from steeple.postgres.queue.errors import QueueClusterError, UnfitDatabaseError
 
 __all__ = [
     "DB_ERRORS",
@@ -33,6 +39,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+LOG = logging.getLogger("steeple.postgres.queue")
+_ADMIT_DEADLINE: Final = 10.0
+"""Seconds a new connection's identity read may take when the caller set no deadline."""
 
 
 def _db_errors() -> tuple[type[BaseException], ...]:
@@ -126,9 +135,51 @@ class WorkerDb(Protocol):
         ...
 
 
+class _ClusterGate:
+    """Admits each pooled connection once: only on the cluster and timeline the worker knows.
+
+    The first statement on a connection the worker has not used yet reads the node's
+    identity (:data:`~steeple.postgres._durability.IDENTITY_QUERY`, one round trip) and
+    asks the worker's :class:`~steeple.core.cluster.ClusterWatch`; later uses of the same
+    connection cost a set lookup. Caller-provided pools are covered too (no pool hook).
+    """
+
+    def __init__(self) -> None:
+        self.watch = ClusterWatch()
+        self._admitted: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    async def admit(self, conn: Any, key: Any) -> bool:
+        """Check ``conn`` (its driver connection ``key``) unless it was admitted before.
+
+        Returns:
+            Whether the identity was read now (``False``: admitted before, nothing sent).
+
+        Raises:
+            QueueClusterError: another cluster, or a stale node (logged).
+        """
+        if key in self._admitted:
+            return False
+        (row,) = await _driver.fetch(conn, IDENTITY_QUERY)
+        try:
+            self.watch.observe(cluster_identity(row))
+        except ClusterIdentityError as exc:
+            LOG.warning("steeple queue worker: %s", exc)
+            raise QueueClusterError(str(exc), known=exc.known, seen=exc.seen) from None
+        self._admitted.add(key)
+        return True
+
+
 class _AsyncpgDb:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
+        self._gate = _ClusterGate()
+
+    async def _admit(self, conn: Any, timeout: float | None) -> None:
+        # The pool hands out a new proxy each time; the driver connection behind it is
+        # what lives as long as the session. Bounded: a link that died right after it
+        # opened must not hang the caller (the connection is then discarded).
+        async with asyncio.timeout(timeout or _ADMIT_DEADLINE):
+            await self._gate.admit(conn, getattr(conn, "_con", conn))
 
     def max_size(self) -> int:
         return int(self._pool.get_max_size())
@@ -147,6 +198,7 @@ class _AsyncpgDb:
         for _ in range(self.max_size()):
             async with self._pool.acquire(timeout=acquire_timeout) as conn:
                 try:
+                    await self._admit(conn, acquire_timeout)
                     return await use(conn)
                 except asyncpg.exceptions.InternalClientError as exc:
                     _discard(conn)
@@ -157,6 +209,7 @@ class _AsyncpgDb:
                     raise
         async with self._pool.acquire(timeout=acquire_timeout) as conn:
             try:
+                await self._admit(conn, acquire_timeout)
                 return await use(conn)
             except BaseException:
                 _discard(conn)
@@ -281,13 +334,19 @@ def _is_closed(conn: Any) -> bool:
 class _PsycopgDb:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
+        self._gate = _ClusterGate()
 
     def max_size(self) -> int:
         return int(self._pool.max_size)
 
+    async def _admit(self, conn: Any) -> None:
+        if await self._gate.admit(conn, conn) and not conn.autocommit:
+            await conn.rollback()  # end the reading transaction: ``fn`` opens its own
+
     async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
         async with asyncio.timeout(timeout), self._pool.connection() as conn:
             try:
+                await self._admit(conn)
                 return await _driver.fetch(conn, sql, *args)
             except BaseException:
                 await _close_psycopg(conn)
@@ -296,6 +355,7 @@ class _PsycopgDb:
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
         async with asyncio.timeout(timeout), self._pool.connection() as conn:
             try:
+                await self._admit(conn)
                 return await fn(conn)
             except BaseException:
                 await _close_psycopg(conn)

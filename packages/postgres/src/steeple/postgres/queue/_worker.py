@@ -41,7 +41,9 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import asyncpg
 
 from steeple.core.clock import SystemClock
+from steeple.core.dsn import conninfo_url
 from steeple.core.entropy import SystemRandom
+from steeple.core.errors import ConfigurationError
 from steeple.core.ports import Clock, RandomSource
 from steeple.engine.looplag import DEFAULT_LOOP_LAG_THRESHOLD, LoopStall, watching_event_loop
 from steeple.postgres._durability import DurabilityProblem, check_transport
@@ -247,7 +249,10 @@ class Scheduler:
             # remote host without verified TLS is refused as the recurring store refuses it
             # (durability, fail closed): one check, steeple.postgres._durability's.
             try:
+                pool_or_dsn = conninfo_url(pool_or_dsn)  # asyncpg reads only URLs
                 check_transport(pool_or_dsn)
+            except ConfigurationError as exc:
+                raise QueueConfigurationError(str(exc)) from None
             except DurabilityProblem as exc:
                 raise QueueConfigurationError(str(exc)) from None
         elif open_db(pool_or_dsn) is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Final
 
-from steeple.core.errors import ConfigurationError, SteepleError
+from steeple.core.errors import ClusterIdentityError, ConfigurationError, SteepleError
 
 __all__ = [
     "MAX_RETRY_DELAY",
@@ -14,6 +14,7 @@ __all__ = [
     "JobExistsError",
     "JobNotFoundError",
     "LeaseLostError",
+    "QueueClusterError",
     "QueueConfigurationError",
     "QueueDeadlineError",
     "QueueError",
@@ -80,6 +81,17 @@ class QueueUnavailableError(QueueError, ConnectionError):
     Raised when a worker cannot start, and by every queue function run on a caller's
     connection when that connection is lost mid-call (terminated by an administrator, a
     server shutdown, a cut network). The driver's error is the ``__cause__``.
+    """
+
+
+class QueueClusterError(QueueUnavailableError, ClusterIdentityError):
+    """The worker refused a new connection: another cluster, or a stale node after a failover.
+
+    The node's system identifier differs from the one the worker first worked on, or its
+    timeline is older than the newest the worker has seen (an old primary restarted after
+    its standby was promoted). Nothing is claimed or finalized there; the worker logs it,
+    backs off and tries again, like any lost connection (see
+    :class:`~steeple.core.errors.ClusterIdentityError` for ``known`` and ``seen``).
     """
 
 

@@ -14,19 +14,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import asyncpg
 import attrs
 from asyncpg.transaction import Transaction
 
 from steeple.core import limits
+from steeple.core.cluster import ClusterWatch
 from steeple.core.config import RecurringConfig, RecurringDefinition
+from steeple.core.dsn import conninfo_url
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
+    ClusterIdentityError,
+    ConfigurationError,
     KeyringError,
+    RecurringClusterError,
     RecurringConfigurationError,
     RecurringConflictError,
     RecurringDeadlineError,
@@ -58,6 +63,7 @@ from steeple.engine import (
     verify_binding,
 )
 from steeple.postgres._durability import (
+    IDENTITY_QUERY,
     AnyConnection,
     DurabilityProblem,
     check_privileges,
@@ -65,6 +71,7 @@ from steeple.postgres._durability import (
     check_server_durability,
     check_tables_permanent,
     check_transport,
+    cluster_identity,
     quote_ident,
     write_refusal,
 )
@@ -183,13 +190,25 @@ def _problem(exc: DurabilityProblem) -> RecurringError:
     return RecurringStorageError(str(exc))
 
 
-async def _check_new_connection(conn: asyncpg.Connection[asyncpg.Record]) -> None:
-    # Every pooled connection is checked when opened: a role or session setting such as
-    # synchronous_commit=off may appear after the store was connected.
-    try:
-        await check_server_durability(conn)
-    except DurabilityProblem as exc:
-        raise RecurringStorageError(str(exc)) from None
+def _connection_checker(
+    watch: ClusterWatch,
+) -> Callable[[asyncpg.Connection[asyncpg.Record]], Coroutine[Any, Any, None]]:
+    async def check_new_connection(conn: asyncpg.Connection[asyncpg.Record]) -> None:
+        # Every pooled connection is checked when opened: a role or session setting such
+        # as synchronous_commit=off may appear after the store was connected, and after a
+        # failover the DSN's first writable host may be the stale old primary.
+        try:
+            await check_server_durability(conn)
+            row = await conn.fetchrow(IDENTITY_QUERY)
+            assert row is not None
+            watch.observe(cluster_identity(tuple(row)))
+        except DurabilityProblem as exc:
+            raise RecurringStorageError(str(exc)) from None
+        except ClusterIdentityError as exc:
+            _log.warning("steeple recurring store: %s", exc)
+            raise RecurringClusterError(str(exc), known=exc.known, seen=exc.seen) from None
+
+    return check_new_connection
 
 
 def _check_schema_name(schema: object) -> str:
@@ -217,14 +236,19 @@ def _check_inputs(config: object, keyring: object, clock: object) -> None:
 
 def _check_open_args(
     dsn: str, config: object, keyring: object, clock: object, schema: object
-) -> None:
-    # What initialize and connect both check before touching the network.
+) -> str:
+    # What initialize and connect both check before touching the network; returns the
+    # DSN as the URL asyncpg reads (a libpq key=value string is rewritten).
     _check_inputs(config, keyring, clock)
     _check_schema_name(schema)
     try:
-        check_transport(dsn)
+        url = conninfo_url(dsn)
+        check_transport(url)
+    except ConfigurationError as exc:
+        raise RecurringConfigurationError(str(exc)) from None
     except DurabilityProblem as exc:
         raise _problem(exc) from None
+    return url
 
 
 async def _install(
@@ -324,7 +348,7 @@ class PostgresRecurringStore:
                 schema version.
             RecurringDeadlineError: a deadline passed.
         """
-        _check_open_args(dsn, config, keyring, clock, schema)
+        dsn = _check_open_args(dsn, config, keyring, clock, schema)
         try:
             async with asyncio.timeout(_CALL_DEADLINE):
                 conn = await asyncpg.connect(
@@ -382,7 +406,7 @@ class PostgresRecurringStore:
             RecurringDeadlineError: a deadline passed.
             RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
-        _check_open_args(dsn, config, keyring, clock, schema)
+        dsn = _check_open_args(dsn, config, keyring, clock, schema)
         try:
             async with asyncio.timeout(_CALL_DEADLINE):
                 pool = await asyncpg.create_pool(
@@ -392,7 +416,7 @@ class PostgresRecurringStore:
                     timeout=_POOL_DEADLINE,
                     max_inactive_connection_lifetime=60.0,
                     server_settings=dict(SERVER_SETTINGS),
-                    init=_check_new_connection,
+                    init=_connection_checker(ClusterWatch()),
                     reset=_no_reset,
                 )
         except RecurringError:
@@ -780,6 +804,8 @@ class _PostgresStorage:
         try:
             async with asyncio.timeout_at(deadline):
                 conn = await self.pool.acquire(timeout=_POOL_DEADLINE)
+        except RecurringError:
+            raise  # a new connection's checks refused it (a stale node, a lost setting)
         except _DRIVER_ERRORS as exc:
             raise _map_driver_error(exc, what) from exc
         healthy = False
