@@ -1,6 +1,6 @@
 """A new store over a plain dict: its storage port and open/close, all else EngineStore's."""
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Self, TypeVar
 
@@ -19,7 +19,6 @@ from steeple.testing.conformance.recurring import run_recurring_conformance
 T = TypeVar("T")
 States = frozenset[OccurrenceState]
 Rows = Sequence[ports.OccurrenceRow]
-Work = Callable[[ports.RecurringRepository], Awaitable[T]]
 
 
 class _Repository:
@@ -100,7 +99,7 @@ class _Storage:
     schema: str = "a dict"
     schema_version: int = 1
 
-    async def transaction(self, what: str, work: Work[T]) -> T:
+    async def transaction(self, what: str, work: ports.RepositoryWork[T]) -> T:
         if self.closed:
             raise RecurringStorageError(f"{what}: the store is closed")
         # The work never suspends: one at a time. It runs on a copy, kept if it returns.

@@ -43,6 +43,7 @@ from steeple.engine.ports import (
     OccurrenceRow,
     RecurringRepository,
     RecurringStorage,
+    RepositoryWork,
     StoredNamespace,
     apply_step,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "RecurringRepository",
     "RecurringStorage",
     "RelayStatistics",
+    "RepositoryWork",
     "StoredNamespace",
     "apply_step",
     "check_parts",

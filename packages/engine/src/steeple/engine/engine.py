@@ -93,6 +93,10 @@ def _same_definition(
     )
 
 
+def _random_or_system(random: RandomSource | None) -> RandomSource:
+    return SystemRandom() if random is None else random
+
+
 @attrs.define(repr=False)
 class RecurringEngine:
     """The seed-000 operations of one namespace over a :class:`RecurringStorage` adapter.
@@ -107,7 +111,8 @@ class RecurringEngine:
     - ``sealer``: seals and opens definitions and content (a
       :class:`steeple.keyring.Keyring`).
     - ``clock``: where time comes from (``SystemClock`` in production).
-    - ``random``: capabilities, generations and jitter (the OS's randomness by default).
+    - ``random``: capabilities, generations and jitter (the OS's randomness when omitted or
+      ``None``).
 
     Raises:
         RecurringConfigurationError: an argument of the wrong kind.
@@ -117,7 +122,7 @@ class RecurringEngine:
     _config: RecurringConfig
     _sealer: Sealer
     _clock: Clock
-    _random: RandomSource = attrs.field(factory=SystemRandom)
+    _random: RandomSource = attrs.field(default=None, converter=_random_or_system)
     _work: NamespaceWork = attrs.field(init=False)
     _relays: RelaySteps = attrs.field(init=False)
 

@@ -34,6 +34,7 @@ __all__ = [
     "OccurrenceRow",
     "RecurringRepository",
     "RecurringStorage",
+    "RepositoryWork",
     "StoredNamespace",
     "apply_step",
 ]
@@ -389,12 +390,14 @@ class RecurringRepository(Protocol):
         ...
 
 
+RepositoryWork = Callable[[RecurringRepository], Awaitable[T]]
+"""What one transaction runs: the engine's work over the repository, returning its result."""
+
+
 class RecurringStorage(Protocol):
     """Runs the engine's work in one transaction on one namespace."""
 
-    async def transaction(
-        self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         """Run ``work`` in one transaction that holds the namespace's control row.
 
         Open a transaction, lock the control row, await ``work(repository)`` and commit;

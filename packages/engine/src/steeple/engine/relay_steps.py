@@ -117,39 +117,7 @@ class RelaySteps:
         return f"RelaySteps(namespace={self._work.config.namespace!r})"
 
     async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
-        """Publish a leased occurrence and record the outcome.
-
-        A batch of one: :meth:`relay_many` with ``[lease]``, its outcome's error raised.
-        Transaction one re-checks the live lease and counts the attempt; after its commit
-        the content is opened and the lease judged once more. The broker is called
-        outside any transaction, bounded by the remaining lease and 10 s, always with the
-        same message and idempotency key. Transaction two records the outcome, fenced by
-        the lease's capability and revision. Whatever the broker raises (an
-        :class:`Exception`) is classified and recorded: retried with backoff, dead after
-        ten attempts, at the window's end, or at once when permanent.
-
-        Returns:
-            The broker's receipt. If the definition was cancelled while the message was in
-            flight, the occurrence stays cancelled and the receipt is still returned.
-
-        Raises:
-            RelayLeaseLostError: the lease expired, was fenced by a newer claim, or the
-                occurrence moved on (nothing was published, or a publication by a stale
-                holder is not recorded).
-            RelayAcknowledgementError: the broker accepted but the outcome is uncertain:
-                the broker said so, or recording the outcome failed (its ``__cause__`` is
-                the storage error); carries ``.receipt``. The occurrence is republished
-                under the same key.
-            RelayBrokerTimeoutError: the broker did not answer in time (retried later).
-            RelayBrokerError: the broker failed (any exception it raised: ``__cause__``);
-                ``permanent`` failures are dead letters.
-            RecurringKeyringError: the content cannot be opened (the occurrence is now a
-                dead letter).
-            RecurringConfigurationError: ``lease`` is not a Lease or ``broker`` has no
-                ``publish``.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError: storage
-                failed before publication, or while recording a failed one.
-        """
+        """Run ``relay`` (documented on :class:`~steeple.engine.EngineStore`)."""
         if not isinstance(lease, Lease):
             raise RecurringConfigurationError("relay needs a Lease returned by claim")
         [outcome] = await self.relay_many([lease], broker)
@@ -162,35 +130,7 @@ class RelaySteps:
         *,
         concurrency: int = limits.RELAY_CONCURRENCY,
     ) -> list[RelayOutcome]:
-        """Publish a batch of leased occurrences and record each outcome.
-
-        Three steps for the whole batch, each lease judged on its own:
-
-        1. one transaction checks every lease (current capability and revision, state
-           leased, not expired) and counts the attempt; after its commit the content is
-           opened (content that cannot be opened is recorded as a dead letter in step 3);
-        2. after the commit, the publications run concurrently (at most ``concurrency``
-           at once), outside any transaction; each is judged again when it starts and
-           bounded by its remaining lease and 10 s;
-        3. one transaction records the outcomes, each fenced by its own capability and
-           revision (a fenced lease records nothing).
-
-        A lease that appears twice in a batch is relayed once; its other entries are
-        refused (lease lost).
-
-        Returns:
-            One :class:`RelayOutcome` per lease, in the order given: the receipt, or the
-            error a single :meth:`relay` of that lease raises (an uncertain
-            acknowledgement carries the receipt, its ``__cause__`` the storage error when
-            recording failed).
-
-        Raises:
-            RecurringConfigurationError: ``leases`` is not a sequence of at most 100
-                Leases, ``broker`` has no ``publish``, or ``concurrency`` is outside
-                1..100.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError: the check
-                (step 1) failed: nothing was published.
-        """
+        """Run ``relay_many`` (documented on :class:`~steeple.engine.EngineStore`)."""
         if not isinstance(leases, Sequence):
             raise RecurringConfigurationError("relay_many needs a sequence of Leases")
         if len(leases) > limits.MAX_BATCH:
@@ -214,23 +154,7 @@ class RelaySteps:
         *,
         concurrency: int = limits.RELAY_CONCURRENCY,
     ) -> list[RelayOutcome]:
-        """Claim up to ``limit`` occurrences and relay them: :meth:`claim`, then :meth:`relay_many`.
-
-        The claim and the relay's check are one transaction (the check of a lease granted
-        in the same transaction, under the same lock, at the same time); the publications
-        and the recording are :meth:`relay_many`'s. One transaction fewer per batch, the
-        same rules: every lease is fenced, judged again after the commit and when its
-        publication starts, and its outcome recorded under its own capability and revision.
-
-        Returns:
-            One :class:`RelayOutcome` per occurrence claimed, oldest due first.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` or ``concurrency`` outside 1..100, or
-                ``broker`` has no ``publish``.
-            RecurringStorageError, RecurringDeadlineError, RecurringClockError: the claim
-                failed: nothing was claimed or published.
-        """
+        """Run ``claim_and_relay`` (documented on :class:`~steeple.engine.EngineStore`)."""
         limit = validate_budget(limit, "limit")
         if not callable(getattr(broker, "publish", None)):
             raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")

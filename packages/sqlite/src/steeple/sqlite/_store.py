@@ -31,7 +31,6 @@ import attrs
 
 from steeple.core import limits
 from steeple.core.config import RecurringConfig
-from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
     RecurringConfigurationError,
     RecurringDeadlineError,
@@ -40,17 +39,9 @@ from steeple.core.errors import (
     SteepleError,
 )
 from steeple.core.ports import Clock, RandomSource, Sealer
-from steeple.engine import (
-    EngineStore,
-    RecurringEngine,
-    RecurringRepository,
-    StoredNamespace,
-    check_parts,
-    install_namespace,
-    open_namespace,
-    read_clock,
-    recurring_errors,
-)
+from steeple.engine import EngineStore, RecurringEngine, read_clock, recurring_errors
+from steeple.engine.opening import check_parts, install_namespace, open_namespace
+from steeple.engine.ports import RepositoryWork, StoredNamespace
 from steeple.sqlite import _sql
 from steeple.sqlite._file import (
     busy_retry,
@@ -65,15 +56,15 @@ from steeple.sqlite.errors import SqliteReadOnlyError, SqliteStorageError
 
 __all__ = ["SqliteRecurringStore"]
 
-_log = logging.getLogger("steeple.sqlite")
-
-T = TypeVar("T")
-
 _CALL_DEADLINE = limits.CALL_DEADLINE.total_seconds()
 _GRACE = 5.0
 """How long past the deadline a caller waits for a thread stuck in the OS (a stalled disk)."""
 _PROGRESS_OPS = 1000
 """SQLite virtual-machine steps between deadline/cancellation checks of a statement."""
+
+_log = logging.getLogger("steeple.sqlite")
+
+T = TypeVar("T")
 
 
 @attrs.define
@@ -178,9 +169,7 @@ class _SqliteStorage:
                 ) from None
             raise
 
-    async def transaction(
-        self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         """Run ``work`` in one ``BEGIN IMMEDIATE`` transaction on the store's thread.
 
         Raises:
@@ -257,9 +246,7 @@ class _SqliteStorage:
             self._conn = None
             close_quietly(conn)
 
-    def _transaction(
-        self, call: _Call, what: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    def _transaction(self, call: _Call, what: str, work: RepositoryWork[T]) -> T:
         conn = self.connection(call)
         self._begin(conn, call)
         try:
@@ -479,9 +466,7 @@ class SqliteRecurringStore(EngineStore):
             )
         for warning in warnings:
             _log.warning("steeple sqlite store: %s", warning)
-        engine = RecurringEngine(
-            storage, config, keyring, clock, random if random is not None else SystemRandom()
-        )
+        engine = RecurringEngine(storage, config, keyring, clock, random)
         return cls(
             path=storage.path,
             config=config,

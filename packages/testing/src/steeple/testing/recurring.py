@@ -15,14 +15,13 @@ definitions and occurrence content are sealed as in every other store.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Final, TypeVar
 
 import attrs
 
 from steeple.core.config import RecurringConfig
-from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
     RecurringStorageError,
 )
@@ -37,7 +36,7 @@ from steeple.engine import (
     OccurrenceChange,
     OccurrenceRow,
     RecurringEngine,
-    RecurringRepository,
+    RepositoryWork,
 )
 
 __all__ = ["InMemoryRecurringStorage", "InMemoryRecurringStore"]
@@ -70,12 +69,8 @@ class _Repository:
 
     def __init__(self, storage: InMemoryRecurringStorage, state: NamespaceState) -> None:
         self._storage = storage
-        self._state = state
+        self.namespace = state
         self.recorded: datetime | None = state.recorded_time
-
-    @property
-    def namespace(self) -> NamespaceState:
-        return self._state
 
     async def record_namespace(
         self, recorded_time: datetime, definition_delta: int, occurrence_delta: int
@@ -285,9 +280,7 @@ class InMemoryRecurringStorage:
                 assert isinstance(before, DefinitionRow)
                 self.definitions[key] = before
 
-    async def transaction(
-        self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         """Run ``work`` on the rows; undo its writes if it raises.
 
         Raises:
@@ -348,7 +341,7 @@ class InMemoryRecurringStore(EngineStore):
             config,
             sealer if sealer is not None else _Unsealed(),
             clock,
-            random if random is not None else SystemRandom(),
+            random,
         )
         self._config = config
         self._clock = clock

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Self, TypeVar
 
@@ -24,7 +24,6 @@ from asyncpg.transaction import Transaction
 
 from steeple.core import limits
 from steeple.core.config import RecurringConfig
-from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
     KeyringError,
     RecurringConfigurationError,
@@ -37,16 +36,9 @@ from steeple.core.errors import (
     recurring_error,
 )
 from steeple.core.ports import Clock, RandomSource, Sealer
-from steeple.engine import (
-    EngineStore,
-    RecurringEngine,
-    RecurringRepository,
-    StoredNamespace,
-    check_parts,
-    install_namespace,
-    open_namespace,
-    recurring_errors,
-)
+from steeple.engine import EngineStore, RecurringEngine
+from steeple.engine.opening import check_parts, install_namespace, open_namespace, recurring_errors
+from steeple.engine.ports import RepositoryWork, StoredNamespace
 from steeple.postgres._durability import (
     AnyConnection,
     DurabilityProblem,
@@ -383,7 +375,7 @@ class PostgresRecurringStore(EngineStore):
                 config,
                 keyring,
                 clock,
-                random if random is not None else SystemRandom(),
+                random,
             ),
         )
         try:
@@ -472,9 +464,7 @@ class _PostgresStorage:
     schema: str
     closed: bool = False
 
-    async def transaction(
-        self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         """Run ``work`` in one transaction holding the namespace's control row.
 
         Raises:
@@ -513,7 +503,7 @@ class _PostgresStorage:
     async def _attempt(
         self,
         what: str,
-        work: Callable[[RecurringRepository], Awaitable[T]],
+        work: RepositoryWork[T],
         deadline: float,
     ) -> T:
         try:
@@ -552,7 +542,7 @@ class _PostgresStorage:
         self,
         conn: AnyConnection,
         transaction: Transaction,
-        work: Callable[[RecurringRepository], Awaitable[T]],
+        work: RepositoryWork[T],
     ) -> T:
         try:
             await transaction.start()
