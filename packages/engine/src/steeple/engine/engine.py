@@ -53,6 +53,7 @@ from steeple.engine.namespace_work import (
     PURPOSE_OCCURRENCE,
     NamespaceWork,
     Tx,
+    check_batch,
     is_occurrence_id,
 )
 from steeple.engine.opening import check_parts, read_clock
@@ -158,14 +159,9 @@ class RecurringEngine:
         self, definitions: Sequence[RecurringDefinition]
     ) -> list[ScheduleInfo | RecurringConflictError]:
         """Run ``create_many`` (documented on :class:`~steeple.engine.EngineStore`)."""
-        if not isinstance(definitions, Sequence):
-            raise RecurringConfigurationError("create_many needs a sequence of definitions")
-        if len(definitions) > limits.MAX_BATCH:
-            raise RecurringConfigurationError(
-                f"create_many takes at most {limits.MAX_BATCH} definitions; got {len(definitions)}"
-            )
-        if not all(isinstance(d, RecurringDefinition) for d in definitions):
-            raise RecurringConfigurationError("create_many needs RecurringDefinitions")
+        check_batch(
+            definitions, RecurringDefinition, "create_many", "definitions", "RecurringDefinitions"
+        )
         if not definitions:
             return []
         # Encoded outside the transaction: the control row is held for storage work only.

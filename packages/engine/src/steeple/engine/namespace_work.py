@@ -13,12 +13,13 @@ both halves of the engine (:class:`~steeple.engine.RecurringEngine` and its rela
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import TypeVar
 
 import attrs
 
+from steeple.core import limits
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
@@ -48,7 +49,14 @@ from steeple.engine.ports import (
     apply_step,
 )
 
-__all__ = ["PURPOSE_DEFINITION", "PURPOSE_OCCURRENCE", "NamespaceWork", "Tx", "is_occurrence_id"]
+__all__ = [
+    "PURPOSE_DEFINITION",
+    "PURPOSE_OCCURRENCE",
+    "NamespaceWork",
+    "Tx",
+    "check_batch",
+    "is_occurrence_id",
+]
 
 T = TypeVar("T")
 
@@ -58,6 +66,22 @@ PURPOSE_OCCURRENCE = "occurrence"
 """The sealing purpose of occurrence content (identity: the occurrence id)."""
 
 _E = OccurrenceEvent
+
+
+def check_batch(items: object, kind: type, operation: str, noun: str, needs: str) -> None:
+    """Refuse a batch that is not a sequence of at most 100 ``kind`` (``noun``, ``needs``).
+
+    Raises:
+        RecurringConfigurationError: saying what ``operation`` needs.
+    """
+    if not isinstance(items, Sequence):
+        raise RecurringConfigurationError(f"{operation} needs a sequence of {noun}")
+    if len(items) > limits.MAX_BATCH:
+        raise RecurringConfigurationError(
+            f"{operation} takes at most {limits.MAX_BATCH} {noun}; got {len(items)}"
+        )
+    if not all(isinstance(item, kind) for item in items):
+        raise RecurringConfigurationError(f"{operation} needs {needs}")
 
 
 def is_occurrence_id(value: object) -> bool:

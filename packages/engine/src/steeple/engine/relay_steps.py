@@ -48,7 +48,13 @@ from steeple.core.publication import (
 from steeple.core.records import Lease, RelayOutcome, trusted_outcome
 from steeple.engine import codec
 from steeple.engine.crashpoints import crash_point
-from steeple.engine.namespace_work import PURPOSE_OCCURRENCE, NamespaceWork, Tx, is_occurrence_id
+from steeple.engine.namespace_work import (
+    PURPOSE_OCCURRENCE,
+    NamespaceWork,
+    Tx,
+    check_batch,
+    is_occurrence_id,
+)
 from steeple.engine.opening import read_clock
 from steeple.engine.ports import OccurrenceChange, OccurrenceRow, apply_step
 
@@ -131,14 +137,7 @@ class RelaySteps:
         concurrency: int = limits.RELAY_CONCURRENCY,
     ) -> list[RelayOutcome]:
         """Run ``relay_many`` (documented on :class:`~steeple.engine.EngineStore`)."""
-        if not isinstance(leases, Sequence):
-            raise RecurringConfigurationError("relay_many needs a sequence of Leases")
-        if len(leases) > limits.MAX_BATCH:
-            raise RecurringConfigurationError(
-                f"relay_many takes at most {limits.MAX_BATCH} leases; got {len(leases)}"
-            )
-        if not all(isinstance(lease, Lease) for lease in leases):
-            raise RecurringConfigurationError("relay_many needs Leases returned by claim")
+        check_batch(leases, Lease, "relay_many", "leases", "Leases returned by claim")
         if not callable(getattr(broker, "publish", None)):
             raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")
         concurrency = validate_budget(concurrency, "concurrency")
