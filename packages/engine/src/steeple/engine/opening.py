@@ -108,6 +108,8 @@ async def open_namespace(
             f"{opening.schema!r}; run initialize first"
         )
     verify_binding(sealer, config, found.binding)
+    # Judging the host's clock: against the namespace's shared time here; a store that can
+    # read its server's clock offers it on the opening, and is judged against it here too.
     adopt_time(found.recorded_time, read_clock(clock))
 
 
