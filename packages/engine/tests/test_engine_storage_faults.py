@@ -34,7 +34,7 @@ from steeple.core.messages import ScheduledMessage
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
 from steeple.core.records import Lease
-from steeple.engine import RecurringEngine, RecurringRepository
+from steeple.engine import RecurringEngine, RecurringRepository, RepositoryWork
 from steeple.keyring import Keyring, StorageKey
 from steeple.testing import DeterministicRandom, FakeClock, MemoryBroker
 from steeple.testing.recurring import InMemoryRecurringStorage
@@ -56,9 +56,7 @@ class Scripted(InMemoryRecurringStorage):
         self.before: dict[int, Callable[[], object]] = {}
         self.after: dict[int, Callable[[], object]] = {}
 
-    async def transaction(
-        self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         self.count += 1
         n = self.count
 

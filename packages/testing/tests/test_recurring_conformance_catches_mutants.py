@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, Phase, settings
 
 import steeple.core.policies as policies
 import steeple.engine.engine as engine
+import steeple.engine.namespace_work as namespace_work
+import steeple.engine.relay_steps as relay_steps
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, Step, states_for
@@ -128,9 +130,13 @@ def _never_cancel_leased(event: OccurrenceEvent) -> dict[Step, frozenset[Occurre
         # Only published occurrences are ever purged (dead, expired, cancelled pile up).
         (engine, "_PURGEABLE", frozenset({OccurrenceState.PUBLISHED})),
         # The local clock is trusted blindly: no adoption, no clock errors.
-        (engine, "adopt_time", lambda recorded, local: local),
+        (namespace_work, "adopt_time", lambda recorded, local: local),
         # No fencing: any capability and revision hold a leased occurrence's lease.
-        (engine, "holds_lease", lambda digest, revision, capability, presented: digest is not None),
+        (
+            relay_steps,
+            "holds_lease",
+            lambda digest, revision, capability, presented: digest is not None,
+        ),
     ],
     ids=[
         "coalesce-catches-up",

@@ -1,6 +1,6 @@
 """The simulated relay workers call the store as ``steeple worker``'s relay loop does.
 
-A spy store records the relay calls of one :class:`~steeple.engine.relay.RecurringRelay`
+A spy store records the relay calls of one :class:`~steeple.engine.RecurringRelay`
 round and of a simulation with the same claim limit: both relay through batched
 ``claim_and_relay`` calls only (never ``claim`` and ``relay``), with the same limit and the
 same concurrency. If the worker's loop changes its calls, this fails until the simulator
@@ -20,7 +20,7 @@ from steeple.core import (
     limits,
 )
 from steeple.core.ports import Clock, RandomSource, RecurringStore
-from steeple.engine.relay import RecurringRelay
+from steeple.engine.relay_loop import RecurringRelay
 from steeple.testing import FakeClock, MemoryBroker
 from steeple.testing.entropy import DeterministicRandom
 from steeple.testing.simulation import RelayCapacity, Scenario, memory_store, simulate

@@ -1,16 +1,22 @@
 """The recurring engine: every recurring-publication operation once, over a small persistence port.
 
+- :class:`EngineStore`: the public face every recurring store shares (the operations and
+  what they promise, once); a store subclasses it and adds its storage port and how it
+  opens and closes. :mod:`steeple.engine.opening`: the open sequence
+  (:func:`install_namespace`, :func:`open_namespace`) over a :class:`NamespaceOpening`.
 - :class:`RecurringEngine`: create, cancel, tick, claim, relay, retry_failed, schedules,
-  occurrences, purge_terminal, over a :class:`~steeple.engine.ports.RecurringStorage`.
+  occurrences, purge_terminal, over a :class:`~steeple.engine.ports.RecurringStorage`;
+  its relay steps (check, publish, record) are :mod:`steeple.engine.relay_steps`.
 - :mod:`steeple.engine.ports`: the port a storage adapter implements (a unit of work
   that locks the namespace's control row and yields a set-based repository of rows).
-- :class:`RecurringRelay`: the relay loop (tick, claim, relay) every worker runs, counting
-  what it did in a :class:`RelayStatistics`.
+- :class:`RecurringRelay` (:mod:`steeple.engine.relay_loop`): the relay loop (tick,
+  claim, relay) every worker runs, counting what it did in a :class:`RelayStatistics`.
 - :mod:`steeple.engine.looplag`: event-loop lag detection (:class:`LoopLagMonitor`), which
   names the code that blocks a worker's event loop.
 
 It depends on :mod:`steeple.core` only and never imports a driver; the PostgreSQL store,
-the in-memory reference store and any store you compose are adapters plus this engine.
+the SQLite store, the in-memory reference store and any store you compose are adapters
+plus this engine.
 """
 
 from steeple.engine.binding import seal_binding, verify_binding
@@ -21,27 +27,39 @@ from steeple.engine.looplag import (
     LoopStall,
     watching_event_loop,
 )
-from steeple.engine.opening import read_clock, recurring_errors
+from steeple.engine.opening import (
+    check_parts,
+    install_namespace,
+    open_namespace,
+    read_clock,
+    recurring_errors,
+)
 from steeple.engine.ports import (
     DefinitionRow,
     DefinitionUpdate,
+    NamespaceOpening,
     NamespaceState,
     OccurrenceChange,
     OccurrenceRow,
     RecurringRepository,
     RecurringStorage,
+    RepositoryWork,
+    StoredNamespace,
     apply_step,
 )
-from steeple.engine.relay import RecurringRelay, RelayStatistics
+from steeple.engine.relay_loop import RecurringRelay, RelayStatistics
+from steeple.engine.store import EngineStore
 
 __all__ = [
     "PURPOSE_DEFINITION",
     "PURPOSE_OCCURRENCE",
     "DefinitionRow",
     "DefinitionUpdate",
+    "EngineStore",
     "LoopLagMonitor",
     "LoopLagStatistics",
     "LoopStall",
+    "NamespaceOpening",
     "NamespaceState",
     "OccurrenceChange",
     "OccurrenceRow",
@@ -50,7 +68,12 @@ __all__ = [
     "RecurringRepository",
     "RecurringStorage",
     "RelayStatistics",
+    "RepositoryWork",
+    "StoredNamespace",
     "apply_step",
+    "check_parts",
+    "install_namespace",
+    "open_namespace",
     "read_clock",
     "recurring_errors",
     "seal_binding",

@@ -1,5 +1,12 @@
 """What every recurring store does the same way when it opens a namespace.
 
+The open sequence, once: :func:`check_parts` refuses arguments of the wrong kind before
+anything is touched; :func:`install_namespace` (``initialize``) checks the schema version
+and creates the namespace with its sealed configuration binding, or verifies the binding
+of an existing one; :func:`open_namespace` (``connect``) checks the schema version, that
+the namespace exists, its binding, and adopts its shared time. A store supplies the reads
+and writes through a :class:`~steeple.engine.ports.NamespaceOpening`.
+
 A store operation fails only with :class:`~steeple.core.errors.RecurringError` subtypes,
 whichever port (keyring, clock, storage) refused: :func:`recurring_errors` maps the rest
 at the boundary, and :func:`read_clock` refuses a clock reading no store could record.
@@ -11,18 +18,99 @@ import contextlib
 from collections.abc import Iterator
 from datetime import datetime
 
+from steeple.core.config import RecurringConfig
 from steeple.core.errors import (
     ConfigurationError,
     RecurringConfigurationError,
     RecurringError,
+    RecurringNotFoundError,
     RecurringRelayError,
+    RecurringSchemaVersionError,
     SteepleError,
     recurring_error,
 )
 from steeple.core.leases import adopt_time
-from steeple.core.ports import Clock
+from steeple.core.ports import Clock, Sealer
+from steeple.engine.binding import seal_binding, verify_binding
+from steeple.engine.ports import NamespaceOpening
 
-__all__ = ["read_clock", "recurring_errors"]
+__all__ = [
+    "check_parts",
+    "install_namespace",
+    "open_namespace",
+    "read_clock",
+    "recurring_errors",
+]
+
+
+def check_parts(config: object, sealer: object, clock: object, *, sealer_is: str) -> None:
+    """Refuse a configuration, sealer or clock of the wrong kind, before anything is opened.
+
+    ``sealer_is`` is what the caller calls the sealer (``"keyring"`` for a store).
+
+    Raises:
+        RecurringConfigurationError: naming the argument that is wrong.
+    """
+    if not isinstance(config, RecurringConfig):
+        raise RecurringConfigurationError("config must be a RecurringConfig")
+    if not all(callable(getattr(sealer, m, None)) for m in ("seal", "open")):
+        raise RecurringConfigurationError(f"{sealer_is} must implement the Sealer protocol")
+    if not callable(getattr(clock, "now", None)):
+        raise RecurringConfigurationError("clock must implement the Clock protocol")
+
+
+async def _check_version(opening: NamespaceOpening) -> None:
+    found = await opening.stored_version()
+    if found != opening.schema_version:
+        raise RecurringSchemaVersionError(opening.schema, found, opening.schema_version)
+
+
+async def install_namespace(
+    opening: NamespaceOpening, config: RecurringConfig, sealer: Sealer, clock: Clock
+) -> None:
+    """Check the schema version, then create the namespace or verify it (``initialize``).
+
+    A namespace that exists must have been bound to the same configuration with a key of
+    this keyring; a new one is stored with its binding sealed under the primary key.
+
+    Raises:
+        RecurringSchemaVersionError: the store holds another schema version.
+        RecurringConfigurationError: the namespace exists with another configuration or
+            keyring, or the clock's reading is unusable.
+        RecurringKeyringError: the binding cannot be sealed.
+    """
+    await _check_version(opening)
+    found = await opening.namespace()
+    if found is not None:
+        verify_binding(sealer, config, found.binding)
+        return
+    binding = seal_binding(sealer, config)
+    await opening.insert_namespace(binding, sealer.primary_key_id, read_clock(clock))
+
+
+async def open_namespace(
+    opening: NamespaceOpening, config: RecurringConfig, sealer: Sealer, clock: Clock
+) -> None:
+    """Check the schema version, the namespace, its binding; adopt its time (``connect``).
+
+    Raises:
+        RecurringSchemaVersionError: the store holds another schema version.
+        RecurringNotFoundError: the namespace was never initialized.
+        RecurringConfigurationError: the configuration or keyring does not match the
+            namespace's binding, or the clock's reading is unusable.
+        RecurringClockError: the clock trails the recorded time by more than 5 s.
+    """
+    await _check_version(opening)
+    found = await opening.namespace()
+    if found is None:
+        raise RecurringNotFoundError(
+            f"namespace {config.namespace!r} does not exist in schema "
+            f"{opening.schema!r}; run initialize first"
+        )
+    verify_binding(sealer, config, found.binding)
+    # Judging the host's clock: against the namespace's shared time here; a store that can
+    # read its server's clock offers it on the opening, and is judged against it here too.
+    adopt_time(found.recorded_time, read_clock(clock))
 
 
 def read_clock(clock: Clock) -> datetime:

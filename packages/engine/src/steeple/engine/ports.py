@@ -28,11 +28,14 @@ from steeple.core.policies import MissedRunPolicy
 __all__ = [
     "DefinitionRow",
     "DefinitionUpdate",
+    "NamespaceOpening",
     "NamespaceState",
     "OccurrenceChange",
     "OccurrenceRow",
     "RecurringRepository",
     "RecurringStorage",
+    "RepositoryWork",
+    "StoredNamespace",
     "apply_step",
 ]
 
@@ -387,12 +390,14 @@ class RecurringRepository(Protocol):
         ...
 
 
+RepositoryWork = Callable[[RecurringRepository], Awaitable[T]]
+"""What one transaction runs: the engine's work over the repository, returning its result."""
+
+
 class RecurringStorage(Protocol):
     """Runs the engine's work in one transaction on one namespace."""
 
-    async def transaction(
-        self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         """Run ``work`` in one transaction that holds the namespace's control row.
 
         Open a transaction, lock the control row, await ``work(repository)`` and commit;
@@ -408,4 +413,54 @@ class RecurringStorage(Protocol):
             RecurringStorageError: the storage failed or is closed; nothing was committed
                 (or, for a failed COMMIT, the outcome is unknown).
         """
+        ...
+
+
+@attrs.frozen(repr=False)
+class StoredNamespace:
+    """What opening a namespace reads of it: its configuration binding and shared time.
+
+    Attributes:
+        binding: the sealed configuration binding.
+        recorded_time: the last shared time recorded (``None`` before the first call).
+    """
+
+    binding: bytes
+    recorded_time: datetime | None
+
+    def __repr__(self) -> str:
+        return f"StoredNamespace(recorded_time={self.recorded_time!r})"
+
+
+class NamespaceOpening(Protocol):
+    """What the open sequence reads and writes in a store, inside one unit of the store's.
+
+    A store's ``initialize`` and ``connect`` first do what is their own (create or migrate
+    the schema, check durability, files, privileges), then hand one of these to
+    :func:`~steeple.engine.opening.install_namespace` or
+    :func:`~steeple.engine.opening.open_namespace`, which decide the rest. A capability of
+    a store that opening may use (reading the database server's clock, say) is a method
+    here, and its rule a step of that sequence.
+    """
+
+    @property
+    def schema(self) -> str:
+        """Where the store keeps its tables, as errors name it (a schema, a file's path)."""
+        ...
+
+    @property
+    def schema_version(self) -> int:
+        """The schema version this store's code reads and writes."""
+        ...
+
+    async def stored_version(self) -> object:
+        """Return the schema version the store holds (``None`` when none is recorded)."""
+        ...
+
+    async def namespace(self) -> StoredNamespace | None:
+        """Return the namespace's binding and shared time, or ``None`` if it does not exist."""
+        ...
+
+    async def insert_namespace(self, binding: bytes, key_id: str, now: datetime) -> None:
+        """Create the namespace with its sealed binding, ``now`` as its shared time."""
         ...

@@ -94,7 +94,7 @@ class SqliteRepository:
     def __init__(self, conn: sqlite3.Connection, namespace: str, state: NamespaceState) -> None:
         self._conn = conn
         self._ns = namespace
-        self._state = state
+        self.namespace = state  # the control row as read under the lock
 
     def _rows(self, sql: str, params: Sequence[Any]) -> list[Any]:
         return self._conn.execute(sql, params).fetchall()
@@ -113,11 +113,6 @@ class SqliteRepository:
             padded = chunk + chunk[-1:] * (size - len(chunk))
             rows.extend(self._rows(query(size), (self._ns, *padded)))
         return rows
-
-    @property
-    def namespace(self) -> NamespaceState:
-        """The control row as read under the lock."""
-        return self._state
 
     async def record_namespace(
         self, recorded_time: datetime, definition_delta: int, occurrence_delta: int

@@ -8,11 +8,12 @@ sealed blobs come last, so reading the other columns never walks a blob's overfl
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 
 from steeple.core.leases import ClaimRule
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.records import ScheduleState
+from steeple.engine.sql_rules import claim_predicate
+from steeple.engine.sql_rules import state_list as _in
 
 SCHEMA_VERSION = 1
 """The version of the file layout this library reads and writes."""
@@ -21,13 +22,6 @@ MIN_SQLITE = (3, 37, 0)
 """STRICT tables need SQLite 3.37."""
 
 _CLAIMABLE = ("leased", "pending", "retry_wait")
-
-
-def _in(states: Iterable[OccurrenceState | str]) -> str:
-    # Enum values only (fixed identifiers), sorted, so inlining cannot inject and a list
-    # spelled like an index's condition matches it.
-    values = sorted(OccurrenceState(s).value for s in states)
-    return "(" + ", ".join(f"'{v}'" for v in values) + ")" if values else "(NULL)"
 
 
 SCHEMA: tuple[str, ...] = (
@@ -210,13 +204,6 @@ def read_occurrences(count: int) -> str:
 @functools.lru_cache(maxsize=64)
 def claimable(rule: ClaimRule) -> str:
     """Occurrences ``rule`` admits at ``?2``, oldest first, at most ``?3``."""
-    arms = []
-    if rule.ready:
-        arms.append(f"state IN {_in(rule.ready)}")
-    if rule.after_next_attempt:
-        arms.append(f"(state IN {_in(rule.after_next_attempt)} AND next_attempt_at <= ?2)")
-    if rule.after_lease_expiry:
-        arms.append(f"(state IN {_in(rule.after_lease_expiry)} AND lease_expires_at <= ?2)")
     # Repeating the partial index's condition (when it holds) lets SQLite walk the index
     # in claim order instead of sorting every live occurrence.
     claimable_states = {s.value for s in rule.states}
@@ -224,7 +211,7 @@ def claimable(rule: ClaimRule) -> str:
     return (
         f"SELECT {OCCURRENCE_COLUMNS} FROM recurring_occurrences"
         f" WHERE namespace = ?1 AND window_ends_at > ?2{indexed}"
-        f" AND ({' OR '.join(arms) or 'FALSE'})"
+        f" AND {claim_predicate(rule, '?2')}"
         " ORDER BY due_at, definition_name, id LIMIT ?3"
     )
 

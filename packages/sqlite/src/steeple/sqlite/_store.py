@@ -21,7 +21,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -30,37 +30,18 @@ from typing import Self, TypeVar
 import attrs
 
 from steeple.core import limits
-from steeple.core.config import RecurringConfig, RecurringDefinition
-from steeple.core.entropy import SystemRandom
+from steeple.core.config import RecurringConfig
 from steeple.core.errors import (
     RecurringConfigurationError,
-    RecurringConflictError,
     RecurringDeadlineError,
     RecurringNotFoundError,
-    RecurringSchemaVersionError,
     RecurringStorageError,
     SteepleError,
 )
-from steeple.core.leases import adopt_time
-from steeple.core.messages import BrokerReceipt
-from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
-from steeple.core.records import (
-    Lease,
-    OccurrenceInfo,
-    Page,
-    RelayOutcome,
-    ScheduleInfo,
-    TickResult,
-)
-from steeple.engine import (
-    NamespaceState,
-    RecurringEngine,
-    RecurringRepository,
-    read_clock,
-    recurring_errors,
-    seal_binding,
-    verify_binding,
-)
+from steeple.core.ports import Clock, RandomSource, Sealer
+from steeple.engine import EngineStore, RecurringEngine, read_clock, recurring_errors
+from steeple.engine.opening import check_parts, install_namespace, open_namespace
+from steeple.engine.ports import RepositoryWork, StoredNamespace
 from steeple.sqlite import _sql
 from steeple.sqlite._file import (
     busy_retry,
@@ -75,15 +56,15 @@ from steeple.sqlite.errors import SqliteReadOnlyError, SqliteStorageError
 
 __all__ = ["SqliteRecurringStore"]
 
-_log = logging.getLogger("steeple.sqlite")
-
-T = TypeVar("T")
-
 _CALL_DEADLINE = limits.CALL_DEADLINE.total_seconds()
 _GRACE = 5.0
 """How long past the deadline a caller waits for a thread stuck in the OS (a stalled disk)."""
 _PROGRESS_OPS = 1000
 """SQLite virtual-machine steps between deadline/cancellation checks of a statement."""
+
+_log = logging.getLogger("steeple.sqlite")
+
+T = TypeVar("T")
 
 
 @attrs.define
@@ -110,11 +91,34 @@ class _Call:
 
 
 @attrs.frozen
-class _Found:
-    """What ``connect`` reads from the file."""
+class _SqliteOpening:
+    """The open sequence's reads and writes on the thread's connection."""
 
-    state: NamespaceState
-    mode: int
+    conn: sqlite3.Connection
+    schema: str
+    name: str
+    probe: bool
+    """Probe that the file takes writes once the namespace is found (connect)."""
+    schema_version: int = _sql.SCHEMA_VERSION
+
+    async def stored_version(self) -> object:
+        found = self.conn.execute(_sql.READ_VERSION).fetchone()
+        return None if found is None else found[0]
+
+    async def namespace(self) -> StoredNamespace | None:
+        row = self.conn.execute(_sql.READ_NAMESPACE, (self.name,)).fetchone()
+        if row is None:
+            return None
+        if self.probe:
+            # A read-only file, directory or mount still opens and reads: find out now.
+            self.conn.execute(_sql.PROBE_WRITE, (self.name,))
+        state = namespace_state(row)
+        assert state.binding is not None  # the column is NOT NULL
+        return StoredNamespace(state.binding, state.recorded_time)
+
+    async def insert_namespace(self, binding: bytes, key_id: str, now: datetime) -> None:
+        stamp = microseconds(now)
+        self.conn.execute(_sql.INSERT_NAMESPACE, (self.name, binding, key_id, stamp, stamp))
 
 
 class _SqliteStorage:
@@ -165,9 +169,7 @@ class _SqliteStorage:
                 ) from None
             raise
 
-    async def transaction(
-        self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         """Run ``work`` in one ``BEGIN IMMEDIATE`` transaction on the store's thread.
 
         Raises:
@@ -244,9 +246,7 @@ class _SqliteStorage:
             self._conn = None
             close_quietly(conn)
 
-    def _transaction(
-        self, call: _Call, what: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    def _transaction(self, call: _Call, what: str, work: RepositoryWork[T]) -> T:
         conn = self.connection(call)
         self._begin(conn, call)
         try:
@@ -256,16 +256,19 @@ class _SqliteStorage:
                     f"namespace {self.namespace!r} no longer exists in {self.path}"
                 )
             repository = SqliteRepository(conn, self.namespace, namespace_state(row))
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            # The engine's work never waits on anything but this repository, whose methods
-            # run here and never suspend: it completes within this one unit.
-            result = self._loop.run_until_complete(work(repository))
+            result = self._complete(work(repository))
             self._commit(conn, call, what)
             return result
         except BaseException:
             self._rollback(conn, call)
             raise
+
+    def _complete(self, work: Awaitable[T]) -> T:
+        # The engine's work never waits on anything but this thread's connection, whose
+        # reads and writes never suspend: it completes on the thread's own event loop.
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(work)
 
     def install(self, call: _Call, config: RecurringConfig, keyring: Sealer, clock: Clock) -> None:
         """Create the file (0600), the schema and the namespace, once each (initialize)."""
@@ -285,26 +288,15 @@ class _SqliteStorage:
             for statement in _sql.SCHEMA:
                 conn.execute(statement)
             conn.execute(_sql.INSERT_VERSION, (microseconds(read_clock(clock)),))
-            (version,) = conn.execute(_sql.READ_VERSION).fetchone()
-            if version != _sql.SCHEMA_VERSION:
-                raise RecurringSchemaVersionError(str(self.path), version, _sql.SCHEMA_VERSION)
-            row = conn.execute(_sql.READ_NAMESPACE, (self.namespace,)).fetchone()
-            if row is not None:
-                verify_binding(keyring, config, bytes(row[0]))
-            else:
-                now = microseconds(read_clock(clock))
-                binding = seal_binding(keyring, config)
-                conn.execute(
-                    _sql.INSERT_NAMESPACE,
-                    (self.namespace, binding, keyring.primary_key_id, now, now),
-                )
+            opening = _SqliteOpening(conn, str(self.path), self.namespace, probe=False)
+            self._complete(install_namespace(opening, config, keyring, clock))
             self._commit(conn, call, "initialize")
         except BaseException:
             self._rollback(conn, call)
             raise
 
-    def verify(self, call: _Call) -> _Found:
-        """Read what ``connect`` checks, and probe that the file takes writes (rolled back)."""
+    def verify(self, call: _Call, config: RecurringConfig, keyring: Sealer, clock: Clock) -> int:
+        """Run connect's checks (the file takes writes: probed, rolled back); return its mode."""
         if not self.path.is_file():
             raise SqliteStorageError(
                 f"connect: {self.path} does not exist (or is not a file); run initialize first"
@@ -316,21 +308,11 @@ class _SqliteStorage:
                 raise SqliteStorageError(
                     f"connect: {self.path} holds no steeple recurring store; run initialize"
                 )
-            found = conn.execute(_sql.READ_VERSION).fetchone()
-            version = None if found is None else found[0]
-            if version != _sql.SCHEMA_VERSION:
-                raise RecurringSchemaVersionError(str(self.path), version, _sql.SCHEMA_VERSION)
-            row = conn.execute(_sql.READ_NAMESPACE, (self.namespace,)).fetchone()
-            if row is None:
-                raise RecurringNotFoundError(
-                    f"namespace {self.namespace!r} does not exist in {self.path}; run "
-                    "initialize first"
-                )
-            # A read-only file, directory or mount still opens and reads: find out now.
-            conn.execute(_sql.PROBE_WRITE, (self.namespace,))
+            opening = _SqliteOpening(conn, str(self.path), self.namespace, probe=True)
+            self._complete(open_namespace(opening, config, keyring, clock))
         finally:
             self._rollback(conn, call)
-        return _Found(namespace_state(row), stat.S_IMODE(os.stat(self.path).st_mode))
+        return stat.S_IMODE(os.stat(self.path).st_mode)
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None
@@ -360,17 +342,12 @@ def _check_path(path: object) -> Path:
 
 
 def _check_inputs(path: object, config: object, keyring: object, clock: object) -> Path:
-    if not isinstance(config, RecurringConfig):
-        raise RecurringConfigurationError("config must be a RecurringConfig")
-    if not all(callable(getattr(keyring, m, None)) for m in ("seal", "open")):
-        raise RecurringConfigurationError("keyring must implement the Sealer protocol")
-    if not callable(getattr(clock, "now", None)):
-        raise RecurringConfigurationError("clock must implement the Clock protocol")
+    check_parts(config, keyring, clock, sealer_is="keyring")
     return _check_path(path)
 
 
 @attrs.define(repr=False)
-class SqliteRecurringStore:
+class SqliteRecurringStore(EngineStore):
     """Recurring publications in one SQLite file, for one namespace, single node, embedded.
 
     Build it with :meth:`initialize` (creates the file) or :meth:`connect`. Every call is
@@ -478,22 +455,18 @@ class SqliteRecurringStore:
         clock: Clock,
         random: RandomSource | None,
     ) -> Self:
-        found = await storage.run("connect", storage.verify)
-        binding = found.state.binding
-        assert binding is not None  # the column is NOT NULL
-        verify_binding(keyring, config, binding)
-        adopt_time(found.state.recorded_time, read_clock(clock))
+        mode = await storage.run(
+            "connect", lambda call: storage.verify(call, config, keyring, clock)
+        )
         warnings = []
-        if found.mode & 0o077:
+        if mode & 0o077:
             warnings.append(
-                f"{storage.path} has mode {found.mode:o}: group or others may read it "
+                f"{storage.path} has mode {mode:o}: group or others may read it "
                 "(definition names and calendars are plaintext); chmod 600 it"
             )
         for warning in warnings:
             _log.warning("steeple sqlite store: %s", warning)
-        engine = RecurringEngine(
-            storage, config, keyring, clock, random if random is not None else SystemRandom()
-        )
+        engine = RecurringEngine(storage, config, keyring, clock, random)
         return cls(
             path=storage.path,
             config=config,
@@ -510,251 +483,12 @@ class SqliteRecurringStore:
         """The database file."""
         return self._path
 
-    @property
-    def config(self) -> RecurringConfig:
-        """The namespace's configuration."""
-        return self._config
-
-    @property
-    def namespace(self) -> str:
-        """The namespace this store serves."""
-        return self._config.namespace
-
     async def close(self) -> None:
         """Close this store's connection and thread (not other stores'). Idempotent."""
         await self._storage.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     def __repr__(self) -> str:
         return (
             f"SqliteRecurringStore(namespace={self._config.namespace!r}, "
             f"path={str(self._path)!r}, closed={self._storage.closed})"
         )
-
-    # --- the engine's operations -----------------------------------------------------------
-
-    async def create(self, definition: RecurringDefinition) -> ScheduleInfo:
-        """Create an immutable definition, or replay an identical earlier creation.
-
-        Returns:
-            The definition's metadata (the original metadata on a replay).
-
-        Raises:
-            RecurringConfigurationError: ``definition`` is not a RecurringDefinition.
-            RecurringConflictError: the name exists (active or cancelled) with a different
-                definition.
-            RecurringCapacityError: the namespace holds ``max_definitions`` already.
-            RecurringKeyringError: the stored definition cannot be opened (its key is
-                missing: also an ``UnknownKeyIdError`` naming the key id).
-            RecurringStorageError: SQLite failed (typed subclasses in
-                :mod:`steeple.sqlite.errors`).
-            RecurringDeadlineError: the deadline passed (a lock held elsewhere).
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.create(definition)
-
-    async def create_many(
-        self, definitions: Sequence[RecurringDefinition]
-    ) -> list[ScheduleInfo | RecurringConflictError]:
-        """Create up to 100 definitions in one transaction; each judged as ``create``.
-
-        Each entry is created, replays an identical definition (stored, or earlier in the
-        batch) or conflicts; a conflict is that entry's result. The quota holds for the
-        batch: if the new definitions do not all fit, none is created.
-
-        Returns:
-            One result per definition, in order: its metadata, or the
-            :class:`RecurringConflictError` a single ``create`` raises.
-
-        Raises:
-            RecurringConfigurationError: not a sequence of at most 100 definitions.
-            RecurringCapacityError: the new definitions would exceed ``max_definitions``;
-                nothing was created.
-            RecurringKeyringError: a stored definition cannot be opened.
-            RecurringStorageError: SQLite failed.
-            RecurringDeadlineError: the deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.create_many(definitions)
-
-    async def cancel(self, name: str) -> ScheduleInfo:
-        """Cancel a definition permanently; its name stays reserved and counts to the quota.
-
-        Its unfinished occurrences are cancelled and their content erased at once. A
-        publication already in flight cannot be recalled. Cancelling twice is a no-op.
-
-        Raises:
-            RecurringConfigurationError: ``name`` is not a str.
-            RecurringNotFoundError: no definition of that name in this namespace.
-            RecurringKeyringError: the definition cannot be opened for its metadata.
-            RecurringStorageError: SQLite failed.
-            RecurringDeadlineError: the deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.cancel(name)
-
-    async def schedules(self, after: str | None = None, limit: int = 100) -> Page[ScheduleInfo]:
-        """List definitions' metadata by name, after the exclusive cursor ``after``.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringKeyringError: a listed definition cannot be opened.
-            RecurringStorageError: SQLite failed.
-            RecurringDeadlineError: the deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.schedules(after, limit)
-
-    async def tick(self, budget: int) -> TickResult:
-        """Materialize due occurrences, oldest first, at most ``budget`` (1-100).
-
-        Materialization and cursor advancement commit together; when the occurrence
-        quota cannot hold the whole batch, nothing is stored.
-
-        Raises:
-            RecurringConfigurationError: ``budget`` outside 1..100.
-            RecurringCapacityError: the batch would exceed ``max_occurrences``.
-            RecurringKeyringError: a definition cannot be opened.
-            RecurringStorageError: SQLite failed.
-            RecurringDeadlineError: the deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.tick(budget)
-
-    async def claim(self, limit: int) -> list[Lease]:
-        """Lease up to ``limit`` (1-100) publishable occurrences, oldest due first.
-
-        Each lease gets a fresh random capability and a new revision, fencing any earlier
-        holder, and ends no later than the delivery window. Expired work is classified
-        (and its content erased) first.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringStorageError: SQLite failed.
-            RecurringDeadlineError: the deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.claim(limit)
-
-    async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
-        """Publish a leased occurrence and record the outcome.
-
-        One transaction re-checks the live lease and opens the content; the broker is
-        called outside any transaction, bounded by the remaining lease and 10 s; a second
-        transaction records the outcome, fenced by the lease's capability and revision.
-        Anything the broker raises is recorded (retry with backoff, dead after ten
-        attempts or when permanent).
-
-        Returns:
-            The broker's receipt (also when the definition was cancelled meanwhile).
-
-        Raises:
-            RelayLeaseLostError: the lease expired, was fenced by a newer claim, or the
-                occurrence is no longer leased.
-            RelayAcknowledgementError: the broker accepted but the outcome is uncertain;
-                carries ``.receipt``; the occurrence is republished under the same key.
-            RelayBrokerTimeoutError: the broker did not answer in time (retried later).
-            RelayBrokerError: the broker failed, whatever it raised; ``permanent``
-                failures become dead letters.
-            RecurringKeyringError: the content cannot be opened (now a dead letter).
-            RecurringStorageError: SQLite failed.
-            RecurringDeadlineError: the deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.relay(lease, broker)
-
-    async def relay_many(
-        self,
-        leases: Sequence[Lease],
-        broker: MessageBroker,
-        *,
-        concurrency: int = limits.RELAY_CONCURRENCY,
-    ) -> list[RelayOutcome]:
-        """Publish up to 100 leased occurrences and record each outcome (three steps).
-
-        One transaction checks every lease; the publications run concurrently (at most
-        ``concurrency`` at once) outside any transaction, each bounded by its remaining
-        lease and 10 s; one transaction records the outcomes, each fenced by its own
-        capability and revision.
-
-        Returns:
-            One :class:`RelayOutcome` per lease, in order: the receipt, or the error a
-            single ``relay`` of that lease raises.
-
-        Raises:
-            RecurringConfigurationError: not a sequence of at most 100 Leases, no
-                ``publish`` on ``broker``, or ``concurrency`` outside 1..100.
-            RecurringStorageError: SQLite failed before anything was published.
-            RecurringDeadlineError: the deadline passed before publication.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.relay_many(leases, broker, concurrency=concurrency)
-
-    async def claim_and_relay(
-        self,
-        limit: int,
-        broker: MessageBroker,
-        *,
-        concurrency: int = limits.RELAY_CONCURRENCY,
-    ) -> list[RelayOutcome]:
-        """Claim up to ``limit`` (1-100) occurrences and relay them (``claim`` + ``relay_many``).
-
-        The claim and the relay's check of the new leases are one transaction; the
-        publications and the recording are ``relay_many``'s.
-
-        Returns:
-            One :class:`RelayOutcome` per occurrence claimed, oldest due first.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` or ``concurrency`` outside 1..100, or
-                no ``publish`` on ``broker``.
-            RecurringStorageError: SQLite failed; nothing was claimed or published.
-            RecurringDeadlineError: the deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.claim_and_relay(limit, broker, concurrency=concurrency)
-
-    async def retry_failed(self, occurrence_id: str) -> OccurrenceInfo:
-        """Give a dead occurrence a fresh automatic attempt budget inside its window.
-
-        Raises:
-            RecurringNotFoundError: no such occurrence in this namespace (or purged).
-            RecurringInvalidStateError: the occurrence is not dead, or its window ended.
-            RecurringStorageError: SQLite failed.
-            RecurringDeadlineError: the deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.retry_failed(occurrence_id)
-
-    async def occurrences(self, after: str | None = None, limit: int = 100) -> Page[OccurrenceInfo]:
-        """List occurrences' metadata by (due time, id), after the exclusive cursor ``after``.
-
-        Expired work is classified (and its content erased) first. No payloads, no lease
-        credentials.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` outside 1..100, or a cursor this store
-                did not return.
-            RecurringStorageError: SQLite failed.
-            RecurringDeadlineError: the deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.occurrences(after, limit)
-
-    async def purge_terminal(self, older_than: datetime, limit: int = 100) -> int:
-        """Remove at most ``limit`` (1-100) terminal occurrences finished before ``older_than``.
-
-        Expired work is classified first. Returns how many were removed.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` outside 1..100, or a naive cutoff.
-            RecurringStorageError: SQLite failed.
-            RecurringDeadlineError: the deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.purge_terminal(older_than, limit)

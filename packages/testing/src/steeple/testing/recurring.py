@@ -4,8 +4,8 @@
 persistence port (:mod:`steeple.engine.ports`): each method reads or writes rows of two
 dicts (indexed by state), and a transaction undoes its writes when the engine's work
 raises (so a failed call stores nothing). :class:`InMemoryRecurringStore`
-composes it with :class:`~steeple.engine.RecurringEngine`: every rule of the contract comes
-from the engine and the core, exactly as for the PostgreSQL store. Everything a database
+is it under :class:`~steeple.engine.EngineStore`: every rule of the contract comes from the
+engine and the core, exactly as for the PostgreSQL store. Everything a database
 adds (durability, SQL deadlines, privileges, several processes) is out of scope.
 
 Without a sealer, content is kept as plaintext bytes (in memory only); with one,
@@ -15,41 +15,28 @@ definitions and occurrence content are sealed as in every other store.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
-from types import TracebackType
 from typing import Final, TypeVar
 
 import attrs
 
-from steeple.core import limits
-from steeple.core.config import RecurringConfig, RecurringDefinition
-from steeple.core.entropy import SystemRandom
+from steeple.core.config import RecurringConfig
 from steeple.core.errors import (
-    RecurringConfigurationError,
-    RecurringConflictError,
     RecurringStorageError,
 )
 from steeple.core.leases import ClaimRule
-from steeple.core.messages import BrokerReceipt
 from steeple.core.occurrences import OccurrenceState
-from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
-from steeple.core.records import (
-    Lease,
-    OccurrenceInfo,
-    Page,
-    RelayOutcome,
-    ScheduleInfo,
-    TickResult,
-)
+from steeple.core.ports import Clock, RandomSource, Sealer
 from steeple.engine import (
     DefinitionRow,
     DefinitionUpdate,
+    EngineStore,
     NamespaceState,
     OccurrenceChange,
     OccurrenceRow,
     RecurringEngine,
-    RecurringRepository,
+    RepositoryWork,
 )
 
 __all__ = ["InMemoryRecurringStorage", "InMemoryRecurringStore"]
@@ -82,12 +69,8 @@ class _Repository:
 
     def __init__(self, storage: InMemoryRecurringStorage, state: NamespaceState) -> None:
         self._storage = storage
-        self._state = state
+        self.namespace = state
         self.recorded: datetime | None = state.recorded_time
-
-    @property
-    def namespace(self) -> NamespaceState:
-        return self._state
 
     async def record_namespace(
         self, recorded_time: datetime, definition_delta: int, occurrence_delta: int
@@ -297,9 +280,7 @@ class InMemoryRecurringStorage:
                 assert isinstance(before, DefinitionRow)
                 self.definitions[key] = before
 
-    async def transaction(
-        self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         """Run ``work`` on the rows; undo its writes if it raises.
 
         Raises:
@@ -324,10 +305,11 @@ class InMemoryRecurringStorage:
 
 
 @attrs.define(init=False, repr=False)
-class InMemoryRecurringStore:
+class InMemoryRecurringStore(EngineStore):
     """The reference :class:`steeple.core.ports.RecurringStore`, held in memory.
 
-    :class:`InMemoryRecurringStorage` plus :class:`~steeple.engine.RecurringEngine`.
+    :class:`InMemoryRecurringStorage` under :class:`~steeple.engine.EngineStore` (the
+    operations, documented there, are the engine's, as in every store).
 
     Args:
         config: the namespace's configuration (quotas, delivery window, lease).
@@ -353,23 +335,16 @@ class InMemoryRecurringStore:
         random: RandomSource | None = None,
         sealer: Sealer | None = None,
     ) -> None:
-        if not isinstance(config, RecurringConfig):
-            raise RecurringConfigurationError("config must be a RecurringConfig")
-        self._config = config
-        self._clock = clock
         self._storage = InMemoryRecurringStorage()
         self._engine = RecurringEngine(
             self._storage,
             config,
             sealer if sealer is not None else _Unsealed(),
             clock,
-            random if random is not None else SystemRandom(),
+            random,
         )
-
-    @property
-    def config(self) -> RecurringConfig:
-        """The namespace configuration this store enforces."""
-        return self._config
+        self._config = config
+        self._clock = clock
 
     @property
     def _occurrences(self) -> dict[str, OccurrenceRow]:
@@ -386,77 +361,6 @@ class InMemoryRecurringStore:
             f"definitions={len(self._definitions)}, occurrences={len(self._occurrences)})"
         )
 
-    async def __aenter__(self) -> InMemoryRecurringStore:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     async def close(self) -> None:
         """Close the store; later calls raise :class:`RecurringStorageError`."""
         self._storage.closed = True
-
-    # --- the contract: the engine's operations ----------------------------------------------
-
-    async def create(self, definition: RecurringDefinition) -> ScheduleInfo:
-        """Run :meth:`steeple.engine.RecurringEngine.create` (same results and errors)."""
-        return await self._engine.create(definition)
-
-    async def create_many(
-        self, definitions: Sequence[RecurringDefinition]
-    ) -> list[ScheduleInfo | RecurringConflictError]:
-        """Run :meth:`steeple.engine.RecurringEngine.create_many` (same results and errors)."""
-        return await self._engine.create_many(definitions)
-
-    async def tick(self, budget: int) -> TickResult:
-        """Run :meth:`steeple.engine.RecurringEngine.tick` (same results and errors)."""
-        return await self._engine.tick(budget)
-
-    async def claim(self, limit: int) -> list[Lease]:
-        """Run :meth:`steeple.engine.RecurringEngine.claim` (same results and errors)."""
-        return await self._engine.claim(limit)
-
-    async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
-        """Run :meth:`steeple.engine.RecurringEngine.relay` (same results and errors)."""
-        return await self._engine.relay(lease, broker)
-
-    async def relay_many(
-        self,
-        leases: Sequence[Lease],
-        broker: MessageBroker,
-        *,
-        concurrency: int = limits.RELAY_CONCURRENCY,
-    ) -> list[RelayOutcome]:
-        """Run :meth:`steeple.engine.RecurringEngine.relay_many` (same results and errors)."""
-        return await self._engine.relay_many(leases, broker, concurrency=concurrency)
-
-    async def claim_and_relay(
-        self, limit: int, broker: MessageBroker, *, concurrency: int = limits.RELAY_CONCURRENCY
-    ) -> list[RelayOutcome]:
-        """Run :meth:`steeple.engine.RecurringEngine.claim_and_relay` (same results and errors)."""
-        return await self._engine.claim_and_relay(limit, broker, concurrency=concurrency)
-
-    async def cancel(self, name: str) -> ScheduleInfo:
-        """Run :meth:`steeple.engine.RecurringEngine.cancel` (same results and errors)."""
-        return await self._engine.cancel(name)
-
-    async def retry_failed(self, occurrence_id: str) -> OccurrenceInfo:
-        """Run :meth:`steeple.engine.RecurringEngine.retry_failed` (same results and errors)."""
-        return await self._engine.retry_failed(occurrence_id)
-
-    async def schedules(self, after: str | None = None, limit: int = 100) -> Page[ScheduleInfo]:
-        """Run :meth:`steeple.engine.RecurringEngine.schedules` (same results and errors)."""
-        return await self._engine.schedules(after, limit)
-
-    async def occurrences(self, after: str | None = None, limit: int = 100) -> Page[OccurrenceInfo]:
-        """Run :meth:`steeple.engine.RecurringEngine.occurrences` (same results and errors)."""
-        return await self._engine.occurrences(after, limit)
-
-    async def purge_terminal(self, older_than: datetime, limit: int = 100) -> int:
-        """Run :meth:`steeple.engine.RecurringEngine.purge_terminal` (same results and errors)."""
-        return await self._engine.purge_terminal(older_than, limit)

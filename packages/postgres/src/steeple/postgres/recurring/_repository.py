@@ -104,7 +104,7 @@ class PostgresRepository:
         self._conn = conn
         self._q = queries
         self._ns = namespace
-        self._state = state
+        self.namespace = state  # the control row as locked
         self._pending: tuple[str, tuple[Any, ...]] | None = None
 
     async def _write(self, sql: str, *args: Any) -> None:
@@ -122,11 +122,6 @@ class PostgresRepository:
     async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         await self.flush()
         return await self._conn.fetch(sql, *args)
-
-    @property
-    def namespace(self) -> NamespaceState:
-        """The control row as locked."""
-        return self._state
 
     async def record_namespace(
         self, recorded_time: datetime, definition_delta: int, occurrence_delta: int

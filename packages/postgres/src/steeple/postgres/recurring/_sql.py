@@ -13,7 +13,6 @@ a fresh connection then needs no type introspection before its first use of a st
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 from importlib import resources
 
 import attrs
@@ -21,6 +20,8 @@ import attrs
 from steeple.core.leases import ClaimRule
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.records import ScheduleState
+from steeple.engine.sql_rules import claim_predicate
+from steeple.engine.sql_rules import state_list as _in
 
 SCHEMA_VERSION = 2
 """The layout this library reads and writes (2: topic and message type are sealed only)."""
@@ -47,12 +48,6 @@ RUNTIME_PRIVILEGES: dict[str, tuple[str, ...]] = {
 def package_sql(name: str) -> str:
     """Return a ``.sql`` file shipped in this package."""
     return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
-
-
-def _in(states: Iterable[OccurrenceState]) -> str:
-    # Enum members only (their values are fixed identifiers), so inlining cannot inject.
-    values = sorted(OccurrenceState(s).value for s in states)
-    return "(" + ", ".join(f"'{v}'" for v in values) + ")" if values else "(NULL)"
 
 
 DEFINITION_COLUMNS = (
@@ -133,16 +128,9 @@ def _with_touch(schema: str, write: str, parameters: int) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _claimable(schema: str, rule: ClaimRule) -> str:
-    arms = []
-    if rule.ready:
-        arms.append(f"state IN {_in(rule.ready)}")
-    if rule.after_next_attempt:
-        arms.append(f"(state IN {_in(rule.after_next_attempt)} AND next_attempt_at <= $2)")
-    if rule.after_lease_expiry:
-        arms.append(f"(state IN {_in(rule.after_lease_expiry)} AND lease_expires_at <= $2)")
     return (
         f"SELECT {OCCURRENCE_COLUMNS} FROM {schema}.recurring_occurrences"
-        f" WHERE namespace = $1 AND window_ends_at > $2 AND ({' OR '.join(arms) or 'FALSE'})"
+        f" WHERE namespace = $1 AND window_ends_at > $2 AND {claim_predicate(rule, '$2')}"
         " ORDER BY due_at, definition_name, id LIMIT $3"
     )
 

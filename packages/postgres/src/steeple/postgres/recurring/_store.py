@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
 from typing import Any, Self, TypeVar
 
@@ -24,44 +24,26 @@ from asyncpg.transaction import Transaction
 
 from steeple.core import limits
 from steeple.core.cluster import ClusterWatch
-from steeple.core.config import RecurringConfig, RecurringDefinition
+from steeple.core.config import RecurringConfig
 from steeple.core.dsn import conninfo_url
-from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
     ClusterIdentityError,
     ConfigurationError,
     KeyringError,
     RecurringClusterError,
     RecurringConfigurationError,
-    RecurringConflictError,
     RecurringDeadlineError,
     RecurringError,
     RecurringNotFoundError,
     RecurringRelayError,
-    RecurringSchemaVersionError,
     RecurringStorageError,
     SteepleError,
     recurring_error,
 )
-from steeple.core.leases import adopt_time
-from steeple.core.messages import BrokerReceipt
-from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
-from steeple.core.records import (
-    Lease,
-    OccurrenceInfo,
-    Page,
-    RelayOutcome,
-    ScheduleInfo,
-    TickResult,
-)
-from steeple.engine import (
-    RecurringEngine,
-    RecurringRepository,
-    read_clock,
-    recurring_errors,
-    seal_binding,
-    verify_binding,
-)
+from steeple.core.ports import Clock, RandomSource, Sealer
+from steeple.engine import EngineStore, RecurringEngine
+from steeple.engine.opening import check_parts, install_namespace, open_namespace, recurring_errors
+from steeple.engine.ports import RepositoryWork, StoredNamespace
 from steeple.postgres._durability import (
     IDENTITY_QUERY,
     AnyConnection,
@@ -225,21 +207,12 @@ def _check_schema_name(schema: object) -> str:
     return schema
 
 
-def _check_inputs(config: object, keyring: object, clock: object) -> None:
-    if not isinstance(config, RecurringConfig):
-        raise RecurringConfigurationError("config must be a RecurringConfig")
-    if not all(callable(getattr(keyring, m, None)) for m in ("seal", "open")):
-        raise RecurringConfigurationError("keyring must implement the Sealer protocol")
-    if not callable(getattr(clock, "now", None)):
-        raise RecurringConfigurationError("clock must implement the Clock protocol")
-
-
 def _check_open_args(
     dsn: str, config: object, keyring: object, clock: object, schema: object
 ) -> str:
     # What initialize and connect both check before touching the network; returns the
     # DSN as the URL asyncpg reads (a libpq key=value string is rewritten).
-    _check_inputs(config, keyring, clock)
+    check_parts(config, keyring, clock, sealer_is="keyring")
     _check_schema_name(schema)
     try:
         url = conninfo_url(dsn)
@@ -281,26 +254,14 @@ async def _install(
                 break
             await conn.execute(package_sql(MIGRATIONS[target]).replace("{schema}", quoted))
             migrated = True
-        version = await conn.fetchval(queries.read_version)
-    if version != SCHEMA_VERSION:
-        raise RecurringSchemaVersionError(schema, version, SCHEMA_VERSION)
-    row = await conn.fetchrow(queries.read_namespace + " FOR UPDATE", config.namespace)
-    if row is not None:
-        verify_binding(keyring, config, bytes(row["binding"]))
-    else:
-        await conn.execute(
-            queries.insert_namespace,
-            config.namespace,
-            seal_binding(keyring, config),
-            keyring.primary_key_id,
-            read_clock(clock),
-        )
+    opening = _PostgresOpening(conn, queries, schema, config.namespace, lock=True)
+    await install_namespace(opening, config, keyring, clock)
     await transaction.commit()
     return migrated
 
 
 @attrs.define(repr=False)
-class PostgresRecurringStore:
+class PostgresRecurringStore(EngineStore):
     """Recurring publications in PostgreSQL, for one namespace, on a private asyncpg pool.
 
     Build it with :meth:`initialize` (deployment) or :meth:`connect` (workers). Every call
@@ -438,7 +399,7 @@ class PostgresRecurringStore:
                 config,
                 keyring,
                 clock,
-                random if random is not None else SystemRandom(),
+                random,
             ),
         )
         try:
@@ -460,35 +421,18 @@ class PostgresRecurringStore:
                 await check_server_durability(conn)
                 await check_tables_permanent(conn, self._schema, TABLES)
                 self.warnings = await check_privileges(conn, self._schema, RUNTIME_PRIVILEGES)
-                version = await conn.fetchval(self._queries.read_version)
-                if version != SCHEMA_VERSION:
-                    raise RecurringSchemaVersionError(self._schema, version, SCHEMA_VERSION)
-                row = await conn.fetchrow(self._queries.read_namespace, self._config.namespace)
+                opening = _PostgresOpening(
+                    conn, self._queries, self._schema, self._config.namespace, lock=False
+                )
+                await open_namespace(opening, self._config, self._sealer, self._clock)
         except DurabilityProblem as exc:
             raise _problem(exc) from None
         except (RecurringError, KeyringError):
             raise
         except _DRIVER_ERRORS as exc:
             raise _map_driver_error(exc, "connect") from exc
-        if row is None:
-            raise RecurringNotFoundError(
-                f"namespace {self._config.namespace!r} does not exist in schema "
-                f"{self._schema!r}; run initialize with the deployment role first"
-            )
-        verify_binding(self._sealer, self._config, bytes(row["binding"]))
-        adopt_time(row["recorded_time"], read_clock(self._clock))
 
     # --- lifecycle -----------------------------------------------------------------------
-
-    @property
-    def config(self) -> RecurringConfig:
-        """The namespace's configuration."""
-        return self._config
-
-    @property
-    def namespace(self) -> str:
-        """The namespace this store serves."""
-        return self._config.namespace
 
     async def close(self) -> None:
         """Close this store's pool (not other stores' pools). Idempotent."""
@@ -501,250 +445,37 @@ class PostgresRecurringStore:
         except TimeoutError:
             self._pool.terminate()
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
     def __repr__(self) -> str:
         return (
             f"PostgresRecurringStore(namespace={self._config.namespace!r}, "
             f"schema={self._schema!r}, closed={self._storage.closed})"
         )
 
-    # --- the engine's operations ---------------------------------------------------------
 
-    async def create(self, definition: RecurringDefinition) -> ScheduleInfo:
-        """Create an immutable definition, or replay an identical earlier creation.
+@attrs.frozen
+class _PostgresOpening:
+    """The open sequence's reads and writes on one connection (a ``NamespaceOpening``)."""
 
-        Returns:
-            The definition's metadata (the original metadata on a replay).
+    conn: AnyConnection
+    queries: Queries
+    schema: str
+    name: str
+    lock: bool
+    """Read the namespace ``FOR UPDATE`` (initialize, inside its transaction)."""
+    schema_version: int = SCHEMA_VERSION
 
-        Raises:
-            RecurringConfigurationError: ``definition`` is not a RecurringDefinition.
-            RecurringConflictError: the name exists (active or cancelled) with a different
-                definition.
-            RecurringCapacityError: the namespace holds ``max_definitions`` already.
-            RecurringKeyringError: the stored definition cannot be opened (its key is
-                missing: also an ``UnknownKeyIdError`` naming the key id).
-            RecurringStorageError: the database failed.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.create(definition)
+    async def stored_version(self) -> object:
+        return await self.conn.fetchval(self.queries.read_version)
 
-    async def create_many(
-        self, definitions: Sequence[RecurringDefinition]
-    ) -> list[ScheduleInfo | RecurringConflictError]:
-        """Create up to 100 definitions in one transaction; each judged as ``create``.
+    async def namespace(self) -> StoredNamespace | None:
+        query = self.queries.read_namespace + (" FOR UPDATE" if self.lock else "")
+        row = await self.conn.fetchrow(query, self.name)
+        if row is None:
+            return None
+        return StoredNamespace(bytes(row["binding"]), row["recorded_time"])
 
-        Each entry is created, replays an identical definition (stored, or earlier in the
-        batch) or conflicts; a conflict is that entry's result. The quota holds for the
-        batch: if the new definitions do not all fit, none is created.
-
-        Returns:
-            One result per definition, in order: its metadata, or the
-            :class:`RecurringConflictError` a single ``create`` raises.
-
-        Raises:
-            RecurringConfigurationError: not a sequence of at most 100 definitions.
-            RecurringCapacityError: the new definitions would exceed ``max_definitions``;
-                nothing was created.
-            RecurringKeyringError: a stored definition cannot be opened.
-            RecurringStorageError: the database failed.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.create_many(definitions)
-
-    async def cancel(self, name: str) -> ScheduleInfo:
-        """Cancel a definition permanently; its name stays reserved and counts to the quota.
-
-        Its unfinished occurrences are cancelled and their content erased at once. A
-        publication already in flight cannot be recalled. Cancelling twice is a no-op.
-
-        Raises:
-            RecurringNotFoundError: no definition of that name in this namespace.
-            RecurringKeyringError: the definition cannot be opened for its metadata.
-            RecurringStorageError: the database failed.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.cancel(name)
-
-    async def schedules(self, after: str | None = None, limit: int = 100) -> Page[ScheduleInfo]:
-        """List definitions' metadata by name, after the exclusive cursor ``after``.
-
-        The topic and message type come from opening each definition.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringKeyringError: a listed definition cannot be opened.
-            RecurringStorageError: the database failed.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.schedules(after, limit)
-
-    async def tick(self, budget: int) -> TickResult:
-        """Materialize due occurrences, oldest first, at most ``budget`` (1-100).
-
-        Materialization and cursor advancement commit together; when the occurrence
-        quota cannot hold the whole batch, nothing is stored.
-
-        Raises:
-            RecurringConfigurationError: ``budget`` outside 1..100.
-            RecurringCapacityError: the batch would exceed ``max_occurrences``.
-            RecurringKeyringError: a definition cannot be opened (its key is missing or it
-                was tampered with).
-            RecurringStorageError: the database failed.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.tick(budget)
-
-    async def claim(self, limit: int) -> list[Lease]:
-        """Lease up to ``limit`` (1-100) publishable occurrences, oldest due first.
-
-        Each lease gets a fresh random capability and a new revision, fencing any earlier
-        holder, and ends no later than the delivery window. Expired work is classified
-        (and its content erased) first. Leases already expired when the claim commits
-        are not returned (they are reclaimed normally) and do not fail the batch.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` outside 1..100.
-            RecurringStorageError: the database failed.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.claim(limit)
-
-    async def relay(self, lease: Lease, broker: MessageBroker) -> BrokerReceipt:
-        """Publish a leased occurrence and record the outcome.
-
-        Transaction one re-checks the live lease and counts the attempt, then commits; the
-        lease is judged again after the commit. The broker is called outside any
-        transaction, bounded by the remaining lease and 10 s, always with the same
-        message and idempotency key; transaction two records the outcome, fenced by the
-        lease's capability and revision. Anything the broker raises is recorded (retry
-        with backoff, dead after ten attempts or when permanent).
-
-        Returns:
-            The broker's receipt. If the definition was cancelled while the message was in
-            flight, the occurrence stays cancelled and the receipt is still returned.
-
-        Raises:
-            RelayLeaseLostError: the lease expired, was fenced by a newer claim, or the
-                occurrence is no longer leased (nothing was published, or a publication by
-                a stale holder is not recorded).
-            RelayAcknowledgementError: the broker accepted but the outcome is uncertain
-                (the broker said so, or recording it failed: ``__cause__``); carries
-                ``.receipt``; the occurrence is republished with the same key.
-            RelayBrokerTimeoutError: the broker did not answer in time (retried later).
-            RelayBrokerError: the broker failed, whatever it raised; ``permanent``
-                failures become dead letters.
-            RecurringKeyringError: the content cannot be opened (the occurrence is
-                dead-lettered).
-            RecurringStorageError: the database failed.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.relay(lease, broker)
-
-    async def relay_many(
-        self,
-        leases: Sequence[Lease],
-        broker: MessageBroker,
-        *,
-        concurrency: int = limits.RELAY_CONCURRENCY,
-    ) -> list[RelayOutcome]:
-        """Publish up to 100 leased occurrences and record each outcome (three steps).
-
-        One transaction checks every lease (the content is opened after its commit); the
-        publications run concurrently (at most ``concurrency`` at once) outside any
-        transaction, each bounded by its remaining lease and 10 s; one transaction records
-        the outcomes, each fenced by its own capability and revision.
-
-        Returns:
-            One :class:`RelayOutcome` per lease, in order: the receipt, or the error a
-            single ``relay`` of that lease raises.
-
-        Raises:
-            RecurringConfigurationError: not a sequence of at most 100 Leases, no
-                ``publish`` on ``broker``, or ``concurrency`` outside 1..100.
-            RecurringStorageError: the database failed before anything was published.
-            RecurringDeadlineError: a storage deadline passed before publication.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.relay_many(leases, broker, concurrency=concurrency)
-
-    async def claim_and_relay(
-        self,
-        limit: int,
-        broker: MessageBroker,
-        *,
-        concurrency: int = limits.RELAY_CONCURRENCY,
-    ) -> list[RelayOutcome]:
-        """Claim up to ``limit`` (1-100) occurrences and relay them (``claim`` + ``relay_many``).
-
-        The claim and the relay's check of the new leases are one transaction; the
-        publications and the recording are ``relay_many``'s.
-
-        Returns:
-            One :class:`RelayOutcome` per occurrence claimed, oldest due first.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` or ``concurrency`` outside 1..100, or
-                no ``publish`` on ``broker``.
-            RecurringStorageError: the database failed; nothing was claimed or published.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.claim_and_relay(limit, broker, concurrency=concurrency)
-
-    async def retry_failed(self, occurrence_id: str) -> OccurrenceInfo:
-        """Give a dead occurrence a fresh automatic attempt budget inside its window.
-
-        Success is reported once the reset is committed.
-
-        Raises:
-            RecurringNotFoundError: no such occurrence in this namespace (or purged).
-            RecurringInvalidStateError: the occurrence is not dead (published, cancelled,
-                expired and live work cannot be revived), or its window has ended.
-            RecurringStorageError: the database failed.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.retry_failed(occurrence_id)
-
-    async def occurrences(self, after: str | None = None, limit: int = 100) -> Page[OccurrenceInfo]:
-        """List occurrences' metadata by (due time, id), after the exclusive cursor ``after``.
-
-        Expired work is classified (and its content erased) first. No payloads, no lease
-        credentials.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` outside 1..100, or a cursor this store
-                did not return.
-            RecurringStorageError: the database failed.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.occurrences(after, limit)
-
-    async def purge_terminal(self, older_than: datetime, limit: int = 100) -> int:
-        """Remove at most ``limit`` (1-100) terminal occurrences finished before ``older_than``.
-
-        Expired work is classified first. Returns how many were removed.
-
-        Raises:
-            RecurringConfigurationError: ``limit`` outside 1..100, or a naive cutoff.
-            RecurringStorageError: the database failed.
-            RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
-        """
-        return await self._engine.purge_terminal(older_than, limit)
+    async def insert_namespace(self, binding: bytes, key_id: str, now: datetime) -> None:
+        await self.conn.execute(self.queries.insert_namespace, self.name, binding, key_id, now)
 
 
 @attrs.define(repr=False)
@@ -757,9 +488,7 @@ class _PostgresStorage:
     schema: str
     closed: bool = False
 
-    async def transaction(
-        self, operation: str, work: Callable[[RecurringRepository], Awaitable[T]]
-    ) -> T:
+    async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         """Run ``work`` in one transaction holding the namespace's control row.
 
         Raises:
@@ -798,7 +527,7 @@ class _PostgresStorage:
     async def _attempt(
         self,
         what: str,
-        work: Callable[[RecurringRepository], Awaitable[T]],
+        work: RepositoryWork[T],
         deadline: float,
     ) -> T:
         try:
@@ -839,7 +568,7 @@ class _PostgresStorage:
         self,
         conn: AnyConnection,
         transaction: Transaction,
-        work: Callable[[RecurringRepository], Awaitable[T]],
+        work: RepositoryWork[T],
     ) -> T:
         try:
             await transaction.start()
