@@ -232,8 +232,9 @@ SET lease_expires_at = clock_timestamp() + t.lease_duration
 FROM {RELAXED}, unnest($1::text[]::bigint[], $2::text[]::uuid[]) AS h(id, token)
 WHERE t.id = h.id AND t.lease_token = h.token
 RETURNING t.id""",
-        # $1 ids[], $2 tokens[], $3 worker id, $4 results[] (JSON text|null), $5 latest
-        # progress[] (JSON text|null: keep what was written)
+        # $1 ids, $2 tokens (array literals, see _arrays.array_literal), $3 worker id,
+        # $4 results[] (JSON text|null), $5 latest progress[] (JSON text|null: keep what
+        # was written); $4 or $5 NULL when all of theirs are (unnest pads it with NULLs)
         complete=f"""
 WITH done AS (
     UPDATE {s}.tasks t
@@ -241,7 +242,7 @@ WITH done AS (
         lease_token = NULL, lease_expires_at = NULL, result = h.result::jsonb,
         progress = coalesce(h.progress::jsonb, t.progress)
     FROM {DURABLE},
-         unnest($1::text[]::bigint[], $2::text[]::uuid[], $4::text[], $5::text[])
+         unnest($1::text::bigint[], $2::text::uuid[], $4::text[], $5::text[])
              AS h(id, token, result, progress)
     WHERE t.id = h.id AND t.lease_token = h.token
     RETURNING t.id, t.attempts, t.started_at, t.finished_at
