@@ -184,14 +184,15 @@ SELECT $1, $2::text::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$13")}, $5, 
 FROM created, {DURABLE}
 ON CONFLICT (task_name, dedup_key) WHERE dedup_key IS NOT NULL AND state IN {LIVE} DO NOTHING
 RETURNING id, pg_notify($12, {_DUE_PAYLOAD.format(run_at="run_at")})::text""",
-        # $1 name, $2 args[], $3.. as above but no dedup; $11 channel, $12 delay|null,
-        # $13 queue, $14 trace context|null (one for the batch)
+        # $1 name, $2 every args as one JSON array text (Task.encode_all), $3.. as above
+        # but no dedup; $11 channel, $12 delay|null, $13 queue, $14 trace context|null (one
+        # for the batch)
         enqueue_many=f"""
 WITH {_NOW}, ins AS (
     INSERT INTO {s}.tasks ({_TASK_COLUMNS}, created_at, updated_at, trace_context)
-    SELECT $1, u.a::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$12")}, $5, $6::interval,
+    SELECT $1, u.a, $3, {_RUN_AT.format(run_at="$4", delay="$12")}, $5, $6::interval,
            $7, $8, $9, $10, $13, created.at, created.at, $14::text::jsonb
-    FROM created, {DURABLE}, unnest($2::text[]) WITH ORDINALITY AS u(a, n)
+    FROM created, {DURABLE}, jsonb_array_elements($2::text::jsonb) WITH ORDINALITY AS u(a, n)
     ORDER BY u.n
     RETURNING id, run_at
 )
