@@ -29,7 +29,7 @@ from steeple.core import (
 from steeple.core.records import Lease
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
-from steeple.postgres._arrays import text_array
+from steeple.postgres._arrays import array_literal, text_array
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
 from steeple.postgres.queue._db import open_db
 from steeple.postgres.queue._sql import queue_sql
@@ -386,8 +386,8 @@ async def test_a_completion_cut_at_any_await_is_all_or_nothing(queue: Queue) -> 
         assert queue.db is not None
         return await queue.db.fetch(
             queue.sql.complete,
-            text_array([current["id"]]),
-            text_array([current["token"]]),
+            array_literal([current["id"]]),
+            array_literal([current["token"]]),
             "w",
             [None],  # no result
             [None],  # no progress

@@ -12,7 +12,7 @@ import pytest
 
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.postgres import queue as pq
-from steeple.postgres._arrays import text_array
+from steeple.postgres._arrays import array_literal
 from steeple.postgres.queue import EnqueueOptions, Task, admin, enqueue
 from steeple.postgres.queue._sql import queue_sql
 
@@ -136,7 +136,12 @@ async def test_retry_sends_a_failed_task_back_to_pending_for_another_attempt(que
     claimed, token = await _claim(conn, schema, "r")
     assert claimed == exhausted
     assert await conn.fetch(
-        queue_sql(schema).complete, text_array([claimed]), text_array([token]), "w", [None], [None]
+        queue_sql(schema).complete,
+        array_literal([claimed]),
+        array_literal([token]),
+        "w",
+        [None],
+        [None],
     )
     done = await pq.run_state(conn, exhausted, schema=schema)
     assert (done.state, done.attempts) == (TaskState.SUCCEEDED, 2)
@@ -164,7 +169,12 @@ async def test_retry_refuses_tasks_that_are_not_failed_and_changes_nothing(queue
     succeeded = await _enqueue(conn, schema, "ok")
     claimed, token = await _claim(conn, schema, "ok")
     await conn.fetch(
-        queue_sql(schema).complete, text_array([claimed]), text_array([token]), "w", [None], [None]
+        queue_sql(schema).complete,
+        array_literal([claimed]),
+        array_literal([token]),
+        "w",
+        [None],
+        [None],
     )
     for task_id, state in (
         (pending, TaskState.PENDING),

@@ -221,6 +221,32 @@ async def test_enqueue_many_is_one_statement_in_order_and_atomic(queue: QueueFix
     assert await _count(conn, schema) == 500
 
 
+async def test_enqueue_many_stores_each_args_as_enqueue_would(queue: QueueFixture) -> None:
+    """A batch is checked and sent as one JSON array; what each task stores is unchanged.
+
+    Whether the batch passes as one value or each args is checked alone (here: two args
+    under the size limit of one args, together over it), every task holds its own args.
+    """
+    _dsn, schema, conn = queue
+    big = "x" * 600_000  # under the 1 MiB limit of one args; two of them are over it
+    for batch in (
+        [{"s": "é\n\"'"}, [1, 2.5, None, True], 1e20, "text", {"f": 1e-7}],
+        [{"s": big}, {"s": big}, {"f": 1e20}, [0.1]],
+    ):
+        ids = await enqueue_many(conn, PLAIN, batch, schema=schema)
+        stored = await conn.fetch(
+            f'SELECT args::text FROM "{schema}".tasks WHERE id = ANY($1::bigint[]) ORDER BY id',
+            ids,
+        )
+        assert [PLAIN.decode(r[0]) for r in stored] == batch
+        singles = [(await enqueue(conn, PLAIN, args, schema=schema)).id for args in batch]
+        alone = await conn.fetch(
+            f'SELECT args::text FROM "{schema}".tasks WHERE id = ANY($1::bigint[]) ORDER BY id',
+            singles,
+        )
+        assert [r[0] for r in alone] == [r[0] for r in stored]
+
+
 async def test_enqueue_sends_a_notification_on_commit_only(queue: QueueFixture) -> None:
     dsn, schema, conn = queue
     listener = await asyncpg.connect(dsn)

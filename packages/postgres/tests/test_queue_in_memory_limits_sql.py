@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from queue_support import QueueFixture
-from steeple.postgres._arrays import text_array
+from steeple.postgres._arrays import array_literal
 from steeple.postgres.queue import (
     App,
     EnqueueOptions,
@@ -120,7 +120,12 @@ async def test_claims_match_the_sql_claim(queue: QueueFixture, settings: dict[st
         for index in sorted(db_claimed)[:1]:
             token = db_claimed[index]
             await conn.fetch(
-                sql.complete, text_array([db_ids[index]]), text_array([token]), "w", [None], [None]
+                sql.complete,
+                array_literal([db_ids[index]]),
+                array_literal([token]),
+                "w",
+                [None],
+                [None],
             )
             assert memory.complete(memory_ids[index], memory_claimed[index])
     # Every setting with a rate limit runs into it within the six rounds.

@@ -27,7 +27,7 @@ from steeple.core.tasks import (
     lease_expiry_event,
     transition,
 )
-from steeple.postgres._arrays import text_array
+from steeple.postgres._arrays import array_literal, text_array
 from steeple.postgres.queue import EnqueueOptions, Progress, Task, enqueue, run_state
 from steeple.postgres.queue._admin_sql import admin_sql
 from steeple.postgres.queue._sql import queue_sql
@@ -173,8 +173,8 @@ async def test_each_statement_makes_the_move_of_its_event(queue: Any) -> None:
         ok,
         TaskEvent.SUCCEED,
         sql.complete,
-        text_array([ok]),
-        text_array([token]),
+        array_literal([ok]),
+        array_literal([token]),
         "w",
         [None],
         [None],

@@ -22,7 +22,7 @@ import asyncpg
 import pytest
 
 import queue_support
-from steeple.postgres._arrays import text_array
+from steeple.postgres._arrays import array_literal, text_array
 from steeple.postgres.queue import EnqueueOptions, JobContext, Scheduler, Task, enqueue
 from steeple.postgres.queue._sql import QueueSql, queue_sql
 
@@ -61,7 +61,7 @@ STATEMENTS: dict[str, Callable[[QueueSql], tuple[str, tuple[Any, ...]]]] = {
     "renew": lambda sql: (sql.renew, (text_array([1]), text_array([uuid.uuid4()]))),
     "complete": lambda sql: (
         sql.complete,
-        (text_array([1]), text_array([uuid.uuid4()]), "w", [None], [None]),
+        (array_literal([1]), array_literal([uuid.uuid4()]), "w", [None], [None]),
     ),
     "completed_by": lambda sql: (
         sql.completed_by,

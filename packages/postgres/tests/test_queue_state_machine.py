@@ -12,13 +12,13 @@ import os
 import uuid
 from collections.abc import Hashable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import pytest
 from hypothesis import HealthCheck, settings
 
-from steeple.postgres._arrays import text_array
+from steeple.postgres._arrays import array_literal, text_array
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue, install
 from steeple.postgres.queue._sql import queue_sql
 from steeple.testing.conformance.queue import (
@@ -80,7 +80,12 @@ class PostgresQueueDriver:
     async def complete(self, task_id: int, token: Hashable) -> bool:
         return bool(
             await self.rows(
-                self.sql.complete, text_array([task_id]), text_array([token]), "w", [None], [None]
+                self.sql.complete,
+                array_literal([task_id]),
+                array_literal([cast(uuid.UUID, token)]),
+                "w",
+                [None],
+                [None],
             )
         )
 

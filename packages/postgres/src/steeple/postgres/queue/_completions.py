@@ -22,7 +22,7 @@ from typing import Final
 
 from steeple.core.tasks import TaskEvent, TaskState, transition
 from steeple.engine.crashpoints import crash_point
-from steeple.postgres._arrays import text_array
+from steeple.postgres._arrays import array_literal, text_array
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._driver import describe_db_error, is_data_error
@@ -285,13 +285,15 @@ class Completions:
         env = self._env
         try:
             crash_point("queue.complete.before")
+            results = [c.result for c in batch]
+            progress = [c.ctx.progress_text for c in batch]
             rows = await env.db.fetch(
                 env.sql.complete,
-                text_array(c.ctx.task_id for c in batch),
-                text_array(c.token for c in batch),
+                array_literal([c.ctx.task_id for c in batch]),
+                array_literal([c.token for c in batch]),
                 env.worker_id,
-                [c.result for c in batch],
-                [c.ctx.progress_text for c in batch],
+                _or_null(results),
+                _or_null(progress),
                 timeout=env.timeout,
             )
             crash_point("queue.complete.committed")
@@ -397,6 +399,11 @@ class Completions:
         for claimed in self._to_release:
             await self.release_now(claimed)
         self._to_release.clear()
+
+
+def _or_null(values: list[str | None]) -> list[str | None] | None:
+    """``values``, or ``None`` (an SQL NULL array) when every one of them is ``None``."""
+    return values if any(v is not None for v in values) else None
 
 
 def _before_lapse(delay: float, batch: list[Claimed]) -> float:

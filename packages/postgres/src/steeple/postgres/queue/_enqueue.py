@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import attrs
 
 from steeple.postgres.queue import _driver, _metrics, _tracing
-from steeple.postgres.queue._local import local_queue
+from steeple.postgres.queue._local import LocalQueue, local_queue
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, entry_point, entry_point_sync
 from steeple.postgres.queue._sql import QueueSql, queue_sql
 from steeple.postgres.queue._validate import check_queue
@@ -193,8 +193,13 @@ def _many_params(
     options: EnqueueOptions | None,
     sql: QueueSql,
     queue: str | None,
+    local: bool,
 ) -> tuple[list[Any], Task[A], EnqueueOptions]:
-    """Check and encode a batch; the parameters lack the trace context (appended last)."""
+    """Check and encode a batch; the parameters lack the trace context (appended last).
+
+    The args go as one JSON array text to the database, as a list of texts to a local
+    queue (``local``).
+    """
     task, options = _checked(task, options, queue)
     if not isinstance(args_list, Sequence) or isinstance(args_list, str | bytes | bytearray):
         raise QueueTypeError(
@@ -206,9 +211,8 @@ def _many_params(
         raise QueueConfigurationError(
             f"enqueue_many takes at most {MAX_ENQUEUE_MANY} tasks per call; got {len(args_list)}"
         )
-    texts = [task.encode(a) for a in args_list]
     params = _params(sql, task, "", options, None)
-    params[1] = texts
+    params[1] = [task.encode(a) for a in args_list] if local else task.encode_all(args_list)
     del params[10]  # no dedup key: the channel becomes $11, the delay $12
     del params[12]  # the trace context ($14) is the producer span's, added by the caller
     return params, task, options  # ... after the queue ($13)
@@ -247,7 +251,9 @@ async def enqueue_many(
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    params, task, checked = _many_params(task, args_list, options, sql, queue)
+    params, task, checked = _many_params(
+        task, args_list, options, sql, queue, isinstance(conn, LocalQueue)
+    )
     local = local_queue(conn, schema)
     if local is not None:
         return local.store_many(task, params[1], checked)
@@ -283,7 +289,9 @@ def enqueue_many_sync(
             a full disk); nothing was stored.
     """
     sql = queue_sql(schema)
-    params, task, checked = _many_params(task, args_list, options, sql, queue)
+    params, task, checked = _many_params(
+        task, args_list, options, sql, queue, isinstance(conn, LocalQueue)
+    )
     local = local_queue(conn, schema)
     if local is not None:
         return local.store_many(task, params[1], checked)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import attrs
@@ -19,9 +20,13 @@ __all__ = ["Counter", "Histogram", "QueueInstruments", "instruments", "task_attr
 Attributes = Mapping[str, str] | None
 
 
-def task_attributes(task_name: str, queue: str) -> dict[str, str]:
-    """Return the attributes every per-task measurement carries: the task name and queue."""
-    return {"task": task_name, "queue": queue}
+@functools.lru_cache(maxsize=1024)
+def task_attributes(task_name: str, queue: str) -> Mapping[str, str]:
+    """Return the attributes every per-task measurement carries: the task name and queue.
+
+    Built once per name and queue (a worker measures each task several times): read-only.
+    """
+    return MappingProxyType({"task": task_name, "queue": queue})
 
 
 class Counter(Protocol):

@@ -184,14 +184,15 @@ SELECT $1, $2::text::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$13")}, $5, 
 FROM created, {DURABLE}
 ON CONFLICT (task_name, dedup_key) WHERE dedup_key IS NOT NULL AND state IN {LIVE} DO NOTHING
 RETURNING id, pg_notify($12, {_DUE_PAYLOAD.format(run_at="run_at")})::text""",
-        # $1 name, $2 args[], $3.. as above but no dedup; $11 channel, $12 delay|null,
-        # $13 queue, $14 trace context|null (one for the batch)
+        # $1 name, $2 every args as one JSON array text (Task.encode_all), $3.. as above
+        # but no dedup; $11 channel, $12 delay|null, $13 queue, $14 trace context|null (one
+        # for the batch)
         enqueue_many=f"""
 WITH {_NOW}, ins AS (
     INSERT INTO {s}.tasks ({_TASK_COLUMNS}, created_at, updated_at, trace_context)
-    SELECT $1, u.a::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$12")}, $5, $6::interval,
+    SELECT $1, u.a, $3, {_RUN_AT.format(run_at="$4", delay="$12")}, $5, $6::interval,
            $7, $8, $9, $10, $13, created.at, created.at, $14::text::jsonb
-    FROM created, {DURABLE}, unnest($2::text[]) WITH ORDINALITY AS u(a, n)
+    FROM created, {DURABLE}, jsonb_array_elements($2::text::jsonb) WITH ORDINALITY AS u(a, n)
     ORDER BY u.n
     RETURNING id, run_at
 )
@@ -232,8 +233,9 @@ SET lease_expires_at = clock_timestamp() + t.lease_duration
 FROM {RELAXED}, unnest($1::text[]::bigint[], $2::text[]::uuid[]) AS h(id, token)
 WHERE t.id = h.id AND t.lease_token = h.token
 RETURNING t.id""",
-        # $1 ids[], $2 tokens[], $3 worker id, $4 results[] (JSON text|null), $5 latest
-        # progress[] (JSON text|null: keep what was written)
+        # $1 ids, $2 tokens (array literals, see _arrays.array_literal), $3 worker id,
+        # $4 results[] (JSON text|null), $5 latest progress[] (JSON text|null: keep what
+        # was written); $4 or $5 NULL when all of theirs are (unnest pads it with NULLs)
         complete=f"""
 WITH done AS (
     UPDATE {s}.tasks t
@@ -241,7 +243,7 @@ WITH done AS (
         lease_token = NULL, lease_expires_at = NULL, result = h.result::jsonb,
         progress = coalesce(h.progress::jsonb, t.progress)
     FROM {DURABLE},
-         unnest($1::text[]::bigint[], $2::text[]::uuid[], $4::text[], $5::text[])
+         unnest($1::text::bigint[], $2::text::uuid[], $4::text[], $5::text[])
              AS h(id, token, result, progress)
     WHERE t.id = h.id AND t.lease_token = h.token
     RETURNING t.id, t.attempts, t.started_at, t.finished_at

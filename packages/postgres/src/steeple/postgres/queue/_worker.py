@@ -56,6 +56,7 @@ from steeple.postgres.queue._db import (
     SERVER_SETTINGS,
     WorkerDb,
     check_durable,
+    keep_session,
     open_db,
 )
 from steeple.postgres.queue._execution import (
@@ -499,6 +500,8 @@ class Scheduler:
                     min_size=0,
                     max_size=8,
                     max_inactive_connection_lifetime=60,
+                    # No reset query on release: one round trip less per statement.
+                    reset=keep_session,
                     # Named per worker: operators (and tests) find its sessions in
                     # pg_stat_activity, as they find its listener.
                     server_settings={

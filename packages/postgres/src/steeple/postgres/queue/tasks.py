@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Generic, TypeVar, cast
 
@@ -216,6 +217,39 @@ class Task(Generic[A]):
             MAX_ARGS_BYTES,
             "pass JSON values (dict, list, str, int, float, bool, None)",
         )
+
+    def encode_all(self, args_list: Sequence[A]) -> str:
+        """Encode a batch of args as one JSON array text (``enqueue_many``).
+
+        Each element is what :meth:`encode` stores for its args. The batch goes through the
+        checks once, as one value (one pass of the C encoder instead of one call per args).
+        When that refuses it (one args is refused, or the whole is over the size limit of
+        one args), each is checked alone, which names the one refused or joins the texts
+        that pass: the outcome is the same either way.
+
+        Raises:
+            ArgsEncodingError: as :meth:`encode`, for the first args refused.
+        """
+        kind = self.args_type
+        values: list[Any] | None = None
+        if kind is None:
+            values = list(args_list)
+        elif all(isinstance(args, kind) for args in args_list):
+            try:
+                values = [
+                    attrs.asdict(cast(Any, args), recurse=True)
+                    if attrs.has(kind)
+                    else dataclasses.asdict(cast(Any, args))
+                    for args in args_list
+                ]
+            except RecursionError:
+                values = None
+        if values is not None:
+            try:
+                return storable_json(values, ArgsEncodingError, "", MAX_ARGS_BYTES, "")
+            except ArgsEncodingError:
+                pass  # checked one by one below: that names the args refused, and why
+        return "[" + ", ".join([self.encode(args) for args in args_list]) + "]"
 
     def decode(self, text: str) -> A:
         """Decode stored JSON text back to the args type.
