@@ -43,7 +43,7 @@ from typing import Any
 import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _private_pg import PrivateServer  # noqa: E402
+from _private_pg import PrivateServer
 
 SCHEMA = "steeple_queue"
 TABLES = ("tasks", "attempts", "jobs", "settings", "schema_migrations")
@@ -371,13 +371,12 @@ async def run(args: argparse.Namespace) -> None:
         summary = summarize(samples, args.holders, args.recovery)
         print(json.dumps(summary, indent=2, default=str))
         if args.json:
-            Path(args.json).write_text(
+            Path(args.json).write_text(  # noqa: ASYNC240 - once, at the end
                 json.dumps(
                     {
                         "summary": summary,
                         "samples": [
-                            {k: v for k, v in vars(s).items() if k != "latencies"}
-                            for s in samples
+                            {k: v for k, v in vars(s).items() if k != "latencies"} for s in samples
                         ],
                     },
                     default=str,

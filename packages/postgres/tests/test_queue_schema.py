@@ -45,7 +45,7 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             (6, "0006_named_queues_and_limits"),
             (7, "0007_results_progress_and_failure_details"),
             (8, "0008_claim_reads_tasks_by_index"),
-            (10, "0010_room_for_updates_and_eager_vacuum"),
+            (10, "0010_vacuum_and_bounded_counts"),
         ]
         assert await conn.fetchval("SELECT to_regproc($1) IS NOT NULL", f'"{schema}".claim')
         tables = {

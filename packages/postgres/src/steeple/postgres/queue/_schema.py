@@ -48,7 +48,7 @@ _MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
     (6, "0006_named_queues_and_limits"),
     (7, "0007_results_progress_and_failure_details"),
     (8, "0008_claim_reads_tasks_by_index"),
-    (10, "0010_room_for_updates_and_eager_vacuum"),
+    (10, "0010_vacuum_and_bounded_counts"),
 )
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""
