@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -37,8 +38,8 @@ from typing import Any
 
 import asyncpg
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _private_pg import PrivateServer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._private_pg import PrivateServer
 
 INSERT = """INSERT INTO {s}.tasks (task_name, args, max_attempts, lease_duration,
     backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter, queue, state,
@@ -74,6 +75,10 @@ async def build(conn: asyncpg.Connection, s: str, big: int, others: int, finishe
                 f"in {time.perf_counter() - t0:.1f} s",
                 flush=True,
             )
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 async def timed(fn: Callable[[], Awaitable[Any]], rounds: int) -> tuple[float, float]:
@@ -151,7 +156,6 @@ async def run(args: argparse.Namespace) -> None:
         )
         print("tasks table + indexes:", {r["nspname"]: r["size"] for r in sizes})
         task: Task[Any] = Task("work")
-        results: dict[str, dict[str, list[float]]] = {"small": {}, "big": {}}
         queue_of = {"small": "big", "big": "big"}
 
         def calls(s: str) -> dict[str, Callable[[], Awaitable[Any]]]:
@@ -184,16 +188,21 @@ async def run(args: argparse.Namespace) -> None:
                 "tasks page (pending)": lambda: overview.tasks(limit=50, state="pending"),
             }
 
-        for _ in range(args.rounds):
-            for s in ("small", "big"):
-                for name, fn in calls(s).items():
-                    med, _ = await timed(fn, 1)
-                    results[s].setdefault(name, []).append(med)
-        print(f"\n{'call':<30} {'small ms':>10} {'big ms':>10} {'ratio':>7}")
-        for name in results["small"]:
-            a = statistics.median(results["small"][name])
-            b = statistics.median(results["big"][name])
-            print(f"{name:<30} {a:10.2f} {b:10.2f} {b / a:7.2f}")
+        for label in ("no statistics", "after ANALYZE"):
+            if label == "after ANALYZE":
+                await conn.execute("ANALYZE small.tasks; ANALYZE big.tasks")
+            results: dict[str, dict[str, list[float]]] = {"small": {}, "big": {}}
+            for _ in range(args.rounds):
+                for s in ("small", "big"):
+                    for name, fn in calls(s).items():
+                        med, _ = await timed(fn, 1)
+                        results[s].setdefault(name, []).append(med)
+            print(f"\n{label}: medians of {args.rounds} rounds (load {load()})")
+            print(f"{'call':<30} {'small ms':>10} {'big ms':>10} {'ratio':>7}")
+            for name in results["small"]:
+                a = statistics.median(results["small"][name])
+                b = statistics.median(results["big"][name])
+                print(f"{name:<30} {a:10.2f} {b:10.2f} {b / a:7.2f}", flush=True)
         for want in (1, 100):
             print(f"\nclaim plan, batch {want}, big schema:")
             for line in await claim_plan(conn, "big", "big", want):

@@ -42,8 +42,8 @@ from typing import Any
 
 import asyncpg
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _private_pg import PrivateServer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._private_pg import PrivateServer
 
 SCHEMA = "steeple_queue"
 TABLES = ("tasks", "attempts", "jobs", "settings", "schema_migrations")
@@ -340,7 +340,7 @@ async def run(args: argparse.Namespace) -> None:
         await conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
         await install(conn, schema=SCHEMA)
         await load.start()
-        plan = [("baseline", args.baseline, None)]
+        plan: list[tuple[str, float, str | None]] = [("baseline", args.baseline, None)]
         for kind in args.holders:
             plan += [(f"hold:{kind}", args.hold, kind), (f"recover:{kind}", args.recovery, None)]
         samples: list[Sample] = []
@@ -351,14 +351,13 @@ async def run(args: argparse.Namespace) -> None:
             flush=True,
         )
         print(HEADER, flush=True)
-        holder: Holder | None = None
+        held: list[Holder] = []
         for phase, seconds, kind in plan:
-            if holder is not None:
-                await holder.release()
-                holder = None
+            while held:
+                await held.pop().release()
             if kind is not None:
-                holder = Holder(kind, dsn)
-                await holder.hold()
+                held.append(Holder(kind, dsn))
+                await held[-1].hold()
             end = time.monotonic() + seconds
             while time.monotonic() < end:
                 since, done, claims = time.monotonic(), load.finished, len(load.claim_times)
@@ -366,8 +365,8 @@ async def run(args: argparse.Namespace) -> None:
                 sample = await observe(conn, load, phase, since, done, claims)
                 samples.append(sample)
                 print(row(sample, t0), flush=True)
-        if holder is not None:
-            await holder.release()
+        while held:
+            await held.pop().release()
         summary = summarize(samples, args.holders, args.recovery)
         print(json.dumps(summary, indent=2, default=str))
         if args.json:

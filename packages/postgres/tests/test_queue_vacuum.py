@@ -40,13 +40,13 @@ async def _claim_scans(conn: Any, s: str, want: int) -> tuple[int, int, int]:
     transaction = conn.transaction()
     await transaction.start()
     try:
-        seq0, idx0 = await conn.fetchrow(scans, f"{s}.tasks")
+        seq0, idx0 = tuple(await conn.fetchrow(scans, f"{s}.tasks") or ())
         rows = await conn.fetch(
             f"""SELECT * FROM {s}.claim(ARRAY['default'], ARRAY[$1]::integer[],
                 ARRAY['vacuum-t'], 'w', extract(epoch FROM clock_timestamp()) + 60)""",
             want,
         )
-        seq, idx = await conn.fetchrow(scans, f"{s}.tasks")
+        seq, idx = tuple(await conn.fetchrow(scans, f"{s}.tasks") or ())
     finally:
         await transaction.rollback()
     return len([r for r in rows if r["id"] is not None]), int(seq - seq0), int(idx - idx0)
@@ -76,6 +76,15 @@ async def test_claim_walks_the_index_while_dead_rows_pile_up(
         await conn.close()
 
 
+async def _updates(conn: Any, table: str) -> tuple[int, int]:
+    """This session's unflushed updates of ``table``, and how many of them were HOT."""
+    row = await conn.fetchrow(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relid = $1::regclass",
+        table,
+    )
+    return int(row[0]), int(row[1])
+
+
 async def test_progress_updates_are_heap_only(pg_schema: tuple[str, str]) -> None:
     dsn, schema = pg_schema
     s = f'"{schema}"'
@@ -85,21 +94,13 @@ async def test_progress_updates_are_heap_only(pg_schema: tuple[str, str]) -> Non
         await conn.execute(f"ALTER TABLE {s}.tasks SET (autovacuum_enabled = false)")
         await conn.execute(_INSERT.format(s=s), 5_000)
         async with conn.transaction():
-            upd0, hot0 = await conn.fetchrow(
-                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
-                " WHERE relid = $1::regclass",
-                f"{s}.tasks",
-            )
+            upd0, hot0 = await _updates(conn, f"{s}.tasks")
             # One row in six gets a progress report (as handlers running at once do).
             await conn.execute(
                 f"""UPDATE {s}.tasks SET progress = '{{"fraction": 0.5}}'::jsonb
                 WHERE id % 6 = 0"""
             )
-            upd, hot = await conn.fetchrow(
-                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
-                " WHERE relid = $1::regclass",
-                f"{s}.tasks",
-            )
+            upd, hot = await _updates(conn, f"{s}.tasks")
         upd, hot = upd - upd0, hot - hot0
         assert upd > 800
         # Packed pages (fill factor 100) leave room for almost none of them.

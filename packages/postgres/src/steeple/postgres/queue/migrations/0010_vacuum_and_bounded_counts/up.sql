@@ -53,6 +53,9 @@ STABLE
 SET enable_sort = off
 SET enable_bitmapscan = off
 SET enable_seqscan = off
+-- A plan that must sort anyway (the queues' union) costs as much as a disabled node, far
+-- past jit_above_cost: compiling it would take longer than running it.
+SET jit = off
 SET plan_cache_mode = force_custom_plan
 AS $$
 #variable_conflict use_column
@@ -97,6 +100,7 @@ STABLE
 SET enable_sort = off
 SET enable_bitmapscan = off
 SET enable_seqscan = off
+SET jit = off
 AS $$
 WITH RECURSIVE pending_queues AS (
     (SELECT t.queue FROM __SCHEMA__.tasks t WHERE t.state = 'pending'
