@@ -20,6 +20,10 @@ schemas (rounds interleaved, medians):
 - pruning: ``prune_terminal`` batches of 10,000 over the finished tasks (each batch one
   short transaction: time per batch and the longest), all of them with ``--prune-all``.
 
+Then a recurring namespace holding ``--occurrences`` published occurrences (inserted the
+same way) beside one holding none: claim 1 and 100, the first occurrences page, the first
+schedules page and tick, each namespace with 2,880 occurrences to claim.
+
 Targets: each claim within 3x of the small schema's; every dashboard call under 1 s.
 """
 
@@ -113,6 +117,80 @@ async def claim_plan(conn: asyncpg.Connection, s: str, queue: str, want: int) ->
         for ln in msg.splitlines()
         if "Buffers" in ln or "Scan" in ln or "Query Text" in ln or "duration" in ln
     ]
+
+
+HISTORY = """INSERT INTO {s}.recurring_occurrences (namespace, id, definition_name, due_at,
+    state, attempts, window_ends_at, created_at, updated_at, finished_at)
+SELECT 'bench', md5('h' || i), 'hist-' || (i % 100), $3::timestamptz - interval '1 s' * i,
+       'published', 1, $3::timestamptz - interval '1 s' * i + interval '1 hour',
+       $3::timestamptz - interval '1 s' * i, $3::timestamptz - interval '1 s' * i,
+       $3::timestamptz - interval '1 s' * i
+FROM generate_series($1::bigint, $2::bigint) AS i"""
+
+
+async def recurring(dsn: str, occurrences: int, rounds: int) -> None:
+    """A namespace holding ``occurrences`` published occurrences beside an empty one."""
+    from datetime import UTC, datetime
+
+    from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage
+    from steeple.keyring import Keyring, StorageKey
+    from steeple.postgres import PostgresRecurringStore
+    from steeple.testing import FakeClock
+
+    now = datetime(2031, 3, 4, 5, 6, 7, tzinfo=UTC)
+    stores = {}
+    conn = await asyncpg.connect(dsn)
+    for schema in ("rsmall", "rbig"):
+        store = await PostgresRecurringStore.initialize(
+            dsn,
+            RecurringConfig("bench", 200, 100_000),
+            Keyring(StorageKey.generate("bench")),
+            FakeClock(now),
+            schema=schema,
+        )
+        # Two days of a per-minute schedule caught up: 2,880 occurrences to claim.
+        await store.create(
+            RecurringDefinition(
+                "every-minute",
+                "* * * * *",
+                now - timedelta(days=2),
+                MissedRunPolicy.CATCH_UP,
+                ScheduledMessage("bench", "tick", b"x" * 200),
+            )
+        )
+        while (await store.tick(100)).materialized:
+            pass
+        stores[schema] = store
+    await conn.execute("ALTER TABLE rbig.recurring_occurrences SET (autovacuum_enabled = false)")
+    t0 = time.perf_counter()
+    for lo in range(1, occurrences + 1, CHUNK):
+        await conn.execute(HISTORY.format(s="rbig"), lo, min(occurrences, lo + CHUNK - 1), now)
+    print(f"\nrecurring: {occurrences:,} published occurrences in {time.perf_counter() - t0:.0f} s")
+    for label in ("no statistics", "after ANALYZE"):
+        if label == "after ANALYZE":
+            await conn.execute("ANALYZE rsmall.recurring_occurrences")
+            await conn.execute("ANALYZE rbig.recurring_occurrences")
+        results: dict[str, dict[str, list[float]]] = {"rsmall": {}, "rbig": {}}
+        for _ in range(rounds):
+            for schema, store in stores.items():
+                for name, fn in {
+                    "claim 1": lambda st=store: st.claim(1),
+                    "claim 100": lambda st=store: st.claim(100),
+                    "occurrences page (100)": lambda st=store: st.occurrences(limit=100),
+                    "schedules page (100)": lambda st=store: st.schedules(limit=100),
+                    "tick 100": lambda st=store: st.tick(100),
+                }.items():
+                    med, _ = await timed(fn, 1)
+                    results[schema].setdefault(name, []).append(med)
+        print(f"recurring, {label}: medians of {rounds} rounds (load {load()})")
+        print(f"{'call':<30} {'empty ms':>10} {'big ms':>10} {'ratio':>7}")
+        for name in results["rsmall"]:
+            x = statistics.median(results["rsmall"][name])
+            y = statistics.median(results["rbig"][name])
+            print(f"{name:<30} {x:10.2f} {y:10.2f} {y / x:7.2f}", flush=True)
+    for store in stores.values():
+        await store.close()
+    await conn.close()
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -225,6 +303,8 @@ async def run(args: argparse.Namespace) -> None:
             )
         await pool.close()
         await conn.close()
+        if args.occurrences:
+            await recurring(dsn, args.occurrences, args.rounds)
     finally:
         server.close()
 
@@ -237,6 +317,7 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=5_000)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--prune-all", action="store_true")
+    parser.add_argument("--occurrences", type=int, default=1_000_000)
     asyncio.run(run(parser.parse_args()))
 
 
