@@ -85,6 +85,38 @@ async def _updates(conn: Any, table: str) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
+async def test_the_claim_is_never_jit_compiled(pg_schema: tuple[str, str]) -> None:
+    """A claim costed as a walk over millions (its batch size is a parameter) must not
+    spend tens of milliseconds compiling a plan that runs in microseconds."""
+    dsn, schema = pg_schema
+    s = f'"{schema}"'
+    conn = await asyncpg.connect(dsn)
+    logged: list[str] = []
+    try:
+        await install(conn, schema=schema)
+        await conn.execute(_INSERT.format(s=s), 20)
+        try:
+            await conn.execute("LOAD 'auto_explain'")
+        except asyncpg.PostgresError as exc:
+            pytest.skip(f"auto_explain cannot be loaded here: {exc}")
+        if await conn.fetchval("SELECT pg_jit_available()") is not True:
+            pytest.skip("the server has no JIT provider")
+        await conn.execute(
+            "SET jit = on; SET jit_above_cost = 0; SET jit_inline_above_cost = 0;"
+            " SET auto_explain.log_min_duration = 0;"
+            " SET auto_explain.log_nested_statements = on; SET client_min_messages = log"
+        )
+        conn.add_log_listener(lambda _c, message: logged.append(message.message))
+        claimed, _, _ = await _claim_scans(conn, s, 5)
+        await conn.execute("SET client_min_messages = notice")
+        assert claimed == 5
+        statements = [m for m in logged if "Query Text" in m and "tasks" in m]
+        assert statements, logged
+        assert not [m for m in statements if "JIT:" in m], statements
+    finally:
+        await conn.close()
+
+
 async def test_progress_updates_are_heap_only(pg_schema: tuple[str, str]) -> None:
     dsn, schema = pg_schema
     s = f'"{schema}"'
