@@ -1,5 +1,5 @@
 """nox sessions for steeple: lint, typecheck, tests, stress, failover, core (driverless),
-isolated, wheels, bench, bench-compare, mutants, demo, docs.
+isolated, wheels, bench, bench-compare, bloat, backlog, mutants, demo, docs.
 
 Sessions reuse uv for speed and never download an interpreter.
 
@@ -718,6 +718,26 @@ def bench(session: nox.Session) -> None:
     ):
         if os.path.exists(f"benchmarks/{script}"):
             session.run("python", f"benchmarks/{script}", *session.posargs)
+
+
+@nox.session
+def bloat(session: nox.Session) -> None:
+    """The vacuum horizon held under steady load (``benchmarks/bench_bloat.py``).
+
+    ``nox -s bloat`` holds each of three horizon holders 10 minutes (about 45 minutes in
+    all, on a private server the benchmark starts); ``nox -s bloat -- --short`` 90 s each.
+    """
+    _sync(session)
+    session.run("python", "benchmarks/bench_bloat.py", *session.posargs)
+
+
+@nox.session
+def backlog(session: nox.Session) -> None:
+    """A backlog of millions (``benchmarks/bench_backlog.py``): the claim, operator calls
+    and the dashboard beside a small queue; ``-- --big 1000000 --others 100000`` for a
+    shorter run."""
+    _sync(session)
+    session.run("python", "benchmarks/bench_backlog.py", *session.posargs)
 
 
 @nox.session(name="bench-compare")

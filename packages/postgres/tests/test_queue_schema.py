@@ -46,6 +46,7 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             (7, "0007_results_progress_and_failure_details"),
             (8, "0008_claim_reads_tasks_by_index"),
             (9, "0009_claim_in_one_statement"),
+            (10, "0010_vacuum_and_bounded_counts"),
         ]
         assert await conn.fetchval("SELECT to_regproc($1) IS NOT NULL", f'"{schema}".claim')
         tables = {

@@ -501,15 +501,39 @@ def result_section(task: TaskRecord, *, withheld: bool = False) -> str:
 # --- overview ------------------------------------------------------------------------------
 
 
+def about(n: int) -> str:
+    """Say an estimate as people do: ``about 10 M``, ``about 120 k``."""
+    for size, unit in ((1_000_000_000, "G"), (1_000_000, "M"), (1_000, "k")):
+        if n >= size:
+            return f"about {n / size:.3g} {unit}"
+    return f"about {n}"
+
+
+def bounded(n: int, bound: str | None) -> str:
+    """Show a count: exact, ``10,000+`` (counting stopped) or ``about 10 M``."""
+    if bound == "at_least":
+        return f"{n:,}+"
+    if bound == "about":
+        return about(n)
+    return str(n)
+
+
 def counts_section(links: Links, overview: Overview) -> str:
     """Render the counts per state, each a link to the filtered task list."""
     total = sum(overview.counts.values())
     cards = "".join(
         f'<a class="card state-{esc(s)}" href="{esc(links.tasks(TaskFilter(state=s)))}">'
-        f'<span class="n">{overview.counts.get(s, 0)}</span><span class="label">{esc(s)}</span></a>'
+        f'<span class="n">{esc(bounded(overview.counts.get(s, 0), overview.bounds.get(s)))}'
+        f'</span><span class="label">{esc(s)}</span></a>'
         for s in TASK_STATES
     )
-    return heading("Tasks by state", total) + f'<div class="cards">{cards}</div>'
+    note = (
+        "counts stop at 10,000 per state; larger ones are estimates from the table's statistics"
+        if overview.bounds
+        else ""
+    )
+    shown = None if overview.bounds else total
+    return heading("Tasks by state", shown, note) + f'<div class="cards">{cards}</div>'
 
 
 def queues_section(links: Links, queues: Sequence[QueueRecord], actions: bool) -> str:
@@ -532,8 +556,8 @@ def queues_section(links: Links, queues: Sequence[QueueRecord], actions: bool) -
         row = [
             f'<a href="{esc(links.tasks(TaskFilter(queue=q.name)))}">{esc(q.name)}</a>',
             state,
-            esc(q.pending),
-            esc(q.running),
+            esc(bounded(q.pending, "at_least" if q.pending_capped else None)),
+            esc(bounded(q.running, "at_least" if q.running_capped else None)),
             esc(", ".join(limits) or "-"),
         ]
         if actions:

@@ -78,6 +78,8 @@ def queue_record(info: QueueInfo) -> QueueRecord:
         rate_period_seconds=None if period is None else period.total_seconds(),
         due_since=info.due_since,
         unserved=info.unserved,
+        pending_capped=info.pending_capped,
+        running_capped=info.running_capped,
     )
 
 
@@ -285,14 +287,21 @@ class PostgresTaskAdmin:
             return None
 
     async def overview(self) -> Overview:
-        """Return counts per state and tasks finished per minute over the last hour."""
+        """Return counts per state and tasks finished per minute over the last hour.
+
+        The counts are bounded (see ``steeple.postgres.queue.admin.count_by_state_bounded``):
+        the overview is refreshed every few seconds by every open page, and must not count
+        a table of millions each time.
+        """
         from steeple.postgres.queue import admin
 
-        counts = await self.counts()  # first: a typed error when the queue is not installed
+        # First: a typed error when the queue is not installed.
+        bounded = await admin.count_by_state_bounded(self.pool, schema=self.schema)
         seen = await admin.throughput(self.pool, schema=self.schema)
         queues = await admin.list_queues(self.pool, schema=self.schema)
         return Overview(
-            counts=counts,
+            counts={state.value: c.n for state, c in bounded.items()},
+            bounds={state.value: c.bound for state, c in bounded.items() if c.bound != "exact"},
             ends_at=seen.ends_at,
             bucket_seconds=seen.bucket.total_seconds(),
             finished={state.value: per for state, per in seen.finished.items()},

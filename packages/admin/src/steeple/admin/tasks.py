@@ -207,6 +207,10 @@ class QueueRecord:
     unserved: bool = False
     """No worker appears to claim from it: due work waits and nothing of it runs (see
     ``steeple.postgres.queue.QueueInfo.unserved``)."""
+    pending_capped: bool = False
+    """``pending`` is where counting stopped: the queue holds at least that many."""
+    running_capped: bool = False
+    """``running`` is where counting stopped: at least that many run."""
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -214,7 +218,9 @@ class QueueRecord:
             "name": self.name,
             "paused": self.paused,
             "pending": self.pending,
+            "pending_capped": self.pending_capped,
             "running": self.running,
+            "running_capped": self.running_capped,
             "max_running": self.max_running,
             "rate_limit": self.rate_limit,
             "rate_period_seconds": self.rate_period_seconds,
@@ -235,6 +241,9 @@ class Overview:
         queues: the named queues with live tasks or settings, by name.
         finished_by_queue: per named queue that finished tasks in the window, the count
             per terminal state over the whole window, by queue name.
+        bounds: the states whose count is not exact: ``"at_least"`` (counting stopped
+            there: "10,000+") or ``"about"`` (an estimate from the table's statistics).
+            A large table is never counted in full on each refresh.
     """
 
     counts: dict[str, int]
@@ -243,11 +252,13 @@ class Overview:
     finished: dict[str, tuple[int, ...]]
     queues: tuple[QueueRecord, ...] = ()
     finished_by_queue: dict[str, dict[str, int]] = attrs.field(factory=dict)
+    bounds: dict[str, str] = attrs.field(factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
         return {
             "counts": self.counts,
+            "count_bounds": self.bounds,
             "queues": [q.to_json() for q in self.queues],
             "throughput": {
                 "ends_at": _iso(self.ends_at),

@@ -40,6 +40,7 @@ class AdminSql:
     retry: str
     count_prunable: str
     list_jobs: str
+    count_by_state_bounded: str
 
 
 def admin_sql(schema: str) -> AdminSql:
@@ -120,6 +121,19 @@ WITH target AS (
 SELECT target.state, (SELECT count(*) FROM done), (SELECT id FROM blocker) FROM target""",
         # $1 older-than interval: what prune_terminal would remove, however many batches
         count_prunable=f"SELECT count(*) FROM {s}.tasks WHERE {PRUNABLE}",
+        # $1 how many to count at most per state (pending, running) or in all (terminal),
+        # $2 the schema's name. count_states walks each state's partial index and stops;
+        # then the statistics' estimate of each state, from the last ANALYZE (none before).
+        count_by_state_bounded=f"""
+SELECT c.state, c.n FROM {s}.count_states($1, NULL) AS c
+UNION ALL
+SELECT 'about ' || m.state, (m.freq * greatest(c.reltuples, 0))::bigint
+FROM pg_stats st
+JOIN pg_class c ON c.relname = st.tablename
+JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = st.schemaname
+CROSS JOIN LATERAL unnest(st.most_common_vals::text::text[], st.most_common_freqs)
+    AS m(state, freq)
+WHERE st.schemaname = $2 AND st.tablename = 'tasks' AND st.attname = 'state'""",
         # $1 exclusive name cursor ('' for the first page), $2 limit
         list_jobs=f"""
 SELECT {JOB_COLUMNS} FROM {s}.jobs WHERE name > $1 ORDER BY name LIMIT $2""",

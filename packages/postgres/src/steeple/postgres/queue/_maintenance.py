@@ -1,13 +1,21 @@
 """Maintenance: recovers expired leases of dead or stalled workers, materializes recurring jobs.
 
 Both run every ``maintenance_interval`` and wake the claim loop when they made work due.
+Every ``HORIZON_CHECK_INTERVAL`` seconds it also asks whether the queue's tables collect
+dead rows that vacuum cannot remove, and who holds the horizon
+(:func:`steeple.postgres.horizon.held_horizon`); ``health_reasons()`` says so until they
+no longer do.
 Recovery's target state per task is core's: ``transition(RUNNING, lease_expiry_event(...))``
 (see ``_sql.recover_expired``).
 """
 
 from __future__ import annotations
 
+import time
+from typing import Final
+
 from steeple.engine.crashpoints import crash_point
+from steeple.postgres import horizon
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._aio import wait_event
 from steeple.postgres.queue._db import DB_ERRORS
@@ -16,7 +24,10 @@ from steeple.postgres.queue._outage import Retry
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._wakeups import Wakeups
 
-__all__ = ["Maintainer"]
+__all__ = ["HORIZON_CHECK_INTERVAL", "Maintainer"]
+
+HORIZON_CHECK_INTERVAL: Final = 30.0
+"""Seconds between two looks at the queue's dead rows (statistics views only)."""
 
 
 class Maintainer:
@@ -35,6 +46,7 @@ class Maintainer:
         pool = env.db
         inst = _metrics.instruments()
         retry = Retry(env.random)
+        horizon_due = 0.0
         while True:
             wait = self._interval
             try:
@@ -54,6 +66,15 @@ class Maintainer:
                 if made:
                     env.stats.materialized += made
                     self._wakeups.wake.set()
+                if time.monotonic() >= horizon_due:
+                    held = await pool.with_connection(
+                        lambda conn: horizon.held_horizon(
+                            conn, [env.schema], dead_rows=horizon.DEAD_ROWS_THRESHOLD
+                        ),
+                        timeout=env.timeout,
+                    )
+                    env.status.horizon = None if held is None else held.describe()
+                    horizon_due = time.monotonic() + HORIZON_CHECK_INTERVAL
                 env.stats.maintenance_rounds += 1
                 env.status.succeeded("maintenance")
                 env.status.database.succeeded()

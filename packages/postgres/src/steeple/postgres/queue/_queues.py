@@ -45,6 +45,10 @@ MAX_RATE_LIMIT: Final = 10_000
 """The most starts a rate limit allows per period (the claim keeps a log of them)."""
 _MAX_PERIOD: Final = 86_400.0
 _MAX_LISTED: Final = 1000
+COUNT_CAP: Final = 10_000
+"""The most tasks counted per queue and state: past it a queue's count reads "10,000+"
+(``QueueInfo.pending_capped``), so that a backlog of millions costs a listing no more than
+a backlog of ten thousand. Each count walks the partial index of its state."""
 UNSERVED_AFTER: Final = timedelta(minutes=5)
 """How long due work may wait, with nothing of its queue running, before the queue is
 judged unserved (a worker LISTENing claims due work at once, and polls every second by
@@ -74,6 +78,10 @@ class QueueInfo:
             (workers do not register themselves): a queue no live worker serves, or whose
             workers do not register that task, looks like this. Only :func:`list_queues`
             judges it (False elsewhere).
+        pending_capped: ``pending`` is :data:`COUNT_CAP` and the queue holds more (at
+            least that many; they are not counted). ``due_since`` is then judged among the
+            first :data:`COUNT_CAP` pending tasks in claim order (priority, then due time).
+        running_capped: the same for ``running``.
     """
 
     name: str
@@ -85,6 +93,8 @@ class QueueInfo:
     running: int = 0
     due_since: datetime | None = None
     unserved: bool = False
+    pending_capped: bool = False
+    running_capped: bool = False
 
 
 @attrs.frozen
@@ -153,22 +163,38 @@ async def _write(conn: Any, schema: str, statement: str, *args: Any) -> list[Any
     return row
 
 
-async def _counts(conn: Any, schema: str, queue: str) -> tuple[int, int]:
+def _bounded(n: int) -> tuple[int, bool]:
+    """Return a count of at most COUNT_CAP + 1 as (count shown, capped)."""
+    return (COUNT_CAP, True) if n > COUNT_CAP else (n, False)
+
+
+async def _counts(conn: Any, schema: str, queue: str) -> tuple[int, bool, int, bool]:
     s = validate_schema(schema)
-    ((pending, running),) = await _driver.fetch(
-        conn,
-        f"""SELECT count(*) FILTER (WHERE state = '{PENDING.value}'),
-                   count(*) FILTER (WHERE state = '{RUNNING.value}')
-        FROM {s}.tasks WHERE queue = $1 AND state IN ('{PENDING.value}', '{RUNNING.value}')""",
-        queue,
+    # count_states walks each state's partial index and stops after COUNT_CAP + 1.
+    rows = await _driver.fetch(
+        conn, f"SELECT state, n FROM {s}.count_states($1, $2)", COUNT_CAP + 1, queue
     )
-    return int(pending), int(running)
+    counted = {state: int(n) for state, n in rows}
+    return (
+        *_bounded(counted.get(PENDING.value, 0)),
+        *_bounded(counted.get(RUNNING.value, 0)),
+    )
 
 
 async def _queue_info(conn: Any, schema: str, row: list[Any]) -> QueueInfo:
     name, paused, max_running, rate_limit, rate_period = row[:5]
-    pending, running = await _counts(conn, schema, name)
-    return QueueInfo(name, paused, max_running, rate_limit, rate_period, pending, running)
+    pending, pending_capped, running, running_capped = await _counts(conn, schema, name)
+    return QueueInfo(
+        name,
+        paused,
+        max_running,
+        rate_limit,
+        rate_period,
+        pending,
+        running,
+        pending_capped=pending_capped,
+        running_capped=running_capped,
+    )
 
 
 @entry_point
@@ -295,7 +321,9 @@ async def list_queues(
     """List the queues that hold live tasks or have settings, by name (at most 1000).
 
     Each is judged ``unserved`` when no worker appears to claim from it: see
-    :attr:`QueueInfo.unserved`.
+    :attr:`QueueInfo.unserved`. Counts stop at :data:`COUNT_CAP` per queue and state
+    (``pending_capped``, ``running_capped``): the listing walks indexes and answers as fast
+    over a backlog of millions as over a few tasks.
 
     Args:
         conn: an asyncpg connection or pool, or a psycopg ``AsyncConnection``.
@@ -309,15 +337,19 @@ async def list_queues(
     """
     s = validate_schema(schema)
     wait = timedelta(seconds=check_seconds(unserved_after, "unserved_after", 1.0, _MAX_PERIOD))
+    first = COUNT_CAP + 1
     rows = await _driver.fetch(
         conn,
         f"""WITH live AS (
-            SELECT queue, count(*) FILTER (WHERE state = '{PENDING.value}') AS pending,
-                   count(*) FILTER (WHERE state = '{RUNNING.value}') AS running,
-                   min(greatest(run_at, created_at))
-                       FILTER (WHERE state = '{PENDING.value}') AS due_since
-            FROM {s}.tasks WHERE state IN ('{PENDING.value}', '{RUNNING.value}')
-            GROUP BY queue
+            -- live_queues skip-scans the partial indexes; count_states stops after
+            -- COUNT_CAP + 1 tasks per state: no pass over a backlog of millions.
+            SELECT q.queue,
+                   max(c.n) FILTER (WHERE c.state = '{PENDING.value}') AS pending,
+                   max(c.n) FILTER (WHERE c.state = '{RUNNING.value}') AS running,
+                   max(c.due_since) FILTER (WHERE c.state = '{PENDING.value}') AS due_since
+            FROM {s}.live_queues({_MAX_LISTED}) AS q
+            CROSS JOIN LATERAL {s}.count_states({first}, q.queue) AS c
+            GROUP BY q.queue
         ), named AS (
             SELECT name, {_SETTINGS},
                    (SELECT max(t) FROM unnest(recent_starts) AS t) AS last_start
@@ -335,7 +367,26 @@ async def list_queues(
         LIMIT {_MAX_LISTED}""",
         wait,
     )
-    return [QueueInfo(*row) for row in rows]
+    listed = []
+    for name, paused, max_running, rate_limit, period, pending, running, due, unserved in rows:
+        pending, pending_capped = _bounded(int(pending))
+        running, running_capped = _bounded(int(running))
+        listed.append(
+            QueueInfo(
+                name,
+                paused,
+                max_running,
+                rate_limit,
+                period,
+                pending,
+                running,
+                due,
+                unserved,
+                pending_capped,
+                running_capped,
+            )
+        )
+    return listed
 
 
 @entry_point

@@ -49,6 +49,7 @@ _MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
     (7, "0007_results_progress_and_failure_details"),
     (8, "0008_claim_reads_tasks_by_index"),
     (9, "0009_claim_in_one_statement"),
+    (10, "0010_vacuum_and_bounded_counts"),
 )
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""

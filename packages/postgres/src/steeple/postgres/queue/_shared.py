@@ -38,8 +38,9 @@ class Health(enum.Enum):
     """Claiming, with the database and the wake-up listener working."""
     DEGRADED = "degraded"
     """Running, but the database is unreachable, claims, completions, lease renewals or
-    maintenance keep failing (or claims are being refused), or the listener is down
-    (polling); ``health_reasons()`` names the cause."""
+    maintenance keep failing (or claims are being refused), the listener is down
+    (polling), or the queue's tables collect dead rows that vacuum cannot remove (a held
+    vacuum horizon); ``health_reasons()`` names the cause."""
     STOPPED = "stopped"
     """``run_until_shutdown`` returned (or never ran and was closed)."""
 
@@ -106,6 +107,9 @@ class WorkerStatus:
         """LISTEN is in place, or its first attempt failed and the worker polls."""
         self.database = DatabaseReporter()
         """Counts and reports the attempts that could not reach the database."""
+        self.horizon: str | None = None
+        """The held vacuum horizon the maintenance loop last saw (``HeldHorizon.describe``),
+        or None while the queue's tables hold fewer dead rows than the threshold."""
 
     def failed(self, activity: str, exc: BaseException) -> None:
         """Record that ``activity`` failed with ``exc`` (degraded until it succeeds)."""
@@ -129,6 +133,8 @@ class WorkerStatus:
             )
         if self.listener_settled and not self.listener_ok:
             reasons.append("wake-up listener down: polling until it reconnects")
+        if self.horizon is not None:
+            reasons.append(self.horizon)
         return tuple(reasons)
 
     def started(self) -> None:
@@ -150,6 +156,7 @@ class WorkerStatus:
             and not self.failing
             and self.listener_ok
             and self.database.reason() is None
+            and self.horizon is None
         ):
             return Health.HEALTHY
         return Health.DEGRADED

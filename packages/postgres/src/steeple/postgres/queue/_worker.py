@@ -337,7 +337,9 @@ class Scheduler:
         failed or was refused (until a claim
         succeeds again), while completions, lease renewals or maintenance keep failing
         (each until that same activity succeeds again: claims that work say nothing about
-        completions that time out), or while the wake-up listener is down.
+        completions that time out), while the wake-up listener is down, or while a table
+        of the queue holds 100,000 dead rows or more (looked at every 30 s: the reason
+        names who holds the vacuum horizon, see :mod:`steeple.postgres.horizon`).
         :meth:`health_reasons` says which.
         """
         return self._env.status.health()

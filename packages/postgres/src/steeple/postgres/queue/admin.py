@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import attrs
 
@@ -28,6 +28,7 @@ from steeple.postgres.queue._admin_sql import admin_sql
 from steeple.postgres.queue._driver import errors_typed
 from steeple.postgres.queue._ops import MAX_RETENTION, TaskRun, run_state
 from steeple.postgres.queue._queues import (
+    COUNT_CAP,
     QueueInfo,
     TaskLimits,
     check_limits,
@@ -62,12 +63,15 @@ if TYPE_CHECKING:
     from steeple.postgres.queue._app import TaskFunction
 
 __all__ = [
+    "COUNT_CAP",
     "MAX_PAGE",
+    "BoundedCount",
     "QueueInfo",
     "TaskLimits",
     "Throughput",
     "check_limits",
     "count_by_state",
+    "count_by_state_bounded",
     "count_prunable",
     "limit_queue",
     "limit_task",
@@ -275,6 +279,65 @@ async def count_by_state(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> dict[Tas
     counts = dict.fromkeys(TaskState, 0)
     for state, count in rows:
         counts[TaskState(state)] = int(count)
+    return counts
+
+
+@attrs.frozen
+class BoundedCount:
+    """A count that a dashboard can afford on every refresh, and how far to trust it.
+
+    Attributes:
+        n: the number shown.
+        bound: ``"exact"``; ``"at_least"`` (the count stopped at ``n``: say ``"10,000+"``);
+            or ``"about"`` (``n`` is the planner's estimate from the table's statistics at
+            its last ANALYZE: say ``"about 10 M"``).
+    """
+
+    n: int
+    bound: Literal["exact", "at_least", "about"] = "exact"
+
+
+@entry_point
+async def count_by_state_bounded(
+    conn: Any, *, schema: str = DEFAULT_SCHEMA
+) -> dict[TaskState, BoundedCount]:
+    """Count the tasks in each state, reading at most a few ten thousand index entries.
+
+    What :func:`count_by_state` says exactly, for any table size: pending and running
+    tasks are counted up to :data:`COUNT_CAP` each (the partial
+    index of each state, walked in order), terminal ones up to that many in all (the most
+    recently finished). A state past its cap reads ``"about"`` the estimate of the
+    table's statistics when it has any (at least the count reached), else ``"at_least"``
+    the count reached. A terminal state's exact count is known only while all terminal
+    tasks number no more than the cap. Every state is present, zeros included.
+
+    Raises:
+        SchemaVersionMismatchError: the queue is not installed in ``schema``.
+        QueueConfigurationError: an invalid schema name.
+        QueueTypeError: a schema that is not a str.
+    """
+    sql = admin_sql(schema).count_by_state_bounded
+    rows = await _fetch(conn, schema, sql, COUNT_CAP + 1, schema)
+    counted: dict[str, int] = {}
+    estimates: dict[str, int] = {}
+    for key, n in rows:
+        if key.startswith("about "):
+            estimates[key.removeprefix("about ")] = int(n)
+        else:
+            counted[key] = int(n)
+    terminal_total = sum(n for s, n in counted.items() if TaskState(s) in _TERMINAL)
+    counts: dict[TaskState, BoundedCount] = {}
+    for state in TaskState:
+        n = counted.get(state.value, 0)
+        reached = terminal_total > COUNT_CAP if state in _TERMINAL else n > COUNT_CAP
+        if not reached:
+            counts[state] = BoundedCount(n)
+            continue
+        n = min(n, COUNT_CAP)
+        if state.value in estimates:
+            counts[state] = BoundedCount(max(n, estimates[state.value]), "about")
+        else:
+            counts[state] = BoundedCount(n, "at_least")
     return counts
 
 
