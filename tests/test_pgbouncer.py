@@ -1,0 +1,323 @@
+"""steeple through a real PgBouncer in transaction mode (``pool_mode = transaction``).
+
+Each test starts its own PgBouncer (tests/pgbouncer_support.py: a private port, config and
+auth file in a temporary directory) in front of the test server, and stops it afterwards,
+even on failure. Behind it, each transaction of a client connection may run on another
+server session: nothing steeple does may rely on session state.
+
+- An application enqueues through the pooler with asyncpg (``statement_cache_size=0``) and
+  with psycopg, sync and async, at its default ``prepare_threshold``: steeple's statements
+  are never prepared by name, so a client whose next transaction lands on another server
+  session still works.
+- The worker runs through the pooler with ``pooler="transaction"``: LISTEN on a direct
+  ``listen_dsn`` (tasks are woken by NOTIFY, not by the long poll), or polling with one
+  log line saying so; without the setting it refuses to start with a configuration error
+  naming it; a caller's asyncpg pool with a statement cache is refused.
+- The pooler is killed (SIGKILL) and started again mid-run: the worker recovers without
+  help, every task succeeds exactly once (no second succeeded attempt: the lease fencing
+  holds), and work enqueued after the restart is done.
+- The recurring store ticks, claims and relays through the pooler; without the setting
+  its connect is refused with an error naming it.
+- The admin CLI lists the queue through the pooler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import pytest
+
+import queue_support
+from pgbouncer_support import BINARY, PgBouncer, running_pgbouncer
+from steeple.postgres.queue import (
+    EnqueueOptions,
+    Health,
+    JobContext,
+    QueueConfigurationError,
+    Scheduler,
+    Task,
+    enqueue,
+    enqueue_sync,
+)
+
+pytestmark = [pytest.mark.postgres]
+
+WORK: Task[Any] = Task("pooled.work")
+QUEUE_LOG = "steeple.postgres.queue"
+
+
+@pytest.fixture
+def bouncer(pg_dsn: str) -> Iterator[PgBouncer]:
+    if not os.access(BINARY, os.X_OK):
+        if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
+            pytest.fail("pgbouncer is not installed, and under CI=true that is a failure")
+        pytest.skip("pgbouncer is not installed")
+    with running_pgbouncer(pg_dsn) as running:
+        yield running
+
+
+@pytest.fixture
+async def queue(pg_schema: tuple[str, str]) -> AsyncIterator[tuple[str, str]]:
+    dsn, schema = pg_schema
+    async with queue_support.installed_queue(dsn, schema, connect_timeout=10):
+        yield dsn, schema
+
+
+@contextlib.asynccontextmanager
+async def running(worker: Scheduler) -> AsyncIterator[asyncio.Event]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=10))
+    try:
+        yield stop
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_an_application_enqueues_through_the_pooler(
+    queue: tuple[str, str], bouncer: PgBouncer
+) -> None:
+    """asyncpg and psycopg (sync and async) clients enqueue while their transactions move
+    between server sessions; psycopg keeps its default prepare_threshold (5)."""
+    import psycopg
+
+    dsn, schema = queue
+    pooled = bouncer.dsn()
+    pool = await asyncpg.create_pool(pooled, min_size=1, max_size=4, statement_cache_size=0)
+    psy = await psycopg.AsyncConnection.connect(pooled, autocommit=True)
+    sync: psycopg.Connection[Any] = await asyncio.to_thread(
+        lambda: psycopg.connect(pooled, autocommit=True)
+    )
+    holders: list[Any] = []
+    try:
+        ids: list[int] = []
+        for i in range(8):  # past psycopg's prepare_threshold on one server session
+            ids.append((await enqueue(psy, WORK, {"n": i}, schema=schema)).id)
+            ids.append(
+                (await asyncio.to_thread(enqueue_sync, sync, WORK, {"n": i}, schema=schema)).id
+            )
+        # Each holder keeps a transaction (so a server session) of its own, the most
+        # recently used ones first: the clients' next transactions run on other sessions.
+        for _ in range(3):
+            holder = await psycopg.AsyncConnection.connect(pooled)
+            holders.append(holder)
+            await holder.execute("SELECT 1")
+        for i in range(8, 12):
+            ids.append((await enqueue(psy, WORK, {"n": i}, schema=schema)).id)
+            ids.append(
+                (await asyncio.to_thread(enqueue_sync, sync, WORK, {"n": i}, schema=schema)).id
+            )
+
+        async def one(i: int) -> int:
+            async with pool.acquire() as conn, conn.transaction():
+                return (await enqueue(conn, WORK, {"n": i}, schema=schema)).id
+
+        ids += await asyncio.gather(*(one(i) for i in range(20)))
+    finally:
+        for holder in holders:
+            await holder.close()
+        await psy.close()
+        await asyncio.to_thread(sync.close)
+        await pool.close()
+    direct = await asyncpg.connect(dsn)
+    try:
+        stored = await direct.fetchval(f'SELECT count(*) FROM "{schema}".tasks')
+    finally:
+        await direct.close()
+    assert len(set(ids)) == len(ids) == stored == 44
+
+
+async def test_the_worker_listens_on_the_direct_dsn(
+    queue: tuple[str, str], bouncer: PgBouncer
+) -> None:
+    """Tasks enqueued through the pooler wake the worker by NOTIFY (the poll is 10 min)."""
+    dsn, schema = queue
+    done: list[int] = []
+
+    async def handler(ctx: JobContext, args: dict[str, int]) -> None:
+        done.append(args["n"])
+
+    worker = Scheduler(
+        bouncer.dsn(),
+        worker_id="pooled-listen",
+        schema=schema,
+        pooler="transaction",
+        listen_dsn=dsn,
+        poll_interval=600,
+        maintenance_interval=600,
+    )
+    worker.register(WORK, handler)
+    async with running(worker):
+        await queue_support.wait_until(lambda: worker.health() is Health.HEALTHY)
+        conn = await asyncpg.connect(bouncer.dsn(), statement_cache_size=0)
+        try:
+            for n in range(5):
+                await enqueue(conn, WORK, {"n": n}, schema=schema)
+        finally:
+            await conn.close()
+        await queue_support.wait_until(lambda: len(done) == 5, timeout=30)
+        assert worker.health() is Health.HEALTHY, worker.health_reasons()
+    assert sorted(done) == list(range(5))
+
+
+async def test_without_listen_dsn_the_worker_polls_and_says_so(
+    queue: tuple[str, str], bouncer: PgBouncer, caplog: pytest.LogCaptureFixture
+) -> None:
+    dsn, schema = queue
+    done: list[int] = []
+
+    async def handler(ctx: JobContext, args: dict[str, int]) -> None:
+        done.append(args["n"])
+
+    worker = Scheduler(
+        bouncer.dsn(), worker_id="pooled-poll", schema=schema, pooler="transaction",
+        poll_interval=0.2,
+    )  # fmt: skip
+    worker.register(WORK, handler)
+    caplog.set_level(logging.INFO, logger=QUEUE_LOG)
+    async with running(worker):
+        conn = await asyncpg.connect(dsn)
+        try:
+            for n in range(3):
+                await enqueue(conn, WORK, {"n": n}, schema=schema)
+        finally:
+            await conn.close()
+        await queue_support.wait_until(lambda: len(done) == 3, timeout=30)
+        assert worker.health() is Health.HEALTHY, worker.health_reasons()
+    said = [r.getMessage() for r in caplog.records if "wake-ups are by polling" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "every 0.2 s" in said[0]
+    assert "listen_dsn" in said[0]
+
+
+async def test_an_undeclared_pooler_is_refused_naming_the_setting(
+    queue: tuple[str, str], bouncer: PgBouncer
+) -> None:
+    _, schema = queue
+    worker = Scheduler(bouncer.dsn(), worker_id="undeclared", schema=schema)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        del ctx, args
+
+    worker.register(WORK, handler)
+    with pytest.raises(QueueConfigurationError, match=r"pooler='transaction'.*--pooler"):
+        await worker.run_until_shutdown(asyncio.Event())
+
+
+async def test_a_caller_pool_with_a_statement_cache_is_refused(bouncer: PgBouncer) -> None:
+    pool = await asyncpg.create_pool(bouncer.dsn(), min_size=0, max_size=4)
+    try:
+        with pytest.raises(QueueConfigurationError, match="statement_cache_size=0"):
+            Scheduler(pool, worker_id="cached", pooler="transaction")
+        with pytest.raises(QueueConfigurationError, match="pooler must be None"):
+            Scheduler(pool, worker_id="cached", pooler="session")  # type: ignore[arg-type]
+    finally:
+        await pool.close()
+
+
+async def test_the_worker_survives_a_pooler_restart(
+    queue: tuple[str, str], bouncer: PgBouncer
+) -> None:
+    """SIGKILL the pooler mid-run and start it again: nothing lost, nothing run twice."""
+    dsn, schema = queue
+    started: list[int] = []
+
+    async def handler(ctx: JobContext, args: dict[str, int]) -> None:
+        started.append(args["n"])
+        await asyncio.sleep(0.05)
+
+    worker = Scheduler(
+        bouncer.dsn(),
+        worker_id="pooled-restart",
+        schema=schema,
+        pooler="transaction",
+        listen_dsn=dsn,
+        concurrency=4,
+        poll_interval=0.5,
+        query_timeout=5,
+    )
+    worker.register(WORK, handler)
+    options = EnqueueOptions(lease_duration=timedelta(seconds=30))
+    direct = await asyncpg.connect(dsn)
+    try:
+        ids = [
+            (await enqueue(direct, WORK, {"n": n}, options, schema=schema)).id for n in range(40)
+        ]
+        async with running(worker):
+            await queue_support.wait_until(lambda: len(started) >= 8, timeout=30)
+            await asyncio.to_thread(bouncer.kill)
+            await queue_support.wait_until(lambda: worker.health() is Health.DEGRADED, timeout=30)
+            await asyncio.to_thread(bouncer.start)
+            ids += [
+                (await enqueue(direct, WORK, {"n": n}, options, schema=schema)).id
+                for n in range(40, 60)
+            ]
+            await queue_support.finished_once(dsn, schema, ids, timeout=60)
+            await queue_support.wait_until(lambda: worker.health() is Health.HEALTHY)
+    finally:
+        await direct.close()
+
+
+async def test_the_recurring_store_ticks_and_relays_through_the_pooler(
+    pg_dsn: str, pg_name: Any, bouncer: PgBouncer
+) -> None:
+    from steeple.core import (
+        MissedRunPolicy,
+        RecurringConfig,
+        RecurringConfigurationError,
+        RecurringDefinition,
+        ScheduledMessage,
+    )
+    from steeple.keyring import Keyring, StorageKey
+    from steeple.postgres import PostgresRecurringStore
+    from steeple.testing import FakeClock, MemoryBroker
+
+    schema = pg_name("pgb")
+    clock = FakeClock(datetime(2026, 1, 1, tzinfo=UTC))
+    keyring = Keyring(StorageKey("k1", bytes(range(32))))
+    config = RecurringConfig("pooled", 10, 100)
+    try:
+        deployed = await PostgresRecurringStore.initialize(
+            pg_dsn, config, keyring, clock, schema=schema
+        )
+        await deployed.close()
+        with pytest.raises(RecurringConfigurationError, match=r"pooler='transaction'"):
+            await PostgresRecurringStore.connect(
+                bouncer.dsn(), config, keyring, clock, schema=schema
+            )
+        store = await PostgresRecurringStore.connect(
+            bouncer.dsn(), config, keyring, clock, schema=schema, pooler="transaction"
+        )
+        try:
+            await store.create(
+                RecurringDefinition(
+                    "every-minute",
+                    "* * * * *",
+                    clock.now(),
+                    MissedRunPolicy.CATCH_UP,
+                    ScheduledMessage("t", "m", b"payload"),
+                )
+            )
+            clock.advance(timedelta(minutes=3))
+            await store.tick(10)
+            broker = MemoryBroker()
+            leases = await store.claim(10)
+            assert len(leases) == 3
+            for lease in leases:
+                await store.relay(lease, broker)
+            assert len(broker.published) == 3
+        finally:
+            await store.close()
+    finally:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        finally:
+            await conn.close()
