@@ -321,3 +321,65 @@ async def test_the_recurring_store_ticks_and_relays_through_the_pooler(
             await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         finally:
             await conn.close()
+
+
+async def test_the_admin_cli_works_through_the_pooler(
+    queue: tuple[str, str], pg_name: Any, bouncer: PgBouncer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Enqueue, list and the recurring store's commands, with --pooler transaction."""
+    import base64
+    import json
+
+    from typer.testing import CliRunner
+
+    from steeple.admin.cli import app
+    from steeple.admin.settings import ExitCode
+
+    for name in list(os.environ):
+        if name.startswith("STEEPLE_") and name != "STEEPLE_TEST_DSN":
+            monkeypatch.delenv(name, raising=False)
+    dsn, schema = queue
+    store_schema = pg_name("pgbcli")
+    env = {"STEEPLE_KEYS": "k1:" + base64.b64encode(bytes(32)).decode()}
+    where = ["--dsn", bouncer.dsn(), "--pooler", "transaction"]
+
+    def invoke(args: list[str]) -> Any:
+        return CliRunner().invoke(app, args, env=env, catch_exceptions=False)
+
+    try:
+        for n in range(3):
+            put = await asyncio.to_thread(
+                invoke,
+                [
+                    "enqueue",
+                    "pooled.work",
+                    *where,
+                    "--queue-schema",
+                    schema,
+                    "--args",
+                    f'{{"n": {n}}}',
+                ],
+            )
+            assert put.exit_code == 0, put.output
+        listed = await asyncio.to_thread(
+            invoke, ["tasks", *where, "--queue-schema", schema, "--json"]
+        )
+        assert listed.exit_code == 0, listed.output
+        assert len(json.loads(listed.stdout)["items"]) == 3
+        init = await asyncio.to_thread(invoke, ["initialize", *where, "--schema", store_schema])
+        assert init.exit_code == 0, init.output
+        schedules = await asyncio.to_thread(
+            invoke, ["schedules", *where, "--schema", store_schema, "--json"]
+        )
+        assert schedules.exit_code == 0, schedules.output
+        wrong = await asyncio.to_thread(
+            invoke,
+            ["tasks", "--dsn", bouncer.dsn(), "--pooler", "session", "--queue-schema", schema],
+        )
+        assert wrong.exit_code == ExitCode.CONFIG, wrong.output
+    finally:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{store_schema}" CASCADE')
+        finally:
+            await conn.close()

@@ -27,6 +27,7 @@ from steeple.admin.tasks import (
 from steeple.core.errors import ConfigurationError
 from steeple.core.policies import validate_budget
 from steeple.core.records import Page
+from steeple.postgres.pooler import Pooler, asyncpg_options
 
 if TYPE_CHECKING:
     from steeple.postgres.queue import TaskRun
@@ -109,8 +110,13 @@ class PostgresTaskAdmin:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, dsn: str, *, schema: str) -> AsyncIterator[PostgresTaskAdmin]:
+    async def open(
+        cls, dsn: str, *, schema: str, pooler: Pooler | None = None
+    ) -> AsyncIterator[PostgresTaskAdmin]:
         """Open a small pool on ``dsn`` for the duration of the block.
+
+        ``pooler="transaction"``: ``dsn`` leads through a transaction pooler (see
+        :mod:`steeple.postgres.pooler`).
 
         Raises:
             SchemaVersionMismatchError: the queue schema is not installed or not this
@@ -122,7 +128,9 @@ class PostgresTaskAdmin:
 
         from steeple.postgres.queue import check_schema
 
-        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2, timeout=10)
+        pool = await asyncpg.create_pool(
+            dsn, min_size=1, max_size=2, timeout=10, **asyncpg_options(pooler)
+        )
         try:
             await check_schema(pool, schema)
             yield cls(pool, schema)
