@@ -687,6 +687,24 @@ def stress(session: nox.Session) -> None:
 
 
 @nox.session
+def pgbouncer(session: nox.Session) -> None:
+    """steeple through a real PgBouncer in transaction mode, with 10 pooler restarts.
+
+    The test suite runs the same tests with one restart. Needs PostgreSQL
+    (``STEEPLE_TEST_DSN``) and Debian's ``pgbouncer``.
+    """
+    _sync(session)
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_pgbouncer.py",
+        *session.posargs,
+        env={"STEEPLE_PGBOUNCER_RESTARTS": os.environ.get("STEEPLE_PGBOUNCER_RESTARTS", "10")},
+    )
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     _sync(session)
     for script in (
