@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -257,6 +257,9 @@ async def test_the_workers_survive_pooler_restarts(
     direct = await asyncpg.connect(dsn)
     ids: list[int] = []
 
+    def reached(goal: int) -> Callable[[], bool]:
+        return lambda: len(started) >= goal
+
     async def more(count: int) -> None:
         first = len(ids)
         for n in range(first, first + count):
@@ -266,8 +269,7 @@ async def test_the_workers_survive_pooler_restarts(
         await more(40)
         async with running(workers[0]), running(workers[1]):
             for _ in range(rounds):
-                goal = len(started) + 8
-                await queue_support.wait_until(lambda: len(started) >= goal, timeout=30)
+                await queue_support.wait_until(reached(len(started) + 8), timeout=30)
                 await asyncio.to_thread(bouncer.kill)
                 await queue_support.wait_until(
                     lambda: all(w.health() is Health.DEGRADED for w in workers), timeout=30
