@@ -211,6 +211,43 @@ async def test_an_undeclared_pooler_is_refused_naming_the_setting(
         await worker.run_until_shutdown(asyncio.Event())
 
 
+async def test_a_listener_behind_an_undeclared_pooler_is_detected(
+    queue: tuple[str, str], bouncer: PgBouncer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caller's pool through the pooler, not declared: LISTEN is accepted but hears
+    nothing. The listener's own NOTIFY never comes back: the worker says so, naming the
+    settings, and polls (health degraded, naming the listener)."""
+    dsn, schema = queue
+    done: list[int] = []
+
+    async def handler(ctx: JobContext, args: dict[str, int]) -> None:
+        done.append(args["n"])
+
+    pool = await asyncpg.create_pool(bouncer.dsn(), min_size=0, max_size=4, statement_cache_size=0)
+    caplog.set_level(logging.INFO, logger=QUEUE_LOG)
+    try:
+        worker = Scheduler(pool, worker_id="undeclared-listen", schema=schema, poll_interval=0.2)
+        worker.register(WORK, handler)
+        async with running(worker):
+            await queue_support.wait_until(
+                lambda: any("did not reach it" in r.getMessage() for r in caplog.records),
+                timeout=30,
+            )
+            assert worker.health() is Health.DEGRADED
+            assert any("listener" in reason for reason in worker.health_reasons())
+            conn = await asyncpg.connect(dsn)
+            try:
+                await enqueue(conn, WORK, {"n": 1}, schema=schema)
+            finally:
+                await conn.close()
+            await queue_support.wait_until(lambda: done == [1], timeout=30)
+    finally:
+        await pool.close()
+    said = next(r.getMessage() for r in caplog.records if "did not reach it" in r.getMessage())
+    assert "pooler='transaction'" in said
+    assert "listen_dsn" in said
+
+
 async def test_a_caller_pool_with_a_statement_cache_is_refused(bouncer: PgBouncer) -> None:
     pool = await asyncpg.create_pool(bouncer.dsn(), min_size=0, max_size=4)
     try:
@@ -230,7 +267,9 @@ async def test_the_workers_survive_pooler_restarts(
     Two workers, one LISTENing on the direct DSN and one polling. Each round waits for
     progress, kills the pooler, waits until both workers report it (degraded), starts it
     again and enqueues more. ``STEEPLE_PGBOUNCER_RESTARTS`` rounds (1 here; ``nox -s
-    pgbouncer`` runs 10).
+    pgbouncer`` runs 10). A claim the server committed while the pooler died never
+    reached its worker: those tasks wait for their lease (30 s) to lapse and run then,
+    once; so a round may take that long.
     """
     dsn, schema = queue
     rounds = int(os.environ.get("STEEPLE_PGBOUNCER_RESTARTS", "1"))
