@@ -18,7 +18,8 @@ server session: nothing steeple does may rely on session state.
   holds), and work enqueued after the restart is done.
 - The recurring store ticks, claims and relays through the pooler; without the setting
   its connect is refused with an error naming it.
-- The admin CLI lists the queue through the pooler.
+- The admin CLI enqueues, lists and initializes through the pooler, and the dashboard's
+  queue backend reads and pauses through it.
 """
 
 from __future__ import annotations
@@ -432,6 +433,20 @@ async def test_the_admin_cli_works_through_the_pooler(
             invoke, ["schedules", *where, "--schema", store_schema, "--json"]
         )
         assert schedules.exit_code == 0, schedules.output
+        # The dashboard's queue backend, as `steeple admin serve --pooler transaction` opens it.
+        from steeple.admin.queue_admin import PostgresTaskAdmin
+
+        async with PostgresTaskAdmin.open(
+            bouncer.dsn(), schema=schema, pooler="transaction"
+        ) as board:
+            for _ in range(3):  # each read may land on another server session
+                overview = await board.overview()
+                assert overview.counts["pending"] == 3
+                page = await board.tasks(limit=2)
+                assert len(page.items) == 2
+                assert page.next_cursor is not None
+            paused = await board.pause_queue("default", True)
+            assert paused.paused
         wrong = await asyncio.to_thread(
             invoke,
             ["tasks", "--dsn", bouncer.dsn(), "--pooler", "session", "--queue-schema", schema],
