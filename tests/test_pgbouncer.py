@@ -458,3 +458,78 @@ async def test_the_admin_cli_works_through_the_pooler(
             await conn.execute(f'DROP SCHEMA IF EXISTS "{store_schema}" CASCADE')
         finally:
             await conn.close()
+
+
+async def test_steeple_worker_relays_and_runs_tasks_through_the_pooler(
+    queue: tuple[str, str], pg_name: Any, bouncer: PgBouncer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `steeple worker --pooler transaction --listen-dsn DIRECT` runs: the relay
+    ticks and publishes, the task worker runs tasks, both through the pooler."""
+    import base64
+
+    from steeple.admin._backend import Target
+    from steeple.admin.settings import NamespaceSettings
+    from steeple.admin.worker import WorkerApp, run_worker
+    from steeple.core import MissedRunPolicy, RecurringDefinition, ScheduledMessage
+    from steeple.core.clock import SystemClock
+    from steeple.postgres import PostgresRecurringStore
+    from steeple.testing import MemoryBroker
+
+    dsn, schema = queue
+    store_schema = pg_name("pgbw")
+    monkeypatch.setenv("STEEPLE_KEYS", "k1:" + base64.b64encode(bytes(32)).decode())
+    target = Target(
+        bouncer.dsn(),
+        store_schema,
+        NamespaceSettings("pooled"),
+        queue_schema_override=schema,
+        pooler="transaction",
+        listen_dsn=dsn,
+    )
+    done: list[int] = []
+
+    async def handler(ctx: JobContext, args: dict[str, int]) -> None:
+        done.append(args["n"])
+
+    broker = MemoryBroker()
+    try:
+        store = await PostgresRecurringStore.initialize(
+            dsn, target.settings.config(), target.keyring(), SystemClock(), schema=store_schema
+        )
+        try:
+            await store.create(
+                RecurringDefinition(
+                    "minutely",
+                    "* * * * *",
+                    datetime.now(UTC) - timedelta(minutes=3),
+                    MissedRunPolicy.CATCH_UP,
+                    ScheduledMessage("t", "m", b"x"),
+                )
+            )
+        finally:
+            await store.close()
+        conn = await asyncpg.connect(dsn)
+        try:
+            for n in range(3):
+                await enqueue(conn, WORK, {"n": n}, schema=schema)
+        finally:
+            await conn.close()
+        stop = asyncio.Event()
+        lines: list[str] = []
+        app = WorkerApp(broker=broker, tasks=[(WORK, handler)], worker_id="cli-pooled")
+        work = asyncio.create_task(run_worker(app, target, stop=stop, log=lines.append))
+        try:
+            await queue_support.wait_until(
+                lambda: len(done) == 3 and len(broker.published) >= 3 or work.done(), timeout=60
+            )
+        finally:
+            stop.set()
+            await asyncio.wait_for(work, 60)
+        assert sorted(done) == [0, 1, 2]
+        assert len(broker.published) >= 3, lines
+    finally:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{store_schema}" CASCADE')
+        finally:
+            await conn.close()
