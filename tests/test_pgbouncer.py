@@ -520,7 +520,7 @@ async def test_steeple_worker_relays_and_runs_tasks_through_the_pooler(
         work = asyncio.create_task(run_worker(app, target, stop=stop, log=lines.append))
         try:
             await queue_support.wait_until(
-                lambda: len(done) == 3 and len(broker.published) >= 3 or work.done(), timeout=60
+                lambda: (len(done) == 3 and len(broker.published) >= 3) or work.done(), timeout=60
             )
         finally:
             stop.set()
