@@ -39,7 +39,6 @@ from steeple.core.errors import (
     SteepleError,
     UnknownKeyIdError,
 )
-from steeple.postgres.pooler import Pooler, asyncpg_options
 
 if TYPE_CHECKING:
     import asyncpg
@@ -48,6 +47,7 @@ if TYPE_CHECKING:
     from steeple.core.ports import Clock
     from steeple.keyring import Keyring
     from steeple.postgres import PostgresRecurringStore
+    from steeple.postgres.pooler import Pooler
 
 __all__ = [
     "Target",
@@ -86,6 +86,8 @@ class Target:
     async def connect(self) -> asyncpg.Connection[asyncpg.Record]:
         """Open one connection to the DSN, fit for the pooler it leads through (if any)."""
         import asyncpg
+
+        from steeple.postgres.pooler import asyncpg_options
 
         return await asyncpg.connect(self.dsn, timeout=10, **asyncpg_options(self.pooler))
 

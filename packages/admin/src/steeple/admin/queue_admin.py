@@ -27,9 +27,9 @@ from steeple.admin.tasks import (
 from steeple.core.errors import ConfigurationError
 from steeple.core.policies import validate_budget
 from steeple.core.records import Page
-from steeple.postgres.pooler import Pooler, asyncpg_options
 
 if TYPE_CHECKING:
+    from steeple.postgres.pooler import Pooler
     from steeple.postgres.queue import TaskRun
     from steeple.postgres.queue.admin import QueueInfo
     from steeple.postgres.queue.jobs import JobInfo
@@ -126,6 +126,7 @@ class PostgresTaskAdmin:
         """
         import asyncpg
 
+        from steeple.postgres.pooler import asyncpg_options
         from steeple.postgres.queue import check_schema
 
         pool = await asyncpg.create_pool(

@@ -36,11 +36,11 @@ from steeple.admin.settings import (
     redact_dsn,
     resolve_dsn,
 )
-from steeple.postgres.pooler import Pooler, PoolerProblem, check_pooler
 
 if TYPE_CHECKING:
     from steeple.admin._backend import Target
     from steeple.admin.embedded import EmbeddedPostgres
+    from steeple.postgres.pooler import Pooler
 
 __all__ = [
     "DEFAULTS",
@@ -339,6 +339,8 @@ class Where:
 
 
 def _pooler(value: str | None) -> Pooler | None:
+    from steeple.postgres.pooler import PoolerProblem, check_pooler
+
     try:
         return check_pooler(value)
     except PoolerProblem as exc:
