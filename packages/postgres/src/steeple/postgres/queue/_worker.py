@@ -246,7 +246,9 @@ class Scheduler:
             listed twice, an invalid DSN (see :func:`steeple.core.dsn.check_dsn`; the
             message never quotes the DSN), or a DSN naming a remote host without verified
             TLS (``sslmode=verify-full`` or ``verify-ca``; loopback and Unix sockets may
-            use any mode).
+            use any mode); the same for ``listen_dsn``; a ``pooler`` other than ``None`` or
+            ``"transaction"``; with ``pooler="transaction"``, a caller's asyncpg pool with a
+            statement cache.
         QueueTypeError: an option of the wrong type.
     """
 
@@ -445,7 +447,9 @@ class Scheduler:
             UnfitDatabaseError: the server or schema could lose acknowledged work.
             QueueUnavailableError: the database failed or was unreachable at start-up.
             QueueConfigurationError: a pool too small for the worker; a ``drain_timeout``
-                that is NaN, infinite, negative or over a day; a DSN that cannot be parsed.
+                that is NaN, infinite, negative or over a day; a DSN that cannot be parsed;
+                a DSN leading through a transaction pooler (PgBouncer refused a session
+                setting) without ``pooler="transaction"``.
             QueueTypeError: ``stop`` or ``hard_stop`` is not an ``asyncio.Event``, or a
                 wrong-typed ``drain_timeout``.
             UnknownTaskError: no handler is registered.
