@@ -1,5 +1,5 @@
 """nox sessions for steeple: lint, typecheck, tests, stress, failover, core (driverless),
-isolated, wheels, bench, bench-compare, bloat, backlog, mutants, demo, docs.
+isolated, wheels, bench, bench-compare, bloat, backlog, pgbouncer, mutants, demo, docs.
 
 Sessions reuse uv for speed and never download an interpreter.
 
@@ -702,6 +702,24 @@ def failover(session: nox.Session) -> None:
         "tests/test_failover.py",
         *session.posargs,
         env={"STEEPLE_FAILOVER_SECONDS": os.environ.get("STEEPLE_FAILOVER_SECONDS", "30")},
+    )
+
+
+@nox.session
+def pgbouncer(session: nox.Session) -> None:
+    """steeple through a real PgBouncer in transaction mode, with 10 pooler restarts.
+
+    The test suite runs the same tests with one restart. Needs PostgreSQL
+    (``STEEPLE_TEST_DSN``) and Debian's ``pgbouncer``.
+    """
+    _sync(session)
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_pgbouncer.py",
+        *session.posargs,
+        env={"STEEPLE_PGBOUNCER_RESTARTS": os.environ.get("STEEPLE_PGBOUNCER_RESTARTS", "10")},
     )
 
 

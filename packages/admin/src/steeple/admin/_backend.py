@@ -41,10 +41,13 @@ from steeple.core.errors import (
 )
 
 if TYPE_CHECKING:
+    import asyncpg
+
     from steeple.core.config import RecurringConfig
     from steeple.core.ports import Clock
     from steeple.keyring import Keyring
     from steeple.postgres import PostgresRecurringStore
+    from steeple.postgres.pooler import Pooler
 
 __all__ = [
     "Target",
@@ -73,6 +76,20 @@ class Target:
     fallback_keys_file: Path | None = None
     embedded: bool = False
     """The server is the embedded PostgreSQL (a private cluster, run as its superuser)."""
+    pooler: Pooler | None = None
+    """``"transaction"``: the DSN leads through a transaction pooler (``--pooler``)."""
+    listen_dsn: str | None = attrs.field(
+        default=None, repr=lambda dsn: "None" if dsn is None else repr(redact_dsn(dsn))
+    )
+    """A direct DSN for the task worker's LISTEN (``steeple worker --listen-dsn``)."""
+
+    async def connect(self) -> asyncpg.Connection[asyncpg.Record]:
+        """Open one connection to the DSN, fit for the pooler it leads through (if any)."""
+        import asyncpg
+
+        from steeple.postgres.pooler import asyncpg_options
+
+        return await asyncpg.connect(self.dsn, timeout=10, **asyncpg_options(self.pooler))
 
     @property
     def namespace(self) -> str:
@@ -185,6 +202,7 @@ async def _open_store(
                 keys,
                 clock or SystemClock(),
                 schema=target.schema,
+                pooler=target.pooler,
             )
     except Exception as exc:
         if _cause(exc, KeyringBindingMismatchError) is not None:
@@ -234,7 +252,7 @@ async def _describe_mismatch(target: Target, keyring: Keyring) -> CliError | Non
     from steeple.postgres.recurring import admin
 
     try:
-        conn = await asyncpg.connect(target.dsn, timeout=10)
+        conn = await target.connect()
         try:
             binding = await admin.namespace_binding(
                 conn, schema=target.schema, namespace=target.namespace

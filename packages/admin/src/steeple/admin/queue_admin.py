@@ -29,6 +29,7 @@ from steeple.core.policies import validate_budget
 from steeple.core.records import Page
 
 if TYPE_CHECKING:
+    from steeple.postgres.pooler import Pooler
     from steeple.postgres.queue import TaskRun
     from steeple.postgres.queue.admin import QueueInfo
     from steeple.postgres.queue.jobs import JobInfo
@@ -111,8 +112,13 @@ class PostgresTaskAdmin:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, dsn: str, *, schema: str) -> AsyncIterator[PostgresTaskAdmin]:
+    async def open(
+        cls, dsn: str, *, schema: str, pooler: Pooler | None = None
+    ) -> AsyncIterator[PostgresTaskAdmin]:
         """Open a small pool on ``dsn`` for the duration of the block.
+
+        ``pooler="transaction"``: ``dsn`` leads through a transaction pooler (see
+        :mod:`steeple.postgres.pooler`).
 
         Raises:
             SchemaVersionMismatchError: the queue schema is not installed or not this
@@ -122,9 +128,12 @@ class PostgresTaskAdmin:
         """
         import asyncpg
 
+        from steeple.postgres.pooler import asyncpg_options
         from steeple.postgres.queue import check_schema
 
-        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2, timeout=10)
+        pool = await asyncpg.create_pool(
+            dsn, min_size=1, max_size=2, timeout=10, **asyncpg_options(pooler)
+        )
         try:
             await check_schema(pool, schema)
             yield cls(pool, schema)

@@ -442,7 +442,9 @@ async def serve(
         async with opening:
             if task_admin is None:
                 task_admin = await resources.enter_async_context(
-                    PostgresTaskAdmin.open(target.dsn, schema=target.queue_schema)
+                    PostgresTaskAdmin.open(
+                        target.dsn, schema=target.queue_schema, pooler=target.pooler
+                    )
                 )
         return task_admin
 
@@ -524,9 +526,7 @@ class LivePollFilter(logging.Filter):
 
 async def _probe(target: Target) -> None:
     """Connect once to the target's database and hang up (raises what connecting raises)."""
-    import asyncpg
-
-    conn = await asyncpg.connect(target.dsn, timeout=10)
+    conn = await target.connect()
     await conn.close()
 
 

@@ -210,6 +210,8 @@ async def run_worker(
                     concurrency=worker_app.concurrency,
                     loop_lag_threshold=worker_app.loop_lag_threshold,
                     queues=queues,
+                    pooler=target.pooler,
+                    listen_dsn=target.listen_dsn,
                 )
             else:
                 scheduler = Scheduler(
@@ -219,6 +221,8 @@ async def run_worker(
                     concurrency=worker_app.concurrency,
                     loop_lag_threshold=worker_app.loop_lag_threshold,
                     queues=queues,
+                    pooler=target.pooler,
+                    listen_dsn=target.listen_dsn,
                 )
                 for task, handler in worker_app.tasks:
                     scheduler.register(task, handler)

@@ -114,11 +114,10 @@ def keys_show(
         chosen = target
 
         async def body() -> dict[str, int]:
-            import asyncpg
 
             from steeple.postgres.recurring import admin
 
-            conn = await asyncpg.connect(chosen.dsn, timeout=10)
+            conn = await chosen.connect()
             try:
                 return await admin.sealed_key_usage(
                     conn, schema=chosen.schema, namespace=chosen.namespace

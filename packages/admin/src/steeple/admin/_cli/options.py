@@ -40,6 +40,7 @@ from steeple.admin.settings import (
 if TYPE_CHECKING:
     from steeple.admin._backend import Target
     from steeple.admin.embedded import EmbeddedPostgres
+    from steeple.postgres.pooler import Pooler
 
 __all__ = [
     "DEFAULTS",
@@ -103,6 +104,18 @@ ConfigOpt = Annotated[
         show_envvar=True,
         show_default=False,
         help=f"Settings file (default: {SETTINGS_FILE} in the current directory, if any).",
+    ),
+]
+PoolerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--pooler",
+        rich_help_panel=WHERE_PANEL,
+        envvar="STEEPLE_POOLER",
+        show_envvar=True,
+        show_default=False,
+        help="'transaction' when the DSN leads through a connection pooler in transaction "
+        "mode (PgBouncer pool_mode = transaction); default: a direct connection.",
     ),
 ]
 SchemaOpt = Annotated[
@@ -211,7 +224,11 @@ YesOpt = Annotated[
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Count what would go; change nothing.")]
 
 # (name, option, default) of each bundle, in --help order.
-_PLACE: Final = (("dsn", DsnOpt, None), ("config", ConfigOpt, None))
+_PLACE: Final = (
+    ("dsn", DsnOpt, None),
+    ("config", ConfigOpt, None),
+    ("pooler", PoolerOpt, None),
+)
 _SCHEMA: Final = (("schema", SchemaOpt, None),)
 _NAMESPACE: Final = (("namespace", NamespaceOpt, None),)
 _QUEUE: Final = (("queue_schema", QueueSchemaOpt, None),)
@@ -258,6 +275,7 @@ class Where:
 
     dsn: str | None = attrs.field(default=None, repr=lambda d: repr(d and redact_dsn(d)))
     config: Path | None = None
+    pooler: str | None = None
     schema: str | None = None
     namespace: str | None = None
     queue_schema: str | None = None
@@ -316,7 +334,19 @@ class Where:
             _given(self.queue_schema) or file.queue_schema,
             fallback_keys_file=file.keys_file,
             embedded=on_embedded,
+            pooler=_pooler(_given(self.pooler)),
         )
+
+
+def _pooler(value: str | None) -> Pooler | None:
+    from steeple.postgres.pooler import PoolerProblem, check_pooler
+
+    try:
+        return check_pooler(value)
+    except PoolerProblem as exc:
+        raise CliError(
+            str(exc), code=ExitCode.CONFIG, hint="fix --pooler or STEEPLE_POOLER"
+        ) from None
 
 
 def _pick(flag: Any, from_file: Any, name: str) -> Any:

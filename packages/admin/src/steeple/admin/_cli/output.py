@@ -187,11 +187,10 @@ def on_queue(target: Target, op: Callable[[Any], Awaitable[T]]) -> T:
     """
 
     async def body() -> T:
-        import asyncpg
 
         from steeple.postgres.queue import check_schema
 
-        conn = await asyncpg.connect(target.dsn, timeout=10)
+        conn = await target.connect()
         try:
             await check_schema(conn, target.queue_schema)
             return await op(conn)

@@ -67,11 +67,10 @@ def migrate(where: Where) -> None:
     target = guard(where.target)
 
     async def body() -> int:
-        import asyncpg
 
         from steeple.postgres.queue import install
 
-        conn = await asyncpg.connect(target.dsn, timeout=10)
+        conn = await target.connect()
         try:
             return int(await install(conn, schema=target.queue_schema))
         finally:

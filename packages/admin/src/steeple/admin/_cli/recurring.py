@@ -73,11 +73,9 @@ def initialize(
             store = await initialize_store(target)
         await store.close()
         if grant_to is not None:
-            import asyncpg
-
             from steeple.postgres import grant_runtime_role
 
-            conn = await asyncpg.connect(target.dsn, timeout=10)
+            conn = await target.connect()
             try:
                 await grant_runtime_role(conn, grant_to, target.schema)
             finally:
@@ -517,11 +515,10 @@ def _count_purgeable(target: Any, age: timedelta, tasks: bool) -> int:
         )
 
     async def count() -> int:
-        import asyncpg
 
         from steeple.postgres.recurring import admin as recurring_admin
 
-        conn = await asyncpg.connect(target.dsn, timeout=10)
+        conn = await target.connect()
         try:
             return await recurring_admin.count_purgeable(
                 conn, datetime.now(UTC) - age, schema=target.schema, namespace=target.namespace

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import attrs
 import typer
 
 from steeple.admin._cli import output
-from steeple.admin._cli.options import Where, where_options
+from steeple.admin._cli.options import Where, remember_dsn, where_options
 from steeple.admin._cli.output import guard, say
+from steeple.admin.settings import resolve_dsn
 
 __all__ = ["register"]
 
@@ -38,6 +40,18 @@ def worker(
             "worker runs the same code.",
         ),
     ] = False,
+    listen_dsn: Annotated[
+        str | None,
+        typer.Option(
+            "--listen-dsn",
+            envvar="STEEPLE_LISTEN_DSN",
+            show_envvar=True,
+            show_default=False,
+            help="PostgreSQL URL straight to the server (not through a transaction pooler) "
+            "for the task worker's LISTEN/NOTIFY wake-ups. With --pooler transaction and "
+            "no --listen-dsn the worker polls (it says so at start).",
+        ),
+    ] = None,
 ) -> None:
     """Run the recurring relay and/or the task worker of your application until stopped.
 
@@ -49,6 +63,10 @@ def worker(
     from steeple.admin.worker import EXIT_AFTER_HARD_STOP, load_worker_app, run_worker
 
     target = guard(where.target)
+    if listen_dsn:
+        remember_dsn(listen_dsn)
+        checked = guard(lambda: resolve_dsn(listen_dsn))
+        target = attrs.evolve(target, listen_dsn=checked)
     spec = guard(lambda: load_worker_app(app_ref))
 
     async def body() -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "WorkerDb",
     "check_durable",
     "keep_session",
+    "listening_on",
     "open_db",
 ]
 
@@ -264,36 +265,8 @@ class _AsyncpgDb:
         *,
         on_listening: Callable[[], None] | None = None,
     ) -> None:
-        def notified(_conn: object, _pid: int, _channel: str, payload: object) -> None:
-            on_notify(payload if isinstance(payload, str) else "")
-
         async def run(conn: Any) -> bool:
-            lost = asyncio.Event()  # this connection's (an earlier one may still report)
-            conn.add_termination_listener(lambda _c: lost.set())
-            # Named so operators (and tests) can tell the listener apart.
-            await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
-            await conn.execute(_SET_KEEPALIVES)
-            await conn.add_listener(channel, notified)
-            if on_listening is not None:
-                on_listening()
-            on_notify("")  # anything enqueued while nobody was listening
-            while not stop.is_set() and not lost.is_set():
-                await _wait_any((stop, lost), 5.0)
-                if not stop.is_set() and not lost.is_set():
-                    # A cheap probe: a silently dead socket fails here.
-                    async with asyncio.timeout(5.0):
-                        await conn.execute("SELECT 1")
-            if not _is_closed(conn):
-                try:
-                    async with asyncio.timeout(2.0):
-                        await conn.remove_listener(channel, notified)
-                        # Its name and keepalives back to the pool's (see keep_session).
-                        await conn.execute("RESET ALL")
-                except _UNLISTEN_ERRORS:
-                    # Unreachable (or we are being cancelled): never pool it again.
-                    _terminate(conn)
-                    raise
-            return lost.is_set()
+            return await _listen_on(conn, channel, on_notify, name, stop, on_listening)
 
         if await self._on_fresh(run, None) and not stop.is_set():
             raise ConnectionError("the listener connection was closed")
@@ -305,6 +278,47 @@ class _AsyncpgDb:
         except TimeoutError:
             # Graceful close waits on every socket; a dead network must not hang shutdown.
             self._pool.terminate()
+
+
+async def _listen_on(
+    conn: Any,
+    channel: str,
+    on_notify: Callable[[str], None],
+    name: str,
+    stop: asyncio.Event,
+    on_listening: Callable[[], None] | None,
+) -> bool:
+    """LISTEN on asyncpg ``conn`` until ``stop`` is set or it is lost; return whether it was."""
+
+    def notified(_conn: object, _pid: int, _channel: str, payload: object) -> None:
+        on_notify(payload if isinstance(payload, str) else "")
+
+    lost = asyncio.Event()  # this connection's (an earlier one may still report)
+    conn.add_termination_listener(lambda _c: lost.set())
+    # Named so operators (and tests) can tell the listener apart.
+    await conn.execute("SELECT set_config('application_name', $1, false)", name[:63])
+    await conn.execute(_SET_KEEPALIVES)
+    await conn.add_listener(channel, notified)
+    if on_listening is not None:
+        on_listening()
+    on_notify("")  # anything enqueued while nobody was listening
+    while not stop.is_set() and not lost.is_set():
+        await _wait_any((stop, lost), 5.0)
+        if not stop.is_set() and not lost.is_set():
+            # A cheap probe: a silently dead socket fails here.
+            async with asyncio.timeout(5.0):
+                await conn.execute("SELECT 1")
+    if not _is_closed(conn):
+        try:
+            async with asyncio.timeout(2.0):
+                await conn.remove_listener(channel, notified)
+                # Its name and keepalives back to the pool's (see keep_session).
+                await conn.execute("RESET ALL")
+        except _UNLISTEN_ERRORS:
+            # Unreachable (or we are being cancelled): never pool it again.
+            _terminate(conn)
+            raise
+    return lost.is_set()
 
 
 def _discard(conn: Any) -> None:
@@ -427,6 +441,61 @@ def open_db(pool: Any) -> WorkerDb | None:
     if isinstance(pool, psycopg_pool.AsyncConnectionPool):
         return _PsycopgDb(pool)
     return None
+
+
+class _DirectListener:
+    """A pool whose wake-up listener LISTENs on a direct connection of its own.
+
+    Everything but :meth:`listen` goes to the pool (which may lead through a transaction
+    pooler); the listener opens a connection from ``dsn`` (straight to PostgreSQL) for each
+    LISTEN and closes it when LISTEN ends.
+    """
+
+    def __init__(self, db: WorkerDb, dsn: str) -> None:
+        self._db = db
+        self._dsn = dsn
+
+    def max_size(self) -> int:
+        return self._db.max_size()
+
+    async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        return await self._db.fetch(sql, *args, timeout=timeout)
+
+    async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
+        return await self._db.with_connection(fn, timeout=timeout)
+
+    async def listen(
+        self,
+        channel: str,
+        on_notify: Callable[[str], None],
+        name: str,
+        stop: asyncio.Event,
+        *,
+        on_listening: Callable[[], None] | None = None,
+    ) -> None:
+        async with asyncio.timeout(30.0):
+            conn = await asyncpg.connect(self._dsn, server_settings={"application_name": name[:63]})
+        try:
+            lost = await _listen_on(conn, channel, on_notify, name, stop, on_listening)
+        except BaseException:
+            _terminate(conn)
+            raise
+        try:
+            async with asyncio.timeout(2.0):
+                await conn.close()
+        except _UNLISTEN_ERRORS:
+            _terminate(conn)
+            raise
+        if lost and not stop.is_set():
+            raise ConnectionError("the listener connection was closed")
+
+    async def close(self) -> None:
+        await self._db.close()
+
+
+def listening_on(db: WorkerDb, listen_dsn: str | None) -> WorkerDb:
+    """``db``, with its wake-up listener on a direct connection from ``listen_dsn`` if given."""
+    return db if listen_dsn is None else _DirectListener(db, listen_dsn)
 
 
 async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:

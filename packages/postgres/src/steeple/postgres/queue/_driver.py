@@ -2,7 +2,9 @@
 
 SQL is written once with asyncpg's ``$n`` placeholders; for psycopg it is rewritten to named
 ``%(pn)s`` placeholders (once, cached). Rows come back as plain tuples either way; the SQL
-casts jsonb to text so both drivers return the same Python types.
+casts jsonb to text so both drivers return the same Python types. psycopg statements are
+sent unprepared, whatever the connection's ``prepare_threshold``: a named prepared
+statement would not survive a transaction pooler (see :mod:`steeple.postgres.pooler`).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ async def fetch(conn: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in await conn.fetch(sql, *args)]
     if kind == "psycopg_async":
         async with conn.cursor() as cur:
-            await cur.execute(to_psycopg(sql), _named(args))
+            await cur.execute(to_psycopg(sql), _named(args), prepare=False)
             if cur.description is None:
                 return []
             return [tuple(r) for r in await cur.fetchall()]
@@ -92,7 +94,7 @@ def fetch_sync(conn: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
     if connection_kind(conn) != "psycopg_sync":
         raise UnsupportedConnectionError("the *_sync functions need a psycopg (sync) Connection")
     with conn.cursor() as cur:
-        cur.execute(to_psycopg(sql), _named(args))
+        cur.execute(to_psycopg(sql), _named(args), prepare=False)
         if cur.description is None:
             return []
         return [tuple(r) for r in cur.fetchall()]

@@ -47,6 +47,13 @@ from steeple.core.errors import ConfigurationError
 from steeple.core.ports import Clock, RandomSource
 from steeple.engine.looplag import DEFAULT_LOOP_LAG_THRESHOLD, LoopStall, watching_event_loop
 from steeple.postgres._durability import DurabilityProblem, check_transport
+from steeple.postgres.pooler import (
+    Pooler,
+    PoolerProblem,
+    asyncpg_options,
+    check_pooler,
+    pooler_refusal,
+)
 from steeple.postgres.queue import _driver, _metrics
 from steeple.postgres.queue._aio import wait_either
 from steeple.postgres.queue._claiming import Claimer
@@ -57,6 +64,7 @@ from steeple.postgres.queue._db import (
     WorkerDb,
     check_durable,
     keep_session,
+    listening_on,
     open_db,
 )
 from steeple.postgres.queue._execution import (
@@ -132,6 +140,46 @@ def _served(queues: object, concurrency: int) -> list[tuple[str, int]]:
     return [(name, min(limit, concurrency)) for name, limit in pairs]
 
 
+def _check_dsn(dsn: object, what: str) -> str:
+    """Refuse a DSN that is not a usable str (never quoting it); return it as a URL.
+
+    A malformed DSN would come back from the driver with pieces of it quoted; a remote
+    host without verified TLS is refused as the recurring store refuses it (durability
+    fails closed): one check, steeple.postgres._durability's. asyncpg reads only URLs, so
+    a libpq key=value string is rewritten.
+    """
+    if not isinstance(dsn, str):
+        raise QueueTypeError(f"{what} must be a str, not {type(dsn).__name__}")
+    if not dsn or "\x00" in dsn or not _encodable(dsn):
+        raise QueueConfigurationError(
+            f"{what} must be a non-empty str without NUL or lone surrogates"
+        )
+    try:
+        url = conninfo_url(dsn)
+        check_transport(url)
+    except ConfigurationError as exc:
+        raise QueueConfigurationError(str(exc) if what == "the DSN" else f"{what}: {exc}") from None
+    except DurabilityProblem as exc:
+        raise QueueConfigurationError(str(exc) if what == "the DSN" else f"{what}: {exc}") from None
+    return url
+
+
+def _check_pool_for_pooler(pool: object) -> None:
+    """Refuse a caller's asyncpg pool whose connections keep named prepared statements.
+
+    Behind a transaction pooler a statement prepared in one transaction is gone (or is
+    another's) in the next. psycopg statements are always sent unprepared.
+    """
+    kwargs = getattr(pool, "_connect_kwargs", None)
+    cached = isinstance(kwargs, Mapping) and kwargs.get("statement_cache_size", 100) != 0
+    if isinstance(pool, asyncpg.Pool) and cached:
+        raise QueueConfigurationError(
+            "with pooler='transaction' an asyncpg pool must be created with "
+            "statement_cache_size=0 (its cached statements are named prepared "
+            "statements, which a transaction pooler does not keep)"
+        )
+
+
 def _encodable(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -167,6 +215,18 @@ class Scheduler:
         batch_size: the most tasks claimed per query (default: ``concurrency``).
         maintenance_interval: seconds between expired-lease recovery and job materialization.
         listen: use LISTEN/NOTIFY wake-ups (polling alone when False).
+        pooler: ``"transaction"`` when ``pool_or_dsn`` leads through a connection pooler in
+            transaction mode (PgBouncer ``pool_mode = transaction``); ``None`` (default)
+            for a direct connection or a pooler in session mode. Through a transaction
+            pooler the worker keeps no session state (see :mod:`steeple.postgres.pooler`):
+            the pool it opens from a DSN has no statement cache and sends no session
+            settings, a caller's asyncpg pool must have been created with
+            ``statement_cache_size=0``, and LISTEN needs ``listen_dsn``; without it the
+            worker polls every ``poll_interval`` and logs so once at start.
+        listen_dsn: a DSN straight to PostgreSQL (not through a transaction pooler) on
+            which the wake-up listener LISTENs, one connection per worker; the pool serves
+            everything else. ``None``: the listener takes a connection of the pool (not
+            through a transaction pooler: polling then).
         query_timeout: seconds any one worker query may take before it is abandoned (the
             worker then reports degraded and retries; a lease it could not renew lapses).
             A claim the server receives after that long takes nothing.
@@ -194,7 +254,9 @@ class Scheduler:
             listed twice, an invalid DSN (see :func:`steeple.core.dsn.check_dsn`; the
             message never quotes the DSN), or a DSN naming a remote host without verified
             TLS (``sslmode=verify-full`` or ``verify-ca``; loopback and Unix sockets may
-            use any mode).
+            use any mode); the same for ``listen_dsn``; a ``pooler`` other than ``None`` or
+            ``"transaction"``; with ``pooler="transaction"``, a caller's asyncpg pool with a
+            statement cache.
         QueueTypeError: an option of the wrong type.
     """
 
@@ -211,6 +273,8 @@ class Scheduler:
         batch_size: int | None = None,
         maintenance_interval: float | timedelta = 1.0,
         listen: bool = True,
+        pooler: Pooler | None = None,
+        listen_dsn: str | None = None,
         query_timeout: float | timedelta = 30.0,
         require_durable: bool = True,
         clock: Clock | None = None,
@@ -236,26 +300,24 @@ class Scheduler:
             else check_seconds(loop_lag_threshold, "loop_lag_threshold", 0.01, _MAX_INTERVAL)
         )
         check_bool(listen, "listen")
+        try:
+            self._pooler = check_pooler(pooler)
+        except PoolerProblem as exc:
+            raise QueueConfigurationError(str(exc)) from None
+        if listen_dsn is not None:
+            listen_dsn = _check_dsn(listen_dsn, "listen_dsn")
+        if self._pooler is not None and not isinstance(pool_or_dsn, str):
+            _check_pool_for_pooler(pool_or_dsn)
+        self._listen_dsn = listen_dsn
+        # Through a transaction pooler LISTEN works only on a direct connection.
+        listen = listen and (self._pooler is None or listen_dsn is not None)
         check_bool(require_durable, "require_durable")
         if clock is not None and not callable(getattr(clock, "now", None)):
             raise QueueTypeError(f"clock must have a now() method, not {type(clock).__name__}")
         if random is not None and not callable(getattr(random, "random", None)):
             raise QueueTypeError(f"random must have a random() method, not {type(random).__name__}")
         if isinstance(pool_or_dsn, str):
-            if not pool_or_dsn or "\x00" in pool_or_dsn or not _encodable(pool_or_dsn):
-                raise QueueConfigurationError(
-                    "the DSN must be a non-empty str without NUL or lone surrogates"
-                )
-            # A malformed DSN would come back from the driver with pieces of it quoted; a
-            # remote host without verified TLS is refused as the recurring store refuses it
-            # (durability, fail closed): one check, steeple.postgres._durability's.
-            try:
-                pool_or_dsn = conninfo_url(pool_or_dsn)  # asyncpg reads only URLs
-                check_transport(pool_or_dsn)
-            except ConfigurationError as exc:
-                raise QueueConfigurationError(str(exc)) from None
-            except DurabilityProblem as exc:
-                raise QueueConfigurationError(str(exc)) from None
+            pool_or_dsn = _check_dsn(pool_or_dsn, "the DSN")
         elif open_db(pool_or_dsn) is None:
             raise QueueConfigurationError(
                 "pool_or_dsn must be an asyncpg Pool, a psycopg_pool AsyncConnectionPool "
@@ -287,7 +349,13 @@ class Scheduler:
             random=random or SystemRandom(),
             status=WorkerStatus(listen=listen),
             stats=self.stats,
-            secrets=connection_secrets(pool_or_dsn),
+            secrets=tuple(
+                sorted(
+                    {*connection_secrets(pool_or_dsn), *connection_secrets(listen_dsn)},
+                    key=len,
+                    reverse=True,
+                )
+            ),
         )
 
     def __repr__(self) -> str:
@@ -389,7 +457,9 @@ class Scheduler:
             UnfitDatabaseError: the server or schema could lose acknowledged work.
             QueueUnavailableError: the database failed or was unreachable at start-up.
             QueueConfigurationError: a pool too small for the worker; a ``drain_timeout``
-                that is NaN, infinite, negative or over a day; a DSN that cannot be parsed.
+                that is NaN, infinite, negative or over a day; a DSN that cannot be parsed;
+                a DSN leading through a transaction pooler (PgBouncer refused a session
+                setting) without ``pooler="transaction"``.
             QueueTypeError: ``stop`` or ``hard_stop`` is not an ``asyncio.Event``, or a
                 wrong-typed ``drain_timeout``.
             UnknownTaskError: no handler is registered.
@@ -420,11 +490,22 @@ class Scheduler:
                 env.db_or_none = await self._open()
                 await self._check_fit(env.db)
             except DB_ERRORS as exc:
+                refusal = pooler_refusal(exc)
+                if refusal is not None:
+                    raise QueueConfigurationError(refusal) from None
                 raise QueueUnavailableError(
                     "the worker could not start: "
                     + scrub_secrets(f"{type(exc).__name__}: {exc}", env.secrets)
                 ) from exc
             env.status.started()
+            if self._pooler is not None and self._listen_dsn is None:
+                LOG.warning(
+                    "%s: wake-ups are by polling every %g s: the pool leads through a "
+                    "transaction pooler, where LISTEN does not work; give listen_dsn (CLI: "
+                    "--listen-dsn) a direct connection to PostgreSQL for NOTIFY wake-ups",
+                    self.worker_id,
+                    env.poll,
+                )
             wakeups = Wakeups(env)
             completions = Completions(env, wakeups)
             progress = ProgressWriter(env)
@@ -489,7 +570,7 @@ class Scheduler:
         db = open_db(source)
         if db is None:  # __init__ checked it; a pool type cannot change since
             raise QueueConfigurationError("pool_or_dsn is no longer a supported pool")
-        return db
+        return listening_on(db, self._listen_dsn if self._listen else None)
 
     async def _open_pool(self, dsn: str) -> asyncpg.Pool:
         try:
@@ -506,10 +587,13 @@ class Scheduler:
                     reset=keep_session,
                     # Named per worker: operators (and tests) find its sessions in
                     # pg_stat_activity, as they find its listener.
-                    server_settings={
-                        **SERVER_SETTINGS,
-                        "application_name": f"steeple-queue {self.worker_id}"[:63],
-                    },
+                    **asyncpg_options(
+                        self._pooler,
+                        {
+                            **SERVER_SETTINGS,
+                            "application_name": f"steeple-queue {self.worker_id}"[:63],
+                        },
+                    ),
                 )
         except (ValueError, TypeError) as exc:
             # asyncpg parses the DSN here (a bad port, an unknown option...).
@@ -521,11 +605,13 @@ class Scheduler:
         return pool
 
     async def _check_fit(self, db: WorkerDb) -> None:
-        needed = 3 if self._listen else 2  # listener + claims + completions
+        # Claims + completions, + the listener when it takes a pooled connection.
+        pooled_listener = self._listen and self._listen_dsn is None
+        needed = 3 if pooled_listener else 2
         if db.max_size() < needed:
             raise QueueConfigurationError(
                 f"the pool must allow at least {needed} connections (claims, completions"
-                + (", the listener)" if self._listen else ")")
+                + (", the listener)" if pooled_listener else ")")
             )
 
         async def check(conn: Any) -> None:

@@ -57,6 +57,14 @@ from steeple.postgres._durability import (
     quote_ident,
     write_refusal,
 )
+from steeple.postgres.pooler import (
+    Pooler,
+    PoolerProblem,
+    asyncpg_options,
+    check_pooler,
+    local_settings_sql,
+    pooler_refusal,
+)
 from steeple.postgres.recurring._repository import PostgresRepository, namespace_state
 from steeple.postgres.recurring._sql import (
     MIGRATIONS,
@@ -124,7 +132,10 @@ class _StaleConnection(Exception):
     """Internal: the pooled connection was dead before the transaction began."""
 
 
-def _map_driver_error(exc: BaseException, what: str) -> RecurringStorageError:
+def _map_driver_error(exc: BaseException, what: str) -> RecurringError:
+    undeclared = pooler_refusal(exc)
+    if undeclared is not None:
+        return RecurringConfigurationError(f"{what}: {undeclared}")
     if isinstance(exc, TimeoutError):
         return RecurringDeadlineError(
             f"{what}: the storage deadline passed (10 s per call, 5 s to acquire a connection)"
@@ -191,6 +202,13 @@ def _connection_checker(
             raise RecurringClusterError(str(exc), known=exc.known, seen=exc.seen) from None
 
     return check_new_connection
+
+
+def _check_pooler(pooler: object) -> Pooler | None:
+    try:
+        return check_pooler(pooler)
+    except PoolerProblem as exc:
+        raise RecurringConfigurationError(str(exc)) from None
 
 
 def _check_schema_name(schema: object) -> str:
@@ -295,12 +313,13 @@ class PostgresRecurringStore(EngineStore):
         *,
         schema: str = "steeple",
         random: RandomSource | None = None,
+        pooler: Pooler | None = None,
     ) -> Self:
         """Create the fixed schema and the namespace once, then connect.
 
         Run it as the deployment role. Concurrent initializers converge (an advisory lock
         serializes them); initializing an existing namespace with the same configuration
-        and keyring is a no-op.
+        and keyring is a no-op. ``pooler`` as in :meth:`connect`.
 
         Raises:
             RecurringConfigurationError: bad arguments, unverified TLS to a remote host, or
@@ -310,10 +329,11 @@ class PostgresRecurringStore(EngineStore):
             RecurringDeadlineError: a deadline passed.
         """
         dsn = _check_open_args(dsn, config, keyring, clock, schema)
+        chosen = _check_pooler(pooler)
         try:
             async with asyncio.timeout(_CALL_DEADLINE):
                 conn = await asyncpg.connect(
-                    dsn, timeout=_POOL_DEADLINE, server_settings=dict(SERVER_SETTINGS)
+                    dsn, timeout=_POOL_DEADLINE, **asyncpg_options(chosen, SERVER_SETTINGS)
                 )
                 try:
                     await check_server_durability(conn)
@@ -338,7 +358,9 @@ class PostgresRecurringStore(EngineStore):
             raise recurring_error(exc, "initialize") from exc
         except _DRIVER_ERRORS as exc:
             raise _map_driver_error(exc, "initialize") from exc
-        return await cls.connect(dsn, config, keyring, clock, schema=schema, random=random)
+        return await cls.connect(
+            dsn, config, keyring, clock, schema=schema, random=random, pooler=pooler
+        )
 
     @classmethod
     async def connect(
@@ -350,6 +372,7 @@ class PostgresRecurringStore(EngineStore):
         *,
         schema: str = "steeple",
         random: RandomSource | None = None,
+        pooler: Pooler | None = None,
     ) -> Self:
         """Connect to an initialized namespace; never creates, repairs or changes anything.
 
@@ -357,9 +380,16 @@ class PostgresRecurringStore(EngineStore):
         ``synchronous_commit``, a writable primary), the schema version, the runtime
         role's privileges and the configuration binding.
 
+        ``pooler="transaction"``: ``dsn`` leads through a connection pooler in transaction
+        mode (PgBouncer ``pool_mode = transaction``; see :mod:`steeple.postgres.pooler`).
+        The pool then keeps no statement cache and sends only ``application_name`` at
+        connect; the statement, lock-wait and idle-in-transaction timeouts are set at the
+        start of each transaction instead (one more round trip per call).
+
         Raises:
-            RecurringConfigurationError: bad arguments, unverified TLS to a remote host, or
-                a configuration/keyring that does not match the namespace's binding.
+            RecurringConfigurationError: bad arguments, unverified TLS to a remote host, a
+                configuration/keyring that does not match the namespace's binding, or a
+                DSN leading through a transaction pooler without ``pooler="transaction"``.
             RecurringNotFoundError: the namespace was never initialized.
             RecurringStorageError: missing tables, a non-durable setting or table, a
                 read-only server, a missing privilege (named), another schema version, or
@@ -368,6 +398,7 @@ class PostgresRecurringStore(EngineStore):
             RecurringClockError: the clock trails the recorded time by more than 5 s.
         """
         dsn = _check_open_args(dsn, config, keyring, clock, schema)
+        chosen = _check_pooler(pooler)
         try:
             async with asyncio.timeout(_CALL_DEADLINE):
                 pool = await asyncpg.create_pool(
@@ -376,7 +407,7 @@ class PostgresRecurringStore(EngineStore):
                     max_size=limits.POOL_MAX_SIZE,
                     timeout=_POOL_DEADLINE,
                     max_inactive_connection_lifetime=60.0,
-                    server_settings=dict(SERVER_SETTINGS),
+                    **asyncpg_options(chosen, SERVER_SETTINGS),
                     init=_connection_checker(ClusterWatch()),
                     reset=_no_reset,
                 )
@@ -385,7 +416,9 @@ class PostgresRecurringStore(EngineStore):
         except _DRIVER_ERRORS as exc:
             raise _map_driver_error(exc, "connect") from exc
         queries = Queries.for_schema(quote_ident(schema))
-        storage = _PostgresStorage(pool, queries, config.namespace, schema)
+        storage = _PostgresStorage(
+            pool, queries, config.namespace, schema, local_settings_sql(chosen, SERVER_SETTINGS)
+        )
         store = cls(
             pool=pool,
             config=config,
@@ -486,6 +519,9 @@ class _PostgresStorage:
     queries: Queries
     namespace: str
     schema: str
+    local_settings: str | None = None
+    """Set at the start of each transaction: the session settings a transaction pooler
+    does not carry (``None`` on a direct connection: they were sent at connect)."""
     closed: bool = False
 
     async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
@@ -574,6 +610,8 @@ class _PostgresStorage:
             await transaction.start()
         except _LINK_ERRORS as exc:
             raise _StaleConnection() from exc
+        if self.local_settings is not None:
+            await conn.execute(self.local_settings)
         row = await conn.fetchrow(self.queries.lock_namespace, self.namespace)
         if row is None:
             raise RecurringNotFoundError(
