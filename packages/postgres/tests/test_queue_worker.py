@@ -631,7 +631,8 @@ async def test_a_batch_of_completions_is_counted_under_each_tasks_name(
 
         async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
             if sql == self.complete_sql:
-                batches.append([int(i) for i in args[0]])  # sent as text[]
+                # sent as one array literal: '{1,2,3}'
+                batches.append([int(i) for i in args[0].strip("{}").split(",")])
             return list(await self.inner.fetch(sql, *args, timeout=timeout))
 
     worker = worker_for(dsn, schema, concurrency=40)
