@@ -73,6 +73,8 @@ def core_only(uv: Path) -> int:
         "-e",
         "packages/core",
         "-e",
+        "packages/runtime",
+        "-e",
         "packages/engine",
         "-e",
         "packages/testing",

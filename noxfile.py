@@ -74,6 +74,8 @@ def core(session: nox.Session) -> None:
         "-e",
         "packages/core",
         "-e",
+        "packages/runtime",
+        "-e",
         "packages/engine",
         "-e",
         "packages/testing",
@@ -119,6 +121,14 @@ from steeple.engine.ports import RecurringStorage
 clients = {"asyncpg", "psycopg", "nats", "redis", "aio_pika"} & set(sys.modules)
 assert not clients, f"import steeple.engine loaded client libraries: {clients}"
 assert RelayStatistics().published == 0
+""",
+    "runtime": """
+import sys
+from steeple.runtime import CRASH_POINTS, crash_point, register_crash_points
+register_crash_points({"smoke.step": "smoke: a registered step"})
+crash_point("smoke.step")  # unarmed: nothing happens
+assert dict(CRASH_POINTS) == {"smoke.step": "smoke: a registered step"}
+assert not {"steeple.engine", "steeple.postgres"} & set(sys.modules)
 """,
     "keyring": """
 from steeple.keyring import Keyring, StorageKey

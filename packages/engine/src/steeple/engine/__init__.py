@@ -6,21 +6,16 @@
   that locks the namespace's control row and yields a set-based repository of rows).
 - :class:`RecurringRelay`: the relay loop (tick, claim, relay) every worker runs, counting
   what it did in a :class:`RelayStatistics`.
-- :mod:`steeple.engine.looplag`: event-loop lag detection (:class:`LoopLagMonitor`), which
-  names the code that blocks a worker's event loop.
+- :mod:`steeple.engine.crashpoints`: the engine's crash points (registered with
+  :mod:`steeple.runtime.crashpoints`).
 
-It depends on :mod:`steeple.core` only and never imports a driver; the PostgreSQL store,
+It depends on :mod:`steeple.core` and :mod:`steeple.runtime` (crash points, the loop-lag
+monitor its relay runs) only and never imports a driver; the PostgreSQL store,
 the in-memory reference store and any store you compose are adapters plus this engine.
 """
 
 from steeple.engine.binding import seal_binding, verify_binding
 from steeple.engine.engine import PURPOSE_DEFINITION, PURPOSE_OCCURRENCE, RecurringEngine
-from steeple.engine.looplag import (
-    LoopLagMonitor,
-    LoopLagStatistics,
-    LoopStall,
-    watching_event_loop,
-)
 from steeple.engine.opening import read_clock, recurring_errors
 from steeple.engine.ports import (
     DefinitionRow,
@@ -39,9 +34,6 @@ __all__ = [
     "PURPOSE_OCCURRENCE",
     "DefinitionRow",
     "DefinitionUpdate",
-    "LoopLagMonitor",
-    "LoopLagStatistics",
-    "LoopStall",
     "NamespaceState",
     "OccurrenceChange",
     "OccurrenceRow",
@@ -55,5 +47,4 @@ __all__ = [
     "recurring_errors",
     "seal_binding",
     "verify_binding",
-    "watching_event_loop",
 ]

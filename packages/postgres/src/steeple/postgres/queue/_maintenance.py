@@ -7,9 +7,9 @@ Recovery's target state per task is core's: ``transition(RUNNING, lease_expiry_e
 
 from __future__ import annotations
 
-from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._aio import wait_event
+from steeple.postgres.queue._crashpoints import crash_point
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._driver import describe_db_error
 from steeple.postgres.queue._outage import Retry
