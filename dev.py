@@ -77,6 +77,8 @@ def core_only(uv: Path) -> int:
         "-e",
         "packages/engine",
         "-e",
+        "packages/brokers",
+        "-e",
         "packages/testing",
         "pytest",
         "pytest-asyncio",
