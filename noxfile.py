@@ -52,6 +52,7 @@ def lint(session: nox.Session) -> None:
     _sync(session)
     session.run("ruff", "format", "--check", ".")
     session.run("ruff", "check", ".")
+    session.run("lint-imports", "--no-cache")  # the arrows between the packages
 
 
 @nox.session

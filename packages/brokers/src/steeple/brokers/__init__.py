@@ -18,7 +18,7 @@ name                                   module                      extra
 
 from __future__ import annotations
 
-import importlib
+import importlib as _importlib
 from typing import TYPE_CHECKING, Any
 
 from steeple.brokers._common import Delivery
@@ -75,7 +75,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'steeple.brokers' has no attribute {name!r}")
     try:
-        return getattr(importlib.import_module(module), name)
+        return getattr(_importlib.import_module(module), name)
     except ModuleNotFoundError as exc:
         needed, extra = _EXTRAS.get(module, ((), ""))
         missing = exc.name or ""

@@ -11,8 +11,9 @@ These names are loaded on first use: a program that imports only the work queue
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from steeple.core._lazy import lazy_exports as _lazy_exports
 
 if TYPE_CHECKING:
     from steeple.postgres.recurring import (
@@ -31,14 +32,6 @@ __all__ = [
     "runtime_grant_statements",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module 'steeple.postgres' has no attribute {name!r}")
-    value = getattr(importlib.import_module("steeple.postgres.recurring"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = _lazy_exports(
+    "steeple.postgres", dict.fromkeys(__all__, "steeple.postgres.recurring"), globals(), __all__
+)
