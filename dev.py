@@ -73,7 +73,11 @@ def core_only(uv: Path) -> int:
         "-e",
         "packages/core",
         "-e",
+        "packages/runtime",
+        "-e",
         "packages/engine",
+        "-e",
+        "packages/brokers",
         "-e",
         "packages/testing",
         "pytest",
@@ -122,9 +126,17 @@ def typecheck() -> int:
 
 
 def lint() -> int:
-    """Run ruff format --check, ruff check and mypy --strict: all of them; any failure fails."""
+    """Run ruff format --check, ruff check, lint-imports and mypy --strict; any failure fails.
+
+    ``lint-imports`` checks the arrows between the packages (the ``[tool.importlinter]``
+    contracts of pyproject.toml).
+    """
     failed = []
-    for tool, *args in (("ruff", "format", "--check", "."), ("ruff", "check", ".")):
+    for tool, *args in (
+        ("ruff", "format", "--check", "."),
+        ("ruff", "check", "."),
+        ("lint-imports", "--no-cache"),
+    ):
         if _run(_bin(VENV, tool), *args):
             failed.append(" ".join([tool, *args]))
     if typecheck():

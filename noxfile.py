@@ -52,6 +52,7 @@ def lint(session: nox.Session) -> None:
     _sync(session)
     session.run("ruff", "format", "--check", ".")
     session.run("ruff", "check", ".")
+    session.run("lint-imports", "--no-cache")  # the arrows between the packages
 
 
 @nox.session
@@ -74,7 +75,11 @@ def core(session: nox.Session) -> None:
         "-e",
         "packages/core",
         "-e",
+        "packages/runtime",
+        "-e",
         "packages/engine",
+        "-e",
+        "packages/brokers",
         "-e",
         "packages/testing",
         "pytest",
@@ -90,7 +95,10 @@ def core(session: nox.Session) -> None:
 # A module named like one of its package's extras (``steeple.brokers.nats`` for the ``nats``
 # extra), with its submodules, is behind that extra; every other module must import with
 # no extra at all. Modules that are not behind an extra of the same name are listed here.
-BEHIND_EXTRA: dict[str, str] = {}
+BEHIND_EXTRA: dict[str, str] = {
+    # The simulator's plots import the simulator (steeple-testing): both extras bring it.
+    "steeple.admin.simulate_plot": "simulate",
+}
 
 # Modules loaded by a host program that is not a dependency: a pytest plugin needs pytest.
 # They are imported after the host alone is added to the package's environment.
@@ -119,6 +127,14 @@ from steeple.engine.ports import RecurringStorage
 clients = {"asyncpg", "psycopg", "nats", "redis", "aio_pika"} & set(sys.modules)
 assert not clients, f"import steeple.engine loaded client libraries: {clients}"
 assert RelayStatistics().published == 0
+""",
+    "runtime": """
+import sys
+from steeple.runtime import CRASH_POINTS, crash_point, register_crash_points
+register_crash_points({"smoke.step": "smoke: a registered step"})
+crash_point("smoke.step")  # unarmed: nothing happens
+assert dict(CRASH_POINTS) == {"smoke.step": "smoke: a registered step"}
+assert not {"steeple.engine", "steeple.postgres"} & set(sys.modules)
 """,
     "keyring": """
 from steeple.keyring import Keyring, StorageKey
@@ -217,6 +233,16 @@ with socket.socket() as refusing:
         [steeple, "migrate", "--dsn", dsn], capture_output=True, text=True, timeout=60
     )
 assert done.returncode == 4 and "connection refused" in done.stderr, (
+    done.returncode, done.stdout + done.stderr
+)
+# The test kit is not a dependency of the command: `steeple simulate` names its extra.
+import importlib.util
+assert importlib.util.find_spec("hypothesis") is None, "steeple-admin installed hypothesis"
+done = subprocess.run(
+    [steeple, "simulate", "--cron", "* * * * *", "--days", "1"],
+    capture_output=True, text=True, timeout=60,
+)
+assert done.returncode == 3 and "steeple-admin[simulate]" in done.stderr, (
     done.returncode, done.stdout + done.stderr
 )
 """,

@@ -10,7 +10,7 @@ appends each execution to JOURNAL (fsynced) before it returns; a task whose args
 ``{"fail_first": true}`` fails its first attempt with a retry.
 
 Both print ``ready`` once connected and stop on SIGTERM. The crash points are armed by the
-environment (``STEEPLE_CRASH_AT``/``STEEPLE_CRASH_PAUSE``, see steeple.engine.crashpoints).
+environment (``STEEPLE_CRASH_AT``/``STEEPLE_CRASH_PAUSE``, see steeple.runtime.crashpoints).
 """
 
 from __future__ import annotations

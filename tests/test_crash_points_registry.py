@@ -1,6 +1,6 @@
 """The crash-point registry: every registered point is reached, every call names one.
 
-One in-process scenario (the hook armed with :func:`steeple.engine.crashpoints.arm`) drives
+One in-process scenario (the hook armed with :func:`steeple.runtime.crashpoints.arm`) drives
 the recurring store both ways (batched relay, and tick/claim/relay_many) and a queue
 worker through claims, renewals, completions, a retry and a recurring job; every
 registered name must be reached. The environment switches are checked here too.
@@ -31,8 +31,7 @@ from steeple.core import (
     ScheduledMessage,
     SystemClock,
 )
-from steeple.engine import crashpoints
-from steeple.engine.crashpoints import CRASH_POINTS, arm, crash_point, disarm
+from steeple.engine.crashpoints import ENGINE_CRASH_POINTS
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore, RecurringRelay
 from steeple.postgres.queue import (
@@ -43,6 +42,15 @@ from steeple.postgres.queue import (
     Task,
     enqueue,
     jobs,
+)
+from steeple.postgres.queue._crashpoints import QUEUE_CRASH_POINTS
+from steeple.runtime import crashpoints
+from steeple.runtime.crashpoints import (
+    CRASH_POINTS,
+    arm,
+    crash_point,
+    disarm,
+    register_crash_points,
 )
 from steeple.testing import FakeClock
 
@@ -87,10 +95,41 @@ def test_an_unarmed_crash_point_does_nothing() -> None:
     crash_point("not even registered")  # unchecked when unarmed: zero cost
 
 
+def test_each_product_registers_its_own_points() -> None:
+    assert dict(CRASH_POINTS) == {**ENGINE_CRASH_POINTS, **QUEUE_CRASH_POINTS}
+    assert all(name.startswith("queue.") for name in QUEUE_CRASH_POINTS)
+    assert not [name for name in ENGINE_CRASH_POINTS if name.startswith("queue.")]
+    register_crash_points({"tick.begin": ENGINE_CRASH_POINTS["tick.begin"]})  # again: a no-op
+    with pytest.raises(ValueError, match="already registered"):
+        register_crash_points({"tick.begin": "something else"})
+    with pytest.raises(TypeError):
+        CRASH_POINTS["tick.nope"] = "written past the registry"  # type: ignore[index]
+
+
+def test_the_queue_and_the_engine_each_load_only_their_own_points() -> None:
+    program = (
+        "import sys\n"
+        "import steeple.postgres.queue._claiming\n"
+        "from steeple.runtime.crashpoints import CRASH_POINTS\n"
+        "assert 'steeple.engine.crashpoints' not in sys.modules, 'the queue loaded the engine'\n"
+        "assert all(name.startswith('queue.') for name in CRASH_POINTS), sorted(CRASH_POINTS)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_an_armed_target_that_no_product_registered_is_refused_when_reached() -> None:
+    hook = crashpoints._from_environment({"STEEPLE_CRASH_AT": "tick.nope"})
+    assert hook is not None
+    with pytest.raises(ValueError, match=r"unknown crash point 'tick\.nope'"):
+        hook("tick.begin")
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"STEEPLE_CRASH_AT": "tick.nope"}, "unknown crash point 'tick.nope'"),
         ({"STEEPLE_CRASH_AT": "tick.begin:0"}, "the count must be 1 or more"),
         ({"STEEPLE_CRASH_PAUSE": "tick.begin"}, "STEEPLE_CRASH_PAUSE needs STEEPLE_CRASH_DIR"),
     ],

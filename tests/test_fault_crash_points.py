@@ -46,9 +46,9 @@ from steeple.core import (
 )
 from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
 from steeple.core.records import Lease
-from steeple.engine.crashpoints import CRASH_POINTS
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore, RecurringRelay
+from steeple.runtime.crashpoints import CRASH_POINTS
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

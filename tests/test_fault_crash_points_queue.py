@@ -42,10 +42,10 @@ from crash_matrix import (
 from crash_worker import append
 from pg_cluster import Cluster, Clusters, poll
 from queue_support import installed_queue
-from steeple.engine.crashpoints import CRASH_POINTS
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import EnqueueOptions, JobContext, Scheduler, Task, enqueue, jobs
 from steeple.postgres.queue._sql import queue_sql
+from steeple.runtime.crashpoints import CRASH_POINTS
 from steeple.testing import FakeClock
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]

@@ -274,6 +274,40 @@ def test_without_matplotlib_a_plot_request_prints_a_terminal_chart(tmp_path: Pat
     assert not target.exists()
 
 
+def test_without_the_simulator_the_command_names_its_extra_and_others_still_work() -> None:
+    # A real process in which the test kit cannot be imported, as on an install of
+    # steeple-admin without the [simulate] extra: the CLI loads, --help works, the other
+    # commands do not need it, and simulate says what to install.
+    script = (
+        "import sys\n"
+        "sys.modules['steeple.testing'] = None\n"
+        "sys.modules['hypothesis'] = None\n"
+        "from steeple.admin.cli import main\n"
+        "sys.argv = ['steeple', *sys.argv[1:]]\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEEPLE_")}
+
+    def steeple(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", script, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+
+    for args in (["--help"], ["simulate", "--help"], ["migrate", "--help"]):
+        done = steeple(*args)
+        assert done.returncode == 0, done.stderr
+    done = steeple("simulate", *FLAGS)
+    assert done.returncode == ExitCode.CONFIG, done.stderr
+    assert "needs the simulator" in done.stderr
+    assert "pip install 'steeple-admin[simulate]'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_simulate_is_listed_in_the_command_help() -> None:
     result = runner.invoke(app, ["--help"])
     assert "simulate" in result.stdout

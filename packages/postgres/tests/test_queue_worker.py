@@ -676,7 +676,7 @@ async def test_a_handler_that_blocks_the_loop_is_counted_and_named(
                 reported.set()
 
     watch = Watch()
-    logging.getLogger("steeple.engine.looplag").addHandler(watch)
+    logging.getLogger("steeple.runtime.looplag").addHandler(watch)
     done = await enqueue(conn, PLAIN, 1, schema=schema)
     worker = worker_for(dsn, schema, loop_lag_threshold=0.05)
 
@@ -686,12 +686,12 @@ async def test_a_handler_that_blocks_the_loop_is_counted_and_named(
 
     worker.register(PLAIN, careless_handler)
     try:
-        with caplog.at_level(logging.WARNING, "steeple.engine.looplag"):
+        with caplog.at_level(logging.WARNING, "steeple.runtime.looplag"):
             async with running(worker):
                 await wait_until(lambda: worker.stats.succeeded == 1)
                 await wait_until(lambda: worker.stats.loop_stalls >= 1)
     finally:
-        logging.getLogger("steeple.engine.looplag").removeHandler(watch)
+        logging.getLogger("steeple.runtime.looplag").removeHandler(watch)
     assert await _state(conn, schema, done.id) == "succeeded"
     stalled = [r.getMessage() for r in caplog.records if "stalled for" in r.getMessage()]
     assert len(stalled) == worker.stats.loop_stalls

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from steeple.core._lazy import lazy_exports
+from steeple.core._lazy import lazy_exports as _lazy_exports
 
 if TYPE_CHECKING:
     from steeple.admin.app import ACTIONS, CSRF_HEADER, SECURITY_HEADERS, create_admin_app
@@ -42,4 +42,4 @@ _HOMES = {
 }
 
 
-__getattr__, __dir__ = lazy_exports("steeple.admin", _HOMES, globals(), __all__)
+__getattr__, __dir__ = _lazy_exports("steeple.admin", _HOMES, globals(), __all__)

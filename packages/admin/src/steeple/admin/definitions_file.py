@@ -34,9 +34,9 @@ import attrs
 
 from steeple.core.config import RecurringDefinition
 from steeple.core.errors import ConfigurationError
+from steeple.core.instants import parse_instant
 from steeple.core.messages import ScheduledMessage
 from steeple.core.policies import MissedRunPolicy
-from steeple.testing.simulation import ScenarioError, parse_instant
 
 __all__ = [
     "DEFINITION_FIELDS",
@@ -170,7 +170,7 @@ def _one(item: object, index: int, defaults: DefinitionDefaults) -> RecurringDef
         )
     except DefinitionsFileError:
         raise
-    except (ConfigurationError, ScenarioError) as exc:
+    except ConfigurationError as exc:
         raise DefinitionsFileError(f"{where}: {exc}") from None
 
 

@@ -2,7 +2,9 @@
 
 Runs :mod:`steeple.testing.simulation` (the real store logic on a fake clock) over
 definitions given as flags or in a definitions file, and prints a table, JSON, a plot
-(matplotlib, ``steeple-admin[plot]``) or a plain terminal chart.
+(matplotlib, ``steeple-admin[plot]``) or a plain terminal chart. The simulator is an
+extra of the command (``steeple-admin[simulate]``): without it, ``steeple simulate``
+says what to install and the other commands are unaffected.
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ if TYPE_CHECKING:
     from steeple.core.config import RecurringDefinition
     from steeple.testing.simulation import Scenario, SimulationResult, Stats
 
-__all__ = ["build_scenario", "render_hits", "render_table", "simulate", "table_text"]
+__all__ = [
+    "SIMULATOR_EXTRA",
+    "build_scenario",
+    "render_hits",
+    "render_table",
+    "require_simulator",
+    "simulate",
+    "table_text",
+]
 
 MAX_DAYS: Final = 3660
 """The longest range ``steeple simulate`` accepts (ten years)."""
@@ -55,6 +65,30 @@ def table_text(table: Table) -> str:
     console.print(table)
     text = console.file.getvalue()  # type: ignore[attr-defined]
     return "\n".join(line.rstrip() for line in text.splitlines()).strip("\n")
+
+
+SIMULATOR_EXTRA: Final = "steeple-admin[simulate]"
+"""What to install for ``steeple simulate``: the simulator lives in ``steeple-testing``."""
+
+
+def require_simulator() -> None:
+    """Check that the simulator (``steeple.testing.simulation``) can be imported.
+
+    Raises:
+        CliError: it is not installed (exit code 3), naming the extra that installs it.
+    """
+    try:
+        import steeple.testing.simulation  # noqa: F401 - imported to see that it is there
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if not missing.startswith(("steeple.testing", "hypothesis")) and missing != "steeple":
+            raise
+        raise CliError(
+            f"steeple simulate needs the simulator, which is not installed ({missing!r} "
+            "is missing)",
+            code=ExitCode.CONFIG,
+            hint=f"install it with: pip install '{SIMULATOR_EXTRA}'",
+        ) from None
 
 
 def _usage(message: str, hint: str | None = None) -> CliError:
@@ -488,6 +522,10 @@ def simulate(
     """
     from rich.console import Console
 
+    try:
+        require_simulator()
+    except CliError as error:
+        raise _fail(error) from None
     from steeple.admin.simulate_plot import PLOT_FORMATS, PlotUnavailableError, terminal_chart
     from steeple.testing.simulation import estimate_occurrences
 

@@ -62,7 +62,7 @@ class WorkerApp:
             after a stop signal, before the hard stop.
         loop_lag_threshold: seconds of event-loop lag reported as a stall, with a
             warning naming the handler or broker call that blocked the loop; ``None``
-            turns the detection off (see :mod:`steeple.engine.looplag`).
+            turns the detection off (see :mod:`steeple.runtime.looplag`).
         queue_schema: the work queue's schema (default: the command's ``--queue-schema``);
             set from a ``steeple.postgres.queue.App``'s schema.
         queues: the named queues the task worker serves (default: ``"default"`` only);

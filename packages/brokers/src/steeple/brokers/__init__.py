@@ -12,19 +12,19 @@ name                                   module                      extra
 ``RabbitMQBroker``, ``RabbitMQConsumer``, ``DedupingConsumer``  ``steeple.brokers.rabbitmq``
                                                                    ``[rabbitmq]``
 ``WorkQueueBroker``                    ``steeple.brokers.queue``   ``[queue]``
-``MemoryBroker``                       ``steeple.brokers.memory``  (``steeple-testing``)
+``MemoryBroker``, ``BrokerFault``     ``steeple.brokers.memory``  (none)
 =====================================  ==========================  =========================
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib as _importlib
 from typing import TYPE_CHECKING, Any
 
 from steeple.brokers._common import Delivery
 
 if TYPE_CHECKING:
-    from steeple.brokers.memory import MemoryBroker
+    from steeple.brokers.memory import BrokerFault, MemoryBroker
     from steeple.brokers.nats import JetStreamBroker, JetStreamConsumer
     from steeple.brokers.queue import WorkQueueBroker
     from steeple.brokers.rabbitmq import DedupingConsumer, RabbitMQBroker, RabbitMQConsumer
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from steeple.brokers.sqlite import SqliteJournalBroker
 
 __all__ = [
+    "BrokerFault",
     "DedupingConsumer",
     "Delivery",
     "JetStreamBroker",
@@ -56,6 +57,7 @@ _LAZY = {
     "DedupingConsumer": "steeple.brokers.rabbitmq",
     "WorkQueueBroker": "steeple.brokers.queue",
     "MemoryBroker": "steeple.brokers.memory",
+    "BrokerFault": "steeple.brokers.memory",
 }
 
 
@@ -65,7 +67,6 @@ _EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
     "steeple.brokers.redis": (("redis",), "steeple-brokers[redis]"),
     "steeple.brokers.rabbitmq": (("aio_pika", "aiormq"), "steeple-brokers[rabbitmq]"),
     "steeple.brokers.queue": (("asyncpg", "steeple.postgres"), "steeple-brokers[queue]"),
-    "steeple.brokers.memory": (("steeple.testing",), "steeple-brokers[memory]"),
 }
 
 
@@ -74,7 +75,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'steeple.brokers' has no attribute {name!r}")
     try:
-        return getattr(importlib.import_module(module), name)
+        return getattr(_importlib.import_module(module), name)
     except ModuleNotFoundError as exc:
         needed, extra = _EXTRAS.get(module, ((), ""))
         missing = exc.name or ""

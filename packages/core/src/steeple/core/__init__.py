@@ -4,13 +4,19 @@ No I/O: time comes from an injected :class:`Clock`, randomness from an injected 
 
 The names are loaded on first use, so a program that needs one module of the core (the
 ``steeple`` command's settings need only its errors) does not pay for all of them.
+
+Where to start: an application imports few of these names (the calendar, the definition,
+message and configuration values, the clock, the broker port, the result records and the
+base errors); the documentation's API reference lists them. The rest (transition tables,
+lease arithmetic, tick planning, the error hierarchy in detail) serves the authors of
+stores, broker adapters and simulations.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from steeple.core._lazy import lazy_exports
+from steeple.core._lazy import lazy_exports as _lazy_exports
 
 if TYPE_CHECKING:
     from steeple.core.backoff import RELAY_BACKOFF, Backoff
@@ -345,4 +351,4 @@ _HOMES: dict[str, str] = {
 }
 
 
-__getattr__, __dir__ = lazy_exports("steeple.core", _HOMES, globals(), __all__)
+__getattr__, __dir__ = _lazy_exports("steeple.core", _HOMES, globals(), __all__)

@@ -11,22 +11,17 @@
   that locks the namespace's control row and yields a set-based repository of rows).
 - :class:`RecurringRelay` (:mod:`steeple.engine.relay_loop`): the relay loop (tick,
   claim, relay) every worker runs, counting what it did in a :class:`RelayStatistics`.
-- :mod:`steeple.engine.looplag`: event-loop lag detection (:class:`LoopLagMonitor`), which
-  names the code that blocks a worker's event loop.
+- :mod:`steeple.engine.crashpoints`: the engine's crash points (registered with
+  :mod:`steeple.runtime.crashpoints`).
 
-It depends on :mod:`steeple.core` only and never imports a driver; the PostgreSQL store,
-the SQLite store, the in-memory reference store and any store you compose are adapters
-plus this engine.
+It depends on :mod:`steeple.core` and :mod:`steeple.runtime` (crash points, the loop-lag
+monitor its relay runs) only and never imports a driver; the PostgreSQL store, the SQLite
+store, the in-memory reference store and any store you compose are adapters plus this
+engine.
 """
 
 from steeple.engine.binding import seal_binding, verify_binding
 from steeple.engine.engine import PURPOSE_DEFINITION, PURPOSE_OCCURRENCE, RecurringEngine
-from steeple.engine.looplag import (
-    LoopLagMonitor,
-    LoopLagStatistics,
-    LoopStall,
-    watching_event_loop,
-)
 from steeple.engine.opening import (
     check_parts,
     install_namespace,
@@ -56,9 +51,6 @@ __all__ = [
     "DefinitionRow",
     "DefinitionUpdate",
     "EngineStore",
-    "LoopLagMonitor",
-    "LoopLagStatistics",
-    "LoopStall",
     "NamespaceOpening",
     "NamespaceState",
     "OccurrenceChange",
@@ -78,5 +70,4 @@ __all__ = [
     "recurring_errors",
     "seal_binding",
     "verify_binding",
-    "watching_event_loop",
 ]

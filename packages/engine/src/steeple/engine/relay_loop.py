@@ -23,7 +23,7 @@ from steeple.core.errors import (
 from steeple.core.policies import validate_budget
 from steeple.core.ports import MessageBroker, RandomSource, RecurringStore
 from steeple.core.records import RelayOutcome
-from steeple.engine.looplag import (
+from steeple.runtime.looplag import (
     DEFAULT_LOOP_LAG_THRESHOLD,
     LoopStall,
     check_loop_lag_threshold,
@@ -60,7 +60,7 @@ class RelayStatistics:
             the store recorded the retry or the dead letter.
         storage_failures: rounds that failed on a storage or clock error and backed off.
         loop_stalls: times the event loop stalled past the loop-lag threshold while the
-            relay ran (see :mod:`steeple.engine.looplag`).
+            relay ran (see :mod:`steeple.runtime.looplag`).
     """
 
     ticks: int = 0
@@ -96,7 +96,7 @@ class RecurringRelay:
         idle_interval: seconds to wait when a round found nothing to do.
         loop_lag_threshold: seconds of event-loop lag that ``run`` reports as a stall,
             naming the code that blocked the loop (a broker's publish that blocks, say);
-            ``None`` turns the detection off (see :mod:`steeple.engine.looplag`).
+            ``None`` turns the detection off (see :mod:`steeple.runtime.looplag`).
         statistics: the counters this relay adds to (:class:`RelayStatistics`; a fresh
             one unless given).
         published: publications recorded so far (``statistics.published``).

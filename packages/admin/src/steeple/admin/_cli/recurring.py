@@ -259,7 +259,7 @@ def schedules_create(
 def _instant(text: str, what: str) -> datetime:
     # The one instant parser: the definitions file's (and steeple simulate's).
     from steeple.core.errors import ConfigurationError
-    from steeple.testing.simulation import parse_instant
+    from steeple.core.instants import parse_instant
 
     try:
         return parse_instant(text)

@@ -38,11 +38,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from steeple.core.backoff import Backoff
-from steeple.engine.crashpoints import crash_point
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_any, wait_either
 from steeple.postgres.queue._completions import Completions
+from steeple.postgres.queue._crashpoints import crash_point
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._driver import describe_db_error
 from steeple.postgres.queue._execution import Executor, JobContext

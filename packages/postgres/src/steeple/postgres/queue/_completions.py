@@ -21,9 +21,9 @@ from datetime import timedelta
 from typing import Final
 
 from steeple.core.tasks import TaskEvent, TaskState, transition
-from steeple.engine.crashpoints import crash_point
 from steeple.postgres._arrays import array_literal, text_array
 from steeple.postgres.queue import _metrics
+from steeple.postgres.queue._crashpoints import crash_point
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._driver import describe_db_error, is_data_error
 from steeple.postgres.queue._failures import Failure, describe

@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 from typing import Final
 
-from steeple.engine.crashpoints import crash_point
 from steeple.postgres import horizon
 from steeple.postgres.queue import _metrics
 from steeple.postgres.queue._aio import wait_event
+from steeple.postgres.queue._crashpoints import crash_point
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._driver import describe_db_error
 from steeple.postgres.queue._outage import Retry

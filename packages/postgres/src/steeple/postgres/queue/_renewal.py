@@ -11,9 +11,9 @@ import contextlib
 import time
 
 from steeple.core.tasks import TaskState
-from steeple.engine.crashpoints import crash_point
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue._aio import wait_event
+from steeple.postgres.queue._crashpoints import crash_point
 from steeple.postgres.queue._db import DB_ERRORS
 from steeple.postgres.queue._driver import describe_db_error
 from steeple.postgres.queue._inflight import Claimed

@@ -45,7 +45,6 @@ from steeple.core.dsn import conninfo_url
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import ConfigurationError
 from steeple.core.ports import Clock, RandomSource
-from steeple.engine.looplag import DEFAULT_LOOP_LAG_THRESHOLD, LoopStall, watching_event_loop
 from steeple.postgres._durability import DurabilityProblem, check_transport
 from steeple.postgres.pooler import (
     Pooler,
@@ -99,6 +98,7 @@ from steeple.postgres.queue.errors import (
     UnknownTaskError,
 )
 from steeple.postgres.queue.tasks import Task, declared_task
+from steeple.runtime.looplag import DEFAULT_LOOP_LAG_THRESHOLD, LoopStall, watching_event_loop
 
 if TYPE_CHECKING:
     from steeple.postgres.queue._app import TaskFunction
@@ -241,7 +241,7 @@ class Scheduler:
         loop_lag_threshold: seconds of event-loop lag reported as a stall: a warning names
             the handler (task and code) that blocked the loop, and ``stats.loop_stalls``
             and the ``steeple.queue.loop_stall`` histogram count it. ``None`` turns the
-            detection off (see :mod:`steeple.engine.looplag`). A handler that blocks the
+            detection off (see :mod:`steeple.runtime.looplag`). A handler that blocks the
             loop past its lease loses it: another worker runs the task and this one's
             late outcome is rejected.
 

@@ -34,8 +34,8 @@ from steeple.core.errors import ConfigurationError
 from steeple.core.policies import MissedRunPolicy, plan_tick
 from steeple.core.ports import Clock
 from steeple.core.zoned import DEFAULT_ZONE, ZonedCalendar
-from steeple.engine.crashpoints import crash_point
 from steeple.postgres.queue import _driver
+from steeple.postgres.queue._crashpoints import crash_point
 from steeple.postgres.queue._schema import (
     DEFAULT_SCHEMA,
     entry_point,

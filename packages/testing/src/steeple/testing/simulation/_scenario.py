@@ -10,7 +10,7 @@ from typing import Final
 
 import attrs
 
-from steeple.core import limits
+from steeple.core import instants, limits
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.errors import ConfigurationError
 from steeple.core.policies import validate_budget
@@ -123,25 +123,16 @@ def parse_iso_duration(text: str) -> timedelta:
 def parse_instant(text: str) -> datetime:
     """Parse an ISO 8601 instant with an explicit offset (``2026-01-31T22:00Z``).
 
+    The core's parser (:func:`steeple.core.instants.parse_instant`) with the simulator's
+    error.
+
     Raises:
         ScenarioError: not an ISO 8601 date-time, or one without ``Z`` or an offset.
     """
-    if not isinstance(text, str):
-        raise ScenarioError(f"an instant must be a str, not {type(text).__name__}")
-    value = text.strip()
     try:
-        if len(value) > _MAX_TEXT or not value.isascii():
-            raise ValueError
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise ScenarioError(
-            f"{_shown(text)} is not an ISO 8601 instant: write it like 2026-01-31T22:00Z"
-        ) from None
-    if parsed.tzinfo is None:
-        raise ScenarioError(
-            f"the instant {_shown(text)} has no time zone: add Z (UTC) or an offset such as +01:00"
-        )
-    return parsed.astimezone(UTC)
+        return instants.parse_instant(text)
+    except ConfigurationError as exc:
+        raise ScenarioError(str(exc)) from None
 
 
 def _start(value: object) -> datetime:

@@ -52,7 +52,7 @@ __all__ = [
     "watching_event_loop",
 ]
 
-_log = logging.getLogger("steeple.engine.looplag")
+_log = logging.getLogger("steeple.runtime.looplag")
 
 DEFAULT_LOOP_LAG_THRESHOLD: Final = 0.5
 """Seconds of lag that count as a stall unless configured otherwise."""

@@ -21,12 +21,8 @@ from steeple.core.errors import (
     ConfigurationTypeError,
     RecurringConfigurationError,
 )
-from steeple.engine import (
-    LoopLagMonitor,
-    LoopStall,
-    RecurringRelay,
-    watching_event_loop,
-)
+from steeple.engine import RecurringRelay
+from steeple.runtime.looplag import LoopLagMonitor, LoopStall, watching_event_loop
 from steeple.testing import MemoryBroker
 
 WATCHDOG = "steeple loop-lag watchdog"
@@ -50,7 +46,7 @@ class _Seen(logging.Handler):
 @pytest.fixture
 def seen() -> Iterator[_Seen]:
     handler = _Seen()
-    logger = logging.getLogger("steeple.engine.looplag")
+    logger = logging.getLogger("steeple.runtime.looplag")
     logger.addHandler(handler)
     try:
         yield handler
