@@ -573,6 +573,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--plot", type=Path, help="write the plot here as well")
     options = parser.parse_args()
+    # Stopped early (Ctrl-C, SIGTERM, or SIGINT to a background run, which a shell would
+    # have ignored): the workers are killed and the private cluster deleted on the way out.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     options.out.mkdir(parents=True, exist_ok=True)
     os.chmod(options.out, 0o755)
     summary = asyncio.run(soak(options.out.resolve(), options.minutes * 60, options.seed))
