@@ -578,7 +578,6 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     options.out.mkdir(parents=True, exist_ok=True)
-    os.chmod(options.out, 0o755)
     summary = asyncio.run(soak(options.out.resolve(), options.minutes * 60, options.seed))
     print(json.dumps(summary, indent=2))
     plot(options.out, options.out / "soak.png")
