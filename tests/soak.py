@@ -106,10 +106,9 @@ async def app():
                 f'INSERT INTO "{schema}".executions (task_id, run_id, attempt, worker_id) '
                 "VALUES ($1, $2, $3, $4)", ctx.task_id, ctx.run_id, ctx.attempt, worker_id,
                 timeout=10)
-        except (OSError, asyncio.TimeoutError, asyncpg.PostgresError,
-                asyncpg.InterfaceError) as exc:
+        except Exception as exc:  # a reset or restart mid-insert: asyncpg raises several
             raise JobError.retry(f"execution log unavailable: {type(exc).__name__}",
-                                 timedelta(seconds=0.5))
+                                 timedelta(seconds=0.5)) from None
         await asyncio.sleep(args.get("sleep", 0.02))
 
     return WorkerApp(tasks=[(Task("soak"), handler)], worker_id=worker_id, concurrency=8,
@@ -406,6 +405,7 @@ class Soak:
             self.event(f"workers stopped: {codes}")
         finally:
             await self.fleet.kill_all()
+            self.write(None)  # the samples of a failed run are kept too
         conn = await _connect(self.dsn)
         try:
             checked = await check_total_queue(conn, SCHEMA)
@@ -430,9 +430,12 @@ class Soak:
                     return
                 if time.monotonic() > deadline:
                     states = await conn.fetch(
-                        f'SELECT state, count(*) FROM "{SCHEMA}".tasks GROUP BY state'
+                        f"SELECT state, count(*), min(last_error) AS error "
+                        f'FROM "{SCHEMA}".tasks GROUP BY state'
                     )
-                    raise AssertionError(f"work left after {timeout} s: {states}")
+                    raise AssertionError(
+                        f"work left after {timeout} s: {[tuple(r) for r in states]}"
+                    )
                 await asyncio.sleep(0.5)
         finally:
             await conn.close()
@@ -489,7 +492,7 @@ class Soak:
         summary["problems"] = problems
         return summary
 
-    def write(self, summary: dict[str, Any]) -> None:
+    def write(self, summary: dict[str, Any] | None) -> None:
         fields = ["t", "rss_kb", "fds", "tasks", "throughput", "p50_ms", "p99_ms"]
         with (self.workdir / "samples.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fields)
@@ -499,7 +502,8 @@ class Soak:
             writer_ = csv.writer(f)
             writer_.writerow(["t", "event"])
             writer_.writerows(self.events)
-        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if summary is not None:
+            (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def plot(workdir: Path, out: Path) -> None:
