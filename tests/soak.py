@@ -58,7 +58,7 @@ from steeple.postgres.queue import (  # noqa: E402
 )
 
 SCHEMA = "soak"
-TASK = Task("soak")
+TASK: Task[Any] = Task("soak")
 LEASE = timedelta(seconds=4)
 OPTIONS = EnqueueOptions(lease_duration=LEASE, max_attempts=10_000)
 WORKERS = 3
@@ -326,6 +326,7 @@ class Soak:
                     since,
                     timeout=10,
                 )
+                assert stats is not None  # an aggregate answers one row
                 at = time.monotonic()
                 done = last_done + stats["n"]
                 row["throughput"] = round(stats["n"] / (at - last_at), 2)

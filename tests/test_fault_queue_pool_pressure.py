@@ -51,7 +51,7 @@ async def _attempts(dsn: str, schema: str) -> list[tuple[int, int, str, str]]:
         )
     finally:
         await conn.close()
-    return [tuple(r) for r in rows]  # type: ignore[misc]
+    return [(r[0], r[1], r[2], r[3]) for r in rows]
 
 
 # --- a connection limit below the pool (row 7) -------------------------------------------------
@@ -274,10 +274,12 @@ async def test_renewals_keep_the_lease_alive_over_a_network_slower_than_usual(
                 for run in runs:
                     if run.done():
                         run.result()
-                state, expires = await observer.fetchrow(
+                row = await observer.fetchrow(
                     f'SELECT state, lease_expires_at FROM "{schema}".tasks WHERE id = $1',
                     task_id,
                 )
+                assert row is not None
+                state, expires = row["state"], row["lease_expires_at"]
                 assert state == "running", state  # never recovered, never taken over
                 return bool(expires > first + 4 * lease)
 
