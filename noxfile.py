@@ -1,5 +1,6 @@
-"""nox sessions for steeple: lint, typecheck, tests, stress, failover, core (driverless),
-isolated, wheels, bench, bench-compare, bloat, backlog, pgbouncer, mutants, demo, docs.
+"""nox sessions for steeple: lint, typecheck, tests, stress, soak, failover, core
+(driverless), isolated, wheels, bench, bench-compare, bloat, backlog, pgbouncer, mutants,
+demo, docs.
 
 Sessions reuse uv for speed and never download an interpreter.
 
@@ -747,6 +748,26 @@ def pgbouncer(session: nox.Session) -> None:
         *session.posargs,
         env={"STEEPLE_PGBOUNCER_RESTARTS": os.environ.get("STEEPLE_PGBOUNCER_RESTARTS", "10")},
     )
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Hours of uptime: ``steeple worker`` processes under load, resets, restarts and kills.
+
+    ``nox -s soak -- --minutes 60 --out DIR [--seed S] [--plot docs/images/soak.png]``
+    (defaults: 60 minutes, ``DIR`` = ``soak-results/``): a private cluster (pgserver's
+    binaries, initdb'd for the run) is restarted immediately every few minutes, every
+    queue session ended in between, worker processes SIGKILLed and restarted; DIR gets
+    ``samples.csv``, ``events.csv``, ``summary.json`` and ``soak.png`` (matplotlib, the
+    ``plot`` extra of steeple-admin that the sync installs). It fails when the queue
+    checker or a bound fails (see ``tests/soak.py``). The test suite runs three minutes
+    of it (``tests/test_soak.py``, marked ``soak``).
+    """
+    _sync(session)
+    args = list(session.posargs)
+    if "--out" not in args:
+        args += ["--out", "soak-results"]
+    session.run("python", "tests/soak.py", *args)
 
 
 @nox.session

@@ -1,7 +1,8 @@
 """Concurrency specs of the work queue's SQL: every interleaving of two sessions, step by step.
 
-Each spec races two sessions, each running one of the worker's own statements (the text
-of ``queue_sql``, the text the worker sends) inside an explicit transaction: BEGIN, the
+Each spec races two sessions, each running one of the queue's own statements (the text
+of ``queue_sql`` or, for operators, ``admin_sql``: the text the code sends) inside an
+explicit transaction: BEGIN, the
 statement, COMMIT, so a statement's locks are held across the other session's steps. Every
 interleaving of the two sessions' three steps (20) runs from the same starting rows (made
 by the real code: enqueue, claim). A small runner plays isolationtester's part: it starts
@@ -13,7 +14,7 @@ judged against the model and the verdict is ``verdict:ok`` or ``verdict:BAD ...`
 
 The model (per task): at most one outcome recorded per attempt; ``succeeded`` exactly
 when one success is recorded; attempts never below the highest recorded; plus what each
-spec says about its race (below).
+spec says about its race (below), over the rows and over what each session was told.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import pytest
 from queue_support import installed_queue
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
+from steeple.postgres.queue._admin_sql import admin_sql
 from steeple.postgres.queue._sql import QueueSql, queue_sql
 
 pytestmark = [pytest.mark.postgres]
@@ -82,12 +84,18 @@ class Spec:
         second: tuple[str, tuple[Any, ...]],
         race: str,
         setup: Callable[[asyncpg.Connection, str, QueueSql], Awaitable[None]],
+        told: Callable[[list[Any], list[Any], str], str | None] | None = None,
     ) -> None:
         self.name = name
-        self.first = first  # (the QueueSql statement's name, its arguments)
+        # (the statement's name in QueueSql, or "admin." and its name in AdminSql; its
+        # arguments)
+        self.first = first
         self.second = second
         self.race = race
         self.setup = setup
+        # Judges what the sessions were told (each one's rows) against the task's final
+        # state: a problem, or None.
+        self.told = told
 
 
 class Runner:
@@ -103,7 +111,13 @@ class Runner:
         self.dsn = dsn
         self.s = f'"{schema}"'
         self.sql = sql
+        self.admin = admin_sql(schema)
         self.spec = spec
+
+    def statement(self, name: str) -> str:
+        if name.startswith("admin."):
+            return str(getattr(self.admin, name.removeprefix("admin.")))
+        return str(getattr(self.sql, name))
 
     async def reset(self, conn: asyncpg.Connection) -> None:
         s = self.s
@@ -124,6 +138,7 @@ class Runner:
         statements = {"s1": self.spec.first, "s2": self.spec.second}
         pids = {name: conn.get_server_pid() for name, conn in sessions.items()}
         blocked: dict[str, asyncio.Task[Any]] = {}
+        told: dict[str, asyncio.Task[Any]] = {}
         try:
             for step in order:
                 session, action = step[:2], step[2:]
@@ -137,8 +152,10 @@ class Runner:
                     work = conn.execute("COMMIT")
                 else:
                     name, args = statements[session]
-                    work = conn.fetch(getattr(self.sql, name), *args)  # type: ignore[assignment]
+                    work = conn.fetch(self.statement(name), *args)  # type: ignore[assignment]
                 task: asyncio.Task[Any] = asyncio.create_task(work)
+                if action == "q":
+                    told[session] = task
                 blocked[session] = task
                 await self._settle(blocked, pids, watcher)
             async with asyncio.timeout(30):
@@ -147,6 +164,12 @@ class Runner:
             verdict: str = await watcher.fetchval(
                 _MODEL.format(s=self.s, race=self.spec.race, race_name="'race'")
             )
+            if verdict == "verdict:ok" and self.spec.told is not None:
+                state = await watcher.fetchval(f"SELECT state FROM {self.s}.tasks")
+                rows = [[tuple(r) for r in told[n].result()] for n in ("s1", "s2")]
+                problem = self.spec.told(rows[0], rows[1], state)
+                if problem is not None:
+                    return f"verdict:BAD told: {problem} ({rows}, final state {state})"
             return verdict
         finally:
             for conn in sessions.values():
@@ -196,6 +219,35 @@ async def _live(conn: asyncpg.Connection, s: str, sql: QueueSql) -> None:
     await _running(conn, s, sql, expired=False)
 
 
+async def _failed(conn: asyncpg.Connection, s: str, sql: QueueSql) -> None:
+    """The task claimed, then failed for good by the worker's own statement."""
+    await _running(conn, s, sql, expired=False)
+    # $1 id, $2 token, $3 error, $4 worker, $5 error type, $6 traceback, $7 progress
+    failed = await conn.fetch(sql.fail, 1, UUID(TOKEN), "broken", "w0", "RuntimeError", None, None)
+    assert len(failed) == 1
+
+
+def _one_cancel_or_one_success(cancel: list[Any], complete: list[Any], state: str) -> str | None:
+    """The operator is told "cancelled" exactly when the task ends cancelled, and the
+    worker's completion is acknowledged exactly when it ends succeeded."""
+    ((found, cancelled),) = cancel
+    if bool(cancelled) != (state == "cancelled"):
+        return f"cancel reported {cancelled} change(s) from {found}"
+    if bool(complete) != (state == "succeeded"):
+        return f"the completion was acknowledged {len(complete)} time(s)"
+    return None
+
+
+def _one_retry(first: list[Any], second: list[Any], state: str) -> str | None:
+    """Of two operators retrying the one failed task, exactly one is told it was retried;
+    the other finds it already pending (and is refused)."""
+    changed = [rows[0][1] for rows in (first, second)]
+    found = sorted(rows[0][0] for rows in (first, second))
+    if sorted(changed) != [0, 1] or found != ["failed", "pending"]:
+        return f"retries reported {changed} change(s), finding {found}"
+    return None
+
+
 CLAIM: tuple[str, tuple[Any, ...]] = ("claim", (["iso"], 1, "w", 1e12))
 # $4 results[], $5 progress[] (schema version 7): none here.
 COMPLETE: tuple[str, tuple[Any, ...]] = (
@@ -209,6 +261,8 @@ RETRY: tuple[str, tuple[Any, ...]] = (
     # $6 error type, $7 traceback, $8 progress (schema version 7)
     (1, UUID(TOKEN), timedelta(0), "failed once", "w", "RuntimeError", None, None),
 )
+CANCEL: tuple[str, tuple[Any, ...]] = ("cancel", (1,))
+OPERATOR_RETRY: tuple[str, tuple[Any, ...]] = ("admin.retry", (1,))
 
 SPECS = [
     # two workers claim the one pending task: exactly one gets it, attempt 1
@@ -252,6 +306,28 @@ SPECS = [
         "(t.state = 'pending' AND t.attempts = 1) OR (t.state = 'running' AND t.attempts = 2 "
         f"AND t.lease_token <> '{TOKEN}')",
         _expired,
+    ),
+    # an operator cancels a running task as its worker completes it: it ends cancelled
+    # (the completion refused) or succeeded (the cancel finds it finished), each party
+    # told the truth; never a cancelled task with a success recorded
+    Spec(
+        "cancel-complete",
+        CANCEL,
+        COMPLETE,
+        "t.state IN ('succeeded', 'cancelled') AND t.lease_token IS NULL",
+        _live,
+        _one_cancel_or_one_success,
+    ),
+    # two operators retry the same failed task at once: it runs once more, pending, and
+    # exactly one of them is told so
+    Spec(
+        "retry-retry",
+        OPERATOR_RETRY,
+        OPERATOR_RETRY,
+        "t.state = 'pending' AND t.attempts = 1 AND t.max_attempts = 5 "
+        "AND t.lease_token IS NULL AND t.finished_at IS NULL",
+        _failed,
+        _one_retry,
     ),
 ]
 

@@ -84,3 +84,72 @@ async def finished_once(dsn: str, schema: str, ids: list[int], timeout: float = 
     await wait_until(all_finished, timeout=timeout, interval=0.1)
     outcomes = await task_outcomes(dsn, schema)
     assert set(outcomes.values()) == {1}, outcomes
+
+
+async def check_total_queue(conn: asyncpg.Connection, schema: str) -> dict[str, int]:
+    """The queue checker (in the manner of Jepsen's total-queue checker), once the work is
+    done, over the tasks, their attempt history and an ``executions`` log the handlers
+    wrote (``task_id, run_id, attempt, worker_id``, one row per execution):
+
+    - every task reached ``succeeded``, and its history holds exactly one success;
+    - every task executed at least once, always under the task's own ``run_id``;
+    - no (task, attempt) executed twice: a claim is never handed to two workers;
+    - the success was recorded by the worker that executed that very attempt, the last
+      one (nothing fenced out finalized anything);
+    - no queue connection is left ``idle in transaction``.
+
+    Returns the number of tasks and of executions.
+    """
+    s = f'"{schema}"'
+    rows = await conn.fetch(f"SELECT state, count(*) FROM {s}.tasks GROUP BY state")
+    states = {row["state"]: row["count"] for row in rows}
+    total = sum(states.values())
+    assert states == {"succeeded": total}, states
+
+    successes = await conn.fetch(
+        f"SELECT task_id, count(*) AS n FROM {s}.attempts WHERE outcome = 'succeeded' "
+        "GROUP BY task_id"
+    )
+    assert len(successes) == total, (len(successes), total)
+    assert all(r["n"] == 1 for r in successes), "a task succeeded more than once"
+
+    never_ran = await conn.fetchval(
+        f"SELECT count(*) FROM {s}.tasks t WHERE NOT EXISTS "
+        f"(SELECT 1 FROM {s}.executions e WHERE e.task_id = t.id)"
+    )
+    assert never_ran == 0, f"{never_ran} tasks succeeded without executing"
+
+    foreign = await conn.fetchval(
+        f"SELECT count(*) FROM {s}.executions e JOIN {s}.tasks t ON t.id = e.task_id "
+        "WHERE e.run_id <> t.run_id"
+    )
+    assert foreign == 0, "an attempt ran under another run_id"
+
+    doubled = await conn.fetch(
+        f"SELECT task_id, attempt, count(*) FROM {s}.executions "
+        "GROUP BY task_id, attempt HAVING count(*) > 1"
+    )
+    assert doubled == [], f"attempts executed twice: {doubled[:5]}"
+
+    # The success belongs to the last attempt, recorded by the worker that executed it.
+    wrong_finisher = await conn.fetchval(
+        f"""SELECT count(*) FROM {s}.tasks t
+        JOIN {s}.attempts a ON a.task_id = t.id AND a.outcome = 'succeeded'
+        WHERE a.attempt <> t.attempts OR NOT EXISTS (
+            SELECT 1 FROM {s}.executions e
+            WHERE e.task_id = t.id AND e.attempt = a.attempt AND e.worker_id = a.worker_id)"""
+    )
+    assert wrong_finisher == 0, "a success was recorded by a fenced or foreign attempt"
+
+    # Killed workers' sessions end with their sockets; nothing may sit in a transaction.
+    idle_in_tx = await conn.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND state LIKE 'idle in transaction%' "
+        "AND (application_name LIKE 'steeple-queue%' OR query LIKE $1)",
+        f"%{s}%",
+    )
+    assert idle_in_tx == 0, "a queue session was left idle in transaction"
+    return {
+        "tasks": total,
+        "executions": int(await conn.fetchval(f"SELECT count(*) FROM {s}.executions")),
+    }

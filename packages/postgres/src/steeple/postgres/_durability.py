@@ -314,7 +314,9 @@ def write_refusal(exc: BaseException) -> tuple[str, str] | None:
         return (
             "insufficient_resources",
             "PostgreSQL refused the connection: too many connections (SQLSTATE 53300); "
-            "nothing was stored",
+            "nothing was stored: the role's CONNECTION LIMIT or the server's "
+            "max_connections is below what the pools open; raise it, or give the pools a "
+            "smaller max_size (work goes on, slower, on the connections already open)",
         )
     if state.startswith("53"):
         return (

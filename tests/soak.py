@@ -1,0 +1,616 @@
+"""The soak: hours of mixed queue load on real ``steeple worker`` processes, under faults.
+
+A private PostgreSQL cluster (initdb'd for the run, so restarting it touches nothing else)
+holds a work queue. The harness enqueues a steady stream of tasks and keeps periodic jobs
+due every minute, while three ``steeple worker`` processes serve them. Slot 0 lives for
+the whole run and is the one measured; slots 1 and 2 are SIGKILLed in turn and restarted.
+Every few minutes every queue session is ended (``pg_terminate_backend``), and the
+server is restarted with ``pg_ctl -m immediate``.
+
+Every ``sample_every`` seconds the harness records slot 0's RSS, open file descriptors and
+asyncio task count (its app module writes them: the worker exposes no endpoint), the
+queue's throughput and the latency (creation to success) of the tasks finished since.
+After the run, the faults stop, the fleet finishes the work and stops, and:
+
+- the queue checker of :mod:`queue_support` (every task succeeded exactly once, no
+  attempt executed twice, the success recorded by the attempt that ran last) holds, and
+  every enqueue the harness saw acknowledged is among the tasks;
+- after the warm-up, RSS grows by less than 1 MB per 10 minutes (Theil-Sen slope; a run
+  shorter than half an hour only catches a gross leak: 10 MB), and file descriptors and
+  asyncio tasks neither trend upwards nor pass a bound.
+
+``python tests/soak.py --minutes 60 --out DIR`` (``nox -s soak``) writes ``samples.csv``,
+``events.csv``, ``summary.json`` and, with ``--plot``, ``soak.png`` into DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+_HERE = Path(__file__).resolve().parent
+for extra in (_HERE, _HERE.parent / "packages" / "postgres" / "tests"):
+    if str(extra) not in sys.path:
+        sys.path.append(str(extra))
+
+from pg_cluster import Cluster, Clusters  # noqa: E402
+from queue_support import check_total_queue  # noqa: E402
+from steeple.postgres.queue import (  # noqa: E402
+    EnqueueOptions,
+    Task,
+    enqueue_many,
+    install,
+    jobs,
+)
+
+SCHEMA = "soak"
+TASK: Task[Any] = Task("soak")
+LEASE = timedelta(seconds=4)
+OPTIONS = EnqueueOptions(lease_duration=LEASE, max_attempts=10_000)
+WORKERS = 3
+JOBS = 5  # periodic jobs, each due every minute
+RSS_LIMIT_KB_PER_10_MIN = 1024.0
+# A run shorter than half an hour still sees the first minutes' growth (caches filling,
+# allocator arenas) after its warm-up: it can only catch a gross leak (a kilobyte a task
+# at 20 tasks a second is 12 MB a minute). The 1 MB bound is judged on longer runs.
+SHORT_RUN = 1800.0
+SHORT_RSS_LIMIT_KB_PER_10_MIN = 10 * 1024.0
+
+# The app module ``steeple worker --app soak_app:app`` imports. Its factory starts a
+# sampler on the worker's own event loop: RSS, open fds and asyncio tasks, once a second.
+APP_MODULE = """
+import asyncio, json, os, time
+from datetime import timedelta
+import asyncpg
+from steeple.admin import WorkerApp
+from steeple.postgres.queue import JobError, Task
+
+_keep = []
+
+def _rss_kb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+async def _sample(path):
+    with open(path, "a") as out:
+        while True:
+            out.write(json.dumps({
+                "t": time.time(), "rss_kb": _rss_kb(),
+                "fds": len(os.listdir("/proc/self/fd")),
+                "tasks": len(asyncio.all_tasks()),
+            }) + "\\n")
+            out.flush()
+            await asyncio.sleep(1.0)
+
+async def app():
+    dsn, schema = os.environ["SOAK_DSN"], os.environ["SOAK_SCHEMA"]
+    worker_id = os.environ["SOAK_WORKER_ID"]
+    log = await asyncpg.create_pool(
+        dsn, min_size=0, max_size=4, max_inactive_connection_lifetime=30,
+        server_settings={"application_name": "soak-log"})
+    _keep.append(log)
+    _keep.append(asyncio.get_running_loop().create_task(_sample(os.environ["SOAK_SAMPLES"])))
+
+    async def handler(ctx, args):
+        try:
+            await log.execute(
+                f'INSERT INTO "{schema}".executions (task_id, run_id, attempt, worker_id) '
+                "VALUES ($1, $2, $3, $4)", ctx.task_id, ctx.run_id, ctx.attempt, worker_id,
+                timeout=10)
+        except Exception as exc:  # a reset or restart mid-insert: asyncpg raises several
+            raise JobError.retry(f"execution log unavailable: {type(exc).__name__}",
+                                 timedelta(seconds=0.5)) from None
+        await asyncio.sleep(args.get("sleep", 0.02))
+
+    return WorkerApp(tasks=[(Task("soak"), handler)], worker_id=worker_id, concurrency=8,
+                     drain_timeout=10)
+"""
+
+
+def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """The median of the slopes between every pair of points (robust to outliers)."""
+    import numpy as np
+
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    if len(x) < 2:
+        return 0.0
+    i, j = np.triu_indices(len(x), k=1)
+    dx = x[j] - x[i]
+    keep = dx > 0
+    if not keep.any():
+        return 0.0
+    return float(np.median((y[j] - y[i])[keep] / dx[keep]))
+
+
+class Fleet:
+    """``steeple worker`` processes by slot; a killed slot restarts under a new worker id."""
+
+    def __init__(self, workdir: Path, dsn: str) -> None:
+        self.workdir, self.dsn = workdir, dsn
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.ids: dict[int, str] = {}
+        self.generation = 0
+        self.kills = 0
+        (workdir / "soak_app.py").write_text(APP_MODULE)
+
+    def samples_file(self, slot: int) -> Path:
+        return self.workdir / f"samples-{self.ids[slot]}.jsonl"
+
+    async def start(self, slot: int) -> None:
+        self.generation += 1
+        worker_id = f"soak{slot}-{self.generation}"
+        self.ids[slot] = worker_id
+        env = {
+            **os.environ,
+            "SOAK_DSN": self.dsn,
+            "SOAK_SCHEMA": SCHEMA,
+            "SOAK_WORKER_ID": worker_id,
+            "SOAK_SAMPLES": str(self.workdir / f"samples-{worker_id}.jsonl"),
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(self.workdir), os.environ.get("PYTHONPATH")) if p
+            ),
+        }
+        steeple = Path(sys.executable).parent / "steeple"
+        log = (self.workdir / f"{worker_id}.log").open("ab")
+        self.procs[slot] = await asyncio.create_subprocess_exec(
+            str(steeple), "worker", "--app", "soak_app:app",
+            "--dsn", self.dsn, "--queue-schema", SCHEMA,
+            cwd=self.workdir, env=env, stdout=log, stderr=log,
+        )  # fmt: skip
+        log.close()
+
+    async def wait_sampling(self, slot: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.samples_file(slot).exists() or not self.samples_file(slot).stat().st_size:
+            proc = self.procs[slot]
+            if proc.returncode is not None or time.monotonic() > deadline:
+                tail = (self.workdir / f"{self.ids[slot]}.log").read_text()[-3000:]
+                raise AssertionError(f"worker {self.ids[slot]} did not start:\n{tail}")
+            await asyncio.sleep(0.1)
+
+    def last_sample(self, slot: int) -> dict[str, Any] | None:
+        try:
+            with self.samples_file(slot).open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 400))
+                lines = f.read().decode().splitlines()
+        except OSError:
+            return None
+        for line in reversed(lines):
+            with contextlib.suppress(ValueError):
+                sample: dict[str, Any] = json.loads(line)
+                return sample
+        return None
+
+    async def kill(self, slot: int) -> None:
+        proc = self.procs.pop(slot)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        self.kills += 1
+
+    async def stop_all(self, timeout: float = 90) -> dict[str, int | None]:
+        """SIGTERM every worker once it has started (a worker restarted a moment ago may
+        not handle signals yet); their exit codes by worker id."""
+        deadline = time.monotonic() + 60
+        for slot, proc in self.procs.items():
+            log = self.workdir / f"{self.ids[slot]}.log"
+            while proc.returncode is None and time.monotonic() < deadline:
+                if b"steeple worker: running" in log.read_bytes():
+                    break
+                await asyncio.sleep(0.1)
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        codes: dict[str, int | None] = {}
+        for slot, proc in self.procs.items():
+            try:
+                codes[self.ids[slot]] = await asyncio.wait_for(proc.wait(), timeout)
+            except TimeoutError:
+                proc.kill()
+                codes[self.ids[slot]] = await proc.wait()
+        self.procs.clear()
+        return codes
+
+    async def kill_all(self) -> None:
+        for slot in list(self.procs):
+            await self.kill(slot)
+
+
+async def _connect(dsn: str) -> asyncpg.Connection:
+    return await asyncpg.connect(dsn, timeout=10, server_settings={"application_name": "soak"})
+
+
+class Soak:
+    """One run: load, faults and sampling for ``duration`` seconds, then the checks."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        workdir: Path,
+        duration: float,
+        *,
+        rate: float = 20.0,
+        sample_every: float = 5.0,
+        seed: int | None = None,
+    ) -> None:
+        self.cluster, self.workdir, self.duration = cluster, workdir, duration
+        self.dsn = cluster.dsn()
+        self.rate, self.sample_every = rate, sample_every
+        self.seed = random.SystemRandom().randrange(1 << 31) if seed is None else seed
+        self.rng = random.Random(self.seed)
+        # Every few minutes over an hour; a short run gets each fault at least twice.
+        self.kill_every = min(60.0, duration / 6)
+        self.reset_every = min(150.0, duration / 4)
+        self.restart_every = min(300.0, duration / 3)
+        self.warmup = min(300.0, duration / 3)
+        self.acknowledged: list[int] = []
+        self.samples: list[dict[str, Any]] = []
+        self.events: list[tuple[float, str]] = []
+        self.fleet = Fleet(workdir, self.dsn)
+        self.started = 0.0
+        self.done = asyncio.Event()
+        self.restarting = False
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    def event(self, what: str) -> None:
+        self.events.append((round(self.now(), 1), what))
+        print(f"soak {self.now():7.1f} s: {what}", flush=True)
+
+    async def prepare(self) -> None:
+        conn = await _connect(self.dsn)
+        try:
+            await install(conn, schema=SCHEMA)
+            # No unique constraint: the checker, not the database, finds duplicates.
+            await conn.execute(
+                f'CREATE TABLE "{SCHEMA}".executions (task_id bigint NOT NULL, '
+                "run_id uuid NOT NULL, attempt int NOT NULL, worker_id text NOT NULL)"
+            )
+            await conn.execute(f'CREATE INDEX ON "{SCHEMA}".tasks (finished_at)')
+            for n in range(JOBS):
+                await jobs.create(conn, f"every-minute-{n}", TASK, "* * * * *", {}, OPTIONS,
+                                  schema=SCHEMA)  # fmt: skip
+        finally:
+            await conn.close()
+
+    async def enqueue_loop(self) -> None:
+        """``rate`` tasks a second in batches of a fifth of a second; an enqueue that fails
+        (the server restarting) is not counted as acknowledged, and is not retried."""
+        conn: asyncpg.Connection | None = None
+        batch = max(1, round(self.rate / 5))
+        next_at = time.monotonic()
+        while not self.done.is_set():
+            next_at += batch / self.rate
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            try:
+                if conn is None or conn.is_closed():
+                    conn = await _connect(self.dsn)
+                args = [{"sleep": self.rng.uniform(0.005, 0.05)} for _ in range(batch)]
+                ids = await enqueue_many(conn, TASK, args, OPTIONS, schema=SCHEMA)
+                self.acknowledged.extend(ids)
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError):
+                if conn is not None:
+                    conn.terminate()
+                conn = None
+                next_at = time.monotonic() + 0.5
+        if conn is not None:
+            await conn.close()
+
+    async def sample_loop(self) -> None:
+        conn: asyncpg.Connection | None = None
+        last_done = 0
+        last_at = time.monotonic()
+        since = None
+        while not self.done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.done.wait(), self.sample_every)
+            row: dict[str, Any] = {"t": round(self.now(), 1)}
+            worker = self.fleet.last_sample(0)
+            if worker is not None:
+                row.update(rss_kb=worker["rss_kb"], fds=worker["fds"], tasks=worker["tasks"])
+            try:
+                if conn is None or conn.is_closed():
+                    conn = await _connect(self.dsn)
+                stats = await conn.fetchrow(
+                    f"""SELECT count(*) AS n, max(finished_at) AS upto,
+                        percentile_cont(0.5) WITHIN GROUP (ORDER BY finished_at - created_at)
+                            AS p50,
+                        percentile_cont(0.99) WITHIN GROUP (ORDER BY finished_at - created_at)
+                            AS p99
+                    FROM "{SCHEMA}".tasks
+                    WHERE state = 'succeeded' AND job_id IS NULL
+                      AND finished_at > coalesce($1::timestamptz, '-infinity')""",
+                    since,
+                    timeout=10,
+                )
+                assert stats is not None  # an aggregate answers one row
+                at = time.monotonic()
+                done = last_done + stats["n"]
+                row["throughput"] = round(stats["n"] / (at - last_at), 2)
+                if stats["n"]:
+                    row["p50_ms"] = round(stats["p50"].total_seconds() * 1000, 1)
+                    row["p99_ms"] = round(stats["p99"].total_seconds() * 1000, 1)
+                    since = stats["upto"]
+                last_done, last_at = done, at
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError):
+                if conn is not None:
+                    conn.terminate()
+                conn = None
+            self.samples.append(row)
+        if conn is not None:
+            await conn.close()
+
+    async def fault_loop(self) -> None:
+        kill_at, reset_at, restart_at = self.kill_every, self.reset_every, self.restart_every
+        while not self.done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.done.wait(), 0.5)
+            if self.done.is_set():
+                return
+            now = self.now()
+            if now >= kill_at:
+                kill_at += self.kill_every
+                slot = self.rng.randrange(1, WORKERS)
+                await self.fleet.kill(slot)
+                self.event(f"SIGKILL worker slot {slot}")
+                await self.fleet.start(slot)
+            if now >= reset_at:
+                reset_at += self.reset_every
+                with contextlib.suppress(OSError, TimeoutError, asyncpg.PostgresError):
+                    conn = await _connect(self.dsn)
+                    try:
+                        ended = await conn.fetchval(
+                            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) "
+                            "FROM pg_stat_activity WHERE application_name LIKE 'steeple-queue%'"
+                            " OR application_name = 'soak-log') ended"
+                        )
+                    finally:
+                        await conn.close()
+                    self.event(f"pg_terminate_backend on {ended} worker sessions")
+            if now >= restart_at:
+                restart_at += self.restart_every
+                self.event("PostgreSQL stopped (immediate)")
+                await asyncio.to_thread(self.cluster.stop, "immediate")
+                await asyncio.to_thread(self.cluster.start)
+                self.event("PostgreSQL started")
+
+    async def run(self) -> dict[str, Any]:
+        await self.prepare()
+        self.started = time.monotonic()
+        for slot in range(WORKERS):
+            await self.fleet.start(slot)
+        try:
+            for slot in range(WORKERS):
+                await self.fleet.wait_sampling(slot)
+            self.event(f"{WORKERS} workers running (seed {self.seed})")
+            loops = [
+                asyncio.create_task(self.enqueue_loop()),
+                asyncio.create_task(self.sample_loop()),
+                asyncio.create_task(self.fault_loop()),
+            ]
+            while self.now() < self.duration:
+                await asyncio.sleep(1.0)
+                for loop in loops:
+                    if loop.done():
+                        loop.result()  # a harness bug surfaces now, not after the hour
+                if self.fleet.procs[0].returncode is not None:
+                    raise AssertionError("the measured worker (slot 0) exited")
+            self.done.set()
+            await asyncio.gather(*loops)
+            self.event("load and faults stopped; draining")
+            await self.drain()
+            codes = await self.fleet.stop_all()
+            self.event(f"workers stopped: {codes}")
+        finally:
+            await self.fleet.kill_all()
+            self.write(None)  # the samples of a failed run are kept too
+        conn = await _connect(self.dsn)
+        try:
+            checked = await check_total_queue(conn, SCHEMA)
+            known = {r[0] for r in await conn.fetch(f'SELECT id FROM "{SCHEMA}".tasks')}
+        finally:
+            await conn.close()
+        lost = set(self.acknowledged) - known
+        assert not lost, f"acknowledged enqueues lost: {sorted(lost)[:10]}"
+        summary = self.summarize(checked, codes)
+        self.write(summary)
+        return summary
+
+    async def drain(self, timeout: float = 180) -> None:
+        conn = await _connect(self.dsn)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                left = await conn.fetchval(
+                    f"SELECT count(*) FROM \"{SCHEMA}\".tasks WHERE state <> 'succeeded'"
+                )
+                if left == 0:
+                    return
+                if time.monotonic() > deadline:
+                    states = await conn.fetch(
+                        f"SELECT state, count(*), min(last_error) AS error "
+                        f'FROM "{SCHEMA}".tasks GROUP BY state'
+                    )
+                    raise AssertionError(
+                        f"work left after {timeout} s: {[tuple(r) for r in states]}"
+                    )
+                await asyncio.sleep(0.5)
+        finally:
+            await conn.close()
+
+    def summarize(self, checked: dict[str, int], codes: dict[str, int | None]) -> dict[str, Any]:
+        after = [s for s in self.samples if s["t"] >= self.warmup and "rss_kb" in s]
+        assert len(after) >= 10, f"too few samples after the warm-up: {len(after)}"
+        ts = [s["t"] for s in after]
+        slope = theil_sen(ts, [s["rss_kb"] for s in after])  # KB per second
+        fd_slope = theil_sen(ts, [s["fds"] for s in after])
+        task_slope = theil_sen(ts, [s["tasks"] for s in after])
+        throughput = [s["throughput"] for s in self.samples if "throughput" in s]
+        p50 = [s["p50_ms"] for s in self.samples if "p50_ms" in s]
+        p99 = [s["p99_ms"] for s in self.samples if "p99_ms" in s]
+
+        def median(values: list[float]) -> float | None:
+            return sorted(values)[len(values) // 2] if values else None
+
+        summary: dict[str, Any] = {
+            "seconds": round(self.duration),
+            "seed": self.seed,
+            "warmup_seconds": round(self.warmup),
+            "tasks": checked["tasks"],
+            "executions": checked["executions"],
+            "acknowledged_enqueues": len(self.acknowledged),
+            "kills": self.fleet.kills,
+            "resets": sum("pg_terminate_backend" in e for _, e in self.events),
+            "restarts": sum("stopped (immediate)" in e for _, e in self.events),
+            "rss_kb_first": after[0]["rss_kb"],
+            "rss_kb_last": after[-1]["rss_kb"],
+            "rss_kb_max": max(s["rss_kb"] for s in after),
+            "rss_kb_per_10_min": round(slope * 600, 1),
+            "fds_max": max(s["fds"] for s in after),
+            "fds_per_10_min": round(fd_slope * 600, 2),
+            "asyncio_tasks_max": max(s["tasks"] for s in after),
+            "asyncio_tasks_per_10_min": round(task_slope * 600, 2),
+            "throughput_median": median(throughput),
+            "p50_ms_median": median(p50),
+            "p99_ms_median": median(p99),
+            "p99_ms_max": max(p99) if p99 else None,
+            "exit_codes": codes,
+        }
+        problems = []
+        limit = RSS_LIMIT_KB_PER_10_MIN
+        if self.duration < SHORT_RUN:
+            limit = SHORT_RSS_LIMIT_KB_PER_10_MIN
+        summary["rss_limit_kb_per_10_min"] = limit
+        if summary["rss_kb_per_10_min"] >= limit:
+            problems.append(
+                f"RSS grows {summary['rss_kb_per_10_min']} KB per 10 minutes (limit {limit:g})"
+            )
+        # A leak of one per fault would show as a steady climb; the bounds are generous
+        # for the pools (8 + 4 connections, a listener) and concurrency (8 handlers).
+        if summary["fds_per_10_min"] >= 1 or summary["fds_max"] > 64:
+            problems.append(f"file descriptors not bounded: {summary}")
+        if summary["asyncio_tasks_per_10_min"] >= 1 or summary["asyncio_tasks_max"] > 64:
+            problems.append(f"asyncio tasks not bounded: {summary}")
+        if any(code != 0 for code in codes.values()):
+            problems.append(f"a worker did not stop cleanly: {codes}")
+        summary["problems"] = problems
+        return summary
+
+    def write(self, summary: dict[str, Any] | None) -> None:
+        fields = ["t", "rss_kb", "fds", "tasks", "throughput", "p50_ms", "p99_ms"]
+        with (self.workdir / "samples.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fields)
+            writer.writeheader()
+            writer.writerows(self.samples)
+        with (self.workdir / "events.csv").open("w", newline="") as f:
+            writer_ = csv.writer(f)
+            writer_.writerow(["t", "event"])
+            writer_.writerows(self.events)
+        if summary is not None:
+            (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def plot(workdir: Path, out: Path) -> None:
+    """RSS, fds, throughput and latency over the run, with the faults marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with (workdir / "samples.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    with (workdir / "events.csv").open() as f:
+        events = list(csv.DictReader(f))
+
+    def series(name: str) -> tuple[list[float], list[float]]:
+        pairs = [(float(r["t"]) / 60, float(r[name])) for r in rows if r.get(name)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    summary = json.loads((workdir / "summary.json").read_text())
+    fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
+    t, rss = series("rss_kb")
+    axes[0].plot(t, [v / 1024 for v in rss])
+    axes[0].set_ylabel("RSS (MB)")
+    axes[0].set_title(
+        f"steeple soak: {summary['seconds'] / 60:.0f} min, {summary['tasks']} tasks, "
+        f"{summary['kills']} SIGKILLs, {summary['resets']} resets, "
+        f"{summary['restarts']} restarts; RSS {summary['rss_kb_per_10_min']:+.0f} KB/10 min"
+    )
+    t, fds = series("fds")
+    axes[1].plot(t, fds, label="open fds")
+    t, tasks = series("tasks")
+    axes[1].plot(t, tasks, label="asyncio tasks")
+    axes[1].set_ylabel("count (worker 0)")
+    axes[1].legend(loc="upper right")
+    t, thr = series("throughput")
+    axes[2].plot(t, thr)
+    axes[2].set_ylabel("tasks/s")
+    for name in ("p50_ms", "p99_ms"):
+        t, lat = series(name)
+        axes[3].plot(t, lat, label=name.replace("_ms", ""))
+    axes[3].set_yscale("log")
+    axes[3].set_ylabel("latency (ms)")
+    axes[3].set_xlabel("minutes")
+    axes[3].legend(loc="upper right")
+    colours = {"SIGKILL": "grey", "pg_terminate": "orange", "stopped": "red"}
+    for e in events:
+        for key, colour in colours.items():
+            if key in e["event"]:
+                for ax in axes:
+                    ax.axvline(float(e["t"]) / 60, color=colour, alpha=0.3, lw=0.8)
+    axes[0].axvline(summary["warmup_seconds"] / 60, color="green", ls="--", lw=1)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+async def soak(workdir: Path, duration: float, seed: int | None = None) -> dict[str, Any]:
+    """Run a soak of ``duration`` seconds on a private cluster, stopped and deleted after."""
+    clusters = Clusters()
+    try:
+        cluster = clusters.new("soak", settings={"max_connections": "60"})
+        return await Soak(cluster, workdir, duration, seed=seed).run()
+    finally:
+        clusters.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--plot", type=Path, help="write the plot here as well")
+    options = parser.parse_args()
+    # Stopped early (Ctrl-C, SIGTERM, or SIGINT to a background run, which a shell would
+    # have ignored): the workers are killed and the private cluster deleted on the way out.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    options.out.mkdir(parents=True, exist_ok=True)
+    summary = asyncio.run(soak(options.out.resolve(), options.minutes * 60, options.seed))
+    print(json.dumps(summary, indent=2))
+    plot(options.out, options.out / "soak.png")
+    if options.plot:
+        plot(options.out, options.plot)
+    if summary["problems"] or math.isnan(summary["rss_kb_per_10_min"]):
+        sys.exit("soak failed: " + "; ".join(summary["problems"]))
+
+
+if __name__ == "__main__":
+    main()
