@@ -60,7 +60,10 @@ def _states(listed: str) -> set[TaskState]:
 def test_the_claim_function_moves_tasks_as_the_table_says() -> None:
     sql = _migrations()
     # The newest definition of the claim function is the one installed.
-    body = _last(r"FUNCTION __SCHEMA__\.claim\(.*?AS \$\$(.*?)\$\$;", sql).group(1)
+    # (ALTER FUNCTION only changes its settings.)
+    body = _last(
+        r"CREATE (?:OR REPLACE )?FUNCTION __SCHEMA__\.claim\(.*?AS \$\$(.*?)\$\$;", sql
+    ).group(1)
     # Every walk (one per queue, per limited task name, and the rest) picks from one state.
     picked = set(re.findall(r"p\.state = '(\w+)'", body))
     written = re.findall(r"SET state = '(\w+)'", body)
