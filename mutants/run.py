@@ -19,7 +19,10 @@ Usage (``nox -s mutants -- ARGS`` passes ARGS here)::
 ``--seed`` defaults to ``STEEPLE_MUTANT_SEED``, else a fresh one; it is always printed so a
 sample can be replayed. ``--budget`` time-boxes the run: no mutant starts after that many
 seconds and one still running then is stopped; both are listed as not run (they neither
-pass nor fail the run). The canaries always run to the end.
+pass nor fail the run). The canaries always run to the end. ``--no-canaries`` leaves them
+out, for a short time box that they would fill (CI's sample): a mutation that does not
+reach the tests makes every mutant survive, which fails the run anyway; the canaries only
+say why, first.
 
 A mutant whose entry has ``equivalent = "why"`` changes nothing any test could observe (a
 second guard behind a first one that already decides): it is not run, not sampled, and
@@ -240,7 +243,7 @@ def choose(mutants: list[Mutant], args: argparse.Namespace, seed: int) -> list[M
 
     Equivalent mutants are left out unless ``--only`` names them.
     """
-    canaries = [m for m in mutants if m.canary]
+    canaries = [m for m in mutants if m.canary and not getattr(args, "no_canaries", False)]
     rest = [m for m in _in_scope(mutants, args) if args.only or not m.equivalent]
     if args.sample is not None and args.sample < len(rest):
         rest = random.Random(seed).sample(rest, args.sample)
@@ -282,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="default: STEEPLE_MUTANT_SEED, else random")
     parser.add_argument(
         "--budget", type=float, help="time box in seconds (mutants past it: not run)"
+    )
+    parser.add_argument(
+        "--no-canaries", action="store_true", help="leave the canaries out (short time boxes)"
     )
     parser.add_argument("--results", type=Path, help="also write the outcomes here (JSON)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")

@@ -72,6 +72,8 @@ def test_a_sample_is_the_canaries_then_a_choice_the_seed_replays() -> None:
     assert [m.canary for m in first] == [True, True, False, False, False, False, False]
     other = runner.choose(mutants, _args(sample=5), 4321)
     assert [m.name for m in other] != [m.name for m in first]
+    bare = runner.choose(mutants, _args(sample=5, no_canaries=True), 1234)
+    assert [m.name for m in bare] == [m.name for m in first[2:]]
 
 
 def test_a_survivor_is_reported_and_a_failing_test_kills(tmp_path: Path) -> None:
