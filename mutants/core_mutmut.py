@@ -15,7 +15,7 @@ modules: they are left out (:data:`NOT_UNDER_MUTMUT`).
 
 Usage::
 
-    python mutants/core_mutmut.py [--max-children N] [MODULE ...]   # default: DECISIONS
+    python mutants/core_mutmut.py [--max-children N] [--tests FILE]... [MODULE ...]
     python mutants/core_mutmut.py --report-only WORKDIR               # score a finished run
 
 It prints, per module: mutants, killed (a timeout counts as killed), survived, no tests,
@@ -74,7 +74,7 @@ markers = ["postgres: x", "broker: x", "slow: x"]
 
 [tool.mutmut]
 source_paths = ["src/"]
-pytest_add_cli_args_test_selection = ["tests/"]
+pytest_add_cli_args_test_selection = {tests}
 pytest_add_cli_args = {extra}
 also_copy = ["README.md"]
 only_mutate = {modules}
@@ -84,14 +84,18 @@ KILLED = {"killed", "timeout", "caught by type check", "segfault"}
 _RESULT = re.compile(r"^\s+(steeple\.core\.(\w+)\.\S+): (.+)$")
 
 
-def lay_out(work: Path, modules: list[str]) -> None:
+def lay_out(work: Path, modules: list[str], tests: list[str]) -> None:
     """Copy core's sources, tests and README into ``work`` with mutmut's configuration."""
     shutil.copytree(CORE / "src", work / "src", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(CORE / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(CORE / "README.md", work / "README.md")
     only = [f"src/steeple/core/{m}.py" for m in modules]
     (work / "pyproject.toml").write_text(
-        PYPROJECT.format(extra=_toml_list(NOT_UNDER_MUTMUT), modules=_toml_list(only)),
+        PYPROJECT.format(
+            extra=_toml_list(NOT_UNDER_MUTMUT),
+            modules=_toml_list(only),
+            tests=_toml_list([f"tests/{t}" for t in tests] or ["tests/"]),
+        ),
         encoding="utf-8",
     )
 
@@ -173,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", help=f"default: {' '.join(DECISIONS)}")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    parser.add_argument(
+        "--tests",
+        action="append",
+        default=[],
+        help="a test file of packages/core/tests to run (default: all; fewer is faster, "
+        "but a mutant only another file would kill then counts as a survivor)",
+    )
     parser.add_argument("--work", type=Path, help="the scratch directory (default: a new one)")
     parser.add_argument("--report-only", type=Path, help="score the run in this directory")
     args = parser.parse_args(argv)
@@ -187,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    lay_out(work, modules)
+    lay_out(work, modules, args.tests)
     subprocess.run(
         [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)],
         cwd=work,
