@@ -161,3 +161,15 @@ def test_a_streak_summary_is_due_exactly_one_interval_after_the_last_report() ->
     assert early is StreakReport.QUIET
     _, due = streak_failed(streak, 110.0, 10.0)
     assert due is StreakReport.ONGOING
+
+
+def test_delays_are_exact_to_the_microsecond_at_any_size() -> None:
+    """Integer microseconds: a delay past float precision (2**53 µs) is not rounded."""
+    odd = timedelta.max - timedelta(microseconds=1)
+    assert Backoff(initial=odd, maximum=timedelta.max).delay(1) == odd
+
+
+def test_the_largest_factor_allowed_is_accepted() -> None:
+    from steeple.core import limits
+
+    assert Backoff(initial=S, maximum=60 * S, factor=limits.MAX_BACKOFF_FACTOR).delay(2) == 60 * S
