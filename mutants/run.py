@@ -19,7 +19,15 @@ Usage (``nox -s mutants -- ARGS`` passes ARGS here)::
 ``--seed`` defaults to ``STEEPLE_MUTANT_SEED``, else a fresh one; it is always printed so a
 sample can be replayed. ``--budget`` time-boxes the run: no mutant starts after that many
 seconds and one still running then is stopped; both are listed as not run (they neither
-pass nor fail the run). The canaries always run to the end.
+pass nor fail the run). The canaries always run to the end. ``--no-canaries`` leaves them
+out, for a short time box that they would fill (CI's sample): a mutation that does not
+reach the tests makes every mutant survive, which fails the run anyway; the canaries only
+say why, first.
+
+A mutant whose entry has ``equivalent = "why"`` changes nothing any test could observe (a
+second guard behind a first one that already decides): it is not run, not sampled, and
+listed as equivalent with its reason, unless ``--only`` names it (then it runs, to show it
+still survives or that it no longer does).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ class Mutant:
     replace: tuple[str, ...]
     tests: tuple[str, ...]
     canary: bool = False
+    equivalent: str = ""  # why no test can tell it apart from the code (not run then)
 
 
 @dataclass
@@ -68,7 +77,7 @@ class Outcome:
     """What running one mutant's tests showed."""
 
     mutant: Mutant
-    status: str  # "killed", "survived", "not run"
+    status: str  # "killed", "survived", "not run", "equivalent"
     by: str = ""
     seconds: float = 0.0
     detail: list[str] = field(default_factory=list)
@@ -83,7 +92,7 @@ def load(path: Path = CATALOGUE) -> list[Mutant]:
     required = {"name", "area", "invariant", "file", "find", "replace", "tests"}
     for entry in entries:
         missing = required - entry.keys()
-        extra = entry.keys() - required - {"canary"}
+        extra = entry.keys() - required - {"canary", "equivalent"}
         if missing or extra:
             raise CatalogueError(f"{entry.get('name', entry)}: missing {missing}, unknown {extra}")
         if entry["name"] in seen:
@@ -93,6 +102,9 @@ def load(path: Path = CATALOGUE) -> list[Mutant]:
             raise CatalogueError(f"{entry['name']}: find and replace must pair up")
         if any(f == r for f, r in zip(finds, replaces, strict=True)):
             raise CatalogueError(f"{entry['name']}: a replacement changes nothing")
+        equivalent = entry.get("equivalent", "")
+        if not isinstance(equivalent, str) or ("equivalent" in entry and not equivalent.strip()):
+            raise CatalogueError(f"{entry['name']}: equivalent must say why, as a string")
         seen.add(entry["name"])
         mutants.append(
             Mutant(
@@ -104,6 +116,7 @@ def load(path: Path = CATALOGUE) -> list[Mutant]:
                 replace=replaces,
                 tests=tuple(entry["tests"]),
                 canary=bool(entry.get("canary", False)),
+                equivalent=equivalent.strip(),
             )
         )
     return mutants
@@ -205,9 +218,8 @@ def run_one(m: Mutant, tree: Path, budget: float | None = None) -> Outcome:
     return Outcome(m, "killed", by or f"(pytest exit {done.returncode})", seconds, lines[-15:])
 
 
-def choose(mutants: list[Mutant], args: argparse.Namespace, seed: int) -> list[Mutant]:
-    """Return the canaries, then the selected mutants (a seeded sample when asked)."""
-    canaries = [m for m in mutants if m.canary]
+def _in_scope(mutants: list[Mutant], args: argparse.Namespace) -> list[Mutant]:
+    """Return the mutants (canaries aside) that ``--only`` and ``--area`` select."""
     rest = [m for m in mutants if not m.canary]
     if args.only:
         unknown = set(args.only) - {m.name for m in mutants}
@@ -216,6 +228,23 @@ def choose(mutants: list[Mutant], args: argparse.Namespace, seed: int) -> list[M
         rest = [m for m in rest if m.name in args.only]
     if args.area:
         rest = [m for m in rest if m.area in args.area]
+    return rest
+
+
+def set_aside(mutants: list[Mutant], args: argparse.Namespace) -> list[Mutant]:
+    """Return the equivalent mutants in scope that are listed, not run (none in a sample)."""
+    if args.only or args.sample is not None:
+        return []
+    return [m for m in _in_scope(mutants, args) if m.equivalent]
+
+
+def choose(mutants: list[Mutant], args: argparse.Namespace, seed: int) -> list[Mutant]:
+    """Return the canaries, then the selected mutants (a seeded sample when asked).
+
+    Equivalent mutants are left out unless ``--only`` names them.
+    """
+    canaries = [m for m in mutants if m.canary and not getattr(args, "no_canaries", False)]
+    rest = [m for m in _in_scope(mutants, args) if args.only or not m.equivalent]
     if args.sample is not None and args.sample < len(rest):
         rest = random.Random(seed).sample(rest, args.sample)
     return canaries + rest
@@ -225,15 +254,23 @@ def table(outcomes: list[Outcome]) -> str:
     """Return the outcomes as a Markdown table, then the totals."""
     rows = ["| mutant | invariant | killed | by | s |", "|---|---|---|---|---|"]
     for o in outcomes:
-        killed = {"killed": "yes", "survived": "**no**", "not run": "not run"}[o.status]
+        killed = {
+            "killed": "yes",
+            "survived": "**no**",
+            "not run": "not run",
+            "equivalent": "equivalent",
+        }[o.status]
+        by = o.mutant.equivalent if o.status == "equivalent" else o.by
         rows.append(
-            f"| {o.mutant.name} | {o.mutant.invariant} | {killed} | {o.by} | {o.seconds:.0f} |"
+            f"| {o.mutant.name} | {o.mutant.invariant} | {killed} | {by} | {o.seconds:.0f} |"
         )
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("killed", "survived", "not run")}
+    statuses = ("killed", "survived", "not run", "equivalent")
+    counts = {s: sum(o.status == s for o in outcomes) for s in statuses}
     rows.append("")
     rows.append(
         f"{len(outcomes)} mutants: {counts['killed']} killed, {counts['survived']} survived, "
-        f"{counts['not run']} not run; {sum(o.seconds for o in outcomes):.0f} s of tests"
+        f"{counts['not run']} not run, {counts['equivalent']} equivalent (not run); "
+        f"{sum(o.seconds for o in outcomes):.0f} s of tests"
     )
     return "\n".join(rows)
 
@@ -248,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="default: STEEPLE_MUTANT_SEED, else random")
     parser.add_argument(
         "--budget", type=float, help="time box in seconds (mutants past it: not run)"
+    )
+    parser.add_argument(
+        "--no-canaries", action="store_true", help="leave the canaries out (short time boxes)"
     )
     parser.add_argument("--results", type=Path, help="also write the outcomes here (JSON)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
@@ -264,7 +304,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{m.name}\t{m.file}\t{m.invariant}")
             return 0
         chosen = choose(mutants, args, seed)
-        print(f"mutants: seed {seed} (replay: STEEPLE_MUTANT_SEED={seed}); {len(chosen)} chosen")
+        aside = set_aside(mutants, args)
+        print(
+            f"mutants: seed {seed} (replay: STEEPLE_MUTANT_SEED={seed}); {len(chosen)} chosen, "
+            f"{len(aside)} equivalent set aside"
+        )
         sys.stdout.flush()
         outcomes: list[Outcome] = []
         started = time.monotonic()
@@ -288,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     except CatalogueError as e:
         print(f"mutants: {e}", file=sys.stderr)
         return 2
+    outcomes += [Outcome(m, "equivalent") for m in aside]
     print(table(outcomes))
     print(f"seed {seed}")
     if args.results is not None:
@@ -300,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                         "status": o.status,
                         "by": o.by,
                         "seconds": round(o.seconds, 1),
+                        "equivalent": o.mutant.equivalent,
                     }
                     for o in outcomes
                 ],

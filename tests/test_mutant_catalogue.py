@@ -72,6 +72,8 @@ def test_a_sample_is_the_canaries_then_a_choice_the_seed_replays() -> None:
     assert [m.canary for m in first] == [True, True, False, False, False, False, False]
     other = runner.choose(mutants, _args(sample=5), 4321)
     assert [m.name for m in other] != [m.name for m in first]
+    bare = runner.choose(mutants, _args(sample=5, no_canaries=True), 1234)
+    assert [m.name for m in bare] == [m.name for m in first[2:]]
 
 
 def test_a_survivor_is_reported_and_a_failing_test_kills(tmp_path: Path) -> None:
@@ -111,3 +113,37 @@ def test_paired_texts_must_pair_up_and_each_must_change_something(tmp_path: Path
     paired.write_text(head + 'find = ["a", "b"]\nreplace = ["c", "d"]\n', encoding="utf-8")
     [m] = runner.load(paired)
     assert (m.find, m.replace) == (("a", "b"), ("c", "d"))
+
+
+def test_an_equivalent_mutant_is_listed_with_its_reason_never_run_or_sampled(
+    tmp_path: Path,
+) -> None:
+    entry = 'area = "a"\ninvariant = "i"\nfile = "f"\nfind = "a"\nreplace = "b"\ntests = ["t"]\n'
+    catalogue = tmp_path / "c.toml"
+    catalogue.write_text(
+        f'[[mutant]]\nname = "plain"\n{entry}'
+        f'[[mutant]]\nname = "twin"\n{entry}equivalent = "a second guard"\n',
+        encoding="utf-8",
+    )
+    mutants = runner.load(catalogue)
+    assert [m.equivalent for m in mutants] == ["", "a second guard"]
+    # A whole run lists it (with its reason) and does not run it; a sample never draws it.
+    assert [m.name for m in runner.choose(mutants, _args(), 1)] == ["plain"]
+    assert [m.name for m in runner.set_aside(mutants, _args())] == ["twin"]
+    for seed in range(20):
+        assert [m.name for m in runner.choose(mutants, _args(sample=1), seed)] == ["plain"]
+    assert runner.set_aside(mutants, _args(sample=1)) == []
+    # Named with --only, it runs.
+    assert [m.name for m in runner.choose(mutants, _args(only=["twin"]), 1)] == ["twin"]
+    shown = runner.table([runner.Outcome(mutants[1], "equivalent")])
+    assert "| twin | i | equivalent | a second guard | 0 |" in shown
+    assert "1 equivalent (not run)" in shown
+    blank = tmp_path / "blank.toml"
+    blank.write_text(f'[[mutant]]\nname = "m"\n{entry}equivalent = " "\n', encoding="utf-8")
+    with pytest.raises(runner.CatalogueError, match="equivalent must say why"):
+        runner.load(blank)
+
+
+def test_the_only_equivalent_mutant_is_the_recovery_updates_recheck() -> None:
+    equivalent = [m for m in runner.load() if m.equivalent]
+    assert [m.name for m in equivalent] == ["queue.recover.no-recheck"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import timedelta
 
@@ -120,3 +121,55 @@ def test_a_failure_streak_reports_its_start_then_one_summary_per_interval() -> N
     assert streak.attempts == 241
     assert streak.lasted(112.0) == 12.0
     assert streak.lasted(99.0) == 0.0  # never negative
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"initial": timedelta(0)}, "backoff initial delay must be a positive timedelta"),
+        ({"initial": 10 * S, "maximum": S}, "backoff maximum must be a timedelta >= the initial"),
+        ({"factor": 0}, "backoff factor must be between 1 and 2147483647; got 0"),
+        ({"factor": 1.5}, "backoff factor must be an int, not float"),
+        ({"jitter": 2.0}, "backoff jitter must be a number within [0, 1]"),
+    ],
+)
+def test_a_bad_backoff_is_refused_with_what_to_fix(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError, match="^" + re.escape(message)):
+        Backoff(**{"initial": S, "maximum": 60 * S, **kwargs})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((0,), "attempt numbers start at 1; got 0"),
+        ((1.0,), "attempt must be an int, not float"),
+        ((1, float("nan")), "draw must be a finite float in [0, 1], not nan"),
+    ],
+)
+def test_a_bad_attempt_or_draw_is_refused_with_what_to_fix(
+    args: tuple[object, ...], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match="^" + re.escape(message)):
+        RELAY_BACKOFF.delay(*args)  # type: ignore[arg-type]
+
+
+def test_a_streak_summary_is_due_exactly_one_interval_after_the_last_report() -> None:
+    from steeple.core.backoff import StreakReport, streak_failed
+
+    streak, _ = streak_failed(None, 100.0, 10.0)
+    _, early = streak_failed(streak, 109.5, 10.0)
+    assert early is StreakReport.QUIET
+    _, due = streak_failed(streak, 110.0, 10.0)
+    assert due is StreakReport.ONGOING
+
+
+def test_delays_are_exact_to_the_microsecond_at_any_size() -> None:
+    """Integer microseconds: a delay past float precision (2**53 µs) is not rounded."""
+    odd = timedelta.max - timedelta(microseconds=1)
+    assert Backoff(initial=odd, maximum=timedelta.max).delay(1) == odd
+
+
+def test_the_largest_factor_allowed_is_accepted() -> None:
+    from steeple.core import limits
+
+    assert Backoff(initial=S, maximum=60 * S, factor=limits.MAX_BACKOFF_FACTOR).delay(2) == 60 * S

@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime, timedelta, timezone
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from steeple.core import PUBLISH_PURPOSE, idempotency_key
+from steeple.core.errors import ConfigurationError, ConfigurationTypeError
 
 DUE = datetime(2030, 1, 2, 3, 4, tzinfo=UTC)
 GEN = bytes(range(16))
@@ -60,3 +62,34 @@ def test_distinct_identities_distinct_keys(ns1: str, n1: str, ns2: str, n2: str)
     k2 = _key(namespace=ns2, definition_name=n2)
     assert KEY.match(k1)
     assert (k1 == k2) == ((ns1, n1) == (ns2, n2))
+
+
+def test_keys_are_stable_across_versions() -> None:
+    """A key is part of the published record: a change of its derivation republishes.
+
+    Brokers deduplicate by key, so a version that derived other keys for the same
+    occurrences would send every in-flight occurrence again. These are the keys of today.
+    """
+    assert _key() == "stp1-241365154d1e5427dec6f50a00b51e55ebecdea417dd6c7e"
+    later = DUE + timedelta(milliseconds=1)
+    assert _key(due_at=later) == "stp1-c2eb89a2e667d053fc4f0674d21ddfe0ab817d05453f97c7"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "message"),
+    [
+        ("purpose", 3, ConfigurationTypeError, "purpose must be a str, not int"),
+        ("namespace", b"ns", ConfigurationTypeError, "namespace must be a str, not bytes"),
+        ("definition_name", None, ConfigurationTypeError, "definition_name must be a str, not"),
+        ("purpose", "\ud800", ConfigurationError, "purpose contains the lone surrogate"),
+        ("namespace", "n\udfff", ConfigurationError, "namespace contains the lone surrogate"),
+        ("definition_name", "a\udfffb", ConfigurationError, "definition_name contains the lone"),
+        ("due_at", datetime(2030, 1, 2), ConfigurationError, "due_at must be timezone-aware"),
+        ("generation", "g", ConfigurationTypeError, "generation must be bytes, not str"),
+    ],
+)
+def test_each_bad_part_is_refused_by_name(
+    field: str, value: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match="^" + re.escape(message)):
+        _key(**{field: value})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import given
@@ -65,15 +66,26 @@ def test_a_step_of_the_remote_clock_is_forgotten_after_one_answer(step: float, g
     assert math.isclose(estimate.at_least(20.0 + gap), 1_010.0 + gap + step, abs_tol=1e-6)
 
 
+def _refused(what: str) -> str:
+    """The start of the message that refuses a bad time: it names which one is wrong."""
+    return "^" + re.escape(f"{what} must be a finite number of seconds, not ")
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, True, "1"])
 def test_non_finite_or_non_numeric_times_are_refused(bad: object) -> None:
     estimate = RemoteClockEstimate()
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(ValueError, match=_refused("a remote clock reading")):
         estimate.observe(bad, 1.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(ValueError, match=_refused("a local monotonic time")):
         estimate.observe(1.0, bad)  # type: ignore[arg-type]
+    # A refused observation keeps nothing (no reading anchored on a local time of zero).
+    assert not _known(estimate)
+    with pytest.raises(ValueError, match=r"^no remote clock reading was observed yet$"):
+        estimate.until(1.0, 1.0)
     estimate.observe(1.0, 1.0)
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(ValueError, match=_refused("a local monotonic time")):
         estimate.at_least(bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(ValueError, match=_refused("a remote instant")):
         estimate.until(bad, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=_refused("a local monotonic time")):
+        estimate.until(1.0, bad)  # type: ignore[arg-type]

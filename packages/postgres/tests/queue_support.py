@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -31,6 +32,45 @@ async def installed_queue(
     await install(conn, schema=schema)
     try:
         yield conn
+    finally:
+        await conn.close()
+
+
+class PinnedClock:
+    """A connection whose server clock reads an instant the test sets, to the microsecond.
+
+    The queue's statements judge leases and rate windows on ``clock_timestamp()``, the
+    server's live clock, so no test on the real clock can put a lease expiry or a start
+    exactly on the boundary. Here the schema gets a function ``clock_timestamp()`` that
+    reads a one-row table, and this connection's ``search_path`` puts the schema before
+    ``pg_catalog``: every unqualified ``clock_timestamp()`` the queue's SQL (and its claim
+    function) calls on this connection reads the pinned instant. Everything lives in the
+    test's schema and goes with it.
+    """
+
+    def __init__(self, conn: asyncpg.Connection, schema: str) -> None:
+        self.conn = conn
+        self.schema = schema
+
+    async def set(self, at: datetime) -> None:
+        """From now on, ``clock_timestamp()`` on this connection reads ``at``."""
+        await self.conn.execute(f'UPDATE "{self.schema}".pinned_clock SET at = $1', at)
+
+
+@contextlib.asynccontextmanager
+async def pinned_clock(dsn: str, schema: str, at: datetime) -> AsyncIterator[PinnedClock]:
+    """A fresh connection to the queue in ``schema`` whose server clock reads ``at``."""
+    conn = await asyncpg.connect(dsn, timeout=_CONNECT_TIMEOUT)
+    try:
+        await conn.execute(
+            f"""CREATE TABLE "{schema}".pinned_clock (at timestamptz NOT NULL);
+            CREATE FUNCTION "{schema}".clock_timestamp() RETURNS timestamptz
+                LANGUAGE sql VOLATILE AS $$ SELECT at FROM "{schema}".pinned_clock $$;"""
+        )
+        await conn.execute(f'INSERT INTO "{schema}".pinned_clock (at) VALUES ($1)', at)
+        await conn.execute(f'SET search_path = "{schema}", pg_catalog')
+        assert await conn.fetchval("SELECT clock_timestamp()") == at, "the clock is not pinned"
+        yield PinnedClock(conn, schema)
     finally:
         await conn.close()
 

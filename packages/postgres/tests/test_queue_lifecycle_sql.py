@@ -12,13 +12,14 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from importlib import resources
 from typing import Any
 
 import asyncpg
 import pytest
 
+from queue_support import pinned_clock
 from steeple.core.tasks import (
     TASK_TRANSITIONS,
     TERMINAL_TASK_STATES,
@@ -272,6 +273,28 @@ async def test_recovery_of_expired_leases_follows_core_over_a_grid(queue: Any) -
         assert (state in TERMINAL_TASK_STATES) == (row["finished_at"] is not None)
     outcomes = await conn.fetch(f'SELECT DISTINCT outcome FROM "{schema}".attempts')
     assert [r["outcome"] for r in outcomes] == ["lease_expired"]
+
+
+async def test_a_lease_holds_at_its_expiry_instant_and_is_recovered_one_microsecond_after(
+    queue: Any,
+) -> None:
+    dsn, schema, conn = queue
+    db = Db(conn, schema)
+    task_id = await db.enqueue()
+    await db.claim(task_id)
+    expiry = datetime(2031, 3, 4, 5, 6, 7, 123456, tzinfo=UTC)
+    await conn.execute(
+        f'UPDATE "{schema}".tasks SET lease_expires_at = $2 WHERE id = $1', task_id, expiry
+    )
+    async with pinned_clock(dsn, schema, expiry) as clock:
+        # The server's clock reads the expiry instant itself: the lease is still live.
+        assert await clock.conn.fetch(db.sql.recover_expired, 100) == []
+        assert await db.state(task_id) is TaskState.RUNNING
+        # One microsecond later it has lapsed, and recovery takes the task back.
+        await clock.set(expiry + timedelta(microseconds=1))
+        recovered = await clock.conn.fetch(db.sql.recover_expired, 100)
+    assert [r["id"] for r in recovered] == [task_id]
+    assert await db.state(task_id) is transition(TaskState.RUNNING, lease_expiry_event(1, 3))
 
 
 async def test_a_stale_holder_cannot_overwrite_the_new_holders_progress(queue: Any) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
 import pytest
 
-from queue_support import QueueFixture, wait_until
+from queue_support import QueueFixture, pinned_clock, wait_until
 from steeple.postgres.queue import (
     LIBRARY_SCHEMA_VERSION,
     App,
@@ -577,6 +577,33 @@ async def test_the_rate_window_counts_every_start_of_the_period_across_claims(
     assert await _claim_ids(conn, schema, 1) == tasks[1:2]
     # A third claim in the same period still sees both earlier starts and takes nothing.
     assert await _claim_ids(conn, schema, 5) == []
+
+
+@pytest.mark.parametrize("scope", ["queue", "task"])
+async def test_a_start_exactly_one_period_old_has_left_the_rate_window(
+    queue: QueueFixture, scope: str
+) -> None:
+    dsn, schema, conn = queue
+    per = timedelta(minutes=1)
+    if scope == "queue":
+        await limit_queue(conn, "default", rate_limit=1, per=per, schema=schema)
+    else:
+        await limit_task(conn, JOB.name, rate_limit=1, per=per, schema=schema)
+    tasks = await enqueue_many(conn, JOB, [{}] * 2, schema=schema)
+    now = datetime(2031, 3, 4, 5, 6, 7, 123456, tzinfo=UTC)
+    # The window holds one start, made one period before the pinned clock, less 1 µs.
+    await conn.execute(
+        f'UPDATE "{schema}".settings SET recent_starts = ARRAY[$1::timestamptz]',
+        now - per + timedelta(microseconds=1),
+    )
+    async with pinned_clock(dsn, schema, now) as clock:
+        # That start is still inside the period: the window is full.
+        assert await _claim_ids(clock.conn, schema, 2) == []
+        # Exactly one period old, it has left the window: one more start is allowed.
+        await conn.execute(
+            f'UPDATE "{schema}".settings SET recent_starts = ARRAY[$1::timestamptz]', now - per
+        )
+        assert await _claim_ids(clock.conn, schema, 2) == tasks[:1]
 
 
 @pytest.mark.parametrize("limited", [False, True])

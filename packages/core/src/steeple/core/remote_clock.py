@@ -56,8 +56,10 @@ class RemoteClockEstimate:
         Raises:
             ValueError: a non-finite reading or local time.
         """
-        self._reading = _finite(reading, "a remote clock reading")
+        # Both checked before either is kept: a refused observation changes nothing.
+        checked = _finite(reading, "a remote clock reading")
         self._received = _finite(received, "a local monotonic time")
+        self._reading = checked
 
     def at_least(self, local: float) -> float:
         """Return a value the remote clock has certainly reached at local time ``local``.

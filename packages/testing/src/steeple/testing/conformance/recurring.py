@@ -14,7 +14,8 @@ planning, lease and backoff rules. After every step it checks that
 - every published occurrence reached the broker, and the broker holds one copy per key;
 - an occurrence's idempotency key is the same on every attempt, and differs between
   occurrences;
-- a fenced-out or expired lease never publishes or records anything;
+- a fenced-out or expired lease never publishes or records anything, and a lease taken
+  over while its publication is in flight records nothing of it;
 - quotas hold, and listing pages (1-100 items, exclusive cursors) agree with the model.
 
 A store opts in with a few lines::
@@ -586,7 +587,12 @@ class RecurringStoreConformance(RuleBasedStateMachine):
         ready = self._ready(now)
         outcome = self._try(self._store.claim(limit))
         assert outcome.error is None, f"claim failed: {outcome.error!r}"
-        leases: list[Lease] = outcome.value
+        self._check_claimed(outcome.value, ready, limit, now)
+
+    def _check_claimed(
+        self, leases: list[Lease], ready: list[str], limit: int, now: datetime
+    ) -> None:
+        """Check the leases one claim at ``now`` returned (``ready``: the model's list)."""
         assert len(leases) == min(limit, len(ready)), (
             f"claim returned {len(leases)} leases; {len(ready)} occurrences were ready, "
             f"limit {limit}"
@@ -697,6 +703,77 @@ class RecurringStoreConformance(RuleBasedStateMachine):
             and occ.lease == lease
             and now < lease.expires_at
         )
+
+    def _takeover_candidates(self) -> list[_Occurrence]:
+        """Occurrences whose live lease lapses before their window ends (reclaimable then)."""
+        now = self.recorded if self.recorded is not None else self.clock.now()
+        now = max(now, self.clock.now())
+        return [
+            o
+            for o in sorted(self.occurrences.values(), key=self._order)
+            if o.state == "leased"
+            and o.lease is not None
+            and now < o.lease.expires_at < o.window_ends_at
+        ]
+
+    @rule(limit=st.integers(1, 4), index=st.integers(0, 99))
+    def taken_over_while_publishing(self, limit: int, index: int) -> None:
+        """Take a lease over while its publication is in flight: the stale holder records nothing.
+
+        A worker claims (up to ``limit``) and relays one of the live leases; the broker
+        call is held until the lease has expired and another worker has claimed
+        the occurrence; then it answers (as the queued broker fault says). The stale
+        holder's check counted the attempt, but its outcome, accepted or failed, records
+        nothing: the occurrence stays leased to the new holder, which publishes it later
+        under the same idempotency key.
+        """
+        self._claim_and_check(limit)
+        candidates = self._takeover_candidates()
+        if not candidates:
+            return
+        occ = candidates[index % len(candidates)]
+        lease = occ.lease
+        assert lease is not None
+        claimed: list[tuple[list[Lease], list[str], int, datetime]] = []
+        machine = self
+
+        class _HeldBroker:
+            async def publish(
+                self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+            ) -> Any:
+                assert lease is not None
+                machine.clock.set(lease.expires_at)
+                later = machine._now()
+                ready = machine._ready(later)
+                limit = ready.index(occ.occurrence_id) + 1
+                leases = await machine._store.claim(limit)
+                claimed.append((leases, ready, limit, later))
+                return await machine.broker.publish(
+                    message, idempotency_key=idempotency_key, timeout=timeout
+                )
+
+        attempts_before = self.broker.attempts
+        outcome = self._try(self._store.relay(lease, _HeldBroker()))
+        assert self.broker.attempts == attempts_before + 1, "relay did not publish exactly once"
+        assert len(claimed) == 1, "the publication never started"
+        self._check_claimed(*claimed[0])
+        assert occ.lease != lease, "the newer claim did not take over"
+        key = self.broker.keys_attempted[-1]
+        if occ.key is None:
+            assert key not in self.key_owner, "two occurrences share an idempotency key"
+            occ.key = key
+            self.key_owner[key] = occ.occurrence_id
+        assert key == occ.key, "the idempotency key changed between attempts"
+        occ.attempts += 1  # counted by the stale holder's check
+        fault = self.faults.popleft() if self.faults else None
+        if fault in (None, BrokerFault.TIMEOUT_AFTER_ACCEPT, BrokerFault.LOSE_ACK):
+            self.accepted.add(key)
+        if fault is None:
+            assert isinstance(outcome.error, RelayLeaseLostError), (
+                f"a publication whose lease was taken over meanwhile gave {outcome!r}"
+            )
+        else:
+            assert outcome.error is not None, "a failed publication was reported as a success"
 
     @precondition(lambda self: bool(self.leases))
     @rule(indexes=st.lists(st.integers(0, 99), min_size=1, max_size=6))

@@ -1,0 +1,211 @@
+"""Mutation testing of ``steeple.core`` with mutmut, over core's own tests.
+
+mutmut (3.x) mutates every function of the chosen modules (operators, comparisons,
+constants, arguments, return values), runs the tests that call each function, and records
+whether they failed. It needs a project whose sources are under ``src/`` and whose tests
+import them from the copy it makes (``mutants/``); the workspace's editable installs would
+shadow that copy, so this script lays out core alone in a scratch directory (its ``src``,
+its ``tests``, its README for the one test that runs the README's example) and runs mutmut
+there, in an interpreter where no steeple package is installed (``nox -s mutmut-core``
+makes one).
+
+Tests that read core's source or import it in a subprocess check how core is built (its
+imports, what it loads), not what it decides, and cannot run on mutmut's rewritten
+modules: they are left out (:data:`NOT_UNDER_MUTMUT`).
+
+Usage::
+
+    python mutants/core_mutmut.py [--max-children N] [--tests FILE]... [MODULE ...]
+    python mutants/core_mutmut.py --report-only WORKDIR               # score a finished run
+
+It prints, per module: mutants, killed (a timeout counts as killed), survived, no tests,
+equivalent (listed in ``mutants/core_equivalent.toml`` with the reason) and the score,
+killed / (mutants - equivalent - not checked); then every survivor that is not listed as
+equivalent. It exits 1 when the score over all modules is below 90 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / "packages" / "core"
+EQUIVALENT = ROOT / "mutants" / "core_equivalent.toml"
+THRESHOLD = 0.90
+
+DECISIONS = (
+    "leases",
+    "policies",
+    "tasks",
+    "occurrences",
+    "backoff",
+    "remote_clock",
+    "idempotency",
+    "publication",
+    "limits",
+    "calendar",
+)
+"""The modules of steeple.core that hold decisions (the rest: errors, messages, ports,
+records, configuration parsing and validation)."""
+
+NOT_UNDER_MUTMUT = (
+    "--ignore=tests/test_core_purity.py",
+    "--deselect=tests/test_calendar_rules.py::test_calendar_module_imports_only_stdlib_attrs_and_core",
+    "--deselect=tests/test_calendar_rules.py::test_importing_the_calendar_loads_no_third_party_module",
+    "--deselect=tests/test_zoned_rules.py::test_importing_core_does_not_load_zoneinfo",
+)
+
+PYPROJECT = """\
+[tool.pytest.ini_options]
+addopts = "-ra --import-mode=importlib --strict-markers -p no:cacheprovider"
+asyncio_mode = "auto"
+asyncio_default_fixture_loop_scope = "function"
+timeout = 300
+markers = ["postgres: x", "broker: x", "slow: x"]
+
+[tool.mutmut]
+source_paths = ["src/"]
+pytest_add_cli_args_test_selection = {tests}
+pytest_add_cli_args = {extra}
+also_copy = ["README.md"]
+only_mutate = {modules}
+"""
+
+KILLED = {"killed", "timeout", "caught by type check", "segfault"}
+_RESULT = re.compile(r"^\s+(steeple\.core\.(\w+)\.\S+): (.+)$")
+
+
+def lay_out(work: Path, modules: list[str], tests: list[str]) -> None:
+    """Copy core's sources, tests and README into ``work`` with mutmut's configuration."""
+    shutil.copytree(CORE / "src", work / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(CORE / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(CORE / "README.md", work / "README.md")
+    only = [f"src/steeple/core/{m}.py" for m in modules]
+    (work / "pyproject.toml").write_text(
+        PYPROJECT.format(
+            extra=_toml_list(NOT_UNDER_MUTMUT),
+            modules=_toml_list(only),
+            tests=_toml_list([f"tests/{t}" for t in tests] or ["tests/"]),
+        ),
+        encoding="utf-8",
+    )
+
+
+def _toml_list(items: tuple[str, ...] | list[str]) -> str:
+    return "[" + ", ".join(f'"{i}"' for i in items) + "]"
+
+
+def equivalents() -> dict[str, str]:
+    """Mutant name -> why no test can tell it apart (``mutants/core_equivalent.toml``)."""
+    if not EQUIVALENT.is_file():
+        return {}
+    with EQUIVALENT.open("rb") as f:
+        entries = tomllib.load(f).get("mutant", [])
+    return {e["name"]: e["reason"] for e in entries}
+
+
+def report(work: Path) -> int:
+    """Print the per-module score of a finished run in ``work``; 1 when below the bar."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    known = equivalents()
+    per: dict[str, Counter[str]] = {}
+    survivors: list[str] = []
+    for line in listed.splitlines():
+        found = _RESULT.match(line)
+        if not found:
+            continue
+        name, module, status = found.groups()
+        counts = per.setdefault(module, Counter())
+        counts["mutants"] += 1
+        if name in known:
+            counts["equivalent"] += 1
+        elif status in KILLED:
+            counts["killed"] += 1
+        elif status == "not checked":
+            counts["not checked"] += 1
+        else:
+            counts["no tests" if status == "no tests" else "survived"] += 1
+            survivors.append(f"{name}: {status}")
+    rows = [
+        "| module | mutants | killed | survived | no tests | equivalent | not checked | score |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    total: Counter[str] = Counter()
+    for module in sorted(per):
+        counts = per[module]
+        total.update(counts)
+        rows.append(_row(module, counts))
+    rows.append(_row("**all**", total))
+    print("\n".join(rows))
+    if survivors:
+        print("\nsurvivors not listed as equivalent (mutmut show NAME, in the work directory):")
+        print("\n".join(f"  {s}" for s in survivors))
+    score = _score(total)
+    print(f"\nscore {score:.1%} (bar {THRESHOLD:.0%}); work directory {work}")
+    return 0 if score >= THRESHOLD else 1
+
+
+def _score(c: Counter[str]) -> float:
+    judged = c["mutants"] - c["equivalent"] - c["not checked"]
+    return c["killed"] / judged if judged else 1.0
+
+
+def _row(module: str, c: Counter[str]) -> str:
+    return (
+        f"| {module} | {c['mutants']} | {c['killed']} | {c['survived']} | {c['no tests']} | "
+        f"{c['equivalent']} | {c['not checked']} | {_score(c):.1%} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Lay out core, run mutmut over the chosen modules, and score the run."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", help=f"default: {' '.join(DECISIONS)}")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    parser.add_argument(
+        "--tests",
+        action="append",
+        default=[],
+        help="a test file of packages/core/tests to run (default: all; fewer is faster, "
+        "but a mutant only another file would kill then counts as a survivor)",
+    )
+    parser.add_argument("--work", type=Path, help="the scratch directory (default: a new one)")
+    parser.add_argument("--report-only", type=Path, help="score the run in this directory")
+    args = parser.parse_args(argv)
+    if args.report_only is not None:
+        return report(args.report_only)
+    modules = args.modules or list(DECISIONS)
+    unknown = [m for m in modules if not (CORE / "src" / "steeple" / "core" / f"{m}.py").is_file()]
+    if unknown:
+        print(f"no such modules in steeple.core: {unknown}", file=sys.stderr)
+        return 2
+    work = args.work or Path(tempfile.mkdtemp(prefix="steeple-mutmut-core-"))
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    lay_out(work, modules, args.tests)
+    subprocess.run(
+        [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)],
+        cwd=work,
+        check=False,
+    )
+    return report(work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
