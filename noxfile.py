@@ -1,6 +1,6 @@
 """nox sessions for steeple: lint, typecheck, tests, stress, soak, failover, core
-(driverless), isolated, wheels, bench, bench-compare, bloat, backlog, pgbouncer, mutants,
-mutmut-core, demo, docs.
+(driverless), isolated, wheels, bench, bench-compare, bloat, backlog, scale, pgbouncer,
+mutants, mutmut-core, demo, docs.
 
 Sessions reuse uv for speed and never download an interpreter.
 
@@ -803,6 +803,15 @@ def backlog(session: nox.Session) -> None:
     shorter run."""
     _sync(session)
     session.run("python", "benchmarks/bench_backlog.py", *session.posargs)
+
+
+@nox.session
+def scale(session: nox.Session) -> None:
+    """N worker processes against one primary, N = 1, 2, 4, 8 (``benchmarks/bench_scale.py``):
+    the same backlog drained at each N, on a private server the benchmark starts;
+    ``-- --tasks 5000 --workers 1,2`` for a shorter run, ``-- --dsn ...`` for a given server."""
+    _sync(session)
+    session.run("python", "benchmarks/bench_scale.py", *session.posargs)
 
 
 @nox.session(name="bench-compare")
