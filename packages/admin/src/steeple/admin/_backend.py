@@ -39,15 +39,6 @@ from steeple.core.errors import (
     SteepleError,
     UnknownKeyIdError,
 )
-from steeple.postgres.sqlstate import (
-    CANNOT_CONNECT_NOW,
-    INVALID_AUTHORIZATION,
-    INVALID_CATALOG_NAME,
-    INVALID_PASSWORD,
-    TOO_MANY_CONNECTIONS,
-    is_data_exception,
-    sqlstate,
-)
 
 if TYPE_CHECKING:
     from steeple.core.config import RecurringConfig
@@ -328,11 +319,22 @@ _DSN_HINT = f"fix --dsn / {DSN_ENV} (or dsn in {SETTINGS_FILE})"
 
 def _connection_problem(driver: BaseException, target: Target | None) -> CliError | None:
     """Tell a failure to connect in the server's (or the network's) words."""
+    import asyncpg
+
+    from steeple.postgres.sqlstate import (
+        CANNOT_CONNECT_NOW,
+        INVALID_AUTHORIZATION,
+        INVALID_CATALOG_NAME,
+        INVALID_PASSWORD,
+        TOO_MANY_CONNECTIONS,
+        sqlstate,
+    )
+
     server = server_of(target.dsn) if target else "the server"
     state = sqlstate(driver)
     name = type(driver).__name__
     config = ExitCode.CONFIG
-    if name == "ClientConfigurationError":
+    if isinstance(driver, asyncpg.ClientConfigurationError):
         # asyncpg refusing a connection option: an unknown sslmode, a missing root cert...
         return CliError(
             f"the connection settings are refused: {_server_message(driver)}",
@@ -457,6 +459,8 @@ def _is_data_exception(exc: BaseException | None) -> bool:
     """Whether ``exc`` is a driver error of SQLSTATE class 22 (data exception)."""
     if exc is None or not _from_driver(exc):
         return False
+    from steeple.postgres.sqlstate import is_data_exception, sqlstate
+
     return is_data_exception(sqlstate(exc))
 
 
@@ -528,7 +532,9 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
         return CliError(str(exc), code=ExitCode.CONFIG, hint=_KEYS_HINT)
     if isinstance(exc, RecurringSchemaVersionError):
         return CliError(str(exc) + where, code=ExitCode.CONFIG)
-    if type(exc).__name__ == "SchemaVersionMismatchError":
+    from steeple.postgres.queue.errors import SchemaVersionMismatchError
+
+    if isinstance(exc, SchemaVersionMismatchError):
         return CliError(str(exc), code=ExitCode.CONFIG, hint="run steeple migrate")
     driver = _driver_error(exc)
     if driver is not None:
