@@ -25,7 +25,7 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 
-from broker_suite import drain_deliveries, lose_next_ack, start_kept, take_pending_tasks
+from broker_support import drain_deliveries, lose_next_ack, start_kept, take_pending_tasks
 from steeple.brokers.nats import JetStreamBroker, JetStreamConsumer
 from steeple.brokers.queue import WorkQueueBroker
 from steeple.brokers.rabbitmq import (

@@ -31,7 +31,7 @@ import pytest
 import redis.asyncio as aioredis
 from nats.js.api import StreamConfig
 
-from broker_suite import message, new_key
+from broker_support import message, new_key
 from nats_support import PrivateNats
 from steeple.brokers._common import publish_guarded
 from steeple.brokers.nats import MAX_HEADER_BYTES, JetStreamBroker, JetStreamConsumer, header_block

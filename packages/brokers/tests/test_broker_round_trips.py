@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from broker_suite import new_key
+from broker_support import new_key
 from steeple.brokers import Delivery
 from steeple.brokers.nats import JetStreamBroker, JetStreamConsumer
 from steeple.brokers.rabbitmq import RabbitMQBroker, RabbitMQConsumer

@@ -14,8 +14,8 @@ import nats.js.errors
 import pytest
 from nats.js.api import StreamConfig
 
-from broker_suite import (
-    CHECKS,
+from broker_support import (
+    BROKER_CHECKS,
     ProxiedHarness,
     TcpProxy,
     drain_deliveries,
@@ -57,8 +57,8 @@ async def _delete_stream(url: str, stream: str) -> None:
 
 class NatsHarness(ProxiedHarness):
     name = "nats"
-    broker_dedups = True
-    can_probe = True
+    deduplicates = True
+    recognises_lost_acknowledgement = True
 
     def __init__(
         self,
@@ -138,12 +138,12 @@ async def private_proxy(private_nats: PrivateNats) -> AsyncIterator[TcpProxy]:
         yield proxy
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.parametrize("check", sorted(BROKER_CHECKS))
 async def test_nats_conformance_on_the_shared_server(
     check: str, nats_url: str, proxy_to_shared: TcpProxy
 ) -> None:
     async with NatsHarness(nats_url, proxy_to_shared) as h:
-        await CHECKS[check](h)
+        await BROKER_CHECKS[check](h)
 
 
 @pytest.mark.parametrize("check", ["reconnect_after_restart", "too_large", "lost_ack"])
@@ -155,7 +155,7 @@ async def test_nats_conformance_on_a_private_server(
     async with NatsHarness(
         private_nats.url, private_proxy, server=private_nats, max_message_bytes=None
     ) as h:
-        await CHECKS[check](h)
+        await BROKER_CHECKS[check](h)
 
 
 async def test_server_killed_between_publish_and_puback_then_republish_is_a_duplicate(

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_suite import (
-    CHECKS,
+from broker_support import (
+    BROKER_CHECKS,
     ProxiedHarness,
     TcpProxy,
     drain_deliveries,
@@ -46,8 +46,8 @@ pytestmark = pytest.mark.broker
 
 class RabbitHarness(ProxiedHarness):
     name = "rabbitmq"
-    broker_dedups = False  # RabbitMQ cannot: the consumer deduplicates (DedupingConsumer)
-    can_probe = False
+    deduplicates = False  # RabbitMQ cannot: the consumer deduplicates (DedupingConsumer)
+    recognises_lost_acknowledgement = False
 
     def __init__(self, url: str, proxy: TcpProxy) -> None:
         super().__init__(proxy)
@@ -95,9 +95,9 @@ async def harness(amqp_url: str) -> AsyncIterator[RabbitHarness]:
         yield h
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.parametrize("check", sorted(BROKER_CHECKS))
 async def test_rabbitmq_conformance(check: str, harness: RabbitHarness) -> None:
-    await CHECKS[check](harness)
+    await BROKER_CHECKS[check](harness)
 
 
 async def test_unroutable_publish_is_a_permanent_failure(harness: RabbitHarness) -> None:

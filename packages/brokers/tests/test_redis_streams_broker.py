@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from broker_suite import (
-    CHECKS,
+from broker_support import (
+    BROKER_CHECKS,
     ProxiedHarness,
     TcpProxy,
     drain_deliveries,
@@ -47,8 +47,8 @@ async def _cleanup(url: str, stream: str) -> None:
 
 class RedisHarness(ProxiedHarness):
     name = "redis"
-    broker_dedups = True
-    can_probe = True
+    deduplicates = True
+    recognises_lost_acknowledgement = True
 
     def __init__(self, url: str, proxy: TcpProxy) -> None:
         super().__init__(proxy)
@@ -99,9 +99,9 @@ async def harness(redis_url: str, proxy: TcpProxy) -> AsyncIterator[RedisHarness
         yield h
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.parametrize("check", sorted(BROKER_CHECKS))
 async def test_redis_conformance(check: str, harness: RedisHarness) -> None:
-    await CHECKS[check](harness)
+    await BROKER_CHECKS[check](harness)
 
 
 async def test_lost_reply_on_the_wire_is_recognised_from_the_marker(

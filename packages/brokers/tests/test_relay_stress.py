@@ -5,7 +5,7 @@ For each broker (NATS JetStream, Redis Streams, RabbitMQ, the work queue): four 
 ``claim_and_relay``) share one namespace of the PostgreSQL recurring store while the test
 keeps adding definitions (while the backlog is short) whose occurrences are all due at
 once (each definition fires every minute of one past hour: 60 due occurrences, none
-later). Every broker connection goes through a TCP proxy (``broker_suite.TcpProxy``).
+later). Every broker connection goes through a TCP proxy (``steeple.testing.proxy.TcpProxy``).
 For a set duration, on a seeded random schedule, the test:
 
 - SIGKILLs a relay process and starts a new one in its slot;
@@ -54,7 +54,7 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 
-from broker_suite import TcpProxy, drain_deliveries, running_proxy, take_pending_tasks
+from broker_support import TcpProxy, drain_deliveries, running_proxy, take_pending_tasks
 from faultproxy import open_pg, pg_endpoint
 from relay_stress_worker import KEYRING, MAX_DEFINITIONS, MAX_OCCURRENCES
 from steeple.brokers.nats import JetStreamBroker, JetStreamConsumer

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from broker_suite import CHECKS, drain_deliveries, message, new_key
+from broker_support import BROKER_CHECKS, drain_deliveries, lose_next_ack, message, new_key
 from steeple.brokers import Delivery
 from steeple.brokers.sqlite import SqliteJournalBroker
 from steeple.core.errors import (
@@ -48,8 +48,8 @@ class StepClock:
 
 class SqliteHarness:
     name = "sqlite"
-    broker_dedups = True
-    can_probe = True
+    deduplicates = True
+    recognises_lost_acknowledgement = True
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -76,6 +76,9 @@ class SqliteHarness:
 
     def too_large(self) -> ScheduledMessage:
         return message(0, size=8000)
+
+    def lose_next_acknowledgement(self, broker: Any) -> None:
+        lose_next_ack(broker)
 
     async def stall(self) -> None:
         # Another connection takes the write lock and keeps it: a busy journal.
@@ -111,9 +114,9 @@ async def harness(tmp_path: Path) -> AsyncIterator[SqliteHarness]:
         await h.close()
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.parametrize("check", sorted(BROKER_CHECKS))
 async def test_sqlite_journal_conformance(check: str, harness: SqliteHarness) -> None:
-    await CHECKS[check](harness)
+    await BROKER_CHECKS[check](harness)
 
 
 @pytest.fixture

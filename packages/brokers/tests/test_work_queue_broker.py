@@ -10,8 +10,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from broker_suite import (
-    CHECKS,
+from broker_support import (
+    BROKER_CHECKS,
     ProxiedHarness,
     TcpProxy,
     eventually,
@@ -44,8 +44,8 @@ async def wait_for(condition: Callable[[], bool]) -> None:
 
 class QueueHarness(ProxiedHarness):
     name = "queue"
-    broker_dedups = True
-    can_probe = True
+    deduplicates = True
+    recognises_lost_acknowledgement = True
 
     def __init__(self, dsn: str, schema: str, proxy: TcpProxy) -> None:
         super().__init__(proxy)
@@ -93,9 +93,9 @@ async def harness(queue_schema: tuple[str, str]) -> AsyncIterator[QueueHarness]:
         yield h
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.parametrize("check", sorted(BROKER_CHECKS))
 async def test_work_queue_conformance(check: str, harness: QueueHarness) -> None:
-    await CHECKS[check](harness)
+    await BROKER_CHECKS[check](harness)
 
 
 async def test_replay_after_the_task_finished_is_still_a_duplicate(

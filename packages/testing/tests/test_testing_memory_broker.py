@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -8,6 +9,7 @@ from steeple.core.errors import (
     BrokerRejectedError,
     BrokerTimeoutError,
     BrokerUnavailableError,
+    ConfigurationError,
     MessageTooLargeError,
     RelayAcknowledgementError,
 )
@@ -15,11 +17,14 @@ from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.ports import MessageBroker
 from steeple.testing import BrokerFault, MemoryBroker
 from steeple.testing.conformance.brokers import (
+    BROKER_CHECKS,
     BrokerConformance,
+    Drained,
     check_publish,
     check_publish_and_dedup,
     check_timeout,
     check_too_large,
+    conformance_message,
 )
 
 SECRET = b"top-secret-payload"
@@ -139,10 +144,14 @@ async def test_delay_longer_than_timeout_times_out_without_accepting() -> None:
     assert not (await broker.publish(message(), idempotency_key="slow", timeout=1)).duplicate
 
 
-async def test_non_positive_timeout_is_a_timeout() -> None:
+async def test_bad_timeouts_and_keys_are_refused_as_every_adapter_refuses_them() -> None:
     broker = MemoryBroker()
-    with pytest.raises(BrokerTimeoutError):
-        await broker.publish(message(), idempotency_key="k", timeout=0)
+    for timeout in (0, -1.0, math.nan, math.inf):
+        with pytest.raises(ConfigurationError, match="timeout"):
+            await broker.publish(message(), idempotency_key="k", timeout=timeout)
+    for key in ("", "has space", "x" * 201, "caf\u00e9"):
+        with pytest.raises(ConfigurationError, match="idempotency_key"):
+            await broker.publish(message(), idempotency_key=key, timeout=1)
     assert broker.published == []
 
 
@@ -208,3 +217,116 @@ async def test_broker_suite_catches_missing_limits_and_timeouts() -> None:
     wrong.fail_next()
     with pytest.raises(AssertionError, match="BrokerUnavailableError"):
         await check_timeout(wrong, timeout=0.05)
+
+
+# --- the full suite (BROKER_CHECKS), run against MemoryBroker through a harness ------------
+
+
+class MemoryHarness:
+    """The memory broker's harness: its "server" is the object itself."""
+
+    name = "memory"
+    deduplicates = True
+    recognises_lost_acknowledgement = True
+
+    def __init__(self, broker: MemoryBroker | None = None) -> None:
+        self.broker = broker if broker is not None else MemoryBroker(max_payload=4096)
+        self.read = 0
+
+    async def make_broker(self) -> MemoryBroker:
+        return self.broker
+
+    async def drain(self) -> Drained:
+        new = self.broker.published[self.read :]
+        self.read = len(self.broker.published)
+        return [(key, msg) for msg, key in new]
+
+    def too_large(self) -> ScheduledMessage:
+        return conformance_message(0, size=8000)
+
+    async def stall(self) -> None:
+        self.broker.delay = 30.0
+
+    async def heal(self) -> None:
+        self.broker.delay = 0.0
+
+    async def restart(self, broker: MessageBroker) -> MessageBroker:
+        return broker  # nothing to reconnect: the same object goes on
+
+    def lose_next_acknowledgement(self, broker: MessageBroker) -> None:
+        assert isinstance(broker, MemoryBroker)
+        broker.lose_ack_next()
+
+    def secrets_in_config(self) -> list[str]:
+        return []
+
+
+@pytest.mark.parametrize("check", sorted(BROKER_CHECKS))
+async def test_memory_broker_passes_every_broker_check(check: str) -> None:
+    await BROKER_CHECKS[check](MemoryHarness())
+
+
+class _ContentDedupBroker(MemoryBroker):
+    """A broken broker: deduplicates by content instead of by key."""
+
+    async def publish(
+        self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+    ) -> BrokerReceipt:
+        for earlier, key in self.published:
+            if earlier == message:
+                return BrokerReceipt(self.name, key, duplicate=True)
+        return await super().publish(message, idempotency_key=idempotency_key, timeout=timeout)
+
+
+class _ForgetfulBroker(MemoryBroker):
+    """A broken broker: stores every publication, even under a repeated key."""
+
+    def _accept(self, message: ScheduledMessage, key: str) -> BrokerReceipt:
+        self.published.append((message, key))
+        return BrokerReceipt(self.name, key, location=str(len(self.published) - 1))
+
+
+class _LoosePublisher(MemoryBroker):
+    """A broken broker: accepts any timeout and key (and shows a secret in its repr)."""
+
+    async def publish(
+        self, message: ScheduledMessage, *, idempotency_key: str, timeout: float
+    ) -> BrokerReceipt:
+        return self._accept(message, idempotency_key)
+
+    def __repr__(self) -> str:
+        return "LoosePublisher(password='hunter2')"
+
+
+@pytest.mark.parametrize(
+    ("broken", "check", "complaint"),
+    [
+        (_ContentDedupBroker(), "distinct_keys", "content"),
+        (_ForgetfulBroker(), "replay_same_key", "duplicate"),
+        (_ForgetfulBroker(), "lost_ack", "republication"),
+        (_ForgetfulBroker(), "reconnect_after_restart", "restart"),
+        (_LoosePublisher(), "bad_arguments", "timeout"),
+        (MemoryBroker(), "too_large", "accepted"),
+    ],
+)
+async def test_the_broker_checks_catch_broken_brokers(
+    broken: MemoryBroker, check: str, complaint: str
+) -> None:
+    with pytest.raises(AssertionError, match=complaint):
+        await BROKER_CHECKS[check](MemoryHarness(broken))
+
+
+async def test_the_broker_checks_catch_a_leaked_secret_and_a_late_timeout() -> None:
+    class Leaky(MemoryHarness):
+        def secrets_in_config(self) -> list[str]:
+            return [repr(self.broker).split("=")[0]]  # "MemoryBroker(name"
+
+    with pytest.raises(AssertionError, match="repr"):
+        await BROKER_CHECKS["bad_arguments"](Leaky())
+
+    class NeverStalls(MemoryHarness):
+        async def stall(self) -> None:
+            pass
+
+    with pytest.raises(AssertionError, match="did not time out"):
+        await BROKER_CHECKS["timeout"](NeverStalls())

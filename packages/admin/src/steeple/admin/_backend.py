@@ -337,42 +337,57 @@ _DSN_HINT = f"fix --dsn / {DSN_ENV} (or dsn in {SETTINGS_FILE})"
 
 def _connection_problem(driver: BaseException, target: Target | None) -> CliError | None:
     """Tell a failure to connect in the server's (or the network's) words."""
+    import asyncpg
+
+    from steeple.postgres.sqlstate import (
+        CANNOT_CONNECT_NOW,
+        INVALID_AUTHORIZATION,
+        INVALID_CATALOG_NAME,
+        INVALID_PASSWORD,
+        TOO_MANY_CONNECTIONS,
+        sqlstate,
+    )
+
     server = server_of(target.dsn) if target else "the server"
-    state = getattr(driver, "sqlstate", None)
+    state = sqlstate(driver)
     name = type(driver).__name__
     config = ExitCode.CONFIG
-    if name == "ClientConfigurationError":
+    if isinstance(driver, asyncpg.ClientConfigurationError):
         # asyncpg refusing a connection option: an unknown sslmode, a missing root cert...
         return CliError(
             f"the connection settings are refused: {_server_message(driver)}",
             code=config,
             hint=_DSN_HINT,
         )
-    if state == "3D000":
+    if state == INVALID_CATALOG_NAME:
         return CliError(
             f"{_server_message(driver)} on {server}",
             code=config,
             hint=f"create it (CREATE DATABASE) or fix the database name in {_DSN_HINT[4:]}",
         )
-    if state == "28P01":
+    if state == INVALID_PASSWORD:
         return CliError(
             f"{_server_message(driver)} ({server})",
             code=config,
             hint="check the user and password (in the DSN, PGPASSWORD or ~/.pgpass)",
         )
-    if state == "28000":
+    if state == INVALID_AUTHORIZATION:
         return CliError(
             f"{_server_message(driver)} ({server})",
             code=config,
             hint="check the user name in the DSN, and the server's pg_hba.conf for this "
             "client, user and database",
         )
-    if state in {"53300", "57P03"}:
+    if state in {TOO_MANY_CONNECTIONS, CANNOT_CONNECT_NOW}:
         return CliError(
             f"{_server_message(driver)} ({server})",
             code=ExitCode.UNAVAILABLE,
             hint="try again shortly"
-            + ("; or raise max_connections / lower pool sizes" if state == "53300" else ""),
+            + (
+                "; or raise max_connections / lower pool sizes"
+                if state == TOO_MANY_CONNECTIONS
+                else ""
+            ),
         )
     if isinstance(driver, ssl.SSLCertVerificationError):
         reason = driver.verify_message or driver.reason or str(driver)
@@ -462,8 +477,9 @@ def _is_data_exception(exc: BaseException | None) -> bool:
     """Whether ``exc`` is a driver error of SQLSTATE class 22 (data exception)."""
     if exc is None or not _from_driver(exc):
         return False
-    state = getattr(exc, "sqlstate", None)
-    return isinstance(state, str) and state.startswith("22")
+    from steeple.postgres.sqlstate import is_data_exception, sqlstate
+
+    return is_data_exception(sqlstate(exc))
 
 
 def classify(exc: BaseException, target: Target | None = None) -> CliError:
@@ -534,7 +550,9 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
         return CliError(str(exc), code=ExitCode.CONFIG, hint=_KEYS_HINT)
     if isinstance(exc, RecurringSchemaVersionError):
         return CliError(str(exc) + where, code=ExitCode.CONFIG)
-    if type(exc).__name__ == "SchemaVersionMismatchError":
+    from steeple.postgres.queue.errors import SchemaVersionMismatchError
+
+    if isinstance(exc, SchemaVersionMismatchError):
         return CliError(str(exc), code=ExitCode.CONFIG, hint="run steeple migrate")
     driver = _driver_error(exc)
     if driver is not None:

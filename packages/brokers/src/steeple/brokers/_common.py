@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import struct
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
@@ -18,7 +17,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
-from steeple.core import limits
 from steeple.core.errors import (
     BrokerConfigurationError,
     BrokerError,
@@ -33,6 +31,8 @@ from steeple.core.errors import (
     SteepleError,
 )
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
+from steeple.core.messages import check_idempotency_key as check_key
+from steeple.core.messages import check_publish_timeout as check_timeout
 
 __all__ = [
     "HEADER_HEADERS",
@@ -86,38 +86,6 @@ class Delivery:
             f"Delivery(delivery_id={self.delivery_id!r}, idempotency_key={self.idempotency_key!r},"
             f" message={self.message!r}, delivery_count={self.delivery_count})"
         )
-
-
-def check_timeout(timeout: object) -> float:
-    """Validate a publish timeout in seconds (finite, > 0).
-
-    Raises:
-        ConfigurationError: not a positive finite number.
-    """
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise ConfigurationError(f"timeout must be a number of seconds, not {timeout!r}")
-    value = float(timeout)
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigurationError(f"timeout must be a positive number of seconds, not {timeout!r}")
-    return value
-
-
-def check_key(key: object) -> str:
-    """Validate an idempotency key: printable ASCII without spaces, 1..200 characters.
-
-    Raises:
-        ConfigurationError: empty, too long or not a plain token.
-    """
-    if not isinstance(key, str) or not key:
-        raise ConfigurationError("idempotency_key must be a non-empty str")
-    if len(key) > limits.MAX_NAME_LENGTH:
-        raise ConfigurationError(
-            f"idempotency_key is {len(key)} characters; the limit is {limits.MAX_NAME_LENGTH}"
-        )
-    # Printable ASCII without spaces (33..126), checked in C: once per publication.
-    if not (key.isascii() and key.isprintable() and " " not in key):
-        raise ConfigurationError("idempotency_key must be printable ASCII without spaces")
-    return key
 
 
 def wire_text(value: object, what: str, broker: str) -> bytes:

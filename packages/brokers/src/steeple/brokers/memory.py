@@ -21,7 +21,12 @@ from steeple.core.errors import (
     MessageTooLargeError,
     RelayAcknowledgementError,
 )
-from steeple.core.messages import BrokerReceipt, ScheduledMessage
+from steeple.core.messages import (
+    BrokerReceipt,
+    ScheduledMessage,
+    check_idempotency_key,
+    check_publish_timeout,
+)
 
 __all__ = ["BrokerFault", "MemoryBroker"]
 
@@ -139,14 +144,16 @@ class MemoryBroker:
             MessageTooLargeError: the payload exceeds ``max_payload`` (permanent).
             BrokerUnavailableError: an injected retryable failure.
             BrokerRejectedError: an injected permanent failure.
-            BrokerTimeoutError: an injected timeout, ``delay`` longer than ``timeout``, or
-                a ``timeout`` that is not positive.
+            BrokerTimeoutError: an injected timeout, or ``delay`` longer than ``timeout``.
+            ConfigurationError: a ``timeout`` that is not a positive finite number, or an
+                idempotency key that is not 1-200 printable ASCII characters without
+                spaces (as every broker adapter refuses them); nothing accepted.
             RelayAcknowledgementError: an injected lost acknowledgement (after acceptance).
         """
         self.attempts += 1
         self.keys_attempted.append(idempotency_key)
-        if timeout <= 0:
-            raise BrokerTimeoutError("no time left to publish", timeout=timeout)
+        timeout = check_publish_timeout(timeout)
+        check_idempotency_key(idempotency_key)
         if self.max_payload is not None and len(message.payload) > self.max_payload:
             raise MessageTooLargeError(
                 f"payload of {len(message.payload)} bytes exceeds the broker's limit of "

@@ -51,17 +51,11 @@ from steeple.core.errors import (
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.postgres.queue import DEFAULT_SCHEMA, EnqueueOptions, Task, enqueue
 from steeple.postgres.queue.errors import ArgsEncodingError, QueueError
+from steeple.postgres.sqlstate import is_access_or_missing_object, is_message_refused, sqlstate
 
 __all__ = ["WorkQueueBroker", "decode_task_args"]
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-
-# SQLSTATE classes whose errors depend on the data, not on the database's state: the same
-# message fails the same way on every attempt (22: data exception, e.g. a character the
-# database encoding cannot hold; 54: program limit exceeded, e.g. an index row too large).
-_PERMANENT_SQLSTATE_CLASSES = ("22", "54")
-# Privileges and missing objects: the operator must change something (42501, 42P01...).
-_CONFIGURATION_SQLSTATE_CLASSES = ("42",)
 
 
 class _StaleConnectionError(Exception):
@@ -69,11 +63,12 @@ class _StaleConnectionError(Exception):
 
 
 def _map_postgres_error(exc: asyncpg.PostgresError) -> BrokerError:
-    state = str(getattr(exc, "sqlstate", "") or "")
+    state = sqlstate(exc)
     detail = f"{type(exc).__name__} ({state})" if state else type(exc).__name__
-    if state[:2] in _PERMANENT_SQLSTATE_CLASSES:
+    if is_message_refused(state):
         return BrokerRejectedError(f"work queue: the database refused the message: {detail}")
-    if state[:2] in _CONFIGURATION_SQLSTATE_CLASSES:
+    if is_access_or_missing_object(state):
+        # The operator must change something (42501 privileges, 42P01 a missing table...).
         return BrokerConfigurationError(
             f"work queue: the database refused the statement ({detail}); check the schema "
             "and the role's privileges"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import unicodedata
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -17,7 +18,12 @@ from steeple.core.errors import (
     RecurringConfigurationError,
 )
 
-__all__ = ["BrokerReceipt", "ScheduledMessage"]
+__all__ = [
+    "BrokerReceipt",
+    "ScheduledMessage",
+    "check_idempotency_key",
+    "check_publish_timeout",
+]
 
 
 def _freeze_headers(value: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -160,3 +166,37 @@ class BrokerReceipt:
     idempotency_key: str = attrs.field(validator=_receipt_key)
     duplicate: bool = attrs.field(default=False, validator=_receipt_duplicate)
     location: str | None = attrs.field(default=None, validator=_receipt_location)
+
+
+def check_publish_timeout(timeout: object) -> float:
+    """Validate a publish timeout in seconds (finite, > 0): every broker refuses others.
+
+    Raises:
+        ConfigurationError: not a positive finite number.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ConfigurationError(f"timeout must be a number of seconds, not {timeout!r}")
+    value = float(timeout)
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return value
+
+
+def check_idempotency_key(key: object) -> str:
+    """Validate an idempotency key: printable ASCII without spaces, 1..200 characters.
+
+    Every broker refuses other keys before sending anything.
+
+    Raises:
+        ConfigurationError: empty, too long or not a plain token.
+    """
+    if not isinstance(key, str) or not key:
+        raise ConfigurationError("idempotency_key must be a non-empty str")
+    if len(key) > limits.MAX_NAME_LENGTH:
+        raise ConfigurationError(
+            f"idempotency_key is {len(key)} characters; the limit is {limits.MAX_NAME_LENGTH}"
+        )
+    # Printable ASCII without spaces (33..126), checked in C: once per publication.
+    if not (key.isascii() and key.isprintable() and " " not in key):
+        raise ConfigurationError("idempotency_key must be printable ASCII without spaces")
+    return key

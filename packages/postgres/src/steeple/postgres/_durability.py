@@ -20,6 +20,13 @@ from steeple.core.cluster import ClusterIdentity
 from steeple.core.dsn import check_dsn
 from steeple.core.errors import ConfigurationError
 from steeple.postgres._ident import quote_ident, shown_name
+from steeple.postgres.sqlstate import (
+    DISK_FULL,
+    READ_ONLY_TRANSACTION,
+    TOO_MANY_CONNECTIONS,
+    is_insufficient_resources,
+    sqlstate,
+)
 
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
@@ -294,23 +301,21 @@ def write_refusal(exc: BaseException) -> tuple[str, str] | None:
         (53100), or ``"insufficient_resources"`` (other class 53 errors: memory, limits);
         ``None`` for any other error.
     """
-    state = getattr(exc, "sqlstate", None)
-    if not isinstance(state, str):
-        return None
-    if state == "25006":
+    state = sqlstate(exc)
+    if state == READ_ONLY_TRANSACTION:
         return (
             "read_only",
             "PostgreSQL refused the write because the session is read-only (SQLSTATE "
             "25006: a standby in recovery, or default_transaction_read_only=on); nothing "
             "was stored: use the writable primary",
         )
-    if state == "53100":
+    if state == DISK_FULL:
         return (
             "disk_full",
             "PostgreSQL is out of disk space (SQLSTATE 53100, disk full); nothing was "
             "stored: free space on the server",
         )
-    if state == "53300":
+    if state == TOO_MANY_CONNECTIONS:
         return (
             "insufficient_resources",
             "PostgreSQL refused the connection: too many connections (SQLSTATE 53300); "
@@ -318,7 +323,7 @@ def write_refusal(exc: BaseException) -> tuple[str, str] | None:
             "max_connections is below what the pools open; raise it, or give the pools a "
             "smaller max_size (work goes on, slower, on the connections already open)",
         )
-    if state.startswith("53"):
+    if is_insufficient_resources(state):
         return (
             "insufficient_resources",
             f"PostgreSQL lacks resources (SQLSTATE {state}: out of memory or a configured "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, Literal, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from steeple.postgres._durability import write_refusal
 from steeple.postgres.queue.errors import (
@@ -22,6 +22,14 @@ from steeple.postgres.queue.errors import (
     UnfitDatabaseError,
     UnsupportedConnectionError,
 )
+from steeple.postgres.sqlstate import (
+    LOCK_NOT_AVAILABLE,
+    QUERY_CANCELED,
+    is_lost_connection,
+    is_session_ended,
+    sqlstate,
+)
+from steeple.postgres.sqlstate import is_data_error as is_data_error_state
 
 Kind = Literal["asyncpg", "psycopg_async", "psycopg_sync"]
 P = ParamSpec("P")
@@ -100,12 +108,6 @@ def fetch_sync(conn: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in cur.fetchall()]
 
 
-# SQLSTATEs meaning the session is gone: class 08 (connection exception), and the server
-# ending it (57P01 admin_shutdown, e.g. pg_terminate_backend; 57P02 crash_shutdown; 57P03
-# cannot_connect_now).
-_SESSION_ENDED: Final = ("57P01", "57P02", "57P03")
-
-
 def typed_db_error(exc: BaseException) -> QueueError | None:
     """Translate a driver's failure into the queue's typed error, or ``None``.
 
@@ -122,14 +124,13 @@ def typed_db_error(exc: BaseException) -> QueueError | None:
     if refusal is not None:
         setting, message = refusal
         return UnfitDatabaseError(message, setting=setting)
-    state = getattr(exc, "sqlstate", None)
-    state = state if isinstance(state, str) else ""
-    if state == "55P03":
+    state = sqlstate(exc)
+    if state == LOCK_NOT_AVAILABLE:
         return QueueDeadlineError(
             "a lock wait exceeded lock_timeout (SQLSTATE 55P03): another session holds the "
             "rows or table; nothing was changed, try again"
         )
-    if state == "57014":
+    if state == QUERY_CANCELED:
         return QueueDeadlineError(
             "the statement exceeded statement_timeout or was cancelled (SQLSTATE 57014); "
             "nothing was changed, try again"
@@ -138,23 +139,18 @@ def typed_db_error(exc: BaseException) -> QueueError | None:
         return QueueDeadlineError(
             "the database did not answer in time; a write's outcome is unknown, read it back"
         )
-    if state.startswith("08") or state in _SESSION_ENDED:
+    if is_session_ended(state):
         return QueueUnavailableError(
             f"the database connection was lost (SQLSTATE {state}: terminated by an "
             "administrator, a server shutdown or the network); a write's outcome is unknown, "
             "read it back on a new connection"
         )
-    if isinstance(exc, OSError) or _is_lost_connection(exc):
+    if isinstance(exc, OSError) or is_lost_connection(exc):
         return QueueUnavailableError(
             f"the database connection was lost ({type(exc).__name__}); a write's outcome is "
             "unknown, read it back on a new connection"
         )
     return None
-
-
-# SQLSTATE classes of a statement refused for the data it carries: 22 (data exception: a
-# value out of range, bad text), 23 (integrity: a CHECK), 54 (program limit: too large).
-_DATA_CLASSES: Final = ("22", "23", "54")
 
 
 def is_data_error(exc: BaseException) -> bool:
@@ -164,28 +160,7 @@ def is_data_error(exc: BaseException) -> bool:
     timeout or a refused write), so a batch that hits one is split to find the bad value.
     Works for asyncpg and psycopg alike.
     """
-    state = getattr(exc, "sqlstate", None)
-    return isinstance(state, str) and state[:2] in _DATA_CLASSES
-
-
-def _is_lost_connection(exc: BaseException) -> bool:
-    """Tell whether a driver error without a SQLSTATE means the connection is closed."""
-    module = type(exc).__module__
-    if module.startswith("asyncpg"):
-        import asyncpg
-
-        # A backend ended under an idle connection (pg_terminate_backend) leaves asyncpg's
-        # protocol mid-state: its next call reports InternalClientError, not a SQLSTATE.
-        return isinstance(exc, asyncpg.exceptions.InternalClientError) or (
-            isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc)
-        )
-    if module.startswith("psycopg"):
-        import psycopg
-
-        return isinstance(exc, psycopg.OperationalError) or (
-            isinstance(exc, psycopg.InterfaceError) and "closed" in str(exc)
-        )
-    return False
+    return is_data_error_state(sqlstate(exc))
 
 
 def describe_db_error(exc: BaseException) -> str:
@@ -197,8 +172,8 @@ def describe_db_error(exc: BaseException) -> str:
     typed = typed_db_error(exc)
     if typed is not None:
         return str(typed)
-    state = getattr(exc, "sqlstate", None)
-    if isinstance(state, str):
+    state = sqlstate(exc)
+    if state:
         return f"PostgreSQL failed (SQLSTATE {state}, {type(exc).__name__})"
     return f"{type(exc).__name__}"
 

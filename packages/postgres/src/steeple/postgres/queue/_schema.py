@@ -26,6 +26,7 @@ from steeple.postgres.queue.errors import (
     SchemaVersionMismatchError,
     UnfitDatabaseError,
 )
+from steeple.postgres.sqlstate import is_missing_object, sqlstate
 
 __all__ = [
     "DEFAULT_SCHEMA",
@@ -198,10 +199,6 @@ def _schema_version_sync(conn: Any, schema: str) -> int:
     return int(version)
 
 
-# What a statement of this library meets on an older (or absent) schema: a table, column,
-# function or the schema itself that its version lacks.
-_MISSING_OBJECT: Final = frozenset({"42P01", "42703", "42883", "3F000"})
-
 # (session, schema) pairs already found at this library's version: each session's version
 # is read once, before its first statement (a statement failing on a missing column would
 # abort the caller's transaction, leaving nothing to read the version with; and a statement
@@ -248,8 +245,9 @@ def _remember(conn: Any, schema: str) -> None:
 
 
 def _missing_object(exc: BaseException) -> bool:
-    state = getattr(exc, "sqlstate", None)
-    return isinstance(state, str) and state in _MISSING_OBJECT
+    # What a statement of this library meets on an older (or absent) schema: a table,
+    # column, function or the schema itself that its version lacks.
+    return is_missing_object(sqlstate(exc))
 
 
 def entry_point(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:

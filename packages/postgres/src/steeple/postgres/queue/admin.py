@@ -58,6 +58,7 @@ from steeple.postgres.queue.errors import (
 )
 from steeple.postgres.queue.jobs import JobInfo
 from steeple.postgres.queue.tasks import Task, declared_task
+from steeple.postgres.sqlstate import is_not_installed, sqlstate
 
 if TYPE_CHECKING:
     from steeple.postgres.queue._app import TaskFunction
@@ -94,15 +95,12 @@ _DIGITS: Final = re.compile(r"[0-9]{1,19}\Z")
 
 
 # undefined_table, invalid_schema_name: the queue is not installed in that schema.
-_NOT_INSTALLED: Final = frozenset({"42P01", "3F000"})
-
-
 async def _fetch(conn: Any, schema: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
     """Run one statement; a schema without the queue's tables is a typed error."""
     try:
         return await _driver.fetch(conn, sql, *args)
     except Exception as exc:
-        if getattr(exc, "sqlstate", None) in _NOT_INSTALLED:
+        if is_not_installed(sqlstate(exc)):
             raise SchemaVersionMismatchError(schema, 0, LIBRARY_SCHEMA_VERSION) from None
         raise
 
@@ -261,7 +259,7 @@ async def task_detail(
     try:
         return await run_state(conn, task_id, schema=schema, history=history)
     except Exception as exc:
-        if getattr(exc, "sqlstate", None) in _NOT_INSTALLED:
+        if is_not_installed(sqlstate(exc)):
             raise SchemaVersionMismatchError(schema, 0, LIBRARY_SCHEMA_VERSION) from None
         raise
 

@@ -74,6 +74,7 @@ from steeple.postgres.recurring._sql import (
     Queries,
     package_sql,
 )
+from steeple.postgres.sqlstate import LOCK_NOT_AVAILABLE, QUERY_CANCELED, sqlstate
 
 __all__ = ["PostgresRecurringStore"]
 
@@ -140,20 +141,19 @@ def _map_driver_error(exc: BaseException, what: str) -> RecurringError:
         return RecurringDeadlineError(
             f"{what}: the storage deadline passed (10 s per call, 5 s to acquire a connection)"
         )
-    if isinstance(exc, asyncpg.LockNotAvailableError):
+    if sqlstate(exc) == LOCK_NOT_AVAILABLE:
         return RecurringDeadlineError(
             f"{what}: a lock wait exceeded lock_timeout (5 s); another session holds the "
             "namespace's control row"
         )
-    if isinstance(exc, asyncpg.QueryCanceledError):
+    if sqlstate(exc) == QUERY_CANCELED:
         return RecurringDeadlineError(f"{what}: a statement exceeded statement_timeout (5 s)")
     refusal = write_refusal(exc)
     if refusal is not None:
         return RecurringStorageError(f"{what}: {refusal[1]}")
     if isinstance(exc, asyncpg.PostgresError):
-        state = getattr(exc, "sqlstate", "?")
         return RecurringStorageError(
-            f"{what}: PostgreSQL failed (SQLSTATE {state}, {type(exc).__name__})"
+            f"{what}: PostgreSQL failed (SQLSTATE {sqlstate(exc) or '?'}, {type(exc).__name__})"
         )
     return RecurringStorageError(f"{what}: the database connection failed ({type(exc).__name__})")
 

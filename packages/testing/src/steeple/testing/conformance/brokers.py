@@ -1,42 +1,74 @@
-"""A small conformance suite for :class:`steeple.core.ports.MessageBroker` adapters.
+"""The conformance suite for :class:`steeple.core.ports.MessageBroker` adapters.
 
-Each check takes the broker under test and ``read_all``: an async function returning
-every ``(payload, idempotency_key)`` a consumer can read from the topic so far (whatever
-order). Checks use fresh random keys and payloads, so they can share one topic and run
-in any order against a broker that already holds messages::
+Two ways in. The full suite, :data:`BROKER_CHECKS`, runs against a real server through a
+:class:`BrokerHarness` (what your tests provide: a broker, a consumer, a way to make the
+server stop answering and to restart it). Run every check, one fresh harness each::
+
+    @pytest.mark.parametrize("check", sorted(BROKER_CHECKS))
+    async def test_conforms(check: str, harness: MyHarness) -> None:
+        await BROKER_CHECKS[check](harness)
+
+It asserts the relay's promise: a publication is delivered once, with its idempotency
+key and exact content; a replay under the same key delivers one copy; the same content
+under two keys is two messages; an acknowledgement lost after the broker accepted
+surfaces as ``RelayAcknowledgementError`` carrying the receipt (or ``BrokerTimeoutError``
+where the adapter cannot look the key up) and the republication delivers no second copy;
+an unresponsive broker raises a retryable ``BrokerTimeoutError`` within the deadline; an
+oversized message is a permanent ``MessageTooLargeError``; after a server restart the
+adapter reconnects; bad timeouts and keys are ``ConfigurationError``; no secret of the
+configuration appears in the broker's repr.
+
+The single checks over a consumer view (``read_all``: every ``(payload,
+idempotency_key)`` a consumer can read so far) need no harness; they use fresh random
+keys and payloads, so they can share one topic with other traffic::
 
     suite = BrokerConformance(broker, read_all, topic="steeple-conformance")
     await suite.run_basic()                 # publish, dedup, distinct keys
     await suite.check_too_large(size=2048)  # broker configured with a smaller limit
     await check_timeout(hanging_broker)     # a broker that cannot answer in time
 
-Raises ``AssertionError`` (with a message) when the broker breaks the contract.
+Every check raises ``AssertionError`` (with a message) when the broker breaks the contract.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
+from typing import Protocol
 
 import attrs
 
 from steeple.core import limits
-from steeple.core.errors import BrokerError, BrokerTimeoutError, MessageTooLargeError
+from steeple.core.errors import (
+    BrokerError,
+    BrokerTimeoutError,
+    BrokerUnavailableError,
+    ConfigurationError,
+    MessageTooLargeError,
+    RelayAcknowledgementError,
+)
 from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.ports import MessageBroker
 
 __all__ = [
+    "BROKER_CHECKS",
     "BrokerConformance",
+    "BrokerHarness",
+    "Drained",
     "ReadAll",
     "check_distinct_keys",
     "check_publish",
     "check_publish_and_dedup",
     "check_timeout",
     "check_too_large",
+    "conformance_message",
     "fresh_key",
+    "publish_retrying",
 ]
 
 ReadAll = Callable[[], Awaitable[list[tuple[bytes, str]]]]
@@ -258,3 +290,263 @@ class BrokerConformance:
         await self.check_publish()
         await self.check_dedup()
         await self.check_distinct_keys()
+
+
+# --- the full suite, through a harness over a real server ---------------------------------
+
+Drained = list[tuple[str, ScheduledMessage]]
+"""What a consumer read: ``(idempotency_key, message)`` in delivery order."""
+
+_STALLED_TIMEOUT = 0.8
+_TIMEOUT_SLACK = 1.0  # a loaded machine answers late
+
+
+class BrokerHarness(Protocol):
+    """What an adapter's tests provide to :data:`BROKER_CHECKS`; one harness per check.
+
+    Attributes:
+        name: the receipts' ``broker`` field.
+        deduplicates: the broker itself refuses a second copy under a key (a replay's
+            receipt says ``duplicate=True``); ``False`` when the consumer deduplicates
+            (then :meth:`drain` applies that consumer-side dedup).
+        recognises_lost_acknowledgement: a lost acknowledgement is recognised by looking
+            the key up (``RelayAcknowledgementError``); ``False`` when the adapter can only
+            say it timed out (``BrokerTimeoutError``).
+    """
+
+    name: str
+    deduplicates: bool
+    recognises_lost_acknowledgement: bool
+
+    async def make_broker(self) -> MessageBroker:
+        """Return a started broker publishing where :meth:`drain` reads; close it at teardown."""
+        ...
+
+    async def drain(self) -> Drained:
+        """Consume and acknowledge everything available, in order, applying consumer dedup."""
+        ...
+
+    def too_large(self) -> ScheduledMessage:
+        """Return a message over the broker's configured size limit."""
+        ...
+
+    async def stall(self) -> None:
+        """Make the server stop answering (connections held, nothing forwarded)."""
+        ...
+
+    async def heal(self) -> None:
+        """Undo :meth:`stall`."""
+        ...
+
+    async def restart(self, broker: MessageBroker) -> MessageBroker:
+        """Restart the server (or cut every connection, as a restart would).
+
+        Returns the broker to go on with: the same one, or (for an embedded broker whose
+        server is the process) a new one over the same storage.
+        """
+        ...
+
+    def lose_next_acknowledgement(self, broker: MessageBroker) -> None:
+        """Let the broker's next publication reach the server, then lose its reply."""
+        ...
+
+    def secrets_in_config(self) -> list[str]:
+        """Return strings (passwords, full URLs) that must never appear in the repr."""
+        ...
+
+
+def conformance_message(i: int = 0, size: int = 32) -> ScheduledMessage:
+    """Return the ``i``-th message the suite publishes (``size`` payload bytes, 2 headers)."""
+    body = (f"payload-{i}-".encode() * (size // 8 + 1))[:size]
+    return ScheduledMessage(
+        "reminders", "reminder.requested", body, {"tenant": "t1", "seq": str(i)}
+    )
+
+
+async def publish_retrying(
+    broker: MessageBroker, message: ScheduledMessage, key: str, *, attempts: int = 20
+) -> BrokerReceipt:
+    """Republish ``message`` under ``key`` until accepted, as a relay does.
+
+    Returns:
+        The receipt (from a ``RelayAcknowledgementError`` too).
+
+    Raises:
+        AssertionError: never accepted in ``attempts`` tries.
+    """
+    last: BaseException | None = None
+    for _ in range(attempts):
+        try:
+            return await broker.publish(message, idempotency_key=key, timeout=3.0)
+        except RelayAcknowledgementError as exc:
+            return exc.receipt
+        except (BrokerTimeoutError, BrokerUnavailableError) as exc:
+            last = exc
+            await asyncio.sleep(0.25)  # a relay's retry pause, not a synchronisation
+    raise AssertionError(f"never accepted after {attempts} attempts: {last!r}")
+
+
+async def _publish_and_consume(h: BrokerHarness) -> None:
+    broker = await h.make_broker()
+    keys = [fresh_key() for _ in range(3)]
+    for i, key in enumerate(keys):
+        receipt = await broker.publish(
+            conformance_message(i), idempotency_key=key, timeout=_TIMEOUT
+        )
+        assert isinstance(receipt, BrokerReceipt), f"publish returned {type(receipt).__name__}"
+        assert receipt.broker == h.name, f"the receipt names broker {receipt.broker!r}"
+        assert receipt.idempotency_key == key, "the receipt names another idempotency key"
+        assert receipt.duplicate is False, "a first publication was reported as a duplicate"
+    got = await h.drain()
+    assert [k for k, _ in got] == keys, "not every publication was delivered once, in order"
+    assert [m for _, m in got] == [conformance_message(i) for i in range(3)], (
+        "a delivered message differs from the published one"
+    )
+    assert dict(got[0][1].headers) == {"tenant": "t1", "seq": "0"}, "headers were altered"
+    assert await h.drain() == [], "a consumed message was delivered again"
+
+
+async def _replay_same_key(h: BrokerHarness) -> None:
+    broker = await h.make_broker()
+    key = fresh_key()
+    first = await broker.publish(conformance_message(1), idempotency_key=key, timeout=_TIMEOUT)
+    second = await broker.publish(conformance_message(1), idempotency_key=key, timeout=_TIMEOUT)
+    assert first.duplicate is False, "a first publication was reported as a duplicate"
+    assert second.duplicate is h.deduplicates, (
+        f"a replay's receipt says duplicate={second.duplicate}; expected {h.deduplicates}"
+    )
+    assert second.idempotency_key == key, "the replay's receipt names another key"
+    got = await h.drain()
+    assert got == [(key, conformance_message(1))], f"a replayed key delivered {len(got)} copies"
+
+
+async def _distinct_keys(h: BrokerHarness) -> None:
+    broker = await h.make_broker()
+    keys = [fresh_key(), fresh_key()]
+    for key in keys:
+        receipt = await broker.publish(
+            conformance_message(7), idempotency_key=key, timeout=_TIMEOUT
+        )
+        assert not receipt.duplicate, "a new key with known content was reported as a duplicate"
+    got = await h.drain()
+    assert got == [(key, conformance_message(7)) for key in keys], (
+        "the same content under two keys was not delivered twice (dedup by content, not key)"
+    )
+
+
+async def _lost_ack(h: BrokerHarness) -> None:
+    broker = await h.make_broker()
+    key = fresh_key()
+    h.lose_next_acknowledgement(broker)
+    expected: type[RelayAcknowledgementError | BrokerTimeoutError] = (
+        RelayAcknowledgementError if h.recognises_lost_acknowledgement else BrokerTimeoutError
+    )
+    caught: RelayAcknowledgementError | BrokerTimeoutError | None = None
+    try:
+        await broker.publish(conformance_message(2), idempotency_key=key, timeout=3.0)
+    except expected as exc:
+        caught = exc
+    if caught is None:
+        raise AssertionError("a lost acknowledgement was reported as a success")
+    if isinstance(caught, RelayAcknowledgementError):
+        assert caught.receipt.idempotency_key == key, "the uncertain receipt names another key"
+        assert caught.receipt.broker == h.name, "the uncertain receipt names another broker"
+    again = await broker.publish(conformance_message(2), idempotency_key=key, timeout=_TIMEOUT)
+    assert again.duplicate is h.deduplicates, "the republication's receipt is wrong"
+    got = await h.drain()
+    assert got == [(key, conformance_message(2))], (
+        f"a republication after a lost acknowledgement delivered {len(got)} copies"
+    )
+
+
+async def _timeout(h: BrokerHarness) -> None:
+    broker = await h.make_broker()
+    warm = fresh_key()
+    await broker.publish(conformance_message(3), idempotency_key=warm, timeout=_TIMEOUT)
+    await h.stall()
+    key = fresh_key()
+    started = time.monotonic()
+    try:
+        await broker.publish(conformance_message(4), idempotency_key=key, timeout=_STALLED_TIMEOUT)
+    except BrokerTimeoutError as exc:
+        if exc.permanent:
+            raise AssertionError("a timeout must not be permanent (it may be accepted)") from exc
+    except RelayAcknowledgementError:
+        pass  # accepted before the stall: recovery republishes, as for a timeout
+    else:
+        raise AssertionError("a broker that could not answer did not time out")
+    finally:
+        await h.heal()
+    elapsed = time.monotonic() - started
+    assert elapsed < _STALLED_TIMEOUT + _TIMEOUT_SLACK, (
+        f"the timeout of {_STALLED_TIMEOUT} s was only enforced after {elapsed:.2f} s"
+    )
+    await publish_retrying(broker, conformance_message(4), key)
+    got = await h.drain()
+    assert got == [(warm, conformance_message(3)), (key, conformance_message(4))], (
+        "after a timeout and its republication, delivery is not once per key"
+    )
+
+
+async def _too_large(h: BrokerHarness) -> None:
+    broker = await h.make_broker()
+    error: MessageTooLargeError | None = None
+    try:
+        await broker.publish(h.too_large(), idempotency_key=fresh_key(), timeout=_TIMEOUT)
+    except MessageTooLargeError as exc:
+        error = exc
+    if error is None:
+        raise AssertionError("an oversized message was accepted")
+    assert error.permanent is True, "MessageTooLargeError must be permanent"
+    assert await h.drain() == [], "a rejected message was delivered"
+
+
+async def _reconnect_after_restart(h: BrokerHarness) -> None:
+    broker = await h.make_broker()
+    before, after = fresh_key(), fresh_key()
+    await broker.publish(conformance_message(5), idempotency_key=before, timeout=_TIMEOUT)
+    broker = await h.restart(broker)
+    await publish_retrying(broker, conformance_message(6), after)
+    again = await publish_retrying(broker, conformance_message(6), after)
+    assert again.duplicate is h.deduplicates, "a replay after a restart was not recognised"
+    got = await h.drain()
+    assert got == [(before, conformance_message(5)), (after, conformance_message(6))], (
+        "after a restart, delivery is not once per key"
+    )
+
+
+async def _bad_arguments(h: BrokerHarness) -> None:
+    broker = await h.make_broker()
+    for timeout in (0, -1.0, math.nan, math.inf):
+        try:
+            await broker.publish(
+                conformance_message(), idempotency_key=fresh_key(), timeout=timeout
+            )
+        except ConfigurationError:
+            pass
+        else:
+            raise AssertionError(f"timeout {timeout!r} was accepted")
+    for key in ("", "has space", "x" * (limits.MAX_NAME_LENGTH + 1), "caf\u00e9"):
+        try:
+            await broker.publish(conformance_message(), idempotency_key=key, timeout=1.0)
+        except ConfigurationError:
+            pass
+        else:
+            raise AssertionError(f"idempotency key {key!r} was accepted")
+    text = repr(broker)
+    for secret in h.secrets_in_config():
+        assert secret not in text, "a secret of the configuration leaked into the repr"
+    assert await h.drain() == [], "a refused publication was delivered"
+
+
+BROKER_CHECKS: Mapping[str, Callable[[BrokerHarness], Awaitable[None]]] = {
+    "publish_and_consume": _publish_and_consume,
+    "replay_same_key": _replay_same_key,
+    "distinct_keys": _distinct_keys,
+    "lost_ack": _lost_ack,
+    "timeout": _timeout,
+    "too_large": _too_large,
+    "reconnect_after_restart": _reconnect_after_restart,
+    "bad_arguments": _bad_arguments,
+}
+"""Every check of the full suite by name; each takes a fresh :class:`BrokerHarness`."""
