@@ -53,26 +53,22 @@ def idempotency_key(
         ConfigurationError: a name holds a lone surrogate (no UTF-8 form), ``due_at`` is
             naive, or ``generation`` is over 64 KiB (each also a ``ValueError``).
     """
-    if type(purpose) is str and type(namespace) is str and type(definition_name) is str:
-        prefix = _cached_prefix(purpose, namespace, definition_name)
-    else:  # anything else (a str subclass too) is checked and encoded every time
-        prefix = _prefix(purpose, namespace, definition_name)
+    digest = _prefix(_text_part(purpose, "purpose"), _text_part(namespace, "namespace")).copy()
     due_ms = (aware_utc(due_at, "due_at") - _EPOCH) // _MS
-    digest = prefix.copy()
-    digest.update(_part(str(due_ms).encode()))
-    digest.update(_part(byte_string(generation, "generation", max_len=_MAX_PART_BYTES)))
+    for part in (
+        _text_part(definition_name, "definition_name"),
+        str(due_ms).encode(),
+        byte_string(generation, "generation", max_len=_MAX_PART_BYTES),
+    ):
+        digest.update(_part(part))
     return f"stp1-{digest.hexdigest()[:48]}"
 
 
-def _prefix(purpose: object, namespace: object, definition_name: object) -> Any:
-    # Every key of a definition starts with the same three parts: hashed once per
-    # definition (names that are exactly str are cached), copied for each key (the same
-    # digest as hashing them every time). A part that cannot be encoded raises here.
+@functools.lru_cache(maxsize=64)
+def _prefix(purpose: bytes, namespace: bytes) -> Any:
+    # Every key of a namespace and purpose starts with the same two parts: hashed once,
+    # copied for each key (the same digest as hashing them every time).
     digest = hashlib.sha256()
-    digest.update(_part(_text_part(purpose, "purpose")))
-    digest.update(_part(_text_part(namespace, "namespace")))
-    digest.update(_part(_text_part(definition_name, "definition_name")))
+    digest.update(_part(purpose))
+    digest.update(_part(namespace))
     return digest
-
-
-_cached_prefix = functools.lru_cache(maxsize=4096)(_prefix)
