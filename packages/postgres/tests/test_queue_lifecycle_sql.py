@@ -75,8 +75,10 @@ def test_the_claim_function_moves_tasks_as_the_table_says() -> None:
     assert transition(source, TaskEvent.CLAIM) is target
     # It claims from every state the table allows a claim in, and only those.
     assert {source} == CLAIM_SOURCES
-    # Global concurrency limits count the tasks in the state a claim leads to.
-    counted = set(re.findall(r"t\.state = '(\w+)'", body))
+    # Global concurrency limits (the claim's shared claim_room) count the tasks in the
+    # state a claim leads to.
+    room = _last(r"FUNCTION __SCHEMA__\.claim_room\(.*?AS \$\$(.*?)\$\$;", sql).group(1)
+    counted = set(re.findall(r"t\.state = '(\w+)'", body + room))
     assert counted == {target.value}, counted
 
 

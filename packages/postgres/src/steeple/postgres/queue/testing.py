@@ -40,6 +40,7 @@ from typing import Any, Final
 import attrs
 
 from steeple.core.backoff import Backoff
+from steeple.core.claims import ScopeLimits, ScopeState, plan_claim, record_starts
 from steeple.core.tasks import (
     TERMINAL_TASK_STATES,
     TaskEvent,
@@ -203,19 +204,14 @@ class _Limits:
         if rate_limit is None:
             self.starts = []  # as the database clears its log when the rate limit goes
 
-    def in_window(self, now: datetime) -> list[datetime]:
-        """Return the starts still in the window: later than a period ago (that instant is out)."""
-        assert self.rate_period is not None
-        return [at for at in self.starts if at > now - self.rate_period]
-
-    def frees_at(self, now: datetime) -> datetime:
-        """Return when the oldest start in the window leaves it (now's, when it is empty)."""
-        assert self.rate_period is not None
-        return min(self.in_window(now), default=now) + self.rate_period
+    def scope(self, running: int) -> ScopeState:
+        """Return these settings with ``running`` tasks, as the core's claim rule reads them."""
+        limits = ScopeLimits(self.paused, self.max_running, self.rate_limit, self.rate_period)
+        return ScopeState(limits, running, tuple(self.starts))
 
     def record(self, now: datetime, count: int) -> None:
         if self.rate_period is not None and count > 0:
-            self.starts = [*self.in_window(now), *([now] * count)]
+            self.starts = list(record_starts(self.starts, self.rate_period, now, count))
 
 
 class InMemoryQueue(LocalQueue):
@@ -507,75 +503,38 @@ class InMemoryQueue(LocalQueue):
         )
         running_by_queue = _count(s.queue for s in self._running())
         running_by_name = _count(s.task_name for s in self._running())
-        taken_by_name: dict[str, int] = {}
-        taken: list[_Stored] = []
-        held = False
-        frees_at: datetime | None = None
-        for queue in order:
-            wanted = budget = limit - len(taken)
-            if budget <= 0:
-                break
-            settings = self._queues.get(queue)
-            if settings is not None:
-                if settings.paused:
-                    continue
-                if settings.max_running is not None:
-                    budget = min(budget, settings.max_running - running_by_queue.get(queue, 0))
-                if settings.rate_limit is not None:
-                    budget = min(budget, settings.rate_limit - len(settings.in_window(now)))
-                    frees_at = _earliest(frees_at, settings.frees_at(now))
-                if budget < wanted:
-                    held = True
-            due = sorted(
-                (
-                    s
-                    for s in self._tasks.values()
-                    if s.queue == queue
-                    and s.state is _PENDING
-                    and s.run_at <= now
-                    and (allowed is None or s.task_name in allowed)
-                ),
-                key=_claim_order,
-            )
-            limited = sorted(
-                n
+        due = sorted(
+            (
+                s
+                for s in self._tasks.values()
+                if s.queue in order
+                and s.state is _PENDING
+                and s.run_at <= now
+                and (allowed is None or s.task_name in allowed)
+            ),
+            key=_claim_order,
+        )
+        plan = plan_claim(
+            [(queue, limit) for queue in order],
+            due,
+            queues={q: lim.scope(running_by_queue.get(q, 0)) for q, lim in self._queues.items()},
+            names={
+                n: lim.scope(running_by_name.get(n, 0))
                 for n, lim in self._names.items()
-                if (lim.max_running is not None or lim.rate_limit is not None)
-                and (allowed is None or n in allowed)
-            )
-            got = 0
-            for name in limited:
-                if budget - got <= 0:
-                    break
-                lim = self._names[name]
-                room = budget - got
-                if lim.max_running is not None:
-                    room = min(room, lim.max_running - running_by_name.get(name, 0))
-                if lim.rate_limit is not None:
-                    room = min(
-                        room,
-                        lim.rate_limit - taken_by_name.get(name, 0) - len(lim.in_window(now)),
-                    )
-                    frees_at = _earliest(frees_at, lim.frees_at(now))
-                if room < budget - got:
-                    held = True
-                if room <= 0:
-                    continue
-                chosen = [s for s in due if s.task_name == name][:room]
-                running_by_name[name] = running_by_name.get(name, 0) + len(chosen)
-                taken_by_name[name] = taken_by_name.get(name, 0) + len(chosen)
-                got += len(chosen)
-                taken.extend(chosen)
-            if budget - got > 0:
-                free = [s for s in due if s.task_name not in limited][: budget - got]
-                got += len(free)
-                taken.extend(free)
-            if settings is not None:
-                settings.record(now, got)
-        for name, count in taken_by_name.items():
-            self._names[name].record(now, count)
-        if held:
-            self._rate_frees_at = frees_at
+                if allowed is None or n in allowed
+            },
+            now=now,
+            total=limit,
+        )
+        taken = list(plan.started)
+        for queue, count in _count(s.queue for s in taken).items():
+            if queue in self._queues:
+                self._queues[queue].record(now, count)
+        for name, count in _count(s.task_name for s in taken).items():
+            if name in self._names:
+                self._names[name].record(now, count)
+        if plan.held:
+            self._rate_frees_at = plan.frees_at
         claims = []
         for stored in taken:
             stored.state = transition(stored.state, TaskEvent.CLAIM)
@@ -897,10 +856,6 @@ def _names(values: Iterable[str], what: str) -> list[str]:
     if what == "queues":
         return [check_queue(value) for value in values]
     return [check_name(value, "task name") for value in values]
-
-
-def _earliest(known: datetime | None, instant: datetime) -> datetime:
-    return instant if known is None else min(known, instant)
 
 
 def _no_jitter() -> float:

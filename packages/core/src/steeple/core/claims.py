@@ -1,0 +1,209 @@
+"""Which due tasks a work-queue claim may start: pauses, running limits and start rates.
+
+A scope is a queue or a task name (the task name's limits count its tasks in every queue
+together). Each scope may be paused (queues only), may cap how many of its tasks run at
+once (``max_running``), and may cap how many of its tasks start in any sliding window of
+``rate_period`` (``rate_limit``): a start counts while it is later than a period ago, so one
+made exactly a period ago no longer does.
+
+A claim asks each queue, in the order given, for up to its ``want`` tasks. Nothing comes
+from a paused queue. A queue's budget is its want, cut to what its own limits leave room
+for; within it, the task names that have limits come first (by name), each taking its own
+due tasks within the room its limits leave, then the tasks of every other name. In each
+step the candidates are taken in the order given (the claim order: highest priority, then
+earliest due, then the order they became due). A claim whose budget a limit cut reports
+that it was held back, and when the oldest start in a binding rate window leaves it.
+
+Pure functions of the values they are given: the database's claim function applies the
+same rule in SQL and the in-memory queue calls :func:`plan_claim`; a differential test
+holds the two together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Generic, Protocol, TypeVar
+
+import attrs
+
+__all__ = [
+    "ClaimCandidate",
+    "ClaimPlan",
+    "ScopeLimits",
+    "ScopeState",
+    "frees_at",
+    "plan_claim",
+    "record_starts",
+    "room",
+    "starts_in_window",
+]
+
+
+class ClaimCandidate(Protocol):
+    """A due pending task a claim may start: the queue it is in and its task name."""
+
+    @property
+    def queue(self) -> str:
+        """The queue the task waits in."""
+        ...
+
+    @property
+    def task_name(self) -> str:
+        """The task's name."""
+        ...
+
+
+C = TypeVar("C", bound=ClaimCandidate)
+
+
+@attrs.frozen
+class ScopeLimits:
+    """A queue's or a task name's settings (``None``: no such limit)."""
+
+    paused: bool = False
+    max_running: int | None = None
+    rate_limit: int | None = None
+    rate_period: timedelta | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether a running limit or a rate limit applies."""
+        return self.max_running is not None or self.rate_limit is not None
+
+
+@attrs.frozen
+class ScopeState:
+    """A scope's limits with what of it runs now and the starts it recorded."""
+
+    limits: ScopeLimits = ScopeLimits()
+    running: int = 0
+    starts: tuple[datetime, ...] = ()
+
+
+def starts_in_window(
+    starts: Sequence[datetime], period: timedelta, now: datetime
+) -> tuple[datetime, ...]:
+    """Return the starts later than ``period`` before ``now`` (that instant is out)."""
+    return tuple(at for at in starts if at > now - period)
+
+
+def record_starts(
+    starts: Sequence[datetime], period: timedelta, now: datetime, count: int
+) -> tuple[datetime, ...]:
+    """Return a window's log after ``count`` starts at ``now``: older starts dropped."""
+    return (*starts_in_window(starts, period, now), *([now] * count))
+
+
+def room(scope: ScopeState, now: datetime, taken: int = 0) -> int | None:
+    """Return how many more of a scope's tasks may start now (may be negative).
+
+    ``taken``: what this claim already started in the scope. ``None``: no limit applies.
+    """
+    limits = scope.limits
+    left: int | None = None
+    if limits.max_running is not None:
+        left = limits.max_running - taken - scope.running
+    if limits.rate_limit is not None and limits.rate_period is not None:
+        window = starts_in_window(scope.starts, limits.rate_period, now)
+        by_rate = limits.rate_limit - taken - len(window)
+        left = by_rate if left is None else min(left, by_rate)
+    return left
+
+
+def frees_at(scope: ScopeState, now: datetime) -> datetime | None:
+    """Return when the oldest start in a scope's window leaves it (``now``'s, when empty).
+
+    ``None`` when the scope has no rate limit.
+    """
+    limits = scope.limits
+    if limits.rate_limit is None or limits.rate_period is None:
+        return None
+    window = starts_in_window(scope.starts, limits.rate_period, now)
+    return min(window, default=now) + limits.rate_period
+
+
+@attrs.frozen
+class ClaimPlan(Generic[C]):
+    """What a claim starts, whether a limit held work back, and when a start frees up."""
+
+    started: tuple[C, ...]
+    held: bool
+    frees_at: datetime | None
+
+
+def _earliest(a: datetime | None, b: datetime | None) -> datetime | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return min(a, b)
+
+
+def plan_claim(
+    wants: Sequence[tuple[str, int]],
+    candidates: Sequence[C],
+    *,
+    queues: Mapping[str, ScopeState],
+    names: Mapping[str, ScopeState],
+    now: datetime,
+    total: int | None = None,
+) -> ClaimPlan[C]:
+    """Return which ``candidates`` a claim starts, by the rule in this module's docstring.
+
+    Args:
+        wants: each queue (once) with how many of its tasks the claimer wants, in order.
+        candidates: the due pending tasks the claim may take, in claim order.
+        queues: the queues' settings, running counts and starts (absent: none).
+        names: the task names' settings, running counts and starts (absent: none); only
+            the names the claimer runs.
+        now: the claim's instant, that of its starts.
+        total: the most tasks over all queues together (``None``: the wants alone); once
+            it is reached, later queues are not asked.
+
+    The plan's ``frees_at`` is the earliest instant a start leaves the window of a rate
+    limit the claim consulted; it matters when ``held`` is true.
+    """
+    limited = sorted(n for n, s in names.items() if s.limits.limited)
+    limited_set = frozenset(limited)
+    taken_by_name = dict.fromkeys(limited, 0)
+    started: list[C] = []
+    held = False
+    frees: datetime | None = None
+    for queue, want in wants:
+        if total is not None:
+            want = min(want, total - len(started))
+            if want <= 0:
+                break
+        budget = want
+        settings = queues.get(queue)
+        if settings is not None:
+            if settings.limits.paused:
+                continue
+            left = room(settings, now)
+            if left is not None:
+                budget = min(budget, left)
+            frees = _earliest(frees, frees_at(settings, now))
+            if budget < want:
+                held = True
+        mine = [c for c in candidates if c.queue == queue]
+        got = 0
+        for name in limited:
+            if budget - got <= 0:
+                break
+            left = room(names[name], now, taken_by_name[name])
+            name_budget = budget - got if left is None else min(budget - got, left)
+            frees = _earliest(frees, frees_at(names[name], now))
+            if name_budget < budget - got:
+                held = True
+            if name_budget <= 0:
+                continue
+            chosen = [c for c in mine if c.task_name == name][:name_budget]
+            taken_by_name[name] += len(chosen)
+            got += len(chosen)
+            started.extend(chosen)
+        if budget - got > 0:
+            free = [c for c in mine if c.task_name not in limited_set][: budget - got]
+            got += len(free)
+            started.extend(free)
+    return ClaimPlan(tuple(started), held, frees)

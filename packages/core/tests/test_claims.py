@@ -1,0 +1,173 @@
+"""Properties of the claim rule: pauses, running limits, start rates and claim order."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+
+import attrs
+from hypothesis import given
+from hypothesis import strategies as st
+
+from steeple.core.claims import (
+    ClaimPlan,
+    ScopeLimits,
+    ScopeState,
+    frees_at,
+    plan_claim,
+    record_starts,
+    room,
+    starts_in_window,
+)
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+QUEUES = ["q1", "q2", "q3"]
+NAMES = ["a", "b", "c"]
+
+
+@attrs.frozen
+class Cand:
+    id: int
+    queue: str
+    task_name: str
+
+
+Case = tuple[list[tuple[str, int]], list[Cand], dict[str, ScopeState], dict[str, ScopeState]]
+
+limits_st = st.builds(
+    ScopeLimits,
+    paused=st.booleans(),
+    max_running=st.none() | st.integers(0, 4),
+    rate_limit=st.none() | st.integers(0, 4),
+    rate_period=st.just(timedelta(seconds=60)),
+).map(lambda lim: attrs.evolve(lim, rate_period=None) if lim.rate_limit is None else lim)
+starts_st = st.lists(st.integers(0, 120).map(lambda s: NOW - timedelta(seconds=s)), max_size=6)
+scope_st = st.builds(
+    ScopeState, limits=limits_st, running=st.integers(0, 5), starts=starts_st.map(tuple)
+)
+
+
+@st.composite
+def claims(draw: st.DrawFn) -> Case:
+    queues = draw(st.lists(st.sampled_from(QUEUES), unique=True, min_size=1))
+    wants = [(q, draw(st.integers(1, 6))) for q in queues]
+    pairs = draw(st.lists(st.tuples(st.sampled_from(QUEUES), st.sampled_from(NAMES))))
+    candidates = [Cand(i, q, n) for i, (q, n) in enumerate(pairs)]
+    queue_scopes = draw(st.dictionaries(st.sampled_from(QUEUES), scope_st))
+    name_scopes = draw(st.dictionaries(st.sampled_from(NAMES), scope_st))
+    return wants, candidates, queue_scopes, name_scopes
+
+
+def _plan(case: Case) -> ClaimPlan[Cand]:
+    wants, candidates, queues, names = case
+    return plan_claim(wants, candidates, queues=queues, names=names, now=NOW)
+
+
+def _cap(scope: ScopeState) -> int | None:
+    left = room(scope, NOW)
+    return None if left is None else max(0, left)
+
+
+@given(claims())
+def test_a_claim_starts_only_candidates_of_the_queues_asked_each_once(case: Case) -> None:
+    wants, candidates, _, _ = case
+    plan = _plan(case)
+    assert len(set(plan.started)) == len(plan.started)
+    assert set(plan.started) <= set(candidates)
+    asked = dict(wants)
+    for queue, count in Counter(c.queue for c in plan.started).items():
+        assert count <= asked[queue]
+
+
+@given(claims())
+def test_no_limit_is_passed_and_nothing_comes_from_a_paused_queue(case: Case) -> None:
+    _, _, queues, names = case
+    plan = _plan(case)
+    by_queue = Counter(c.queue for c in plan.started)
+    by_name = Counter(c.task_name for c in plan.started)
+    for queue, scope in queues.items():
+        if scope.limits.paused:
+            assert by_queue[queue] == 0
+        cap = _cap(scope)
+        if cap is not None:
+            assert by_queue[queue] <= cap
+    for name, scope in names.items():
+        cap = _cap(scope)
+        if cap is not None:
+            assert by_name[name] <= cap
+
+
+@given(claims())
+def test_each_name_in_a_queue_starts_its_first_candidates_in_order(case: Case) -> None:
+    _, candidates, _, _ = case
+    plan = _plan(case)
+    for queue in QUEUES:
+        for name in NAMES:
+            group = [c for c in candidates if c.queue == queue and c.task_name == name]
+            chosen = [c for c in plan.started if c.queue == queue and c.task_name == name]
+            assert chosen == group[: len(chosen)]
+
+
+@given(claims())
+def test_without_holding_back_a_queue_gives_all_it_can(case: Case) -> None:
+    wants, candidates, queues, _ = case
+    plan = _plan(case)
+    if plan.held:
+        return
+    by_queue = Counter(c.queue for c in plan.started)
+    for queue, want in wants:
+        if queue in queues and queues[queue].limits.paused:
+            continue
+        assert by_queue[queue] == min(want, sum(c.queue == queue for c in candidates))
+
+
+@given(claims())
+def test_a_held_claim_had_a_limit_that_bound(case: Case) -> None:
+    _, _, queues, names = case
+    plan = _plan(case)
+    if plan.held:
+        assert any(s.limits.limited for s in [*queues.values(), *names.values()])
+    if plan.frees_at is not None:
+        assert plan.frees_at > NOW
+
+
+@given(claims())
+def test_without_settings_a_claim_takes_each_queues_first_candidates(case: Case) -> None:
+    wants, candidates, _, _ = case
+    plan = plan_claim(wants, candidates, queues={}, names={}, now=NOW)
+    expected = [c for q, want in wants for c in [c for c in candidates if c.queue == q][:want]]
+    assert plan == ClaimPlan(tuple(expected), held=False, frees_at=None)
+
+
+@given(claims(), st.integers(1, 10))
+def test_a_total_caps_the_claim_and_keeps_its_prefix(case: Case, total: int) -> None:
+    wants, candidates, queues, names = case
+    capped = plan_claim(wants, candidates, queues=queues, names=names, now=NOW, total=total)
+    assert len(capped.started) <= total
+
+
+def test_a_start_a_period_old_has_left_the_window() -> None:
+    period = timedelta(seconds=60)
+    starts = [NOW - period, NOW - period + timedelta(microseconds=1)]
+    assert starts_in_window(starts, period, NOW) == (starts[1],)
+    scope = ScopeState(ScopeLimits(rate_limit=1, rate_period=period), 0, tuple(starts))
+    assert room(scope, NOW) == 0
+    assert frees_at(scope, NOW) == starts[1] + period
+    assert record_starts(starts, period, NOW, 2) == (starts[1], NOW, NOW)
+
+
+def test_the_tighter_limit_and_this_claims_starts_count() -> None:
+    period = timedelta(seconds=60)
+    scope = ScopeState(ScopeLimits(max_running=5, rate_limit=3, rate_period=period), 1, (NOW,))
+    assert room(scope, NOW) == 2
+    assert room(scope, NOW, taken=2) == 0
+    assert frees_at(ScopeState(ScopeLimits(max_running=5)), NOW) is None
+    assert frees_at(ScopeState(ScopeLimits(rate_limit=1, rate_period=period)), NOW) == NOW + period
+
+
+def test_limited_names_go_first_by_name_then_the_others_in_order() -> None:
+    candidates = [Cand(1, "q", "z"), Cand(2, "q", "b"), Cand(3, "q", "a"), Cand(4, "q", "b")]
+    names = {"b": ScopeState(ScopeLimits(max_running=1)), "a": ScopeState(ScopeLimits())}
+    plan = plan_claim([("q", 3)], candidates, queues={}, names=names, now=NOW)
+    assert [c.id for c in plan.started] == [2, 1, 3]
+    assert plan.held is True

@@ -1,0 +1,238 @@
+"""The database's claim function follows the core's claim rule (steeple.core.claims).
+
+A differential test: random queue and task-name settings (pauses, running limits, rate
+limits with starts inside and outside their window), random running tasks and random due
+work go into a real database; one call of the plpgsql claim must start exactly the tasks
+``plan_claim`` starts from the same picture, say alike whether a limit held work back and
+when a rate window frees a start, and append the same starts to every rate window.
+
+Rate windows are an hour long and recorded starts lie at least ten minutes from a window's
+edge, so the few milliseconds between reading the server's clock and the claim's own do not
+move a start across it. Also here: the claim keeps the settings it needs, and every task
+state the queue's SQL names is one of the core's transition table, and every one it writes
+is one the table leads to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import Counter
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import attrs
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from queue_support import QueueFixture
+from steeple.core.claims import ScopeLimits, ScopeState, plan_claim, starts_in_window
+from steeple.core.tasks import TASK_TRANSITIONS, TaskState
+from steeple.postgres.queue import EnqueueOptions, Task, enqueue
+
+pytestmark = pytest.mark.postgres
+
+QUEUES = ["q1", "q2", "q3"]
+NAMES = ["a", "b", "c"]
+PERIOD = timedelta(hours=1)
+# Minutes before now: inside the window (1-50) or out of it (70-120), far from its edge.
+START_AGO = st.integers(1, 50) | st.integers(70, 120)
+
+LIMITS = st.tuples(
+    st.none() | st.integers(1, 3),  # max_running
+    st.none() | st.integers(1, 3),  # rate_limit
+    st.lists(START_AGO, max_size=4),  # recorded starts, minutes ago
+)
+
+
+@attrs.frozen
+class Candidate:
+    id: int
+    queue: str
+    task_name: str
+
+
+@st.composite
+def pictures(draw: st.DrawFn) -> dict[str, Any]:
+    return {
+        "wants": [
+            (q, draw(st.integers(1, 4)))
+            for q in draw(st.lists(st.sampled_from(QUEUES), unique=True, min_size=1))
+        ],
+        "names": draw(st.lists(st.sampled_from(NAMES), unique=True, min_size=1)),
+        "queue_settings": draw(
+            st.dictionaries(st.sampled_from(QUEUES), st.tuples(st.booleans(), LIMITS))
+        ),
+        "name_settings": draw(st.dictionaries(st.sampled_from(NAMES), LIMITS)),
+        # (queue, name, priority, running?) of each task, in enqueue order.
+        "tasks": draw(
+            st.lists(
+                st.tuples(
+                    st.sampled_from(QUEUES),
+                    st.sampled_from(NAMES),
+                    st.integers(0, 2),
+                    st.booleans(),
+                ),
+                max_size=12,
+            )
+        ),
+    }
+
+
+def _scope(limits: tuple[Any, ...], paused: bool, running: int, now: datetime) -> ScopeState:
+    max_running, rate_limit, ago = limits
+    starts = () if rate_limit is None else tuple(now - timedelta(minutes=m) for m in ago)
+    period = None if rate_limit is None else PERIOD
+    return ScopeState(ScopeLimits(paused, max_running, rate_limit, period), running, starts)
+
+
+async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, Any]) -> None:
+    s = f'"{schema}"'
+    await conn.execute(f"DELETE FROM {s}.attempts; DELETE FROM {s}.tasks; DELETE FROM {s}.settings")
+    running_ids = []
+    for queue, name, priority, running in picture["tasks"]:
+        options = EnqueueOptions(priority=priority, queue=queue)
+        done = await enqueue(conn, Task(name), {}, options, schema=schema)
+        if running:
+            running_ids.append(done.id)
+    await conn.execute(
+        f"UPDATE {s}.tasks SET state = 'running', attempts = 1, lease_token = gen_random_uuid(),"
+        " lease_expires_at = now() + interval '1 hour', worker_id = 'other',"
+        " started_at = now() WHERE id = ANY($1::bigint[])",
+        running_ids,
+    )
+    now: datetime = await conn.fetchval("SELECT clock_timestamp()")
+    runs = await conn.fetch(f"SELECT queue, task_name FROM {s}.tasks WHERE state = 'running'")
+    by_queue = Counter(r["queue"] for r in runs)
+    by_name = Counter(r["task_name"] for r in runs)
+    queues = {
+        q: _scope(limits, paused, by_queue[q], now)
+        for q, (paused, limits) in picture["queue_settings"].items()
+    }
+    names = {
+        n: _scope(limits, False, by_name[n], now) for n, limits in picture["name_settings"].items()
+    }
+    rows = [("queue", q, st_) for q, st_ in queues.items()]
+    rows += [("task", n, st_) for n, st_ in names.items()]
+    for scope, name, state in rows:
+        await conn.execute(
+            f"INSERT INTO {s}.settings (scope, name, paused, max_running, rate_limit,"
+            " rate_period, recent_starts) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            scope,
+            name,
+            state.limits.paused,
+            state.limits.max_running,
+            state.limits.rate_limit,
+            state.limits.rate_period,
+            list(state.starts),
+        )
+    asked = picture["names"]
+    candidates = [
+        Candidate(r["id"], r["queue"], r["task_name"])
+        for r in await conn.fetch(
+            f"SELECT id, queue, task_name FROM {s}.tasks WHERE state = 'pending'"
+            " AND task_name = ANY($1::text[]) ORDER BY priority DESC, run_at, id",
+            asked,
+        )
+    ]
+    plan = plan_claim(
+        picture["wants"],
+        candidates,
+        queues=queues,
+        names={n: state for n, state in names.items() if n in asked},
+        now=now,
+    )
+
+    result = await conn.fetch(
+        f"SELECT * FROM {s}.claim($1::text[], $2::integer[], $3::text[], 'w', 4e9)",
+        [q for q, _ in picture["wants"]],
+        [w for _, w in picture["wants"]],
+        asked,
+    )
+    claimed = {r["id"] for r in result if r["id"] is not None}
+    held = [r for r in result if r["id"] is None]
+    assert claimed == {c.id for c in plan.started}
+    assert bool(held) == plan.held
+    if held:
+        frees = held[0]["run_at"]
+        assert (frees is None) == (plan.frees_at is None)
+        if frees is not None and plan.frees_at is not None:
+            assert abs(frees - plan.frees_at) < timedelta(minutes=1)
+    # Each rate window holds its starts still in it plus this claim's.
+    started_queue = Counter(c.queue for c in plan.started)
+    started_name = Counter(c.task_name for c in plan.started)
+    windows = {
+        (r["scope"], r["name"]): len(r["recent_starts"])
+        for r in await conn.fetch(f"SELECT scope, name, recent_starts FROM {s}.settings")
+    }
+    for scope, name, state in rows:
+        if state.limits.rate_period is None:
+            assert windows[(scope, name)] == 0
+            continue
+        took = (started_queue if scope == "queue" else started_name)[name]
+        if scope == "task" and name not in asked:
+            took = 0
+        kept = len(starts_in_window(state.starts, state.limits.rate_period, now))
+        expected = kept + took if took else len(state.starts)
+        assert windows[(scope, name)] == expected, (scope, name)
+
+
+async def test_the_sql_claim_starts_what_the_core_rule_starts(queue: QueueFixture) -> None:
+    dsn, schema, _conn = queue
+
+    @settings(
+        max_examples=80,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(picture=pictures())
+    def check(picture: dict[str, Any]) -> None:
+        async def one() -> None:
+            conn = await asyncpg.connect(dsn)
+            try:
+                await _claim_both(conn, schema, picture)
+            finally:
+                await conn.close()
+
+        asyncio.run(one())
+
+    await asyncio.to_thread(check)
+
+
+async def test_the_claim_keeps_the_settings_it_needs(queue: QueueFixture) -> None:
+    _dsn, schema, conn = queue
+    config = await conn.fetchval(
+        "SELECT proconfig FROM pg_proc WHERE oid = to_regproc($1)", f'"{schema}".claim'
+    )
+    assert {"jit=off", "enable_seqscan=off", "plan_cache_mode=force_custom_plan"} <= set(config)
+
+
+MIGRATIONS = Path(__file__).parents[1] / "src/steeple/postgres/queue/migrations"
+STATE_TEST = re.compile(r"\bstate\s*(?:=|<>|IN\s*\()\s*((?:'[a-z_]+'(?:\s*,\s*)?)+)", re.I)
+STATE_WRITE = re.compile(r"\bSET\s+state\s*=\s*'([a-z_]+)'", re.I)
+
+
+def _queue_sql() -> str:
+    from steeple.postgres.queue import _sql
+
+    texts = [p.read_text() for p in sorted(MIGRATIONS.glob("*/up.sql"))]
+    return "\n".join([*texts, Path(_sql.__file__).read_text()])
+
+
+def test_every_task_state_the_sql_names_is_one_of_the_core_table() -> None:
+    states = {s.value for s in TaskState}
+    named = {
+        literal.strip("'")
+        for match in STATE_TEST.finditer(_queue_sql())
+        for literal in re.findall(r"'[a-z_]+'", match.group(1))
+    }
+    assert named
+    assert named <= states, named - states
+    # Where the SQL writes a state, the table leads to it (the claim's own write is checked
+    # against its event in test_queue_lifecycle_sql.py).
+    targets = {target.value for target in TASK_TRANSITIONS.values()}
+    assert set(STATE_WRITE.findall(_queue_sql())) <= targets
