@@ -133,12 +133,6 @@ async def test_a_connection_limit_below_the_pool_slows_the_worker_and_says_why(
 # --- renewals while handlers hold every pooled connection --------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="renewals take their connection from the pool: when the application's handlers "
-    "hold every connection of a pool shared with the worker, renewals wait, leases lapse "
-    "and another worker runs the tasks again (fenced, but run twice)",
-)
 async def test_renewals_go_on_while_handlers_hold_every_pooled_connection(
     pg_schema: tuple[str, str],
 ) -> None:
