@@ -4,8 +4,9 @@
   worker still finishes every task, once each, and its health and log say that the
   server refuses connections (SQLSTATE 53300) and what to change.
 - Handlers that hold every connection of the pool the worker was given (an application
-  sharing its pool with the worker): the leases of the running tasks are still renewed,
-  nothing is taken over by another worker, nothing runs twice.
+  sharing its pool with the worker): the leases of the running tasks are still renewed
+  (on the worker's reserved connection, reopened when it dies), nothing is taken over by
+  another worker, nothing runs twice.
 - A network slower than usual but faster than the lease (every packet delayed, both
   ways): renewals keep the lease alive; a second worker watching for expired leases never
   takes the task over.
@@ -195,6 +196,18 @@ async def test_renewals_go_on_while_handlers_hold_every_pooled_connection(
             return latest is not None and latest > first + 3 * lease
 
         # Three leases' worth of renewals take three seconds; twenty are plenty.
+        await queue_support.wait_until(renewed_past_three_leases, timeout=20, interval=0.05)
+        # The connection those renewals ran on dies (its backend is ended): the next
+        # renewal opens another one, and the leases go on.
+        ended = await observer.fetchval(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND query LIKE $1",
+            f"%{schema}%.tasks t%SET lease_expires_at = clock_timestamp()%",
+        )
+        assert ended == 1
+        first = await observer.fetchval(
+            f"SELECT max(lease_expires_at) FROM \"{schema}\".tasks WHERE state = 'running'"
+        )
         await queue_support.wait_until(renewed_past_three_leases, timeout=20, interval=0.05)
         assert not any(ctx.lease_lost.is_set() for ctx in holding)
         release.set()
