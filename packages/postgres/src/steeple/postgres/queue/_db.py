@@ -126,8 +126,9 @@ class WorkerDb(Protocol):
     async def fetch_reserved(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
         """Run one statement that must not wait behind the pool's other users.
 
-        It takes a pooled connection if the pool gives one within a short bound, else the
-        worker's one reserved connection (see :class:`_Reserve`): a pool shared with an
+        It takes a pooled connection as :meth:`fetch` does, but when every connection of
+        the pool is out it waits for one only a short bound, then takes the worker's one
+        reserved connection (see :class:`_Reserve`): a pool shared with an
         application whose handlers hold every connection cannot starve it.
         """
         ...
@@ -346,8 +347,13 @@ class _AsyncpgDb:
         async def run(conn: Any) -> list[tuple[Any, ...]]:
             return [tuple(r) for r in await conn.fetch(sql, *args, timeout=timeout)]
 
+        # A pool with an idle connection or room for a new one is not starving anybody
+        # (opening a connection may take long on a slow link: no short bound for that).
+        pool = self._pool
+        full = pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size()
+        busy_after = min(_BUSY_AFTER, timeout / 4) if full else None
         try:
-            return await self._on_fresh(run, timeout, min(_BUSY_AFTER, timeout / 4))
+            return await self._on_fresh(run, timeout, busy_after)
         except _PoolBusyError:
             return await self.reserve.fetch(sql, *args, timeout=timeout)
 
@@ -515,11 +521,17 @@ class _PsycopgDb:
     async def fetch_reserved(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
         import psycopg_pool
 
+        # As with asyncpg: a short bound only when every connection is out (see there).
+        stats = self._pool.get_stats()
+        full = stats.get("pool_available", 0) == 0 and stats.get("pool_size", 0) >= int(
+            self._pool.max_size
+        )
+        wait = min(_BUSY_AFTER, timeout / 4) if full else timeout
         pooled = False  # a PoolTimeout before a connection came: the pool is busy
         try:
             async with (
                 asyncio.timeout(timeout),
-                self._pool.connection(timeout=min(_BUSY_AFTER, timeout / 4)) as conn,
+                self._pool.connection(timeout=wait) as conn,
             ):
                 pooled = True
                 try:
@@ -529,7 +541,7 @@ class _PsycopgDb:
                     await _close_psycopg(conn)
                     raise
         except psycopg_pool.PoolTimeout:
-            if pooled:
+            if pooled or not full:
                 raise
         return await self.reserve.fetch(sql, *args, timeout=timeout)
 
