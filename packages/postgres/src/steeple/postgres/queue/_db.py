@@ -49,6 +49,16 @@ _BUSY_AFTER: Final = 0.25
 """Seconds an urgent statement waits for a pooled connection before it takes the reserve."""
 
 
+def _busy_after(full: bool, timeout: float) -> float | None:
+    """How long an urgent statement waits for a pooled connection (``None``: its deadline).
+
+    A pool with an idle connection or room for a new one starves nobody (and opening a
+    connection may take long on a slow link: no short bound for that); a pool whose every
+    connection is out gets a short one, then the reserve is used.
+    """
+    return min(_BUSY_AFTER, timeout / 4) if full else None
+
+
 def _db_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [
         asyncpg.PostgresError,
@@ -347,13 +357,10 @@ class _AsyncpgDb:
         async def run(conn: Any) -> list[tuple[Any, ...]]:
             return [tuple(r) for r in await conn.fetch(sql, *args, timeout=timeout)]
 
-        # A pool with an idle connection or room for a new one is not starving anybody
-        # (opening a connection may take long on a slow link: no short bound for that).
         pool = self._pool
         full = pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size()
-        busy_after = min(_BUSY_AFTER, timeout / 4) if full else None
         try:
-            return await self._on_fresh(run, timeout, busy_after)
+            return await self._on_fresh(run, timeout, _busy_after(full, timeout))
         except _PoolBusyError:
             return await self.reserve.fetch(sql, *args, timeout=timeout)
 
@@ -521,12 +528,11 @@ class _PsycopgDb:
     async def fetch_reserved(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
         import psycopg_pool
 
-        # As with asyncpg: a short bound only when every connection is out (see there).
         stats = self._pool.get_stats()
         full = stats.get("pool_available", 0) == 0 and stats.get("pool_size", 0) >= int(
             self._pool.max_size
         )
-        wait = min(_BUSY_AFTER, timeout / 4) if full else timeout
+        wait = _busy_after(full, timeout) or timeout
         pooled = False  # a PoolTimeout before a connection came: the pool is busy
         try:
             async with (
