@@ -134,8 +134,9 @@ async def test_a_connection_limit_below_the_pool_slows_the_worker_and_says_why(
 # --- renewals while handlers hold every pooled connection --------------------------------------
 
 
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
 async def test_renewals_go_on_while_handlers_hold_every_pooled_connection(
-    pg_schema: tuple[str, str],
+    pg_schema: tuple[str, str], driver: str
 ) -> None:
     dsn, schema = pg_schema
     lease = timedelta(seconds=1)
@@ -145,15 +146,24 @@ async def test_renewals_go_on_while_handlers_hold_every_pooled_connection(
                            schema=schema)).id
             for n in range(3)
         ]  # fmt: skip
-    # The application's pool, shared with the worker: four connections, the listener
-    # keeps one, and the three handlers each borrow one for three leases and more.
-    pool = await asyncpg.create_pool(dsn, min_size=0, max_size=4)
-    assert pool is not None
+    # The application's pool, shared with the worker: the listener keeps one connection
+    # (asyncpg: of the pool; psycopg: its own), and the three handlers each borrow one for
+    # three leases and more: none is left.
     release = asyncio.Event()
     holding: list[JobContext] = []
+    pool: Any
+    if driver == "asyncpg":
+        pool = await asyncpg.create_pool(dsn, min_size=0, max_size=4)
+        borrow = pool.acquire
+    else:
+        import psycopg_pool
+
+        pool = psycopg_pool.AsyncConnectionPool(dsn, min_size=0, max_size=3, open=False)
+        await pool.open()
+        borrow = pool.connection
 
     async def handler(ctx: JobContext, args: Any) -> None:
-        async with pool.acquire() as conn:
+        async with borrow() as conn:
             await conn.execute("SELECT 1")
             holding.append(ctx)
             await release.wait()
@@ -174,13 +184,12 @@ async def test_renewals_go_on_while_handlers_hold_every_pooled_connection(
     )
     thief.register(WORK, thief_handler)
     stop = asyncio.Event()
-    runs = [
-        asyncio.create_task(shared.run_until_shutdown(stop, drain_timeout=30)),
-        asyncio.create_task(thief.run_until_shutdown(stop, drain_timeout=30)),
-    ]
+    runs = [asyncio.create_task(shared.run_until_shutdown(stop, drain_timeout=30))]
     observer = await asyncpg.connect(dsn, timeout=10)
     try:
         await wait_until(lambda: len(holding) == 3)
+        # Started once the shared worker holds all three: it claims only lapsed leases.
+        runs.append(asyncio.create_task(thief.run_until_shutdown(stop, drain_timeout=30)))
         first = await observer.fetchval(
             f"SELECT max(lease_expires_at) FROM \"{schema}\".tasks WHERE state = 'running'"
         )
