@@ -4,8 +4,9 @@
   worker still finishes every task, once each, and its health and log say that the
   server refuses connections (SQLSTATE 53300) and what to change.
 - Handlers that hold every connection of the pool the worker was given (an application
-  sharing its pool with the worker): the leases of the running tasks are still renewed,
-  nothing is taken over by another worker, nothing runs twice.
+  sharing its pool with the worker): the leases of the running tasks are still renewed
+  (on the worker's reserved connection, reopened when it dies), nothing is taken over by
+  another worker, nothing runs twice.
 - A network slower than usual but faster than the lease (every packet delayed, both
   ways): renewals keep the lease alive; a second worker watching for expired leases never
   takes the task over.
@@ -133,14 +134,9 @@ async def test_a_connection_limit_below_the_pool_slows_the_worker_and_says_why(
 # --- renewals while handlers hold every pooled connection --------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="renewals take their connection from the pool: when the application's handlers "
-    "hold every connection of a pool shared with the worker, renewals wait, leases lapse "
-    "and another worker runs the tasks again (fenced, but run twice)",
-)
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
 async def test_renewals_go_on_while_handlers_hold_every_pooled_connection(
-    pg_schema: tuple[str, str],
+    pg_schema: tuple[str, str], driver: str
 ) -> None:
     dsn, schema = pg_schema
     lease = timedelta(seconds=1)
@@ -150,15 +146,24 @@ async def test_renewals_go_on_while_handlers_hold_every_pooled_connection(
                            schema=schema)).id
             for n in range(3)
         ]  # fmt: skip
-    # The application's pool, shared with the worker: four connections, the listener
-    # keeps one, and the three handlers each borrow one for three leases and more.
-    pool = await asyncpg.create_pool(dsn, min_size=0, max_size=4)
-    assert pool is not None
+    # The application's pool, shared with the worker: the listener keeps one connection
+    # (asyncpg: of the pool; psycopg: its own), and the three handlers each borrow one for
+    # three leases and more: none is left.
     release = asyncio.Event()
     holding: list[JobContext] = []
+    pool: Any
+    if driver == "asyncpg":
+        pool = await asyncpg.create_pool(dsn, min_size=0, max_size=4)
+        borrow = pool.acquire
+    else:
+        import psycopg_pool
+
+        pool = psycopg_pool.AsyncConnectionPool(dsn, min_size=0, max_size=3, open=False)
+        await pool.open()
+        borrow = pool.connection
 
     async def handler(ctx: JobContext, args: Any) -> None:
-        async with pool.acquire() as conn:
+        async with borrow() as conn:
             await conn.execute("SELECT 1")
             holding.append(ctx)
             await release.wait()
@@ -179,13 +184,12 @@ async def test_renewals_go_on_while_handlers_hold_every_pooled_connection(
     )
     thief.register(WORK, thief_handler)
     stop = asyncio.Event()
-    runs = [
-        asyncio.create_task(shared.run_until_shutdown(stop, drain_timeout=30)),
-        asyncio.create_task(thief.run_until_shutdown(stop, drain_timeout=30)),
-    ]
+    runs = [asyncio.create_task(shared.run_until_shutdown(stop, drain_timeout=30))]
     observer = await asyncpg.connect(dsn, timeout=10)
     try:
         await wait_until(lambda: len(holding) == 3)
+        # Started once the shared worker holds all three: it claims only lapsed leases.
+        runs.append(asyncio.create_task(thief.run_until_shutdown(stop, drain_timeout=30)))
         first = await observer.fetchval(
             f"SELECT max(lease_expires_at) FROM \"{schema}\".tasks WHERE state = 'running'"
         )
@@ -201,6 +205,18 @@ async def test_renewals_go_on_while_handlers_hold_every_pooled_connection(
             return latest is not None and latest > first + 3 * lease
 
         # Three leases' worth of renewals take three seconds; twenty are plenty.
+        await queue_support.wait_until(renewed_past_three_leases, timeout=20, interval=0.05)
+        # The connection those renewals ran on dies (its backend is ended): the next
+        # renewal opens another one, and the leases go on.
+        ended = await observer.fetchval(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND query LIKE $1",
+            f"%{schema}%.tasks t%SET lease_expires_at = clock_timestamp()%",
+        )
+        assert ended == 1
+        first = await observer.fetchval(
+            f"SELECT max(lease_expires_at) FROM \"{schema}\".tasks WHERE state = 'running'"
+        )
         await queue_support.wait_until(renewed_past_three_leases, timeout=20, interval=0.05)
         assert not any(ctx.lease_lost.is_set() for ctx in holding)
         release.set()

@@ -1,7 +1,8 @@
 """The worker's view of a connection pool: asyncpg (the default) or psycopg_pool.
 
-The worker needs four things from a pool: run one statement, run a function on one
-connection (materialization, checks), keep one connection LISTENing, and know its size.
+The worker needs five things from a pool: run one statement, run one statement that must
+not wait behind the pool's other users (lease renewals), run a function on one connection
+(materialization, checks), keep one connection LISTENing, and know its size.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final, Protocol, TypeVar
 
 import asyncpg
@@ -44,6 +45,18 @@ T = TypeVar("T")
 LOG = logging.getLogger("steeple.postgres.queue")
 _ADMIT_DEADLINE: Final = 10.0
 """Seconds a new connection's identity read may take when the caller set no deadline."""
+_BUSY_AFTER: Final = 0.25
+"""Seconds an urgent statement waits for a pooled connection before it takes the reserve."""
+
+
+def _busy_after(full: bool, timeout: float) -> float | None:
+    """How long an urgent statement waits for a pooled connection (``None``: its deadline).
+
+    A pool with an idle connection or room for a new one starves nobody (and opening a
+    connection may take long on a slow link: no short bound for that); a pool whose every
+    connection is out gets a short one, then the reserve is used.
+    """
+    return min(_BUSY_AFTER, timeout / 4) if full else None
 
 
 def _db_errors() -> tuple[type[BaseException], ...]:
@@ -120,6 +133,20 @@ class WorkerDb(Protocol):
         """Run one statement (``$n`` placeholders) and return its rows as tuples."""
         ...
 
+    async def fetch_reserved(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        """Run one statement that must not wait behind the pool's other users.
+
+        It takes a pooled connection as :meth:`fetch` does, but when every connection of
+        the pool is out it waits for one only a short bound, then takes the worker's one
+        reserved connection (see :class:`_Reserve`): a pool shared with an
+        application whose handlers hold every connection cannot starve it.
+        """
+        ...
+
+    async def close_reserve(self) -> None:
+        """Close the reserved connection, if it was opened (whoever owns the pool)."""
+        ...
+
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
         """Run ``fn(conn)`` on one pooled connection within ``timeout`` seconds.
 
@@ -185,10 +212,80 @@ class _ClusterGate:
         return True
 
 
+class _PoolBusyError(Exception):
+    """The pool gave no connection within an urgent statement's short bound."""
+
+
+class _Reserve:
+    """One connection of the worker's own, for statements the pool must not starve.
+
+    Opened on first need with the pool's own connect arguments (so it reaches the same
+    server as the same role, one connection beyond the pool's size), admitted by the
+    pool's cluster gate like any pooled connection, used by one statement at a time.
+    Any failure closes it; the next need opens a new one (the caller's retry and backoff
+    pace that). Closed when the worker stops.
+    """
+
+    def __init__(
+        self,
+        gate: _ClusterGate,
+        connect: Callable[[], Awaitable[Any]],
+        discard: Callable[[Any], None],
+    ) -> None:
+        self._gate = gate
+        self._connect = connect
+        self._discard = discard
+        self._conn: Any = None
+        self._lock = asyncio.Lock()
+        self.opened = 0
+        """How many times the reserved connection was opened (tests, diagnostics)."""
+
+    async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        async with asyncio.timeout(timeout), self._lock:
+            try:
+                if self._conn is None:
+                    self._conn = await self._connect()
+                    self.opened += 1
+                await self._gate.admit(self._conn, self._conn)
+                return await _driver.fetch(self._conn, sql, *args)
+            except BaseException:
+                self._drop()
+                raise
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                self._discard(conn)
+
+    async def close(self) -> None:
+        async with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            async with asyncio.timeout(2.0):
+                await conn.close()
+        except _UNLISTEN_ERRORS:
+            # Unreachable (or we are being cancelled): close it without a goodbye.
+            with contextlib.suppress(Exception):
+                self._discard(conn)
+
+
 class _AsyncpgDb:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
         self._gate = _ClusterGate()
+        self.reserve = _Reserve(self._gate, self._connect_like_pool, _terminate)
+
+    async def _connect_like_pool(self) -> asyncpg.Connection:
+        # The pool's own connect (its arguments, ``connect`` and ``init`` callbacks), but a
+        # connection the pool does not track: it is never handed to the application.
+        connect = self._pool._get_new_connection  # type: ignore[attr-defined]
+        conn: asyncpg.Connection = await connect()
+        with contextlib.suppress(*DB_ERRORS):
+            await conn.execute(_SET_KEEPALIVES)
+        return conn
 
     async def _admit(self, conn: Any, timeout: float | None) -> None:
         # The pool hands out a new proxy each time; the driver connection behind it is
@@ -200,8 +297,27 @@ class _AsyncpgDb:
     def max_size(self) -> int:
         return int(self._pool.get_max_size())
 
+    @contextlib.asynccontextmanager
+    async def _acquire(self, timeout: float | None, busy_after: float | None) -> AsyncIterator[Any]:
+        """Lend a pooled connection; :class:`_PoolBusyError` if none came in ``busy_after``."""
+        if busy_after is None:
+            async with self._pool.acquire(timeout=timeout) as conn:
+                yield conn
+            return
+        try:
+            conn = await self._pool.acquire(timeout=busy_after)
+        except TimeoutError:
+            raise _PoolBusyError from None
+        try:
+            yield conn
+        finally:
+            await self._pool.release(conn)
+
     async def _on_fresh(
-        self, use: Callable[[Any], Awaitable[T]], acquire_timeout: float | None
+        self,
+        use: Callable[[Any], Awaitable[T]],
+        acquire_timeout: float | None,
+        busy_after: float | None = None,
     ) -> T:
         """Run ``use(conn)`` on a pooled connection, which is discarded if anything fails.
 
@@ -212,7 +328,7 @@ class _AsyncpgDb:
         """
         # Every idle connection may have been ended at once: try each, then a new one.
         for _ in range(self.max_size()):
-            async with self._pool.acquire(timeout=acquire_timeout) as conn:
+            async with self._acquire(acquire_timeout, busy_after) as conn:
                 try:
                     await self._admit(conn, acquire_timeout)
                     return await use(conn)
@@ -223,7 +339,7 @@ class _AsyncpgDb:
                 except BaseException:
                     _discard(conn)
                     raise
-        async with self._pool.acquire(timeout=acquire_timeout) as conn:
+        async with self._acquire(acquire_timeout, busy_after) as conn:
             try:
                 await self._admit(conn, acquire_timeout)
                 return await use(conn)
@@ -236,6 +352,20 @@ class _AsyncpgDb:
             return [tuple(r) for r in await conn.fetch(sql, *args, timeout=timeout)]
 
         return await self._on_fresh(run, timeout)
+
+    async def fetch_reserved(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        async def run(conn: Any) -> list[tuple[Any, ...]]:
+            return [tuple(r) for r in await conn.fetch(sql, *args, timeout=timeout)]
+
+        pool = self._pool
+        full = pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size()
+        try:
+            return await self._on_fresh(run, timeout, _busy_after(full, timeout))
+        except _PoolBusyError:
+            return await self.reserve.fetch(sql, *args, timeout=timeout)
+
+    async def close_reserve(self) -> None:
+        await self.reserve.close()
 
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
         async def run(conn: Any) -> T:
@@ -366,6 +496,18 @@ class _PsycopgDb:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self._gate = _ClusterGate()
+        self.reserve = _Reserve(self._gate, self._connect_like_pool, _finish_psycopg)
+
+    async def _connect_like_pool(self) -> Any:
+        kwargs = dict(self._pool.kwargs or {})
+        kwargs["autocommit"] = True  # one statement at a time, each its own transaction
+        conninfo = self._pool.conninfo
+        if callable(conninfo):
+            conninfo = await conninfo()
+        conn = await self._pool.connection_class.connect(conninfo, **kwargs)
+        with contextlib.suppress(*DB_ERRORS):
+            await conn.execute(_SET_KEEPALIVES)
+        return conn
 
     def max_size(self) -> int:
         return int(self._pool.max_size)
@@ -382,6 +524,35 @@ class _PsycopgDb:
             except BaseException:
                 await _close_psycopg(conn)
                 raise
+
+    async def fetch_reserved(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        import psycopg_pool
+
+        stats = self._pool.get_stats()
+        full = stats.get("pool_available", 0) == 0 and stats.get("pool_size", 0) >= int(
+            self._pool.max_size
+        )
+        wait = _busy_after(full, timeout) or timeout
+        pooled = False  # a PoolTimeout before a connection came: the pool is busy
+        try:
+            async with (
+                asyncio.timeout(timeout),
+                self._pool.connection(timeout=wait) as conn,
+            ):
+                pooled = True
+                try:
+                    await self._admit(conn)
+                    return await _driver.fetch(conn, sql, *args)
+                except BaseException:
+                    await _close_psycopg(conn)
+                    raise
+        except psycopg_pool.PoolTimeout:
+            if pooled or not full:
+                raise
+        return await self.reserve.fetch(sql, *args, timeout=timeout)
+
+    async def close_reserve(self) -> None:
+        await self.reserve.close()
 
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
         async with asyncio.timeout(timeout), self._pool.connection() as conn:
@@ -424,6 +595,11 @@ class _PsycopgDb:
         await self._pool.close()
 
 
+def _finish_psycopg(conn: Any) -> None:
+    """Close a psycopg connection at once, without a round trip (its socket may be dead)."""
+    conn.pgconn.finish()
+
+
 async def _close_psycopg(conn: Any) -> None:
     """Close a psycopg connection on which an operation failed: the pool then replaces it."""
     with contextlib.suppress(Exception):
@@ -460,6 +636,12 @@ class _DirectListener:
 
     async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
         return await self._db.fetch(sql, *args, timeout=timeout)
+
+    async def fetch_reserved(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
+        return await self._db.fetch_reserved(sql, *args, timeout=timeout)
+
+    async def close_reserve(self) -> None:
+        await self._db.close_reserve()
 
     async def with_connection(self, fn: Callable[[Any], Awaitable[T]], *, timeout: float) -> T:
         return await self._db.with_connection(fn, timeout=timeout)

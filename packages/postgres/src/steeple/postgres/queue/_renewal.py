@@ -2,7 +2,9 @@
 
 A renewal that finds a lease gone (expired and re-claimed, or cancelled) sets the handler's
 ``ctx.lease_lost`` (and ``ctx.cancelled``); one that cannot reach the database gives up on
-each lease once it has expired by this host's monotonic clock.
+each lease once it has expired by this host's monotonic clock. Renewals never wait behind
+handlers for a pooled connection: past a short bound they take the worker's reserved one
+(``WorkerDb.fetch_reserved``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Renewer:
             deadline = max(0.1, min(env.timeout, min(c.lease for c in due) / 2))
             try:
                 crash_point("queue.renew.before")
-                rows = await pool.fetch(
+                rows = await pool.fetch_reserved(
                     env.sql.renew,
                     text_array(c.ctx.task_id for c in due),
                     text_array(c.token for c in due),

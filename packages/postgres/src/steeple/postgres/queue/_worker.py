@@ -554,8 +554,10 @@ class Scheduler:
                 # their ctx.lease_lost is set and nothing they do is recorded. They are
                 # daemon threads: they never keep the process from exiting.
                 threads.shutdown(wait=False, cancel_futures=True)
-            if owned and env.db_or_none is not None:
-                await env.db_or_none.close()
+            if env.db_or_none is not None:
+                await env.db_or_none.close_reserve()
+                if owned:
+                    await env.db_or_none.close()
 
     def _stalled(self, stall: LoopStall) -> None:
         # The monitor logged it, naming the culprit; counted here for this worker.
