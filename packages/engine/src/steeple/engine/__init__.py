@@ -30,6 +30,7 @@ from steeple.engine.looplag import (
 from steeple.engine.opening import (
     check_parts,
     install_namespace,
+    judge_clock,
     open_namespace,
     read_clock,
     recurring_errors,
@@ -44,6 +45,7 @@ from steeple.engine.ports import (
     RecurringRepository,
     RecurringStorage,
     RepositoryWork,
+    ServerClockReading,
     StoredNamespace,
     apply_step,
 )
@@ -69,10 +71,12 @@ __all__ = [
     "RecurringStorage",
     "RelayStatistics",
     "RepositoryWork",
+    "ServerClockReading",
     "StoredNamespace",
     "apply_step",
     "check_parts",
     "install_namespace",
+    "judge_clock",
     "open_namespace",
     "read_clock",
     "recurring_errors",
