@@ -71,7 +71,7 @@ class ServerClocked(InMemoryRecurringStorage):
     async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         async def with_server(repo: RecurringRepository) -> T:
             reading = ServerClockReading(self.server(), time.monotonic())
-            return await work(_WithServerClock(repo, reading))  # type: ignore[arg-type]
+            return await work(_WithServerClock(repo, reading))
 
         return await super().transaction(operation, with_server)
 
