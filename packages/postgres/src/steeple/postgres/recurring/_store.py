@@ -396,7 +396,8 @@ class PostgresRecurringStore(EngineStore):
                 read-only server, a missing privilege (named), another schema version, or
                 a database failure.
             RecurringDeadlineError: a deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         dsn = _check_open_args(dsn, config, keyring, clock, schema)
         chosen = _check_pooler(pooler)
