@@ -1173,6 +1173,8 @@ async def test_paging_and_limits(pg_store: Any) -> None:
 class SteppingClock:
     """Each reading is ``step`` later than the previous one (slow commits, in effect)."""
 
+    simulated = True
+
     def __init__(self, start: datetime, step: timedelta) -> None:
         self.at = start
         self.step = step

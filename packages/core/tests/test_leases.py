@@ -29,6 +29,7 @@ from steeple.core.leases import (
     adopt_time,
     after_publish_failure,
     capability_matches,
+    check_server_clock,
     is_claimable,
     is_live,
     lease_expiry,
@@ -203,6 +204,39 @@ def test_clock_trailing_by_5_1_s_is_a_clock_error() -> None:
         adopt_time(T0, T0 - timedelta(seconds=5.1))
     assert isinstance(info.value, RecurringError)
     assert isinstance(info.value, RecurringError.Clock)
+
+
+# --- the host's clock against the database server's ----------------------------------------
+
+NO_TRIP = timedelta(0)
+
+
+def test_clock_ahead_of_the_server_by_4_9_s_or_exactly_5_s_passes() -> None:
+    check_server_clock(T0 + timedelta(seconds=4.9), T0, NO_TRIP)
+    check_server_clock(T0 + timedelta(seconds=5), T0, NO_TRIP)
+    check_server_clock(T0 - timedelta(hours=1), T0, NO_TRIP)  # trailing: adopt_time's judgement
+
+
+def test_clock_ahead_of_the_server_by_5_1_s_is_a_clock_error_naming_the_skew() -> None:
+    with pytest.raises(RecurringClockError, match=r"ahead of the database server's clock") as info:
+        check_server_clock(T0 + timedelta(seconds=5.1), T0, NO_TRIP)
+    assert "by 0:00:05 (5.100 s at least" in str(info.value)
+    assert info.value.skew == timedelta(seconds=5.1)
+    assert info.value.server_time == T0
+    assert info.value.local_time == T0 + timedelta(seconds=5.1)
+
+
+def test_the_round_trip_counts_in_the_hosts_favour() -> None:
+    check_server_clock(T0 + timedelta(seconds=5.9), T0, timedelta(seconds=1))
+    with pytest.raises(RecurringClockError, match="allowing for the 1000 ms round trip"):
+        check_server_clock(T0 + timedelta(seconds=6.1), T0, timedelta(seconds=1))
+
+
+def test_server_clock_judgement_refuses_bad_inputs() -> None:
+    with pytest.raises(ConfigurationError):
+        check_server_clock(T0, T0, timedelta(seconds=-1))
+    with pytest.raises(ConfigurationError):
+        check_server_clock(T0.replace(tzinfo=None), T0, NO_TRIP)
 
 
 def test_clock_ahead_is_used_and_no_record_means_local() -> None:

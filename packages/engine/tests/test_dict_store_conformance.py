@@ -118,6 +118,9 @@ class _Storage:
     async def insert_namespace(self, binding: bytes, key_id: str, now: datetime) -> None:
         self.data.update(binding=binding, key_id=key_id, recorded=now)
 
+    async def server_clock(self) -> None:
+        return None
+
 
 class DictRecurringStore(EngineStore):
     def __init__(self, storage: _Storage, config: RecurringConfig, sealer: Sealer, clock: Clock):

@@ -408,6 +408,8 @@ async def test_every_transaction_commits_synchronously(deployed: tuple[str, str]
 class _NaiveClock:
     """A clock that forgets its time zone (a common mistake: ``datetime.now()``)."""
 
+    simulated = True
+
     def __init__(self, aware: bool = False) -> None:
         self.aware = aware
 

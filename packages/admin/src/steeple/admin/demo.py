@@ -40,7 +40,7 @@ from steeple.admin.settings import (
     format_duration,
     redact_dsn,
 )
-from steeple.core.clock import SystemClock
+from steeple.core.clock import SystemClock, is_simulated
 from steeple.core.config import RecurringDefinition
 from steeple.core.errors import BrokerError, RecurringClockError, RelayAcknowledgementError
 from steeple.core.limits import CLOCK_TOLERANCE
@@ -106,6 +106,16 @@ class AcceleratedClock:
     def speed(self) -> float:
         """How many simulated seconds pass per real second."""
         return self._speed
+
+    @property
+    def simulated(self) -> bool:
+        """Whether it runs on simulated time: with no ceiling, or under a simulated one.
+
+        Capped by the host's wall clock it never reads later than that clock, so the
+        stores judge it as they judge the host's clock (see
+        :func:`steeple.core.clock.is_simulated`).
+        """
+        return self._ceiling is None or is_simulated(self._ceiling)
 
     def now(self) -> datetime:
         """Return the accelerated instant (aware UTC, never earlier than the last one)."""

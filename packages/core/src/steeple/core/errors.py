@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from datetime import datetime
+    from datetime import datetime, timedelta
 
     from steeple.core.messages import BrokerReceipt
 
@@ -153,11 +153,18 @@ class RecurringCapacityError(RecurringError):
 
 
 class RecurringClockError(RecurringError):
-    """The local clock trails the recorded namespace time by more than the tolerance.
+    """The local clock trails the recorded time, or runs ahead of the server's clock.
+
+    Trailing the namespace's recorded time by more than the tolerance, or running ahead of
+    the database server's clock by more than the bound (stores that can read one).
 
     Attributes:
         recorded_time: the namespace's recorded time, when the raiser knows it.
-        local_time: the local clock reading that trailed it, when the raiser knows it.
+        local_time: the local clock reading that was refused, when the raiser knows it.
+        server_time: the database server's clock reading it was judged against (``None``
+            when the refusal is a trailing one).
+        skew: how far the local clock is ahead of the server's at least, allowing for the
+            round trip (``None`` when the refusal is a trailing one).
     """
 
     def __init__(
@@ -166,10 +173,14 @@ class RecurringClockError(RecurringError):
         *,
         recorded_time: datetime | None = None,
         local_time: datetime | None = None,
+        server_time: datetime | None = None,
+        skew: timedelta | None = None,
     ) -> None:
         super().__init__(message)
         self.recorded_time = recorded_time
         self.local_time = local_time
+        self.server_time = server_time
+        self.skew = skew
 
 
 class RecurringStorageError(RecurringError):

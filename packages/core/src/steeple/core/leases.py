@@ -30,6 +30,7 @@ __all__ = [
     "after_publish_failure",
     "capability_digest",
     "capability_matches",
+    "check_server_clock",
     "holds_lease",
     "is_claimable",
     "is_live",
@@ -343,6 +344,46 @@ def adopt_time(
             local_time=here,
         )
     return shared
+
+
+def check_server_clock(
+    local: datetime,
+    server: datetime,
+    round_trip: timedelta,
+    bound: timedelta = limits.CLOCK_TOLERANCE,
+) -> None:
+    """Refuse a local clock ahead of the database server's clock by more than ``bound``.
+
+    ``server`` is the server's reading, taken at most ``round_trip`` before ``local`` (the
+    time from sending the statement that read it to reading ``local``). The local clock is
+    ahead by at least ``local - server - round_trip``: only that much is held against it,
+    so a slow round trip or a lock wait never refuses a host whose clock is right. The
+    bound equals the tolerance :func:`adopt_time` gives a trailing clock, so a time any
+    admitted host records is one a host on the server's time still adopts.
+
+    Raises:
+        RecurringClockError: the local clock is ahead by more than ``bound``; it names the
+            skew and carries it (``skew``, ``server_time``, ``local_time``).
+        ConfigurationError: an instant is naive, or ``round_trip`` is negative.
+    """
+    here = aware_utc(local, "local")
+    there = aware_utc(server, "server")
+    if not isinstance(round_trip, timedelta) or round_trip < timedelta(0):
+        raise ConfigurationError("round_trip must be a non-negative timedelta")
+    ahead = here - there - round_trip
+    if ahead <= bound:
+        return
+    seconds = ahead.total_seconds()
+    trip_ms = round(round_trip / timedelta(milliseconds=1))
+    raise RecurringClockError(
+        f"this host's clock ({here.isoformat()}) is ahead of the database server's clock "
+        f"({there.isoformat()}) by {timedelta(seconds=round(seconds))} ({seconds:.3f} s "
+        f"at least, allowing for the {trip_ms} ms round trip), more than the {bound} "
+        "bound; nothing was recorded. Fix this host's clock synchronisation (NTP)",
+        local_time=here,
+        server_time=there,
+        skew=ahead,
+    )
 
 
 @attrs.frozen

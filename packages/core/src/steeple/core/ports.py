@@ -23,7 +23,12 @@ __all__ = ["Clock", "MessageBroker", "RandomSource", "RecurringStore", "Sealer"]
 
 @runtime_checkable
 class Clock(Protocol):
-    """A source of the current instant (aware, UTC)."""
+    """A source of the current instant (aware, UTC).
+
+    A clock that runs on simulated time (a test's, a simulation's) sets a class attribute
+    ``simulated = True``: stores that can read their database server's clock then do not
+    refuse it for running ahead of the server (:func:`steeple.core.clock.is_simulated`).
+    """
 
     def now(self) -> datetime:
         """Return the current instant."""

@@ -25,6 +25,7 @@ from steeple.engine.engine import PURPOSE_DEFINITION, PURPOSE_OCCURRENCE, Recurr
 from steeple.engine.opening import (
     check_parts,
     install_namespace,
+    judge_clock,
     open_namespace,
     read_clock,
     recurring_errors,
@@ -39,6 +40,7 @@ from steeple.engine.ports import (
     RecurringRepository,
     RecurringStorage,
     RepositoryWork,
+    ServerClockReading,
     StoredNamespace,
     apply_step,
 )
@@ -61,10 +63,12 @@ __all__ = [
     "RecurringStorage",
     "RelayStatistics",
     "RepositoryWork",
+    "ServerClockReading",
     "StoredNamespace",
     "apply_step",
     "check_parts",
     "install_namespace",
+    "judge_clock",
     "open_namespace",
     "read_clock",
     "recurring_errors",

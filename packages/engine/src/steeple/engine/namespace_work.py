@@ -3,7 +3,8 @@
 :class:`NamespaceWork` runs a body in one transaction of the storage port
 (:meth:`RecurringStorage.transaction`), which holds the namespace's control row. Inside it
 the clock is read only after the lock was granted (time spent queued behind other
-instances is never judged as earlier), the shared time is adopted through
+instances is never judged as earlier), judged against the database server's clock read
+with the lock (:func:`~steeple.engine.opening.judge_clock`), the shared time is adopted through
 :func:`steeple.core.leases.adopt_time`, the configuration binding is checked (and re-sealed
 after a key rotation), and the shared time re-read just before the commit is recorded.
 It also seals and opens content, classifies window-expired work and grants leases: what
@@ -40,7 +41,7 @@ from steeple.core.records import Lease, ScheduleInfo, trusted_lease, validate_oc
 from steeple.engine import codec
 from steeple.engine.binding import seal_binding, verify_binding
 from steeple.engine.crashpoints import crash_point
-from steeple.engine.opening import read_clock, recurring_errors
+from steeple.engine.opening import judge_clock, recurring_errors
 from steeple.engine.ports import (
     DefinitionRow,
     OccurrenceChange,
@@ -141,8 +142,11 @@ class NamespaceWork:
 
         async def work(repo: RecurringRepository) -> tuple[T, datetime]:
             state = repo.namespace
-            # The clock is read only now, after the lock was granted.
-            now = adopt_time(state.recorded_time, read_clock(self.clock))
+            # The clock is read only now, after the lock was granted, and judged against
+            # the server's clock read with the lock (a host ahead of it is refused before
+            # it can move the shared time).
+            server = state.server_clock
+            now = adopt_time(state.recorded_time, judge_clock(self.clock, server))
             if state.binding is not None:
                 if state.binding != self._verified_binding:
                     # The same sealed bytes, opened with the same keyring for the same
@@ -159,8 +163,9 @@ class NamespaceWork:
             tx = Tx(repo, now, state.definition_count, state.occurrence_count)
             result = await body(tx)
             # Re-checked around the commit: the recorded time includes the time spent in
-            # this transaction, and never moves backwards.
-            recorded = adopt_time(now, read_clock(self.clock))
+            # this transaction, never moves backwards, and is judged again (a clock that
+            # stepped ahead during the transaction records nothing).
+            recorded = adopt_time(now, judge_clock(self.clock, server))
             await repo.record_namespace(recorded, tx.definition_delta, tx.occurrence_delta)
             if points is not None:
                 crash_point(points + ".written")

@@ -10,14 +10,18 @@ and writes through a :class:`~steeple.engine.ports.NamespaceOpening`.
 A store operation fails only with :class:`~steeple.core.errors.RecurringError` subtypes,
 whichever port (keyring, clock, storage) refused: :func:`recurring_errors` maps the rest
 at the boundary, and :func:`read_clock` refuses a clock reading no store could record.
+:func:`judge_clock` refuses a host clock ahead of the database server's (where the store
+can read one), before the namespace's shared time is adopted or moved.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 
+from steeple.core.clock import is_simulated
 from steeple.core.config import RecurringConfig
 from steeple.core.errors import (
     ConfigurationError,
@@ -29,14 +33,15 @@ from steeple.core.errors import (
     SteepleError,
     recurring_error,
 )
-from steeple.core.leases import adopt_time
+from steeple.core.leases import adopt_time, check_server_clock
 from steeple.core.ports import Clock, Sealer
 from steeple.engine.binding import seal_binding, verify_binding
-from steeple.engine.ports import NamespaceOpening
+from steeple.engine.ports import NamespaceOpening, ServerClockReading
 
 __all__ = [
     "check_parts",
     "install_namespace",
+    "judge_clock",
     "open_namespace",
     "read_clock",
     "recurring_errors",
@@ -78,6 +83,7 @@ async def install_namespace(
         RecurringConfigurationError: the namespace exists with another configuration or
             keyring, or the clock's reading is unusable.
         RecurringKeyringError: the binding cannot be sealed.
+        RecurringClockError: the clock is ahead of the database server's by more than 5 s.
     """
     await _check_version(opening)
     found = await opening.namespace()
@@ -85,7 +91,8 @@ async def install_namespace(
         verify_binding(sealer, config, found.binding)
         return
     binding = seal_binding(sealer, config)
-    await opening.insert_namespace(binding, sealer.primary_key_id, read_clock(clock))
+    server = await opening.server_clock()
+    await opening.insert_namespace(binding, sealer.primary_key_id, judge_clock(clock, server))
 
 
 async def open_namespace(
@@ -98,7 +105,8 @@ async def open_namespace(
         RecurringNotFoundError: the namespace was never initialized.
         RecurringConfigurationError: the configuration or keyring does not match the
             namespace's binding, or the clock's reading is unusable.
-        RecurringClockError: the clock trails the recorded time by more than 5 s.
+        RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+            ahead of the database server's clock by more than 5 s.
     """
     await _check_version(opening)
     found = await opening.namespace()
@@ -108,9 +116,10 @@ async def open_namespace(
             f"{opening.schema!r}; run initialize first"
         )
     verify_binding(sealer, config, found.binding)
-    # Judging the host's clock: against the namespace's shared time here; a store that can
-    # read its server's clock offers it on the opening, and is judged against it here too.
-    adopt_time(found.recorded_time, read_clock(clock))
+    # The host's clock is judged against the server's (where the store has one), then
+    # against the namespace's shared time.
+    server = await opening.server_clock()
+    adopt_time(found.recorded_time, judge_clock(clock, server))
 
 
 def read_clock(clock: Clock) -> datetime:
@@ -126,6 +135,25 @@ def read_clock(clock: Clock) -> datetime:
         raise RecurringConfigurationError(
             f"the clock's reading is unusable: {exc} (a Clock returns aware UTC datetimes)"
         ) from None
+
+
+def judge_clock(clock: Clock, server: ServerClockReading | None) -> datetime:
+    """Read ``clock`` and judge it against the database server's reading ``server``.
+
+    The one place a store's server clock is used: the round trip is measured from when the
+    statement that read ``server`` was sent to this reading, and
+    :func:`steeple.core.leases.check_server_clock` decides. With no server clock (SQLite,
+    in memory) or a clock that declares itself simulated, the reading is returned unjudged.
+
+    Raises:
+        RecurringClockError: the clock is ahead of the server's by more than 5 s.
+        RecurringConfigurationError: the clock's reading is unusable.
+    """
+    local = read_clock(clock)
+    if server is not None and not is_simulated(clock):
+        round_trip = timedelta(seconds=max(0.0, time.monotonic() - server.sent))
+        check_server_clock(local, server.at, round_trip)
+    return local
 
 
 @contextlib.contextmanager

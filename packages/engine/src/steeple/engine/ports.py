@@ -35,11 +35,26 @@ __all__ = [
     "RecurringRepository",
     "RecurringStorage",
     "RepositoryWork",
+    "ServerClockReading",
     "StoredNamespace",
     "apply_step",
 ]
 
 T = TypeVar("T")
+
+
+@attrs.frozen
+class ServerClockReading:
+    """The database server's clock, read by the statement that opened a unit of work.
+
+    Attributes:
+        at: the server's reading (PostgreSQL's ``clock_timestamp()``), aware UTC.
+        sent: ``time.monotonic()`` on this host when the statement that read it was sent;
+            the engine measures the round trip from it to its own clock reading.
+    """
+
+    at: datetime
+    sent: float
 
 
 @attrs.frozen(repr=False)
@@ -53,6 +68,8 @@ class NamespaceState:
         binding: the sealed configuration binding, or ``None`` for an adapter that
             persists no configuration (in memory).
         binding_key_id: the key id the binding is sealed under (``None`` with no binding).
+        server_clock: the database server's clock, read with the lock (``None`` for a
+            store that has no server clock: SQLite, in memory).
     """
 
     recorded_time: datetime | None
@@ -60,6 +77,7 @@ class NamespaceState:
     occurrence_count: int
     binding: bytes | None = None
     binding_key_id: str | None = None
+    server_clock: ServerClockReading | None = None
 
     def __repr__(self) -> str:
         return (
@@ -463,4 +481,12 @@ class NamespaceOpening(Protocol):
 
     async def insert_namespace(self, binding: bytes, key_id: str, now: datetime) -> None:
         """Create the namespace with its sealed binding, ``now`` as its shared time."""
+        ...
+
+    async def server_clock(self) -> ServerClockReading | None:
+        """Read the database server's clock, or return ``None`` for a store without one.
+
+        A store whose database runs on this host or in this process (SQLite, in memory)
+        has no clock but the host's, and returns ``None``: its host's clock goes unjudged.
+        """
         ...

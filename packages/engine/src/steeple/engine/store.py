@@ -100,7 +100,8 @@ class EngineStore:
                 missing: also an ``UnknownKeyIdError`` naming the key id).
             RecurringStorageError: the storage failed.
             RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         return await self._engine.create(definition)
 
@@ -128,7 +129,8 @@ class EngineStore:
                 missing: also an ``UnknownKeyIdError`` naming the key id).
             RecurringStorageError: the storage failed.
             RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         return await self._engine.create_many(definitions)
 
@@ -144,7 +146,8 @@ class EngineStore:
             RecurringKeyringError: the definition cannot be opened for its metadata.
             RecurringStorageError: the storage failed.
             RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         return await self._engine.cancel(name)
 
@@ -157,7 +160,8 @@ class EngineStore:
             RecurringKeyringError: a listed definition cannot be opened for its metadata.
             RecurringStorageError: the storage failed.
             RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         return await self._engine.schedules(after, limit)
 
@@ -174,7 +178,8 @@ class EngineStore:
                 it was tampered with).
             RecurringStorageError: the storage failed.
             RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         return await self._engine.tick(budget)
 
@@ -190,7 +195,8 @@ class EngineStore:
             RecurringConfigurationError: ``limit`` outside 1..100.
             RecurringStorageError: the storage failed.
             RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         return await self._engine.claim(limit)
 
@@ -306,7 +312,8 @@ class EngineStore:
                 expired and live work cannot be revived), or its window has ended.
             RecurringStorageError: the storage failed.
             RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         return await self._engine.retry_failed(occurrence_id)
 
@@ -321,7 +328,8 @@ class EngineStore:
                 did not return.
             RecurringStorageError: the storage failed.
             RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         return await self._engine.occurrences(after, limit)
 
@@ -335,6 +343,7 @@ class EngineStore:
                 a timezone-aware datetime.
             RecurringStorageError: the storage failed.
             RecurringDeadlineError: a storage deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         return await self._engine.purge_terminal(older_than, limit)

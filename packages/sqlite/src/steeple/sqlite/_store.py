@@ -120,6 +120,11 @@ class _SqliteOpening:
         stamp = microseconds(now)
         self.conn.execute(_sql.INSERT_NAMESPACE, (self.name, binding, key_id, stamp, stamp))
 
+    async def server_clock(self) -> None:
+        # SQLite has no server: the file is read and written on this host, whose clock is
+        # the only one there is. A host whose clock runs ahead is not refused here.
+        return None
+
 
 class _SqliteStorage:
     """The engine's :class:`~steeple.engine.RecurringStorage` port on one thread's connection.

@@ -36,6 +36,8 @@ class FakeClock:
     """
 
     _now: datetime
+    simulated = True
+    """It runs on simulated time: never judged against a database server's clock."""
 
     def __init__(self, start: datetime) -> None:
         self._now = _aware(start, "start")

@@ -28,6 +28,7 @@ from steeple.engine import (
     NamespaceState,
     OccurrenceChange,
     OccurrenceRow,
+    ServerClockReading,
 )
 from steeple.postgres._arrays import text_array
 from steeple.postgres._durability import AnyConnection
@@ -47,14 +48,18 @@ def _bytes(value: Any) -> bytes | None:
     return None if value is None else bytes(value)
 
 
-def namespace_state(row: asyncpg.Record) -> NamespaceState:
-    """Return the namespace state of a row read by ``lock_namespace``."""
+def namespace_state(row: asyncpg.Record, sent: float) -> NamespaceState:
+    """Return the namespace state of a row read by ``lock_namespace``.
+
+    ``sent`` is ``time.monotonic()`` when the statement was sent (its server clock's).
+    """
     return NamespaceState(
         recorded_time=row["recorded_time"],
         definition_count=row["definition_count"],
         occurrence_count=row["occurrence_count"],
         binding=bytes(row["binding"]),
         binding_key_id=row["binding_key_id"],
+        server_clock=ServerClockReading(row["server_time"], sent),
     )
 
 

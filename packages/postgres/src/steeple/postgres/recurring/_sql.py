@@ -166,7 +166,10 @@ _TEMPLATES: dict[str, str] = {
         # set_config(..., true) is SET LOCAL: this transaction commits durably whatever
         # the session says, in the same round trip as the lock.
         "SELECT set_config('synchronous_commit', 'on', true) AS synchronous_commit,"
-        " binding, binding_key_id, recorded_time, definition_count, occurrence_count"
+        " binding, binding_key_id, recorded_time, definition_count, occurrence_count,"
+        # The server's clock, read in the statement that takes the lock: the engine
+        # judges this host's clock against it before adopting a reading.
+        " clock_timestamp() AS server_time"
         " FROM {schema}.recurring_namespaces WHERE namespace = $1 FOR UPDATE"
     ),
     "touch_namespace": (

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
 from typing import Any, Self, TypeVar
@@ -43,7 +44,7 @@ from steeple.core.errors import (
 from steeple.core.ports import Clock, RandomSource, Sealer
 from steeple.engine import EngineStore, RecurringEngine
 from steeple.engine.opening import check_parts, install_namespace, open_namespace, recurring_errors
-from steeple.engine.ports import RepositoryWork, StoredNamespace
+from steeple.engine.ports import RepositoryWork, ServerClockReading, StoredNamespace
 from steeple.postgres._durability import (
     IDENTITY_QUERY,
     AnyConnection,
@@ -395,7 +396,8 @@ class PostgresRecurringStore(EngineStore):
                 read-only server, a missing privilege (named), another schema version, or
                 a database failure.
             RecurringDeadlineError: a deadline passed.
-            RecurringClockError: the clock trails the recorded time by more than 5 s.
+            RecurringClockError: the clock trails the recorded time by more than 5 s, or is
+                ahead of the database server's clock by more than 5 s (PostgreSQL).
         """
         dsn = _check_open_args(dsn, config, keyring, clock, schema)
         chosen = _check_pooler(pooler)
@@ -510,6 +512,11 @@ class _PostgresOpening:
     async def insert_namespace(self, binding: bytes, key_id: str, now: datetime) -> None:
         await self.conn.execute(self.queries.insert_namespace, self.name, binding, key_id, now)
 
+    async def server_clock(self) -> ServerClockReading:
+        sent = time.monotonic()
+        at = await self.conn.fetchval("SELECT clock_timestamp()")
+        return ServerClockReading(at, sent)
+
 
 @attrs.define(repr=False)
 class _PostgresStorage:
@@ -612,12 +619,14 @@ class _PostgresStorage:
             raise _StaleConnection() from exc
         if self.local_settings is not None:
             await conn.execute(self.local_settings)
+        sent = time.monotonic()
         row = await conn.fetchrow(self.queries.lock_namespace, self.namespace)
         if row is None:
             raise RecurringNotFoundError(
                 f"namespace {self.namespace!r} no longer exists in schema {self.schema!r}"
             )
-        repository = PostgresRepository(conn, self.queries, self.namespace, namespace_state(row))
+        state = namespace_state(row, sent)
+        repository = PostgresRepository(conn, self.queries, self.namespace, state)
         result = await work(repository)
         await repository.flush()  # a write the work queued after its last call
         await transaction.commit()

@@ -111,6 +111,7 @@ class _Clock:
     """
 
     __slots__ = ("instant",)
+    simulated = True
 
     def __init__(self, instant: datetime) -> None:
         self.instant = instant
