@@ -18,7 +18,6 @@ KNOWN_LONGER = {
     "packages/admin/src/steeple/admin/_backend.py::_connection_problem": 99,
     "packages/admin/src/steeple/admin/simulate_cli.py::simulate": 92,
     "packages/admin/src/steeple/admin/simulate_plot.py::plot_figure": 154,
-    "packages/admin/src/steeple/admin/worker.py::run_worker": 107,
 }
 
 
