@@ -626,25 +626,6 @@ async def _work(
         finally:
             relayed.set()
 
-    async def consumer() -> None:
-        # Runs until the relay has stopped and the journal is drained, so every message
-        # published in this run is also consumed in it.
-        seen: set[str] = set()
-        while True:
-            deliveries = await journal.fetch(100)
-            for delivery in deliveries:
-                if delivery.idempotency_key in seen:
-                    summary.redeliveries += 1  # consumers deduplicate on the key
-                else:
-                    seen.add(delivery.idempotency_key)
-                    summary.deliveries += 1
-                    summary.by_topic[delivery.message.topic] += 1
-                await journal.acknowledge(delivery.delivery_id)
-            if relayed.is_set() and not deliveries:
-                return
-            if not deliveries:
-                await _sleep_until(relayed, 0.2)
-
     async def timer() -> None:
         await _sleep_until(stop, options.duration)
         stop.set()
@@ -676,7 +657,7 @@ async def _work(
         async with asyncio.TaskGroup() as group:
             group.create_task(timer())
             group.create_task(relay())
-            group.create_task(consumer())
+            group.create_task(_consume(journal, summary, relayed))
             group.create_task(queue.run(stop))
             group.create_task(painter())
         for signum in signals:
@@ -685,6 +666,28 @@ async def _work(
         summary.simulated = clock.now() - schedule_start
         live.update(_progress(summary, clock, started, options.duration))
     console.print()
+
+
+async def _consume(journal: Any, summary: DemoSummary, relayed: asyncio.Event) -> None:
+    """Consume the journal until the relay has stopped and it is drained.
+
+    So every message published in this run is also consumed in it.
+    """
+    seen: set[str] = set()
+    while True:
+        deliveries = await journal.fetch(100)
+        for delivery in deliveries:
+            if delivery.idempotency_key in seen:
+                summary.redeliveries += 1  # consumers deduplicate on the key
+            else:
+                seen.add(delivery.idempotency_key)
+                summary.deliveries += 1
+                summary.by_topic[delivery.message.topic] += 1
+            await journal.acknowledge(delivery.delivery_id)
+        if relayed.is_set() and not deliveries:
+            return
+        if not deliveries:
+            await _sleep_until(relayed, 0.2)
 
 
 async def _sleep_until(stop: asyncio.Event, seconds: float) -> None:

@@ -52,7 +52,6 @@ async def prepare(dsn: str, schema: str, summary: DemoSummary, duration: float) 
 
     from steeple.postgres import queue
     from steeple.postgres.queue import EnqueueOptions, Task
-    from steeple.postgres.queue.errors import JobError
 
     welcome: Task[Any] = Task("send-welcome-email")
     resize: Task[Any] = Task("resize-image")
@@ -102,6 +101,24 @@ async def prepare(dsn: str, schema: str, summary: DemoSummary, duration: float) 
         await pool.close()
         raise
 
+    scheduler = queue.Scheduler(
+        pool,
+        worker_id="steeple-demo",
+        schema=schema,
+        poll_interval=0.25,
+        maintenance_interval=0.5,
+        concurrency=8,
+    )
+    _register(scheduler, summary, welcome, resize, flaky, rates)
+    return DemoQueue(pool, scheduler, summary)
+
+
+def _register(
+    scheduler: Any, summary: DemoSummary, welcome: Any, resize: Any, flaky: Any, rates: Any
+) -> None:
+    """Register the demo's handlers: each counts what it did in ``summary``."""
+    from steeple.postgres.queue.errors import JobError
+
     async def send_welcome(ctx: Any, args: Any) -> None:
         await asyncio.sleep(0.05)
         summary.tasks_done += 1
@@ -119,19 +136,10 @@ async def prepare(dsn: str, schema: str, summary: DemoSummary, duration: float) 
     async def refresh_rates(ctx: Any, args: Any) -> None:
         summary.tasks_done += 1
 
-    scheduler = queue.Scheduler(
-        pool,
-        worker_id="steeple-demo",
-        schema=schema,
-        poll_interval=0.25,
-        maintenance_interval=0.5,
-        concurrency=8,
-    )
     scheduler.register(welcome, send_welcome)
     scheduler.register(resize, resize_image)
     scheduler.register(flaky, import_feed)
     scheduler.register(rates, refresh_rates)
-    return DemoQueue(pool, scheduler, summary)
 
 
 class _Fixed:

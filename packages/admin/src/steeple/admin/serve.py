@@ -41,6 +41,8 @@ from steeple.core.errors import ConfigurationError
 from steeple.core.ports import RecurringStore
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from steeple.admin._backend import Target
     from steeple.admin.tasks import TaskAdmin
     from steeple.keyring import Keyring
@@ -403,28 +405,9 @@ async def serve(
     Raises:
         CliError: the store cannot be opened (classified).
     """
-    import uvicorn
-
-    from steeple.admin._backend import connect_store
     from steeple.admin.queue_admin import PostgresTaskAdmin
-    from steeple.admin.settings import CliError
 
-    store: RecurringStore | None = None
-    if keyring is not None:
-        try:
-            store = await connect_store(target, keyring=keyring)
-        except CliError as exc:
-            if not _not_initialized(exc):
-                raise
-            announce(
-                f"recurring publications not served: namespace {target.namespace!r} is not "
-                f"initialized in schema {target.schema!r} (tasks only)"
-            )
-    if store is None:
-        # Queue-only: nothing was opened yet; a wrong DSN must fail now, not at the first
-        # request (the queue itself is opened on first use, so the dashboard works before
-        # steeple migrate was run).
-        await _probe(target)
+    store = await _open_store(target, keyring, announce)
     resources = contextlib.AsyncExitStack()
     opening = asyncio.Lock()
     task_admin: TaskAdmin | None = None
@@ -457,25 +440,7 @@ async def serve(
         reveal_args=reveal_args,
     )
 
-    class _Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # Stopped by this function's own handlers: uvicorn's would re-raise the signal
-            # after its graceful shutdown, and Ctrl-C would end the command with 130.
-            yield
-
-    config = uvicorn.Config(
-        app,
-        log_level="info",
-        lifespan="off",
-        server_header=False,
-        access_log=True,
-        ssl_certfile=certfile,
-        ssl_keyfile=keyfile,
-    )
-    # After the config: building it configures uvicorn's loggers.
-    logging.getLogger("uvicorn.access").addFilter(LivePollFilter())
-    server = _Server(config)
+    server = _server(app, certfile, keyfile)
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
 
@@ -504,6 +469,61 @@ async def serve(
             loop.remove_signal_handler(signum)
         if store is not None:
             await store.close()
+
+
+async def _open_store(
+    target: Target, keyring: Keyring | None, announce: Callable[[str], None]
+) -> RecurringStore | None:
+    """Open the namespace's recurring store, or ``None`` for the queue-only mode.
+
+    Raises:
+        CliError: the store cannot be opened (classified), or, queue-only, the database.
+    """
+    from steeple.admin._backend import connect_store
+    from steeple.admin.settings import CliError
+
+    store: RecurringStore | None = None
+    if keyring is not None:
+        try:
+            store = await connect_store(target, keyring=keyring)
+        except CliError as exc:
+            if not _not_initialized(exc):
+                raise
+            announce(
+                f"recurring publications not served: namespace {target.namespace!r} is not "
+                f"initialized in schema {target.schema!r} (tasks only)"
+            )
+    if store is None:
+        # Queue-only: nothing was opened yet; a wrong DSN must fail now, not at the first
+        # request (the queue itself is opened on first use, so the dashboard works before
+        # steeple migrate was run).
+        await _probe(target)
+    return store
+
+
+def _server(app: ASGIApp, certfile: str | None, keyfile: str | None) -> uvicorn.Server:
+    """Return the uvicorn server of ``app``; :func:`serve`'s own handlers stop it."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # Stopped by serve's own handlers: uvicorn's would re-raise the signal after
+            # its graceful shutdown, and Ctrl-C would end the command with 130.
+            yield
+
+    config = uvicorn.Config(
+        app,
+        log_level="info",
+        lifespan="off",
+        server_header=False,
+        access_log=True,
+        ssl_certfile=certfile,
+        ssl_keyfile=keyfile,
+    )
+    # After the config: building it configures uvicorn's loggers.
+    logging.getLogger("uvicorn.access").addFilter(LivePollFilter())
+    return _Server(config)
 
 
 class LivePollFilter(logging.Filter):

@@ -199,33 +199,7 @@ async def run_worker(
             store = await connect_store(target)
         queue_schema = _queue_schema(worker_app, target)
         if worker_app.tasks:
-            from steeple.postgres.queue import Scheduler
-
-            queues = ["default"] if worker_app.queues is None else list(worker_app.queues)
-            if worker_app.queue_app is not None:
-                scheduler = worker_app.queue_app.scheduler(
-                    target.dsn,
-                    worker_id=worker_app.worker_id,
-                    remove_stale_periodic=remove_stale_periodic,
-                    concurrency=worker_app.concurrency,
-                    loop_lag_threshold=worker_app.loop_lag_threshold,
-                    queues=queues,
-                    pooler=target.pooler,
-                    listen_dsn=target.listen_dsn,
-                )
-            else:
-                scheduler = Scheduler(
-                    target.dsn,
-                    worker_id=worker_app.worker_id,
-                    schema=queue_schema,
-                    concurrency=worker_app.concurrency,
-                    loop_lag_threshold=worker_app.loop_lag_threshold,
-                    queues=queues,
-                    pooler=target.pooler,
-                    listen_dsn=target.listen_dsn,
-                )
-                for task, handler in worker_app.tasks:
-                    scheduler.register(task, handler)
+            scheduler = _scheduler(worker_app, target, queue_schema, remove_stale_periodic)
         parts = []
         if store is not None:
             parts.append(f"relay for namespace {target.namespace!r}")
@@ -274,6 +248,44 @@ async def run_worker(
             loop.remove_signal_handler(signum)
         if store is not None:
             await store.close()
+    _report(relay, scheduler, log)
+
+
+def _scheduler(
+    worker_app: WorkerApp, target: Target, queue_schema: str, remove_stale_periodic: bool
+) -> Any:
+    """Build the task worker: the queue App's own, or one for the app's registered tasks."""
+    from steeple.postgres.queue import Scheduler
+
+    queues = ["default"] if worker_app.queues is None else list(worker_app.queues)
+    if worker_app.queue_app is not None:
+        return worker_app.queue_app.scheduler(
+            target.dsn,
+            worker_id=worker_app.worker_id,
+            remove_stale_periodic=remove_stale_periodic,
+            concurrency=worker_app.concurrency,
+            loop_lag_threshold=worker_app.loop_lag_threshold,
+            queues=queues,
+            pooler=target.pooler,
+            listen_dsn=target.listen_dsn,
+        )
+    scheduler = Scheduler(
+        target.dsn,
+        worker_id=worker_app.worker_id,
+        schema=queue_schema,
+        concurrency=worker_app.concurrency,
+        loop_lag_threshold=worker_app.loop_lag_threshold,
+        queues=queues,
+        pooler=target.pooler,
+        listen_dsn=target.listen_dsn,
+    )
+    for task, handler in worker_app.tasks:
+        scheduler.register(task, handler)
+    return scheduler
+
+
+def _report(relay: Any, scheduler: Any, log: Callable[[str], None]) -> None:
+    """Log what the relay and the task worker did, once they stopped."""
     if relay is not None:
         log(
             f"steeple worker: relayed {plural(relay.published, 'occurrence')} "
