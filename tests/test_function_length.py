@@ -15,8 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 80
 ROOTS = ("packages/admin/src",)
 KNOWN_LONGER = {
-    "packages/admin/src/steeple/admin/_backend.py::_connection_problem": 99,
-    "packages/admin/src/steeple/admin/simulate_cli.py::simulate": 92,
     "packages/admin/src/steeple/admin/simulate_plot.py::plot_figure": 154,
 }
 

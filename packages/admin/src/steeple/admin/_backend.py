@@ -350,7 +350,6 @@ def _connection_problem(driver: BaseException, target: Target | None) -> CliErro
 
     server = server_of(target.dsn) if target else "the server"
     state = sqlstate(driver)
-    name = type(driver).__name__
     config = ExitCode.CONFIG
     if isinstance(driver, asyncpg.ClientConfigurationError):
         # asyncpg refusing a connection option: an unknown sslmode, a missing root cert...
@@ -389,6 +388,13 @@ def _connection_problem(driver: BaseException, target: Target | None) -> CliErro
                 else ""
             ),
         )
+    return _network_problem(driver, target, server)
+
+
+def _network_problem(driver: BaseException, target: Target | None, server: str) -> CliError | None:
+    """Tell a failure to reach the server (TLS, files, names, sockets) in plain words."""
+    name = type(driver).__name__
+    config = ExitCode.CONFIG
     if isinstance(driver, ssl.SSLCertVerificationError):
         reason = driver.verify_message or driver.reason or str(driver)
         return CliError(

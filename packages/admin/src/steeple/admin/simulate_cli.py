@@ -520,13 +520,11 @@ def simulate(
     A run estimated above --allow-occurrences due runs is refused before it starts;
     Ctrl-C stops a run and prints the result so far (exit code 130).
     """
-    from rich.console import Console
-
     try:
         require_simulator()
     except CliError as error:
         raise _fail(error) from None
-    from steeple.admin.simulate_plot import PLOT_FORMATS, PlotUnavailableError, terminal_chart
+    from steeple.admin.simulate_plot import PLOT_FORMATS
     from steeple.testing.simulation import estimate_occurrences
 
     try:
@@ -578,6 +576,15 @@ def simulate(
     except KeyboardInterrupt:
         _err().print("steeple: interrupted")
         raise typer.Exit(130) from None
+    _report(result, as_json=as_json, plot=plot, chart=chart)
+
+
+def _report(result: SimulationResult, *, as_json: bool, plot: Path | None, chart: bool) -> None:
+    """Print a finished run (table or JSON), then its plot or terminal chart."""
+    from rich.console import Console
+
+    from steeple.admin.simulate_plot import PlotUnavailableError, terminal_chart
+
     out = Console(highlight=False, soft_wrap=True)
     if as_json:
         sys.stdout.write(result.dumps() + "\n")
