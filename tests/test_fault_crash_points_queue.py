@@ -42,7 +42,7 @@ from crash_matrix import (
 from crash_worker import append
 from pg_cluster import Cluster, Clusters, poll
 from queue_support import installed_queue
-from steeple.postgres._arrays import text_array
+from steeple.postgres._arrays import array_literal, text_array
 from steeple.postgres.queue import EnqueueOptions, JobContext, Scheduler, Task, enqueue, jobs
 from steeple.postgres.queue._sql import queue_sql
 from steeple.runtime.crashpoints import CRASH_POINTS
@@ -173,8 +173,8 @@ async def _check(
             assert (
                 await conn.fetch(
                     sql.complete,
-                    text_array([task_id]),
-                    text_array([token]),
+                    array_literal([task_id]),
+                    array_literal([token]),
                     "stale",
                     [None],
                     [None],

@@ -31,7 +31,7 @@ import asyncpg
 import pytest
 
 from queue_support import installed_queue
-from steeple.postgres._arrays import text_array
+from steeple.postgres._arrays import array_literal, text_array
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
 from steeple.postgres.queue._admin_sql import admin_sql
 from steeple.postgres.queue._sql import QueueSql, queue_sql
@@ -252,7 +252,7 @@ CLAIM: tuple[str, tuple[Any, ...]] = ("claim", (["iso"], 1, "w", 1e12))
 # $4 results[], $5 progress[] (schema version 7): none here.
 COMPLETE: tuple[str, tuple[Any, ...]] = (
     "complete",
-    (text_array([1]), text_array([UUID(TOKEN)]), "w", [None], [None]),
+    (array_literal([1]), array_literal([UUID(TOKEN)]), "w", [None], [None]),
 )
 RENEW: tuple[str, tuple[Any, ...]] = ("renew", (text_array([1]), text_array([UUID(TOKEN)])))
 RECOVER: tuple[str, tuple[Any, ...]] = ("recover_expired", (100,))
