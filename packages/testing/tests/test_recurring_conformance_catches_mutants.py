@@ -26,6 +26,7 @@ from steeple.testing.conformance.recurring import run_recurring_conformance
 
 HUNT = settings(
     max_examples=600,
+    derandomize=True,  # a fixed search: the same verdict on every run
     stateful_step_count=40,
     deadline=None,
     phases=[Phase.generate],
