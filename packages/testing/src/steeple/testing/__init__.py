@@ -7,7 +7,7 @@ Conformance suites live in :mod:`steeple.testing.conformance.recurring` and
 :mod:`steeple.testing.conformance.brokers`.
 """
 
-from steeple.brokers.memory import BrokerFault, MemoryBroker
+from steeple.engine.memory_broker import BrokerFault, MemoryBroker
 from steeple.testing.clock import FakeClock
 from steeple.testing.entropy import DeterministicRandom
 from steeple.testing.recurring import InMemoryRecurringStore

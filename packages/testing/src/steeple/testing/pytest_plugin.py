@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from steeple.brokers.memory import MemoryBroker
+from steeple.engine.memory_broker import MemoryBroker
 from steeple.testing.clock import FakeClock
 from steeple.testing.entropy import DeterministicRandom
 

@@ -67,7 +67,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from steeple.brokers.memory import BrokerFault, MemoryBroker
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.errors import (
     RecurringCapacityError,
@@ -84,6 +83,7 @@ from steeple.core.messages import ScheduledMessage
 from steeple.core.policies import MissedRunPolicy
 from steeple.core.ports import Clock, RecurringStore
 from steeple.core.records import Lease, OccurrenceInfo, RelayOutcome, ScheduleInfo
+from steeple.engine.memory_broker import BrokerFault, MemoryBroker
 from steeple.testing.clock import FakeClock
 
 __all__ = [
