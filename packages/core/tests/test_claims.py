@@ -30,6 +30,7 @@ class Cand:
     id: int
     queue: str
     task_name: str
+    limit_key: str | None = None
 
 
 Case = tuple[list[tuple[str, int]], list[Cand], dict[str, ScopeState], dict[str, ScopeState]]

@@ -170,6 +170,7 @@ class _Stored:
     backoff: Backoff
     dedup_key: str | None
     order: int
+    limit_key: str | None = None
     run_id: uuid.UUID = attrs.field(factory=uuid.uuid4)
     state: TaskState = _PENDING
     attempts: int = 0
@@ -308,6 +309,7 @@ class InMemoryQueue(LocalQueue):
                 jitter=b_jitter,
             ),
             dedup_key=options.dedup_key,
+            limit_key=options.limit_key,
             order=next(self._order),
         )
         return task_id
