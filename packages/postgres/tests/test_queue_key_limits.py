@@ -78,7 +78,8 @@ async def test_a_full_key_is_skipped_and_the_claim_takes_other_keys_behind_it(
     a1, a2, a3, b1, b2, free = await _keyed(conn, schema, ["A", "A", "A", "B", "B", None])
     taken, held = await _claim(conn, schema, 10)
     assert {r["id"] for r in taken} == {a1, b1, free}
-    assert held is not None and held["held"] is True
+    assert held is not None
+    assert held["held"] is True
     assert held["run_at"] is None  # no rate limit: no instant to wake at
     # A and B both run one: a second claim takes nothing, and says a limit held it.
     taken, held = await _claim(conn, schema, 10)
