@@ -55,11 +55,16 @@ CREATE FUNCTION __SCHEMA__.claim_key_room(
 )
 LANGUAGE plpgsql
 STABLE
+-- Called once per candidate with a key: its statements keep one plan (each serves the same
+-- index whatever the key), instead of the claim's plan per call.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    v_taken integer;
+    v_taken integer := 0;
 BEGIN
-    IF s.scope = 'queue' THEN
+    IF cardinality(p_taken) = 0 THEN
+        NULL;  -- the claim took nothing yet
+    ELSIF s.scope = 'queue' THEN
         v_taken := (SELECT count(*) FROM __SCHEMA__.tasks t
                     WHERE t.id = ANY(p_taken) AND t.limit_key = p_key AND t.queue = s.name);
     ELSE
@@ -80,14 +85,12 @@ BEGIN
         END IF;
     END IF;
     IF s.key_rate_limit IS NOT NULL THEN
-        room := least(room, s.key_rate_limit - v_taken - (
-            SELECT count(*) FROM __SCHEMA__.key_starts k
-            WHERE k.scope = s.scope AND k.name = s.name AND k.limit_key = p_key
-              AND k.started_at > p_now - s.key_rate_period)::integer);
-        frees_at := coalesce((
-            SELECT min(k.started_at) FROM __SCHEMA__.key_starts k
-            WHERE k.scope = s.scope AND k.name = s.name AND k.limit_key = p_key
-              AND k.started_at > p_now - s.key_rate_period), p_now) + s.key_rate_period;
+        SELECT least(room, s.key_rate_limit - v_taken - count(*)::integer),
+               coalesce(min(k.started_at), p_now) + s.key_rate_period
+        INTO room, frees_at
+        FROM __SCHEMA__.key_starts k
+        WHERE k.scope = s.scope AND k.name = s.name AND k.limit_key = p_key
+          AND k.started_at > p_now - s.key_rate_period;
     END IF;
 END
 $$;
@@ -97,8 +100,9 @@ $$;
 -- the one statement of version 11. Otherwise it walks the due tasks and skips each whose
 -- key has no room in its queue or its task name (claim_key_room, counting p_taken and
 -- what this walk took): held says one was skipped, frees_at the earliest instant a
--- skipped key's rate window frees a start. Rows it skipped stay locked until the claim
--- commits; every claimer of them waits for the same settings rows first.
+-- skipped key's rate window frees a start. Only the tasks it takes are locked (a skipped
+-- one is not written to), and a key found full is remembered for the rest of the walk, so
+-- a saturated key's long backlog costs a read of each of its tasks and no lookup.
 CREATE FUNCTION __SCHEMA__.claim_pick(
     p_queue text, p_names text[], p_n integer, p_taken bigint[], p_now timestamptz,
     OUT ids bigint[], OUT held boolean, OUT frees_at timestamptz
@@ -114,6 +118,10 @@ DECLARE
     v_blocked boolean;
     v_room integer;
     v_frees timestamptz;
+    -- The keys found full in the queue, and (task name, key) found full in a task name,
+    -- as name || chr(31) || key (neither holds a control character).
+    v_full text[] := '{}';
+    v_full_named text[] := '{}';
 BEGIN
     ids := '{}';
     held := false;
@@ -145,32 +153,47 @@ BEGIN
           AND p.run_at <= greatest(p_now, p.created_at)
           AND p.task_name = ANY(p_names)
         ORDER BY p.priority DESC, p.run_at, p.id
-        FOR NO KEY UPDATE SKIP LOCKED
     LOOP
         EXIT WHEN cardinality(ids) >= p_n;
         v_blocked := false;
         IF v_row.limit_key IS NOT NULL AND v_qs.name IS NOT NULL THEN
-            SELECT r.room, r.frees_at INTO v_room, v_frees
-            FROM __SCHEMA__.claim_key_room(v_qs, v_row.limit_key, p_taken || ids, p_now) AS r;
-            IF v_room <= 0 THEN
+            IF v_row.limit_key = ANY(v_full) THEN
                 v_blocked := true;
-                frees_at := least(frees_at, v_frees);
+            ELSE
+                SELECT r.room, r.frees_at INTO v_room, v_frees
+                FROM __SCHEMA__.claim_key_room(v_qs, v_row.limit_key, p_taken || ids, p_now) AS r;
+                IF v_room <= 0 THEN
+                    v_blocked := true;
+                    v_full := v_full || v_row.limit_key;
+                    frees_at := least(frees_at, v_frees);
+                END IF;
             END IF;
         END IF;
         IF v_row.limit_key IS NOT NULL AND v_row.task_name = ANY(v_keyed) THEN
-            SELECT s.* INTO v_ns FROM __SCHEMA__.settings s
-            WHERE s.scope = 'task' AND s.name = v_row.task_name;
-            SELECT r.room, r.frees_at INTO v_room, v_frees
-            FROM __SCHEMA__.claim_key_room(v_ns, v_row.limit_key, p_taken || ids, p_now) AS r;
-            IF v_room <= 0 THEN
+            IF v_row.task_name || chr(31) || v_row.limit_key = ANY(v_full_named) THEN
                 v_blocked := true;
-                frees_at := least(frees_at, v_frees);
+            ELSE
+                SELECT s.* INTO v_ns FROM __SCHEMA__.settings s
+                WHERE s.scope = 'task' AND s.name = v_row.task_name;
+                SELECT r.room, r.frees_at INTO v_room, v_frees
+                FROM __SCHEMA__.claim_key_room(v_ns, v_row.limit_key, p_taken || ids, p_now) AS r;
+                IF v_room <= 0 THEN
+                    v_blocked := true;
+                    v_full_named := v_full_named || (v_row.task_name || chr(31) || v_row.limit_key);
+                    frees_at := least(frees_at, v_frees);
+                END IF;
             END IF;
         END IF;
         IF v_blocked THEN
             held := true;
         ELSE
-            ids := ids || v_row.id;
+            -- Locked only now, and still pending (another claimer may have taken it).
+            PERFORM 1 FROM __SCHEMA__.tasks p
+            WHERE p.id = v_row.id AND p.state = 'pending'
+            FOR NO KEY UPDATE SKIP LOCKED;
+            IF FOUND THEN
+                ids := ids || v_row.id;
+            END IF;
         END IF;
     END LOOP;
 END
