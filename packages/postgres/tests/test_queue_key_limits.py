@@ -3,7 +3,10 @@ and per-key start rate, no head-of-line blocking, what the listings show, hostil
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -51,7 +54,7 @@ async def _claim(
 
 
 async def _keyed(
-    conn: asyncpg.Connection, schema: str, keys: list[str | None], task: Task[Any] = JOB
+    conn: asyncpg.Connection, schema: str, keys: Sequence[str | None], task: Task[Any] = JOB
 ) -> list[int]:
     ids = []
     for key in keys:
@@ -238,3 +241,35 @@ async def test_the_database_refuses_a_key_no_library_would_write(queue: QueueFix
         await conn.execute(f"UPDATE \"{schema}\".tasks SET limit_key = ''")
     with pytest.raises(asyncpg.CheckViolationError):
         await conn.execute(f'UPDATE "{schema}".tasks SET limit_key = repeat($1, 201)', "k")
+
+
+RECIPE = Path(__file__).parent / "recipes" / "key_limits.py"
+
+
+async def test_the_documented_example_runs_and_holds_each_key(queue: QueueFixture) -> None:
+    _dsn, schema, conn = queue
+    docs = (Path(__file__).parents[3] / "docs" / "queue" / "handlers.md").read_text()
+    assert '--8<-- "packages/postgres/tests/recipes/key_limits.py"' in docs
+    spec = importlib.util.spec_from_file_location("key_limits_recipe", RECIPE)
+    assert spec is not None
+    assert spec.loader is not None
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    await recipe.set_up(conn, schema=schema)
+    for customer in ("customer-1", "customer-1", "customer-2"):
+        await recipe.enqueue_work(conn, customer, schema=schema)
+    shown = {q.name: q for q in await list_queues(conn, schema=schema)}
+    assert shown["imports"].max_running_per_key == 1
+    assert shown["mail"].rate_period_per_key == timedelta(seconds=1)
+    give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
+    rows = await conn.fetch(
+        queue_sql(schema).claim_timed,
+        ["imports", "mail"],
+        text_array([10, 10]),
+        ["import-file", "send-email"],
+        "w",
+        give_up,
+    )
+    started = sorted((r["queue"], r["id"]) for r in rows if r["id"] is not None)
+    # One import per customer (customer-1's second waits), every email (rate not reached).
+    assert [q for q, _ in started] == ["imports", "imports", "mail", "mail", "mail"]
