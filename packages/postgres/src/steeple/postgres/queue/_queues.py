@@ -27,6 +27,7 @@ from steeple.postgres.queue.errors import QueueConfigurationError
 __all__ = [
     "MAX_RATE_LIMIT",
     "MAX_RUNNING_LIMIT",
+    "PER_KEY_ARGUMENTS",
     "UNSERVED_AFTER",
     "QueueInfo",
     "TaskLimits",
@@ -133,7 +134,8 @@ class TaskLimits:
 
 
 _WHOLE: Final = ("max_running", "rate_limit", "per")
-_PER_KEY: Final = ("max_running_per_key", "rate_limit_per_key", "per_key")
+PER_KEY_ARGUMENTS: Final = ("max_running_per_key", "rate_limit_per_key", "per_key")
+"""The per-key limits' argument names, for :func:`check_limits`' errors."""
 
 
 def check_limits(
@@ -333,7 +335,7 @@ async def limit_queue(
     """
     check_queue(queue)
     limits = check_limits(max_running, rate_limit, per)
-    keyed = check_limits(max_running_per_key, rate_limit_per_key, per_key, what=_PER_KEY)
+    keyed = check_limits(max_running_per_key, rate_limit_per_key, per_key, what=PER_KEY_ARGUMENTS)
     row = await _write(
         conn,
         schema,
@@ -365,7 +367,7 @@ async def limit_task(
     """
     check_name(task_name, "task_name")
     limits = check_limits(max_running, rate_limit, per)
-    keyed = check_limits(max_running_per_key, rate_limit_per_key, per_key, what=_PER_KEY)
+    keyed = check_limits(max_running_per_key, rate_limit_per_key, per_key, what=PER_KEY_ARGUMENTS)
     row = await _write(
         conn,
         schema,
