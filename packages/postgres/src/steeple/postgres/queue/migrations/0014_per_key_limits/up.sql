@@ -42,6 +42,14 @@ CREATE TABLE __SCHEMA__.key_starts (
 );
 CREATE INDEX key_starts_key_idx ON __SCHEMA__.key_starts (scope, name, limit_key, started_at);
 CREATE INDEX key_starts_age_idx ON __SCHEMA__.key_starts (scope, name, started_at);
+-- Every start adds a row and a period later a claim deletes it: vacuumed often, as the
+-- tasks table is (see version 10).
+ALTER TABLE __SCHEMA__.key_starts SET (
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0.05,
+    autovacuum_analyze_scale_factor = 0.05
+);
 
 -- How many more tasks with key p_key of scope s may start at p_now (NULL: no per-key
 -- limit; may be negative), p_taken being the ids this claim already took (still pending,
