@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Mapping
 from datetime import datetime
 from types import MappingProxyType
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -17,11 +18,11 @@ from steeple.core.errors import ConfigurationError, ConfigurationTypeError, Inva
 __all__ = [
     "TASK_TRANSITIONS",
     "TERMINAL_TASK_STATES",
-    "FailureKind",
     "FailureOutcome",
     "FailureVerdict",
     "RetryDecision",
     "TaskEvent",
+    "TaskFailureKind",
     "TaskState",
     "attempts_exhausted",
     "attempts_outlook",
@@ -199,8 +200,12 @@ def retry_decision(
     return RetryDecision(retry=True, run_at=run_at)
 
 
-class FailureKind(enum.Enum, metaclass=TypedEnumType):
-    """What a failed attempt was, as the worker saw it (the input of :func:`failure_outcome`)."""
+class TaskFailureKind(enum.Enum, metaclass=TypedEnumType):
+    """What a failed attempt was, as the worker saw it (the input of :func:`failure_outcome`).
+
+    Not to be confused with :class:`steeple.core.publication.FailureKind`, what went wrong
+    with a recurring publication.
+    """
 
     RETRY_ASKED = "retry_asked"
     """The handler asked to run again (``JobError.retry``)."""
@@ -248,7 +253,7 @@ class FailureOutcome:
 
 
 def failure_outcome(
-    kind: FailureKind,
+    kind: TaskFailureKind,
     *,
     retries_unexpected: bool,
     attempt: int,
@@ -273,14 +278,14 @@ def failure_outcome(
 
     Raises:
         ConfigurationError: as :func:`retry_decision`.
-        ConfigurationTypeError: ``kind`` is not a :class:`FailureKind`; as
+        ConfigurationTypeError: ``kind`` is not a :class:`TaskFailureKind`; as
             :func:`retry_decision`.
     """
-    if not isinstance(kind, FailureKind):
-        raise ConfigurationTypeError(f"kind must be a FailureKind, not {type(kind).__name__}")
-    if kind is FailureKind.VERDICT:
+    if not isinstance(kind, TaskFailureKind):
+        raise ConfigurationTypeError(f"kind must be a TaskFailureKind, not {type(kind).__name__}")
+    if kind is TaskFailureKind.VERDICT:
         return FailureOutcome(FailureVerdict.VERDICT, None)
-    if kind is FailureKind.UNEXPECTED and not retries_unexpected:
+    if kind is TaskFailureKind.UNEXPECTED and not retries_unexpected:
         return FailureOutcome(FailureVerdict.UNEXPECTED, None)
     decision = retry_decision(attempt, max_attempts, backoff, now, draw)
     if decision.retry:
@@ -319,3 +324,20 @@ def attempts_outlook(state: TaskState, attempts: int, max_attempts: int) -> str:
     if state in (TaskState.PENDING, TaskState.RUNNING):
         return f"{count}, no retries"
     return str(count)
+
+
+# The name this enum had before: still importable, with a DeprecationWarning, so that code
+# written against it keeps working for a release. Static tools see a plain alias.
+if TYPE_CHECKING:
+    FailureKind = TaskFailureKind
+else:
+
+    def __getattr__(name: str) -> Any:
+        if name == "FailureKind":
+            warnings.warn(
+                "steeple.core.tasks.FailureKind is deprecated: import TaskFailureKind",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return TaskFailureKind
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
