@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 import warnings
 from collections.abc import Mapping
 from datetime import datetime
@@ -16,6 +17,7 @@ from steeple.core.backoff import Backoff
 from steeple.core.errors import ConfigurationError, ConfigurationTypeError, InvalidTransitionError
 
 __all__ = [
+    "MAX_TASK_ID",
     "TASK_TRANSITIONS",
     "TERMINAL_TASK_STATES",
     "FailureOutcome",
@@ -26,8 +28,10 @@ __all__ = [
     "TaskState",
     "attempts_exhausted",
     "attempts_outlook",
+    "check_task_id",
     "failure_outcome",
     "lease_expiry_event",
+    "parse_task_cursor",
     "retry_decision",
     "transition",
 ]
@@ -324,6 +328,42 @@ def attempts_outlook(state: TaskState, attempts: int, max_attempts: int) -> str:
     if state in (TaskState.PENDING, TaskState.RUNNING):
         return f"{count}, no retries"
     return str(count)
+
+
+# --- task ids ------------------------------------------------------------------------------
+
+MAX_TASK_ID: Final = 2**63 - 1
+"""Task ids are PostgreSQL bigints, handed out from 1: 1 .. 2**63 - 1."""
+_DIGITS: Final = re.compile(r"[0-9]{1,19}\Z")
+
+
+def check_task_id(value: object) -> int:
+    """Return ``value`` if it is a task id: an int (not a bool) in 1 .. :data:`MAX_TASK_ID`.
+
+    Raises:
+        ConfigurationTypeError: not an int.
+        ConfigurationError: out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationTypeError(f"a task id is a whole number from 1 to {MAX_TASK_ID}")
+    if not 1 <= value <= MAX_TASK_ID:
+        raise ConfigurationError(f"a task id is a whole number from 1 to {MAX_TASK_ID}")
+    return value
+
+
+def parse_task_cursor(after: object) -> int:
+    """Return the task id a listing cursor names (``0``, before every task, for ``None``).
+
+    A task listing's cursor is the decimal id of the last task on the previous page.
+
+    Raises:
+        ConfigurationError: not ``None`` or 1-19 ASCII digits up to :data:`MAX_TASK_ID`.
+    """
+    if after is None:
+        return 0
+    if not isinstance(after, str) or not _DIGITS.match(after) or int(after) > MAX_TASK_ID:
+        raise ConfigurationError("the cursor of a task listing is a task id")
+    return int(after)
 
 
 # The name this enum had before: still importable, with a DeprecationWarning, so that code
