@@ -422,6 +422,20 @@ async def test_queues_limit_sets_and_shows_per_key_limits(seeded: Any) -> None:
         imports["rate_limit_per_key"],
         imports["rate_period_per_key_seconds"],
     ) == (1, 10, 1.0)
+    put = await ainvoke(
+        ["enqueue", "send-report", "--queue", "imports", "--limit-key", "customer-7", "--json"],
+        env,
+    )
+    assert put.exit_code == 0, put.output
+    task_id = json.loads(put.stdout)["task_id"]
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        key = await conn.fetchval(
+            f'SELECT limit_key FROM "{seeded.schema}".tasks WHERE id = $1', task_id
+        )
+    finally:
+        await conn.close()
+    assert key == "customer-7"
     cleared = json.loads((await ainvoke(["queues", "limit", "imports", "--json"], env)).stdout)
     assert (cleared["max_running_per_key"], cleared["rate_limit_per_key"]) == (None, None)
 
@@ -436,6 +450,8 @@ async def test_queues_limit_sets_and_shows_per_key_limits(seeded: Any) -> None:
         (["queues", "limit", "q", "--rate", "5", "--per", "soon"], "--per"),
         (["queues", "limit", "q", "--rate", "0", "--per", "1s"], "rate_limit"),
         (["queues", "limit", "q", "--max-running-per-key", "0"], "--max-running-per-key"),
+        (["enqueue", "t", "--limit-key", "a\x00b"], "limit_key must not contain a control"),
+        (["enqueue", "t", "--limit-key", "k" * 201], "limit_key must be a str of 1..200"),
         (["queues", "limit", "q", "--rate-per-key", "5"], "together"),
         (["queues", "limit", "q", "--rate-per-key", "5", "--per-key", "soon"], "--per-key"),
         (["queues", "limit", "q", "--rate-per-key", "0", "--per-key", "1s"], "--rate-per-key"),

@@ -369,6 +369,7 @@ def _options(
     max_attempts: int | None,
     dedup_key: str | None = None,
     queue_name: str | None = None,
+    limit_key: str | None = None,
 ) -> EnqueueOptions:
     from steeple.admin._cli.recurring import _instant
     from steeple.postgres.queue import EnqueueOptions
@@ -384,6 +385,8 @@ def _options(
         extra["dedup_key"] = dedup_key
     if queue_name is not None:
         extra["queue"] = queue_name
+    if limit_key is not None:
+        extra["limit_key"] = limit_key
 
     def build() -> EnqueueOptions:
         if at is not None:
@@ -423,6 +426,15 @@ QueueOpt = Annotated[
     ),
 ]
 
+LimitKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--limit-key",
+        show_default=False,
+        help="The key its queue's per-key limits count it under (a customer, a tenant).",
+    ),
+]
+
 
 @where_options(queue=True, store=False)
 def enqueue(
@@ -453,13 +465,16 @@ def enqueue(
         ),
     ] = None,
     queue_name: QueueOpt = None,
+    limit_key: LimitKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Enqueue one task (now, at a time, or after a delay) into a named queue."""
     from steeple.postgres.queue import Task
 
     value = guard(lambda: _json_args(args))
-    options = guard(lambda: _options(at, delay, priority, max_attempts, dedup_key, queue_name))
+    options = guard(
+        lambda: _options(at, delay, priority, max_attempts, dedup_key, queue_name, limit_key)
+    )
     kind: Task[Any] = guard(lambda: output.typed(lambda: Task(task), code=ExitCode.USAGE))
     guard(lambda: _encodable(kind, value))
     target = guard(where.target)
