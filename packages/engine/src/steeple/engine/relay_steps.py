@@ -228,7 +228,15 @@ class RelaySteps:
             except (RecurringKeyringError, RecurringStorageError) as exc:
                 unopenable.append((index, entry.lease, _Attempt(unopenable=exc)))
         attempts: list[_Attempt] = []
-        if len(ready) == 1:
+        if ready and getattr(broker, "publishes_in_place", False) is True:
+            # A broker that never waits (a model of one, in a simulation) publishes each
+            # in turn, in the order the tasks below would start and run to their end:
+            # no tasks, no semaphore, and no deadline, which nothing could reach.
+            attempts = [
+                await self._publish_now(prepared, broker, checked_at, in_place=True)
+                for _, prepared in ready
+            ]
+        elif len(ready) == 1:
             # A single publication is awaited in place: a task group (a task, a semaphore)
             # would run it the same way, only slower, and single relays are the common case.
             prepared = ready[0][1]
@@ -303,9 +311,17 @@ class RelaySteps:
             return await self._publish_now(prepared, broker, checked_at)
 
     async def _publish_now(
-        self, prepared: _Prepared, broker: MessageBroker, checked_at: datetime
+        self,
+        prepared: _Prepared,
+        broker: MessageBroker,
+        checked_at: datetime,
+        *,
+        in_place: bool = False,
     ) -> _Attempt:
-        """Publish one checked lease now (its turn came): see :meth:`_publish`."""
+        """Publish one checked lease now (its turn came): see :meth:`_publish`.
+
+        ``in_place``: the broker publishes without ever waiting, so no deadline is set.
+        """
         # Judged again when the publication starts (after the check committed, and
         # after waiting for a turn): a lease that lapsed publishes nothing.
         remaining = prepared.expires_at - max(checked_at, read_clock(self._work.clock))
@@ -321,10 +337,15 @@ class RelaySteps:
         timeout = min(remaining, limits.PUBLISH_DEADLINE).total_seconds()
         try:
             crash_point("relay.before_publish")
-            async with asyncio.timeout(timeout):
+            if in_place:
                 receipt = await broker.publish(
                     prepared.message, idempotency_key=prepared.key, timeout=timeout
                 )
+            else:
+                async with asyncio.timeout(timeout):
+                    receipt = await broker.publish(
+                        prepared.message, idempotency_key=prepared.key, timeout=timeout
+                    )
             crash_point("relay.after_confirm")
             if not isinstance(receipt, BrokerReceipt):
                 raise TypeError(f"publish returned a {type(receipt).__name__}, not a receipt")

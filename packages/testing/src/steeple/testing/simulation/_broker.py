@@ -67,6 +67,15 @@ class SimulatedBroker:
         self._rng = _random.Random(f"steeple-broker:{self.seed}")  # noqa: S311 - a model, not secrets
         self._outages = tuple((to_us(o.start), to_us(o.end)) for o in self.model.outages)
 
+    @property
+    def publishes_in_place(self) -> bool:
+        """Whether ``publish`` never waits: true without an inner broker.
+
+        The relay then publishes a batch's messages one after the other, in order,
+        without a task or a deadline each.
+        """
+        return self.inner is None
+
     def begin(self, start_us: int) -> None:
         """Start a batch at ``start_us``: its first publications start then."""
         self.batch_start_us = self.now_us = start_us
