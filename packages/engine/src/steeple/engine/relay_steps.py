@@ -33,7 +33,7 @@ from steeple.core.errors import (
     RelayLeaseLostError,
     SteepleError,
 )
-from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
+from steeple.core.idempotency import PUBLISH_PURPOSE, trusted_idempotency_key
 from steeple.core.leases import after_publish_failure, holds_lease, is_live
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, step
@@ -290,7 +290,8 @@ class RelaySteps:
             lease.occurrence_id,
             f"occurrence {lease.occurrence_id}",
         )
-        key = idempotency_key(
+        # The row's own values, checked when stored: the key is derived without checks.
+        key = trusted_idempotency_key(
             purpose=PUBLISH_PURPOSE,
             namespace=self._work.config.namespace,
             definition_name=checked.definition_name,

@@ -8,7 +8,7 @@ from typing import Final
 import attrs
 
 from steeple.core.errors import BrokerUnavailableError, RelayAcknowledgementError
-from steeple.core.messages import BrokerReceipt, ScheduledMessage
+from steeple.core.messages import BrokerReceipt, ScheduledMessage, trusted_receipt
 from steeple.core.ports import MessageBroker
 from steeple.testing.simulation._scenario import BrokerModel
 from steeple.testing.simulation._timeline import to_us
@@ -128,10 +128,10 @@ class SimulatedBroker:
         return receipt
 
     def _accept(self, key: str) -> BrokerReceipt:
-        earlier = self._keys.get(key)
-        if earlier is not None:
-            return attrs.evolve(earlier, duplicate=True)
-        receipt = BrokerReceipt(broker=_NAME, idempotency_key=key)
+        # The relay derived the key: receipts are built without checks (once per publication).
+        if key in self._keys:
+            return trusted_receipt(_NAME, key, duplicate=True)
+        receipt = trusted_receipt(_NAME, key)
         self._keys[key] = receipt
         return receipt
 
