@@ -91,3 +91,31 @@ async def test_in_place_gives_the_concurrent_paths_outcomes() -> None:
         RelayBrokerError,
     }
     assert stored_in_place == stored
+
+
+class _Unanswering(_Recording):
+    """Cannot say whether it publishes in place (its attribute raises)."""
+
+    @property
+    def publishes_in_place(self) -> bool:
+        raise RuntimeError("no answer")
+
+    @publishes_in_place.setter
+    def publishes_in_place(self, value: bool) -> None:
+        pass
+
+
+async def test_a_broker_that_cannot_say_publishes_the_usual_way() -> None:
+    clock = FakeClock(AT)
+    store = await memory_store(RecurringConfig("unsure", 50, 500), clock, DeterministicRandom(5))
+    message = ScheduledMessage("jobs", "job.run", b"{}")
+    await store.create(
+        RecurringDefinition("job", "* * * * *", AT, MissedRunPolicy.CATCH_UP, message)
+    )
+    clock.advance(timedelta(minutes=3))
+    await store.tick(100)
+    broker = _Unanswering(True)
+    outcomes = await store.claim_and_relay(100, broker, concurrency=5)
+    assert len(outcomes) == len(broker.tasks) == 3
+    assert asyncio.current_task() not in broker.tasks
+    await store.close()

@@ -110,6 +110,18 @@ def _caused(error: _Error, cause: BaseException) -> _Error:
     return error
 
 
+def _publishes_in_place(broker: object) -> bool:
+    """Whether ``broker`` says its ``publish`` never waits (``publishes_in_place``).
+
+    Read once, before anything is claimed: a broker that cannot answer publishes the
+    usual way, each publication a task under its deadline.
+    """
+    try:
+        return getattr(broker, "publishes_in_place", False) is True
+    except Exception:  # any broker may fail in any way: then not in place
+        return False
+
+
 @attrs.define(repr=False)
 class RelaySteps:
     """The relay half of a namespace's engine: ``relay``, ``relay_many``, ``claim_and_relay``.
@@ -141,10 +153,13 @@ class RelaySteps:
         if not callable(getattr(broker, "publish", None)):
             raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")
         concurrency = validate_budget(concurrency, "concurrency")
+        in_place = _publishes_in_place(broker)
         if not leases:
             return []
         checked, checked_at = await self._prepare(leases)
-        return await self._publish_and_record(leases, checked, checked_at, broker, concurrency)
+        return await self._publish_and_record(
+            leases, checked, checked_at, broker, concurrency, in_place=in_place
+        )
 
     async def claim_and_relay(
         self,
@@ -158,6 +173,7 @@ class RelaySteps:
         if not callable(getattr(broker, "publish", None)):
             raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")
         concurrency = validate_budget(concurrency, "concurrency")
+        in_place = _publishes_in_place(broker)
 
         async def body(tx: Tx) -> tuple[list[Lease], list[_Checked | SteepleError]]:
             granted, changes = await self._work.grant(tx, limit)
@@ -199,7 +215,9 @@ class RelaySteps:
             return granted, checked
 
         (granted, checked), checked_at = await self._work.run("claim", body, points="claim")
-        return await self._publish_and_record(granted, checked, checked_at, broker, concurrency)
+        return await self._publish_and_record(
+            granted, checked, checked_at, broker, concurrency, in_place=in_place
+        )
 
     async def _publish_and_record(
         self,
@@ -208,6 +226,8 @@ class RelaySteps:
         checked_at: datetime,
         broker: MessageBroker,
         concurrency: int,
+        *,
+        in_place: bool,
     ) -> list[RelayOutcome]:
         """Relay steps two and three for checked leases: open, publish concurrently, record.
 
@@ -228,7 +248,7 @@ class RelaySteps:
             except (RecurringKeyringError, RecurringStorageError) as exc:
                 unopenable.append((index, entry.lease, _Attempt(unopenable=exc)))
         attempts: list[_Attempt] = []
-        if ready and getattr(broker, "publishes_in_place", False) is True:
+        if ready and in_place:
             # A broker that never waits (a model of one, in a simulation) publishes each
             # in turn, in the order the tasks below would start and run to their end:
             # no tasks, no semaphore, and no deadline, which nothing could reach.
