@@ -43,8 +43,9 @@ import signal
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -270,6 +271,62 @@ class Fleet:
             await self.kill(slot)
 
 
+def unpublished(
+    definitions: dict[str, RecurringDefinition], items: Sequence[OccurrenceInfo], until: datetime
+) -> list[tuple[str, str]]:
+    """Every calendar instant up to ``until`` without a published occurrence."""
+    published = {
+        (o.definition_name, o.due_at) for o in items if o.state is OccurrenceState.PUBLISHED
+    }
+    missing = []
+    for name, definition in definitions.items():
+        due: datetime | None = definition.first_due
+        while due is not None and due <= until:
+            if (name, due) not in published:
+                missing.append((name, due.isoformat()))
+            due = definition.cron.next_after(due)
+    return missing
+
+
+def check_recurring(
+    definitions: dict[str, RecurringDefinition],
+    items: Sequence[OccurrenceInfo],
+    entries: Sequence[tuple[str, str]],
+    until: datetime,
+) -> dict[str, int]:
+    """Nothing lost up to ``until``, no instant stored twice, one stream entry (``(key,
+    payload)``, the payload a definition's name) per idempotency key, and as many keys per
+    definition as it has published occurrences.
+
+    Raises:
+        AssertionError: what broke, with the first few offenders.
+    """
+    missing = unpublished(definitions, items, until)
+    assert not missing, f"recurring occurrences lost: {missing[:10]}"
+    instants = Counter((o.definition_name, o.due_at) for o in items)
+    twice = [k for k, n in instants.items() if n > 1]
+    assert not twice, f"an instant stored twice: {twice[:10]}"
+    repeated = [k for k, n in Counter(key for key, _ in entries).items() if n > 1]
+    assert not repeated, f"published twice under one idempotency key: {repeated[:10]}"
+    keys_of: dict[str, set[str]] = {}
+    for key, payload in entries:
+        keys_of.setdefault(payload, set()).add(key)
+    assert set(keys_of) <= set(definitions), f"unknown payloads: {set(keys_of) - set(definitions)}"
+    published = [o for o in items if o.state is OccurrenceState.PUBLISHED]
+    for name in definitions:
+        done = sum(o.definition_name == name for o in published)
+        stored = sum(o.definition_name == name for o in items)
+        keys = len(keys_of.get(name, ()))
+        # A key beyond the published ones: an occurrence the broker took and whose
+        # acknowledgement the stop interrupted (it is relayed again, under the same key).
+        assert done <= keys <= stored, f"{name}: {done} published, {keys} keys, {stored} stored"
+    return {
+        "recurring_occurrences": len(items),
+        "recurring_published": len(published),
+        "stream_entries": len(entries),
+    }
+
+
 class Recurring:
     """The recurring side: a namespace, its definitions, the Redis stream and the checker."""
 
@@ -334,23 +391,9 @@ class Recurring:
         finally:
             await store.close()
 
-    def missing(self, items: list[OccurrenceInfo], until: datetime) -> list[tuple[str, str]]:
-        """Every calendar instant up to ``until`` without a published occurrence."""
-        published = {
-            (o.definition_name, o.due_at) for o in items if o.state is OccurrenceState.PUBLISHED
-        }
-        missing = []
-        for name, definition in self.definitions.items():
-            due = definition.first_due
-            while due <= until:
-                if (name, due) not in published:
-                    missing.append((name, due.isoformat()))
-                due = definition.cron.next_after(due) or datetime.max.replace(tzinfo=UTC)
-        return missing
-
     async def drain(self, until: datetime, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
-        while missing := self.missing(await self.occurrences(), until):
+        while missing := unpublished(self.definitions, await self.occurrences(), until):
             if time.monotonic() > deadline:
                 raise AssertionError(f"not published after {timeout} s: {missing[:10]}")
             await asyncio.sleep(1.0)
@@ -373,40 +416,10 @@ class Recurring:
             await client.aclose()
 
     async def check(self, until: datetime) -> dict[str, int]:
-        """Nothing lost up to ``until``, no instant stored twice, one entry per key, and as
-        many keys per definition as it has published occurrences."""
-        items = await self.occurrences()
-        missing = self.missing(items, until)
-        assert not missing, f"recurring occurrences lost: {missing[:10]}"
-        instants: dict[tuple[str, datetime], int] = {}
-        for o in items:
-            instants[o.definition_name, o.due_at] = (
-                instants.get((o.definition_name, o.due_at), 0) + 1
-            )
-        twice = [k for k, n in instants.items() if n > 1]
-        assert not twice, f"an instant stored twice: {twice[:10]}"
-        entries = await self.entries()
-        per_key: dict[str, int] = {}
-        keys_of: dict[str, set[str]] = {}
-        for key, payload in entries:
-            per_key[key] = per_key.get(key, 0) + 1
-            keys_of.setdefault(payload, set()).add(key)
-        repeated = [k for k, n in per_key.items() if n > 1]
-        assert not repeated, f"published twice under one idempotency key: {repeated[:10]}"
-        assert set(keys_of) <= set(self.definitions), f"unknown payloads: {set(keys_of)}"
-        published = [o for o in items if o.state is OccurrenceState.PUBLISHED]
-        for name in self.definitions:
-            done = sum(o.definition_name == name for o in published)
-            stored = sum(o.definition_name == name for o in items)
-            keys = len(keys_of.get(name, ()))
-            # A key beyond the published ones: an occurrence the broker took and whose
-            # acknowledgement the stop interrupted (it is relayed again, same key).
-            assert done <= keys <= stored, f"{name}: {done} published, {keys} keys, {stored}"
-        return {
-            "recurring_occurrences": len(items),
-            "recurring_published": len(published),
-            "stream_entries": len(entries),
-        }
+        """The recurring checker (:func:`check_recurring`) on the store and the stream."""
+        return check_recurring(
+            self.definitions, await self.occurrences(), await self.entries(), until
+        )
 
     async def cleanup(self) -> None:
         import redis.asyncio as aioredis
