@@ -20,9 +20,10 @@ After the run, the faults stop, the fleet finishes the work and stops, and:
 - the recurring checker holds: every instant of every definition's calendar up to the
   end of the load has one occurrence, published; the stream holds one entry per
   idempotency key, and as many keys per definition as it has published occurrences;
-- after the warm-up, RSS grows by less than 1 MB per 10 minutes (Theil-Sen slope; a run
-  shorter than half an hour only catches a gross leak: 10 MB), and file descriptors and
-  asyncio tasks neither trend upwards nor pass a bound.
+- after the warm-up, RSS, and the bytes the C allocator holds in use (glibc), grow by
+  less than 1 MB per 10 minutes (Theil-Sen slope; a run shorter than twenty minutes only
+  catches a gross leak: 10 MB), and file descriptors and asyncio tasks neither trend
+  upwards nor pass a bound.
 
 ``python tests/soak.py --minutes 60 --out DIR [--redis-url URL]`` (``nox -s soak``) writes
 ``samples.csv``, ``events.csv``, ``summary.json`` and, with ``--plot``, ``soak.png`` into DIR.
@@ -91,16 +92,20 @@ RELAY_LEASE = timedelta(seconds=5)  # a killed relay's leases lapse this soon
 # every two minutes; each starts two minutes in the past, a small backlog to catch up.
 DEFINITIONS = 16
 RSS_LIMIT_KB_PER_10_MIN = 1024.0
-# A run shorter than half an hour still sees the first minutes' growth (caches filling,
+# A run shorter than twenty minutes still sees the first minutes' growth (caches filling,
 # allocator arenas) after its warm-up: it can only catch a gross leak (a kilobyte a task
 # at 20 tasks a second is 12 MB a minute). The 1 MB bound is judged on longer runs.
-SHORT_RUN = 1800.0
+SHORT_RUN = 1200.0
+# Besides RSS, the sampler records what the allocators hold in use: Python's blocks and,
+# on glibc, the C heap's size and the bytes in use (a leak grows the latter, whatever
+# the allocator does with free space).
+MEMORY = ("blocks", "heap_kb", "in_use_kb")
 SHORT_RSS_LIMIT_KB_PER_10_MIN = 10 * 1024.0
 
 # The app module ``steeple worker --app soak_app:app`` imports. Its factory starts a
 # sampler on the worker's own event loop: RSS, open fds and asyncio tasks, once a second.
 APP_MODULE = """
-import asyncio, json, os, time
+import asyncio, ctypes, json, os, sys, time
 from datetime import timedelta
 import asyncpg
 from steeple.admin import WorkerApp
@@ -112,6 +117,22 @@ def _rss_kb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+try:  # glibc 2.33+: the C heap's size and what is in use in it (and in its own mappings)
+    _mallinfo2 = ctypes.CDLL(None).mallinfo2
+    _mallinfo2.restype = _MallInfo2
+except AttributeError:
+    _mallinfo2 = None
+
+def _malloc():
+    if _mallinfo2 is None:
+        return {}
+    info = _mallinfo2()
+    return {"heap_kb": info.arena // 1024, "in_use_kb": (info.uordblks + info.hblkhd) // 1024}
+
 async def _sample(path):
     with open(path, "a") as out:
         while True:
@@ -119,6 +140,7 @@ async def _sample(path):
                 "t": time.time(), "rss_kb": _rss_kb(),
                 "fds": len(os.listdir("/proc/self/fd")),
                 "tasks": len(asyncio.all_tasks()),
+                "blocks": sys.getallocatedblocks(), **_malloc(),
             }) + "\\n")
             out.flush()
             await asyncio.sleep(1.0)
@@ -531,7 +553,9 @@ class Soak:
             row: dict[str, Any] = {"t": round(self.now(), 1)}
             worker = self.fleet.last_sample(0)
             if worker is not None:
-                row.update(rss_kb=worker["rss_kb"], fds=worker["fds"], tasks=worker["tasks"])
+                row.update(
+                    {k: worker[k] for k in ("rss_kb", "fds", "tasks", *MEMORY) if k in worker}
+                )
             try:
                 if conn is None or conn.is_closed():
                     conn = await _connect(self.dsn)
@@ -698,6 +722,11 @@ class Soak:
             "rss_kb_last": after[-1]["rss_kb"],
             "rss_kb_max": max(s["rss_kb"] for s in after),
             "rss_kb_per_10_min": round(slope * 600, 1),
+            **{
+                f"{name}_per_10_min": round(theil_sen(ts, [s[name] for s in after]) * 600, 1)
+                for name in MEMORY
+                if all(name in s for s in after)
+            },
             "fds_max": max(s["fds"] for s in after),
             "fds_per_10_min": round(fd_slope * 600, 2),
             "asyncio_tasks_max": max(s["tasks"] for s in after),
@@ -717,6 +746,11 @@ class Soak:
             problems.append(
                 f"RSS grows {summary['rss_kb_per_10_min']} KB per 10 minutes (limit {limit:g})"
             )
+        if summary.get("in_use_kb_per_10_min", 0) >= limit:
+            problems.append(
+                f"the C heap's bytes in use grow {summary['in_use_kb_per_10_min']} KB per 10 "
+                f"minutes (limit {limit:g})"
+            )
         # A leak of one per fault would show as a steady climb; the bounds are generous
         # for the pools (8 + 4 connections, a listener) and concurrency (8 handlers).
         if summary["fds_per_10_min"] >= 1 or summary["fds_max"] > 64:
@@ -729,7 +763,7 @@ class Soak:
         return summary
 
     def write(self, summary: dict[str, Any] | None) -> None:
-        fields = ["t", "rss_kb", "fds", "tasks", "throughput", "p50_ms", "p99_ms"]
+        fields = ["t", "rss_kb", *MEMORY, "fds", "tasks", "throughput", "p50_ms", "p99_ms"]
         with (self.workdir / "samples.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fields)
             writer.writeheader()
