@@ -794,9 +794,12 @@ def plot(workdir: Path, out: Path) -> None:
 
     summary = json.loads((workdir / "summary.json").read_text())
     fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
-    t, rss = series("rss_kb")
-    axes[0].plot(t, [v / 1024 for v in rss])
-    axes[0].set_ylabel("RSS (MB)")
+    for name, label in (("rss_kb", "RSS"), ("heap_kb", "C heap"), ("in_use_kb", "C heap in use")):
+        t, kb = series(name)
+        if kb:
+            axes[0].plot(t, [v / 1024 for v in kb], label=label)
+    axes[0].set_ylabel("MB (worker 0)")
+    axes[0].legend(loc="center right")
     axes[0].set_title(
         f"steeple soak: {summary['seconds'] / 60:.0f} min, {summary['tasks']} tasks, "
         f"{summary['kills']} SIGKILLs, {summary['resets']} resets, "
