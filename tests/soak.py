@@ -96,14 +96,15 @@ RSS_LIMIT_KB_PER_10_MIN = 1024.0
 # allocator arenas) after its warm-up: it can only catch a gross leak (a kilobyte a task
 # at 20 tasks a second is 12 MB a minute). The 1 MB bound is judged on longer runs.
 SHORT_RUN = 1200.0
+SHORT_RSS_LIMIT_KB_PER_10_MIN = 10 * 1024.0
 # Besides RSS, the sampler records what the allocators hold in use: Python's blocks and,
 # on glibc, the C heap's size and the bytes in use (a leak grows the latter, whatever
 # the allocator does with free space).
 MEMORY = ("blocks", "heap_kb", "in_use_kb")
-SHORT_RSS_LIMIT_KB_PER_10_MIN = 10 * 1024.0
 
 # The app module ``steeple worker --app soak_app:app`` imports. Its factory starts a
-# sampler on the worker's own event loop: RSS, open fds and asyncio tasks, once a second.
+# sampler on the worker's own event loop: RSS, MEMORY, open fds and asyncio tasks, once a
+# second.
 APP_MODULE = """
 import asyncio, ctypes, json, os, sys, time
 from datetime import timedelta
