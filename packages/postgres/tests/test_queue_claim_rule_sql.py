@@ -205,8 +205,11 @@ async def test_the_sql_claim_starts_what_the_core_rule_starts(queue: QueueFixtur
 
 async def test_the_claim_keeps_the_settings_it_needs(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
+    # The claim with positions; the one of older workers calls it.
     config = await conn.fetchval(
-        "SELECT proconfig FROM pg_proc WHERE oid = to_regproc($1)", f'"{schema}".claim'
+        "SELECT proconfig FROM pg_proc WHERE oid = to_regprocedure($1)",
+        f'"{schema}".claim(text[], integer[], text[], text, double precision, integer[],'
+        " timestamptz[], bigint[])",
     )
     assert {"jit=off", "enable_seqscan=off", "plan_cache_mode=force_custom_plan"} <= set(config)
 
