@@ -44,7 +44,10 @@
 -- p_run_at, p_id) in claim order (all of the queue's when p_priority is NULL), locked, at
 -- most p_want, in claim order. One statement, inlined into its callers, so each walk is
 -- planned with the caller's values; the priority bound 2^31 lies above every integer
--- priority, so the front's walk is one ordered range of the claim index.
+-- priority, so the front's walk is one ordered range of the claim index. STABLE is what
+-- lets PostgreSQL inline it (its locks are the caller's, which is VOLATILE); a call it
+-- cannot inline (an argument such as clock_timestamp() that is itself volatile) is
+-- refused ("not allowed in a non-volatile function"), never run another way.
 CREATE FUNCTION __SCHEMA__.claim_walk(
     p_queue text, p_names text[], p_want integer, p_now timestamptz,
     p_priority integer, p_run_at timestamptz, p_id bigint
