@@ -93,16 +93,17 @@ async def test_work_placed_before_the_position_is_claimed_within_one_poll_interv
     assert took == plain[4:]
 
 
-async def _insert(conn: asyncpg.Connection, schema: str, count: int) -> None:
+async def _insert(conn: asyncpg.Connection, schema: str, count: int, priority: int) -> None:
     await conn.execute(
         f'INSERT INTO "{schema}".tasks (task_name, args, max_attempts, lease_duration,'
         " backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter, run_at,"
-        " created_at)"
+        " created_at, priority)"
         " SELECT 't', '{}', 3, interval '5 min', 1000000, 60000000, 2, 0.1,"
         " clock_timestamp() - interval '1 hour' + i * interval '1 ms',"
-        " clock_timestamp() - interval '2 hours'"
+        " clock_timestamp() - interval '2 hours', $2"
         " FROM generate_series(1, $1::integer) AS i",
         count,
+        priority,
     )
 
 
@@ -135,7 +136,8 @@ async def test_a_walk_from_the_position_skips_the_dead_entries_a_held_horizon_ke
     queue: QueueFixture,
 ) -> None:
     dsn, schema, conn = queue
-    await _insert(conn, schema, 8_000)
+    await _insert(conn, schema, 8_000, 1)
+    await _insert(conn, schema, 100, 0)
     await conn.execute(f'VACUUM ANALYZE "{schema}".tasks')
     holder = await asyncpg.connect(dsn, server_settings={"application_name": "horizon holder"})
     try:
@@ -143,16 +145,18 @@ async def test_a_walk_from_the_position_skips_the_dead_entries_a_held_horizon_ke
         await holder.execute("BEGIN")
         await holder.fetchval("SELECT txid_current()")
         walk = ClaimWalk()
-        for _ in range(15):
+        # Every task of priority 1 claimed: the next walk goes on at priority 0.
+        for _ in range(16):
             start = walk.start(0.0, 3600.0)
             walk = walk.after(start, _places(await _claim(conn, schema, 500, start)), 0.0)
         assert walk.position is not None
+        assert walk.position.priority == 1
         from_front, front_took = await _walk_buffers(conn, schema, None)
         from_position, position_took = await _walk_buffers(conn, schema, walk.position)
     finally:
         await holder.close()
     assert front_took == position_took == 10
-    # The front's walk visits the 7,500 claimed tasks' dead entries (a heap page per run
-    # of them); the position's starts after them.
+    # The front's walk visits the 8,000 claimed tasks' dead entries (a heap page per run
+    # of them); the position's starts after them, in the next priority.
     assert from_front > 100
     assert from_position * 5 < from_front, (from_position, from_front)
