@@ -204,6 +204,10 @@ def test_a_walk_from_the_position_that_found_nothing_is_followed_by_one_from_the
     assert after.start(0.2, 1.0) is None
     # The walk from the front clears the debt.
     assert not after.after(None, [], at=0.2).owed
+    # Nothing taken because a limit held the claim back: no debt, the position stays.
+    held = walk.after(walk.start(0.1, 1.0), [], at=0.1, held=True)
+    assert not held.owed
+    assert held.start(0.2, 1.0) == _place(0, 1, 1)
 
 
 def test_the_position_is_the_last_task_taken_in_claim_order() -> None:

@@ -22,7 +22,7 @@ earlier due time enqueued later, a retry whose backoff ended, a task handed back
 enqueue that committed late, one another claim had locked), and only a walk from the front
 finds it. So the walk starts at the front when the claimer has no position, when its last
 walk from the front is ``interval`` (its poll interval) old or more, and right after a
-walk from its position found nothing: a due task before the position waits at most one
+walk from its position found nothing (unless a limit held that claim back): a due task before the position waits at most one
 interval for a claimer with room, and is then taken in claim order.
 
 Pure functions of the values they are given: the database's claim function applies the
@@ -266,10 +266,21 @@ class ClaimWalk:
         return self.position
 
     def after(
-        self, walked_from: ClaimPosition | None, taken: Sequence[ClaimPosition], at: float
+        self,
+        walked_from: ClaimPosition | None,
+        taken: Sequence[ClaimPosition],
+        at: float,
+        *,
+        held: bool = False,
     ) -> ClaimWalk:
-        """Return the walk after a claim from ``walked_from`` (at ``at``) took ``taken``."""
+        """Return the walk after a claim from ``walked_from`` (at ``at``) took ``taken``.
+
+        ``held``: a limit held the claim back, so taking nothing says nothing of the walk
+        (no walk from the front is owed; the position stays).
+        """
         front_at = at if walked_from is None else self.front_at
         if taken:
             return ClaimWalk(max(taken, key=ClaimPosition.key), front_at)
+        if held:
+            return ClaimWalk(self.position, front_at)
         return ClaimWalk(None, front_at, owed=walked_from is not None)

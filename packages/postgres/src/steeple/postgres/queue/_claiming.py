@@ -351,7 +351,7 @@ class Claimer:
                 # Slots follow demand: a queue that answered short is drained (row[15]: the
                 # queue of a claimed task), one that filled its share may have more.
                 got = collections.Counter(row[15] for row in rows)
-                walks = self._walks_after(queues, starts, rows, sent)
+                walks = self._walks_after(queues, starts, rows, sent, held=held is not None)
                 for name, want in zip(queues, wants, strict=True):
                     # A walk from a position that found nothing is no answer: the next
                     # claim walks the queue from the front at once.
@@ -403,13 +403,19 @@ class Claimer:
         starts: Sequence[ClaimPosition | None],
         rows: Sequence[Any],
         at: float,
+        *,
+        held: bool,
     ) -> dict[str, ClaimWalk]:
-        """Record where each queue's next claim walks from, after a claim took ``rows``."""
+        """Record where each queue's next claim walks from, after a claim took ``rows``.
+
+        ``held``: a limit held the claim back.
+        """
         taken: dict[str, list[ClaimPosition]] = collections.defaultdict(list)
         for row in rows:  # row[15]: queue, row[17]: priority, row[12]: run_at
             taken[row[15]].append(ClaimPosition(row[17], row[12], row[0]))
         for name, start in zip(queues, starts, strict=True):
-            self._walks[name] = self._walks.get(name, _FRONT).after(start, taken[name], at)
+            walk = self._walks.get(name, _FRONT)
+            self._walks[name] = walk.after(start, taken[name], at, held=held)
         return self._walks
 
     def _start(
