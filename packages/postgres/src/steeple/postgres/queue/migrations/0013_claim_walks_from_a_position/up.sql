@@ -24,9 +24,10 @@
 -- claimer went past its key, a retry whose backoff ended, a task handed back or whose lease
 -- expired, an enqueue that committed after a later one was claimed, one skipped while
 -- another claim had it locked. Only a walk from the front finds those. The claimer decides
--- (steeple.core.claims.ClaimWalk, the worker's only caller of this) to walk from the
+-- (by steeple.core.claims.ClaimWalk, which the worker asks before each claim) to walk from the
 -- front when it holds no position, when its last walk from the front is a poll interval
--- old or more, and right after a walk from its position found nothing. So a due task
+-- old or more, and right after a walk from its position found nothing (unless a pause or
+-- limit held that claim back, which says nothing of the walk). So a due task
 -- before the position waits at most one poll interval (plus the claim's own time) for a
 -- worker with room, and the walk from the front takes in claim order, so the higher
 -- priority and earlier due tasks come first; tasks after the position are taken by the
