@@ -22,8 +22,9 @@ earlier due time enqueued later, a retry whose backoff ended, a task handed back
 enqueue that committed late, one another claim had locked), and only a walk from the front
 finds it. So the walk starts at the front when the claimer has no position, when its last
 walk from the front is ``interval`` (its poll interval) old or more, and right after a
-walk from its position found nothing (unless a limit held that claim back): a due task before the position waits at most one
-interval for a claimer with room, and is then taken in claim order.
+walk from its position found nothing (unless a limit held that claim back): a due task
+before the position waits at most one interval for a claimer with room, and is then taken
+in claim order.
 
 Pure functions of the values they are given: the database's claim function applies the
 same rule in SQL and the in-memory queue calls :func:`plan_claim`; a differential test
