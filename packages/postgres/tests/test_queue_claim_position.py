@@ -9,6 +9,8 @@ explicit clock.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -16,13 +18,15 @@ from typing import Any
 import asyncpg
 import pytest
 
+import queue_support
 from queue_support import QueueFixture
 from steeple.core.claims import ClaimPosition, ClaimWalk
-from steeple.postgres.queue import EnqueueOptions, Task, enqueue
+from steeple.postgres.queue import EnqueueOptions, Health, JobContext, Scheduler, Task, enqueue
 
 pytestmark = pytest.mark.postgres
 
 POLL = 1.0
+wait_until = functools.partial(queue_support.wait_until, timeout=20.0)
 
 
 async def _claim(
@@ -160,3 +164,31 @@ async def test_a_walk_from_the_position_skips_the_dead_entries_a_held_horizon_ke
     # of them); the position's starts after them, in the next priority.
     assert from_front > 100
     assert from_position * 5 < from_front, (from_position, from_front)
+
+
+async def test_a_worker_claims_work_placed_before_its_position_without_waiting_for_a_poll(
+    queue: QueueFixture,
+) -> None:
+    dsn, schema, conn = queue
+    ran: list[int] = []
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran.append(ctx.task_id)
+
+    # Polls an hour apart: only wake-ups (NOTIFY) and the claim rule bring work in.
+    worker = Scheduler(dsn, worker_id="w", schema=schema, poll_interval=3600.0, concurrency=4)
+    worker.register(Task("t"), handler)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=10))
+    try:
+        await wait_until(lambda: worker.health() is not Health.STARTING or run.done())
+        first = await _enqueue(conn, schema, 0)
+        await wait_until(lambda: ran == [first] or run.done())
+        # Behind the worker's position (a higher priority): its wake-up's walk from the
+        # position finds nothing, so the next claim walks from the front at once.
+        urgent = await _enqueue(conn, schema, 5)
+        await wait_until(lambda: ran == [first, urgent] or run.done())
+        assert not run.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(run, 30)
