@@ -47,6 +47,9 @@ async def _claim(
         [JOB.name, OTHER.name],
         "w",
         give_up,
+        [None],
+        [None],
+        [None],
     )
     return [r for r in rows if r["id"] is not None], next(
         (r for r in rows if r["id"] is None), None
@@ -269,6 +272,9 @@ async def test_the_documented_example_runs_and_holds_each_key(queue: QueueFixtur
         ["import-file", "send-email"],
         "w",
         give_up,
+        [None, None],
+        [None, None],
+        [None, None],
     )
     started = sorted((r["queue"], r["id"]) for r in rows if r["id"] is not None)
     # One import per customer (customer-1's second waits), every email (rate not reached).

@@ -48,9 +48,18 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             (9, "0009_claim_in_one_statement"),
             (10, "0010_vacuum_and_bounded_counts"),
             (11, "0011_claim_limits_written_once"),
+            (13, "0013_claim_walks_from_a_position"),
             (14, "0014_per_key_limits"),
         ]
-        assert await conn.fetchval("SELECT to_regproc($1) IS NOT NULL", f'"{schema}".claim')
+        # The claim of workers of versions 6 to 12, and the one with positions.
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM pg_proc WHERE pronamespace = $1::regnamespace"
+                " AND proname = 'claim'",
+                f'"{schema}"',
+            )
+            == 2
+        )
         tables = {
             r["tablename"]
             for r in await conn.fetch(

@@ -8,11 +8,12 @@
 -- started per key_rate_period (key_rate_limit). The rule is steeple.core.claims.plan_claim
 -- (a candidate whose key is full in its queue or its task name is skipped, and the walk
 -- goes on in claim order: no head-of-line blocking); a differential test holds the SQL to
--- it. The claim of version 11 changes in three places only: the settings rows it locks
--- include those with per-key limits (so claimers count a key's running tasks and starts
--- one at a time, as for the other limits), each walk of due work is claim_pick (below),
--- and claim_key_starts appends the starts to the keys' windows. Same signature and result
--- as version 6, so running workers of versions 6 to 11 call it as before.
+-- it. The claim of version 13 (with positions) changes in three places only: the settings
+-- rows it locks include those with per-key limits (so claimers count a key's running tasks
+-- and starts one at a time, as for the other limits), each walk of its limited path is
+-- claim_pick (below) instead of claim_walk, and claim_key_starts appends the starts to the
+-- keys' windows. Same signatures and results as version 13 (the claim of versions 6 to 12
+-- still calls it without positions), so running workers call it as before.
 
 -- The task's key; NULL: no per-key limit applies. Nullable without a default: a
 -- catalogue-only change; the CHECK is NOT VALID (every existing row is NULL).
@@ -104,8 +105,9 @@ END
 $$;
 
 -- One walk of the claim: up to p_n due tasks of queue p_queue named in p_names, in claim
--- order, locked (SKIP LOCKED). When neither the queue nor those names limit keys, it is
--- the one statement of version 11. Otherwise it walks the due tasks and skips each whose
+-- order after the position (p_priority, p_run_at, p_id; from the front when p_priority is
+-- NULL), locked (SKIP LOCKED). When neither the queue nor those names limit keys, it is
+-- claim_walk (version 13). Otherwise it walks the same due tasks and skips each whose
 -- key has no room in its queue or its task name (claim_key_room, counting p_taken and
 -- what this walk took): held says one was skipped, frees_at the earliest instant a
 -- skipped key's rate window frees a start. Only the tasks it takes are locked (a skipped
@@ -113,6 +115,7 @@ $$;
 -- a saturated key's long backlog costs a read of each of its tasks and no lookup.
 CREATE FUNCTION __SCHEMA__.claim_pick(
     p_queue text, p_names text[], p_n integer, p_taken bigint[], p_now timestamptz,
+    p_priority integer, p_run_at timestamptz, p_id bigint,
     OUT ids bigint[], OUT held boolean, OUT frees_at timestamptz
 )
 LANGUAGE plpgsql
@@ -143,24 +146,31 @@ BEGIN
     );
     IF v_qs.name IS NULL AND cardinality(v_keyed) = 0 THEN
         ids := ARRAY(
-            SELECT c.id FROM (
-                SELECT p.id FROM __SCHEMA__.tasks p
-                WHERE p.queue = p_queue AND p.state = 'pending'
-                  AND p.run_at <= greatest(p_now, p.created_at)
-                  AND p.task_name = ANY(p_names)
-                ORDER BY p.priority DESC, p.run_at, p.id
-                LIMIT p_n
-                FOR NO KEY UPDATE SKIP LOCKED
-            ) AS c
+            SELECT w.id FROM __SCHEMA__.claim_walk(
+                p_queue, p_names, p_n, p_now, p_priority, p_run_at, p_id) AS w(id)
         );
         RETURN;
     END IF;
+    -- claim_walk's two ordered walks (the rest of the position's priority, then every
+    -- lower one), read without locks.
     FOR v_row IN
-        SELECT p.id, p.task_name, p.limit_key FROM __SCHEMA__.tasks p
-        WHERE p.queue = p_queue AND p.state = 'pending'
-          AND p.run_at <= greatest(p_now, p.created_at)
-          AND p.task_name = ANY(p_names)
-        ORDER BY p.priority DESC, p.run_at, p.id
+        SELECT a.id, a.task_name, a.limit_key FROM (
+            SELECT p.id, p.task_name, p.limit_key FROM __SCHEMA__.tasks p
+            WHERE p.queue = p_queue AND p.state = 'pending'
+              AND p.priority = p_priority AND (p.run_at, p.id) > (p_run_at, p_id)
+              AND p.run_at <= greatest(p_now, p.created_at)
+              AND p.task_name = ANY(p_names)
+            ORDER BY p.priority DESC, p.run_at, p.id
+        ) AS a
+        UNION ALL
+        SELECT b.id, b.task_name, b.limit_key FROM (
+            SELECT p.id, p.task_name, p.limit_key FROM __SCHEMA__.tasks p
+            WHERE p.queue = p_queue AND p.state = 'pending'
+              AND p.priority < coalesce(p_priority::bigint, 2147483648)
+              AND p.run_at <= greatest(p_now, p.created_at)
+              AND p.task_name = ANY(p_names)
+            ORDER BY p.priority DESC, p.run_at, p.id
+        ) AS b
     LOOP
         EXIT WHEN cardinality(ids) >= p_n;
         v_blocked := false;
@@ -236,17 +246,18 @@ AS $$
       AND k.started_at <= p_now - s.key_rate_period;
 $$;
 
--- The claim of version 11 with the three changes above.
+-- The claim of version 13 (with positions) with the three changes above.
 CREATE OR REPLACE FUNCTION __SCHEMA__.claim(
     p_queues text[], p_wants integer[], p_names text[], p_worker text,
-    p_deadline double precision
+    p_deadline double precision, p_after_priorities integer[],
+    p_after_run_ats timestamptz[], p_after_ids bigint[]
 )
 RETURNS TABLE (
     id bigint, task_name text, args text, attempts integer, max_attempts integer,
     run_id uuid, lease_token uuid, lease_duration interval, backoff_initial_us bigint,
     backoff_maximum_us bigint, backoff_factor integer, backoff_jitter double precision,
     run_at timestamptz, started_at timestamptz, scheduled_for timestamptz, queue text,
-    held boolean
+    held boolean, priority integer
 )
 LANGUAGE plpgsql
 VOLATILE
@@ -355,7 +366,9 @@ BEGIN
                 END IF;
                 CONTINUE WHEN v_nb <= 0;
                 SELECT k.ids, k.held, k.frees_at INTO v_got, v_kheld, v_frees
-                FROM __SCHEMA__.claim_pick(v_queue, ARRAY[v_limited[v_j]], v_nb, v_ids, v_now) AS k;
+                FROM __SCHEMA__.claim_pick(
+                    v_queue, ARRAY[v_limited[v_j]], v_nb, v_ids, v_now, p_after_priorities[v_i],
+                    p_after_run_ats[v_i], p_after_ids[v_i]) AS k;
                 v_held := v_held OR v_kheld;
                 v_next := least(v_next, v_frees);
                 v_taken[v_j] := v_taken[v_j] + coalesce(array_length(v_got, 1), 0);
@@ -364,7 +377,9 @@ BEGIN
             END LOOP;
             IF v_budget - v_qgot > 0 AND coalesce(array_length(v_free, 1), 0) > 0 THEN
                 SELECT k.ids, k.held, k.frees_at INTO v_got, v_kheld, v_frees
-                FROM __SCHEMA__.claim_pick(v_queue, v_free, v_budget - v_qgot, v_ids, v_now) AS k;
+                FROM __SCHEMA__.claim_pick(
+                    v_queue, v_free, v_budget - v_qgot, v_ids, v_now, p_after_priorities[v_i],
+                    p_after_run_ats[v_i], p_after_ids[v_i]) AS k;
                 v_held := v_held OR v_kheld;
                 v_next := least(v_next, v_frees);
                 v_qgot := v_qgot + coalesce(array_length(v_got, 1), 0);
@@ -394,16 +409,10 @@ BEGIN
     -- A plan is made for each call with v_fast as a constant, so only one branch runs.
     RETURN QUERY
     WITH picked AS MATERIALIZED (
-        SELECT c.id FROM unnest(p_queues, p_wants) AS w(queue, want)
-        CROSS JOIN LATERAL (
-            SELECT p.id FROM __SCHEMA__.tasks p
-            WHERE p.queue = w.queue AND p.state = 'pending'
-              AND p.run_at <= greatest(clock_timestamp(), p.created_at)
-              AND p.task_name = ANY(p_names)
-            ORDER BY p.priority DESC, p.run_at, p.id
-            LIMIT w.want
-            FOR NO KEY UPDATE SKIP LOCKED
-        ) AS c
+        SELECT c.id FROM unnest(p_queues, p_wants) WITH ORDINALITY AS w(queue, want, i)
+        CROSS JOIN LATERAL __SCHEMA__.claim_walk(
+            w.queue, p_names, w.want, v_now, p_after_priorities[w.i], p_after_run_ats[w.i],
+            p_after_ids[w.i]) AS c(id)
         WHERE v_fast
         UNION ALL
         SELECT u.id FROM unnest(v_ids) AS u(id)
@@ -418,12 +427,12 @@ BEGIN
         RETURNING t.id, t.task_name, t.args::text, t.attempts, t.max_attempts, t.run_id,
                   t.lease_token, t.lease_duration, t.backoff_initial_us,
                   t.backoff_maximum_us, t.backoff_factor, t.backoff_jitter, t.run_at,
-                  t.started_at, t.scheduled_for, t.queue, false
+                  t.started_at, t.scheduled_for, t.queue, false, t.priority
     )
     SELECT * FROM claimed
     UNION ALL
     SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, v_next, NULL,
-           NULL, NULL, true
+           NULL, NULL, true, NULL
     WHERE v_held;
 END
 $$;
