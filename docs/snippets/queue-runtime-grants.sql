@@ -11,3 +11,5 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.tasks TO {role};
 GRANT SELECT, INSERT ON {schema}.attempts TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.jobs TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.settings TO {role};
+-- key_starts: each per-key rate window, appended to and pruned by every claim (version 14).
+GRANT SELECT, INSERT, DELETE ON {schema}.key_starts TO {role};

@@ -1,4 +1,4 @@
-"""The dashboard labels counts that stopped at their cap or are estimates."""
+"""The dashboard labels counts that stopped at their cap or are estimates, and shows limits."""
 
 from __future__ import annotations
 
@@ -37,3 +37,20 @@ def test_estimates_round_as_people_say_them() -> None:
     assert _pages.bounded(120_000, "about") == "about 120 k"
     assert _pages.bounded(10_000, "at_least") == "10,000+"
     assert _pages.bounded(42, None) == "42"
+
+
+def test_the_queue_list_shows_per_key_limits() -> None:
+    queue = QueueRecord(
+        "imports",
+        False,
+        3,
+        1,
+        max_running_per_key=1,
+        rate_limit_per_key=10,
+        rate_period_per_key_seconds=1.0,
+    )
+    rows = _pages.queues_section(_Links(), [queue], actions=False)  # type: ignore[arg-type]
+    assert "at most 1 running per key" in rows
+    assert "10 starts per key per 1 s" in rows
+    shown = queue.to_json()
+    assert (shown["max_running_per_key"], shown["rate_period_per_key_seconds"]) == (1, 1.0)

@@ -407,6 +407,39 @@ async def test_queues_enqueue_list_pause_limit_resume(seeded: Any) -> None:
     assert (cleared["max_running"], cleared["rate_limit"]) == (None, None)
 
 
+async def test_queues_limit_sets_and_shows_per_key_limits(seeded: Any) -> None:
+    env = seeded.env()
+    args = ["queues", "limit", "imports", "--max-running-per-key", "1"]
+    limited = await ainvoke([*args, "--rate-per-key", "10", "--per-key", "1s"], env)
+    assert limited.exit_code == 0, limited.output
+    assert "at most 1 running per key, at most 10 starts per key per 1 s" in limited.stdout
+    table = await ainvoke(["queues", "list"], {**env, "COLUMNS": "200"})
+    assert "at most 1 running per key" in table.stdout
+    listed = json.loads((await ainvoke(["queues", "--json"], env)).stdout)
+    (imports,) = [q for q in listed if q["name"] == "imports"]
+    assert (
+        imports["max_running_per_key"],
+        imports["rate_limit_per_key"],
+        imports["rate_period_per_key_seconds"],
+    ) == (1, 10, 1.0)
+    put = await ainvoke(
+        ["enqueue", "send-report", "--queue", "imports", "--limit-key", "customer-7", "--json"],
+        env,
+    )
+    assert put.exit_code == 0, put.output
+    task_id = json.loads(put.stdout)["task_id"]
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        key = await conn.fetchval(
+            f'SELECT limit_key FROM "{seeded.schema}".tasks WHERE id = $1', task_id
+        )
+    finally:
+        await conn.close()
+    assert key == "customer-7"
+    cleared = json.loads((await ainvoke(["queues", "limit", "imports", "--json"], env)).stdout)
+    assert (cleared["max_running_per_key"], cleared["rate_limit_per_key"]) == (None, None)
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
@@ -416,6 +449,12 @@ async def test_queues_enqueue_list_pause_limit_resume(seeded: Any) -> None:
         (["queues", "limit", "q", "--rate", "5"], "together"),
         (["queues", "limit", "q", "--rate", "5", "--per", "soon"], "--per"),
         (["queues", "limit", "q", "--rate", "0", "--per", "1s"], "rate_limit"),
+        (["queues", "limit", "q", "--max-running-per-key", "0"], "--max-running-per-key"),
+        (["enqueue", "t", "--limit-key", "a\x00b"], "limit_key must not contain a control"),
+        (["enqueue", "t", "--limit-key", "k" * 201], "limit_key must be a str of 1..200"),
+        (["queues", "limit", "q", "--rate-per-key", "5"], "together"),
+        (["queues", "limit", "q", "--rate-per-key", "5", "--per-key", "soon"], "--per-key"),
+        (["queues", "limit", "q", "--rate-per-key", "0", "--per-key", "1s"], "--rate-per-key"),
     ],
 )
 def test_queue_commands_refuse_bad_arguments_before_connecting(

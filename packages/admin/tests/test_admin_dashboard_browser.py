@@ -532,6 +532,30 @@ def test_queues_pause_resume_and_filter(browser: Any, site: Site, tmp_path: Path
     assert by_css(browser, "input[name=queue]").get_attribute("value") == "emails"
 
 
+def test_the_queue_list_shows_per_key_limits(browser: Any, site: Site) -> None:
+    from steeple.postgres import queue
+
+    async def limit() -> None:
+        conn = await asyncpg.connect(site.seeded.dsn)
+        try:
+            await queue.limit_queue(
+                conn,
+                "imports",
+                max_running_per_key=1,
+                rate_limit_per_key=10,
+                per_key=1.0,
+                schema=site.seeded.schema,
+            )
+        finally:
+            await conn.close()
+
+    asyncio.run(limit())
+    open_page(browser, site.page())
+    rows = {r.text.split()[0]: r.text for r in all_css(browser, "#queues tr.row.queue")}
+    assert "at most 1 running per key" in rows["imports"]
+    assert "10 starts per key per 1 s" in rows["imports"]
+
+
 def test_task_page_attempts_args_and_timings(browser: Any, site: Site, tmp_path: Path) -> None:
     failed = fail(site, "report", "Traceback (most recent call last):\n  ValueError: bad row 7")
     open_page(browser, site.page(f"/tasks/{failed}"))

@@ -1,4 +1,5 @@
-"""Properties of the claim rule: pauses, running limits, start rates and claim order."""
+"""Properties of the claim rule: pauses, running limits, start rates, per-key limits and
+claim order."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from steeple.core.claims import (
     ClaimPlan,
     ClaimPosition,
     ClaimWalk,
+    KeyState,
     ScopeLimits,
     ScopeState,
     frees_at,
@@ -32,6 +34,7 @@ class Cand:
     id: int
     queue: str
     task_name: str
+    limit_key: str | None = None
 
 
 Case = tuple[list[tuple[str, int]], list[Cand], dict[str, ScopeState], dict[str, ScopeState]]
@@ -173,6 +176,79 @@ def test_limited_names_go_first_by_name_then_the_others_in_order() -> None:
     plan = plan_claim([("q", 3)], candidates, queues={}, names=names, now=NOW)
     assert [c.id for c in plan.started] == [2, 1, 3]
     assert plan.held is True
+
+
+KEYS = ["k1", "k2", "k3"]
+
+key_case_st = st.tuples(
+    st.lists(
+        st.builds(
+            Cand,
+            id=st.integers(),
+            queue=st.just("q1"),
+            task_name=st.sampled_from(NAMES),
+            limit_key=st.none() | st.sampled_from(KEYS),
+        ),
+        max_size=15,
+    ),
+    st.integers(1, 2),  # max_running_per_key of q1
+    st.dictionaries(st.sampled_from(KEYS), st.integers(0, 2)),  # what of each key runs
+    st.integers(1, 15),  # want
+)
+
+
+@given(key_case_st)
+def test_no_key_passes_its_limit_and_a_full_key_blocks_nothing_behind_it(
+    case: tuple[list[Cand], int, dict[str, int], int],
+) -> None:
+    candidates, per_key, running, want = case
+    queues = {"q1": ScopeState(ScopeLimits(max_running_per_key=per_key))}
+    keys = {("queue", "q1", k): KeyState(running=n) for k, n in running.items()}
+    plan = plan_claim([("q1", want)], candidates, queues=queues, names={}, now=NOW, keys=keys)
+    started = Counter(c.limit_key for c in plan.started if c.limit_key is not None)
+    for key, n in started.items():
+        assert n + running.get(key, 0) <= per_key
+    # Each candidate not started was skipped for its full key, or came after the claim
+    # had taken all it wanted: nothing else is held behind a full key.
+    taken = {id(c) for c in plan.started}
+    if len(plan.started) < want:
+        for c in candidates:
+            if id(c) in taken:
+                continue
+            assert c.limit_key is not None
+            assert started[c.limit_key] + running.get(c.limit_key, 0) >= per_key
+            assert plan.held
+
+
+def test_a_full_key_is_skipped_for_the_keys_behind_it() -> None:
+    a1, a2, b1, free = (Cand(1, "q1", "a", "A"), Cand(2, "q1", "a", "A"),
+                        Cand(3, "q1", "a", "B"), Cand(4, "q1", "a", None))  # fmt: skip
+    queues = {"q1": ScopeState(ScopeLimits(max_running_per_key=1))}
+    plan = plan_claim([("q1", 3)], [a1, a2, b1, free], queues=queues, names={}, now=NOW)
+    assert plan.started == (a1, b1, free)
+    assert plan.held
+    # A running task of key A fills it: its first task waits too.
+    plan = plan_claim(
+        [("q1", 3)],
+        [a1, a2, b1, free],
+        queues=queues,
+        names={},
+        now=NOW,
+        keys={("queue", "q1", "A"): KeyState(running=1)},
+    )
+    assert plan.started == (b1, free)
+
+
+def test_a_task_names_key_rate_counts_its_window_and_says_when_it_frees() -> None:
+    per = timedelta(minutes=1)
+    names = {"a": ScopeState(ScopeLimits(rate_limit_per_key=2, rate_period_per_key=per))}
+    cands = [Cand(i, "q1", "a", "A") for i in range(3)]
+    old = NOW - timedelta(seconds=30)
+    keys = {("task", "a", "A"): KeyState(starts=(old,))}
+    plan = plan_claim([("q1", 3)], cands, queues={}, names=names, now=NOW, keys=keys)
+    assert plan.started == (cands[0],)
+    assert plan.held
+    assert plan.frees_at == old + per
 
 
 # --- where a claim walks from ---------------------------------------------------------------

@@ -1,11 +1,12 @@
 """The database's claim function follows the core's claim rule (steeple.core.claims).
 
 A differential test: random queue and task-name settings (pauses, running limits, rate
-limits with starts inside and outside their window), random running tasks, random due
-work and a random position per queue to walk from (or none) go into a real database; one
-call of the plpgsql claim must start exactly the tasks ``plan_claim`` starts from the same
-picture (the due tasks after each queue's position), say alike whether a limit held work back and
-when a rate window frees a start, and append the same starts to every rate window.
+limits with starts inside and outside their window, and the same per limit key), random
+running tasks, random due work (with and without keys) and a random position per queue to
+walk from (or none) go into a real database; one call of the plpgsql claim must start
+exactly the tasks ``plan_claim`` starts from the same picture (the due tasks after each
+queue's position), say alike whether a limit held work back and when a rate window frees
+a start, and append the same starts to every rate window (the keys' too).
 
 Rate windows are an hour long and recorded starts lie at least ten minutes from a window's
 edge, so the few milliseconds between reading the server's clock and the claim's own do not
@@ -32,6 +33,8 @@ from hypothesis import strategies as st
 from queue_support import QueueFixture
 from steeple.core.claims import (
     ClaimPosition,
+    KeyScope,
+    KeyState,
     ScopeLimits,
     ScopeState,
     plan_claim,
@@ -44,6 +47,7 @@ pytestmark = pytest.mark.postgres
 
 QUEUES = ["q1", "q2", "q3"]
 NAMES = ["a", "b", "c"]
+KEYS = ["k1", "k2", "k3"]
 PERIOD = timedelta(hours=1)
 # Minutes before now: inside the window (1-50) or out of it (70-120), far from its edge.
 START_AGO = st.integers(1, 50) | st.integers(70, 120)
@@ -52,6 +56,9 @@ LIMITS = st.tuples(
     st.none() | st.integers(1, 3),  # max_running
     st.none() | st.integers(1, 3),  # rate_limit
     st.lists(START_AGO, max_size=4),  # recorded starts, minutes ago
+    st.none() | st.integers(1, 2),  # max_running_per_key
+    st.none() | st.integers(1, 2),  # rate_limit_per_key
+    st.lists(st.tuples(st.sampled_from(KEYS), START_AGO), max_size=4),  # keys' starts
 )
 
 
@@ -60,6 +67,7 @@ class Candidate:
     id: int
     queue: str
     task_name: str
+    limit_key: str | None
     place: ClaimPosition
 
 
@@ -75,7 +83,7 @@ def pictures(draw: st.DrawFn) -> dict[str, Any]:
             st.dictionaries(st.sampled_from(QUEUES), st.tuples(st.booleans(), LIMITS))
         ),
         "name_settings": draw(st.dictionaries(st.sampled_from(NAMES), LIMITS)),
-        # (queue, name, priority, running?) of each task, in enqueue order.
+        # (queue, name, priority, running?, key) of each task, in enqueue order.
         "tasks": draw(
             st.lists(
                 st.tuples(
@@ -83,8 +91,9 @@ def pictures(draw: st.DrawFn) -> dict[str, Any]:
                     st.sampled_from(NAMES),
                     st.integers(0, 2),
                     st.booleans(),
+                    st.none() | st.sampled_from(KEYS),
                 ),
-                max_size=12,
+                max_size=14,
             )
         ),
         # Per queue asked: walk from the front (None), or after the place of the task at
@@ -94,19 +103,39 @@ def pictures(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def _scope(limits: tuple[Any, ...], paused: bool, running: int, now: datetime) -> ScopeState:
-    max_running, rate_limit, ago = limits
+    max_running, rate_limit, ago, key_max_running, key_rate_limit, _key_starts = limits
     starts = () if rate_limit is None else tuple(now - timedelta(minutes=m) for m in ago)
     period = None if rate_limit is None else PERIOD
-    return ScopeState(ScopeLimits(paused, max_running, rate_limit, period), running, starts)
+    key_period = None if key_rate_limit is None else PERIOD
+    return ScopeState(
+        ScopeLimits(
+            paused, max_running, rate_limit, period, key_max_running, key_rate_limit, key_period
+        ),
+        running,
+        starts,
+    )
+
+
+def _key_starts(
+    kind: str, name: str, limits: tuple[Any, ...], now: datetime
+) -> dict[KeyScope, list[datetime]]:
+    """The keys' recorded starts of a scope (none unless it limits key rates)."""
+    found: dict[KeyScope, list[datetime]] = {}
+    if limits[4] is None:
+        return found
+    for key, ago in limits[5]:
+        found.setdefault((kind, name, key), []).append(now - timedelta(minutes=ago))
+    return found
 
 
 async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, Any]) -> None:
     s = f'"{schema}"'
     await conn.execute(f"DELETE FROM {s}.attempts; DELETE FROM {s}.tasks; DELETE FROM {s}.settings")
+    await conn.execute(f"DELETE FROM {s}.key_starts")
     running_ids = []
     ids = []
-    for queue, name, priority, running in picture["tasks"]:
-        options = EnqueueOptions(priority=priority, queue=queue)
+    for queue, name, priority, running, key in picture["tasks"]:
+        options = EnqueueOptions(priority=priority, queue=queue, limit_key=key)
         done = await enqueue(conn, Task(name), {}, options, schema=schema)
         ids.append(done.id)
         if running:
@@ -118,9 +147,21 @@ async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, 
         running_ids,
     )
     now: datetime = await conn.fetchval("SELECT clock_timestamp()")
-    runs = await conn.fetch(f"SELECT queue, task_name FROM {s}.tasks WHERE state = 'running'")
+    runs = await conn.fetch(
+        f"SELECT queue, task_name, limit_key FROM {s}.tasks WHERE state = 'running'"
+    )
     by_queue = Counter(r["queue"] for r in runs)
     by_name = Counter(r["task_name"] for r in runs)
+    by_key = Counter(("queue", r["queue"], r["limit_key"]) for r in runs if r["limit_key"])
+    by_key += Counter(("task", r["task_name"], r["limit_key"]) for r in runs if r["limit_key"])
+    key_starts: dict[KeyScope, list[datetime]] = {}
+    for q, (_paused, limits) in picture["queue_settings"].items():
+        key_starts |= _key_starts("queue", q, limits, now)
+    for n, limits in picture["name_settings"].items():
+        key_starts |= _key_starts("task", n, limits, now)
+    keys = {
+        k: KeyState(by_key[k], tuple(key_starts.get(k, ()))) for k in set(by_key) | set(key_starts)
+    }
     queues = {
         q: _scope(limits, paused, by_queue[q], now)
         for q, (paused, limits) in picture["queue_settings"].items()
@@ -133,7 +174,8 @@ async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, 
     for scope, name, state in rows:
         await conn.execute(
             f"INSERT INTO {s}.settings (scope, name, paused, max_running, rate_limit,"
-            " rate_period, recent_starts) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            " rate_period, recent_starts, key_max_running, key_rate_limit, key_rate_period)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
             scope,
             name,
             state.limits.paused,
@@ -141,7 +183,14 @@ async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, 
             state.limits.rate_limit,
             state.limits.rate_period,
             list(state.starts),
+            state.limits.max_running_per_key,
+            state.limits.rate_limit_per_key,
+            state.limits.rate_period_per_key,
         )
+    await conn.executemany(
+        f"INSERT INTO {s}.key_starts (scope, name, limit_key, started_at) VALUES ($1, $2, $3, $4)",
+        [(*k, at) for k, ats in key_starts.items() for at in ats],
+    )
     asked = picture["names"]
     places = {
         r["id"]: ClaimPosition(r["priority"], r["run_at"], r["id"])
@@ -153,9 +202,9 @@ async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, 
     ]
     position = dict(zip([q for q, _ in picture["wants"]], after, strict=True))
     candidates = [
-        Candidate(r["id"], r["queue"], r["task_name"], places[r["id"]])
+        Candidate(r["id"], r["queue"], r["task_name"], r["limit_key"], places[r["id"]])
         for r in await conn.fetch(
-            f"SELECT id, queue, task_name FROM {s}.tasks WHERE state = 'pending'"
+            f"SELECT id, queue, task_name, limit_key FROM {s}.tasks WHERE state = 'pending'"
             " AND task_name = ANY($1::text[]) ORDER BY priority DESC, run_at, id",
             asked,
         )
@@ -170,6 +219,7 @@ async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, 
         queues=queues,
         names={n: state for n, state in names.items() if n in asked},
         now=now,
+        keys=keys,
     )
 
     result = await conn.fetch(
@@ -208,6 +258,38 @@ async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, 
         kept = len(starts_in_window(state.starts, state.limits.rate_period, now))
         expected = kept + took if took else len(state.starts)
         assert windows[(scope, name)] == expected, (scope, name)
+    await _check_key_windows(conn, s, rows, plan.started, asked, key_starts, now)
+
+
+async def _check_key_windows(
+    conn: asyncpg.Connection,
+    s: str,
+    rows: list[tuple[str, str, ScopeState]],
+    started: tuple[Candidate, ...],
+    asked: list[str],
+    key_starts: dict[KeyScope, list[datetime]],
+    now: datetime,
+) -> None:
+    """Each key's window holds its starts still in it plus this claim's, in every scope
+    with a per-key rate limit (a scope the claim did not ask keeps what it had)."""
+    in_window = Counter(
+        (r["scope"], r["name"], r["limit_key"])
+        for r in await conn.fetch(
+            f"SELECT scope, name, limit_key FROM {s}.key_starts"
+            " WHERE started_at > clock_timestamp() - $1::interval",
+            PERIOD,
+        )
+    )
+    expected: Counter[KeyScope] = Counter()
+    for key, ats in key_starts.items():
+        expected[key] += len(starts_in_window(ats, PERIOD, now))
+    for scope, name, state in rows:
+        if state.limits.rate_limit_per_key is None or (scope == "task" and name not in asked):
+            continue
+        for c in started:
+            if c.limit_key is not None and name == (c.queue if scope == "queue" else c.task_name):
+                expected[(scope, name, c.limit_key)] += 1
+    assert in_window == +expected
 
 
 async def test_the_sql_claim_starts_what_the_core_rule_starts(queue: QueueFixture) -> None:

@@ -97,7 +97,8 @@ async def test_runtime_role_with_the_documented_grants_runs_the_queue(
             "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
         )
         assert superuser is False
-        ok = await pgq.enqueue(runtime, task, {"do": "succeed"}, schema=schema)
+        keyed = EnqueueOptions.immediate(limit_key="customer-1")
+        ok = await pgq.enqueue(runtime, task, {"do": "succeed"}, keyed, schema=schema)
         fast = Backoff(initial=timedelta(milliseconds=10), maximum=timedelta(milliseconds=10))
         failing = await pgq.enqueue(
             runtime,
@@ -118,8 +119,19 @@ async def test_runtime_role_with_the_documented_grants_runs_the_queue(
         # Queue settings: the worker's claims then lock and update them (the limited path).
         assert (await pgq.pause_queue(runtime, "other", schema=schema)).paused
         assert not (await pgq.resume_queue(runtime, "other", schema=schema)).paused
-        await pgq.limit_queue(runtime, "default", max_running=100, schema=schema)
-        await pgq.limit_task(runtime, "documented", rate_limit=1000, per=1.0, schema=schema)
+        await pgq.limit_queue(
+            runtime,
+            "default",
+            max_running=100,
+            max_running_per_key=10,
+            rate_limit_per_key=1000,
+            per_key=1.0,
+            schema=schema,
+        )
+        await pgq.limit_task(
+            runtime, "documented", rate_limit=1000, per=1.0, rate_limit_per_key=100, per_key=1.0,
+            schema=schema,
+        )  # fmt: skip
         assert [q.name for q in await pgq.list_queues(runtime, schema=schema)] == ["default"]
         started = asyncio.Event()
 

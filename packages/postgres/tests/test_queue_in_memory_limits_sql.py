@@ -1,9 +1,10 @@
 """The in-memory queue's claim takes what the PostgreSQL claim takes under pauses and limits.
 
-Pauses, concurrency limits and rate limits are judged by the claim function in SQL; the
-in-memory queue follows it in Python. The same work, settings and claims, run on both, must
-take the same tasks round after round (finishing some in between), and say alike whether a
-limit held work back and when a rate window frees a start.
+Pauses, concurrency limits and rate limits (of queues, task names and limit keys) are
+judged by the claim function in SQL; the in-memory queue follows it in Python. The same
+work, settings and claims, run on both, must take the same tasks round after round
+(finishing some in between), and say alike whether a limit held work back and when a rate
+window frees a start.
 
 The SQL claim reads the server's clock, so rate windows here are an hour long: every claim
 of a run falls inside the first one's window whatever the timing. Where a window's boundary
@@ -48,7 +49,14 @@ SETTINGS: list[dict[str, Any]] = [
     {"queue": 2, "queue_rate": 5, "tasks": {"c": 1}, "task_rates": {"a": 1}},
     {"queue": None, "queue_rate": 3, "tasks": {"b": 1}, "task_rates": {"b": 2}},
     {"queue": None, "queue_rate": 2, "tasks": {}, "pause_first": True},
+    # Per-key limits: the tasks carry KEYS.
+    {"queue": None, "tasks": {}, "key_running": 1},
+    {"queue": 2, "tasks": {"b": 1}, "key_running": 2, "key_rate": 2},
+    {"queue": None, "tasks": {}, "task_key_running": {"a": 1, "c": 1}},
+    {"queue": None, "tasks": {}, "key_rate": 1, "task_key_running": {"b": 1}},
 ]
+# The limit key of each task of WORK, when a setting limits keys.
+KEYS = ["k1", "k2", "k1", "k1", "k1", "k2", None, "k1", "k2"]
 # Long enough that every claim of a run is inside the window of the first start.
 PER = timedelta(hours=1)
 
@@ -60,26 +68,45 @@ async def test_claims_match_the_sql_claim(queue: QueueFixture, settings: dict[st
     memory = InMemoryQueue(App(schema=schema))
     db_ids: list[int] = []
     memory_ids: list[int] = []
-    for name, priority in WORK:
-        options = EnqueueOptions(priority=priority)
+    keyed = any(k in settings for k in ("key_running", "key_rate", "task_key_running"))
+    for (name, priority), key in zip(WORK, KEYS, strict=True):
+        options = EnqueueOptions(priority=priority, limit_key=key if keyed else None)
         db_ids.append((await enqueue(conn, Task(name), {}, options, schema=schema)).id)
         memory_ids.append((await enqueue(memory, Task(name), {}, options, schema=schema)).id)
 
     rate = settings.get("queue_rate")
     per = None if rate is None else PER
-    if settings["queue"] is not None or rate is not None:
+    key_rate = settings.get("key_rate")
+    per_key: dict[str, Any] = {
+        "max_running_per_key": settings.get("key_running"),
+        "rate_limit_per_key": key_rate,
+        "per_key": None if key_rate is None else PER,
+    }
+    if settings["queue"] is not None or rate is not None or keyed:
         running = settings["queue"]
         await limit_queue(
-            conn, "default", max_running=running, rate_limit=rate, per=per, schema=schema
+            conn, "default", max_running=running, rate_limit=rate, per=per, schema=schema, **per_key
         )
-        memory.limit_queue("default", max_running=running, rate_limit=rate, per=per)
+        memory.limit_queue("default", max_running=running, rate_limit=rate, per=per, **per_key)
     task_rates: dict[str, int] = settings.get("task_rates", {})
-    for name in sorted({*settings["tasks"], *task_rates}):
+    task_keys: dict[str, int] = settings.get("task_key_running", {})
+    for name in sorted({*settings["tasks"], *task_rates, *task_keys}):
         most = settings["tasks"].get(name)
         rate = task_rates.get(name)
         per = None if rate is None else PER
-        await limit_task(conn, name, max_running=most, rate_limit=rate, per=per, schema=schema)
-        memory.limit_task(name, max_running=most, rate_limit=rate, per=per)
+        by_key = task_keys.get(name)
+        await limit_task(
+            conn,
+            name,
+            max_running=most,
+            rate_limit=rate,
+            per=per,
+            max_running_per_key=by_key,
+            schema=schema,
+        )
+        memory.limit_task(
+            name, max_running=most, rate_limit=rate, per=per, max_running_per_key=by_key
+        )
     if settings.get("pause_first"):
         await pause_queue(conn, "default", schema=schema)
         memory.pause_queue("default")
@@ -129,4 +156,6 @@ async def test_claims_match_the_sql_claim(queue: QueueFixture, settings: dict[st
             )
             assert memory.complete(memory_ids[index], memory_claimed[index])
     # Every setting with a rate limit runs into it within the six rounds.
-    assert (rounds_held_by_a_window > 0) == bool(settings.get("queue_rate") or task_rates)
+    assert (rounds_held_by_a_window > 0) == bool(
+        settings.get("queue_rate") or task_rates or key_rate
+    )

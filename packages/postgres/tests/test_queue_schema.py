@@ -49,6 +49,7 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             (10, "0010_vacuum_and_bounded_counts"),
             (11, "0011_claim_limits_written_once"),
             (13, "0013_claim_walks_from_a_position"),
+            (14, "0014_per_key_limits"),
         ]
         # The claim of workers of versions 6 to 12, and the one with positions.
         assert (

@@ -545,6 +545,12 @@ def queues_section(links: Links, queues: Sequence[QueueRecord], actions: bool) -
             limits.append(f"at most {q.max_running} running")
         if q.rate_limit is not None and q.rate_period_seconds is not None:
             limits.append(f"{q.rate_limit} starts per {q.rate_period_seconds:g} s")
+        if q.max_running_per_key is not None:
+            limits.append(f"at most {q.max_running_per_key} running per key")
+        if q.rate_limit_per_key is not None and q.rate_period_per_key_seconds is not None:
+            limits.append(
+                f"{q.rate_limit_per_key} starts per key per {q.rate_period_per_key_seconds:g} s"
+            )
         state = badge("paused" if q.paused else "active")
         if q.unserved:
             # Judged from the tasks (workers do not register): say what was seen.

@@ -69,6 +69,7 @@ def task_record(run: TaskRun) -> TaskRecord:
 def queue_record(info: QueueInfo) -> QueueRecord:
     """Return the admin's view of a named queue."""
     period = info.rate_period
+    key_period = info.rate_period_per_key
     return QueueRecord(
         name=info.name,
         paused=info.paused,
@@ -81,6 +82,9 @@ def queue_record(info: QueueInfo) -> QueueRecord:
         unserved=info.unserved,
         pending_capped=info.pending_capped,
         running_capped=info.running_capped,
+        max_running_per_key=info.max_running_per_key,
+        rate_limit_per_key=info.rate_limit_per_key,
+        rate_period_per_key_seconds=None if key_period is None else key_period.total_seconds(),
     )
 
 

@@ -181,6 +181,12 @@ class QueueRecord:
     """``pending`` is where counting stopped: the queue holds at least that many."""
     running_capped: bool = False
     """``running`` is where counting stopped: at least that many run."""
+    max_running_per_key: int | None = None
+    """At most this many of its tasks with one limit key running at once."""
+    rate_limit_per_key: int | None = None
+    """At most this many of its tasks with one limit key started per window."""
+    rate_period_per_key_seconds: float | None = None
+    """The per-key rate's window, in seconds."""
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -194,6 +200,9 @@ class QueueRecord:
             "max_running": self.max_running,
             "rate_limit": self.rate_limit,
             "rate_period_seconds": self.rate_period_seconds,
+            "max_running_per_key": self.max_running_per_key,
+            "rate_limit_per_key": self.rate_limit_per_key,
+            "rate_period_per_key_seconds": self.rate_period_per_key_seconds,
             "due_since": _iso(self.due_since),
             "unserved": self.unserved,
         }

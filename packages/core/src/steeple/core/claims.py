@@ -14,6 +14,14 @@ step the candidates are taken in the order given (the claim order: highest prior
 earliest due, then the order they became due). A claim whose budget a limit cut reports
 that it was held back, and when the oldest start in a binding rate window leaves it.
 
+A task may carry a limit key (a customer, a tenant), and a scope may limit each of its keys
+apart: the most of its tasks with one key running at once (``max_running_per_key``) and
+started per window (``rate_limit_per_key`` per ``rate_period_per_key``), counted over the
+scope's tasks with that key. Within a step, a candidate whose key has no room left in its
+queue or its task name is skipped (and reported held back, with when its key's rate window
+frees a start) and the walk goes on to the next candidate: a saturated key never blocks
+the other keys behind it. Tasks without a key are not limited per key.
+
 Where a claim walks the claim order from (:class:`ClaimWalk`): a claimer may start a
 queue's walk after the last task it took there (its :class:`ClaimPosition`) instead of at
 the front, which skips what it already claimed (entries a held vacuum horizon keeps in the
@@ -44,6 +52,8 @@ __all__ = [
     "ClaimPlan",
     "ClaimPosition",
     "ClaimWalk",
+    "KeyScope",
+    "KeyState",
     "ScopeLimits",
     "ScopeState",
     "frees_at",
@@ -67,6 +77,11 @@ class ClaimCandidate(Protocol):
         """The task's name."""
         ...
 
+    @property
+    def limit_key(self) -> str | None:
+        """The key its scopes' per-key limits count it under (``None``: no key)."""
+        ...
+
 
 C = TypeVar("C", bound=ClaimCandidate)
 
@@ -79,11 +94,27 @@ class ScopeLimits:
     max_running: int | None = None
     rate_limit: int | None = None
     rate_period: timedelta | None = None
+    max_running_per_key: int | None = None
+    rate_limit_per_key: int | None = None
+    rate_period_per_key: timedelta | None = None
 
     @property
     def limited(self) -> bool:
-        """Whether a running limit or a rate limit applies."""
+        """Whether a running limit or a rate limit applies (to the scope as a whole)."""
         return self.max_running is not None or self.rate_limit is not None
+
+    @property
+    def keyed(self) -> bool:
+        """Whether a per-key running limit or per-key rate limit applies."""
+        return self.max_running_per_key is not None or self.rate_limit_per_key is not None
+
+    def per_key(self) -> ScopeLimits:
+        """Return the limits one key of this scope is held to, as a scope of its own."""
+        return ScopeLimits(
+            max_running=self.max_running_per_key,
+            rate_limit=self.rate_limit_per_key,
+            rate_period=self.rate_period_per_key,
+        )
 
 
 @attrs.frozen
@@ -93,6 +124,18 @@ class ScopeState:
     limits: ScopeLimits = ScopeLimits()
     running: int = 0
     starts: tuple[datetime, ...] = ()
+
+
+@attrs.frozen
+class KeyState:
+    """What of one key of a scope runs now and the starts its window recorded."""
+
+    running: int = 0
+    starts: tuple[datetime, ...] = ()
+
+
+KeyScope = tuple[str, str, str]
+"""A key of a scope: (``"queue"`` or ``"task"``, the scope's name, the limit key)."""
 
 
 def starts_in_window(
@@ -154,6 +197,54 @@ def _earliest(a: datetime | None, b: datetime | None) -> datetime | None:
     return min(a, b)
 
 
+@attrs.define
+class _Walk:
+    """The per-key bookkeeping of one claim: what it took per key, what keys held back."""
+
+    queues: Mapping[str, ScopeState]
+    names: Mapping[str, ScopeState]
+    keys: Mapping[KeyScope, KeyState]
+    now: datetime
+    taken: dict[KeyScope, int] = attrs.field(factory=dict)
+    held: bool = False
+    frees: datetime | None = None
+
+    def _keyed_scopes(self, c: ClaimCandidate) -> list[tuple[KeyScope, ScopeLimits]]:
+        if c.limit_key is None:
+            return []
+        found = []
+        for kind, name, settings in (
+            ("queue", c.queue, self.queues.get(c.queue)),
+            ("task", c.task_name, self.names.get(c.task_name)),
+        ):
+            if settings is not None and settings.limits.keyed:
+                found.append(((kind, name, c.limit_key), settings.limits.per_key()))
+        return found
+
+    def take(self, pool: Sequence[C], n: int) -> list[C]:
+        """Return up to ``n`` of ``pool`` in order, skipping those whose key is full."""
+        chosen: list[C] = []
+        for c in pool:
+            if len(chosen) >= n:
+                break
+            scopes = self._keyed_scopes(c)
+            blocked = False
+            for key, limits in scopes:
+                used = self.keys.get(key, KeyState())
+                state = ScopeState(limits, used.running, used.starts)
+                left = room(state, self.now, self.taken.get(key, 0))
+                if left is not None and left <= 0:
+                    blocked = True
+                    self.frees = _earliest(self.frees, frees_at(state, self.now))
+            if blocked:
+                self.held = True
+                continue
+            for key, _limits in scopes:
+                self.taken[key] = self.taken.get(key, 0) + 1
+            chosen.append(c)
+        return chosen
+
+
 def plan_claim(
     wants: Sequence[tuple[str, int]],
     candidates: Sequence[C],
@@ -162,6 +253,7 @@ def plan_claim(
     names: Mapping[str, ScopeState],
     now: datetime,
     total: int | None = None,
+    keys: Mapping[KeyScope, KeyState] | None = None,
 ) -> ClaimPlan[C]:
     """Return which ``candidates`` a claim starts, by the rule in this module's docstring.
 
@@ -174,9 +266,11 @@ def plan_claim(
         now: the claim's instant, that of its starts.
         total: the most tasks over all queues together (``None``: the wants alone); once
             it is reached, later queues are not asked.
+        keys: what runs and what started per key of the scopes that limit keys (absent:
+            nothing).
 
     The plan's ``frees_at`` is the earliest instant a start leaves the window of a rate
-    limit the claim consulted; it matters when ``held`` is true.
+    limit the claim consulted, or of a key a limit skipped; it matters when ``held`` is true.
     """
     limited = sorted(n for n, s in names.items() if s.limits.limited)
     limited_set = frozenset(limited)
@@ -184,6 +278,7 @@ def plan_claim(
     started: list[C] = []
     held = False
     frees: datetime | None = None
+    walk = _Walk(queues, names, keys or {}, now)
     for queue, want in wants:
         if total is not None:
             want = min(want, total - len(started))
@@ -212,15 +307,15 @@ def plan_claim(
                 held = True
             if name_budget <= 0:
                 continue
-            chosen = [c for c in mine if c.task_name == name][:name_budget]
+            chosen = walk.take([c for c in mine if c.task_name == name], name_budget)
             taken_by_name[name] += len(chosen)
             got += len(chosen)
             started.extend(chosen)
         if budget - got > 0:
-            free = [c for c in mine if c.task_name not in limited_set][: budget - got]
+            free = walk.take([c for c in mine if c.task_name not in limited_set], budget - got)
             got += len(free)
             started.extend(free)
-    return ClaimPlan(tuple(started), held, frees)
+    return ClaimPlan(tuple(started), held or walk.held, _earliest(frees, walk.frees))
 
 
 @attrs.frozen

@@ -369,6 +369,7 @@ def _options(
     max_attempts: int | None,
     dedup_key: str | None = None,
     queue_name: str | None = None,
+    limit_key: str | None = None,
 ) -> EnqueueOptions:
     from steeple.admin._cli.recurring import _instant
     from steeple.postgres.queue import EnqueueOptions
@@ -384,6 +385,8 @@ def _options(
         extra["dedup_key"] = dedup_key
     if queue_name is not None:
         extra["queue"] = queue_name
+    if limit_key is not None:
+        extra["limit_key"] = limit_key
 
     def build() -> EnqueueOptions:
         if at is not None:
@@ -423,6 +426,15 @@ QueueOpt = Annotated[
     ),
 ]
 
+LimitKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--limit-key",
+        show_default=False,
+        help="The key its queue's per-key limits count it under (a customer, a tenant).",
+    ),
+]
+
 
 @where_options(queue=True, store=False)
 def enqueue(
@@ -453,13 +465,16 @@ def enqueue(
         ),
     ] = None,
     queue_name: QueueOpt = None,
+    limit_key: LimitKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Enqueue one task (now, at a time, or after a delay) into a named queue."""
     from steeple.postgres.queue import Task
 
     value = guard(lambda: _json_args(args))
-    options = guard(lambda: _options(at, delay, priority, max_attempts, dedup_key, queue_name))
+    options = guard(
+        lambda: _options(at, delay, priority, max_attempts, dedup_key, queue_name, limit_key)
+    )
     kind: Task[Any] = guard(lambda: output.typed(lambda: Task(task), code=ExitCode.USAGE))
     guard(lambda: _encodable(kind, value))
     target = guard(where.target)
@@ -770,17 +785,26 @@ def _limits_text(info: QueueInfo) -> str:
         parts.append(f"at most {info.max_running} running")
     if info.rate_limit is not None and info.rate_period is not None:
         parts.append(f"at most {info.rate_limit} starts per {info.rate_period.total_seconds():g} s")
+    if info.max_running_per_key is not None:
+        parts.append(f"at most {info.max_running_per_key} running per key")
+    if info.rate_limit_per_key is not None and info.rate_period_per_key is not None:
+        seconds = info.rate_period_per_key.total_seconds()
+        parts.append(f"at most {info.rate_limit_per_key} starts per key per {seconds:g} s")
     return ", ".join(parts) or "none"
 
 
 def _queue_json(info: QueueInfo) -> dict[str, Any]:
     period = info.rate_period
+    key_period = info.rate_period_per_key
     return {
         "name": info.name,
         "paused": info.paused,
         "max_running": info.max_running,
         "rate_limit": info.rate_limit,
         "rate_period_seconds": None if period is None else period.total_seconds(),
+        "max_running_per_key": info.max_running_per_key,
+        "rate_limit_per_key": info.rate_limit_per_key,
+        "rate_period_per_key_seconds": None if key_period is None else key_period.total_seconds(),
         "pending": info.pending,
         "running": info.running,
         "due_since": None if info.due_since is None else info.due_since.isoformat(),
@@ -898,23 +922,60 @@ def queues_limit(
         str | None,
         typer.Option("--per", show_default=False, help="The rate's window, e.g. 1s or 1m."),
     ] = None,
+    max_running_per_key: Annotated[
+        int | None,
+        typer.Option(
+            "--max-running-per-key",
+            show_default=False,
+            help="At most this many of its tasks with one limit key running at once.",
+        ),
+    ] = None,
+    rate_per_key: Annotated[
+        int | None,
+        typer.Option(
+            "--rate-per-key",
+            show_default=False,
+            help="At most this many starts of one limit key per --per-key.",
+        ),
+    ] = None,
+    per_key: Annotated[
+        str | None,
+        typer.Option("--per-key", show_default=False, help="The per-key rate's window."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Set (replace) a queue's limits for all workers; with no option, remove them."""
+    """Set (replace) a queue's limits for all workers; with no option, remove them.
+
+    The per-key limits hold each limit key (given at enqueue) apart: a full key's tasks
+    wait while the other keys' tasks run.
+    """
     from steeple.postgres.queue import admin
 
     guard(lambda: _check_queue(name))
     window = None if per is None else guard(lambda: parse_duration(per, what="--per"))
+    key_window = (
+        None if per_key is None else guard(lambda: parse_duration(per_key, what="--per-key"))
+    )
+    keyed = (max_running_per_key, rate_per_key, key_window)
 
     async def limit(conn: Any, schema: str) -> QueueInfo:
         return await admin.limit_queue(
-            conn, name, max_running=max_running, rate_limit=rate, per=window, schema=schema
+            conn,
+            name,
+            max_running=max_running,
+            rate_limit=rate,
+            per=window,
+            max_running_per_key=keyed[0],
+            rate_limit_per_key=keyed[1],
+            per_key=keyed[2],
+            schema=schema,
         )
 
-    guard(
-        lambda: output.typed(
-            lambda: admin.check_limits(max_running, rate, window), code=ExitCode.USAGE
-        )
-    )
+    def check() -> object:
+        admin.check_limits(max_running, rate, window)
+        names = ("--max-running-per-key", "--rate-per-key", "--per-key")
+        return admin.check_limits(*keyed, what=names)
+
+    guard(lambda: output.typed(check, code=ExitCode.USAGE))
     info = _queue_call(where, limit)
     _say_queue(info, "limited", as_json)

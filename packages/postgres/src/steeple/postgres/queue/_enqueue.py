@@ -62,7 +62,7 @@ def _params(
     return [
         task.name, args_text, priority, options.run_at, max_attempts, lease,
         b_init, b_max, b_factor, b_jitter, options.dedup_key, sql.channel, options.delay, trace,
-        options.queue,
+        options.queue, options.limit_key,
     ]  # fmt: skip
 
 
@@ -214,8 +214,8 @@ def _many_params(
     params = _params(sql, task, "", options, None)
     params[1] = [task.encode(a) for a in args_list] if local else task.encode_all(args_list)
     del params[10]  # no dedup key: the channel becomes $11, the delay $12
-    del params[12]  # the trace context ($14) is the producer span's, added by the caller
-    return params, task, options  # ... after the queue ($13)
+    del params[12]  # the trace context ($15) is the producer span's, added by the caller
+    return params, task, options  # ... after the queue ($13) and the limit key ($14)
 
 
 @entry_point

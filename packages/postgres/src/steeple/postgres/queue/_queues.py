@@ -27,6 +27,7 @@ from steeple.postgres.queue.errors import QueueConfigurationError
 __all__ = [
     "MAX_RATE_LIMIT",
     "MAX_RUNNING_LIMIT",
+    "PER_KEY_ARGUMENTS",
     "UNSERVED_AFTER",
     "QueueInfo",
     "TaskLimits",
@@ -55,7 +56,9 @@ judged unserved (a worker LISTENing claims due work at once, and polls every sec
 default; one told to poll less often than this may be judged unserved between polls)."""
 _QUEUE: Final = "queue"
 _TASK: Final = "task"
-_SETTINGS: Final = "paused, max_running, rate_limit, rate_period"
+_SETTINGS: Final = (
+    "paused, max_running, rate_limit, rate_period, key_max_running, key_rate_limit, key_rate_period"
+)
 
 
 @attrs.frozen
@@ -82,6 +85,11 @@ class QueueInfo:
             least that many; they are not counted). ``due_since`` is then judged among the
             first :data:`COUNT_CAP` pending tasks in claim order (priority, then due time).
         running_capped: the same for ``running``.
+        max_running_per_key: the most of its tasks with one ``limit_key`` running at once
+            across all workers, or None.
+        rate_limit_per_key: the most of its tasks with one ``limit_key`` started per
+            ``rate_period_per_key``, or None.
+        rate_period_per_key: the per-key rate limit's sliding window, or None.
     """
 
     name: str
@@ -95,6 +103,9 @@ class QueueInfo:
     unserved: bool = False
     pending_capped: bool = False
     running_capped: bool = False
+    max_running_per_key: int | None = None
+    rate_limit_per_key: int | None = None
+    rate_period_per_key: timedelta | None = None
 
 
 @attrs.frozen
@@ -106,18 +117,33 @@ class TaskLimits:
         max_running: the most tasks of that name running at once, or None.
         rate_limit: the most of them started per ``rate_period``, or None.
         rate_period: the rate limit's sliding window, or None.
+        max_running_per_key: the most of them with one ``limit_key`` running at once, or
+            None.
+        rate_limit_per_key: the most of them with one ``limit_key`` started per
+            ``rate_period_per_key``, or None.
+        rate_period_per_key: the per-key rate limit's sliding window, or None.
     """
 
     task_name: str
     max_running: int | None
     rate_limit: int | None
     rate_period: timedelta | None
+    max_running_per_key: int | None = None
+    rate_limit_per_key: int | None = None
+    rate_period_per_key: timedelta | None = None
+
+
+_WHOLE: Final = ("max_running", "rate_limit", "per")
+PER_KEY_ARGUMENTS: Final = ("max_running_per_key", "rate_limit_per_key", "per_key")
+"""The per-key limits' argument names, for :func:`check_limits`' errors."""
 
 
 def check_limits(
-    max_running: object, rate_limit: object, per: object
+    max_running: object, rate_limit: object, per: object, *, what: tuple[str, str, str] = _WHOLE
 ) -> tuple[int | None, int | None, timedelta | None]:
     """Check limits as :func:`limit_queue` takes them; return them with ``per`` a timedelta.
+
+    ``what``: the three arguments' names, for the errors.
 
     Raises:
         QueueConfigurationError: a limit out of range, ``rate_limit`` without ``per`` (or
@@ -125,13 +151,13 @@ def check_limits(
         QueueTypeError: a value of the wrong type.
     """
     if max_running is not None:
-        check_int(max_running, "max_running", 1, MAX_RUNNING_LIMIT)
+        check_int(max_running, what[0], 1, MAX_RUNNING_LIMIT)
     if (rate_limit is None) != (per is None):
-        raise QueueConfigurationError("give rate_limit and per together (or neither)")
+        raise QueueConfigurationError(f"give {what[1]} and {what[2]} together (or neither)")
     period = None
     if rate_limit is not None:
-        check_int(rate_limit, "rate_limit", 1, MAX_RATE_LIMIT)
-        period = timedelta(seconds=check_seconds(per, "per", 0.001, _MAX_PERIOD))
+        check_int(rate_limit, what[1], 1, MAX_RATE_LIMIT)
+        period = timedelta(seconds=check_seconds(per, what[2], 0.001, _MAX_PERIOD))
     return max_running, rate_limit, period  # type: ignore[return-value]
 
 
@@ -156,7 +182,16 @@ async def _write(conn: Any, schema: str, statement: str, *args: Any) -> list[Any
         conn,
         f"""DELETE FROM {s}.settings
         WHERE scope = $1 AND name = $2 AND NOT paused AND max_running IS NULL
-          AND rate_limit IS NULL""",
+          AND rate_limit IS NULL AND key_max_running IS NULL AND key_rate_limit IS NULL""",
+        scope,
+        row[0],
+    )
+    # A key's window outlives no per-key rate limit (as recent_starts is cleared above).
+    await _driver.fetch(
+        conn,
+        f"""DELETE FROM {s}.key_starts k WHERE k.scope = $1 AND k.name = $2
+        AND NOT EXISTS (SELECT 1 FROM {s}.settings t
+                        WHERE t.scope = $1 AND t.name = $2 AND t.key_rate_limit IS NOT NULL)""",
         scope,
         row[0],
     )
@@ -182,7 +217,7 @@ async def _counts(conn: Any, schema: str, queue: str) -> tuple[int, bool, int, b
 
 
 async def _queue_info(conn: Any, schema: str, row: list[Any]) -> QueueInfo:
-    name, paused, max_running, rate_limit, rate_period = row[:5]
+    name, paused, max_running, rate_limit, rate_period, *per_key = row[:8]
     pending, pending_capped, running, running_capped = await _counts(conn, schema, name)
     return QueueInfo(
         name,
@@ -194,6 +229,9 @@ async def _queue_info(conn: Any, schema: str, row: list[Any]) -> QueueInfo:
         running,
         pending_capped=pending_capped,
         running_capped=running_capped,
+        max_running_per_key=per_key[0],
+        rate_limit_per_key=per_key[1],
+        rate_period_per_key=per_key[2],
     )
 
 
@@ -246,10 +284,12 @@ async def resume_queue(conn: Any, queue: str, *, schema: str = DEFAULT_SCHEMA) -
 
 
 _SET_LIMITS: Final = """INSERT INTO {{s}}.settings AS t (scope, name, max_running, rate_limit,
-    rate_period) VALUES ('{scope}', $2, $3, $4, $5::interval)
+    rate_period, key_max_running, key_rate_limit, key_rate_period)
+    VALUES ('{scope}', $2, $3, $4, $5::interval, $6, $7, $8::interval)
     ON CONFLICT (scope, name) DO UPDATE SET
         max_running = EXCLUDED.max_running, rate_limit = EXCLUDED.rate_limit,
-        rate_period = EXCLUDED.rate_period,
+        rate_period = EXCLUDED.rate_period, key_max_running = EXCLUDED.key_max_running,
+        key_rate_limit = EXCLUDED.key_rate_limit, key_rate_period = EXCLUDED.key_rate_period,
         recent_starts = CASE WHEN EXCLUDED.rate_limit IS NULL THEN '{{{{}}}}'::timestamptz[]
                              ELSE t.recent_starts END,
         updated_at = clock_timestamp()
@@ -264,6 +304,9 @@ async def limit_queue(
     max_running: int | None = None,
     rate_limit: int | None = None,
     per: float | timedelta | None = None,
+    max_running_per_key: int | None = None,
+    rate_limit_per_key: int | None = None,
+    per_key: float | timedelta | None = None,
     schema: str = DEFAULT_SCHEMA,
 ) -> QueueInfo:
     """Set the limits of ``queue`` across all workers (replacing its previous limits).
@@ -277,17 +320,29 @@ async def limit_queue(
         max_running: the most of its tasks running at once (1..1,000,000), or None.
         rate_limit: the most of its tasks started in any window of ``per`` (1..10,000).
         per: the rate limit's window: seconds or a timedelta (0.001 s .. 1 day).
+        max_running_per_key: the most of its tasks with one ``limit_key`` (see
+            :class:`EnqueueOptions`) running at once (1..1,000,000), or None. A task whose
+            key is full waits; the claim takes the tasks of other keys behind it.
+        rate_limit_per_key: the most of its tasks with one ``limit_key`` started in any
+            window of ``per_key`` (1..10,000), or None.
+        per_key: the per-key rate limit's window (as ``per``).
         schema: the queue's PostgreSQL schema.
 
     Raises:
         QueueConfigurationError: a limit out of range, ``rate_limit`` without ``per`` (or
-            the reverse), an invalid queue or schema name.
+            the reverse, and the same for the per-key pair), an invalid queue or schema name.
         QueueTypeError: an argument of the wrong type.
     """
     check_queue(queue)
     limits = check_limits(max_running, rate_limit, per)
+    keyed = check_limits(max_running_per_key, rate_limit_per_key, per_key, what=PER_KEY_ARGUMENTS)
     row = await _write(
-        conn, schema, _SET_LIMITS.format(scope=_QUEUE, settings=_SETTINGS), queue, *limits
+        conn,
+        schema,
+        _SET_LIMITS.format(scope=_QUEUE, settings=_SETTINGS),
+        queue,
+        *limits,
+        *keyed,
     )
     return await _queue_info(conn, schema, row)
 
@@ -300,18 +355,28 @@ async def limit_task(
     max_running: int | None = None,
     rate_limit: int | None = None,
     per: float | timedelta | None = None,
+    max_running_per_key: int | None = None,
+    rate_limit_per_key: int | None = None,
+    per_key: float | timedelta | None = None,
     schema: str = DEFAULT_SCHEMA,
 ) -> TaskLimits:
     """Set the limits of the tasks named ``task_name`` in all queues, across all workers.
 
-    Arguments and errors as for :func:`limit_queue`; ``None`` everywhere removes them.
+    Arguments and errors as for :func:`limit_queue` (a key's tasks of that name are
+    counted in all queues together); ``None`` everywhere removes them.
     """
     check_name(task_name, "task_name")
     limits = check_limits(max_running, rate_limit, per)
+    keyed = check_limits(max_running_per_key, rate_limit_per_key, per_key, what=PER_KEY_ARGUMENTS)
     row = await _write(
-        conn, schema, _SET_LIMITS.format(scope=_TASK, settings=_SETTINGS), task_name, *limits
+        conn,
+        schema,
+        _SET_LIMITS.format(scope=_TASK, settings=_SETTINGS),
+        task_name,
+        *limits,
+        *keyed,
     )
-    return TaskLimits(row[0], *row[2:5])
+    return TaskLimits(row[0], *row[2:5], *row[5:8])
 
 
 @entry_point
@@ -361,14 +426,16 @@ async def list_queues(
                CASE WHEN live.due_since <= clock_timestamp() THEN live.due_since END,
                coalesce(NOT coalesce(named.paused, false) AND live.running = 0
                         AND live.due_since < now.since
-                        AND (named.last_start IS NULL OR named.last_start < now.since), false)
+                        AND (named.last_start IS NULL OR named.last_start < now.since), false),
+               named.key_max_running, named.key_rate_limit, named.key_rate_period
         FROM named FULL JOIN live ON live.queue = named.name CROSS JOIN now
         ORDER BY 1
         LIMIT {_MAX_LISTED}""",
         wait,
     )
     listed = []
-    for name, paused, max_running, rate_limit, period, pending, running, due, unserved in rows:
+    for row in rows:
+        name, paused, max_running, rate_limit, period, pending, running, due, unserved = row[:9]
         pending, pending_capped = _bounded(int(pending))
         running, running_capped = _bounded(int(running))
         listed.append(
@@ -384,6 +451,7 @@ async def list_queues(
                 unserved,
                 pending_capped,
                 running_capped,
+                *row[9:12],
             )
         )
     return listed
@@ -399,7 +467,8 @@ async def list_task_limits(conn: Any, *, schema: str = DEFAULT_SCHEMA) -> list[T
     s = validate_schema(schema)
     rows = await _driver.fetch(
         conn,
-        f"""SELECT name, max_running, rate_limit, rate_period FROM {s}.settings
+        f"""SELECT name, max_running, rate_limit, rate_period, key_max_running, key_rate_limit,
+               key_rate_period FROM {s}.settings
         WHERE scope = '{_TASK}' ORDER BY name LIMIT {_MAX_LISTED}""",
     )
     return [TaskLimits(*row) for row in rows]

@@ -125,7 +125,7 @@ RUN_STATE_COLUMNS: Final = (
 """The columns of a ``TaskRun`` (``TaskRun.from_row``), in order: ``run_state`` and listings."""
 _TASK_COLUMNS = (
     "task_name, args, priority, run_at, max_attempts, lease_duration, "
-    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter, queue"
+    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter, queue, limit_key"
 )
 
 
@@ -175,23 +175,23 @@ def _queue_sql(schema: str) -> QueueSql:
         channel=notify_channel(schema),
         # $1 name, $2 args, $3 priority, $4 run_at|null, $5 max_attempts, $6 lease,
         # $7..$10 backoff, $11 dedup key, $12 channel, $13 delay|null (from the server's now),
-        # $14 trace context|null (JSON text, see _tracing.py), $15 queue
+        # $14 trace context|null (JSON text, see _tracing.py), $15 queue, $16 limit key|null
         enqueue=f"""
 WITH {_NOW}
 INSERT INTO {s}.tasks ({_TASK_COLUMNS}, dedup_key, created_at, updated_at, trace_context)
 SELECT $1, $2::text::jsonb, $3, {_RUN_AT.format(run_at="$4", delay="$13")}, $5, $6::interval,
-       $7, $8, $9, $10, $15, $11, created.at, created.at, $14::text::jsonb
+       $7, $8, $9, $10, $15, $16, $11, created.at, created.at, $14::text::jsonb
 FROM created, {DURABLE}
 ON CONFLICT (task_name, dedup_key) WHERE dedup_key IS NOT NULL AND state IN {LIVE} DO NOTHING
 RETURNING id, pg_notify($12, {_DUE_PAYLOAD.format(run_at="run_at")})::text""",
         # $1 name, $2 every args as one JSON array text (Task.encode_all), $3.. as above
-        # but no dedup; $11 channel, $12 delay|null, $13 queue, $14 trace context|null (one
-        # for the batch)
+        # but no dedup; $11 channel, $12 delay|null, $13 queue, $14 limit key|null, $15 trace
+        # context|null (one for the batch)
         enqueue_many=f"""
 WITH {_NOW}, ins AS (
     INSERT INTO {s}.tasks ({_TASK_COLUMNS}, created_at, updated_at, trace_context)
     SELECT $1, u.a, $3, {_RUN_AT.format(run_at="$4", delay="$12")}, $5, $6::interval,
-           $7, $8, $9, $10, $13, created.at, created.at, $14::text::jsonb
+           $7, $8, $9, $10, $13, $14, created.at, created.at, $15::text::jsonb
     FROM created, {DURABLE}, jsonb_array_elements($2::text::jsonb) WITH ORDINALITY AS u(a, n)
     ORDER BY u.n
     RETURNING id, run_at

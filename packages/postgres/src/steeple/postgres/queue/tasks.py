@@ -328,6 +328,11 @@ def _check_dedup(_i: object, _a: object, value: Any) -> None:
         check_text(value, "dedup_key")
 
 
+def _check_limit_key(_i: object, _a: object, value: Any) -> None:
+    if value is not None:
+        check_text(value, "limit_key")
+
+
 def _check_backoff(_i: object, _a: object, value: Any) -> None:
     if value is None:
         return
@@ -353,7 +358,7 @@ def _check_queue(_i: object, _a: object, value: Any) -> None:
 
 
 _OPTION_NAMES: Final = frozenset(
-    {"priority", "lease_duration", "max_attempts", "backoff", "dedup_key", "queue"}
+    {"priority", "lease_duration", "max_attempts", "backoff", "dedup_key", "queue", "limit_key"}
 )
 
 
@@ -378,6 +383,9 @@ class EnqueueOptions:
         dedup_key: at most one live (pending or running) task per task name and key.
         queue: the named queue it waits in (1-200 chars, default ``"default"``); workers
             serve the queues they are given (see :class:`Scheduler`).
+        limit_key: the key its queue's and its task name's per-key limits count it under
+            (a customer, a tenant: 1-200 chars, no control characters); ``None``: no
+            per-key limit applies to it (see :func:`limit_queue`).
 
     Raises:
         QueueConfigurationError: any value out of range; a naive ``run_at``; both
@@ -393,6 +401,7 @@ class EnqueueOptions:
     backoff: Backoff | None = attrs.field(default=None, validator=_check_backoff)
     dedup_key: str | None = attrs.field(default=None, validator=_check_dedup)
     queue: str = attrs.field(default=DEFAULT_QUEUE, validator=_check_queue)
+    limit_key: str | None = attrs.field(default=None, validator=_check_limit_key)
 
     def __attrs_post_init__(self) -> None:
         if self.run_at is not None and self.delay is not None:

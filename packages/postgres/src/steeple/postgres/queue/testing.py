@@ -40,7 +40,14 @@ from typing import Any, Final
 import attrs
 
 from steeple.core.backoff import Backoff
-from steeple.core.claims import ScopeLimits, ScopeState, plan_claim, record_starts
+from steeple.core.claims import (
+    KeyScope,
+    KeyState,
+    ScopeLimits,
+    ScopeState,
+    plan_claim,
+    record_starts,
+)
 from steeple.core.tasks import (
     TERMINAL_TASK_STATES,
     TaskEvent,
@@ -63,7 +70,12 @@ from steeple.postgres.queue._execution import (
 from steeple.postgres.queue._failures import Failure
 from steeple.postgres.queue._local import LocalQueue
 from steeple.postgres.queue._ops import MAX_HISTORY, Progress, TaskAttempt, TaskRun
-from steeple.postgres.queue._queues import QueueInfo, TaskLimits, check_limits
+from steeple.postgres.queue._queues import (
+    PER_KEY_ARGUMENTS,
+    QueueInfo,
+    TaskLimits,
+    check_limits,
+)
 from steeple.postgres.queue._validate import check_int, check_name, check_queue, check_timedelta
 from steeple.postgres.queue.errors import QueueError, QueueTypeError, TaskNotFoundError
 from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, Task
@@ -170,6 +182,7 @@ class _Stored:
     backoff: Backoff
     dedup_key: str | None
     order: int
+    limit_key: str | None = None
     run_id: uuid.UUID = attrs.field(factory=uuid.uuid4)
     state: TaskState = _PENDING
     attempts: int = 0
@@ -194,24 +207,43 @@ class _Limits:
     # The start instants inside the last rate_period (the sliding-window log the database
     # keeps in settings.recent_starts).
     starts: list[datetime] = attrs.field(factory=list)
+    per_key: tuple[int | None, int | None, timedelta | None] = (None, None, None)
+    # Each key's start instants inside the last per-key period (the database's key_starts).
+    key_starts: dict[str, list[datetime]] = attrs.field(factory=dict)
 
     def set(
-        self, max_running: int | None, rate_limit: int | None, rate_period: timedelta | None
+        self,
+        max_running: int | None,
+        rate_limit: int | None,
+        rate_period: timedelta | None,
+        per_key: tuple[int | None, int | None, timedelta | None] = (None, None, None),
     ) -> None:
         self.max_running = max_running
         self.rate_limit = rate_limit
         self.rate_period = rate_period
+        self.per_key = per_key
         if rate_limit is None:
             self.starts = []  # as the database clears its log when the rate limit goes
+        if per_key[1] is None:
+            self.key_starts = {}
 
     def scope(self, running: int) -> ScopeState:
         """Return these settings with ``running`` tasks, as the core's claim rule reads them."""
-        limits = ScopeLimits(self.paused, self.max_running, self.rate_limit, self.rate_period)
+        limits = ScopeLimits(
+            self.paused, self.max_running, self.rate_limit, self.rate_period, *self.per_key
+        )
         return ScopeState(limits, running, tuple(self.starts))
 
     def record(self, now: datetime, count: int) -> None:
         if self.rate_period is not None and count > 0:
             self.starts = list(record_starts(self.starts, self.rate_period, now, count))
+
+    def record_key(self, now: datetime, key: str, count: int) -> None:
+        period = self.per_key[2]
+        if period is not None:
+            self.key_starts[key] = list(
+                record_starts(self.key_starts.get(key, []), period, now, count)
+            )
 
 
 class InMemoryQueue(LocalQueue):
@@ -308,6 +340,7 @@ class InMemoryQueue(LocalQueue):
                 jitter=b_jitter,
             ),
             dedup_key=options.dedup_key,
+            limit_key=options.limit_key,
             order=next(self._order),
         )
         return task_id
@@ -410,6 +443,9 @@ class InMemoryQueue(LocalQueue):
         max_running: int | None = None,
         rate_limit: int | None = None,
         per: float | timedelta | None = None,
+        max_running_per_key: int | None = None,
+        rate_limit_per_key: int | None = None,
+        per_key: float | timedelta | None = None,
     ) -> QueueInfo:
         """Set ``queue``'s limits, as :func:`~steeple.postgres.queue.limit_queue` does.
 
@@ -425,7 +461,10 @@ class InMemoryQueue(LocalQueue):
         """
         check_queue(queue)
         running, rate, period = check_limits(max_running, rate_limit, per)
-        self._queues.setdefault(queue, _Limits()).set(running, rate, period)
+        keyed = check_limits(
+            max_running_per_key, rate_limit_per_key, per_key, what=PER_KEY_ARGUMENTS
+        )
+        self._queues.setdefault(queue, _Limits()).set(running, rate, period, keyed)
         return self._info(queue)
 
     def limit_task(
@@ -435,6 +474,9 @@ class InMemoryQueue(LocalQueue):
         max_running: int | None = None,
         rate_limit: int | None = None,
         per: float | timedelta | None = None,
+        max_running_per_key: int | None = None,
+        rate_limit_per_key: int | None = None,
+        per_key: float | timedelta | None = None,
     ) -> TaskLimits:
         """Set the limits of the tasks named ``task_name``, in all queues together.
 
@@ -448,8 +490,11 @@ class InMemoryQueue(LocalQueue):
         """
         check_name(task_name, "task_name")
         running, rate, period = check_limits(max_running, rate_limit, per)
-        self._names.setdefault(task_name, _Limits()).set(running, rate, period)
-        return TaskLimits(task_name, running, rate, period)
+        keyed = check_limits(
+            max_running_per_key, rate_limit_per_key, per_key, what=PER_KEY_ARGUMENTS
+        )
+        self._names.setdefault(task_name, _Limits()).set(running, rate, period, keyed)
+        return TaskLimits(task_name, running, rate, period, *keyed)
 
     def _info(self, queue: str) -> QueueInfo:
         limits = self._queues.get(queue, _Limits())
@@ -462,6 +507,9 @@ class InMemoryQueue(LocalQueue):
             limits.rate_period,
             held.count(_PENDING),
             held.count(_RUNNING),
+            max_running_per_key=limits.per_key[0],
+            rate_limit_per_key=limits.per_key[1],
+            rate_period_per_key=limits.per_key[2],
         )
 
     # --- the storage operations (what a worker does, one step at a time) -----------------
@@ -525,8 +573,10 @@ class InMemoryQueue(LocalQueue):
             },
             now=now,
             total=limit,
+            keys=self._key_states(),
         )
         taken = list(plan.started)
+        self._record_keys(now, taken)
         for queue, count in _count(s.queue for s in taken).items():
             if queue in self._queues:
                 self._queues[queue].record(now, count)
@@ -554,6 +604,29 @@ class InMemoryQueue(LocalQueue):
         returns the same as its "held" row's ``run_at``; a worker claims again then).
         """
         return self._rate_frees_at
+
+    def _key_states(self) -> dict[KeyScope, KeyState]:
+        """Return what runs and started per key of every scope, as the claim rule reads them."""
+        running: dict[KeyScope, int] = {}
+        for s in self._running():
+            if s.limit_key is not None:
+                for k in (("queue", s.queue, s.limit_key), ("task", s.task_name, s.limit_key)):
+                    running[k] = running.get(k, 0) + 1
+        states = {k: KeyState(running=n) for k, n in running.items()}
+        for kind, scopes in (("queue", self._queues), ("task", self._names)):
+            for name, lim in scopes.items():
+                for key, starts in lim.key_starts.items():
+                    k = (kind, name, key)
+                    states[k] = KeyState(running.get(k, 0), tuple(starts))
+        return states
+
+    def _record_keys(self, now: datetime, taken: list[_Stored]) -> None:
+        for s in taken:
+            if s.limit_key is None:
+                continue
+            for lim in (self._queues.get(s.queue), self._names.get(s.task_name)):
+                if lim is not None:
+                    lim.record_key(now, s.limit_key, 1)
 
     def _running(self) -> list[_Stored]:
         return [s for s in self._tasks.values() if s.state is _RUNNING]
