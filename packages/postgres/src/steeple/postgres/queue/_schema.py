@@ -52,6 +52,7 @@ _MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
     (9, "0009_claim_in_one_statement"),
     (10, "0010_vacuum_and_bounded_counts"),
     (11, "0011_claim_limits_written_once"),
+    (12, "0012_workflows"),
 )
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""
