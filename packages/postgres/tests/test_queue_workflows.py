@@ -5,7 +5,6 @@ by the statements that end those others, in the same transaction, fenced by thei
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -17,23 +16,24 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from queue_support import QueueFixture
 from steeple.core.tasks import TERMINAL_TASK_STATES, TaskState
 from steeple.core.workflows import ParentFailure, Settlement, settlement
-from steeple.postgres._arrays import array_literal, text_array
+from steeple.postgres._arrays import array_literal
 from steeple.postgres.queue import (
     EnqueuedTask,
     EnqueueOptions,
     QueueConfigurationError,
     QueueTypeError,
+    Step,
     Task,
     TaskNotFoundError,
     Workflow,
     WorkflowCycleError,
+    _driver,
     cancel,
     enqueue,
     enqueue_workflow,
     parent_results,
     workflow_state,
 )
-from steeple.postgres.queue import _driver
 from steeple.postgres.queue._sql import queue_sql
 
 pytestmark = pytest.mark.postgres
@@ -133,7 +133,7 @@ async def test_a_stale_completion_releases_nothing(queue: QueueFixture) -> None:
     child = await enqueue(conn, STEP, {}, schema=schema, after=[parent])
     (first,) = await _claim(conn, schema)
     await conn.execute(
-        f'UPDATE "{schema}".tasks SET lease_expires_at = clock_timestamp() - interval \'1 s\''
+        f"UPDATE \"{schema}\".tasks SET lease_expires_at = clock_timestamp() - interval '1 s'"
         " WHERE id = $1",
         parent.id,
     )
@@ -191,7 +191,7 @@ async def test_a_final_lease_lapse_cancels_dependents(queue: QueueFixture) -> No
     child = await enqueue(conn, STEP, {}, schema=schema, after=[parent])
     await _claim(conn, schema)
     await conn.execute(
-        f'UPDATE "{schema}".tasks SET lease_expires_at = clock_timestamp() - interval \'1 s\''
+        f"UPDATE \"{schema}\".tasks SET lease_expires_at = clock_timestamp() - interval '1 s'"
         " WHERE id = $1",
         parent.id,
     )
@@ -221,9 +221,8 @@ async def test_ten_thousand_tasks_enqueue_in_one_statement(
     statements = [s for s in statements if "enqueue_graph" in s or "tasks" in s]
     assert len(statements) == 1
     assert len(handle.ids) == 10_000
-    counts = dict(
-        await conn.fetch(f'SELECT state, count(*) FROM "{schema}".tasks GROUP BY state')
-    )
+    rows = await conn.fetch(f'SELECT state, count(*) FROM "{schema}".tasks GROUP BY state')
+    counts = {r[0]: r[1] for r in rows}
     assert counts == {"pending": 1, "waiting": 9_999}
     with pytest.raises(QueueConfigurationError):
         wf.add(STEP, {})
@@ -262,9 +261,7 @@ async def test_cycles_and_hostile_after_are_refused_and_store_nothing(
     with pytest.raises(QueueTypeError):
         await enqueue(conn, STEP, {}, schema=schema, after=[], on_parent_failure=1)
     with pytest.raises(QueueConfigurationError):
-        await enqueue(
-            conn, STEP, {}, EnqueueOptions(dedup_key="k"), schema=schema, after=[]
-        )
+        await enqueue(conn, STEP, {}, EnqueueOptions(dedup_key="k"), schema=schema, after=[])
     with pytest.raises(QueueTypeError):
         await enqueue_workflow(conn, "graph", schema=schema)  # type: ignore[arg-type]
     with pytest.raises(QueueConfigurationError):
@@ -300,7 +297,7 @@ class WorkflowMachine(RuleBasedStateMachine):
         self.conn: asyncpg.Connection = self._run(asyncpg.connect(MACHINE_DSN))
         self._run(self.conn.execute(f'TRUNCATE "{MACHINE_SCHEMA}".tasks CASCADE'))
         wf = Workflow()
-        steps = []
+        steps: list[Step] = []
         self.parents: dict[int, list[int]] = {}
         self.policy: dict[int, ParentFailure] = {}
         for i, (ups, runs) in enumerate(graph):
@@ -386,9 +383,7 @@ class WorkflowMachine(RuleBasedStateMachine):
         if self.runner is None or not hasattr(self, "ids"):
             return
         states = self._states()
-        waiting = self._run(
-            self.conn.fetch(f'SELECT id, waiting_on FROM "{MACHINE_SCHEMA}".tasks')
-        )
+        waiting = self._run(self.conn.fetch(f'SELECT id, waiting_on FROM "{MACHINE_SCHEMA}".tasks'))
         count = {self.position[r[0]]: r[1] for r in waiting}
         for i, ups in self.parents.items():
             ended = [states[u] for u in ups if states[u] in TERMINAL_TASK_STATES]
@@ -430,7 +425,7 @@ async def test_random_workflows_settle_as_the_core_rule_says(queue: QueueFixture
                 return machine
 
             run_state_machine_as_test(
-                make,
+                make,  # type: ignore[arg-type]  # hypothesis takes any factory
                 settings=settings(
                     max_examples=40,
                     stateful_step_count=25,

@@ -12,9 +12,8 @@
 
 ALTER TABLE __SCHEMA__.tasks
     DROP CONSTRAINT tasks_state_check,
-    ADD CONSTRAINT tasks_state_check CHECK (
-        state IN ('waiting', 'pending', 'running', 'succeeded', 'failed', 'cancelled')
-    ),
+    ADD CONSTRAINT tasks_state_check
+        CHECK (state IN ('waiting', 'pending', 'running', 'succeeded', 'failed', 'cancelled')),
     -- The tasks it still waits for (0 once released; NULL for a task enqueued after none).
     ADD COLUMN waiting_on integer CHECK (waiting_on >= 0),
     -- The graph it belongs to: the id of its first task (NULL outside a workflow).
