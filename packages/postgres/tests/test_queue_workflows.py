@@ -147,6 +147,31 @@ async def test_a_stale_completion_releases_nothing(queue: QueueFixture) -> None:
     assert (await _states(conn, schema))[child.id] == "pending"
 
 
+async def test_a_batch_of_completions_releases_only_the_dependents_of_fenced_ones(
+    queue: QueueFixture,
+) -> None:
+    """A worker completes in batches: a stale entry beside a current one releases nothing."""
+    _, schema, conn = queue
+    stale_parent = await enqueue(conn, STEP, {}, schema=schema)
+    fresh_parent = await enqueue(conn, STEP, {}, schema=schema)
+    stale_child = await enqueue(conn, STEP, {}, schema=schema, after=[stale_parent])
+    fresh_child = await enqueue(conn, STEP, {}, schema=schema, after=[fresh_parent])
+    tokens = {r["id"]: r["lease_token"] for r in await _claim(conn, schema)}
+    done = await conn.fetch(
+        queue_sql(schema).complete,
+        array_literal([stale_parent.id, fresh_parent.id]),
+        array_literal([uuid.uuid4(), tokens[fresh_parent.id]]),
+        "w",
+        [None, None],
+        [None, None],
+    )
+    assert [r["id"] for r in done] == [fresh_parent.id]
+    states = await _states(conn, schema)
+    assert states[stale_parent.id] == "running"
+    assert states[stale_child.id] == "waiting"
+    assert states[fresh_child.id] == "pending"
+
+
 async def test_a_failure_cancels_dependents_transitively_unless_they_run_anyway(
     queue: QueueFixture,
 ) -> None:
