@@ -47,7 +47,7 @@ async def main(dsn: str) -> None:
     running = asyncio.create_task(worker.run_until_shutdown(stop))
     # Read the graph until every task finished (here; in production the worker runs on).
     graph = await queue.workflow_state(pool, handle.workflow_id, schema=app.schema)
-    while not graph.finished:  # noqa: ASYNC110 - the state is in the database
+    while not graph.finished:
         await asyncio.sleep(0.1)
         graph = await queue.workflow_state(pool, handle.workflow_id, schema=app.schema)
     stop.set()
