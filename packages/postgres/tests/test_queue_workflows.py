@@ -461,3 +461,14 @@ async def test_random_workflows_settle_as_the_core_rule_says(queue: QueueFixture
             )
 
     await asyncio.to_thread(run)
+
+
+async def test_the_in_memory_queue_refuses_after() -> None:
+    from steeple.postgres.queue import App
+    from steeple.postgres.queue.testing import InMemoryQueue
+
+    memory = InMemoryQueue(App())
+    parent = await enqueue(memory, STEP, {})
+    with pytest.raises(QueueConfigurationError, match="PostgreSQL"):
+        await enqueue(memory, STEP, {}, after=[parent])
+    assert [t.task_id for t in memory.claim(5)] == [parent.id]

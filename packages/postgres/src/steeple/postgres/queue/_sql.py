@@ -140,9 +140,12 @@ def _settled(s: str, ended: str, state: TaskState, schema: str) -> str:
     ``ended`` must select only the tasks this statement moved (a token-fenced ``done``), so
     a stale completion settles nothing. MATERIALIZED: evaluated once, never per row.
     """
+    # The function is called only when one of them has a dependent: on a queue without
+    # workflows the release costs one index probe per ended task, no function call.
     return (
-        f"settled AS MATERIALIZED (SELECT {s}.settle_dependents(ARRAY({ended}), "
-        f"{_lit(state)}, {_quoted(notify_channel(schema))}) AS released)"
+        f"settled AS MATERIALIZED (SELECT CASE WHEN EXISTS (SELECT 1 FROM {s}.task_dependencies"
+        f" e WHERE e.parent_id IN ({ended})) THEN {s}.settle_dependents(ARRAY({ended}), "
+        f"{_lit(state)}, {_quoted(notify_channel(schema))}) ELSE 0 END AS released)"
     )
 
 

@@ -211,7 +211,9 @@ class Workflow:
         """Add ``(task, args)`` pairs that run one after another (the first after ``after``).
 
         Raises:
-            as :meth:`add`; QueueTypeError: an item that is not a (task, args) pair.
+            QueueTypeError: an item that is not a (task, args) pair; as :meth:`add`.
+            QueueConfigurationError: as :meth:`add`.
+            ArgsEncodingError: as :meth:`add`.
         """
         added: list[Step] = []
         previous: Sequence[Step | EnqueuedTask | int] = after
@@ -231,7 +233,9 @@ class Workflow:
         Pass the result as ``after=`` of a later step to join them.
 
         Raises:
-            as :meth:`add`; QueueTypeError: an item that is not a (task, args) pair.
+            QueueTypeError: an item that is not a (task, args) pair; as :meth:`add`.
+            QueueConfigurationError: as :meth:`add`.
+            ArgsEncodingError: as :meth:`add`.
         """
         return [self.add(*_pair(pair), after=after) for pair in steps]
 
@@ -365,7 +369,12 @@ def enqueue_workflow_sync(
     """Like :func:`enqueue_workflow`, for a psycopg (sync) ``Connection``.
 
     Raises:
-        as :func:`enqueue_workflow`.
+        WorkflowCycleError: the steps' dependencies form a cycle; nothing was stored.
+        TaskNotFoundError: a task id in some ``after`` does not exist; nothing was stored.
+        QueueTypeError: ``workflow`` is not a Workflow.
+        QueueConfigurationError: an empty workflow, a local queue, an invalid schema name.
+        UnsupportedConnectionError: ``conn`` is not a psycopg sync connection.
+        UnfitDatabaseError: the server refused the write; nothing was stored.
     """
     workflow, payload, order = _prepared(conn, workflow, schema)
     first = workflow._nodes[0]

@@ -52,16 +52,19 @@ AS $$
 DECLARE
     v_frontier bigint[] := p_parents;
     v_state text := p_state;
+    v_children bigint[];
     v_released integer := 0;
     v_n integer;
 BEGIN
     WHILE coalesce(cardinality(v_frontier), 0) > 0 LOOP
+        -- One entry per edge (a child waiting for two of the frontier appears twice).
+        SELECT coalesce(array_agg(e.child_id), '{}') INTO v_children
+        FROM __SCHEMA__.task_dependencies e
+        WHERE e.parent_id = ANY(v_frontier)
+          AND (p_only IS NULL OR e.child_id = ANY(p_only));
+        EXIT WHEN cardinality(v_children) = 0;
         WITH hits AS (
-            SELECT e.child_id AS id, count(*)::integer AS n
-            FROM __SCHEMA__.task_dependencies e
-            WHERE e.parent_id = ANY(v_frontier)
-              AND (p_only IS NULL OR e.child_id = ANY(p_only))
-            GROUP BY e.child_id
+            SELECT h.id, count(*)::integer AS n FROM unnest(v_children) AS h(id) GROUP BY h.id
         ), fewer AS (
             UPDATE __SCHEMA__.tasks c
             SET waiting_on = c.waiting_on - hits.n,
@@ -75,17 +78,12 @@ BEGIN
         SELECT count(*) FILTER (WHERE fewer.state = 'pending') INTO v_n FROM fewer;
         v_released := v_released + v_n;
         EXIT WHEN v_state = 'succeeded';
-        WITH hits AS (
-            SELECT DISTINCT e.child_id AS id
-            FROM __SCHEMA__.task_dependencies e
-            WHERE e.parent_id = ANY(v_frontier)
-              AND (p_only IS NULL OR e.child_id = ANY(p_only))
-        ), gone AS (
+        WITH gone AS (
             UPDATE __SCHEMA__.tasks c
             SET state = 'cancelled', finished_at = clock_timestamp(),
                 updated_at = clock_timestamp(),
                 last_error = 'cancelled: a task it waited for failed or was cancelled'
-            FROM hits
+            FROM (SELECT DISTINCT h.id FROM unnest(v_children) AS h(id)) AS hits
             WHERE c.id = hits.id AND c.state = 'waiting' AND c.on_parent_failure = 'cancel'
             RETURNING c.id
         )
