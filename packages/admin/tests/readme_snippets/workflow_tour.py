@@ -21,7 +21,7 @@ async def fetch(ctx: JobContext, args: dict[str, str]) -> int:
 @app.task(name="parse")
 async def parse(ctx: JobContext, args: dict[str, int]) -> int:
     (source,) = await queue.parent_results(pool, ctx.task_id, schema=app.schema)
-    return source.result * args["factor"]
+    return int(source.result) * args["factor"]  # a result is JSON: here fetch's int
 
 
 @app.task(name="report")
