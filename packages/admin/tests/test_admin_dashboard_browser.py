@@ -413,7 +413,14 @@ def test_overview_counts_chart_and_modes(browser: Any, site: Site, tmp_path: Pat
         )
         for card in all_css(browser, "#counts .card")
     }
-    assert counts == {"pending": 2, "running": 0, "succeeded": 0, "failed": 1, "cancelled": 1}
+    assert counts == {
+        "waiting": 0,
+        "pending": 2,
+        "running": 0,
+        "succeeded": 0,
+        "failed": 1,
+        "cancelled": 1,
+    }
     # The chart is drawn by the page's own script: one bar per state that finished.
     bars = until(lambda: all_css(browser, "#throughput svg rect"), "the chart")
     assert {b.get_attribute("class") for b in bars} == {"bar state-failed", "bar state-cancelled"}

@@ -249,6 +249,10 @@ async def test_ten_thousand_tasks_enqueue_in_one_statement(
     rows = await conn.fetch(f'SELECT state, count(*) FROM "{schema}".tasks GROUP BY state')
     counts = {r[0]: r[1] for r in rows}
     assert counts == {"pending": 1, "waiting": 9_999}
+    from steeple.postgres.queue import admin
+
+    bounded = await admin.count_by_state_bounded(conn, schema=schema)
+    assert bounded[TaskState.WAITING].n == min(9_999, admin.COUNT_CAP)
     with pytest.raises(QueueConfigurationError):
         wf.add(STEP, {})
 

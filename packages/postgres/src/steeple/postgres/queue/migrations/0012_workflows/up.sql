@@ -27,6 +27,8 @@ CREATE UNIQUE INDEX tasks_dedup_idx ON __SCHEMA__.tasks (task_name, dedup_key)
     WHERE dedup_key IS NOT NULL AND state IN ('waiting', 'pending', 'running');
 CREATE INDEX tasks_workflow_idx ON __SCHEMA__.tasks (workflow_id)
     WHERE workflow_id IS NOT NULL;
+-- The operators' bounded count walks the waiting tasks by this index and stops at its cap.
+CREATE INDEX tasks_waiting_idx ON __SCHEMA__.tasks (id) WHERE state = 'waiting';
 
 CREATE TABLE __SCHEMA__.task_dependencies (
     parent_id  bigint NOT NULL REFERENCES __SCHEMA__.tasks (id) ON DELETE CASCADE,
