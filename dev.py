@@ -17,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 CORE_VENV = ROOT / ".venv-core"
+CORE_TESTS = "packages/core/tests"
+CORE_TEST_WITH_DRIVERS = "test_core_purity.py"
 UV_VERSION = "0.13.9"
 
 
@@ -95,9 +97,24 @@ def core_only(uv: Path) -> int:
         "-q",
         "-p",
         "no:cacheprovider",
-        "packages/core/tests",
+        "--durations=10",
+        CORE_TESTS,
         env=env,
     )
+
+
+def suite_paths() -> list[str]:
+    """List what the full environment's run of the suite covers after :func:`core_only`.
+
+    pyproject.toml's ``testpaths``, with core's directory narrowed to the test that core
+    imports no driver: the only one of core's tests whose verdict changes once the drivers
+    are installed. The others are pure and already ran (driverless) in :func:`core_only`.
+    """
+    import tomllib  # here: an older python3 must reach bootstrap()'s version message
+
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        paths = tomllib.load(f)["tool"]["pytest"]["ini_options"]["testpaths"]
+    return [f"{CORE_TESTS}/{CORE_TEST_WITH_DRIVERS}" if p == CORE_TESTS else p for p in paths]
 
 
 def mypy_runs() -> list[list[str]]:
@@ -163,9 +180,12 @@ def main(argv: list[str]) -> int:
     if job == "typecheck":
         return typecheck()
     if not rest:
+        # The whole suite: core's tests in the driverless environment, then the others
+        # (see suite_paths), listing the slowest tests so a run shows where its time went.
         rc = core_only(uv)
         if rc:
             return rc
+        rest = ["--durations=30", *suite_paths()]
     return _run(_bin(VENV, "python"), "-m", "pytest", *rest)
 
 

@@ -754,14 +754,15 @@ def pgbouncer(session: nox.Session) -> None:
 def soak(session: nox.Session) -> None:
     """Hours of uptime: ``steeple worker`` processes under load, resets, restarts and kills.
 
-    ``nox -s soak -- --minutes 60 --out DIR [--seed S] [--plot docs/images/soak.png]``
-    (defaults: 60 minutes, ``DIR`` = ``soak-results/``): a private cluster (pgserver's
-    binaries, initdb'd for the run) is restarted immediately every few minutes, every
-    queue session ended in between, worker processes SIGKILLed and restarted; DIR gets
+    ``nox -s soak -- --minutes 60 --out DIR [--seed S] [--plot docs/images/soak.png]
+    [--redis-url URL]`` (defaults: 60 minutes, ``DIR`` = ``soak-results/``, the machine's
+    Redis for the recurring relays): a private cluster (pgserver's binaries, initdb'd for
+    the run) is restarted immediately every few minutes, every queue and recurring
+    session ended in between, worker processes SIGKILLed and restarted; DIR gets
     ``samples.csv``, ``events.csv``, ``summary.json`` and ``soak.png`` (matplotlib, the
-    ``plot`` extra of steeple-admin that the sync installs). It fails when the queue
-    checker or a bound fails (see ``tests/soak.py``). The test suite runs three minutes
-    of it (``tests/test_soak.py``, marked ``soak``).
+    ``plot`` extra of steeple-admin that the sync installs). It fails when the queue or
+    recurring checker or a bound fails (see ``tests/soak.py``). The test suite runs three
+    minutes of it (``tests/test_soak.py``, marked ``soak``).
     """
     _sync(session)
     args = list(session.posargs)

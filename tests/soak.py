@@ -1,11 +1,13 @@
 """The soak: hours of mixed queue load on real ``steeple worker`` processes, under faults.
 
 A private PostgreSQL cluster (initdb'd for the run, so restarting it touches nothing else)
-holds a work queue. The harness enqueues a steady stream of tasks and keeps periodic jobs
-due every minute, while three ``steeple worker`` processes serve them. Slot 0 lives for
-the whole run and is the one measured; slots 1 and 2 are SIGKILLed in turn and restarted.
-Every few minutes every queue session is ended (``pg_terminate_backend``), and the
-server is restarted with ``pg_ctl -m immediate``.
+holds a work queue and a recurring namespace. The harness enqueues a steady stream of
+tasks and keeps periodic jobs due every minute, and recurring definitions fall due every
+minute or two, while three ``steeple worker`` processes serve them: each runs the task
+worker and a recurring relay publishing into a Redis stream. Slot 0 lives for the whole
+run and is the one measured; slots 1 and 2 are SIGKILLed in turn and restarted. Every
+few minutes every queue and recurring session is ended (``pg_terminate_backend``), and
+the server is restarted with ``pg_ctl -m immediate``.
 
 Every ``sample_every`` seconds the harness records slot 0's RSS, open file descriptors and
 asyncio task count (its app module writes them: the worker exposes no endpoint), the
@@ -15,18 +17,23 @@ After the run, the faults stop, the fleet finishes the work and stops, and:
 - the queue checker of :mod:`queue_support` (every task succeeded exactly once, no
   attempt executed twice, the success recorded by the attempt that ran last) holds, and
   every enqueue the harness saw acknowledged is among the tasks;
-- after the warm-up, RSS grows by less than 1 MB per 10 minutes (Theil-Sen slope; a run
-  shorter than half an hour only catches a gross leak: 10 MB), and file descriptors and
-  asyncio tasks neither trend upwards nor pass a bound.
+- the recurring checker holds: every instant of every definition's calendar up to the
+  end of the load has one occurrence, published; the stream holds one entry per
+  idempotency key, and as many keys per definition as it has published occurrences;
+- after the warm-up, RSS, and the bytes the C allocator holds in use (glibc), grow by
+  less than 1 MB per 10 minutes (Theil-Sen slope; a run shorter than twenty minutes only
+  catches a gross leak: 10 MB), and file descriptors and asyncio tasks neither trend
+  upwards nor pass a bound.
 
-``python tests/soak.py --minutes 60 --out DIR`` (``nox -s soak``) writes ``samples.csv``,
-``events.csv``, ``summary.json`` and, with ``--plot``, ``soak.png`` into DIR.
+``python tests/soak.py --minutes 60 --out DIR [--redis-url URL]`` (``nox -s soak``) writes
+``samples.csv``, ``events.csv``, ``summary.json`` and, with ``--plot``, ``soak.png`` into DIR.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import csv
 import json
@@ -36,8 +43,10 @@ import random
 import signal
 import sys
 import time
+import uuid
+from collections import Counter
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +59,17 @@ for extra in (_HERE, _HERE.parent / "packages" / "postgres" / "tests"):
 
 from pg_cluster import Cluster, Clusters  # noqa: E402
 from queue_support import check_total_queue  # noqa: E402
+from steeple.core import (  # noqa: E402
+    MissedRunPolicy,
+    OccurrenceInfo,
+    OccurrenceState,
+    RecurringConfig,
+    RecurringDefinition,
+    ScheduledMessage,
+    SystemClock,
+)
+from steeple.keyring import Keyring, StorageKey  # noqa: E402
+from steeple.postgres import PostgresRecurringStore  # noqa: E402
 from steeple.postgres.queue import (  # noqa: E402
     EnqueueOptions,
     Task,
@@ -64,17 +84,29 @@ LEASE = timedelta(seconds=4)
 OPTIONS = EnqueueOptions(lease_duration=LEASE, max_attempts=10_000)
 WORKERS = 3
 JOBS = 5  # periodic jobs, each due every minute
+REDIS_URL = os.environ.get("STEEPLE_TEST_REDIS", "redis://127.0.0.1:6379/0")
+RECURRING_SCHEMA = "soak_recurring"
+NAMESPACE = "soak"
+RELAY_LEASE = timedelta(seconds=5)  # a killed relay's leases lapse this soon
+# Recurring definitions: most every minute (the calendar's finest step), every fourth
+# every two minutes; each starts two minutes in the past, a small backlog to catch up.
+DEFINITIONS = 16
 RSS_LIMIT_KB_PER_10_MIN = 1024.0
-# A run shorter than half an hour still sees the first minutes' growth (caches filling,
+# A run shorter than twenty minutes still sees the first minutes' growth (caches filling,
 # allocator arenas) after its warm-up: it can only catch a gross leak (a kilobyte a task
 # at 20 tasks a second is 12 MB a minute). The 1 MB bound is judged on longer runs.
-SHORT_RUN = 1800.0
+SHORT_RUN = 1200.0
 SHORT_RSS_LIMIT_KB_PER_10_MIN = 10 * 1024.0
+# Besides RSS, the sampler records what the allocators hold in use: Python's blocks and,
+# on glibc, the C heap's size and the bytes in use (a leak grows the latter, whatever
+# the allocator does with free space).
+MEMORY = ("blocks", "heap_kb", "in_use_kb")
 
 # The app module ``steeple worker --app soak_app:app`` imports. Its factory starts a
-# sampler on the worker's own event loop: RSS, open fds and asyncio tasks, once a second.
+# sampler on the worker's own event loop: RSS, MEMORY, open fds and asyncio tasks, once a
+# second.
 APP_MODULE = """
-import asyncio, json, os, time
+import asyncio, ctypes, json, os, sys, time
 from datetime import timedelta
 import asyncpg
 from steeple.admin import WorkerApp
@@ -86,6 +118,22 @@ def _rss_kb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+try:  # glibc 2.33+: the C heap's size and what is in use in it (and in its own mappings)
+    _mallinfo2 = ctypes.CDLL(None).mallinfo2
+    _mallinfo2.restype = _MallInfo2
+except AttributeError:
+    _mallinfo2 = None
+
+def _malloc():
+    if _mallinfo2 is None:
+        return {}
+    info = _mallinfo2()
+    return {"heap_kb": info.arena // 1024, "in_use_kb": (info.uordblks + info.hblkhd) // 1024}
+
 async def _sample(path):
     with open(path, "a") as out:
         while True:
@@ -93,6 +141,7 @@ async def _sample(path):
                 "t": time.time(), "rss_kb": _rss_kb(),
                 "fds": len(os.listdir("/proc/self/fd")),
                 "tasks": len(asyncio.all_tasks()),
+                "blocks": sys.getallocatedblocks(), **_malloc(),
             }) + "\\n")
             out.flush()
             await asyncio.sleep(1.0)
@@ -117,8 +166,12 @@ async def app():
                                  timedelta(seconds=0.5)) from None
         await asyncio.sleep(args.get("sleep", 0.02))
 
-    return WorkerApp(tasks=[(Task("soak"), handler)], worker_id=worker_id, concurrency=8,
-                     drain_timeout=10)
+    broker = None
+    if os.environ.get("SOAK_STREAM"):
+        from steeple.brokers.redis import RedisStreamBroker
+        broker = RedisStreamBroker(os.environ["SOAK_REDIS_URL"], stream=os.environ["SOAK_STREAM"])
+    return WorkerApp(broker=broker, tasks=[(Task("soak"), handler)], worker_id=worker_id,
+                     concurrency=8, relay_batch=5, drain_timeout=10)
 """
 
 
@@ -138,10 +191,14 @@ def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 class Fleet:
-    """``steeple worker`` processes by slot; a killed slot restarts under a new worker id."""
+    """``steeple worker`` processes by slot; a killed slot restarts under a new worker id.
 
-    def __init__(self, workdir: Path, dsn: str) -> None:
-        self.workdir, self.dsn = workdir, dsn
+    ``recurring`` (the relay's environment: the Redis URL, the stream and the keys) adds
+    a recurring relay to every worker.
+    """
+
+    def __init__(self, workdir: Path, dsn: str, recurring: dict[str, str] | None = None) -> None:
+        self.workdir, self.dsn, self.recurring = workdir, dsn, recurring or {}
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.ids: dict[int, str] = {}
         self.generation = 0
@@ -161,15 +218,20 @@ class Fleet:
             "SOAK_SCHEMA": SCHEMA,
             "SOAK_WORKER_ID": worker_id,
             "SOAK_SAMPLES": str(self.workdir / f"samples-{worker_id}.jsonl"),
+            **self.recurring,
             "PYTHONPATH": os.pathsep.join(
                 p for p in (str(self.workdir), os.environ.get("PYTHONPATH")) if p
             ),
         }
         steeple = Path(sys.executable).parent / "steeple"
+        relay: list[str] = []
+        if self.recurring:
+            relay = ["--schema", RECURRING_SCHEMA, "--namespace", NAMESPACE,
+                     "--lease", f"{RELAY_LEASE.total_seconds():g}s"]  # fmt: skip
         log = (self.workdir / f"{worker_id}.log").open("ab")
         self.procs[slot] = await asyncio.create_subprocess_exec(
             str(steeple), "worker", "--app", "soak_app:app",
-            "--dsn", self.dsn, "--queue-schema", SCHEMA,
+            "--dsn", self.dsn, "--queue-schema", SCHEMA, *relay,
             cwd=self.workdir, env=env, stdout=log, stderr=log,
         )  # fmt: skip
         log.close()
@@ -232,6 +294,168 @@ class Fleet:
             await self.kill(slot)
 
 
+def unpublished(
+    definitions: dict[str, RecurringDefinition], items: Sequence[OccurrenceInfo], until: datetime
+) -> list[tuple[str, str]]:
+    """Every calendar instant up to ``until`` without a published occurrence."""
+    published = {
+        (o.definition_name, o.due_at) for o in items if o.state is OccurrenceState.PUBLISHED
+    }
+    missing = []
+    for name, definition in definitions.items():
+        due: datetime | None = definition.first_due
+        while due is not None and due <= until:
+            if (name, due) not in published:
+                missing.append((name, due.isoformat()))
+            due = definition.cron.next_after(due)
+    return missing
+
+
+def check_recurring(
+    definitions: dict[str, RecurringDefinition],
+    items: Sequence[OccurrenceInfo],
+    entries: Sequence[tuple[str, str]],
+    until: datetime,
+) -> dict[str, int]:
+    """Nothing lost up to ``until``, no instant stored twice, one stream entry (``(key,
+    payload)``, the payload a definition's name) per idempotency key, and as many keys per
+    definition as it has published occurrences.
+
+    Raises:
+        AssertionError: what broke, with the first few offenders.
+    """
+    missing = unpublished(definitions, items, until)
+    assert not missing, f"recurring occurrences lost: {missing[:10]}"
+    instants = Counter((o.definition_name, o.due_at) for o in items)
+    twice = [k for k, n in instants.items() if n > 1]
+    assert not twice, f"an instant stored twice: {twice[:10]}"
+    repeated = [k for k, n in Counter(key for key, _ in entries).items() if n > 1]
+    assert not repeated, f"published twice under one idempotency key: {repeated[:10]}"
+    keys_of: dict[str, set[str]] = {}
+    for key, payload in entries:
+        keys_of.setdefault(payload, set()).add(key)
+    assert set(keys_of) <= set(definitions), f"unknown payloads: {set(keys_of) - set(definitions)}"
+    published = [o for o in items if o.state is OccurrenceState.PUBLISHED]
+    for name in definitions:
+        done = sum(o.definition_name == name for o in published)
+        stored = sum(o.definition_name == name for o in items)
+        keys = len(keys_of.get(name, ()))
+        # A key beyond the published ones: an occurrence the broker took and whose
+        # acknowledgement the stop interrupted (it is relayed again, under the same key).
+        assert done <= keys <= stored, f"{name}: {done} published, {keys} keys, {stored} stored"
+    return {
+        "recurring_occurrences": len(items),
+        "recurring_published": len(published),
+        "stream_entries": len(entries),
+    }
+
+
+class Recurring:
+    """The recurring side: a namespace, its definitions, the Redis stream and the checker."""
+
+    def __init__(self, dsn: str, redis_url: str) -> None:
+        self.dsn, self.redis_url = dsn, redis_url
+        self.stream = f"steeple-soak:{uuid.uuid4().hex[:12]}"
+        self.key = StorageKey("soak", os.urandom(32))
+        self.config = RecurringConfig(NAMESPACE, 1000, 100_000, lease_duration=RELAY_LEASE)
+        self.definitions: dict[str, RecurringDefinition] = {}
+
+    def environment(self) -> dict[str, str]:
+        """What a worker's relay needs: the broker's URL and stream, and the keys."""
+        secret = base64.b64encode(self.key.key).decode()
+        return {
+            "SOAK_REDIS_URL": self.redis_url,
+            "SOAK_STREAM": self.stream,
+            "STEEPLE_KEYS": f"{self.key.key_id}:{secret}",
+        }
+
+    async def _store(self, *, initialize: bool = False) -> PostgresRecurringStore:
+        opener = PostgresRecurringStore.initialize if initialize else PostgresRecurringStore.connect
+        return await opener(
+            self.dsn, self.config, Keyring(self.key), SystemClock(), schema=RECURRING_SCHEMA
+        )
+
+    async def prepare(self) -> None:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(self.redis_url)
+        try:
+            await client.ping()  # no broker, no soak: said now, not after the hour
+        finally:
+            await client.aclose()
+        start = SystemClock().now().replace(second=0, microsecond=0) - timedelta(minutes=2)
+        store = await self._store(initialize=True)
+        try:
+            for n in range(DEFINITIONS):
+                name = f"soak-{n}"
+                definition = RecurringDefinition(
+                    name,
+                    "*/2 * * * *" if n % 4 == 3 else "* * * * *",
+                    start,
+                    MissedRunPolicy.CATCH_UP,
+                    ScheduledMessage("soak", "tick", name.encode()),
+                )
+                await store.create(definition)
+                self.definitions[name] = definition
+        finally:
+            await store.close()
+
+    async def occurrences(self) -> list[OccurrenceInfo]:
+        store = await self._store()
+        try:
+            items: list[OccurrenceInfo] = []
+            cursor = None
+            while True:
+                page = await store.occurrences(cursor, 100)
+                items.extend(page.items)
+                cursor = page.next_cursor
+                if cursor is None:
+                    return items
+        finally:
+            await store.close()
+
+    async def drain(self, until: datetime, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while missing := unpublished(self.definitions, await self.occurrences(), until):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not published after {timeout} s: {missing[:10]}")
+            await asyncio.sleep(1.0)
+
+    async def entries(self) -> list[tuple[str, str]]:
+        """The stream's entries as (idempotency key, payload)."""
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(self.redis_url)
+        try:
+            found: list[tuple[str, str]] = []
+            start = "-"
+            while True:
+                batch: Any = await client.xrange(self.stream, start, "+", count=1000)
+                if not batch:
+                    return found
+                found.extend((f[b"key"].decode(), f[b"payload"].decode()) for _, f in batch)
+                start = "(" + batch[-1][0].decode()
+        finally:
+            await client.aclose()
+
+    async def check(self, until: datetime) -> dict[str, int]:
+        """The recurring checker (:func:`check_recurring`) on the store and the stream."""
+        return check_recurring(
+            self.definitions, await self.occurrences(), await self.entries(), until
+        )
+
+    async def cleanup(self) -> None:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(self.redis_url)
+        try:
+            keys = [k async for k in client.scan_iter(match=f"{self.stream}*", count=500)]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+
 async def _connect(dsn: str) -> asyncpg.Connection:
     return await asyncpg.connect(dsn, timeout=10, server_settings={"application_name": "soak"})
 
@@ -248,6 +472,7 @@ class Soak:
         rate: float = 20.0,
         sample_every: float = 5.0,
         seed: int | None = None,
+        redis_url: str | None = REDIS_URL,
     ) -> None:
         self.cluster, self.workdir, self.duration = cluster, workdir, duration
         self.dsn = cluster.dsn()
@@ -262,7 +487,10 @@ class Soak:
         self.acknowledged: list[int] = []
         self.samples: list[dict[str, Any]] = []
         self.events: list[tuple[float, str]] = []
-        self.fleet = Fleet(workdir, self.dsn)
+        self.recurring = None if redis_url is None else Recurring(self.dsn, redis_url)
+        self.fleet = Fleet(
+            workdir, self.dsn, None if self.recurring is None else self.recurring.environment()
+        )
         self.started = 0.0
         self.done = asyncio.Event()
         self.restarting = False
@@ -289,6 +517,8 @@ class Soak:
                                   schema=SCHEMA)  # fmt: skip
         finally:
             await conn.close()
+        if self.recurring is not None:
+            await self.recurring.prepare()
 
     async def enqueue_loop(self) -> None:
         """``rate`` tasks a second in batches of a fifth of a second; an enqueue that fails
@@ -324,7 +554,9 @@ class Soak:
             row: dict[str, Any] = {"t": round(self.now(), 1)}
             worker = self.fleet.last_sample(0)
             if worker is not None:
-                row.update(rss_kb=worker["rss_kb"], fds=worker["fds"], tasks=worker["tasks"])
+                row.update(
+                    {k: worker[k] for k in ("rss_kb", "fds", "tasks", *MEMORY) if k in worker}
+                )
             try:
                 if conn is None or conn.is_closed():
                     conn = await _connect(self.dsn)
@@ -379,7 +611,7 @@ class Soak:
                         ended = await conn.fetchval(
                             "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) "
                             "FROM pg_stat_activity WHERE application_name LIKE 'steeple-queue%'"
-                            " OR application_name = 'soak-log') ended"
+                            " OR application_name IN ('steeple-recurring', 'soak-log')) ended"
                         )
                     finally:
                         await conn.close()
@@ -414,21 +646,28 @@ class Soak:
                     raise AssertionError("the measured worker (slot 0) exited")
             self.done.set()
             await asyncio.gather(*loops)
+            until = SystemClock().now()
             self.event("load and faults stopped; draining")
             await self.drain()
+            if self.recurring is not None:
+                await self.recurring.drain(until)
             codes = await self.fleet.stop_all()
             self.event(f"workers stopped: {codes}")
+            conn = await _connect(self.dsn)
+            try:
+                checked = await check_total_queue(conn, SCHEMA)
+                known = {r[0] for r in await conn.fetch(f'SELECT id FROM "{SCHEMA}".tasks')}
+            finally:
+                await conn.close()
+            lost = set(self.acknowledged) - known
+            assert not lost, f"acknowledged enqueues lost: {sorted(lost)[:10]}"
+            if self.recurring is not None:
+                checked = {**checked, **await self.recurring.check(until)}
         finally:
             await self.fleet.kill_all()
             self.write(None)  # the samples of a failed run are kept too
-        conn = await _connect(self.dsn)
-        try:
-            checked = await check_total_queue(conn, SCHEMA)
-            known = {r[0] for r in await conn.fetch(f'SELECT id FROM "{SCHEMA}".tasks')}
-        finally:
-            await conn.close()
-        lost = set(self.acknowledged) - known
-        assert not lost, f"acknowledged enqueues lost: {sorted(lost)[:10]}"
+            if self.recurring is not None:
+                await self.recurring.cleanup()
         summary = self.summarize(checked, codes)
         self.write(summary)
         return summary
@@ -476,6 +715,7 @@ class Soak:
             "tasks": checked["tasks"],
             "executions": checked["executions"],
             "acknowledged_enqueues": len(self.acknowledged),
+            **{k: v for k, v in checked.items() if k.startswith(("recurring", "stream"))},
             "kills": self.fleet.kills,
             "resets": sum("pg_terminate_backend" in e for _, e in self.events),
             "restarts": sum("stopped (immediate)" in e for _, e in self.events),
@@ -483,6 +723,11 @@ class Soak:
             "rss_kb_last": after[-1]["rss_kb"],
             "rss_kb_max": max(s["rss_kb"] for s in after),
             "rss_kb_per_10_min": round(slope * 600, 1),
+            **{
+                f"{name}_per_10_min": round(theil_sen(ts, [s[name] for s in after]) * 600, 1)
+                for name in MEMORY
+                if all(name in s for s in after)
+            },
             "fds_max": max(s["fds"] for s in after),
             "fds_per_10_min": round(fd_slope * 600, 2),
             "asyncio_tasks_max": max(s["tasks"] for s in after),
@@ -502,6 +747,11 @@ class Soak:
             problems.append(
                 f"RSS grows {summary['rss_kb_per_10_min']} KB per 10 minutes (limit {limit:g})"
             )
+        if summary.get("in_use_kb_per_10_min", 0) >= limit:
+            problems.append(
+                f"the C heap's bytes in use grow {summary['in_use_kb_per_10_min']} KB per 10 "
+                f"minutes (limit {limit:g})"
+            )
         # A leak of one per fault would show as a steady climb; the bounds are generous
         # for the pools (8 + 4 connections, a listener) and concurrency (8 handlers).
         if summary["fds_per_10_min"] >= 1 or summary["fds_max"] > 64:
@@ -514,7 +764,7 @@ class Soak:
         return summary
 
     def write(self, summary: dict[str, Any] | None) -> None:
-        fields = ["t", "rss_kb", "fds", "tasks", "throughput", "p50_ms", "p99_ms"]
+        fields = ["t", "rss_kb", *MEMORY, "fds", "tasks", "throughput", "p50_ms", "p99_ms"]
         with (self.workdir / "samples.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fields)
             writer.writeheader()
@@ -545,9 +795,12 @@ def plot(workdir: Path, out: Path) -> None:
 
     summary = json.loads((workdir / "summary.json").read_text())
     fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
-    t, rss = series("rss_kb")
-    axes[0].plot(t, [v / 1024 for v in rss])
-    axes[0].set_ylabel("RSS (MB)")
+    for name, label in (("rss_kb", "RSS"), ("heap_kb", "C heap"), ("in_use_kb", "C heap in use")):
+        t, kb = series(name)
+        if kb:
+            axes[0].plot(t, [v / 1024 for v in kb], label=label)
+    axes[0].set_ylabel("MB (worker 0)")
+    axes[0].legend(loc="center right")
     axes[0].set_title(
         f"steeple soak: {summary['seconds'] / 60:.0f} min, {summary['tasks']} tasks, "
         f"{summary['kills']} SIGKILLs, {summary['resets']} resets, "
@@ -581,12 +834,15 @@ def plot(workdir: Path, out: Path) -> None:
     plt.close(fig)
 
 
-async def soak(workdir: Path, duration: float, seed: int | None = None) -> dict[str, Any]:
-    """Run a soak of ``duration`` seconds on a private cluster, stopped and deleted after."""
+async def soak(
+    workdir: Path, duration: float, seed: int | None = None, redis_url: str | None = REDIS_URL
+) -> dict[str, Any]:
+    """Run a soak of ``duration`` seconds on a private cluster, stopped and deleted after;
+    ``redis_url`` (``None``: no recurring load) is the relays' broker."""
     clusters = Clusters()
     try:
         cluster = clusters.new("soak", settings={"max_connections": "60"})
-        return await Soak(cluster, workdir, duration, seed=seed).run()
+        return await Soak(cluster, workdir, duration, seed=seed, redis_url=redis_url).run()
     finally:
         clusters.cleanup()
 
@@ -597,13 +853,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--plot", type=Path, help="write the plot here as well")
+    parser.add_argument(
+        "--redis-url", default=REDIS_URL, help="the relays' broker (default: %(default)s)"
+    )
     options = parser.parse_args()
     # Stopped early (Ctrl-C, SIGTERM, or SIGINT to a background run, which a shell would
     # have ignored): the workers are killed and the private cluster deleted on the way out.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     options.out.mkdir(parents=True, exist_ok=True)
-    summary = asyncio.run(soak(options.out.resolve(), options.minutes * 60, options.seed))
+    summary = asyncio.run(
+        soak(options.out.resolve(), options.minutes * 60, options.seed, options.redis_url)
+    )
     print(json.dumps(summary, indent=2))
     plot(options.out, options.out / "soak.png")
     if options.plot:

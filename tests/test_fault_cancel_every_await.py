@@ -319,6 +319,9 @@ async def test_a_queue_claim_cut_at_any_await_is_all_or_nothing(queue: Queue) ->
             [names[-1]],
             "w",
             time.time() + 3600,
+            [None],
+            [None],
+            [None],
             timeout=10,
         )
 

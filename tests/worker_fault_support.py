@@ -131,12 +131,12 @@ class WorkerProc:
     def stderr(self) -> str:
         return "\n".join(self.lines)
 
-    async def wait_for_line(self, text: str, timeout: float = 30.0) -> str:
-        """Return the first stderr line holding ``text`` (waiting for it)."""
+    async def wait_for_line(self, text: str, *also: str, timeout: float = 30.0) -> str:
+        """Return the first stderr line holding ``text`` and each of ``also`` (waiting)."""
         async with asyncio.timeout(timeout):
             while True:
                 for line in self.lines:
-                    if text in line:
+                    if text in line and all(more in line for more in also):
                         return line
                 if self.proc.returncode is not None and self.reader and self.reader.done():
                     raise AssertionError(f"{self.name} exited without {text!r}:\n{self.stderr}")

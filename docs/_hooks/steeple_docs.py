@@ -125,9 +125,21 @@ def _members(module: Any, loader: Any) -> tuple[list[str] | None, list[tuple[str
     return render, linked
 
 
+def _loaded(import_name: str, loader: Any) -> Any:
+    """Return the module ``import_name``, loading it unless an earlier load brought it.
+
+    griffe loads the whole ``steeple`` namespace package (every distribution's modules) for
+    any one of them, and loads it again on each call: once is enough for all nine pages.
+    """
+    try:
+        return loader.modules_collection[import_name]
+    except KeyError:
+        return loader.load(import_name)
+
+
 def reference_page(import_name: str, directory: str, loader: Any) -> str:
     """Return the Markdown of one package's API page."""
-    package = loader.load(import_name)
+    package = _loaded(import_name, loader)
     lines = [
         f"# `{import_name}`",
         "",

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from steeple.core.claims import (
     ClaimPlan,
+    ClaimPosition,
+    ClaimWalk,
     ScopeLimits,
     ScopeState,
     frees_at,
@@ -171,3 +173,47 @@ def test_limited_names_go_first_by_name_then_the_others_in_order() -> None:
     plan = plan_claim([("q", 3)], candidates, queues={}, names=names, now=NOW)
     assert [c.id for c in plan.started] == [2, 1, 3]
     assert plan.held is True
+
+
+# --- where a claim walks from ---------------------------------------------------------------
+
+_AT = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _place(priority: int, seconds: int, id_: int) -> ClaimPosition:
+    return ClaimPosition(priority, _AT + timedelta(seconds=seconds), id_)
+
+
+def test_a_walk_starts_at_the_front_without_a_position_and_every_interval() -> None:
+    assert ClaimWalk().start(0.0, 1.0) is None
+    walk = ClaimWalk().after(None, [_place(0, 1, 5), _place(0, 2, 3)], at=10.0)
+    assert walk.position == _place(0, 2, 3)
+    assert walk.start(10.5, 1.0) == _place(0, 2, 3)
+    # A poll interval after the last walk from the front: from the front again, though
+    # the walks from the position kept taking tasks.
+    walk = walk.after(walk.start(10.5, 1.0), [_place(0, 3, 9)], at=10.5)
+    assert walk.start(10.9, 1.0) == _place(0, 3, 9)
+    assert walk.start(11.0, 1.0) is None
+    assert walk.after(None, [], at=11.0).front_at == 11.0
+
+
+def test_a_walk_from_the_position_that_found_nothing_is_followed_by_one_from_the_front() -> None:
+    walk = ClaimWalk().after(None, [_place(0, 1, 1)], at=0.0)
+    after = walk.after(walk.start(0.1, 1.0), [], at=0.1)
+    assert after.owed
+    assert after.start(0.2, 1.0) is None
+    # The walk from the front clears the debt.
+    assert not after.after(None, [], at=0.2).owed
+    # Nothing taken because a limit held the claim back: no debt, the position stays.
+    held = walk.after(walk.start(0.1, 1.0), [], at=0.1, held=True)
+    assert not held.owed
+    assert held.start(0.2, 1.0) == _place(0, 1, 1)
+
+
+def test_the_position_is_the_last_task_taken_in_claim_order() -> None:
+    taken = [_place(0, 5, 1), _place(2, 9, 7), _place(0, 5, 4), _place(0, 3, 9)]
+    walk = ClaimWalk().after(None, taken, at=0.0)
+    assert walk.position == _place(0, 5, 4)
+    assert _place(2, 9, 7).precedes(_place(0, 0, 0))
+    assert _place(0, 5, 1).precedes(_place(0, 5, 4))
+    assert not _place(0, 5, 4).precedes(_place(0, 5, 4))

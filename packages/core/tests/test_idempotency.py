@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from steeple.core import PUBLISH_PURPOSE, idempotency_key
 from steeple.core.errors import ConfigurationError, ConfigurationTypeError
+from steeple.core.idempotency import trusted_idempotency_key
 
 DUE = datetime(2030, 1, 2, 3, 4, tzinfo=UTC)
 GEN = bytes(range(16))
@@ -93,3 +94,30 @@ def test_each_bad_part_is_refused_by_name(
 ) -> None:
     with pytest.raises(error, match="^" + re.escape(message)):
         _key(**{field: value})
+
+
+@settings(max_examples=200, derandomize=True)
+@given(
+    namespace=st.text(min_size=1, max_size=20).filter(lambda s: s.isprintable()),
+    name=st.text(min_size=1, max_size=40).filter(lambda s: s.isprintable()),
+    due=st.datetimes(
+        min_value=datetime(1970, 1, 1), max_value=datetime(2100, 12, 31), timezones=st.just(UTC)
+    ),
+    offset=st.integers(min_value=-14 * 60, max_value=14 * 60),
+    generation=st.binary(min_size=0, max_size=32),
+)
+def test_the_unchecked_key_the_relay_derives_is_the_checked_one(
+    namespace: str, name: str, due: datetime, offset: int, generation: bytes
+) -> None:
+    # The relay derives keys from its rows without checks: they must be the same keys.
+    due_there = due.astimezone(timezone(timedelta(minutes=offset)))
+    args = {
+        "purpose": PUBLISH_PURPOSE,
+        "namespace": namespace,
+        "definition_name": name,
+        "due_at": due_there,
+        "generation": generation,
+    }
+    assert trusted_idempotency_key(**args) == idempotency_key(**args)  # type: ignore[arg-type]
+    for other in ({"namespace": namespace + "x"}, {"generation": generation + b"\0"}):
+        assert trusted_idempotency_key(**(args | other)) != idempotency_key(**args)  # type: ignore[arg-type]

@@ -218,3 +218,22 @@ def test_budget_outside_1_to_100_is_refused(budget: object) -> None:
 def test_naive_now_is_refused() -> None:
     with pytest.raises(ValueError, match=r"naive|aware"):
         plan_namespace_tick([], datetime(2031, 1, 1), 10)
+
+
+def test_a_due_definitions_cursor_and_calendar_are_checked() -> None:
+    # Checked once when the definition is taken in (the plans then trust them).
+    every = CronCalendar.parse("* * * * *")
+    naive = DueDefinition(
+        "naive", MissedRunPolicy.CATCH_UP, every, datetime(2031, 5, 17), model_next(1, BASE)
+    )
+    with pytest.raises(ValueError, match=r"naive|aware"):
+        plan_namespace_tick([naive], BASE + timedelta(minutes=3), 10)
+    odd = DueDefinition(
+        "odd",
+        MissedRunPolicy.CATCH_UP,
+        object(),  # type: ignore[arg-type]
+        BASE,
+        model_next(1, BASE),
+    )
+    with pytest.raises(TypeError, match="next_after"):
+        plan_namespace_tick([odd], BASE + timedelta(minutes=3), 10)

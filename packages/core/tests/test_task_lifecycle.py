@@ -11,15 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from steeple.core import Backoff, ConfigurationError, InvalidTransitionError
+from steeple.core import Backoff, ConfigurationError, InvalidTransitionError, tasks
 from steeple.core.errors import ConfigurationTypeError
+from steeple.core.publication import FailureKind as PublicationFailureKind
 from steeple.core.tasks import (
     TASK_TRANSITIONS,
     TERMINAL_TASK_STATES,
-    FailureKind,
     FailureVerdict,
     RetryDecision,
     TaskEvent,
+    TaskFailureKind,
     TaskState,
     attempts_exhausted,
     attempts_outlook,
@@ -272,16 +273,16 @@ _NOW = datetime(2031, 3, 4, 5, 6, 7, tzinfo=UTC)
 @pytest.mark.parametrize(
     ("kind", "retries_unexpected", "attempt", "max_attempts", "verdict"),
     [
-        (FailureKind.UNEXPECTED, False, 1, 5, FailureVerdict.UNEXPECTED),
-        (FailureKind.UNEXPECTED, True, 1, 5, FailureVerdict.RETRIED),
-        (FailureKind.UNEXPECTED, True, 5, 5, FailureVerdict.EXHAUSTED),
-        (FailureKind.RETRY_ASKED, False, 1, 5, FailureVerdict.RETRIED),
-        (FailureKind.RETRY_ASKED, False, 1, 1, FailureVerdict.EXHAUSTED),
-        (FailureKind.VERDICT, True, 1, 5, FailureVerdict.VERDICT),
+        (TaskFailureKind.UNEXPECTED, False, 1, 5, FailureVerdict.UNEXPECTED),
+        (TaskFailureKind.UNEXPECTED, True, 1, 5, FailureVerdict.RETRIED),
+        (TaskFailureKind.UNEXPECTED, True, 5, 5, FailureVerdict.EXHAUSTED),
+        (TaskFailureKind.RETRY_ASKED, False, 1, 5, FailureVerdict.RETRIED),
+        (TaskFailureKind.RETRY_ASKED, False, 1, 1, FailureVerdict.EXHAUSTED),
+        (TaskFailureKind.VERDICT, True, 1, 5, FailureVerdict.VERDICT),
     ],
 )
 def test_failure_outcome_decides_retry_once(
-    kind: FailureKind,
+    kind: TaskFailureKind,
     retries_unexpected: bool,
     attempt: int,
     max_attempts: int,
@@ -303,7 +304,30 @@ def test_failure_outcome_decides_retry_once(
     assert transition(TaskState.RUNNING, outcome.event) in (TaskState.PENDING, TaskState.FAILED)
 
 
+def test_the_task_failure_kind_is_named_apart_from_the_publication_one() -> None:
+    assert TaskFailureKind.__name__ != PublicationFailureKind.__name__
+    assert "FailureKind" not in tasks.__all__
+    # The old name still imports, deprecated, as the same enum.
+    with pytest.warns(DeprecationWarning, match="import TaskFailureKind"):
+        old = tasks.FailureKind
+    assert old is TaskFailureKind
+    with pytest.raises(AttributeError):
+        _ = tasks.NoSuchName  # type: ignore[attr-defined]
+
+
 def test_failure_outcome_refuses_a_foreign_kind() -> None:
+    with pytest.raises(ConfigurationTypeError, match="TaskFailureKind"):
+        failure_outcome(
+            PublicationFailureKind.UNEXPECTED,  # type: ignore[arg-type]
+            retries_unexpected=False,
+            attempt=1,
+            max_attempts=5,
+            backoff=Backoff(),
+            now=_NOW,
+        )
+
+
+def test_failure_outcome_refuses_a_value_that_is_not_a_kind() -> None:
     with pytest.raises(ConfigurationTypeError):
         failure_outcome(
             "unexpected",  # type: ignore[arg-type]

@@ -1,9 +1,10 @@
 """The database's claim function follows the core's claim rule (steeple.core.claims).
 
 A differential test: random queue and task-name settings (pauses, running limits, rate
-limits with starts inside and outside their window), random running tasks and random due
-work go into a real database; one call of the plpgsql claim must start exactly the tasks
-``plan_claim`` starts from the same picture, say alike whether a limit held work back and
+limits with starts inside and outside their window), random running tasks, random due
+work and a random position per queue to walk from (or none) go into a real database; one
+call of the plpgsql claim must start exactly the tasks ``plan_claim`` starts from the same
+picture (the due tasks after each queue's position), say alike whether a limit held work back and
 when a rate window frees a start, and append the same starts to every rate window.
 
 Rate windows are an hour long and recorded starts lie at least ten minutes from a window's
@@ -29,7 +30,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from queue_support import QueueFixture
-from steeple.core.claims import ScopeLimits, ScopeState, plan_claim, starts_in_window
+from steeple.core.claims import (
+    ClaimPosition,
+    ScopeLimits,
+    ScopeState,
+    plan_claim,
+    starts_in_window,
+)
 from steeple.core.tasks import TASK_TRANSITIONS, TaskState
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue
 
@@ -53,6 +60,7 @@ class Candidate:
     id: int
     queue: str
     task_name: str
+    place: ClaimPosition
 
 
 @st.composite
@@ -79,6 +87,9 @@ def pictures(draw: st.DrawFn) -> dict[str, Any]:
                 max_size=12,
             )
         ),
+        # Per queue asked: walk from the front (None), or after the place of the task at
+        # this index among the picture's tasks (taken modulo their count).
+        "after": draw(st.lists(st.none() | st.integers(0, 11), min_size=3, max_size=3)),
     }
 
 
@@ -93,9 +104,11 @@ async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, 
     s = f'"{schema}"'
     await conn.execute(f"DELETE FROM {s}.attempts; DELETE FROM {s}.tasks; DELETE FROM {s}.settings")
     running_ids = []
+    ids = []
     for queue, name, priority, running in picture["tasks"]:
         options = EnqueueOptions(priority=priority, queue=queue)
         done = await enqueue(conn, Task(name), {}, options, schema=schema)
+        ids.append(done.id)
         if running:
             running_ids.append(done.id)
     await conn.execute(
@@ -130,13 +143,26 @@ async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, 
             list(state.starts),
         )
     asked = picture["names"]
+    places = {
+        r["id"]: ClaimPosition(r["priority"], r["run_at"], r["id"])
+        for r in await conn.fetch(f"SELECT id, priority, run_at FROM {s}.tasks")
+    }
+    after: list[ClaimPosition | None] = [
+        None if not ids or i is None else places[ids[i % len(ids)]]
+        for i, _ in zip(picture["after"], picture["wants"], strict=False)
+    ]
+    position = dict(zip([q for q, _ in picture["wants"]], after, strict=True))
     candidates = [
-        Candidate(r["id"], r["queue"], r["task_name"])
+        Candidate(r["id"], r["queue"], r["task_name"], places[r["id"]])
         for r in await conn.fetch(
             f"SELECT id, queue, task_name FROM {s}.tasks WHERE state = 'pending'"
             " AND task_name = ANY($1::text[]) ORDER BY priority DESC, run_at, id",
             asked,
         )
+    ]
+    # A walk from a position sees the due tasks after it only.
+    candidates = [
+        c for c in candidates if (at := position.get(c.queue)) is None or at.precedes(c.place)
     ]
     plan = plan_claim(
         picture["wants"],
@@ -147,10 +173,14 @@ async def _claim_both(conn: asyncpg.Connection, schema: str, picture: dict[str, 
     )
 
     result = await conn.fetch(
-        f"SELECT * FROM {s}.claim($1::text[], $2::integer[], $3::text[], 'w', 4e9)",
+        f"SELECT * FROM {s}.claim($1::text[], $2::integer[], $3::text[], 'w', 4e9,"
+        " $4::integer[], $5::timestamptz[], $6::bigint[])",
         [q for q, _ in picture["wants"]],
         [w for _, w in picture["wants"]],
         asked,
+        [None if p is None else p.priority for p in after],
+        [None if p is None else p.run_at for p in after],
+        [None if p is None else p.id for p in after],
     )
     claimed = {r["id"] for r in result if r["id"] is not None}
     held = [r for r in result if r["id"] is None]
@@ -205,8 +235,11 @@ async def test_the_sql_claim_starts_what_the_core_rule_starts(queue: QueueFixtur
 
 async def test_the_claim_keeps_the_settings_it_needs(queue: QueueFixture) -> None:
     _dsn, schema, conn = queue
+    # The claim with positions; the one of older workers calls it.
     config = await conn.fetchval(
-        "SELECT proconfig FROM pg_proc WHERE oid = to_regproc($1)", f'"{schema}".claim'
+        "SELECT proconfig FROM pg_proc WHERE oid = to_regprocedure($1)",
+        f'"{schema}".claim(text[], integer[], text[], text, double precision, integer[],'
+        " timestamptz[], bigint[])",
     )
     assert {"jit=off", "enable_seqscan=off", "plan_cache_mode=force_custom_plan"} <= set(config)
 

@@ -33,7 +33,10 @@ from steeple.postgres.queue._db import open_db
 
 LONG: Task[Any] = Task("health.long")
 SHORT: Task[Any] = Task("health.short")
-CLAIM = "claim(text[], integer[], text[], text, double precision)"
+# The worker's claim (with positions).
+CLAIM = (
+    "claim(text[], integer[], text[], text, double precision, integer[], timestamptz[], bigint[])"
+)
 
 wait_until = functools.partial(queue_support.wait_until, timeout=20.0)
 

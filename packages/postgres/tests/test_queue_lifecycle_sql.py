@@ -60,13 +60,21 @@ def _states(listed: str) -> set[TaskState]:
 
 def test_the_claim_function_moves_tasks_as_the_table_says() -> None:
     sql = _migrations()
-    # The newest definition of the claim function is the one installed.
-    # (ALTER FUNCTION only changes its settings.)
-    body = _last(
-        r"CREATE (?:OR REPLACE )?FUNCTION __SCHEMA__\.claim\(.*?AS \$\$(.*?)\$\$;", sql
-    ).group(1)
+    # The newest definition of the claim function that claims is the one installed (the
+    # claim of older workers calls it; ALTER FUNCTION only changes settings), and its
+    # walks are the newest claim_walk.
+    body = [
+        found.group(1)
+        for found in re.finditer(
+            r"CREATE (?:OR REPLACE )?FUNCTION __SCHEMA__\.claim\(.*?AS \$\$(.*?)\$\$;",
+            sql,
+            re.DOTALL,
+        )
+        if "SET state" in found.group(1)
+    ][-1]
+    walk = _last(r"FUNCTION __SCHEMA__\.claim_walk\(.*?AS \$\$(.*?)\$\$;", sql).group(1)
     # Every walk (one per queue, per limited task name, and the rest) picks from one state.
-    picked = set(re.findall(r"p\.state = '(\w+)'", body))
+    picked = set(re.findall(r"p\.state = '(\w+)'", body + walk))
     written = re.findall(r"SET state = '(\w+)'", body)
     assert len(picked) == 1, picked
     assert len(written) == 1, written

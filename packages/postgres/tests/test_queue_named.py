@@ -524,7 +524,17 @@ async def test_a_claim_held_by_a_rate_limit_says_when_the_window_frees_a_start(
     await limit_queue(conn, "default", rate_limit=2, per=timedelta(minutes=1), schema=schema)
     await enqueue_many(conn, JOB, [{}] * 3, schema=schema)
     give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
-    rows = await conn.fetch(sql.claim_timed, ["default"], text_array([5]), [JOB.name], "w", give_up)
+    rows = await conn.fetch(
+        sql.claim_timed,
+        ["default"],
+        text_array([5]),
+        [JOB.name],
+        "w",
+        give_up,
+        [None],
+        [None],
+        [None],
+    )
     claimed = [r for r in rows if r["id"] is not None]
     (held,) = [r for r in rows if r["id"] is None]
     assert len(claimed) == 2
@@ -533,12 +543,30 @@ async def test_a_claim_held_by_a_rate_limit_says_when_the_window_frees_a_start(
     assert {r["started_at"] for r in claimed} == {held["run_at"] - timedelta(minutes=1)}
     # A second claim in the window takes nothing and says the same.
     again = await conn.fetch(
-        sql.claim_timed, ["default"], text_array([5]), [JOB.name], "w", give_up
+        sql.claim_timed,
+        ["default"],
+        text_array([5]),
+        [JOB.name],
+        "w",
+        give_up,
+        [None],
+        [None],
+        [None],
     )
     assert [(r["id"], r["held"], r["run_at"]) for r in again] == [(None, True, held["run_at"])]
     # Without the limit, the third task is claimed and nothing is held.
     await limit_queue(conn, "default", schema=schema)
-    last = await conn.fetch(sql.claim_timed, ["default"], text_array([5]), [JOB.name], "w", give_up)
+    last = await conn.fetch(
+        sql.claim_timed,
+        ["default"],
+        text_array([5]),
+        [JOB.name],
+        "w",
+        give_up,
+        [None],
+        [None],
+        [None],
+    )
     assert [(r["held"], r["queue"]) for r in last] == [(False, "default")]
 
 
@@ -549,7 +577,15 @@ async def _claim_ids(conn: asyncpg.Connection, schema: str, want: int) -> list[i
 
     give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
     rows = await conn.fetch(
-        queue_sql(schema).claim_timed, ["default"], text_array([want]), [JOB.name], "w", give_up
+        queue_sql(schema).claim_timed,
+        ["default"],
+        text_array([want]),
+        [JOB.name],
+        "w",
+        give_up,
+        [None],
+        [None],
+        [None],
     )
     return [int(r["id"]) for r in rows if r["id"] is not None]
 
@@ -626,7 +662,15 @@ async def test_the_claim_walks_the_index_of_its_queue_and_never_scans_the_table(
         give_up = await fresh.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
         async with fresh.transaction():
             rows = await fresh.fetch(
-                sql.claim_timed, ["small"], text_array([10]), [JOB.name], "w", give_up
+                sql.claim_timed,
+                ["small"],
+                text_array([10]),
+                [JOB.name],
+                "w",
+                give_up,
+                [None],
+                [None],
+                [None],
             )
             scans = await fresh.fetchrow(
                 "SELECT seq_scan, idx_scan, idx_tup_fetch FROM pg_stat_xact_user_tables "

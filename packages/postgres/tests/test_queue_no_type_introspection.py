@@ -56,7 +56,16 @@ def _old_style_renew(sql: QueueSql) -> str:
 STATEMENTS: dict[str, Callable[[QueueSql], tuple[str, tuple[Any, ...]]]] = {
     "claim_timed": lambda sql: (
         sql.claim_timed,
-        (["default"], text_array([1]), ["nothing"], "w", 0.0),
+        (
+            ["default"],
+            text_array([1]),
+            ["nothing"],
+            "w",
+            0.0,
+            text_array([0]),
+            text_array([datetime.now(UTC)]),
+            text_array([1]),
+        ),
     ),
     "renew": lambda sql: (sql.renew, (text_array([1]), text_array([uuid.uuid4()]))),
     "complete": lambda sql: (

@@ -49,8 +49,17 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             (10, "0010_vacuum_and_bounded_counts"),
             (11, "0011_claim_limits_written_once"),
             (12, "0012_workflows"),
+            (13, "0013_claim_walks_from_a_position"),
         ]
-        assert await conn.fetchval("SELECT to_regproc($1) IS NOT NULL", f'"{schema}".claim')
+        # The claim of workers of versions 6 to 12, and the one with positions.
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM pg_proc WHERE pronamespace = $1::regnamespace"
+                " AND proname = 'claim'",
+                f'"{schema}"',
+            )
+            == 2
+        )
         tables = {
             r["tablename"]
             for r in await conn.fetch(

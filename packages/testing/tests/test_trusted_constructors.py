@@ -15,7 +15,7 @@ import pytest
 
 from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage
 from steeple.core.errors import BrokerUnavailableError, ConfigurationError
-from steeple.core.messages import BrokerReceipt
+from steeple.core.messages import BrokerReceipt, trusted_receipt
 from steeple.core.records import Lease, RelayOutcome, trusted_lease, trusted_outcome
 from steeple.testing import FakeClock, MemoryBroker
 from steeple.testing.entropy import DeterministicRandom
@@ -43,6 +43,18 @@ def test_a_trusted_outcome_equals_the_checked_one() -> None:
     assert trusted_outcome("ab" * 16, receipt=receipt).result() == receipt
 
 
+@pytest.mark.parametrize("duplicate", [False, True])
+def test_a_trusted_receipt_equals_the_checked_one(duplicate: bool) -> None:
+    trusted = trusted_receipt("simulated", "stp1-" + "a" * 48, duplicate=duplicate)
+    checked = BrokerReceipt("simulated", "stp1-" + "a" * 48, duplicate=duplicate)
+    assert trusted == checked
+    assert hash(trusted) == hash(checked)
+    assert repr(trusted) == repr(checked)
+    assert attrs.asdict(trusted) == attrs.asdict(checked)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        trusted.duplicate = not duplicate  # type: ignore[misc]
+
+
 def test_the_public_constructors_still_check_every_field() -> None:
     with pytest.raises(ConfigurationError):
         Lease("has space", AT, 1, b"x")
@@ -52,6 +64,8 @@ def test_the_public_constructors_still_check_every_field() -> None:
         Lease("ab" * 16, AT, -1, b"x")
     with pytest.raises(ConfigurationError):
         RelayOutcome("ab" * 16)
+    with pytest.raises(ConfigurationError):
+        BrokerReceipt(broker="", idempotency_key="k")
     with pytest.raises(ConfigurationError):
         RelayOutcome(
             "ab" * 16,

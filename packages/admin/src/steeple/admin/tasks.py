@@ -8,15 +8,15 @@ metadata (never a task's args unless asked for with :meth:`TaskAdmin.args`).
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 import attrs
 
 from steeple.core.errors import ConfigurationError
 from steeple.core.records import Page
-from steeple.core.tasks import TaskState, attempts_outlook
+from steeple.core.tasks import MAX_TASK_ID, TaskState, attempts_outlook, parse_task_cursor
+from steeple.core.tasks import check_task_id as validate_task_id
 
 __all__ = [
     "MAX_TASK_ID",
@@ -31,36 +31,6 @@ __all__ = [
     "validate_task_id",
     "validate_task_state",
 ]
-
-MAX_TASK_ID: Final = 2**63 - 1
-"""Task ids are PostgreSQL bigints: 1 .. 2**63 - 1."""
-_DIGITS: Final = re.compile(r"[0-9]{1,19}\Z")
-
-
-def validate_task_id(value: object) -> int:
-    """Return ``value`` if it is a task id: an int (not a bool) in 1 .. :data:`MAX_TASK_ID`.
-
-    Raises:
-        ConfigurationError: anything else.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TASK_ID:
-        raise ConfigurationError(f"a task id is a whole number from 1 to {MAX_TASK_ID}")
-    return value
-
-
-def parse_task_cursor(after: object) -> int:
-    """Return the task id a listing cursor names (``0``, before every task, for ``None``).
-
-    A task listing's cursor is the decimal id of the last task on the previous page.
-
-    Raises:
-        ConfigurationError: not ``None`` or 1-19 ASCII digits up to :data:`MAX_TASK_ID`.
-    """
-    if after is None:
-        return 0
-    if not isinstance(after, str) or not _DIGITS.match(after) or int(after) > MAX_TASK_ID:
-        raise ConfigurationError("the cursor of a task listing is a task id")
-    return int(after)
 
 
 def validate_task_state(value: object) -> str:

@@ -324,6 +324,25 @@ def _unexpected(broker: str, exc: Exception, *, sent: bool) -> BrokerError:
     return BrokerError(f"{broker}: unexpected failure ({detail}); it may be retried")
 
 
+async def _prepare_within(
+    broker: str, key: str, timeout: float, prepare: Callable[[], Awaitable[None]]
+) -> None:
+    """Run ``prepare`` (connecting) within the publication's deadline; nothing is sent yet."""
+    try:
+        async with asyncio.timeout(timeout):
+            await prepare()
+    except TimeoutError:
+        raise BrokerTimeoutError(
+            f"{broker}: connecting took longer than the {timeout:g} s deadline; nothing was sent",
+            timeout=timeout,
+            idempotency_key=key,
+        ) from None
+    except SteepleError:
+        raise
+    except Exception as exc:
+        raise _unexpected(broker, exc, sent=False) from exc
+
+
 async def publish_guarded(
     *,
     broker: str,
@@ -356,21 +375,7 @@ async def publish_guarded(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     if prepare is not None:
-        # Connecting counts against the same deadline; nothing was sent yet.
-        try:
-            async with asyncio.timeout(timeout):
-                await prepare()
-        except TimeoutError:
-            raise BrokerTimeoutError(
-                f"{broker}: connecting took longer than the {timeout:g} s deadline; "
-                "nothing was sent",
-                timeout=timeout,
-                idempotency_key=key,
-            ) from None
-        except SteepleError:
-            raise
-        except Exception as exc:
-            raise _unexpected(broker, exc, sent=False) from exc
+        await _prepare_within(broker, key, timeout, prepare)
     remaining = max(deadline - loop.time(), 0.001)
     reserve = min(remaining * 0.25, PROBE_RESERVE_SECONDS)
     unexpected: Exception | None = None

@@ -103,6 +103,35 @@ def decode_task_args(args: Any) -> tuple[str, ScheduledMessage]:
         raise ConfigurationError(f"not a relayed message: {type(exc).__name__}") from None
 
 
+def _refused(exc: ArgsEncodingError | QueueError) -> Exception:
+    """Return the broker error for a task the queue refused or could not enqueue."""
+    if isinstance(exc, ArgsEncodingError):
+        if "exceed" in str(exc):
+            return MessageTooLargeError(f"work queue: {exc}")
+        return BrokerRejectedError(f"work queue: {exc}")
+    if isinstance(exc, ConfigurationError | TypeError):
+        return BrokerRejectedError(f"work queue: {exc}")
+    # Unavailable, or a duplicate that kept changing under us: worth retrying.
+    return BrokerUnavailableError(f"work queue: {exc}")
+
+
+def _driver_failure(exc: BaseException, *, committing: bool, reused: bool) -> Exception:
+    """Return what a connection or driver failure amounts to, by how far the insert got."""
+    if isinstance(exc, ValueError) and not committing:
+        # asyncpg's client-side DataError: an argument it cannot encode, refused
+        # before the statement was sent.
+        return BrokerRejectedError(
+            f"work queue: the driver cannot encode the task ({type(exc).__name__})"
+        )
+    if committing:
+        # COMMIT was sent; its outcome is unknown until we look.
+        return AckUncertainError(type(exc).__name__)
+    if reused:
+        # Uncommitted, so the server rolled it back: safe to redo on a new one.
+        return _StaleConnectionError()
+    return BrokerUnavailableError(f"work queue: {type(exc).__name__}")
+
+
 class WorkQueueBroker(AsyncLifecycle):
     """Publishes each message as one task of steeple's work queue, deduplicated by key.
 
@@ -450,34 +479,15 @@ class WorkQueueBroker(AsyncLifecycle):
             return BrokerReceipt(
                 "queue", key, duplicate=enqueued.deduplicated, location=str(enqueued.id)
             )
-        except ArgsEncodingError as exc:
-            if "exceed" in str(exc):
-                raise MessageTooLargeError(f"work queue: {exc}") from None
-            raise BrokerRejectedError(f"work queue: {exc}") from None
-        except QueueError as exc:
-            if isinstance(exc, ConfigurationError | TypeError):
-                raise BrokerRejectedError(f"work queue: {exc}") from None
-            # Unavailable, or a duplicate that kept changing under us: worth retrying.
-            raise BrokerUnavailableError(f"work queue: {exc}") from None
+        except (ArgsEncodingError, QueueError) as exc:
+            raise _refused(exc) from None
         except asyncpg.UndefinedTableError:
             raise BrokerConfigurationError(
                 f"work queue: schema {self._schema!r} lacks the queue tables or the ledger: "
                 "run steeple.postgres.queue.install(...) and WorkQueueBroker.install()"
             ) from None
         except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
-            if isinstance(exc, ValueError) and not committing:
-                # asyncpg's client-side DataError: an argument it cannot encode, refused
-                # before the statement was sent.
-                raise BrokerRejectedError(
-                    f"work queue: the driver cannot encode the task ({type(exc).__name__})"
-                ) from None
-            if committing:
-                # COMMIT was sent; its outcome is unknown until we look.
-                raise AckUncertainError(type(exc).__name__) from None
-            if reused:
-                # Uncommitted, so the server rolled it back: safe to redo on a new one.
-                raise _StaleConnectionError from None
-            raise BrokerUnavailableError(f"work queue: {type(exc).__name__}") from None
+            raise _driver_failure(exc, committing=committing, reused=reused) from None
         except asyncpg.PostgresError as exc:
             raise _map_postgres_error(exc) from None
         finally:

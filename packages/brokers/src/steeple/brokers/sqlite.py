@@ -51,6 +51,7 @@ from steeple.core.errors import (
 )
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.ports import Clock, Sealer
+from steeple.core.sqlite_codes import SqliteFailure, sqlite_failure
 
 __all__ = ["JOURNAL_PURPOSE", "SqliteJournalBroker"]
 
@@ -94,13 +95,17 @@ def _deserialize(raw: bytes) -> ScheduledMessage:
 
 
 def _map_sqlite_error(exc: sqlite3.Error, what: str) -> BrokerError:
-    text = str(exc).lower()
-    if isinstance(exc, sqlite3.DataError) or "too big" in text:
-        # SQLITE_TOOBIG: a value over the library's length limit; it will never fit.
+    """Return the broker error for a sqlite3 failure of ``what``.
+
+    Which failure it was is :func:`steeple.core.sqlite_codes.sqlite_failure`'s to say.
+    """
+    failure = sqlite_failure(exc)
+    if failure is SqliteFailure.TOO_BIG:
+        # A value over the library's length limit: it will never fit.
         return MessageTooLargeError(f"sqlite journal: {what} failed: {exc}")
-    if isinstance(exc, sqlite3.IntegrityError):
+    if failure is SqliteFailure.CONSTRAINT:
         return BrokerRejectedError(f"sqlite journal: {what} was refused: {exc}")
-    if isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text):
+    if failure is SqliteFailure.LOCKED:
         return BrokerTimeoutError(
             f"sqlite journal: {what} waited past the busy timeout for the write lock "
             "(another connection or process holds it); nothing was written",
@@ -120,7 +125,7 @@ def _switch_to_wal(conn: sqlite3.Connection, deadline: float) -> str:
         try:
             return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
         except sqlite3.OperationalError as exc:
-            busy = "locked" in str(exc).lower() or "busy" in str(exc).lower()
+            busy = sqlite_failure(exc) is SqliteFailure.LOCKED
             if not busy or time.monotonic() + pause >= deadline:
                 raise
         time.sleep(pause)

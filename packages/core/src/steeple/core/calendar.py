@@ -171,6 +171,34 @@ def _bound(text: str, spec: _FieldSpec, what: str) -> int:
     return _number(text, spec, what)
 
 
+def _parse_step(step_text: str, item: str, spec: _FieldSpec) -> int:
+    """Read the step after an item's '/'."""
+    if "/" in step_text:
+        raise _FieldError(f"{item!r} has more than one '/'")
+    if not (step_text.isascii() and step_text.isdigit()):
+        raise _FieldError(f"step {step_text!r} in {item!r} is not a number")
+    step = int(step_text)
+    if not 1 <= step <= spec.maximum:
+        raise _FieldError(f"step {step} in {item!r} is out of range 1-{spec.maximum}")
+    return step
+
+
+def _parse_range(base: str, item: str, spec: _FieldSpec, step: int) -> range:
+    """Read an item's ``start-end`` part, stepped."""
+    start_text, _, end_text = base.partition("-")
+    if "-" in end_text:
+        raise _FieldError(f"{item!r} has more than one '-'")
+    if not start_text or not end_text:
+        raise _FieldError(f"range {base!r} is missing an end")
+    if _is_name(start_text) != _is_name(end_text):
+        raise _FieldError(f"range {base!r} mixes a number and a name")
+    start = _bound(start_text, spec, "range start")
+    end = _bound(end_text, spec, "range end")
+    if start > end:
+        raise _FieldError(f"range {base!r} is reversed (ranges do not wrap around)")
+    return range(start, end + 1, step)
+
+
 def _parse_item(item: str, spec: _FieldSpec) -> range:
     """One comma-separated item of a field to the range of values it selects."""
     if not item:
@@ -178,32 +206,13 @@ def _parse_item(item: str, spec: _FieldSpec) -> range:
     if _UNSUPPORTED.fullmatch(item):
         raise _FieldError("'L', 'W', '#' and 'H' are not supported")
     base, slash, step_text = item.partition("/")
-    step = 1
-    if slash:
-        if "/" in step_text:
-            raise _FieldError(f"{item!r} has more than one '/'")
-        if not (step_text.isascii() and step_text.isdigit()):
-            raise _FieldError(f"step {step_text!r} in {item!r} is not a number")
-        step = int(step_text)
-        if not 1 <= step <= spec.maximum:
-            raise _FieldError(f"step {step} in {item!r} is out of range 1-{spec.maximum}")
+    step = _parse_step(step_text, item, spec) if slash else 1
     if base in ("*", "?"):
         if base == "?" and not spec.allows_any:
             raise _FieldError("'?' is allowed only in the day-of-month and weekday fields")
         return range(spec.minimum, spec.maximum + 1, step)
     if "-" in base:
-        start_text, _, end_text = base.partition("-")
-        if "-" in end_text:
-            raise _FieldError(f"{item!r} has more than one '-'")
-        if not start_text or not end_text:
-            raise _FieldError(f"range {base!r} is missing an end")
-        if _is_name(start_text) != _is_name(end_text):
-            raise _FieldError(f"range {base!r} mixes a number and a name")
-        start = _bound(start_text, spec, "range start")
-        end = _bound(end_text, spec, "range end")
-        if start > end:
-            raise _FieldError(f"range {base!r} is reversed (ranges do not wrap around)")
-        return range(start, end + 1, step)
+        return _parse_range(base, item, spec, step)
     if _is_name(base):
         value = _name(base, spec)
         if slash:

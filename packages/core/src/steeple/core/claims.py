@@ -14,6 +14,18 @@ step the candidates are taken in the order given (the claim order: highest prior
 earliest due, then the order they became due). A claim whose budget a limit cut reports
 that it was held back, and when the oldest start in a binding rate window leaves it.
 
+Where a claim walks the claim order from (:class:`ClaimWalk`): a claimer may start a
+queue's walk after the last task it took there (its :class:`ClaimPosition`) instead of at
+the front, which skips what it already claimed (entries a held vacuum horizon keeps in the
+claim index). A due task can still lie before the position (a higher priority or an
+earlier due time enqueued later, a retry whose backoff ended, a task handed back, an
+enqueue that committed late, one another claim had locked), and only a walk from the front
+finds it. So the walk starts at the front when the claimer has no position, when its last
+walk from the front is ``interval`` (its poll interval) old or more, and right after a
+walk from its position found nothing (unless a limit held that claim back): a due task
+before the position waits at most one interval for a claimer with room, and is then taken
+in claim order.
+
 Pure functions of the values they are given: the database's claim function applies the
 same rule in SQL and the in-memory queue calls :func:`plan_claim`; a differential test
 holds the two together.
@@ -30,6 +42,8 @@ import attrs
 __all__ = [
     "ClaimCandidate",
     "ClaimPlan",
+    "ClaimPosition",
+    "ClaimWalk",
     "ScopeLimits",
     "ScopeState",
     "frees_at",
@@ -207,3 +221,67 @@ def plan_claim(
             got += len(free)
             started.extend(free)
     return ClaimPlan(tuple(started), held, frees)
+
+
+@attrs.frozen
+class ClaimPosition:
+    """A task's place in its queue's claim order (highest priority, earliest due, oldest)."""
+
+    priority: int
+    run_at: datetime
+    id: int
+
+    def key(self) -> tuple[int, datetime, int]:
+        """Return the sort key of the claim order (smallest first)."""
+        return (-self.priority, self.run_at, self.id)
+
+    def precedes(self, other: ClaimPosition) -> bool:
+        """Tell whether this place comes before ``other`` in the claim order."""
+        return self.key() < other.key()
+
+
+@attrs.frozen
+class ClaimWalk:
+    """Where a claimer's next claim of one queue walks from; the rule in the module docstring.
+
+    A claimer keeps one per queue, asks :meth:`start` before each claim, and replaces it by
+    :meth:`after` with what the claim took. Times are the claimer's monotonic seconds.
+    """
+
+    position: ClaimPosition | None = None
+    """The last task taken, in claim order (``None``: walk from the front)."""
+    front_at: float | None = None
+    """When a claim last walked from the front (``None``: never)."""
+    owed: bool = False
+    """A walk from the position found nothing: the next walks from the front at once."""
+
+    def start(self, now: float, interval: float) -> ClaimPosition | None:
+        """Return the position to walk after, or ``None`` to walk from the front."""
+        if (
+            self.position is None
+            or self.owed
+            or self.front_at is None
+            or now - self.front_at >= interval
+        ):
+            return None
+        return self.position
+
+    def after(
+        self,
+        walked_from: ClaimPosition | None,
+        taken: Sequence[ClaimPosition],
+        at: float,
+        *,
+        held: bool = False,
+    ) -> ClaimWalk:
+        """Return the walk after a claim from ``walked_from`` (at ``at``) took ``taken``.
+
+        ``held``: a limit held the claim back, so taking nothing says nothing of the walk
+        (no walk from the front is owed; the position stays).
+        """
+        front_at = at if walked_from is None else self.front_at
+        if taken:
+            return ClaimWalk(max(taken, key=ClaimPosition.key), front_at)
+        if held:
+            return ClaimWalk(self.position, front_at)
+        return ClaimWalk(None, front_at, owed=walked_from is not None)

@@ -222,50 +222,57 @@ def _conninfo_pairs(dsn: str) -> list[tuple[str, str, str]] | None:
     pairs: list[tuple[str, str, str]] = []
     i, n = 0, len(dsn)
     while True:
-        while i < n and dsn[i] in _CONNINFO_SPACE:
-            i += 1
+        i = _skip_space(dsn, i)
         if i >= n:
             return pairs
         start = i
         while i < n and dsn[i] != "=" and dsn[i] not in _CONNINFO_SPACE:
             i += 1
         key = dsn[start:i]
-        while i < n and dsn[i] in _CONNINFO_SPACE:
-            i += 1
+        i = _skip_space(dsn, i)
         if i >= n or dsn[i] != "=" or not key:
             return None
+        value_start = i = _skip_space(dsn, i + 1)
+        read = _conninfo_value(dsn, i)
+        if read is None:
+            return None
+        value, i = read
+        pairs.append((key, value, dsn[value_start:i]))
+
+
+def _skip_space(dsn: str, i: int) -> int:
+    while i < len(dsn) and dsn[i] in _CONNINFO_SPACE:
         i += 1
-        while i < n and dsn[i] in _CONNINFO_SPACE:
+    return i
+
+
+def _conninfo_value(dsn: str, i: int) -> tuple[str, int] | None:
+    """Read the value starting at ``dsn[i]``: (the value, where it ends), None if unterminated.
+
+    A quoted value runs to its closing quote; a bare one to the next space. A backslash
+    escapes the next character in both.
+    """
+    n = len(dsn)
+    quoted = i < n and dsn[i] == "'"
+    if quoted:
+        i += 1
+    value: list[str] = []
+    while True:
+        if i >= n:
+            return None if quoted else ("".join(value), i)
+        ch = dsn[i]
+        if quoted and ch == "'":
+            return "".join(value), i + 1
+        if not quoted and ch in _CONNINFO_SPACE:
+            return "".join(value), i
+        if ch == "\\":
             i += 1
-        value_start = i
-        value: list[str] = []
-        if i < n and dsn[i] == "'":
-            i += 1
-            while True:
-                if i >= n:
-                    return None  # unterminated quoted string
-                if dsn[i] == "\\":
-                    i += 1
-                    if i < n:
-                        value.append(dsn[i])
-                        i += 1
-                    continue
-                if dsn[i] == "'":
-                    i += 1
-                    break
+            if i < n:
                 value.append(dsn[i])
                 i += 1
-        else:
-            while i < n and dsn[i] not in _CONNINFO_SPACE:
-                if dsn[i] == "\\":
-                    i += 1
-                    if i < n:
-                        value.append(dsn[i])
-                        i += 1
-                    continue
-                value.append(dsn[i])
-                i += 1
-        pairs.append((key, "".join(value), dsn[value_start:i]))
+            continue
+        value.append(ch)
+        i += 1
 
 
 def _quote_conninfo(value: str) -> str:
@@ -332,6 +339,18 @@ def check_dsn(dsn: object) -> str:
             "the database URL is not a postgresql:// URL; write it like "
             "postgresql://user@host:5432/dbname"
         )
+    _check_characters(dsn)
+    rest = dsn.split("://", 1)[1]
+    netloc = re.split(r"[/?]", rest, maxsplit=1)[0]
+    _check_netloc(netloc, rest)
+    query = rest.partition("?")[2]
+    if query:
+        _check_query(query)
+    return dsn
+
+
+def _check_characters(dsn: str) -> None:
+    """Refuse a URL holding characters no driver reads as meant."""
     if any(ord(c) < 32 or ord(c) == 127 for c in dsn):
         raise ConfigurationError(
             "the database URL contains a control character (NUL, tab, newline...); "
@@ -354,8 +373,10 @@ def check_dsn(dsn: object) -> str:
         raise ConfigurationError(
             f"the database URL has a '%' that is not a valid escape (or is %00): {_PERCENT_HINT}"
         )
-    rest = dsn.split("://", 1)[1]
-    netloc = re.split(r"[/?]", rest, maxsplit=1)[0]
+
+
+def _check_netloc(netloc: str, rest: str) -> None:
+    """Refuse credentials drivers would read differently, and bad hosts or ports."""
     if "@" in rest[len(netloc) :]:
         # Drivers would read the credentials differently (or not at all): a password with
         # a raw '/' or '?' puts its tail, and the host, into the path or the query.
@@ -378,20 +399,21 @@ def check_dsn(dsn: object) -> str:
         else:
             port = spec.partition(":")[2]
         _check_port(port, f"host {number}")
-    query = rest.partition("?")[2]
-    if query:
-        for number, item in enumerate(query.split("&"), start=1):
-            key, sep, value = item.partition("=")
-            if not sep or not key or "=" in value:
-                raise ConfigurationError(
-                    f"parameter {number} of the database URL is not key=value; separate "
-                    "parameters with '&' and percent-encode '=' and '&' in values "
-                    "(%3D, %26)"
-                )
-            if _decode(key) == "port":
-                for port in _decode(value).split(","):
-                    _check_port(port, "the port parameter")
-    return dsn
+
+
+def _check_query(query: str) -> None:
+    """Refuse a parameter that is not ``key=value``, and a bad ``port`` parameter."""
+    for number, item in enumerate(query.split("&"), start=1):
+        key, sep, value = item.partition("=")
+        if not sep or not key or "=" in value:
+            raise ConfigurationError(
+                f"parameter {number} of the database URL is not key=value; separate "
+                "parameters with '&' and percent-encode '=' and '&' in values "
+                "(%3D, %26)"
+            )
+        if _decode(key) == "port":
+            for port in _decode(value).split(","):
+                _check_port(port, "the port parameter")
 
 
 def _check_port(port: str, where: str) -> None:
@@ -458,42 +480,8 @@ def dsn_secrets(dsn: object) -> tuple[str, ...]:
     """
     if not isinstance(dsn, str):
         return ()
-    found: set[str] = set()
-    if _SCHEME.match(dsn):
-        rest = dsn[_SCHEME.match(dsn).end() :]  # type: ignore[union-attr]
-        readings = [
-            rest.split("/", 1)[0].rpartition("@"),  # a person: the last '@' before a '/'
-            rest.split("/", 1)[0].partition("@"),  # libpq: the first '@' before a '/'
-            re.split(r"[/?#]", rest, maxsplit=1)[0].partition("@"),  # asyncpg
-            rest.rpartition("@"),  # a password holding a raw '/'
-        ]
-        for userinfo, at, _ in readings:
-            if at:
-                user = re.split(r"[:@]", userinfo, maxsplit=1)[0]
-                found.add(userinfo[len(user) + 1 :])
-        query = rest.partition("?")[2]
-        after_secret = False
-        for item in query.split("&") if query else ():
-            key, sep, value = item.partition("=")
-            if after_secret and _decode(key) not in SAFE_PARAMETERS:
-                found.update({key, value})  # maybe the tail of a secret holding a raw '&'
-            if not sep:
-                found.add(item)
-                after_secret = True
-            elif _secret_parameter(_decode(key), _decode(value)):
-                found.update({value, _decode(value)})
-                after_secret = True
-    else:
-        pairs = _conninfo_pairs(dsn)
-        if pairs is None:
-            found.add(dsn)  # unreadable: any part of it may be the secret
-        after_secret = False
-        for key, value, written in pairs or ():
-            if after_secret and key not in SAFE_PARAMETERS:
-                found.update({key, value, written})  # maybe the tail of a secret
-            elif _secret_parameter(key, value):
-                found.update({value, written})
-                after_secret = True
+    scheme = _SCHEME.match(dsn)
+    found = _url_secrets(dsn[scheme.end() :]) if scheme else _conninfo_secrets(dsn)
     pieces = set()
     for secret in found:
         decoded = _decode(secret)
@@ -503,6 +491,50 @@ def dsn_secrets(dsn: object) -> tuple[str, ...]:
         for form in (secret, decoded):
             pieces.update(re.split(r"[@:/?#&=,'\\\s]", form))
     return tuple(sorted((p for p in pieces if len(p) >= 3), key=len, reverse=True))
+
+
+def _url_secrets(rest: str) -> set[str]:
+    """Collect what some parser could read as a secret in a URL (``rest``: after its scheme)."""
+    found: set[str] = set()
+    readings = [
+        rest.split("/", 1)[0].rpartition("@"),  # a person: the last '@' before a '/'
+        rest.split("/", 1)[0].partition("@"),  # libpq: the first '@' before a '/'
+        re.split(r"[/?#]", rest, maxsplit=1)[0].partition("@"),  # asyncpg
+        rest.rpartition("@"),  # a password holding a raw '/'
+    ]
+    for userinfo, at, _ in readings:
+        if at:
+            user = re.split(r"[:@]", userinfo, maxsplit=1)[0]
+            found.add(userinfo[len(user) + 1 :])
+    query = rest.partition("?")[2]
+    after_secret = False
+    for item in query.split("&") if query else ():
+        key, sep, value = item.partition("=")
+        if after_secret and _decode(key) not in SAFE_PARAMETERS:
+            found.update({key, value})  # maybe the tail of a secret holding a raw '&'
+        if not sep:
+            found.add(item)
+            after_secret = True
+        elif _secret_parameter(_decode(key), _decode(value)):
+            found.update({value, _decode(value)})
+            after_secret = True
+    return found
+
+
+def _conninfo_secrets(dsn: str) -> set[str]:
+    """Collect what some parser could read as a secret in a ``key=value`` string."""
+    found: set[str] = set()
+    pairs = _conninfo_pairs(dsn)
+    if pairs is None:
+        found.add(dsn)  # unreadable: any part of it may be the secret
+    after_secret = False
+    for key, value, written in pairs or ():
+        if after_secret and key not in SAFE_PARAMETERS:
+            found.update({key, value, written})  # maybe the tail of a secret
+        elif _secret_parameter(key, value):
+            found.update({value, written})
+            after_secret = True
+    return found
 
 
 def scrub(text: str, dsn: object) -> str:

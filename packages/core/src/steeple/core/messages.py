@@ -23,6 +23,7 @@ __all__ = [
     "ScheduledMessage",
     "check_idempotency_key",
     "check_publish_timeout",
+    "trusted_receipt",
 ]
 
 
@@ -166,6 +167,23 @@ class BrokerReceipt:
     idempotency_key: str = attrs.field(validator=_receipt_key)
     duplicate: bool = attrs.field(default=False, validator=_receipt_duplicate)
     location: str | None = attrs.field(default=None, validator=_receipt_location)
+
+
+def trusted_receipt(broker: str, idempotency_key: str, *, duplicate: bool = False) -> BrokerReceipt:
+    """Build a :class:`BrokerReceipt` from values a broker model produced, without checks.
+
+    For a simulated broker only: its name is a constant and the key one the relay derived
+    (printable ASCII, 53 characters). Every real broker goes through ``BrokerReceipt(...)``,
+    which checks every field; a test requires both to build equal receipts.
+    """
+    receipt = object.__new__(BrokerReceipt)
+    # A frozen attrs class: fields are set the way its own __init__ sets them.
+    _set = object.__setattr__
+    _set(receipt, "broker", broker)
+    _set(receipt, "idempotency_key", idempotency_key)
+    _set(receipt, "duplicate", duplicate)
+    _set(receipt, "location", None)
+    return receipt
 
 
 def check_publish_timeout(timeout: object) -> float:

@@ -131,12 +131,23 @@ def plan_tick(
         ConfigurationTypeError: ``cursor`` or ``now`` is not a datetime (a ``TypeError``).
     """
     validate_budget(budget)
+    _check_calendar(calendar)
+    return _plan_checked(
+        policy, calendar, aware_utc(cursor, "cursor"), aware_utc(now, "now"), budget
+    )
+
+
+def _check_calendar(calendar: object) -> None:
     if not callable(getattr(calendar, "next_after", None)):
         raise ConfigurationTypeError(
             f"calendar must have a next_after method (a CronCalendar), not {shown(calendar)}"
         )
-    cursor = aware_utc(cursor, "cursor")
-    now = aware_utc(now, "now")
+
+
+def _plan_checked(
+    policy: MissedRunPolicy, calendar: DueCalendar, cursor: datetime, now: datetime, budget: int
+) -> TickPlan:
+    """:func:`plan_tick` of arguments it checked already (aware UTC instants)."""
     if policy is MissedRunPolicy.CATCH_UP:
         due: list[datetime] = []
         position = cursor
@@ -240,6 +251,7 @@ def plan_namespace_tick(
             f"definitions must be an iterable of DueDefinition, not {type(definitions).__name__}"
         )
     by_name: dict[str, DueDefinition] = {}
+    cursors: dict[str, datetime] = {}
     heap: list[tuple[datetime, str]] = []
     for definition in definitions:
         if not isinstance(definition, DueDefinition):
@@ -255,7 +267,9 @@ def plan_namespace_tick(
         due = aware_utc(definition.next_due, "next_due")
         if due > now or definition.name in by_name:
             continue
+        _check_calendar(definition.calendar)
         by_name[definition.name] = definition
+        cursors[definition.name] = aware_utc(definition.cursor, "cursor")
         heap.append((due, definition.name))
     heapq.heapify(heap)
     emitted: list[tuple[str, datetime]] = []
@@ -264,12 +278,14 @@ def plan_namespace_tick(
     while heap and len(emitted) < budget:
         _, name = heapq.heappop(heap)
         definition = by_name[name]
-        cursor = state[name].cursor if name in state else definition.cursor
-        plan = plan_tick(definition.policy, definition.calendar, cursor, now, 1)
+        cursor = cursors[name]
+        # Checked once above (the calendar, the cursor, now); each plan's cursor is its own.
+        plan = _plan_checked(definition.policy, definition.calendar, cursor, now, 1)
         if not plan.due:
             continue  # next_due was stale: nothing is due after the cursor yet
         emitted.append((name, plan.due[0]))
         moved = plan.cursor if plan.cursor is not None else max(cursor, *plan.due)
+        cursors[name] = moved
         state[name] = DefinitionAdvance(name, moved, plan.next_due, plan.exhausted)
         if plan.exhausted:
             exhausted.append(name)

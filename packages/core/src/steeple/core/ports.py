@@ -56,6 +56,11 @@ class MessageBroker(Protocol):
     ``timeout`` seconds. It raises ``steeple.core.errors.BrokerError`` subclasses on failure
     (``permanent`` ones must not be retried) and ``RelayAcknowledgementError`` (carrying the
     receipt) when the broker accepted the message but the acknowledgement is uncertain.
+
+    A broker whose ``publish`` never suspends (a model of one) may say so with a
+    ``publishes_in_place`` attribute that is ``True``: the relay then publishes a batch's
+    messages one after the other, in the order it would start them concurrently, without
+    a task or a deadline each (the results are the same, only cheaper).
     """
 
     async def publish(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import re
+import warnings
 from collections.abc import Mapping
 from datetime import datetime
 from types import MappingProxyType
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -15,18 +17,21 @@ from steeple.core.backoff import Backoff
 from steeple.core.errors import ConfigurationError, ConfigurationTypeError, InvalidTransitionError
 
 __all__ = [
+    "MAX_TASK_ID",
     "TASK_TRANSITIONS",
     "TERMINAL_TASK_STATES",
-    "FailureKind",
     "FailureOutcome",
     "FailureVerdict",
     "RetryDecision",
     "TaskEvent",
+    "TaskFailureKind",
     "TaskState",
     "attempts_exhausted",
     "attempts_outlook",
+    "check_task_id",
     "failure_outcome",
     "lease_expiry_event",
+    "parse_task_cursor",
     "retry_decision",
     "transition",
 ]
@@ -210,8 +215,12 @@ def retry_decision(
     return RetryDecision(retry=True, run_at=run_at)
 
 
-class FailureKind(enum.Enum, metaclass=TypedEnumType):
-    """What a failed attempt was, as the worker saw it (the input of :func:`failure_outcome`)."""
+class TaskFailureKind(enum.Enum, metaclass=TypedEnumType):
+    """What a failed attempt was, as the worker saw it (the input of :func:`failure_outcome`).
+
+    Not to be confused with :class:`steeple.core.publication.FailureKind`, what went wrong
+    with a recurring publication.
+    """
 
     RETRY_ASKED = "retry_asked"
     """The handler asked to run again (``JobError.retry``)."""
@@ -259,7 +268,7 @@ class FailureOutcome:
 
 
 def failure_outcome(
-    kind: FailureKind,
+    kind: TaskFailureKind,
     *,
     retries_unexpected: bool,
     attempt: int,
@@ -284,14 +293,14 @@ def failure_outcome(
 
     Raises:
         ConfigurationError: as :func:`retry_decision`.
-        ConfigurationTypeError: ``kind`` is not a :class:`FailureKind`; as
+        ConfigurationTypeError: ``kind`` is not a :class:`TaskFailureKind`; as
             :func:`retry_decision`.
     """
-    if not isinstance(kind, FailureKind):
-        raise ConfigurationTypeError(f"kind must be a FailureKind, not {type(kind).__name__}")
-    if kind is FailureKind.VERDICT:
+    if not isinstance(kind, TaskFailureKind):
+        raise ConfigurationTypeError(f"kind must be a TaskFailureKind, not {type(kind).__name__}")
+    if kind is TaskFailureKind.VERDICT:
         return FailureOutcome(FailureVerdict.VERDICT, None)
-    if kind is FailureKind.UNEXPECTED and not retries_unexpected:
+    if kind is TaskFailureKind.UNEXPECTED and not retries_unexpected:
         return FailureOutcome(FailureVerdict.UNEXPECTED, None)
     decision = retry_decision(attempt, max_attempts, backoff, now, draw)
     if decision.retry:
@@ -330,3 +339,56 @@ def attempts_outlook(state: TaskState, attempts: int, max_attempts: int) -> str:
     if state in (TaskState.PENDING, TaskState.RUNNING):
         return f"{count}, no retries"
     return str(count)
+
+
+# --- task ids ------------------------------------------------------------------------------
+
+MAX_TASK_ID: Final = 2**63 - 1
+"""Task ids are PostgreSQL bigints, handed out from 1: 1 .. 2**63 - 1."""
+_DIGITS: Final = re.compile(r"[0-9]{1,19}\Z")
+
+
+def check_task_id(value: object) -> int:
+    """Return ``value`` if it is a task id: an int (not a bool) in 1 .. :data:`MAX_TASK_ID`.
+
+    Raises:
+        ConfigurationTypeError: not an int.
+        ConfigurationError: out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationTypeError(f"a task id is a whole number from 1 to {MAX_TASK_ID}")
+    if not 1 <= value <= MAX_TASK_ID:
+        raise ConfigurationError(f"a task id is a whole number from 1 to {MAX_TASK_ID}")
+    return value
+
+
+def parse_task_cursor(after: object) -> int:
+    """Return the task id a listing cursor names (``0``, before every task, for ``None``).
+
+    A task listing's cursor is the decimal id of the last task on the previous page.
+
+    Raises:
+        ConfigurationError: not ``None`` or 1-19 ASCII digits up to :data:`MAX_TASK_ID`.
+    """
+    if after is None:
+        return 0
+    if not isinstance(after, str) or not _DIGITS.match(after) or int(after) > MAX_TASK_ID:
+        raise ConfigurationError("the cursor of a task listing is a task id")
+    return int(after)
+
+
+# The name this enum had before: still importable, with a DeprecationWarning, so that code
+# written against it keeps working for a release. Static tools see a plain alias.
+if TYPE_CHECKING:
+    FailureKind = TaskFailureKind
+else:
+
+    def __getattr__(name: str) -> Any:
+        if name == "FailureKind":
+            warnings.warn(
+                "steeple.core.tasks.FailureKind is deprecated: import TaskFailureKind",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return TaskFailureKind
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

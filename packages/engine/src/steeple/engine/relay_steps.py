@@ -33,7 +33,7 @@ from steeple.core.errors import (
     RelayLeaseLostError,
     SteepleError,
 )
-from steeple.core.idempotency import PUBLISH_PURPOSE, idempotency_key
+from steeple.core.idempotency import PUBLISH_PURPOSE, trusted_idempotency_key
 from steeple.core.leases import after_publish_failure, holds_lease, is_live
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, step
@@ -110,6 +110,18 @@ def _caused(error: _Error, cause: BaseException) -> _Error:
     return error
 
 
+def _publishes_in_place(broker: object) -> bool:
+    """Whether ``broker`` says its ``publish`` never waits (``publishes_in_place``).
+
+    Read once, before anything is claimed: a broker that cannot answer publishes the
+    usual way, each publication a task under its deadline.
+    """
+    try:
+        return getattr(broker, "publishes_in_place", False) is True
+    except Exception:  # any broker may fail in any way: then not in place
+        return False
+
+
 @attrs.define(repr=False)
 class RelaySteps:
     """The relay half of a namespace's engine: ``relay``, ``relay_many``, ``claim_and_relay``.
@@ -141,10 +153,13 @@ class RelaySteps:
         if not callable(getattr(broker, "publish", None)):
             raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")
         concurrency = validate_budget(concurrency, "concurrency")
+        in_place = _publishes_in_place(broker)
         if not leases:
             return []
         checked, checked_at = await self._prepare(leases)
-        return await self._publish_and_record(leases, checked, checked_at, broker, concurrency)
+        return await self._publish_and_record(
+            leases, checked, checked_at, broker, concurrency, in_place=in_place
+        )
 
     async def claim_and_relay(
         self,
@@ -158,6 +173,7 @@ class RelaySteps:
         if not callable(getattr(broker, "publish", None)):
             raise RecurringConfigurationError("relay needs a MessageBroker (with publish)")
         concurrency = validate_budget(concurrency, "concurrency")
+        in_place = _publishes_in_place(broker)
 
         async def body(tx: Tx) -> tuple[list[Lease], list[_Checked | SteepleError]]:
             granted, changes = await self._work.grant(tx, limit)
@@ -199,7 +215,9 @@ class RelaySteps:
             return granted, checked
 
         (granted, checked), checked_at = await self._work.run("claim", body, points="claim")
-        return await self._publish_and_record(granted, checked, checked_at, broker, concurrency)
+        return await self._publish_and_record(
+            granted, checked, checked_at, broker, concurrency, in_place=in_place
+        )
 
     async def _publish_and_record(
         self,
@@ -208,6 +226,8 @@ class RelaySteps:
         checked_at: datetime,
         broker: MessageBroker,
         concurrency: int,
+        *,
+        in_place: bool,
     ) -> list[RelayOutcome]:
         """Relay steps two and three for checked leases: open, publish concurrently, record.
 
@@ -228,7 +248,15 @@ class RelaySteps:
             except (RecurringKeyringError, RecurringStorageError) as exc:
                 unopenable.append((index, entry.lease, _Attempt(unopenable=exc)))
         attempts: list[_Attempt] = []
-        if len(ready) == 1:
+        if ready and in_place:
+            # A broker that never waits (a model of one, in a simulation) publishes each
+            # in turn, in the order the tasks below would start and run to their end:
+            # no tasks, no semaphore, and no deadline, which nothing could reach.
+            attempts = [
+                await self._publish_now(prepared, broker, checked_at, in_place=True)
+                for _, prepared in ready
+            ]
+        elif len(ready) == 1:
             # A single publication is awaited in place: a task group (a task, a semaphore)
             # would run it the same way, only slower, and single relays are the common case.
             prepared = ready[0][1]
@@ -282,7 +310,8 @@ class RelaySteps:
             lease.occurrence_id,
             f"occurrence {lease.occurrence_id}",
         )
-        key = idempotency_key(
+        # The row's own values, checked when stored: the key is derived without checks.
+        key = trusted_idempotency_key(
             purpose=PUBLISH_PURPOSE,
             namespace=self._work.config.namespace,
             definition_name=checked.definition_name,
@@ -303,9 +332,17 @@ class RelaySteps:
             return await self._publish_now(prepared, broker, checked_at)
 
     async def _publish_now(
-        self, prepared: _Prepared, broker: MessageBroker, checked_at: datetime
+        self,
+        prepared: _Prepared,
+        broker: MessageBroker,
+        checked_at: datetime,
+        *,
+        in_place: bool = False,
     ) -> _Attempt:
-        """Publish one checked lease now (its turn came): see :meth:`_publish`."""
+        """Publish one checked lease now (its turn came): see :meth:`_publish`.
+
+        ``in_place``: the broker publishes without ever waiting, so no deadline is set.
+        """
         # Judged again when the publication starts (after the check committed, and
         # after waiting for a turn): a lease that lapsed publishes nothing.
         remaining = prepared.expires_at - max(checked_at, read_clock(self._work.clock))
@@ -321,10 +358,15 @@ class RelaySteps:
         timeout = min(remaining, limits.PUBLISH_DEADLINE).total_seconds()
         try:
             crash_point("relay.before_publish")
-            async with asyncio.timeout(timeout):
+            if in_place:
                 receipt = await broker.publish(
                     prepared.message, idempotency_key=prepared.key, timeout=timeout
                 )
+            else:
+                async with asyncio.timeout(timeout):
+                    receipt = await broker.publish(
+                        prepared.message, idempotency_key=prepared.key, timeout=timeout
+                    )
             crash_point("relay.after_confirm")
             if not isinstance(receipt, BrokerReceipt):
                 raise TypeError(f"publish returned a {type(receipt).__name__}, not a receipt")

@@ -118,6 +118,59 @@ def _plaintext_bytes(plaintext: object) -> bytes:
     raise TypeError(f"only bytes can be sealed, not {type(plaintext).__name__}")
 
 
+def _check_keys(keys: tuple[object, ...]) -> tuple[StorageKey, ...]:
+    """Return ``keys``, refused unless they are at most ``MAX_KEYS`` distinct storage keys."""
+    checked: list[StorageKey] = []
+    for position, key in enumerate(keys):
+        if not isinstance(key, StorageKey):
+            raise KeyringConfigurationError(
+                f"keyring key #{position + 1} must be a StorageKey, not {type(key).__name__}"
+            )
+        checked.append(key)
+    if len(checked) > MAX_KEYS:
+        raise KeyringConfigurationError(
+            f"a keyring holds at most {MAX_KEYS} keys, got {len(checked)}; retire keys no "
+            "record needs any more"
+        )
+    for index, key in enumerate(checked):
+        for earlier in checked[:index]:
+            if key.key_id == earlier.key_id:
+                raise KeyringConfigurationError(
+                    f"key id {key.key_id!r} appears twice in the keyring; ids must be unique"
+                )
+            if key.same_material(earlier):
+                raise KeyringConfigurationError(
+                    f"keys {earlier.key_id!r} and {key.key_id!r} hold the same key "
+                    "material; every key must be distinct"
+                )
+    return tuple(checked)
+
+
+def _initial_counts(
+    keys: tuple[StorageKey, ...], seal_counts: Mapping[str, int] | None, budget: int
+) -> dict[str, int]:
+    """Return each held key's seal count: ``seal_counts``' (checked), else 0."""
+    counts = {key.key_id: 0 for key in keys}
+    if seal_counts is None:
+        return counts
+    if not isinstance(seal_counts, Mapping):
+        raise KeyringConfigurationError("seal_counts must be a mapping of key id to int")
+    for key_id, count in seal_counts.items():
+        if key_id not in counts:
+            raise KeyringConfigurationError(
+                f"seal_counts names key id {key_id!r}, which this keyring does not hold"
+            )
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise KeyringConfigurationError(f"the seal count of {key_id!r} must be an int")
+        if not 0 <= count <= budget:
+            raise KeyringConfigurationError(
+                f"the seal count of {key_id!r} must be between 0 and the budget "
+                f"{budget}, got {count}"
+            )
+        counts[key_id] = count
+    return counts
+
+
 class Keyring:
     """AES-256-GCM sealing bound to namespace, purpose and identity, with rotation.
 
@@ -154,46 +207,9 @@ class Keyring:
             raise KeyringConfigurationError(
                 "a keyring needs a primary key: Keyring(primary, *previous)"
             )
-        keys = (primary, *previous)
-        for position, key in enumerate(keys):
-            if not isinstance(key, StorageKey):
-                raise KeyringConfigurationError(
-                    f"keyring key #{position + 1} must be a StorageKey, not {type(key).__name__}"
-                )
-        if len(keys) > MAX_KEYS:
-            raise KeyringConfigurationError(
-                f"a keyring holds at most {MAX_KEYS} keys, got {len(keys)}; retire keys no "
-                "record needs any more"
-            )
-        for index, key in enumerate(keys):
-            for earlier in keys[:index]:
-                if key.key_id == earlier.key_id:
-                    raise KeyringConfigurationError(
-                        f"key id {key.key_id!r} appears twice in the keyring; ids must be unique"
-                    )
-                if key.same_material(earlier):
-                    raise KeyringConfigurationError(
-                        f"keys {earlier.key_id!r} and {key.key_id!r} hold the same key "
-                        "material; every key must be distinct"
-                    )
+        keys = _check_keys((primary, *previous))
         budget = _check_budget(seal_budget)
-        counts = {key.key_id: 0 for key in keys}
-        if seal_counts is not None:
-            if not isinstance(seal_counts, Mapping):
-                raise KeyringConfigurationError("seal_counts must be a mapping of key id to int")
-            for key_id, count in seal_counts.items():
-                if key_id not in counts:
-                    raise KeyringConfigurationError(
-                        f"seal_counts names key id {key_id!r}, which this keyring does not hold"
-                    )
-                if isinstance(count, bool) or not isinstance(count, int):
-                    raise KeyringConfigurationError(f"the seal count of {key_id!r} must be an int")
-                if not 0 <= count <= budget:
-                    raise KeyringConfigurationError(
-                        f"the seal count of {key_id!r} must be between 0 and the budget "
-                        f"{budget}, got {count}"
-                    )
-                counts[key_id] = count
+        counts = _initial_counts(keys, seal_counts, budget)
         self._keys: tuple[StorageKey, ...] = keys
         self._key_ids: tuple[str, ...] = tuple(key.key_id for key in keys)
         self._ciphers: dict[str, AESGCM] = {key.key_id: AESGCM(key.key) for key in keys}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from steeple.core.errors import RecurringDeadlineError, RecurringStorageError
+from steeple.core.sqlite_codes import SqliteFailure, sqlite_error_name, sqlite_failure
 from steeple.sqlite._sql import MIN_SQLITE
 from steeple.sqlite.errors import (
     SqliteCorruptionError,
@@ -35,12 +36,6 @@ LOCK_POLL_MS = 100
 _SYNCHRONOUS_FULL = 2
 
 
-def _code(exc: sqlite3.Error) -> tuple[int, str | None]:
-    code = getattr(exc, "sqlite_errorcode", None)
-    name = getattr(exc, "sqlite_errorname", None)
-    return (code & 0xFF if isinstance(code, int) else -1), name
-
-
 def read_only_reason(path: Path) -> str | None:
     """Say why ``path`` cannot be written, if the OS says it cannot."""
     try:
@@ -55,62 +50,69 @@ def read_only_reason(path: Path) -> str | None:
     return None
 
 
+# Failures that may mean the file cannot be written at all: told apart by asking the OS.
+_MAYBE_UNWRITABLE = frozenset(
+    {SqliteFailure.CANNOT_OPEN, SqliteFailure.READ_ONLY, SqliteFailure.IO_ERROR}
+)
+
+# The typed error and its advice for each failure that has one of its own.
+_TYPED: dict[SqliteFailure, tuple[type[SqliteStorageError], str]] = {
+    SqliteFailure.FULL: (
+        SqliteDiskFullError,
+        "the database or its file system is full ({name}); nothing was committed: free "
+        "space and retry",
+    ),
+    SqliteFailure.CORRUPT: (
+        SqliteCorruptionError,
+        "the file is damaged or is not a steeple database ({name}); nothing was committed: "
+        "restore it from a backup",
+    ),
+    SqliteFailure.READ_ONLY: (
+        SqliteReadOnlyError,
+        "the database cannot be written ({name}): check the permissions of the file, its "
+        "-wal and -shm files and its directory, and that the file system is mounted "
+        "read-write",
+    ),
+    SqliteFailure.CANNOT_OPEN: (
+        SqliteStorageError,
+        "SQLite cannot open the file or its -wal/-shm files ({name}): check that it exists "
+        "(initialize creates it) and that its directory is writable",
+    ),
+}
+
+
 def map_error(
     exc: sqlite3.Error, what: str, *, path: Path | None = None, interrupted: str = ""
 ) -> RecurringStorageError:
     """Return the typed error for a sqlite3 failure of ``what``; nothing was committed.
 
+    Which failure it was is :func:`steeple.core.sqlite_codes.sqlite_failure`'s to say.
     ``interrupted`` explains an ``SQLITE_INTERRUPT`` (the deadline, or a caller gone);
     ``path`` lets a refusal to open or write be told apart as a read-only file.
     """
-    primary, name = _code(exc)
-    if primary in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_IOERR):
-        reason = read_only_reason(path) if path is not None else None
+    failure, name = sqlite_failure(exc), sqlite_error_name(exc)
+    if failure in _MAYBE_UNWRITABLE and path is not None:
+        reason = read_only_reason(path)
         if reason is not None:
             return SqliteReadOnlyError(
                 f"{what}: {path} cannot be written: {reason} ({name})", sqlite_error=name
             )
-    if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+    if failure is SqliteFailure.LOCKED:
         return RecurringDeadlineError(
             f"{what}: the write lock was not free before the deadline (10 s per call): "
             "another connection or process holds it; nothing was stored"
         )
-    if primary == sqlite3.SQLITE_INTERRUPT:
+    if failure is SqliteFailure.INTERRUPTED:
         return RecurringDeadlineError(
             f"{what}: {interrupted or 'the statement was interrupted'}; nothing was stored"
         )
-    if primary == sqlite3.SQLITE_FULL:
-        return SqliteDiskFullError(
-            f"{what}: the database or its file system is full ({name}); nothing was "
-            "committed: free space and retry",
-            sqlite_error=name,
-        )
-    if primary in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
-        return SqliteCorruptionError(
-            f"{what}: the file is damaged or is not a steeple database ({name}); nothing was "
-            "committed: restore it from a backup",
-            sqlite_error=name,
-        )
-    if primary == sqlite3.SQLITE_READONLY:
-        return SqliteReadOnlyError(
-            f"{what}: the database cannot be written ({name}): check the permissions of the "
-            "file, its -wal and -shm files and its directory, and that the file system is "
-            "mounted read-write",
-            sqlite_error=name,
-        )
-    if primary == sqlite3.SQLITE_CANTOPEN:
-        return SqliteStorageError(
-            f"{what}: SQLite cannot open the file or its -wal/-shm files ({name}): check "
-            "that it exists (initialize creates it) and that its directory is writable",
-            sqlite_error=name,
-        )
+    typed = _TYPED.get(failure)
+    if typed is not None:
+        error_type, advice = typed
+        return error_type(f"{what}: {advice.format(name=name)}", sqlite_error=name)
     if name is None:
         return SqliteStorageError(f"{what}: SQLite failed ({type(exc).__name__}: {exc})")
     return SqliteStorageError(f"{what}: SQLite failed ({name}: {exc})", sqlite_error=name)
-
-
-def _is_busy(exc: sqlite3.Error) -> bool:
-    return _code(exc)[0] in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def busy_retry(fn: Callable[[], T], deadline: float) -> T:
@@ -127,7 +129,10 @@ def busy_retry(fn: Callable[[], T], deadline: float) -> T:
         try:
             return fn()
         except sqlite3.OperationalError as exc:
-            if not _is_busy(exc) or time.monotonic() + pause >= deadline:
+            if (
+                sqlite_failure(exc) is not SqliteFailure.LOCKED
+                or time.monotonic() + pause >= deadline
+            ):
                 raise
         time.sleep(pause)
         pause = min(pause * 2, 0.05)

@@ -175,10 +175,20 @@ class _Repository:
     async def update_occurrences(self, changes: Sequence[OccurrenceChange]) -> None:
         storage = self._storage
         stored = storage.occurrences
+        undo = storage.undo_log
+        by_state = storage.by_state
         for change in changes:
-            storage.put_occurrence(
-                change.occurrence_id, change.applied_to(stored[change.occurrence_id])
-            )
+            # put_occurrence, for a change: it keeps the row's identity (applied_to copies
+            # the definition and due time), so only the state index may move.
+            occurrence_id = change.occurrence_id
+            old = stored[occurrence_id]
+            row = change.applied_to(old)
+            if undo is not None:
+                undo.append((True, occurrence_id, old))
+            stored[occurrence_id] = row
+            if old.state is not row.state:
+                by_state[old.state._value_].pop(occurrence_id, None)
+                by_state[row.state._value_][occurrence_id] = None
 
     async def window_ended(
         self, states: frozenset[OccurrenceState], ended_by: datetime
@@ -223,30 +233,31 @@ class InMemoryRecurringStorage:
         self.identities: set[tuple[str, datetime]] = set()
         self.recorded: datetime | None = None
         self.closed = False
-        # Keyed by the state's value: a str hashes in C, an enum member in Python.
-        self._by_state: dict[str, dict[str, None]] = {s._value_: {} for s in OccurrenceState}
-        self._undo: list[_Undo] | None = None
+        self.by_state: dict[str, dict[str, None]] = {s._value_: {} for s in OccurrenceState}
+        """Occurrence ids by state value (a str hashes in C, an enum member in Python)."""
+        self.undo_log: list[_Undo] | None = None
+        """The open transaction's undo log (``None`` outside a transaction)."""
         self._lock = asyncio.Lock()
 
     def in_states(self, states: frozenset[OccurrenceState]) -> Iterator[OccurrenceRow]:
         """Yield the stored occurrences in ``states`` (any order)."""
         stored = self.occurrences
-        by_state = self._by_state
+        by_state = self.by_state
         for state in states:
             for occurrence_id in by_state[state._value_]:
                 yield stored[occurrence_id]
 
     def put_definition(self, name: str, row: DefinitionRow) -> None:
         """Store ``row`` under ``name`` (noting what it replaces for a rollback)."""
-        if self._undo is not None:
-            self._undo.append((False, name, self.definitions.get(name)))
+        if self.undo_log is not None:
+            self.undo_log.append((False, name, self.definitions.get(name)))
         self.definitions[name] = row
 
     def put_occurrence(self, occurrence_id: str, row: OccurrenceRow | None) -> None:
         """Store ``row`` under ``occurrence_id``, or delete it (``None``); keep the indexes."""
         old = self.occurrences.get(occurrence_id)
-        if self._undo is not None:
-            self._undo.append((True, occurrence_id, old))
+        if self.undo_log is not None:
+            self.undo_log.append((True, occurrence_id, old))
         self._place(occurrence_id, old, row)
 
     def _place(
@@ -255,7 +266,7 @@ class InMemoryRecurringStorage:
         if row is None:
             if old is not None:
                 del self.occurrences[occurrence_id]
-                self._by_state[old.state._value_].pop(occurrence_id, None)
+                self.by_state[old.state._value_].pop(occurrence_id, None)
                 self.identities.discard((old.definition_name, old.due_at))
             return
         self.occurrences[occurrence_id] = row
@@ -266,8 +277,8 @@ class InMemoryRecurringStorage:
             self.identities.add((row.definition_name, row.due_at))
         if old is None or old.state is not row.state:
             if old is not None:
-                self._by_state[old.state._value_].pop(occurrence_id, None)
-            self._by_state[row.state._value_][occurrence_id] = None
+                self.by_state[old.state._value_].pop(occurrence_id, None)
+            self.by_state[row.state._value_][occurrence_id] = None
 
     def _roll_back(self, undo: list[_Undo]) -> None:
         for is_occurrence, key, before in reversed(undo):
@@ -292,14 +303,14 @@ class InMemoryRecurringStorage:
             state = NamespaceState(self.recorded, len(self.definitions), len(self.occurrences))
             repo = _Repository(self, state)
             undo: list[_Undo] = []
-            self._undo = undo
+            self.undo_log = undo
             try:
                 result = await work(repo)
             except BaseException:
                 self._roll_back(undo)
                 raise
             finally:
-                self._undo = None
+                self.undo_log = None
             self.recorded = repo.recorded
             return result
 

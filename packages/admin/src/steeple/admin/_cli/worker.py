@@ -59,8 +59,14 @@ def worker(
     A second signal (or the app's drain_timeout) stops it hard: running tasks are handed
     back, relay leases left to lapse, and the process exits even if a handler ignores
     being stopped (ended ten seconds after the hard stop, exit code 1, if need be).
+
+    On glibc the process keeps its C heap from growing at every database outage: it fixes
+    the mmap threshold at 128 KiB unless MALLOC_MMAP_THRESHOLD_ is set.
     """
+    from steeple.admin._memory import pin_mmap_threshold
     from steeple.admin.worker import EXIT_AFTER_HARD_STOP, load_worker_app, run_worker
+
+    pin_mmap_threshold()
 
     target = guard(where.target)
     if listen_dsn:

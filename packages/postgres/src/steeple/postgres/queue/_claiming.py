@@ -6,6 +6,12 @@ per task) and starts a handler for each, never more than ``concurrency`` at once
 than a queue's own limit in this worker, nor more plain ``def`` handlers than the worker
 has threads: a worker claims only what it can start.
 
+Each queue's claim walks its claim order from the last task this worker took there (a
+position), not from the front, which skips the entries of what it already claimed (a held
+vacuum horizon keeps them in the claim index); it walks from the front at least every poll
+interval and right after a walk from the position found nothing, so work placed before
+the position waits at most a poll interval (the rule: ``steeple.core.claims.ClaimWalk``).
+
 Slots follow demand. The free slots are shared evenly among the queues with room, starting
 from a different queue each round so none starves the others; a queue that answered with
 less than it was asked for (empty, paused, or held by a limit) is drained: the next rounds
@@ -35,9 +41,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from steeple.core.backoff import Backoff
+from steeple.core.claims import ClaimPosition, ClaimWalk
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_any, wait_either
@@ -142,6 +149,20 @@ def _share_out(left: int, names: Sequence[str], room: dict[str, int], shares: Co
     return left
 
 
+_FRONT: Final = ClaimWalk()
+
+
+def _positions(
+    starts: Sequence[ClaimPosition | None],
+) -> tuple[list[str | None], list[str | None], list[str | None]]:
+    """Spell each queue's position as the claim's three text arrays (NULL: the front)."""
+    return (
+        text_array(None if p is None else p.priority for p in starts),
+        text_array(None if p is None else p.run_at for p in starts),
+        text_array(None if p is None else p.id for p in starts),
+    )
+
+
 class Claimer:
     """The claim loop of one worker."""
 
@@ -178,6 +199,8 @@ class Claimer:
         # to the other queues until a wake-up, an outcome written under a held limit, or a
         # poll interval says they may have due work again.
         self._drained: dict[str, float] = {}
+        # Where each queue's next claim walks its claim order from (steeple.core.claims).
+        self._walks: dict[str, ClaimWalk] = {}
 
     def _capacity(self) -> tuple[int, list[str]]:
         """Return the slots free for new claims and the task names to claim for them."""
@@ -265,6 +288,7 @@ class Claimer:
                 inflight.outcome_written.clear()
                 wanted = sum(wants)
                 sent = time.monotonic()
+                starts = [self._walks.get(q, _FRONT).start(sent, env.poll) for q in queues]
                 # The give-up time, on the server's clock: what it surely reads when this
                 # worker stops waiting (see steeple.core.remote_clock). A claim the server
                 # runs later than that takes nothing, instead of leasing tasks to nobody.
@@ -278,6 +302,7 @@ class Claimer:
                         names,
                         env.worker_id,
                         give_up,
+                        *_positions(starts),
                         timeout=env.timeout,
                     )
                 except DB_ERRORS as exc:
@@ -302,7 +327,7 @@ class Claimer:
                 rows = [row[1:] for row in answer if row[1] is not None]
                 # A row of id NULL and held true: a global limit held work back; its run_at
                 # (when set) is when a rate window frees a start.
-                held = next((row for row in answer if row[1] is None and row[-1]), None)
+                held = next((row for row in answer if row[1] is None and row[17]), None)
                 if held is not None and held[13] is not None:
                     self._wakeups.wake_at(held[13].timestamp() - server_now)
                 if not rows and server_now >= give_up:
@@ -326,8 +351,11 @@ class Claimer:
                 # Slots follow demand: a queue that answered short is drained (row[15]: the
                 # queue of a claimed task), one that filled its share may have more.
                 got = collections.Counter(row[15] for row in rows)
+                walks = self._walks_after(queues, starts, rows, sent, held=held is not None)
                 for name, want in zip(queues, wants, strict=True):
-                    if got[name] < want:
+                    # A walk from a position that found nothing is no answer: the next
+                    # claim walks the queue from the front at once.
+                    if got[name] < want and not walks[name].owed:
                         drained[name] = sent
                     else:
                         drained.pop(name, None)
@@ -369,6 +397,27 @@ class Claimer:
         finally:
             stop_waiter.cancel()
 
+    def _walks_after(
+        self,
+        queues: Sequence[str],
+        starts: Sequence[ClaimPosition | None],
+        rows: Sequence[Any],
+        at: float,
+        *,
+        held: bool,
+    ) -> dict[str, ClaimWalk]:
+        """Record where each queue's next claim walks from, after a claim took ``rows``.
+
+        ``held``: a limit held the claim back.
+        """
+        taken: dict[str, list[ClaimPosition]] = collections.defaultdict(list)
+        for row in rows:  # row[15]: queue, row[17]: priority, row[12]: run_at
+            taken[row[15]].append(ClaimPosition(row[17], row[12], row[0]))
+        for name, start in zip(queues, starts, strict=True):
+            walk = self._walks.get(name, _FRONT)
+            self._walks[name] = walk.after(start, taken[name], at, held=held)
+        return self._walks
+
     def _start(
         self,
         row: Any,
@@ -381,7 +430,7 @@ class Claimer:
     ) -> None:
         (task_id, name, args_text, attempt, max_attempts, run_id, token, lease,
          b_init, b_max, b_factor, b_jitter, run_at, started_at, scheduled_for, queue,
-         _held) = row  # fmt: skip
+         _held, _priority) = row  # fmt: skip
         env = self._env
         lease_s = lease.total_seconds()
         claimed = Claimed(

@@ -35,7 +35,8 @@ from typing import Any, Final, Generic, TypeVar
 import attrs
 
 from steeple.core.backoff import Backoff
-from steeple.core.tasks import FailureKind, FailureVerdict, failure_outcome
+from steeple.core.tasks import FailureVerdict, failure_outcome
+from steeple.core.tasks import TaskFailureKind as FailureKind
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._failures import Failure, describe, log_failure, noted, verdict_note

@@ -53,6 +53,7 @@ _MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
     (10, "0010_vacuum_and_bounded_counts"),
     (11, "0011_claim_limits_written_once"),
     (12, "0012_workflows"),
+    (13, "0013_claim_walks_from_a_position"),
 )
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""

@@ -239,13 +239,15 @@ SELECT * FROM {s}.claim(ARRAY['{DEFAULT_QUEUE}'], ARRAY[$2::integer], $1::text[]
                         $4::double precision) AS c
 WHERE c.id IS NOT NULL""",
         # The worker's claim: $1 queues[], $2 wanted per queue[], $3 names[], $4 worker id,
-        # $5 give-up time; plus the server's clock read after the claim ran (epoch s) as the
-        # first column, and one row of NULLs when nothing was claimed, so every answer
-        # re-anchors the worker's estimate of the server's clock.
+        # $5 give-up time, $6 $7 $8 each queue's position to walk after (priority, run_at,
+        # id; NULL: from the front); plus the server's clock read after the claim ran
+        # (epoch s) as the first column, and one row of NULLs when nothing was claimed, so
+        # every answer re-anchors the worker's estimate of the server's clock.
         claim_timed=f"""
 WITH claimed AS (
     SELECT * FROM {s}.claim($1::text[], $2::text[]::integer[], $3::text[], $4::text,
-                            $5::double precision)
+                            $5::double precision, $6::text[]::integer[],
+                            $7::text[]::timestamptz[], $8::text[]::bigint[])
 )
 SELECT extract(epoch FROM clock_timestamp())::double precision, claimed.*
 FROM (SELECT) AS one LEFT JOIN claimed ON true""",

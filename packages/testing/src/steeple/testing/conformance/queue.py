@@ -11,8 +11,9 @@ retries, exhaustion and fencing are reached often. After every step the stored t
 equal the model:
 
 - a claim takes exactly the due pending tasks, highest priority first, then oldest due
-  (a retried task is due again *now*, behind everything already waiting), and counts an
-  attempt;
+  (a retried task is due again *now*, behind everything already waiting: a rule retries a
+  task that a later peer of its priority waits behind and claims the line ahead of it in
+  every example where one exists), and counts an attempt;
 - only the current lease token renews, completes, retries or fails a running task; stale
   (earlier leases of the same task) and forged tokens change nothing, also when the stale
   one arrives while a newer claim of the same task is running;
@@ -308,6 +309,41 @@ class QueueConformance(RuleBasedStateMachine):
                 task.seq = self.seq
                 self.seq += 1
             self._end_lease(task)
+
+    def _retried_with_peers(self) -> list[int]:
+        """List the running tasks with a due peer of their priority that became due after them."""
+        return [
+            i
+            for i, t in self.model.items()
+            if t.state == "running"
+            and any(
+                p.state == "pending" and p.due and p.priority == t.priority and p.seq > t.seq
+                for p in self.model.values()
+            )
+        ]
+
+    @precondition(lambda self: self._retried_with_peers())
+    @rule(data=st.data())
+    def a_retry_waits_behind_its_peers(self, data: st.DataObject) -> None:
+        """Retry a task that a later peer of its priority waits behind, then claim the line.
+
+        The retried task is due again now, behind every task already waiting: a claim of
+        exactly those ahead of it leaves it pending (a queue that puts it back in its old
+        place hands it out instead of the later peer). Reached on purpose, not by chance.
+        """
+        task_id = data.draw(st.sampled_from(sorted(self._retried_with_peers())))
+        task = self.model[task_id]
+        assert self._run(self.driver.retry(task_id, task.token)), "the current lease's retry"
+        task.state, task.due, task.seq = "pending", True, self.seq
+        self.seq += 1
+        self._end_lease(task)
+        ahead = sum(
+            1
+            for t in self.model.values()
+            if t.state == "pending" and t.due and (-t.priority, t.seq) < (-task.priority, task.seq)
+        )
+        self.claim(ahead)
+        assert task.state == "pending", "a retried task jumped the line"
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())

@@ -8,7 +8,7 @@ from typing import Final
 import attrs
 
 from steeple.core.errors import BrokerUnavailableError, RelayAcknowledgementError
-from steeple.core.messages import BrokerReceipt, ScheduledMessage
+from steeple.core.messages import BrokerReceipt, ScheduledMessage, trusted_receipt
 from steeple.core.ports import MessageBroker
 from steeple.testing.simulation._scenario import BrokerModel
 from steeple.testing.simulation._timeline import to_us
@@ -67,6 +67,15 @@ class SimulatedBroker:
         self._rng = _random.Random(f"steeple-broker:{self.seed}")  # noqa: S311 - a model, not secrets
         self._outages = tuple((to_us(o.start), to_us(o.end)) for o in self.model.outages)
 
+    @property
+    def publishes_in_place(self) -> bool:
+        """Whether ``publish`` never waits: true without an inner broker.
+
+        The relay then publishes a batch's messages one after the other, in order,
+        without a task or a deadline each.
+        """
+        return self.inner is None
+
     def begin(self, start_us: int) -> None:
         """Start a batch at ``start_us``: its first publications start then."""
         self.batch_start_us = self.now_us = start_us
@@ -119,10 +128,10 @@ class SimulatedBroker:
         return receipt
 
     def _accept(self, key: str) -> BrokerReceipt:
-        earlier = self._keys.get(key)
-        if earlier is not None:
-            return attrs.evolve(earlier, duplicate=True)
-        receipt = BrokerReceipt(broker=_NAME, idempotency_key=key)
+        # The relay derived the key: receipts are built without checks (once per publication).
+        if key in self._keys:
+            return trusted_receipt(_NAME, key, duplicate=True)
+        receipt = trusted_receipt(_NAME, key)
         self._keys[key] = receipt
         return receipt
 
