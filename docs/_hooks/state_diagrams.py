@@ -32,7 +32,8 @@ _TASKS = """
 ## Task lifecycle (work queue)
 
 `steeple.core.tasks.TASK_TRANSITIONS`: a task is enqueued `pending`; a worker's claim
-makes it `running` under a token-fenced lease. Only an operator's retry of a `failed` task
+makes it `running` under a token-fenced lease. A task enqueued `after` others is `waiting`
+until they finish (see Workflows): no claim takes it. Only an operator's retry of a `failed` task
 leaves a terminal state; `prune_terminal` removes finished tasks.
 """
 
@@ -56,12 +57,14 @@ def _diagram(
     transitions: Mapping[tuple[enum.Enum, enum.Enum], object],
     initial: tuple[enum.Enum, str],
     terminal: Iterable[enum.Enum],
+    *also: tuple[enum.Enum, str],
 ) -> str:
     edges: dict[tuple[str, str], list[str]] = {}
     for (state, event), target in transitions.items():
         edges.setdefault((_name(state), _name(target)), []).append(str(event.value))
     start, how = initial
     lines = ["```mermaid", "stateDiagram-v2", f"    [*] --> {_name(start)}: {how}"]
+    lines += [f"    [*] --> {_name(state)}: {entry}" for state, entry in also]
     lines += [f"    {a} --> {b}: {', '.join(events)}" for (a, b), events in edges.items()]
     lines.append("    classDef terminal font-weight:bold")
     lines.append(f"    class {', '.join(sorted(_name(s) for s in terminal))} terminal")
@@ -86,7 +89,12 @@ def render() -> str:
         [
             _HEADER,
             _TASKS,
-            _diagram(TASK_TRANSITIONS, (TaskState.PENDING, "enqueue"), TERMINAL_TASK_STATES),
+            _diagram(
+                TASK_TRANSITIONS,
+                (TaskState.PENDING, "enqueue"),
+                TERMINAL_TASK_STATES,
+                (TaskState.WAITING, "enqueue after"),
+            ),
             _table(TASK_TRANSITIONS),
             _OCCURRENCES,
             _diagram(OCCURRENCE_TRANSITIONS, (OccurrenceState.PENDING, "tick"), TERMINAL_STATES),

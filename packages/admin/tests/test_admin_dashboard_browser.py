@@ -413,7 +413,14 @@ def test_overview_counts_chart_and_modes(browser: Any, site: Site, tmp_path: Pat
         )
         for card in all_css(browser, "#counts .card")
     }
-    assert counts == {"pending": 2, "running": 0, "succeeded": 0, "failed": 1, "cancelled": 1}
+    assert counts == {
+        "waiting": 0,
+        "pending": 2,
+        "running": 0,
+        "succeeded": 0,
+        "failed": 1,
+        "cancelled": 1,
+    }
     # The chart is drawn by the page's own script: one bar per state that finished.
     bars = until(lambda: all_css(browser, "#throughput svg rect"), "the chart")
     assert {b.get_attribute("class") for b in bars} == {"bar state-failed", "bar state-cancelled"}
@@ -584,6 +591,83 @@ def test_task_page_attempts_args_and_timings(browser: Any, site: Site, tmp_path:
     until(lambda: by_css(browser, "#args-text").is_displayed(), "the args")
     assert '"invoice": 42' in by_css(browser, "#args-text").text
     screenshot(browser, tmp_path / "task-args.png", PENDING)
+
+
+def enqueue_workflow(site: Site) -> list[int]:
+    """A workflow of four tasks whose first succeeded and second failed for good."""
+    from steeple.postgres import queue
+    from steeple.postgres._arrays import array_literal
+    from steeple.postgres.queue._sql import queue_sql
+
+    async def run() -> list[int]:
+        conn = await asyncpg.connect(site.seeded.dsn)
+        schema = site.seeded.schema
+        try:
+            wf = queue.Workflow()
+            first = wf.add(queue.Task("wf-fetch"), {})
+            parse = wf.add(
+                queue.Task("wf-parse"), {}, queue.EnqueueOptions(max_attempts=1), after=[first]
+            )
+            index = wf.add(queue.Task("wf-index"), {}, after=[first])
+            wf.add(queue.Task("wf-report"), {}, after=[parse, index], on_parent_failure="run")
+            handle = await queue.enqueue_workflow(conn, wf, schema=schema)
+            sql = queue_sql(schema)
+            for name, outcome in (("wf-fetch", "complete"), ("wf-parse", "fail")):
+                give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 60")
+                (row,) = await conn.fetch(sql.claim, [name], 1, "w", give_up)
+                token = row["lease_token"]
+                if outcome == "complete":
+                    await conn.fetch(
+                        sql.complete,
+                        array_literal([row["id"]]),
+                        array_literal([token]),
+                        "w",
+                        [None],
+                        [None],
+                    )
+                else:
+                    await conn.fetch(sql.fail, row["id"], token, "boom", "w", None, None, None)
+            return list(handle.ids)
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
+
+
+def test_workflow_page_draws_the_graph_with_each_tasks_state(
+    browser: Any, site: Site, tmp_path: Path
+) -> None:
+    ids = enqueue_workflow(site)
+    open_page(browser, site.page(f"/workflows/{ids[3]}"))
+    nodes = until(lambda: all_css(browser, "figure.graph g.node"), "the drawn graph")
+    drawn = {int(n.get_attribute("data-task")): n.get_attribute("data-state") for n in nodes}
+    assert drawn == {ids[0]: "succeeded", ids[1]: "failed", ids[2]: "pending", ids[3]: "waiting"}
+    edges = {
+        (int(e.get_attribute("data-from")), int(e.get_attribute("data-to")))
+        for e in all_css(browser, "figure.graph path.edge")
+    }
+    assert edges == {(ids[0], ids[1]), (ids[0], ids[2]), (ids[1], ids[3]), (ids[2], ids[3])}
+    # Columns by depth: the report is right of both tasks it waits for.
+    x = {
+        int(n.get_attribute("data-task")): float(
+            n.find_element("css selector", "rect").get_attribute("x")
+        )
+        for n in nodes
+    }
+    assert x[ids[0]] < x[ids[1]] == x[ids[2]] < x[ids[3]]
+    rows = all_css(browser, "tr.row.workflow-task")
+    assert [r.text.split()[:3] for r in rows] == [
+        [str(ids[0]), "wf-fetch", "succeeded"],
+        [str(ids[1]), "wf-parse", "failed"],
+        [str(ids[2]), "wf-index", "pending"],
+        [str(ids[3]), "wf-report", "waiting"],
+    ]
+    screenshot(browser, tmp_path / "workflow.png", SUCCEEDED, FAILED, part="figure.graph")
+    # No CDN: every script and stylesheet the page loads is the app's own.
+    sources = browser.execute_script(
+        "return [...document.querySelectorAll('script[src], link[href]')].map(e => e.src || e.href)"
+    )
+    assert all(src.startswith(site.url) for src in sources), sources
 
 
 def _parse_row(n: int) -> None:

@@ -131,6 +131,21 @@ async def test_queue_tour_runs_twice_in_a_row(pg_schema: tuple[str, str], tmp_pa
         check_queue_tour(await _run("queue_tour.py", env, tmp_path))
 
 
+@pytest.mark.postgres
+async def test_workflow_tour_runs_twice_in_a_row(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    dsn, schema = pg_schema
+    env = _env(STEEPLE_DATABASE_URL=dsn, STEEPLE_QUEUE_SCHEMA=schema)
+    for _ in range(2):
+        result = await _run("workflow_tour.py", env, tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == [
+            "['succeeded', 'succeeded', 'succeeded', 'succeeded']",
+            "[38, 57]",
+        ]
+
+
 @pytest.mark.slow
 async def test_the_tours_run_with_no_environment_at_all(tmp_path: Path) -> None:
     """Copy-paste runnable: no STEEPLE_DATABASE_URL, so each starts the embedded server."""

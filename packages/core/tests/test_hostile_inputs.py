@@ -826,7 +826,7 @@ def test_error_constructors_survive_hostile_values() -> None:
 def test_enums_still_behave_as_enums() -> None:
     assert isinstance(OccurrenceState.PENDING, enum.Enum)
     assert OccurrenceState("pending") is OccurrenceState.PENDING
-    assert next(iter(TaskState)).value == "pending"
+    assert next(iter(TaskState)).value == "waiting"  # the lifecycle order: waiting first
 
 
 # --- the recurring engine's decisions (merged from h-engine): same rules --------------------

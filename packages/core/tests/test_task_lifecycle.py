@@ -33,6 +33,12 @@ from steeple.core.tasks import (
 
 def expected(state: str, event: str) -> str | None:
     """CORE_API.md's task table written as branches (shares nothing with the module)."""
+    if state == "waiting":  # a task enqueued after others (a workflow)
+        return {
+            "dependencies_met": "pending",
+            "dependency_failed": "cancelled",
+            "cancel": "cancelled",
+        }.get(event)
     if state == "pending":
         return {"claim": "running", "cancel": "cancelled"}.get(event)
     if state == "running":
@@ -64,6 +70,7 @@ def _check(state: TaskState, event: TaskEvent) -> None:
 
 def test_enums_are_exactly_the_contract() -> None:
     assert [s.value for s in TaskState] == [
+        "waiting",
         "pending",
         "running",
         "succeeded",
@@ -79,6 +86,8 @@ def test_enums_are_exactly_the_contract() -> None:
         "LEASE_EXPIRED_FINAL",
         "RELEASE",
         "CANCEL",
+        "DEPENDENCIES_MET",
+        "DEPENDENCY_FAILED",
         "RETRY",
     ]
 
@@ -171,7 +180,19 @@ def test_every_move_out_of_running_is_one_of_the_outcomes_a_store_writes() -> No
     # Each event a store records for a running task has exactly one row: nothing a worker
     # or a recovery writes is left to the store to decide.
     outcomes = {e for (s, e) in TASK_TRANSITIONS if s is TaskState.RUNNING}
-    assert outcomes == set(TaskEvent) - {TaskEvent.CLAIM, TaskEvent.RETRY}
+    waiting_only = {TaskEvent.DEPENDENCIES_MET, TaskEvent.DEPENDENCY_FAILED}
+    assert outcomes == set(TaskEvent) - {TaskEvent.CLAIM, TaskEvent.RETRY} - waiting_only
+
+
+def test_only_the_end_of_the_tasks_it_waits_for_moves_a_waiting_task() -> None:
+    moves = {e: t for (s, e), t in TASK_TRANSITIONS.items() if s is TaskState.WAITING}
+    assert moves == {
+        TaskEvent.DEPENDENCIES_MET: TaskState.PENDING,
+        TaskEvent.DEPENDENCY_FAILED: TaskState.CANCELLED,
+        TaskEvent.CANCEL: TaskState.CANCELLED,
+    }
+    # Nothing leads into waiting: a task is enqueued in it, never returned to it.
+    assert TaskState.WAITING not in TASK_TRANSITIONS.values()
 
 
 NOW = datetime(2031, 7, 9, 10, 11, 12, 345000, tzinfo=UTC)

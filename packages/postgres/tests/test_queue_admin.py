@@ -106,6 +106,7 @@ async def test_count_by_state_names_every_state(queue: Any) -> None:
     await queue_module_cancel(conn, schema, pending)
     counts = await admin.count_by_state(conn, schema=schema)
     assert counts == {
+        TaskState.WAITING: 0,
         TaskState.PENDING: 3,
         TaskState.RUNNING: 0,
         TaskState.SUCCEEDED: 0,

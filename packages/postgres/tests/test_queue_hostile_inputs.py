@@ -287,7 +287,10 @@ async def counts(conn: asyncpg.Connection, schema: str) -> tuple[int, int, int]:
 
 
 async def clear(conn: asyncpg.Connection, schema: str) -> None:
-    await conn.execute(f'TRUNCATE "{schema}".tasks, "{schema}".jobs, "{schema}".attempts')
+    await conn.execute(
+        f'TRUNCATE "{schema}".tasks, "{schema}".jobs, "{schema}".attempts, '
+        f'"{schema}".task_dependencies'
+    )
 
 
 # --- values: Task, EnqueueOptions, JobError ---------------------------------------------------

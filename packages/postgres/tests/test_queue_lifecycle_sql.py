@@ -123,8 +123,8 @@ def test_the_states_in_the_statements_are_the_tables() -> None:
     retry = admin_sql("s").retry
     assert "target.state IN ('failed')" in retry
     assert "SET state = 'pending'" in retry
-    assert "d.state IN ('pending', 'running')" in retry
-    assert "state IN ('pending', 'running')" in sql.enqueue  # the dedup index's predicate
+    assert "d.state IN ('waiting', 'pending', 'running')" in retry
+    assert "state IN ('waiting', 'pending', 'running')" in sql.enqueue  # the dedup index's
     assert "state IN ('succeeded', 'failed', 'cancelled')" in sql.prune  # retention index
     for statement in (sql.enqueue, sql.find_duplicate, sql.cancel, sql.prune):
         for listed in re.findall(r"state IN (\([^)]*\))", statement):
@@ -148,11 +148,11 @@ class Db:
         )
         return TaskState(value)
 
-    async def enqueue(self, max_attempts: int = 3) -> int:
+    async def enqueue(self, max_attempts: int = 3, after: list[int] | None = None) -> int:
         options = EnqueueOptions(max_attempts=max_attempts)
         name = f"{NAME}-{len(self.names)}"
         task: Task[Any] = Task(name)
-        task_id = (await enqueue(self.conn, task, {}, options, schema=self.schema)).id
+        task_id = (await enqueue(self.conn, task, {}, options, schema=self.schema, after=after)).id
         self.names[task_id] = name
         return task_id
 
@@ -234,6 +234,23 @@ async def test_each_statement_makes_the_move_of_its_event(queue: Any) -> None:
     running = await db.enqueue()
     await db.claim(running)
     await db.moved(running, TaskEvent.CANCEL, sql.cancel, running)
+    # Workflows: the statement that ends a parent moves its waiting dependent.
+    for parent_event, child_event in (
+        (TaskEvent.SUCCEED, TaskEvent.DEPENDENCIES_MET),
+        (TaskEvent.FAIL_PERMANENT, TaskEvent.DEPENDENCY_FAILED),
+    ):
+        parent = await db.enqueue()
+        child = await db.enqueue(after=[parent])
+        assert await db.state(child) is TaskState.WAITING
+        token = await db.claim(parent)
+        if parent_event is TaskEvent.SUCCEED:
+            args: tuple[Any, ...] = (array_literal([parent]), array_literal([token]), "w")
+            await conn.fetch(sql.complete, *args, [None], [None])
+        else:
+            await conn.fetch(sql.fail, parent, token, "e", "w", None, None, None)
+        assert await db.state(child) is transition(TaskState.WAITING, child_event)
+    waiting = await db.enqueue(after=[await db.enqueue()])
+    await db.moved(waiting, TaskEvent.CANCEL, sql.cancel, waiting)
     # An operator's retry of a failed task (steeple.postgres.queue.admin).
     await db.moved(failed, TaskEvent.RETRY, admin_sql(schema).retry, failed)
     # A task that is not failed is not retried: the table has no such move.
@@ -352,5 +369,7 @@ def test_every_event_the_sql_writes_is_covered_here(event: TaskEvent) -> None:
         TaskEvent.LEASE_EXPIRED_FINAL,
         TaskEvent.CANCEL,
         TaskEvent.RETRY,
+        TaskEvent.DEPENDENCIES_MET,
+        TaskEvent.DEPENDENCY_FAILED,
     }
     assert event in covered

@@ -187,6 +187,33 @@ async def test_sigkilled_worker_mid_task_is_recovered_by_another(
         ]
 
 
+async def test_sigkilled_worker_running_a_parent_leaves_its_dependent_waiting(
+    queue: QueueFixture, tmp_path: Path
+) -> None:
+    """The worker running a workflow's parent dies: the dependent waits (no completion,
+    no release); once another worker runs the parent again, it is released and runs once."""
+    dsn, schema, conn = queue
+    options = EnqueueOptions(lease_duration=timedelta(seconds=1))
+    parent = await enqueue(conn, PROC, {"sleep_first": 60}, options, schema=schema)
+    child = await enqueue(conn, PROC, {}, schema=schema, after=[parent])
+    async with worker_process(tmp_path, dsn, schema, "doomed") as doomed:
+        await wait_until(lambda: _count_execs(conn, schema, 1))
+        doomed.signal(signal.SIGKILL)
+        await doomed.proc.wait()
+    assert (await run_state(conn, child.id, schema=schema)).state.value == "waiting"
+    survivor, ran = in_process_worker(dsn, schema, "survivor")
+    stop = asyncio.Event()
+    task = asyncio.create_task(survivor.run_until_shutdown(stop))
+    try:
+        await wait_until(lambda: survivor.stats.succeeded == 2)
+    finally:
+        stop.set()
+        await task
+    assert ran == [(parent.id, 2), (child.id, 1)]
+    states = [(await run_state(conn, t.id, schema=schema)).state.value for t in (parent, child)]
+    assert states == ["succeeded", "succeeded"]
+
+
 async def _count_execs(conn: asyncpg.Connection, schema: str, n: int) -> bool:
     return bool(await conn.fetchval(f'SELECT count(*) FROM "{schema}".executions') >= n)
 

@@ -48,6 +48,7 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             (9, "0009_claim_in_one_statement"),
             (10, "0010_vacuum_and_bounded_counts"),
             (11, "0011_claim_limits_written_once"),
+            (12, "0012_workflows"),
             (13, "0013_claim_walks_from_a_position"),
             (14, "0014_per_key_limits"),
         ]

@@ -413,6 +413,44 @@ def task_detail(task: TaskRecord, actions: bool) -> str:
     )
 
 
+def workflow_section(links: Links, graph: Mapping[str, Any]) -> str:
+    """Render a workflow: its graph (data ``admin.js`` draws as SVG) and a table of its tasks."""
+    tasks = list(graph["tasks"])
+    counts: dict[str, int] = {}
+    for task in tasks:
+        counts[task["state"]] = counts.get(task["state"], 0) + 1
+    drawn = {"tasks": [{k: t[k] for k in ("id", "name", "state", "after")} for t in tasks]}
+    rows = [
+        [
+            f'<a href="{esc(links.task(t["id"]))}">{t["id"]}</a>',
+            esc(t["name"]),
+            badge(t["state"]),
+            esc(", ".join(str(i) for i in t["after"]) or "-"),
+            esc("-" if t["waiting_on"] is None else t["waiting_on"]),
+            esc(t["on_parent_failure"] or "-"),
+            _clip(t["last_error"]),
+        ]
+        for t in tasks
+    ]
+    return (
+        heading(
+            f"Workflow {graph['workflow_id']}", len(tasks), "each task after those it waits for"
+        )
+        + f'<figure class="graph" id="workflow-graph" data-graph="{esc(json.dumps(drawn))}">'
+        '<div class="plot"></div><figcaption class="legend">'
+        + "".join(
+            f'<span class="key state-{esc(s)}">{esc(s)} {n}</span>' for s, n in counts.items()
+        )
+        + "</figcaption></figure>"
+        + table(
+            "workflow-task",
+            ("id", "name", "state", "after", "waiting on", "if a parent fails", "last error"),
+            rows,
+            False,
+        )
+    )
+
+
 def _span(start: datetime | None, end: datetime | None) -> str:
     if start is None or end is None:
         return "-"

@@ -249,6 +249,12 @@ def _routes(ctx: AdminContext) -> list[Route]:
         get("/ui/{namespace}", "dashboard.read", overview.overview_page, page=True),
         get("/ui/{namespace}/tasks", "dashboard.read", task_routes.tasks_page, page=True),
         get("/ui/{namespace}/tasks/{task_id}", "dashboard.read", task_routes.task_page, page=True),
+        get(
+            "/ui/{namespace}/workflows/{task_id}",
+            "dashboard.read",
+            task_routes.workflow_page,
+            page=True,
+        ),
         get("/ui/{namespace}/jobs", "dashboard.read", jobs.jobs_page, page=True),
         get("/ui/{namespace}/schedules", "dashboard.read", publications.schedules_page, page=True),
         get("/static/admin.css", "static.read", overview.stylesheet),

@@ -195,6 +195,40 @@ class PostgresTaskAdmin:
             return None
         return attrs.evolve(task_record(run), result=run.result)
 
+    async def workflow(self, task_id: int) -> dict[str, Any] | None:
+        """Return the workflow of ``task_id`` as a graph (never args or results), or ``None``.
+
+        ``{"workflow_id": ..., "tasks": [{"id", "name", "state", "after", "waiting_on",
+        "on_parent_failure", "last_error"}, ...]}``, tasks in id order.
+
+        Raises:
+            ConfigurationError: not a task id.
+        """
+        from steeple.postgres import queue
+
+        validate_task_id(task_id)
+        try:
+            state = await queue.workflow_state(self.pool, task_id, schema=self.schema)
+        except queue.TaskNotFoundError:
+            return None
+        return {
+            "workflow_id": state.workflow_id,
+            "tasks": [
+                {
+                    "id": t.run.id,
+                    "name": t.run.task_name,
+                    "state": t.run.state.value,
+                    "after": list(t.after),
+                    "waiting_on": t.waiting_on,
+                    "on_parent_failure": None
+                    if t.on_parent_failure is None
+                    else t.on_parent_failure.value,
+                    "last_error": t.run.last_error,
+                }
+                for t in state.tasks
+            ],
+        }
+
     async def counts(self) -> dict[str, int]:
         """Return how many tasks are in each state."""
         from steeple.postgres.queue import admin

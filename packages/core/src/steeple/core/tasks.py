@@ -40,6 +40,8 @@ __all__ = [
 class TaskState(enum.Enum, metaclass=TypedEnumType):
     """Where a queued task is in its life."""
 
+    WAITING = "waiting"
+    """It waits for the tasks it was enqueued ``after`` (a workflow); no claim takes it."""
     PENDING = "pending"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -67,6 +69,12 @@ class TaskEvent(enum.Enum, metaclass=TypedEnumType):
     """Its worker handed it back unfinished at shutdown (the attempt is refunded)."""
     CANCEL = "cancel"
     """An operator or the application cancelled it."""
+    DEPENDENCIES_MET = "dependencies_met"
+    """The last task it waited for finished as its dependency policy asks (succeeded, or
+    ended in any way for a task that runs anyway): it becomes claimable."""
+    DEPENDENCY_FAILED = "dependency_failed"
+    """A task it waited for failed for good or was cancelled, and it runs only after
+    successes (the default): it is cancelled, and so, transitively, are its dependents."""
     RETRY = "retry"
     """An operator sent a failed task back to pending, to run again (it keeps its id and
     ``run_id``; the store grants at least one more attempt)."""
@@ -77,6 +85,9 @@ _E = TaskEvent
 
 TASK_TRANSITIONS: Final[Mapping[tuple[TaskState, TaskEvent], TaskState]] = MappingProxyType(
     {
+        (_S.WAITING, _E.DEPENDENCIES_MET): _S.PENDING,
+        (_S.WAITING, _E.DEPENDENCY_FAILED): _S.CANCELLED,
+        (_S.WAITING, _E.CANCEL): _S.CANCELLED,
         (_S.PENDING, _E.CLAIM): _S.RUNNING,
         (_S.PENDING, _E.CANCEL): _S.CANCELLED,
         (_S.RUNNING, _E.SUCCEED): _S.SUCCEEDED,

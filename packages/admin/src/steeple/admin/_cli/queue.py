@@ -59,6 +59,9 @@ def register(app: typer.Typer) -> None:
     app.command()(enqueue)
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(queues_app, name="queues")
+    from steeple.admin._cli.workflows import workflows_app
+
+    app.add_typer(workflows_app, name="workflows")
 
 
 @where_options(queue=True, store=False)

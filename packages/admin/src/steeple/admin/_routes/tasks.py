@@ -205,3 +205,17 @@ async def task_page(ctx: AdminContext, request: Request, namespace: str) -> Resp
         _pages.Section("args", _pages.args_section(record, ctx.revealable(record.name))),
     ]
     return ctx.render(request, namespace, f"Task {task_id}", "tasks", sections)
+
+
+async def workflow_page(ctx: AdminContext, request: Request, namespace: str) -> Response:
+    task_id = path_task_id(str(request.path_params.get("task_id", "")))
+    await ctx.gate(request, "tasks.read", namespace)
+    admin = await ctx.tasks_of(namespace)
+    # Only a task access that knows workflows (the PostgreSQL queue's) draws one.
+    read = getattr(admin, "workflow", None)
+    graph = None if read is None else await read(task_id)
+    if graph is None:
+        raise Refusal(404, "not_found", f"no task {task_id} (it may have been purged)")
+    links = ctx.links_of(request, namespace)
+    section = _pages.Section("workflow", _pages.workflow_section(links, graph), live=True)
+    return ctx.render(request, namespace, f"Workflow {graph['workflow_id']}", "tasks", [section])

@@ -226,6 +226,7 @@
       }
     }
     drawCharts();
+    drawGraphs();
     const stamp = document.getElementById("updated");
     if (stamp) {
       stamp.textContent = `updated ${data.at.slice(11, 19)} UTC`;
@@ -344,6 +345,78 @@
     }
   }
 
+  // --- a workflow: each task a box, in columns by depth, an arrow from each task it waits for
+
+  function drawGraphs() {
+    for (const figure of document.querySelectorAll("figure[data-graph]")) {
+      const tasks = JSON.parse(figure.dataset.graph).tasks;
+      const byId = new Map(tasks.map((t) => [t.id, t]));
+      const depth = new Map();
+      // Tasks come in id order and wait only for tasks of lower ids (or outside the graph).
+      for (const t of tasks) {
+        const ups = t.after.filter((id) => depth.has(id));
+        depth.set(t.id, ups.length ? 1 + Math.max(...ups.map((id) => depth.get(id))) : 0);
+      }
+      const columns = [];
+      for (const t of tasks) {
+        const d = depth.get(t.id);
+        (columns[d] = columns[d] || []).push(t);
+      }
+      const boxW = 150;
+      const boxH = 30;
+      const gapX = 50;
+      const gapY = 14;
+      const tallest = Math.max(1, ...columns.map((c) => c.length));
+      const width = columns.length * (boxW + gapX) - gapX + 8;
+      const height = tallest * (boxH + gapY) - gapY + 8;
+      const at = new Map();
+      columns.forEach((column, d) =>
+        column.forEach((t, i) => at.set(t.id, { x: 4 + d * (boxW + gapX), y: 4 + i * (boxH + gapY) })),
+      );
+      const svg = svgNode("svg", {
+        viewBox: `0 0 ${width} ${height}`,
+        width,
+        height,
+        role: "img",
+        "aria-label": `workflow of ${tasks.length} tasks`,
+      });
+      for (const t of tasks) {
+        for (const up of t.after) {
+          if (!byId.has(up)) {
+            continue;
+          }
+          const a = at.get(up);
+          const b = at.get(t.id);
+          svg.appendChild(
+            svgNode("path", {
+              d: `M${a.x + boxW},${a.y + boxH / 2} C${a.x + boxW + gapX / 2},${a.y + boxH / 2} ${b.x - gapX / 2},${b.y + boxH / 2} ${b.x},${b.y + boxH / 2}`,
+              class: "edge",
+              "data-from": up,
+              "data-to": t.id,
+            }),
+          );
+        }
+      }
+      for (const t of tasks) {
+        const p = at.get(t.id);
+        const group = svgNode("g", { class: "node", "data-task": t.id, "data-state": t.state });
+        const box = svgNode("rect", { x: p.x, y: p.y, width: boxW, height: boxH, rx: 5, class: `state-${t.state}` });
+        box.appendChild(svgNode("title", {}, `task ${t.id} ${t.name}: ${t.state}`));
+        group.appendChild(box);
+        const label = `${t.id} ${t.name}`;
+        group.appendChild(
+          svgNode(
+            "text",
+            { x: p.x + 8, y: p.y + boxH / 2 + 4, class: `state-${t.state}` },
+            label.length > 22 ? `${label.slice(0, 21)}…` : label,
+          ),
+        );
+        svg.appendChild(group);
+      }
+      figure.querySelector(".plot").replaceChildren(svg);
+    }
+  }
+
   let resized = null;
   window.addEventListener("resize", () => {
     window.clearTimeout(resized);
@@ -351,6 +424,7 @@
   });
 
   drawCharts();
+  drawGraphs();
   const period = Math.max(1, Number(body.dataset.refresh || "5")) * 1000;
   window.setInterval(tick, period);
 })();

@@ -7,7 +7,9 @@ own transaction), run them with ``app.scheduler(...)``. The explicit API stays: 
 recurring work with :mod:`.jobs`. Install the schema explicitly with :func:`install`
 first. Tasks wait in named queues; :func:`pause_queue`, :func:`resume_queue`,
 :func:`limit_queue` and :func:`limit_task` set what every worker obeys. Operators list,
-count and retry tasks and list jobs and queues with :mod:`.admin`.
+count and retry tasks and list jobs and queues with :mod:`.admin`. A task enqueued
+``after=[...]`` others waits until they succeeded; a :class:`Workflow` enqueues a whole
+graph at once (:func:`enqueue_workflow`, read back with :func:`workflow_state`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,18 @@ from steeple.postgres.queue._schema import (
     schema_version,
 )
 from steeple.postgres.queue._worker import Handler, Health, JobContext, Scheduler, WorkerStats
+from steeple.postgres.queue._workflows import (
+    ParentResult,
+    Step,
+    Workflow,
+    WorkflowHandle,
+    WorkflowState,
+    WorkflowTask,
+    enqueue_workflow,
+    enqueue_workflow_sync,
+    parent_results,
+    workflow_state,
+)
 from steeple.postgres.queue.errors import (
     ArgsEncodingError,
     JobError,
@@ -65,6 +79,7 @@ from steeple.postgres.queue.errors import (
     UnfitDatabaseError,
     UnknownTaskError,
     UnsupportedConnectionError,
+    WorkflowCycleError,
 )
 from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, RetryPolicy, Task
 
@@ -83,6 +98,7 @@ __all__ = [
     "JobExistsError",
     "JobNotFoundError",
     "LeaseLostError",
+    "ParentResult",
     "PeriodicJob",
     "PeriodicReport",
     "Progress",
@@ -97,6 +113,7 @@ __all__ = [
     "RetryPolicy",
     "Scheduler",
     "SchemaVersionMismatchError",
+    "Step",
     "Task",
     "TaskAttempt",
     "TaskFunction",
@@ -108,6 +125,11 @@ __all__ = [
     "UnknownTaskError",
     "UnsupportedConnectionError",
     "WorkerStats",
+    "Workflow",
+    "WorkflowCycleError",
+    "WorkflowHandle",
+    "WorkflowState",
+    "WorkflowTask",
     "admin",
     "cancel",
     "check_schema",
@@ -115,14 +137,18 @@ __all__ = [
     "enqueue_many",
     "enqueue_many_sync",
     "enqueue_sync",
+    "enqueue_workflow",
+    "enqueue_workflow_sync",
     "install",
     "jobs",
     "limit_queue",
     "limit_task",
     "list_queues",
+    "parent_results",
     "pause_queue",
     "prune_terminal",
     "resume_queue",
     "run_state",
     "schema_version",
+    "workflow_state",
 ]

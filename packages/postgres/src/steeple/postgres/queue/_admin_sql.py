@@ -21,10 +21,13 @@ from steeple.postgres.queue._sql import (
     _after,
     _from,
     _in,
+    _only,
 )
 from steeple.postgres.queue.jobs import _COLUMNS as JOB_COLUMNS
 
 _RETRIED = _after(TaskEvent.RETRY)
+# The state a task enqueued after others waits in (the only one DEPENDENCIES_MET leaves).
+_WAITING = _only(_from(TaskEvent.DEPENDENCIES_MET))
 _RETRYABLE = _in(_from(TaskEvent.RETRY))
 
 
@@ -126,6 +129,10 @@ SELECT target.state, (SELECT count(*) FROM done), (SELECT id FROM blocker) FROM 
         # then the statistics' estimate of each state, from the last ANALYZE (none before).
         count_by_state_bounded=f"""
 SELECT c.state, c.n FROM {s}.count_states($1, NULL) AS c
+UNION ALL
+SELECT '{_WAITING.value}', count(*) FROM (
+    SELECT 1 FROM {s}.tasks w WHERE w.state = '{_WAITING.value}' ORDER BY w.id LIMIT $1
+) AS waiting
 UNION ALL
 SELECT 'about ' || m.state, (m.freq * greatest(c.reltuples, 0))::bigint
 FROM pg_stats st

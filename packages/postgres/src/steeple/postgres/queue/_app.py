@@ -134,12 +134,20 @@ class TaskFunction(Generic[A]):
         return options
 
     async def enqueue(
-        self, conn: Any, args: A, options: EnqueueOptions | None = None, **keywords: Any
+        self,
+        conn: Any,
+        args: A,
+        options: EnqueueOptions | None = None,
+        *,
+        after: Sequence[Any] | None = None,
+        on_parent_failure: Any = "cancel",
+        **keywords: Any,
     ) -> EnqueuedTask:
         """Create one task on ``conn`` (asyncpg or psycopg async), in the caller's transaction.
 
         Options as an :class:`EnqueueOptions` or as keywords (``delay=timedelta(...)``,
-        ``priority=5``, ``dedup_key="..."``...); see :func:`~steeple.postgres.queue.enqueue`.
+        ``priority=5``, ``dedup_key="..."``...); ``after=[...]`` makes it wait for those
+        tasks (a workflow); see :func:`~steeple.postgres.queue.enqueue`.
 
         Raises:
             ArgsEncodingError: ``args`` cannot be encoded.
@@ -147,12 +155,28 @@ class TaskFunction(Generic[A]):
             QueueConfigurationError: an option out of range.
             QueueTypeError: both ``options`` and keywords, an unknown keyword, a wrong type.
             UnfitDatabaseError: the server refused the write; nothing was stored.
+            TaskNotFoundError: a task in ``after`` does not exist; nothing was stored.
         """
         chosen = self.options(options, **keywords)
-        return await enqueue(conn, self.task, args, chosen, schema=self.app.schema)
+        return await enqueue(
+            conn,
+            self.task,
+            args,
+            chosen,
+            schema=self.app.schema,
+            after=after,
+            on_parent_failure=on_parent_failure,
+        )
 
     def enqueue_sync(
-        self, conn: Any, args: A, options: EnqueueOptions | None = None, **keywords: Any
+        self,
+        conn: Any,
+        args: A,
+        options: EnqueueOptions | None = None,
+        *,
+        after: Sequence[Any] | None = None,
+        on_parent_failure: Any = "cancel",
+        **keywords: Any,
     ) -> EnqueuedTask:
         """Like :meth:`enqueue`, on a psycopg (sync) ``Connection`` -- Django's, say.
 
@@ -162,9 +186,18 @@ class TaskFunction(Generic[A]):
             QueueConfigurationError: an option out of range.
             QueueTypeError: both ``options`` and keywords, an unknown keyword, a wrong type.
             UnfitDatabaseError: the server refused the write; nothing was stored.
+            TaskNotFoundError: a task in ``after`` does not exist; nothing was stored.
         """
         chosen = self.options(options, **keywords)
-        return enqueue_sync(conn, self.task, args, chosen, schema=self.app.schema)
+        return enqueue_sync(
+            conn,
+            self.task,
+            args,
+            chosen,
+            schema=self.app.schema,
+            after=after,
+            on_parent_failure=on_parent_failure,
+        )
 
     async def enqueue_many(
         self, conn: Any, args_list: Sequence[A], options: EnqueueOptions | None = None

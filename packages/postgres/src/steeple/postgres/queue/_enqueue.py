@@ -82,6 +82,8 @@ async def enqueue(
     *,
     schema: str = DEFAULT_SCHEMA,
     queue: str | None = None,
+    after: Sequence[Any] | None = None,
+    on_parent_failure: Any = "cancel",
 ) -> EnqueuedTask:
     """Create one task on ``conn`` (asyncpg or psycopg async), in the caller's transaction.
 
@@ -98,6 +100,11 @@ async def enqueue(
         schema: the queue's PostgreSQL schema.
         queue: the named queue (1-200 chars); given, it replaces ``options.queue``
             (default ``"default"``).
+        after: tasks (``EnqueuedTask`` or ids) it waits for: it stays ``waiting``, and
+            no worker claims it, until every one of them succeeded (see the Workflows
+            page). No ``dedup_key`` then.
+        on_parent_failure: with ``after``: ``"cancel"`` (default) cancels it when one of
+            them fails for good or is cancelled; ``"run"`` runs it once they all ended.
 
     Returns:
         The task's id, and whether an existing duplicate was returned.
@@ -112,8 +119,15 @@ async def enqueue(
         QueueError: the duplicate kept changing under us (pathological churn).
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
+        TaskNotFoundError: a task in ``after`` does not exist; nothing was stored.
     """
     sql = queue_sql(schema)
+    if after is not None:
+        from steeple.postgres.queue import _workflows
+
+        graph = _workflows.single(task, args, options, queue, after, on_parent_failure)
+        handle = await _workflows.enqueue_workflow(conn, graph, schema=schema)
+        return EnqueuedTask(handle.ids[0])
     task, options = _checked(task, options, queue)
     local = local_queue(conn, schema)
     if local is None:
@@ -145,6 +159,8 @@ def enqueue_sync(
     *,
     schema: str = DEFAULT_SCHEMA,
     queue: str | None = None,
+    after: Sequence[Any] | None = None,
+    on_parent_failure: Any = "cancel",
 ) -> EnqueuedTask:
     """Like :func:`enqueue`, for a psycopg (sync) ``Connection``.
 
@@ -158,8 +174,15 @@ def enqueue_sync(
         QueueError: the duplicate kept changing under us (pathological churn).
         UnfitDatabaseError: the server refused the write (a read-only standby or session,
             a full disk); nothing was stored.
+        TaskNotFoundError: a task in ``after`` does not exist; nothing was stored.
     """
     sql = queue_sql(schema)
+    if after is not None:
+        from steeple.postgres.queue import _workflows
+
+        graph = _workflows.single(task, args, options, queue, after, on_parent_failure)
+        handle = _workflows.enqueue_workflow_sync(conn, graph, schema=schema)
+        return EnqueuedTask(handle.ids[0])
     task, options = _checked(task, options, queue)
     local = local_queue(conn, schema)
     if local is None:

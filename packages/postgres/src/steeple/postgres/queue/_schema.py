@@ -52,6 +52,7 @@ _MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
     (9, "0009_claim_in_one_statement"),
     (10, "0010_vacuum_and_bounded_counts"),
     (11, "0011_claim_limits_written_once"),
+    (12, "0012_workflows"),
     (13, "0013_claim_walks_from_a_position"),
     (14, "0014_per_key_limits"),
 )

@@ -129,6 +129,26 @@ _TASK_COLUMNS = (
 )
 
 
+# The tasks a lease-recovery statement failed for good (the others are pending again).
+_ENDED_FOR_GOOD: Final = f"SELECT id FROM done WHERE state = {_lit(_EXPIRED_FINAL)}"
+_RUN_STATE_OF_T: Final = ", ".join("t." + c.strip() for c in RUN_STATE_COLUMNS.split(","))
+
+
+def _settled(s: str, ended: str, state: TaskState, schema: str) -> str:
+    """Return the CTE ``settled``: the waiting dependents of the tasks ``ended`` selects, settled.
+
+    ``ended`` must select only the tasks this statement moved (a token-fenced ``done``), so
+    a stale completion settles nothing. MATERIALIZED: evaluated once, never per row.
+    """
+    # The function is called only when one of them has a dependent: on a queue without
+    # workflows the release costs one index probe per ended task, no function call.
+    return (
+        f"settled AS MATERIALIZED (SELECT CASE WHEN EXISTS (SELECT 1 FROM {s}.task_dependencies"
+        f" e WHERE e.parent_id IN ({ended})) THEN {s}.settle_dependents(ARRAY({ended}), "
+        f"{_lit(state)}, {_quoted(notify_channel(schema))}) ELSE 0 END AS released)"
+    )
+
+
 @attrs.frozen
 class QueueSql:
     """The statements of one schema."""
@@ -154,6 +174,9 @@ class QueueSql:
     run_state: str
     cancel: str
     prune: str
+    enqueue_graph: str
+    workflow: str
+    parent_results: str
 
 
 def queue_sql(schema: str) -> QueueSql:
@@ -252,8 +275,8 @@ WITH done AS (
 ), history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, finished_at)
     SELECT id, attempts, $3, {_OUTCOME[TaskEvent.SUCCEED]}, started_at, finished_at FROM done
-)
-SELECT id FROM done""",
+), {_settled(s, "SELECT id FROM done", SUCCEEDED, schema)}
+SELECT id FROM done, settled""",
         # $1 ids[], $2 attempts[], $3 claim start times[], $4 worker id: which of these
         # claims did complete (their token is gone; no later claim keeps attempt and start)
         completed_by=f"""
@@ -304,8 +327,8 @@ WITH done AS (
         (task_id, attempt, worker_id, outcome, started_at, error, error_type, traceback)
     SELECT id, attempts, $4, {_OUTCOME[TaskEvent.FAIL_PERMANENT]}, started_at, $3, $5, $6
     FROM done
-)
-SELECT id FROM done""",
+), {_settled(s, "SELECT id FROM done", _FAILED, schema)}
+SELECT id FROM done, settled""",
         # $1 ids[], $2 tokens[], $3 progress[] (JSON text): the handlers' latest progress
         progress=f"""
 UPDATE {s}.tasks t
@@ -355,8 +378,8 @@ WITH expired AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, error)
     SELECT id, attempts, worker_id, {_OUTCOME[TaskEvent.LEASE_EXPIRED]}, started_at, 'lease expired'
     FROM done
-)
-SELECT id, state FROM done""",
+), {_settled(s, _ENDED_FOR_GOOD, _EXPIRED_FINAL, schema)}
+SELECT id, state FROM done, settled""",
         lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::text[]::bigint[])",
         # $1 id, $2 the most attempts of its history returned (the latest ones)
         run_state=f"""
@@ -379,9 +402,8 @@ WITH target AS (
     FROM {DURABLE}, target
     WHERE t.id = target.id AND target.state IN {_CANCELLABLE}
     RETURNING t.id
-
-)
-SELECT target.state, (SELECT count(*) FROM done) FROM target""",
+), {_settled(s, "SELECT id FROM done", _CANCELLED, schema)}
+SELECT target.state, (SELECT count(*) FROM done) FROM target, settled""",
         # $1 older-than interval, $2 limit
         prune=f"""
 WITH victims AS (
@@ -394,4 +416,33 @@ WITH victims AS (
     DELETE FROM {s}.tasks t USING {DURABLE}, victims WHERE t.id = victims.id RETURNING t.id
 )
 SELECT count(*) FROM gone""",
+        # $1 the graph's tasks (JSON array text, see migration 0012), $2 trace context|null
+        enqueue_graph=f"""
+SELECT g.pos, g.id, g.state, g.workflow_id
+FROM {s}.enqueue_graph($1::text::jsonb, {_quoted(notify_channel(schema))}, $2::text::jsonb) AS g
+ORDER BY g.pos""",
+        # $1 a task id: every task of its workflow (its own id for a task outside one, or
+        # the workflow's id), with the ids of the tasks each waits for
+        workflow=f"""
+WITH wf AS (
+    SELECT coalesce(t.workflow_id, t.id) AS id FROM {s}.tasks t WHERE t.id = $1
+)
+SELECT {_RUN_STATE_OF_T}, wf.id,
+       t.waiting_on, t.on_parent_failure,
+       coalesce((SELECT array_agg(e.parent_id ORDER BY e.parent_id)::text
+                 FROM {s}.task_dependencies e WHERE e.child_id = t.id), '{{}}')
+FROM wf JOIN {s}.tasks t ON t.id = wf.id
+UNION ALL
+SELECT {_RUN_STATE_OF_T}, wf.id,
+       t.waiting_on, t.on_parent_failure,
+       coalesce((SELECT array_agg(e.parent_id ORDER BY e.parent_id)::text
+                 FROM {s}.task_dependencies e WHERE e.child_id = t.id), '{{}}')
+FROM wf JOIN {s}.tasks t ON t.workflow_id = wf.id AND t.id <> wf.id
+ORDER BY 1""",
+        # $1 a task id: the tasks it waits (or waited) for, with their states and results
+        parent_results=f"""
+SELECT p.id, p.task_name, p.state, p.result::text
+FROM {s}.task_dependencies e JOIN {s}.tasks p ON p.id = e.parent_id
+WHERE e.child_id = $1
+ORDER BY p.id""",
     )

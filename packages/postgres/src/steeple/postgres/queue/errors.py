@@ -6,6 +6,7 @@ from datetime import timedelta
 from typing import Final
 
 from steeple.core.errors import ClusterIdentityError, ConfigurationError, SteepleError
+from steeple.core.workflows import WorkflowCycleError as _CoreCycleError
 
 __all__ = [
     "MAX_RETRY_DELAY",
@@ -27,6 +28,7 @@ __all__ = [
     "UnfitDatabaseError",
     "UnknownTaskError",
     "UnsupportedConnectionError",
+    "WorkflowCycleError",
 ]
 
 
@@ -40,6 +42,18 @@ class QueueError(SteepleError):
 
 class QueueConfigurationError(QueueError, ConfigurationError):
     """Invalid options, names or settings; nothing was stored."""
+
+
+class WorkflowCycleError(QueueConfigurationError, _CoreCycleError):
+    """A workflow's dependencies form a cycle; nothing was stored.
+
+    Attributes:
+        cycle: the positions (in the order the steps were added) of the steps on the cycle,
+            the first repeated at the end.
+    """
+
+    def __init__(self, cycle: tuple[int, ...]) -> None:
+        _CoreCycleError.__init__(self, cycle)
 
 
 class QueueTypeError(QueueConfigurationError, TypeError):
