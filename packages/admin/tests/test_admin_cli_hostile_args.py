@@ -230,7 +230,9 @@ MALFORMED_DSNS = [
     "postgresql://[::1/test",
     "postgresql://u@h/db?a",
     "postgresql://u@h/db%zz",
-    "host=127.0.0.1 dbname=test",
+    "host=127.0.0.1 password='pw dbname=test",  # key=value with an unterminated quote
+    "host=127.0.0.1 pw dbname=test",  # key=value with a word without '='
+    "host=127.0.0.1 port=99999 password=pw",
     "garbage",
     "",
 ]

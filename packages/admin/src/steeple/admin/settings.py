@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
-from steeple.core.dsn import check_dsn, dsn_secrets, redact_dsn
+from steeple.core.dsn import check_dsn, conninfo_url, dsn_secrets, redact_dsn
 from steeple.core.errors import ConfigurationError, SteepleError
 
 if TYPE_CHECKING:
@@ -83,13 +83,19 @@ class CliError(SteepleError):
         self.hint = hint
 
 
-def resolve_dsn(dsn: str | None, *, required: bool = True) -> str | None:
-    """Return the DSN from the option or ``STEEPLE_DATABASE_URL``.
+def resolve_dsn(dsn: str | None, *, required: bool = True, source: str | None = None) -> str | None:
+    """Return the DSN from the option or ``STEEPLE_DATABASE_URL``, as a ``postgresql://`` URL.
+
+    Both libpq forms are accepted: a URL, and a ``key=value`` string (``host=db1,db2
+    port=5432 dbname=app user=app target_session_attrs=read-write``), which is rewritten
+    here, once, to the URL every driver reads (:func:`steeple.core.dsn.conninfo_url`).
+    ``source`` names where the value came from in error hints.
 
     Raises:
-        CliError: (config) neither is set and ``required``, or the value is not a
+        CliError: (config) neither is set and ``required``, or the value is neither a
             well-formed ``postgresql://`` / ``postgres://`` URL (see
-            :func:`steeple.core.dsn.check_dsn`).
+            :func:`steeple.core.dsn.check_dsn`) nor a valid ``key=value`` string; the
+            message shows it redacted.
     """
     value = dsn or os.environ.get(DSN_ENV) or None
     if value is None:
@@ -102,22 +108,28 @@ def resolve_dsn(dsn: str | None, *, required: bool = True) -> str | None:
                 "steeple demo starts in DIR, e.g. .steeple/demo)",
             )
         return None
-    if not value.startswith(("postgresql://", "postgres://")):
+    fix = source or f"--dsn or {DSN_ENV}"
+    try:
+        url = conninfo_url(value)
+    except ConfigurationError as exc:
+        raise CliError(
+            f"{exc} (given: {redact_dsn(value)})", code=ExitCode.CONFIG, hint=f"fix {fix}"
+        ) from None
+    if not url.startswith(("postgresql://", "postgres://")):
         raise CliError(
             f"the database URL {redact_dsn(value)} is not a postgresql:// URL",
             code=ExitCode.CONFIG,
-            hint="use a libpq URL such as postgresql://user@host:5432/dbname",
+            hint="use a libpq URL such as postgresql://user@host:5432/dbname, or key=value "
+            "pairs such as host=db1,db2 port=5432 dbname=app user=app",
         )
     try:
-        check_dsn(value)
+        check_dsn(url)
     except ConfigurationError as exc:
         # The message names the fault, never the text; the URL is shown redacted.
         raise CliError(
-            f"{exc} (given: {redact_dsn(value)})",
-            code=ExitCode.CONFIG,
-            hint=f"fix --dsn or {DSN_ENV}",
+            f"{exc} (given: {redact_dsn(value)})", code=ExitCode.CONFIG, hint=f"fix {fix}"
         ) from None
-    return value
+    return url
 
 
 def parse_keys(text: str, *, source: str) -> Keyring:
@@ -378,7 +390,16 @@ def write_key_file(path: Path, key: StorageKey, *, force: bool = False) -> None:
 
 
 _SETTINGS_MAX_BYTES: Final = 64 * 1024
-_TEXT_KEYS: Final = ("dsn", "embedded", "schema", "queue_schema", "namespace", "keys_file")
+_TEXT_KEYS: Final = (
+    "dsn",
+    "listen_dsn",
+    "pooler",
+    "embedded",
+    "schema",
+    "queue_schema",
+    "namespace",
+    "keys_file",
+)
 _INT_KEYS: Final = ("max_definitions", "max_occurrences")
 _DURATION_KEYS: Final = ("delivery_window", "lease")
 SETTINGS_KEYS: Final = (*_TEXT_KEYS, *_INT_KEYS, *_DURATION_KEYS)
@@ -391,7 +412,10 @@ class SettingsFile:
 
     Attributes:
         path: the file read, or ``None`` when there was none.
-        dsn: the PostgreSQL URL (its repr is redacted).
+        dsn: the PostgreSQL DSN, a URL or libpq ``key=value`` string (its repr is redacted).
+        listen_dsn: a DSN straight to PostgreSQL for the worker's LISTEN/NOTIFY wake-ups
+            when ``dsn`` leads through a transaction pooler (its repr is redacted).
+        pooler: ``"transaction"`` when ``dsn`` leads through a transaction pooler.
         embedded: a data directory holding the embedded PostgreSQL (``pgdata/``), used
             when no DSN is given anywhere.
         schema: the recurring store's schema.
@@ -408,6 +432,10 @@ class SettingsFile:
     dsn: str | None = attrs.field(
         default=None, repr=lambda dsn: "None" if dsn is None else repr(redact_dsn(dsn))
     )
+    listen_dsn: str | None = attrs.field(
+        default=None, repr=lambda dsn: "None" if dsn is None else repr(redact_dsn(dsn))
+    )
+    pooler: str | None = None
     embedded: Path | None = None
     schema: str | None = None
     queue_schema: str | None = None
@@ -425,6 +453,9 @@ def load_settings_file(config: Path | None, *, cwd: Path | None = None) -> Setti
     The file is flat TOML; every key is optional and unknown keys are refused::
 
         dsn = "postgresql://app@db.internal:5432/app?sslmode=verify-full"
+        # or libpq key=value: dsn = "host=db1,db2 dbname=app target_session_attrs=read-write"
+        # pooler = "transaction"         # dsn leads through PgBouncer in transaction mode
+        # listen_dsn = "postgresql://app@db1:5432/app"  # direct, for worker wake-ups
         # embedded = ".steeple/demo"     # or: the embedded PostgreSQL in this directory
         schema = "steeple"               # the recurring store's schema
         queue_schema = "steeple_queue"   # the work queue's schema
@@ -524,17 +555,39 @@ def _settings(path: Path, values: dict[str, Any], mode: int) -> SettingsFile:
     for key in ("embedded", "keys_file"):
         if key in fields:
             fields[key] = path.parent / Path(fields[key]).expanduser()
-    dsn = fields.get("dsn")
-    if dsn is not None:
-        resolve_dsn(dsn)  # a malformed URL is refused here, redacted
+    if "pooler" in fields:
+        fields["pooler"] = _file_pooler(fields["pooler"], f"'pooler' in the settings file {shown}")
+    for key in ("dsn", "listen_dsn"):
+        dsn = fields.get(key)
+        if dsn is None:
+            continue
+        # a malformed DSN is refused here, redacted
+        resolve_dsn(dsn, source=f"{key} in the settings file {shown}")
         if dsn_secrets(dsn) and mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise CliError(
-                f"the settings file {shown} holds a database password and other users can read it",
+                f"the settings file {shown} holds a database password ({key}) and other "
+                "users can read it",
                 code=ExitCode.CONFIG,
                 hint=f"restrict it (chmod 600 {path}), or set the password in {DSN_ENV}, "
                 "PGPASSWORD or ~/.pgpass instead",
             )
     return SettingsFile(path=path, **fields)
+
+
+def _file_pooler(value: str, where: str) -> str:
+    from steeple.postgres.pooler import PoolerProblem, check_pooler
+
+    try:
+        check_pooler(value)
+    except PoolerProblem:
+        raise CliError(
+            f'{where} must be "transaction", not {_shown(value)}',
+            code=ExitCode.CONFIG,
+            hint='write pooler = "transaction" when the DSN leads through a connection pooler '
+            "in transaction mode (PgBouncer pool_mode = transaction); remove the key for a "
+            "direct connection or a pooler in session mode",
+        ) from None
+    return value
 
 
 def _config_duration(text: str, where: str) -> timedelta:

@@ -91,7 +91,8 @@ DsnOpt = Annotated[
         envvar=DSN_ENV,
         show_envvar=True,
         show_default=False,
-        help="PostgreSQL URL, postgresql://user@host:5432/db (default: dsn or embedded in "
+        help="PostgreSQL URL, postgresql://user@host:5432/db, or libpq key=value pairs, "
+        "'host=db1,db2 dbname=app user=app' (default: dsn or embedded in "
         f"{SETTINGS_FILE}).",
     ),
 ]
@@ -115,7 +116,8 @@ PoolerOpt = Annotated[
         show_envvar=True,
         show_default=False,
         help="'transaction' when the DSN leads through a connection pooler in transaction "
-        "mode (PgBouncer pool_mode = transaction); default: a direct connection.",
+        "mode (PgBouncer pool_mode = transaction); default: pooler in "
+        f"{SETTINGS_FILE}, else a direct connection.",
     ),
 ]
 SchemaOpt = Annotated[
@@ -314,8 +316,15 @@ class Where:
         if on_embedded:
             assert file.embedded is not None
             dsn = _start_embedded(file.embedded)
-        resolved = resolve_dsn(dsn, required=True)
+        resolved = remember_dsn(resolve_dsn(dsn, required=True))
         assert resolved is not None
+        # The file's listen_dsn (steeple worker: --listen-dsn / STEEPLE_LISTEN_DSN win).
+        remember_dsn(file.listen_dsn)
+        listen_dsn = remember_dsn(
+            resolve_dsn(file.listen_dsn, source="listen_dsn in the settings file")
+            if file.listen_dsn
+            else None
+        )
         schema = self.schema if self.schema is not None else file.schema
         settings = NamespaceSettings(
             namespace=_pick(self.namespace, file.namespace, "namespace"),
@@ -334,7 +343,8 @@ class Where:
             _given(self.queue_schema) or file.queue_schema,
             fallback_keys_file=file.keys_file,
             embedded=on_embedded,
-            pooler=_pooler(_given(self.pooler)),
+            pooler=_pooler(_given(self.pooler) or file.pooler),
+            listen_dsn=listen_dsn,
         )
 
 
@@ -345,7 +355,9 @@ def _pooler(value: str | None) -> Pooler | None:
         return check_pooler(value)
     except PoolerProblem as exc:
         raise CliError(
-            str(exc), code=ExitCode.CONFIG, hint="fix --pooler or STEEPLE_POOLER"
+            str(exc),
+            code=ExitCode.CONFIG,
+            hint=f"fix --pooler or STEEPLE_POOLER (or pooler in {SETTINGS_FILE})",
         ) from None
 
 

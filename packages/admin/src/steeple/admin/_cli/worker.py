@@ -47,9 +47,10 @@ def worker(
             envvar="STEEPLE_LISTEN_DSN",
             show_envvar=True,
             show_default=False,
-            help="PostgreSQL URL straight to the server (not through a transaction pooler) "
-            "for the task worker's LISTEN/NOTIFY wake-ups. With --pooler transaction and "
-            "no --listen-dsn the worker polls (it says so at start).",
+            help="PostgreSQL URL or key=value DSN straight to the server (not through a "
+            "transaction pooler) for the task worker's LISTEN/NOTIFY wake-ups (default: "
+            "listen_dsn in steeple.toml). With --pooler transaction and no listen DSN the "
+            "worker polls (it says so at start).",
         ),
     ] = None,
 ) -> None:
@@ -71,8 +72,10 @@ def worker(
     target = guard(where.target)
     if listen_dsn:
         remember_dsn(listen_dsn)
-        checked = guard(lambda: resolve_dsn(listen_dsn))
-        target = attrs.evolve(target, listen_dsn=checked)
+        checked = guard(
+            lambda: resolve_dsn(listen_dsn, source="--listen-dsn or STEEPLE_LISTEN_DSN")
+        )
+        target = attrs.evolve(target, listen_dsn=remember_dsn(checked))
     spec = guard(lambda: load_worker_app(app_ref))
 
     async def body() -> None:
