@@ -21,6 +21,7 @@ from steeple.core.claims import (
 )
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
+S = timedelta(seconds=1)
 QUEUES = ["q1", "q2", "q3"]
 NAMES = ["a", "b", "c"]
 
@@ -171,3 +172,64 @@ def test_limited_names_go_first_by_name_then_the_others_in_order() -> None:
     plan = plan_claim([("q", 3)], candidates, queues={}, names=names, now=NOW)
     assert [c.id for c in plan.started] == [2, 1, 3]
     assert plan.held is True
+
+
+def test_a_claims_own_starts_and_the_running_tasks_both_use_up_room() -> None:
+    now = datetime(2031, 1, 1, tzinfo=UTC)
+    scope = ScopeState(ScopeLimits(max_running=5), running=2)
+    assert room(scope, now, taken=1) == 2
+
+
+def test_the_tighter_of_the_running_limit_and_the_rate_decides() -> None:
+    now = datetime(2031, 1, 1, tzinfo=UTC)
+    limits = ScopeLimits(max_running=1, rate_limit=10, rate_period=timedelta(minutes=1))
+    assert room(ScopeState(limits), now) == 1
+    limits = ScopeLimits(max_running=10, rate_limit=2, rate_period=timedelta(minutes=1))
+    assert room(ScopeState(limits, starts=(now,)), now) == 1
+
+
+def test_a_rate_limit_without_its_period_limits_nothing() -> None:
+    now = datetime(2031, 1, 1, tzinfo=UTC)
+    scope = ScopeState(ScopeLimits(rate_limit=3), starts=(now,))
+    assert room(scope, now) is None
+    assert frees_at(scope, now) is None
+
+
+def test_once_the_total_is_reached_later_queues_are_not_asked() -> None:
+    first, second = Cand(1, "q1", "a"), Cand(2, "q2", "a")
+    # q2 is over its running limit and rate-limited: asking it would hold work back.
+    crowded = ScopeState(
+        ScopeLimits(max_running=1, rate_limit=1, rate_period=timedelta(minutes=1)), running=2
+    )
+    wants = [("q1", 1), ("q2", 1)]
+    both = plan_claim(wants, [first, second], queues={}, names={}, now=NOW, total=2)
+    assert both.started == (first, second)
+    one = plan_claim(wants, [first, second], queues={"q2": crowded}, names={}, now=NOW, total=1)
+    assert one == ClaimPlan((first,), held=False, frees_at=None)
+
+
+def test_a_claim_held_by_queue_rates_frees_up_at_the_earliest_window_exit() -> None:
+    minute = timedelta(minutes=1)
+    soon = ScopeState(ScopeLimits(rate_limit=1, rate_period=minute), starts=(NOW - 50 * S,))
+    later = ScopeState(ScopeLimits(rate_limit=1, rate_period=minute), starts=(NOW - 10 * S,))
+    candidates = [Cand(1, "q1", "a"), Cand(2, "q2", "a")]
+    plan = plan_claim(
+        [("q1", 1), ("q2", 1)], candidates, queues={"q1": soon, "q2": later}, names={}, now=NOW
+    )
+    assert plan == ClaimPlan((), held=True, frees_at=NOW + 10 * S)
+
+
+def test_task_names_are_asked_only_while_the_claim_wants_more() -> None:
+    first, second = Cand(1, "q1", "a"), Cand(2, "q1", "b")
+    roomy = ScopeState(ScopeLimits(max_running=5))
+    full = ScopeState(
+        ScopeLimits(rate_limit=1, rate_period=timedelta(minutes=1)), starts=(NOW - 10 * S,)
+    )
+    one = plan_claim(
+        [("q1", 1)], [first, second], queues={}, names={"a": roomy, "b": full}, now=NOW
+    )
+    assert one == ClaimPlan((first,), held=False, frees_at=None)
+    both = plan_claim(
+        [("q1", 2)], [first, second], queues={}, names={"a": roomy, "b": roomy}, now=NOW
+    )
+    assert both.started == (first, second)
