@@ -52,6 +52,8 @@ DECISIONS = (
     "idempotency",
     "publication",
     "limits",
+    "claims",
+    "cluster",
     "calendar",
 )
 """The modules of steeple.core that hold decisions (the rest: errors, messages, ports,

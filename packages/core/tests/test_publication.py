@@ -210,3 +210,14 @@ def test_only_an_acknowledgement_error_is_returned_as_is() -> None:
 def test_a_report_of_something_that_is_not_a_failure_says_what_it_got() -> None:
     with pytest.raises(TypeError, match=r"^failure must be a PublicationFailure, not 'broker'$"):
         publication_error("broker", ConnectionError(), "ab12", "retry")  # type: ignore[arg-type]
+
+
+def test_a_permanent_timeout_is_reported_as_a_permanent_timeout() -> None:
+    failure = PublicationFailure(FailureKind.TIMEOUT, True, "BrokerTimeoutError")
+    error = publication_error(failure, TimeoutError(), "ab12", "dead letter (permanent)")
+    assert type(error) is RelayBrokerTimeoutError
+    assert error.permanent
+    assert str(error) == (
+        "publication of occurrence ab12 did not complete in time (BrokerTimeoutError); "
+        "dead letter (permanent)"
+    )
