@@ -52,6 +52,8 @@ DECISIONS = (
     "idempotency",
     "publication",
     "limits",
+    "claims",
+    "cluster",
     "calendar",
 )
 """The modules of steeple.core that hold decisions (the rest: errors, messages, ports,
@@ -76,9 +78,30 @@ markers = ["postgres: x", "broker: x", "slow: x"]
 source_paths = ["src/"]
 pytest_add_cli_args_test_selection = {tests}
 pytest_add_cli_args = {extra}
-also_copy = ["README.md"]
+also_copy = ["README.md", "conftest.py"]
 only_mutate = {modules}
 """
+
+FRESH_CACHES = '''\
+"""Empty steeple.core's memo caches when a test session starts (mutants/core_mutmut.py).
+
+mutmut forks each mutant's test run from a process that has already run the tests, so a
+result memoised there by the unmutated code would answer in the mutant's place.
+"""
+
+import sys
+
+
+def pytest_sessionstart(session):
+    for name, module in list(sys.modules.items()):
+        if name == "steeple.core" or name.startswith("steeple.core."):
+            for value in list(vars(module).values()):
+                clear = getattr(value, "cache_clear", None)
+                if callable(clear):
+                    clear()
+'''
+"""The work directory's ``conftest.py``: a memoised function (``functools.cache``) must
+compute again under each mutant, or its mutants survive untested."""
 
 KILLED = {"killed", "timeout", "caught by type check", "segfault"}
 _RESULT = re.compile(r"^\s+(steeple\.core\.(\w+)\.\S+): (.+)$")
@@ -89,6 +112,7 @@ def lay_out(work: Path, modules: list[str], tests: list[str]) -> None:
     shutil.copytree(CORE / "src", work / "src", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(CORE / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(CORE / "README.md", work / "README.md")
+    (work / "conftest.py").write_text(FRESH_CACHES, encoding="utf-8")
     only = [f"src/steeple/core/{m}.py" for m in modules]
     (work / "pyproject.toml").write_text(
         PYPROJECT.format(

@@ -25,6 +25,7 @@ from steeple.core.claims import (
 )
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
+S = timedelta(seconds=1)
 QUEUES = ["q1", "q2", "q3"]
 NAMES = ["a", "b", "c"]
 
@@ -293,3 +294,127 @@ def test_the_position_is_the_last_task_taken_in_claim_order() -> None:
     assert _place(2, 9, 7).precedes(_place(0, 0, 0))
     assert _place(0, 5, 1).precedes(_place(0, 5, 4))
     assert not _place(0, 5, 4).precedes(_place(0, 5, 4))
+
+
+def test_a_claims_own_starts_and_the_running_tasks_both_use_up_room() -> None:
+    now = datetime(2031, 1, 1, tzinfo=UTC)
+    scope = ScopeState(ScopeLimits(max_running=5), running=2)
+    assert room(scope, now, taken=1) == 2
+
+
+def test_the_tighter_of_the_running_limit_and_the_rate_decides() -> None:
+    now = datetime(2031, 1, 1, tzinfo=UTC)
+    limits = ScopeLimits(max_running=1, rate_limit=10, rate_period=timedelta(minutes=1))
+    assert room(ScopeState(limits), now) == 1
+    limits = ScopeLimits(max_running=10, rate_limit=2, rate_period=timedelta(minutes=1))
+    assert room(ScopeState(limits, starts=(now,)), now) == 1
+
+
+def test_a_rate_limit_without_its_period_limits_nothing() -> None:
+    now = datetime(2031, 1, 1, tzinfo=UTC)
+    scope = ScopeState(ScopeLimits(rate_limit=3), starts=(now,))
+    assert room(scope, now) is None
+    assert frees_at(scope, now) is None
+
+
+def test_once_the_total_is_reached_later_queues_are_not_asked() -> None:
+    first, second = Cand(1, "q1", "a"), Cand(2, "q2", "a")
+    # q2 is over its running limit and rate-limited: asking it would hold work back.
+    crowded = ScopeState(
+        ScopeLimits(max_running=1, rate_limit=1, rate_period=timedelta(minutes=1)), running=2
+    )
+    wants = [("q1", 1), ("q2", 1)]
+    both = plan_claim(wants, [first, second], queues={}, names={}, now=NOW, total=2)
+    assert both.started == (first, second)
+    one = plan_claim(wants, [first, second], queues={"q2": crowded}, names={}, now=NOW, total=1)
+    assert one == ClaimPlan((first,), held=False, frees_at=None)
+
+
+def test_a_claim_held_by_queue_rates_frees_up_at_the_earliest_window_exit() -> None:
+    minute = timedelta(minutes=1)
+    soon = ScopeState(ScopeLimits(rate_limit=1, rate_period=minute), starts=(NOW - 50 * S,))
+    later = ScopeState(ScopeLimits(rate_limit=1, rate_period=minute), starts=(NOW - 10 * S,))
+    candidates = [Cand(1, "q1", "a"), Cand(2, "q2", "a")]
+    plan = plan_claim(
+        [("q1", 1), ("q2", 1)], candidates, queues={"q1": soon, "q2": later}, names={}, now=NOW
+    )
+    assert plan == ClaimPlan((), held=True, frees_at=NOW + 10 * S)
+
+
+def test_task_names_are_asked_only_while_the_claim_wants_more() -> None:
+    first, second = Cand(1, "q1", "a"), Cand(2, "q1", "b")
+    roomy = ScopeState(ScopeLimits(max_running=5))
+    full = ScopeState(
+        ScopeLimits(rate_limit=1, rate_period=timedelta(minutes=1)), starts=(NOW - 10 * S,)
+    )
+    one = plan_claim(
+        [("q1", 1)], [first, second], queues={}, names={"a": roomy, "b": full}, now=NOW
+    )
+    assert one == ClaimPlan((first,), held=False, frees_at=None)
+    both = plan_claim(
+        [("q1", 2)], [first, second], queues={}, names={"a": roomy, "b": roomy}, now=NOW
+    )
+    assert both.started == (first, second)
+
+
+def test_a_task_names_limit_counts_what_the_claim_took_in_earlier_queues() -> None:
+    first, second = Cand(1, "q1", "a"), Cand(2, "q2", "a")
+    one_at_a_time = ScopeState(ScopeLimits(max_running=1))
+    plan = plan_claim(
+        [("q1", 1), ("q2", 1)], [first, second], queues={}, names={"a": one_at_a_time}, now=NOW
+    )
+    assert plan == ClaimPlan((first,), held=True, frees_at=None)
+
+
+def test_each_task_name_gets_only_what_the_claim_still_wants() -> None:
+    a, b1, b2, c1, c2 = (Cand(i, "q1", n) for i, n in enumerate("abbcc"))
+    roomy = ScopeState(ScopeLimits(max_running=5))
+    no_period = ScopeState(ScopeLimits(rate_limit=3))  # a rate without its period: no limit
+    plan = plan_claim([("q1", 2)], [a, b1, b2], queues={}, names={"a": roomy, "b": roomy}, now=NOW)
+    assert plan.started == (a, b1)
+    plan = plan_claim(
+        [("q1", 2)], [a, c1, c2], queues={}, names={"a": roomy, "c": no_period}, now=NOW
+    )
+    assert plan.started == (a, c1)
+
+
+def test_a_claim_held_by_a_task_names_rate_frees_up_when_its_start_leaves_the_window() -> None:
+    full = ScopeState(
+        ScopeLimits(rate_limit=1, rate_period=timedelta(minutes=1)), starts=(NOW - 10 * S,)
+    )
+    plan = plan_claim([("q1", 1)], [Cand(1, "q1", "a")], queues={}, names={"a": full}, now=NOW)
+    assert plan == ClaimPlan((), held=True, frees_at=NOW + 50 * S)
+
+
+def test_limited_names_share_the_claim_with_unlimited_ones_without_holding_it() -> None:
+    a, b, z = Cand(1, "q1", "a"), Cand(2, "q1", "b"), Cand(3, "q1", "z")
+    roomy = ScopeState(ScopeLimits(max_running=5))
+    plan = plan_claim([("q1", 2)], [a, b, z], queues={}, names={"a": roomy, "b": roomy}, now=NOW)
+    assert plan == ClaimPlan((a, b), held=False, frees_at=None)
+
+
+def test_a_full_task_name_does_not_stop_the_names_after_it() -> None:
+    a, b = Cand(1, "q1", "a"), Cand(2, "q1", "b")
+    full = ScopeState(ScopeLimits(max_running=1), running=1)
+    roomy = ScopeState(ScopeLimits(max_running=5))
+    plan = plan_claim([("q1", 2)], [a, b], queues={}, names={"a": full, "b": roomy}, now=NOW)
+    assert plan.started == (b,)
+    assert plan.held
+
+
+def test_a_task_names_limit_adds_up_over_every_queue_of_the_claim() -> None:
+    firsts = [Cand(i, q, "a") for i, q in enumerate(("q1", "q2", "q3"))]
+    two = ScopeState(ScopeLimits(max_running=2))
+    plan = plan_claim(
+        [("q1", 1), ("q2", 1), ("q3", 1)], firsts, queues={}, names={"a": two}, now=NOW
+    )
+    assert plan.started == tuple(firsts[:2])
+
+
+def test_a_claim_held_by_two_names_rates_frees_up_at_the_earlier_exit() -> None:
+    minute = timedelta(minutes=1)
+    soon = ScopeState(ScopeLimits(rate_limit=1, rate_period=minute), starts=(NOW - 50 * S,))
+    later = ScopeState(ScopeLimits(rate_limit=1, rate_period=minute), starts=(NOW - 10 * S,))
+    candidates = [Cand(1, "q1", "a"), Cand(2, "q1", "b")]
+    plan = plan_claim([("q1", 2)], candidates, queues={}, names={"a": soon, "b": later}, now=NOW)
+    assert plan == ClaimPlan((), held=True, frees_at=NOW + 10 * S)

@@ -76,3 +76,20 @@ def test_watch_accepts_exactly_the_first_cluster_at_its_newest_timeline(
             assert accepted
             newest = timeline
         assert watch.known == node(newest, first)
+
+
+def test_a_refusal_carries_both_identities_and_says_what_to_do() -> None:
+    known = ClusterIdentity(7, 3)
+    with pytest.raises(ClusterIdentityError) as other:
+        judge_cluster(known, ClusterIdentity(8, 3))
+    assert (other.value.known, other.value.seen) == ((7, 3), (8, 3))
+    assert str(other.value).endswith(
+        "check the DSN's hosts, or restart the process if the database really moved"
+    )
+    with pytest.raises(ClusterIdentityError) as stale:
+        judge_cluster(known, ClusterIdentity(7, 2))
+    assert (stale.value.known, stale.value.seen) == ((7, 3), (7, 2))
+    assert str(stale.value).endswith(
+        "nothing is done there: stop that node or rebuild it as a standby (pg_rewind), "
+        "or remove it from the DSN"
+    )

@@ -18,6 +18,7 @@ from steeple.core import (
     RELAY_BACKOFF,
     Backoff,
     ConfigurationError,
+    ConfigurationTypeError,
     OccurrenceState,
     RecurringClockError,
     RecurringError,
@@ -28,8 +29,10 @@ from steeple.core.leases import (
     FailureDecision,
     adopt_time,
     after_publish_failure,
+    capability_digest,
     capability_matches,
     check_server_clock,
+    holds_lease,
     is_claimable,
     is_live,
     lease_expiry,
@@ -418,3 +421,170 @@ def test_lease_repr_never_shows_the_capability() -> None:
         assert repr(capability) not in text
         assert "ab" * 16 in text
         assert "revision=7" in text
+
+
+# --- refusals name what to fix -------------------------------------------------------------
+
+NAIVE = datetime(2033, 1, 1)
+HOUR = timedelta(hours=1)
+_NAIVE_INSTANT_CALLS = [
+    ("created_at", lambda: window_end(NAIVE, HOUR)),
+    ("now", lambda: lease_expiry(NAIVE, HOUR, T0)),
+    ("window_ends_at", lambda: lease_expiry(T0, HOUR, NAIVE)),
+    ("now", lambda: is_live(T0, NAIVE)),
+    ("expires_at", lambda: is_live(NAIVE, T0)),
+    ("now", lambda: is_claimable(OccurrenceState.PENDING, NAIVE, window_ends_at=T0)),
+    ("window_ends_at", lambda: is_claimable(OccurrenceState.PENDING, T0, window_ends_at=NAIVE)),
+    (
+        "next_attempt_at",
+        lambda: is_claimable(
+            OccurrenceState.RETRY_WAIT, T0, window_ends_at=T0 + HOUR, next_attempt_at=NAIVE
+        ),
+    ),
+    ("local", lambda: adopt_time(None, NAIVE)),
+    ("recorded", lambda: adopt_time(NAIVE, T0)),
+    ("local", lambda: check_server_clock(NAIVE, T0, timedelta(0))),
+    ("server", lambda: check_server_clock(T0, NAIVE, timedelta(0))),
+    ("now", lambda: after_publish_failure(1, NAIVE, T0, False)),
+    ("window_ends_at", lambda: after_publish_failure(1, T0, NAIVE, False)),
+]
+
+
+@pytest.mark.parametrize(("name", "call"), _NAIVE_INSTANT_CALLS)
+def test_a_naive_instant_is_refused_by_its_parameters_name(name: str, call: object) -> None:
+    assert callable(call)
+    with pytest.raises(ConfigurationError) as refused:
+        call()
+    assert str(refused.value).startswith(f"{name} must be timezone-aware")
+
+
+@pytest.mark.parametrize(
+    ("name", "call"),
+    [
+        ("expected", lambda: capability_matches("ab", b"ab")),  # type: ignore[arg-type]
+        ("presented", lambda: capability_matches(b"ab", "ab")),  # type: ignore[arg-type]
+        ("capability", lambda: capability_digest("ab")),  # type: ignore[arg-type]
+        ("generation", lambda: occurrence_id_for("ab")),  # type: ignore[arg-type]
+        ("stored_digest", lambda: holds_lease("ab", 1, b"ab", 1)),  # type: ignore[arg-type]
+    ],
+)
+def test_a_secret_that_is_not_bytes_is_refused_by_its_parameters_name(
+    name: str, call: object
+) -> None:
+    assert callable(call)
+    with pytest.raises(ConfigurationTypeError, match=f"^{name} must be bytes, not str$"):
+        call()
+
+
+def test_a_bad_duration_or_tolerance_is_refused_with_what_to_fix() -> None:
+    with pytest.raises(
+        ConfigurationTypeError, match=r"^delivery_window must be a datetime.timedelta, not str$"
+    ):
+        window_end(T0, "1h")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"^lease_duration must be positive"):
+        lease_expiry(T0, -S, T0 + HOUR)
+    with pytest.raises(ConfigurationError, match=r"^tolerance must be a non-negative timedelta$"):
+        adopt_time(T0, T0, -S)
+    with pytest.raises(ConfigurationError, match=r"^round_trip must be a non-negative timedelta$"):
+        check_server_clock(T0, T0, -S)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^the delivery window of an occurrence created at .* would end after the year 9999$",
+    ):
+        window_end(datetime(9999, 12, 31, tzinfo=UTC), timedelta(days=2))
+
+
+def test_a_claim_of_something_that_is_not_a_state_says_what_it_got() -> None:
+    with pytest.raises(
+        ConfigurationTypeError, match=r"^state must be an OccurrenceState, not 'pending'$"
+    ):
+        is_claimable("pending", T0, window_ends_at=T0 + HOUR)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"attempts": "3"}, ConfigurationTypeError, "^attempts must be an int >= 1; got '3'$"),
+        ({"attempts": True}, ConfigurationTypeError, "^attempts must be an int >= 1; got True$"),
+        ({"attempts": 0}, ConfigurationError, "^attempts must be an int >= 1; got 0$"),
+        ({"max_attempts": 0}, ConfigurationError, "^max_attempts must be an int >= 1; got 0$"),
+        ({"backoff": "fast"}, ConfigurationTypeError, "^backoff must be a Backoff, not str$"),
+        ({"draw": float("nan")}, ConfigurationError, "^draw must be a finite float"),
+    ],
+)
+def test_a_bad_failure_decision_input_is_refused_by_name(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    arguments: dict[str, object] = {
+        "attempts": 1,
+        "now": T0,
+        "window_ends_at": T0 + HOUR,
+        "permanent": False,
+    }
+    with pytest.raises(error, match=message):
+        after_publish_failure(**{**arguments, **kwargs})  # type: ignore[arg-type]
+
+
+def test_a_random_source_is_refused_by_what_it_lacks_or_returns() -> None:
+    with pytest.raises(
+        ConfigurationTypeError,
+        match=r"^random must be a RandomSource \(with token_bytes\), not object$",
+    ):
+        new_capability(object())  # type: ignore[arg-type]
+
+    class Short:
+        def token_bytes(self, n: int) -> bytes:
+            return bytes(n - 1)
+
+    with pytest.raises(
+        ConfigurationError, match=r"^the random source returned a bad capability \(need 16 bytes\)$"
+    ):
+        new_capability(Short())  # type: ignore[arg-type]
+    with pytest.raises(
+        ConfigurationError, match=r"^the random source returned a bad generation \(need 16 bytes\)$"
+    ):
+        new_generation(Short())  # type: ignore[arg-type]
+
+
+def test_clock_errors_carry_both_times_and_say_what_to_fix() -> None:
+    with pytest.raises(RecurringClockError) as trailing:
+        adopt_time(T0 + 6 * S, T0)
+    assert trailing.value.recorded_time == T0 + 6 * S
+    assert trailing.value.local_time == T0
+    assert str(trailing.value).endswith(
+        "more than the 0:00:05 tolerance; fix this host's clock synchronisation"
+    )
+    with pytest.raises(RecurringClockError) as ahead:
+        check_server_clock(T0 + 6 * S, T0, timedelta(0))
+    assert str(ahead.value).endswith(
+        "more than the 0:00:05 bound; nothing was recorded. "
+        "Fix this host's clock synchronisation (NTP)"
+    )
+
+
+# --- fencing at the edges ------------------------------------------------------------------
+
+
+def test_the_longest_capability_accepted_is_held_and_one_byte_more_is_not() -> None:
+    longest = bytes(range(256)) * 4
+    assert holds_lease(capability_digest(longest), 1, longest, 1)
+    assert not holds_lease(capability_digest(longest), 1, longest + b"\x00", 1)
+
+
+def test_a_capability_presented_as_any_bytes_like_view_is_held() -> None:
+    capability = bytes(range(16))
+    digest = capability_digest(capability)
+    # Every other byte of a buffer twice as long: a view that is not contiguous.
+    strided = memoryview(
+        bytes(b for pair in zip(capability, bytes(16), strict=True) for b in pair)
+    )[::2]
+    assert bytes(strided) == capability
+    assert holds_lease(digest, 2, strided, 2)
+    assert holds_lease(digest, 2, memoryview(capability), 2)
+    assert holds_lease(digest, 2, bytearray(capability), 2)
+
+
+def test_without_a_draw_the_retry_waits_the_whole_backoff_delay() -> None:
+    backoff = Backoff(initial=10 * S, maximum=10 * S, jitter=1.0)
+    decision = after_publish_failure(1, T0, T0 + HOUR, False, backoff)
+    assert decision == FailureDecision(OccurrenceState.RETRY_WAIT, T0 + 10 * S)

@@ -237,3 +237,21 @@ def test_a_due_definitions_cursor_and_calendar_are_checked() -> None:
     )
     with pytest.raises(TypeError, match="next_after"):
         plan_namespace_tick([odd], BASE + timedelta(minutes=3), 10)
+
+
+def test_refusals_name_the_input_to_fix() -> None:
+    every = CronCalendar.parse("* * * * *")
+    with pytest.raises(ValueError, match=r"^now must be timezone-aware"):
+        plan_namespace_tick([], datetime(2031, 1, 1), 10)
+    with pytest.raises(
+        TypeError, match=r"^definitions must be an iterable of DueDefinition, not int$"
+    ):
+        plan_namespace_tick(3, BASE, 10)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^definitions must hold DueDefinition values, not str$"):
+        plan_namespace_tick(["alpha"], BASE, 10)  # type: ignore[list-item]
+    unnamed = DueDefinition(7, MissedRunPolicy.CATCH_UP, every, BASE, BASE)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^a definition's name must be a str, not int$"):
+        plan_namespace_tick([unnamed], BASE, 10)
+    naive_due = DueDefinition("alpha", MissedRunPolicy.CATCH_UP, every, BASE, datetime(2031, 1, 1))
+    with pytest.raises(ValueError, match=r"^next_due must be timezone-aware"):
+        plan_namespace_tick([naive_due], BASE, 10)

@@ -100,6 +100,21 @@ def test_states_for_groups_the_table_by_step(event: OccurrenceEvent) -> None:
         assert all(step(s, event) == row for s in states)
 
 
+@pytest.mark.parametrize(
+    "value", ["cancel", None, ["cancel"], {"event": "cancel"}, bytearray(b"cancel")]
+)
+def test_a_value_that_is_not_an_event_applies_to_no_state(value: object) -> None:
+    # A set-based write asked about something that is not an event (a raw string read
+    # back from storage, an unhashable value) moves no row, and says so without raising.
+    assert states_for(value) == {}  # type: ignore[arg-type]
+
+
+def test_each_caller_gets_its_own_grouping() -> None:
+    first = states_for(E.CANCEL)
+    first.clear()
+    assert states_for(E.CANCEL) != {}
+
+
 def test_window_expiry_and_cancellation_take_one_step_from_every_live_state() -> None:
     live = {S.PENDING, S.LEASED, S.RETRY_WAIT, S.DEAD}
     for event in (E.WINDOW_EXPIRED, E.CANCEL):

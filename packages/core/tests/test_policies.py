@@ -11,7 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from steeple.core import CronCalendar, RecurringConfigurationError
+from steeple.core import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    CronCalendar,
+    RecurringConfigurationError,
+)
 from steeple.core.policies import MissedRunPolicy, TickPlan, plan_tick, validate_budget
 
 MINUTE = timedelta(minutes=1)
@@ -414,3 +419,35 @@ def test_unknown_policy_rejected() -> None:
 
 def test_policy_values_unchanged() -> None:
     assert [p.value for p in MissedRunPolicy] == ["catch_up", "coalesce", "run_once"]
+
+
+def test_refusals_name_the_budget_the_calendar_and_the_policy() -> None:
+    calendar = CronCalendar.parse("* * * * *")
+    t = datetime(2030, 1, 1, tzinfo=UTC)
+    with pytest.raises(RecurringConfigurationError, match=r"^budget must be between 1 and 100"):
+        validate_budget(0)
+    with pytest.raises(
+        ConfigurationTypeError,
+        match=r"^calendar must have a next_after method \(a CronCalendar\), not 'hourly'$",
+    ):
+        plan_tick(MissedRunPolicy.CATCH_UP, "hourly", t, t, 1)  # type: ignore[arg-type]
+    with pytest.raises(RecurringConfigurationError, match=r"^unknown missed-run policy 'hourly'$"):
+        plan_tick("hourly", calendar, t, t, 1)  # type: ignore[arg-type]
+
+
+class _NaiveCalendar:
+    """A calendar (a port) that answers a naive instant."""
+
+    def next_after(self, instant: datetime) -> datetime | None:
+        return instant.replace(tzinfo=None) + MINUTE
+
+
+@pytest.mark.parametrize("policy", list(MissedRunPolicy))
+def test_a_calendar_answering_a_naive_instant_is_named_as_the_culprit(
+    policy: MissedRunPolicy,
+) -> None:
+    t = datetime(2030, 1, 1, tzinfo=UTC)
+    with pytest.raises(
+        ConfigurationError, match=r"^the calendar's next due instant must be timezone-aware"
+    ):
+        plan_tick(policy, _NaiveCalendar(), t, t + MINUTE, 1)

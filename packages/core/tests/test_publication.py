@@ -172,3 +172,52 @@ def test_the_relay_error_is_typed_and_never_echoes_the_broker_message(exc: Excep
     assert "0123abcd" in str(error)
     assert "dead letter (permanent)" in str(error)
     assert "boom" not in str(error)
+
+
+def test_an_adapters_error_that_never_said_permanent_is_retried() -> None:
+    class Odd(RelayBrokerError):
+        def __init__(self) -> None:
+            Exception.__init__(self, "odd")  # skips RelayBrokerError's own __init__
+
+    failure = classify_publication_failure(Odd())
+    assert failure is not None
+    assert not failure.permanent
+
+
+def test_the_relay_error_names_the_occurrence_the_failure_and_the_outcome() -> None:
+    failure = PublicationFailure(FailureKind.BROKER, True, "ConnectionError")
+    error = publication_error(failure, ConnectionError("x"), "ab12", "dead letter (permanent)")
+    assert type(error) is RelayBrokerError
+    assert error.permanent
+    assert str(error) == (
+        "publication of occurrence ab12 failed (ConnectionError); dead letter (permanent)"
+    )
+    long = PublicationFailure(FailureKind.BROKER, False, "E" * 500)
+    shortened = str(publication_error(long, ConnectionError(), "ab12", "o" * 1000))
+    assert f"({'E' * 197}...); {'o' * 297}..." in shortened
+
+
+def test_only_an_acknowledgement_error_is_returned_as_is() -> None:
+    # A failure classified as an acknowledgement but raised as something else still
+    # becomes a relay error, and an acknowledgement error classified otherwise too.
+    odd = PublicationFailure(FailureKind.ACKNOWLEDGEMENT, False, "ConnectionError")
+    assert isinstance(publication_error(odd, ConnectionError(), "ab12", "retry"), RelayBrokerError)
+    uncertain = RelayAcknowledgementError(RECEIPT)
+    broker = PublicationFailure(FailureKind.BROKER, False, "RelayAcknowledgementError")
+    assert publication_error(broker, uncertain, "ab12", "retry") is not uncertain
+
+
+def test_a_report_of_something_that_is_not_a_failure_says_what_it_got() -> None:
+    with pytest.raises(TypeError, match=r"^failure must be a PublicationFailure, not 'broker'$"):
+        publication_error("broker", ConnectionError(), "ab12", "retry")  # type: ignore[arg-type]
+
+
+def test_a_permanent_timeout_is_reported_as_a_permanent_timeout() -> None:
+    failure = PublicationFailure(FailureKind.TIMEOUT, True, "BrokerTimeoutError")
+    error = publication_error(failure, TimeoutError(), "ab12", "dead letter (permanent)")
+    assert type(error) is RelayBrokerTimeoutError
+    assert error.permanent
+    assert str(error) == (
+        "publication of occurrence ab12 did not complete in time (BrokerTimeoutError); "
+        "dead letter (permanent)"
+    )

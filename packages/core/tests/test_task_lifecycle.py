@@ -374,3 +374,113 @@ def test_attempts_outlook_refuses_bad_input(
 ) -> None:
     with pytest.raises(error):
         attempts_outlook(state, attempts, max_attempts)
+
+
+_TASK_REFUSALS: list[tuple[Any, type[Exception], str]] = [
+    (
+        lambda: attempts_exhausted("1", 3),  # type: ignore[arg-type]
+        ConfigurationTypeError,
+        r"^attempt must be an int, not str$",
+    ),
+    (
+        lambda: attempts_exhausted(1, True),
+        ConfigurationTypeError,
+        r"^max_attempts must be an int, not bool$",
+    ),
+    (lambda: attempts_exhausted(0, 3), ConfigurationError, r"^attempt must be at least 1; got 0$"),
+    (
+        lambda: attempts_exhausted(1, -2),
+        ConfigurationError,
+        r"^max_attempts must be at least 1; got -2$",
+    ),
+    (
+        lambda: retry_decision(1, 3, "fast", NOW),  # type: ignore[arg-type]
+        ConfigurationTypeError,
+        r"^backoff must be a Backoff, not str$",
+    ),
+    (
+        lambda: retry_decision(1, 3, BACKOFF, NOW, float("nan")),
+        ConfigurationError,
+        r"^draw must be a finite float",
+    ),
+    (
+        lambda: retry_decision(1, 3, BACKOFF, datetime(2030, 1, 1)),
+        ConfigurationError,
+        r"^now must be timezone-aware",
+    ),
+    (
+        lambda: failure_outcome(
+            "verdict",  # type: ignore[arg-type]
+            retries_unexpected=False,
+            attempt=1,
+            max_attempts=5,
+            backoff=BACKOFF,
+            now=NOW,
+        ),
+        ConfigurationTypeError,
+        r"^kind must be a FailureKind, not str$",
+    ),
+    (
+        lambda: attempts_outlook("failed", 1, 5),  # type: ignore[arg-type]
+        ConfigurationTypeError,
+        r"^state must be a TaskState, not str$",
+    ),
+    (
+        lambda: attempts_outlook(TaskState.FAILED, "1", 5),  # type: ignore[arg-type]
+        ConfigurationTypeError,
+        r"^attempts must be an int, not str$",
+    ),
+    (
+        lambda: attempts_outlook(TaskState.FAILED, -1, 5),
+        ConfigurationError,
+        r"^attempts must be at least 0; got -1$",
+    ),
+    (
+        lambda: attempts_outlook(TaskState.FAILED, 1, 0),
+        ConfigurationError,
+        r"^max_attempts must be at least 1; got 0$",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "message"), _TASK_REFUSALS)
+def test_each_refusal_names_the_input_to_fix_and_what_it_got(
+    call: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_without_a_draw_a_retry_waits_the_whole_backoff_delay() -> None:
+    backoff = Backoff(initial=timedelta(seconds=10), maximum=timedelta(seconds=10), jitter=1.0)
+    assert retry_decision(1, 3, backoff, NOW) == RetryDecision(True, NOW + timedelta(seconds=10))
+    outcome = failure_outcome(
+        FailureKind.RETRY_ASKED,
+        retries_unexpected=False,
+        attempt=1,
+        max_attempts=3,
+        backoff=backoff,
+        now=NOW,
+    )
+    assert outcome.run_at == NOW + timedelta(seconds=10)
+
+
+def test_a_task_allowing_two_attempts_shows_its_one_retry() -> None:
+    assert attempts_outlook(TaskState.PENDING, 1, 2) == "1/2"
+    assert attempts_outlook(TaskState.RUNNING, 2, 2) == "2/2"
+    assert attempts_outlook(TaskState.FAILED, 2, 2) == "2/2, attempts exhausted"
+
+
+def test_a_retried_failure_takes_its_jitter_from_the_injected_draw() -> None:
+    backoff = Backoff(initial=timedelta(seconds=10), maximum=timedelta(seconds=10), jitter=1.0)
+    outcome = failure_outcome(
+        FailureKind.UNEXPECTED,
+        retries_unexpected=True,
+        attempt=1,
+        max_attempts=3,
+        backoff=backoff,
+        now=NOW,
+        draw=0.25,
+    )
+    assert outcome.verdict is FailureVerdict.RETRIED
+    assert outcome.run_at == NOW + timedelta(seconds=7.5)

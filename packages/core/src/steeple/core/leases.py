@@ -257,7 +257,7 @@ def holds_lease(
     # digest is taken as is; the stored digest is checked as any compared value is.
     raw = capability if type(capability) is bytes else bytes(capability)
     presented = hashlib.sha256(raw).digest()
-    matches = hmac.compare_digest(_as_bytes(stored_digest, "expected"), presented)
+    matches = hmac.compare_digest(_as_bytes(stored_digest, "stored_digest"), presented)
     return matches and revision == stored_revision
 
 
