@@ -123,7 +123,7 @@ def test_the_readme_is_a_short_landing_page_with_the_queue_first() -> None:
     queue = next(i for i, s in enumerate(sections) if "work queue" in s.lower())
     recurring = next(i for i, s in enumerate(sections) if "recurring" in s.lower())
     assert sections.index("Install") < queue < recurring
-    assert "### Operations" in text  # the list operations pages are added to
+    assert "- **Operations**:" in text  # the list operations pages are added to
 
 
 def test_the_readme_gives_the_commands_ci_runs() -> None:

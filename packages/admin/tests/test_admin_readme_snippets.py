@@ -44,6 +44,19 @@ def test_the_readme_holds_the_queue_tour_verbatim() -> None:
         assert code == (SNIPPETS / name).read_text(encoding="utf-8"), name
 
 
+def test_the_readme_excerpts_are_tested_code_verbatim() -> None:
+    """The workflow and per-key limit examples are cut, unchanged, from files the tests run."""
+    text = README.read_text(encoding="utf-8")
+    found = re.findall(r"<!-- excerpt: (\S+) -->\n```python\n(.*?)```", text, re.DOTALL)
+    assert sorted(name for name, _ in found) == [
+        "packages/admin/tests/readme_snippets/workflow_tour.py",
+        "packages/postgres/tests/recipes/key_limits.py",
+    ]
+    for name, code in found:
+        assert code.count("\n") >= 10, name
+        assert code in (ROOT / name).read_text(encoding="utf-8"), name
+
+
 def test_the_docs_include_every_snippet() -> None:
     files = {p.name for p in SNIPPETS.glob("*.py")}
     assert docs_includes() == files

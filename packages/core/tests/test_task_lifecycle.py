@@ -418,7 +418,7 @@ _TASK_REFUSALS: list[tuple[Any, type[Exception], str]] = [
             now=NOW,
         ),
         ConfigurationTypeError,
-        r"^kind must be a FailureKind, not str$",
+        r"^kind must be a TaskFailureKind, not str$",
     ),
     (
         lambda: attempts_outlook("failed", 1, 5),  # type: ignore[arg-type]
@@ -455,7 +455,7 @@ def test_without_a_draw_a_retry_waits_the_whole_backoff_delay() -> None:
     backoff = Backoff(initial=timedelta(seconds=10), maximum=timedelta(seconds=10), jitter=1.0)
     assert retry_decision(1, 3, backoff, NOW) == RetryDecision(True, NOW + timedelta(seconds=10))
     outcome = failure_outcome(
-        FailureKind.RETRY_ASKED,
+        TaskFailureKind.RETRY_ASKED,
         retries_unexpected=False,
         attempt=1,
         max_attempts=3,
@@ -474,7 +474,7 @@ def test_a_task_allowing_two_attempts_shows_its_one_retry() -> None:
 def test_a_retried_failure_takes_its_jitter_from_the_injected_draw() -> None:
     backoff = Backoff(initial=timedelta(seconds=10), maximum=timedelta(seconds=10), jitter=1.0)
     outcome = failure_outcome(
-        FailureKind.UNEXPECTED,
+        TaskFailureKind.UNEXPECTED,
         retries_unexpected=True,
         attempt=1,
         max_attempts=3,
