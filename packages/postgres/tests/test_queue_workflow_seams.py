@@ -89,7 +89,8 @@ async def test_tasks_enqueued_after_others_keep_their_limit_key_and_its_limit_ho
     )
     assert [await _state(conn, schema, i) for i in ids] == ["pending"] * 3
     taken = await _claim(conn, schema, 10)
-    assert len(taken) == 1 and taken[0] in ids
+    assert len(taken) == 1
+    assert taken[0] in ids
     assert await _claim(conn, schema, 10) == []
 
 
