@@ -394,8 +394,8 @@ WITH looked AS MATERIALIZED (
     SELECT id FROM {s}.tasks WHERE state = {_lit(TaskState.WAITING)} AND id > $2 ORDER BY id
     LIMIT $1
 ), stranded AS MATERIALIZED (
-    SELECT t.id FROM {s}.tasks t, looked
-    WHERE t.id = looked.id AND t.state = {_lit(TaskState.WAITING)}
+    SELECT t.id FROM {s}.tasks t
+    WHERE t.id = ANY(ARRAY(SELECT id FROM looked)) AND t.state = {_lit(TaskState.WAITING)}
       AND NOT EXISTS (
           SELECT 1 FROM {s}.task_dependencies e JOIN {s}.tasks p ON p.id = e.parent_id
           WHERE e.child_id = t.id AND p.state IN {LIVE})
