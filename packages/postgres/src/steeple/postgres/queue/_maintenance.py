@@ -1,5 +1,8 @@
 """Maintenance: recovers expired leases of dead or stalled workers, materializes recurring jobs.
 
+It also settles waiting tasks whose parents all ended without settling them (ended by a
+worker of an earlier release during a rolling upgrade), by ``_sql.settle_stranded``.
+
 Both run every ``maintenance_interval`` and wake the claim loop when they made work due.
 Every ``HORIZON_CHECK_INTERVAL`` seconds it also asks whether the queue's tables collect
 dead rows that vacuum cannot remove, and who holds the horizon
@@ -24,10 +27,12 @@ from steeple.postgres.queue._outage import Retry
 from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._wakeups import Wakeups
 
-__all__ = ["HORIZON_CHECK_INTERVAL", "Maintainer"]
+__all__ = ["HORIZON_CHECK_INTERVAL", "STRANDED_BATCH", "Maintainer"]
 
 HORIZON_CHECK_INTERVAL: Final = 30.0
 """Seconds between two looks at the queue's dead rows (statistics views only)."""
+STRANDED_BATCH: Final = 1000
+"""The most waiting tasks one maintenance pass looks at for parents that all ended."""
 
 
 class Maintainer:
@@ -37,6 +42,23 @@ class Maintainer:
         self._env = env
         self._wakeups = wakeups
         self._interval = interval
+        # Where the next look at waiting tasks starts (see _settle_stranded).
+        self._waiting_after = 0
+
+    async def _settle_stranded(self) -> int:
+        """Settle waiting tasks whose parents all ended; return how many it settled.
+
+        A worker of an earlier release (during a rolling upgrade) ends tasks without
+        settling their dependents. Each pass looks at up to ``STRANDED_BATCH`` waiting
+        tasks after the last one it looked at, from the start again once it reached the end.
+        """
+        env = self._env
+        rows = await env.db.fetch(
+            env.sql.settle_stranded, STRANDED_BATCH, self._waiting_after, timeout=env.timeout
+        )
+        last, looked, settled = rows[0] if rows else (None, 0, 0)
+        self._waiting_after = 0 if last is None or looked < STRANDED_BATCH else last
+        return int(settled)
 
     async def maintain_forever(self) -> None:
         """Recover and materialize every interval until the worker closes."""
@@ -56,6 +78,8 @@ class Maintainer:
                 if rows:
                     env.stats.recovered += len(rows)
                     inst.recovered.add(len(rows))
+                    self._wakeups.wake.set()
+                if await self._settle_stranded():
                     self._wakeups.wake.set()
                 # Due-ness is judged by the server's clock (the one claims use), never by
                 # this host's: a host whose clock differs must not skip or delay occurrences.

@@ -55,6 +55,7 @@ _MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
     (12, "0012_workflows"),
     (13, "0013_claim_walks_from_a_position"),
     (14, "0014_per_key_limits"),
+    (15, "0015_workflow_limit_keys"),
 )
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""

@@ -170,6 +170,7 @@ class QueueSql:
     progress: str
     release: str
     recover_expired: str
+    settle_stranded: str
     lost_states: str
     run_state: str
     cancel: str
@@ -380,6 +381,48 @@ WITH expired AS (
     FROM done
 ), {_settled(s, _ENDED_FOR_GOOD, _EXPIRED_FINAL, schema)}
 SELECT id, state FROM done, settled""",
+        # $1 how many waiting tasks to look at, $2 the id to look after (0: from the
+        # start). A worker of an earlier release ends tasks without settling their waiting
+        # dependents; this finds waiting tasks (by the index on them, at most $1) whose
+        # parents all ended, counts their parents again and settles them against those
+        # parents by settle_dependents, as a new graph is settled against ended parents
+        # (migration 0012). Returns the last id looked at (NULL: none), how many were
+        # looked at, and how many were settled. A cancelled one's own dependents are
+        # settled by a later pass.
+        settle_stranded=f"""
+WITH looked AS MATERIALIZED (
+    SELECT id FROM {s}.tasks WHERE state = {_lit(TaskState.WAITING)} AND id > $2 ORDER BY id
+    LIMIT $1
+), stranded AS MATERIALIZED (
+    SELECT t.id FROM {s}.tasks t
+    WHERE t.id = ANY(ARRAY(SELECT id FROM looked)) AND t.state = {_lit(TaskState.WAITING)}
+      AND NOT EXISTS (
+          SELECT 1 FROM {s}.task_dependencies e JOIN {s}.tasks p ON p.id = e.parent_id
+          WHERE e.child_id = t.id AND p.state IN {LIVE})
+    FOR NO KEY UPDATE OF t SKIP LOCKED
+), recounted AS MATERIALIZED (
+    UPDATE {s}.tasks t
+    SET waiting_on = (SELECT count(*) FROM {s}.task_dependencies e WHERE e.child_id = t.id)
+    FROM {DURABLE}, stranded
+    WHERE t.id = stranded.id
+    RETURNING t.id
+), parents AS MATERIALIZED (
+    SELECT DISTINCT e.parent_id AS id, p.state
+    FROM recounted r JOIN {s}.task_dependencies e ON e.child_id = r.id
+    JOIN {s}.tasks p ON p.id = e.parent_id
+), released AS MATERIALIZED (
+    SELECT {s}.settle_dependents(
+        ARRAY(SELECT id FROM parents WHERE state = {_lit(SUCCEEDED)}), {_lit(SUCCEEDED)},
+        {_quoted(notify_channel(schema))}, ARRAY(SELECT id FROM recounted)) AS n
+), settled AS MATERIALIZED (
+    SELECT {s}.settle_dependents(
+        ARRAY(SELECT id FROM parents WHERE state <> {_lit(SUCCEEDED)}), {_lit(_FAILED)},
+        {_quoted(notify_channel(schema))}, ARRAY(SELECT id FROM recounted)) AS n
+    FROM released
+)
+SELECT (SELECT max(id) FROM looked), (SELECT count(*) FROM looked),
+       (SELECT count(*) FROM recounted)
+FROM settled""",
         lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::text[]::bigint[])",
         # $1 id, $2 the most attempts of its history returned (the latest ones)
         run_state=f"""

@@ -141,6 +141,7 @@ def _node(
         "backoff_factor": b_factor,
         "backoff_jitter": b_jitter,
         "queue": chosen.queue,
+        "limit_key": chosen.limit_key,
         "policy": rule.value,
     }
     return checked, chosen, fields, args_text
