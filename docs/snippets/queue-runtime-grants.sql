@@ -13,3 +13,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.jobs TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.settings TO {role};
 -- key_starts: each per-key rate window, appended to and pruned by every claim (version 14).
 GRANT SELECT, INSERT, DELETE ON {schema}.key_starts TO {role};
+-- task_dependencies: every statement that ends a task looks up its waiting tasks, and a
+-- workflow's enqueue inserts its edges (version 12); a workflow's task ids are drawn from
+-- the tasks' identity sequence in the same statement, which needs USAGE on it.
+GRANT SELECT, INSERT ON {schema}.task_dependencies TO {role};
+GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role};

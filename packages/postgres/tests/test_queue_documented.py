@@ -116,6 +116,14 @@ async def test_runtime_role_with_the_documented_grants_runs_the_queue(
             schema=schema,
         )
         many = await pgq.enqueue_many(runtime, task, [{"do": "succeed"}] * 3, schema=schema)
+        # A workflow: enqueued in one statement (ids from the tasks' sequence), released by
+        # the completion of its first task, and a task waiting on another by id.
+        flow = pgq.Workflow()
+        first = flow.add(task, {"do": "succeed"})
+        second = flow.add(task, {"do": "succeed"}, after=[first])
+        enqueued = await pgq.enqueue_workflow(runtime, flow, schema=schema)
+        after = await pgq.enqueue(runtime, task, {"do": "succeed"}, after=[ok], schema=schema)
+        flow_ids = [enqueued.id_of(first), enqueued.id_of(second), after.id]
         # Queue settings: the worker's claims then lock and update them (the limited path).
         assert (await pgq.pause_queue(runtime, "other", schema=schema)).paused
         assert not (await pgq.resume_queue(runtime, "other", schema=schema)).paused
@@ -156,9 +164,9 @@ async def test_runtime_role_with_the_documented_grants_runs_the_queue(
             async def settled() -> bool:
                 states = [
                     (await pgq.run_state(runtime, i, schema=schema)).state.value
-                    for i in (ok.id, failing.id, *many)
+                    for i in (ok.id, failing.id, *many, *flow_ids)
                 ]
-                return states == ["succeeded", "failed", "succeeded", "succeeded", "succeeded"]
+                return states == ["succeeded", "failed", *["succeeded"] * 6]
 
             await wait_until(settled)
             await wait_until(lambda: worker.stats.rejected_completions == 1)
@@ -177,6 +185,9 @@ async def test_runtime_role_with_the_documented_grants_runs_the_queue(
         assert await pgq.jobs.materialize_due(runtime, schema=schema, clock=clock) == 1
         await pgq.jobs.reschedule(runtime, "every-minute", "*/5 * * * *", schema=schema)
         await pgq.jobs.delete(runtime, "every-minute", schema=schema)
-        assert await pgq.prune_terminal(runtime, timedelta(0), schema=schema) == 6
+        graph = await pgq.workflow_state(runtime, enqueued.workflow_id, schema=schema)
+        assert graph.finished
+        assert [p.id for p in await pgq.parent_results(runtime, after.id, schema=schema)] == [ok.id]
+        assert await pgq.prune_terminal(runtime, timedelta(0), schema=schema) == 9
     finally:
         await runtime.close()
