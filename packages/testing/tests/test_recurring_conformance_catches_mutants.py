@@ -18,7 +18,7 @@ from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, Step, states_for
 from steeple.core.policies import MissedRunPolicy
-from steeple.core.policies import plan_tick as real_plan_tick
+from steeple.core.policies import _plan_checked as real_plan_checked
 from steeple.core.ports import Clock, MessageBroker, RecurringStore
 from steeple.core.records import Lease, RelayOutcome, ScheduleInfo
 from steeple.testing import InMemoryRecurringStore
@@ -109,7 +109,7 @@ def test_suite_fails_a_broken_store(store_type: type[InMemoryRecurringStore]) ->
 
 
 def _coalesce_as_catch_up(policy: MissedRunPolicy, *args: Any) -> Any:
-    return real_plan_tick(MissedRunPolicy.CATCH_UP, *args)
+    return real_plan_checked(MissedRunPolicy.CATCH_UP, *args)
 
 
 def _never_cancel_leased(event: OccurrenceEvent) -> dict[Step, frozenset[OccurrenceState]]:
@@ -124,8 +124,9 @@ def _never_cancel_leased(event: OccurrenceEvent) -> dict[Step, frozenset[Occurre
 @pytest.mark.parametrize(
     ("module", "attribute", "replacement"),
     [
-        # Coalescing definitions catch up every missed due time.
-        (policies, "plan_tick", _coalesce_as_catch_up),
+        # Coalescing definitions catch up every missed due time (the rule every tick plans
+        # with, after its arguments were checked: a namespace tick calls it directly).
+        (policies, "_plan_checked", _coalesce_as_catch_up),
         # Leased occurrences are not cancelled.
         (engine, "states_for", _never_cancel_leased),
         # Only published occurrences are ever purged (dead, expired, cancelled pile up).
