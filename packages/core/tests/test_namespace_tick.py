@@ -255,3 +255,43 @@ def test_refusals_name_the_input_to_fix() -> None:
     naive_due = DueDefinition("alpha", MissedRunPolicy.CATCH_UP, every, BASE, datetime(2031, 1, 1))
     with pytest.raises(ValueError, match=r"^next_due must be timezone-aware"):
         plan_namespace_tick([naive_due], BASE, 10)
+
+
+def test_a_due_time_exactly_at_now_is_emitted() -> None:
+    # Due times are whole minutes; a tick observed exactly on one emits it, whether it is
+    # the recorded next due time or one reached while catching up.
+    every = CronCalendar.parse("* * * * *")
+    cursor = datetime(2031, 5, 17, 3, 0, tzinfo=UTC)
+    on_time = DueDefinition(
+        "on-time", MissedRunPolicy.CATCH_UP, every, cursor, cursor + timedelta(minutes=1)
+    )
+    now = cursor + timedelta(minutes=1)
+    assert plan_namespace_tick([on_time], now, 10).emitted == (("on-time", now),)
+    later = cursor + timedelta(minutes=3)
+    assert plan_namespace_tick([on_time], later, 10).emitted == tuple(
+        ("on-time", cursor + timedelta(minutes=n)) for n in (1, 2, 3)
+    )
+
+
+def test_a_definition_without_work_does_not_stop_the_others() -> None:
+    every = CronCalendar.parse("* * * * *")
+    five = CronCalendar.parse("*/5 * * * *")
+    cursor = datetime(2031, 5, 17, 3, 20, tzinfo=UTC)
+    now = cursor + timedelta(minutes=2)
+    finished = DueDefinition("a-finished", MissedRunPolicy.CATCH_UP, every, cursor, None)
+    # Recorded as due before the others, but nothing follows the cursor before now.
+    stale = DueDefinition("b-stale", MissedRunPolicy.CATCH_UP, five, cursor, cursor)
+    due = DueDefinition(
+        "c-due", MissedRunPolicy.COALESCE, every, cursor, cursor + timedelta(minutes=1)
+    )
+    plan = plan_namespace_tick([finished, stale, due], now, 10)
+    assert plan.emitted == (("c-due", cursor + timedelta(minutes=1)),)
+
+
+def test_a_naive_cursor_is_refused_by_its_name() -> None:
+    every = CronCalendar.parse("* * * * *")
+    naive = DueDefinition(
+        "naive", MissedRunPolicy.CATCH_UP, every, datetime(2031, 5, 17), model_next(1, BASE)
+    )
+    with pytest.raises(ValueError, match=r"^cursor must be timezone-aware"):
+        plan_namespace_tick([naive], BASE + timedelta(minutes=3), 10)

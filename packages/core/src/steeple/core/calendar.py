@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
+from functools import partial
 from typing import Any, Final
 
 import attrs
@@ -263,17 +264,18 @@ def _require_aware(instant: object) -> datetime:
     return instant
 
 
-def _check_values(name: str, minimum: int, maximum: int) -> Callable[[Any, Any, Any], None]:
+def _check_values(
+    name: str, minimum: int, maximum: int, _instance: object, _attribute: object, value: object
+) -> None:
     # Direct construction (bypassing parse) must not build a calendar the search can't run.
-    def check(_instance: object, _attribute: object, value: object) -> None:
-        if not isinstance(value, frozenset):
-            raise ConfigurationTypeError(f"{name} must be a non-empty frozenset")
-        if not value:
-            raise ConfigurationError(f"{name} must be a non-empty frozenset")
-        if not all(type(v) is int and minimum <= v <= maximum for v in value):
-            raise ConfigurationError(f"{name} values must be integers in {minimum}-{maximum}")
-
-    return check
+    # Bound with functools.partial, not built as a closure at import: mutation testing
+    # (mutants/core_mutmut.py) can then swap the check per run.
+    if not isinstance(value, frozenset):
+        raise ConfigurationTypeError(f"{name} must be a non-empty frozenset")
+    if not value:
+        raise ConfigurationError(f"{name} must be a non-empty frozenset")
+    if not all(type(v) is int and minimum <= v <= maximum for v in value):
+        raise ConfigurationError(f"{name} values must be integers in {minimum}-{maximum}")
 
 
 def _check_expression(_instance: object, _attribute: object, value: Any) -> None:
@@ -308,11 +310,13 @@ class CronCalendar:
     """
 
     expression: str = attrs.field(eq=False, validator=_check_expression)
-    minutes: frozenset[int] = attrs.field(validator=_check_values("minutes", 0, 59))
-    hours: frozenset[int] = attrs.field(validator=_check_values("hours", 0, 23))
-    days_of_month: frozenset[int] = attrs.field(validator=_check_values("days_of_month", 1, 31))
-    months: frozenset[int] = attrs.field(validator=_check_values("months", 1, 12))
-    weekdays: frozenset[int] = attrs.field(validator=_check_values("weekdays", 1, 7))
+    minutes: frozenset[int] = attrs.field(validator=partial(_check_values, "minutes", 0, 59))
+    hours: frozenset[int] = attrs.field(validator=partial(_check_values, "hours", 0, 23))
+    days_of_month: frozenset[int] = attrs.field(
+        validator=partial(_check_values, "days_of_month", 1, 31)
+    )
+    months: frozenset[int] = attrs.field(validator=partial(_check_values, "months", 1, 12))
+    weekdays: frozenset[int] = attrs.field(validator=partial(_check_values, "weekdays", 1, 7))
     # Sorted tuples for the search, derived from the sets above.
     _minute_list: tuple[int, ...] = attrs.field(init=False, eq=False)
     _hour_list: tuple[int, ...] = attrs.field(init=False, eq=False)
