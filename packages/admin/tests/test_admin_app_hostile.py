@@ -196,6 +196,10 @@ def task_path_case(value: object) -> Case:
     return Case("GET", f"/api/{NAMESPACE}/tasks/{escape(as_text(value))}")
 
 
+def workflow_path_case(value: object) -> Case:
+    return Case("GET", f"/ui/{NAMESPACE}/workflows/{escape(as_text(value))}")
+
+
 def body_case(route: str, field: str, value: object) -> Case:
     text = "{" + json.dumps(field) + ": " + as_json(value) + "}"
     return Case("POST", f"/api/{NAMESPACE}/{route}", text.encode("utf-8", "surrogatepass"))
@@ -210,6 +214,7 @@ def every_curated_case() -> list[Case]:
     for value in HOSTILE:
         cases.extend(namespace_case(r, value) for r in (*GET_ROUTES, "ui"))
         cases.append(task_path_case(value))
+        cases.append(workflow_path_case(value))
         cases.extend(query_case(r, n, value) for r, n, _ in QUERY_SLOTS)
         cases.extend(body_case(r, f, value) for r, f, _ in BODY_SLOTS)
         cases.extend(body_case(r, "unknown", value) for r in POST_ROUTES)

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -193,3 +196,57 @@ async def check_total_queue(conn: asyncpg.Connection, schema: str) -> dict[str, 
         "tasks": total,
         "executions": int(await conn.fetchval(f"SELECT count(*) FROM {s}.executions")),
     }
+
+
+@contextlib.asynccontextmanager
+async def worker_processes(
+    script: Path, count: int, dsn: str, schema: str, queues: str
+) -> AsyncIterator[list[asyncio.subprocess.Process]]:
+    """Run ``count`` copies of the worker ``script`` (args: DSN, schema, worker id, queues).
+
+    Each must print ``ready`` once it claims; all get SIGTERM at the end (SIGKILL after 30 s).
+    """
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(script),
+            dsn,
+            schema,
+            f"w{i}",
+            queues,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        for i in range(count)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            assert line.strip() == b"ready", line
+        yield procs
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def all_succeeded(conn: asyncpg.Connection, schema: str, total: int) -> bool:
+    """Whether ``total`` tasks of the schema have succeeded."""
+    done = await conn.fetchval(f"SELECT count(*) FROM \"{schema}\".tasks WHERE state = 'succeeded'")
+    return bool(done == total)
+
+
+def most_at_once(intervals: list[tuple[datetime, datetime]]) -> int:
+    """The largest number of intervals open at one instant (an end before a start on ties)."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most

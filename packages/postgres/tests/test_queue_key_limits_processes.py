@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import sys
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
@@ -21,7 +19,13 @@ from typing import Any
 import asyncpg
 import pytest
 
-from queue_support import QueueFixture, wait_until
+from queue_support import (
+    QueueFixture,
+    all_succeeded,
+    most_at_once,
+    wait_until,
+    worker_processes,
+)
 from steeple.postgres.queue import EnqueueOptions, Task, enqueue_many, limit_queue, limit_task
 
 pytestmark = pytest.mark.slow
@@ -84,49 +88,8 @@ async def workers(
 ) -> AsyncIterator[list[asyncio.subprocess.Process]]:
     script = tmp_path / "keyed_worker.py"
     script.write_text(WORKER_SCRIPT)
-    procs = [
-        await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(script),
-            dsn,
-            schema,
-            f"w{i}",
-            queues,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        for i in range(WORKERS)
-    ]
-    try:
-        for proc in procs:
-            assert proc.stdout is not None
-            line = await asyncio.wait_for(proc.stdout.readline(), 60)
-            assert line.strip() == b"ready", line
+    async with worker_processes(script, WORKERS, dsn, schema, queues) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-
-
-async def _all_done(conn: asyncpg.Connection, schema: str, total: int) -> bool:
-    done = await conn.fetchval(f"SELECT count(*) FROM \"{schema}\".tasks WHERE state = 'succeeded'")
-    return bool(done == total)
-
-
-def _most_at_once(intervals: list[tuple[datetime, datetime]]) -> int:
-    """The largest number of intervals open at one instant (an end before a start on ties)."""
-    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    most = now = 0
-    for _, step in events:
-        now += step
-        most = max(most, now)
-    return most
 
 
 async def _enqueue_keyed(
@@ -155,7 +118,7 @@ async def test_four_worker_processes_hold_every_key_to_its_limit_and_skip_a_full
                 await _enqueue_keyed(conn, schema, "b", "imports", key, 3, 0.03)
                 await _enqueue_keyed(conn, schema, "b", "other", key, 3, 0.03)
         total = 24 + 16 * 3 + 4 * 6
-        await wait_until(lambda: _all_done(conn, schema, total), timeout=120, interval=0.1)
+        await wait_until(lambda: all_succeeded(conn, schema, total), timeout=120, interval=0.1)
     rows = await conn.fetch(f'SELECT * FROM "{schema}".observed')
     assert len(rows) == total  # each task ran once
     per_key: dict[str, list[tuple[datetime, datetime]]] = defaultdict(list)
@@ -168,11 +131,11 @@ async def test_four_worker_processes_hold_every_key_to_its_limit_and_skip_a_full
         if r["task_name"] == "b":
             b_per_key[r["limit_key"]].append((r["started"], r["ended"]))
     # Recorded by the handlers: never more of a key at once than its limits...
-    assert max(_most_at_once(spans) for spans in per_key.values()) == 1
-    assert max(_most_at_once(spans) for spans in b_per_key.values()) == 2
+    assert max(most_at_once(spans) for spans in per_key.values()) == 1
+    assert max(most_at_once(spans) for spans in b_per_key.values()) == 2
     # ...while the queue as a whole ran many keys at once.
     everything = [span for spans in per_key.values() for span in spans]
-    assert _most_at_once(everything) > 4
+    assert most_at_once(everything) > 4
     # No head-of-line blocking: the other keys ran while the saturated key's backlog
     # (ahead of them in claim order) still waited, most of them before its last start.
     last_big = max(start for start, _end in per_key["big"])
@@ -191,7 +154,7 @@ async def test_four_worker_processes_share_a_per_key_rate_and_keys_do_not_wait_f
         async with conn.transaction():  # all at once, once every process is claiming
             for key in tenants:
                 await _enqueue_keyed(conn, schema, "a", "mail", key, 9, 0)
-        await wait_until(lambda: _all_done(conn, schema, 54), timeout=120, interval=0.1)
+        await wait_until(lambda: all_succeeded(conn, schema, 54), timeout=120, interval=0.1)
     starts: dict[str, list[Any]] = defaultdict(list)
     for r in await conn.fetch(
         f'SELECT limit_key, started_at FROM "{schema}".tasks ORDER BY started_at'

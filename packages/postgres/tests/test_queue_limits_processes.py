@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import sys
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 
-from queue_support import QueueFixture, wait_until
+from queue_support import (
+    QueueFixture,
+    all_succeeded,
+    most_at_once,
+    wait_until,
+    worker_processes,
+)
 from steeple.postgres.queue import Task, enqueue_many, limit_queue, limit_task
 
 pytestmark = pytest.mark.slow
@@ -82,49 +85,8 @@ async def workers(
 ) -> AsyncIterator[list[asyncio.subprocess.Process]]:
     script = tmp_path / "limited_worker.py"
     script.write_text(WORKER_SCRIPT)
-    procs = [
-        await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(script),
-            dsn,
-            schema,
-            f"w{i}",
-            queues,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        for i in range(WORKERS)
-    ]
-    try:
-        for proc in procs:
-            assert proc.stdout is not None
-            line = await asyncio.wait_for(proc.stdout.readline(), 60)
-            assert line.strip() == b"ready", line
+    async with worker_processes(script, WORKERS, dsn, schema, queues) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-
-
-async def _all_done(conn: asyncpg.Connection, schema: str, total: int) -> bool:
-    done = await conn.fetchval(f"SELECT count(*) FROM \"{schema}\".tasks WHERE state = 'succeeded'")
-    return bool(done == total)
-
-
-def _most_at_once(intervals: list[tuple[datetime, datetime]]) -> int:
-    """The largest number of intervals open at one instant (an end before a start on ties)."""
-    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    most = now = 0
-    for _, step in events:
-        now += step
-        most = max(most, now)
-    return most
 
 
 async def test_four_worker_processes_never_exceed_the_global_limits(
@@ -143,7 +105,7 @@ async def test_four_worker_processes_never_exceed_the_global_limits(
             await enqueue_many(conn, Task("b"), [work] * 20, schema=schema, queue="limited")
             await enqueue_many(conn, Task("b"), [work] * 20, schema=schema, queue="other")
             await enqueue_many(conn, Task("a"), [work] * 40, schema=schema, queue="other")
-        await wait_until(lambda: _all_done(conn, schema, total), timeout=120, interval=0.1)
+        await wait_until(lambda: all_succeeded(conn, schema, total), timeout=120, interval=0.1)
     rows = await conn.fetch(f'SELECT * FROM "{schema}".observed')
     assert len(rows) == total  # each task ran once
     limited = [(r["started"], r["ended"]) for r in rows if r["queue"] == "limited"]
@@ -153,12 +115,12 @@ async def test_four_worker_processes_never_exceed_the_global_limits(
     assert max(r["queue_running"] for r in rows if r["queue"] == "limited") <= 3
     assert max(r["name_running"] for r in rows if r["task_name"] == "b") <= 2
     # Recorded by the handlers: never more at once than the limits...
-    assert _most_at_once(limited) <= 3
-    assert _most_at_once(named_b) <= 2
+    assert most_at_once(limited) <= 3
+    assert most_at_once(named_b) <= 2
     # ...which were reached, while the unlimited queue ran wider (the limits did bite).
-    assert _most_at_once(limited) == 3
-    assert _most_at_once(named_b) == 2
-    assert _most_at_once(other) > 3
+    assert most_at_once(limited) == 3
+    assert most_at_once(named_b) == 2
+    assert most_at_once(other) > 3
 
 
 async def test_four_worker_processes_share_a_rate_limit(
@@ -174,7 +136,7 @@ async def test_four_worker_processes_share_a_rate_limit(
             await enqueue_many(conn, Task("b"), [{}] * 9, schema=schema, queue="free")
             # Unlimited work that no single process can take alone (8 at once each).
             await enqueue_many(conn, Task("a"), [{"work": 0.2}] * 20, schema=schema, queue="free")
-        await wait_until(lambda: _all_done(conn, schema, 49), timeout=120, interval=0.1)
+        await wait_until(lambda: all_succeeded(conn, schema, 49), timeout=120, interval=0.1)
     # The claim's own start instants (tasks.started_at): in any window of one period, at
     # most `count` starts, whichever worker made them.
     for queue_name, limit, name in (("rated", count, "a"), ("free", 3, "b")):
