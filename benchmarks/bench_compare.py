@@ -237,10 +237,17 @@ async def _measure(
         await conn.close()
 
 
+# Not passed to a measurement: another tree's modules (PYTHONPATH, VIRTUAL_ENV), and
+# PYTHONDONTWRITEBYTECODE: without cached bytecode every measurement compiles the modules
+# the first enqueue imports lazily (OpenTelemetry's API: 0.12 s of CPU, as much as the
+# enqueue of 10,000 tasks itself), inside the enqueue's timed window.
+_UNINHERITED = frozenset({"PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE"})
+
+
 def _run_one(python: str, dsn: str, schema: str, n: int, server_cpu: bool) -> dict[str, float]:
     """One measurement in a fresh process of ``python``, run from an empty directory."""
     with tempfile.TemporaryDirectory(prefix="steeple-bench-compare-") as cwd:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env = {k: v for k, v in os.environ.items() if k not in _UNINHERITED}
         done = subprocess.run(
             [python, os.path.abspath(__file__), "--measure", "--dsn", dsn,
              "--schema", schema, "--n", str(n), *(["--server-cpu"] if server_cpu else [])],
