@@ -53,8 +53,12 @@ WORKER: dict[str, Any] = {
 # other jobs on the machine than the wall-clock rate, but blind to the server's share.
 # server_cpu: tasks per CPU second of the whole PostgreSQL cluster while the worker drains
 # (only on a private cluster, where nothing else runs: see _server_cpu_seconds).
+# enqueue_cpu: tasks per CPU second of the enqueue, this process and its connection's
+# server backend together (only when PostgreSQL runs on this machine: see _backend_cpu);
+# the wall-clock enqueue rate of a 1-2 s window swings by 2x with other jobs' load.
 METRICS = {
     "enqueue": "tasks/s",
+    "enqueue_cpu": "tasks/CPU s",
     "process": "tasks/s",
     "process_cpu": "tasks/CPU s",
     "server_cpu": "tasks/server CPU s",
@@ -147,6 +151,15 @@ def _server_cpu_seconds(postmaster: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def _backend_cpu(pid: int) -> float | None:
+    """CPU seconds the server backend ``pid`` has used; None when it is not on this machine."""
+    try:
+        fields = _proc_stat(pid)
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def _measure(
     dsn: str, schema: str, n: int, profile: str | None, server_cpu: bool
 ) -> dict[str, float]:
@@ -168,10 +181,15 @@ async def _measure(
                 raise RuntimeError("server CPU needs a PostgreSQL on this machine") from None
         noop: Any = Task("noop")
         payloads = [{"i": i} for i in range(n)]
+        backend = await conn.fetchval("SELECT pg_backend_pid()")
+        backend0 = _backend_cpu(backend)
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         for start in range(0, n, CHUNK):
             await enqueue_many(conn, noop, payloads[start : start + CHUNK], schema=schema)
         enqueue = n / (time.perf_counter() - t0)
+        enqueue_cpu = time.process_time() - cpu0
+        backend1 = _backend_cpu(backend)
 
         done = asyncio.Event()
         count = 0
@@ -209,6 +227,8 @@ async def _measure(
         if left:
             raise RuntimeError(f"{left} tasks did not succeed")
         rates = {"enqueue": enqueue, "process": process, "process_cpu": process_cpu}
+        if backend0 is not None and backend1 is not None:
+            rates["enqueue_cpu"] = n / max(enqueue_cpu + backend1 - backend0, 1e-9)
         if postmaster:
             rates["server_cpu"] = n / max(server, 1e-9)
         return rates
@@ -217,10 +237,17 @@ async def _measure(
         await conn.close()
 
 
+# Not passed to a measurement: another tree's modules (PYTHONPATH, VIRTUAL_ENV), and
+# PYTHONDONTWRITEBYTECODE: without cached bytecode every measurement compiles the modules
+# the first enqueue imports lazily (OpenTelemetry's API: 0.12 s of CPU, as much as the
+# enqueue of 10,000 tasks itself), inside the enqueue's timed window.
+_UNINHERITED = frozenset({"PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE"})
+
+
 def _run_one(python: str, dsn: str, schema: str, n: int, server_cpu: bool) -> dict[str, float]:
     """One measurement in a fresh process of ``python``, run from an empty directory."""
     with tempfile.TemporaryDirectory(prefix="steeple-bench-compare-") as cwd:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env = {k: v for k, v in os.environ.items() if k not in _UNINHERITED}
         done = subprocess.run(
             [python, os.path.abspath(__file__), "--measure", "--dsn", dsn,
              "--schema", schema, "--n", str(n), *(["--server-cpu"] if server_cpu else [])],

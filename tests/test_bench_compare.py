@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -132,3 +133,38 @@ def test_server_cpu_counts_the_parent_its_children_and_those_it_reaped() -> None
     after = bench._server_cpu_seconds(os.getpid())
     assert after - before >= 0.25
     assert int(bench._proc_stat(os.getpid())[1]) == os.getppid()
+
+
+def test_enqueue_cpu_reads_a_backend_on_this_machine_and_none_elsewhere() -> None:
+    # This process stands in for the backend: the CPU it burns shows in the reading.
+    before = bench._backend_cpu(os.getpid())
+    assert before is not None
+    start = time.process_time()
+    while time.process_time() - start < 0.3:  # CPU time, not a wait
+        pass
+    after = bench._backend_cpu(os.getpid())
+    assert after is not None
+    assert after - before >= 0.25
+    reaped = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped.wait()
+    assert bench._backend_cpu(reaped.pid) is None  # no such process: as on another machine
+
+
+def test_measurements_cache_bytecode_and_see_no_other_tree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: dict[str, str] = {}
+
+    def fake_run(
+        cmd: list[str], *, env: dict[str, str], **kwargs: object
+    ) -> subprocess.CompletedProcess[str]:
+        seen.update(env)
+        return subprocess.CompletedProcess(cmd, 0, '{"enqueue": 1.0}\n', "")
+
+    for name in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH", "VIRTUAL_ENV"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("STEEPLE_TEST_DSN", "kept")
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    assert bench._run_one("py", "dsn", "schema", 1, False) == {"enqueue": 1.0}
+    assert seen["STEEPLE_TEST_DSN"] == "kept"
+    assert not {"PYTHONDONTWRITEBYTECODE", "PYTHONPATH", "VIRTUAL_ENV"} & seen.keys()
