@@ -22,9 +22,13 @@ it may have work again. The loop sleeps only when every queue it asked answered 
 The claim function applies what is stored for all workers (paused queues, global
 concurrency and rate limits) and says when a limit held work back: the loop then also
 retries as soon as this worker writes an outcome (that freed a global slot); slots freed by
-other workers are seen at the next poll or wake-up. Every claim carries a give-up time on
-the server's clock (estimated from this host's monotonic clock, re-anchored by every
-answer): a claim the server runs later than that takes nothing.
+other workers are seen at the next poll or wake-up. While it waits for that, the successes
+its handlers report go with its next claim (``complete_and_claim``: written first, in the
+claim's transaction, so the claim counts the slots they freed): a round is one call.
+
+Every claim carries a give-up time on the server's clock (estimated from this host's
+monotonic clock, re-anchored by every answer): a claim the server runs later than that
+takes nothing.
 
 A claimed task whose handler is a plain ``def`` waits for one of the worker's threads at
 most a quarter of its lease (before its first renewal would be due); if none frees up by

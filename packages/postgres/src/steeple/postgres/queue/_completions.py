@@ -1,7 +1,8 @@
 """Completions: writing each attempt's outcome, fenced by its lease token.
 
 Successes are buffered and written by one flusher in batches (one statement for up to
-``_FLUSH_BATCH``); a batch whose reply was lost is retried, and a task found already
+``_FLUSH_BATCH``), or, while the claim loop waits for a held limit's slots, by its next
+claim (``carry``); a batch whose reply was lost is retried, and a task found already
 completed by that lost write is confirmed, not reported as fenced. A batch the database
 refuses for the values it carries (a result it cannot store) is split in halves until the
 refused outcomes are alone: the others are written, and each refused one fails its own task
