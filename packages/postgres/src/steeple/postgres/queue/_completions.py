@@ -67,11 +67,16 @@ class Completions:
             self._flush_wake.set()
 
     def carry(self, on: bool) -> None:
-        """Let the claim loop carry the buffered successes (``on``), or give them back."""
-        self.carrier = on
-        if on:
-            self.buffered.clear()
-        elif self._buffer:
+        """Let the claim loop carry the buffered successes (``on``), or give them back.
+
+        Not while one of them is unsure: the flusher confirms those.
+        """
+        self.carrier = on and not any(c.unsure for c in self._buffer)
+        if self.carrier and self._buffer:
+            self.buffered.set()  # what the flusher has not taken yet goes with the claim
+            return
+        self.buffered.clear()
+        if not self.carrier and self._buffer:
             self._flush_wake.set()
 
     def take_carried(self) -> list[Claimed]:
