@@ -13,10 +13,12 @@ import uuid
 from typing import Any
 
 import asyncpg
+import pytest
 
 from queue_support import QueueFixture, wait_until
 from steeple.postgres._arrays import array_literal, text_array
-from steeple.postgres.queue import Scheduler, Task, enqueue, enqueue_many, limit_queue
+from steeple.postgres.queue import Scheduler, Task, _claiming, enqueue, enqueue_many, limit_queue
+from steeple.postgres.queue._completions import Completions
 from steeple.postgres.queue._sql import queue_sql
 
 NAMES = ["parent", "child", "job"]
@@ -159,3 +161,57 @@ async def _watch_running(dsn: str, schema: str, seen: list[int]) -> None:
             )
     finally:
         await conn.close()
+
+
+async def test_a_stale_success_a_worker_carries_with_its_claim_is_refused(
+    queue: QueueFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dsn, schema, conn = queue
+    await limit_queue(conn, "default", max_running=1, schema=schema)
+    first, _ = await enqueue_many(conn, Task("job"), [{}, {}], schema=schema)
+    carried: list[int] = []
+    write = _claiming._complete_and_claim
+
+    async def counted(env: Any, batch: list[Any], *claim: object) -> Any:
+        carried.extend(c.ctx.task_id for c in batch)
+        return await write(env, batch, *claim)
+
+    monkeypatch.setattr(_claiming, "_complete_and_claim", counted)
+    outcomes: list[Completions] = []
+    carry = Completions.carry
+
+    def seen(self: Completions, on: bool) -> None:
+        outcomes.append(self)
+        carry(self, on)
+
+    monkeypatch.setattr(Completions, "carry", seen)
+    started = asyncio.Event()
+    go = asyncio.Event()
+
+    async def handler(ctx: Any, args: Any) -> None:
+        started.set()
+        await go.wait()
+
+    # A long poll: the worker waits for its own outcome, which its next claim carries.
+    worker = Scheduler(dsn, schema=schema, worker_id="carrier", concurrency=4, poll_interval=60)
+    worker.register(Task("job"), handler)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run_until_shutdown(stop))
+    try:
+        await wait_until(started.is_set)
+        # The claim loop waits for a slot, carrying what succeeds with its next claim.
+        await wait_until(lambda: worker.stats.idle_waits >= 1 and outcomes[-1].carrier)
+        # Another holder took the task over: this worker's success is stale.
+        await conn.execute(
+            f'UPDATE "{schema}".tasks SET lease_token = gen_random_uuid() WHERE id = $1', first
+        )
+        go.set()
+        await wait_until(lambda: worker.stats.rejected_completions == 1)
+    finally:
+        stop.set()
+        await run
+    assert carried == [first]
+    assert await _state(conn, schema, first) == "running"
+    history = f'SELECT count(*) FROM "{schema}".attempts WHERE task_id = $1'
+    assert await conn.fetchval(history, first) == 0
+    assert worker.stats.succeeded == 0
