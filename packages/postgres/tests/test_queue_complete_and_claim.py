@@ -46,7 +46,8 @@ async def _combined(
     )
     claimed = [r[1] for r in rows if r[1] is not None]
     held = any(r[1] is None and r[17] for r in rows)
-    return claimed, list(rows[-1][19]), held
+    [succeeded] = [r[19] for r in rows if r[19] is not None]
+    return claimed, list(succeeded), held
 
 
 async def _claim(conn: asyncpg.Connection, schema: str, name: str, n: int) -> list[Any]:

@@ -349,8 +349,9 @@ class Claimer:
                 status.database.succeeded()
                 crash_point("queue.claim.committed")
                 if carried:
-                    # The last row's last column: the ids that succeeded.
-                    await completions.carried(carried, set(answer[-1][19]))
+                    # One row's last column: the ids that succeeded.
+                    done = next(row[19] for row in answer if row[19] is not None)
+                    await completions.carried(carried, set(done))
                 stats.claim_rounds += 1
                 server_now = float(answer[0][0])
                 server_clock.observe(server_now, time.monotonic())

@@ -270,7 +270,7 @@ SELECT c.id FROM {s}.complete_tasks($1::text::bigint[], $2::text::uuid[], $3::te
         # The successes of complete ($1 .. $4 as its $1, $2, $4, $5; the worker id is the
         # claim's $8), then claim_timed's claim ($5 .. $12 as its $1 .. $8), in one
         # transaction: claim_timed's columns, then one more, completed (the ids that
-        # succeeded), set only in the last row (its id NULL, held false).
+        # succeeded), set in one row only (its id NULL, held false).
         complete_and_claim=f"""
 WITH claimed AS (
     SELECT * FROM {s}.complete_and_claim(
