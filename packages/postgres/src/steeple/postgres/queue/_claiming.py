@@ -22,9 +22,13 @@ it may have work again. The loop sleeps only when every queue it asked answered 
 The claim function applies what is stored for all workers (paused queues, global
 concurrency and rate limits) and says when a limit held work back: the loop then also
 retries as soon as this worker writes an outcome (that freed a global slot); slots freed by
-other workers are seen at the next poll or wake-up. Every claim carries a give-up time on
-the server's clock (estimated from this host's monotonic clock, re-anchored by every
-answer): a claim the server runs later than that takes nothing.
+other workers are seen at the next poll or wake-up. While it waits for that, the successes
+its handlers report go with its next claim (``complete_and_claim``: written first, in the
+claim's transaction, so the claim counts the slots they freed): a round is one call.
+
+Every claim carries a give-up time on the server's clock (estimated from this host's
+monotonic clock, re-anchored by every answer): a claim the server runs later than that
+takes nothing.
 
 A claimed task whose handler is a plain ``def`` waits for one of the worker's threads at
 most a quarter of its lease (before its first renewal would be due); if none frees up by
@@ -48,10 +52,10 @@ from steeple.core.claims import ClaimPosition, ClaimWalk
 from steeple.postgres._arrays import text_array
 from steeple.postgres.queue import _metrics, _tracing
 from steeple.postgres.queue._aio import wait_any, wait_either
-from steeple.postgres.queue._completions import Completions
+from steeple.postgres.queue._completions import Completions, success_columns
 from steeple.postgres.queue._crashpoints import crash_point
 from steeple.postgres.queue._db import DB_ERRORS
-from steeple.postgres.queue._driver import describe_db_error
+from steeple.postgres.queue._driver import describe_db_error, is_data_error
 from steeple.postgres.queue._execution import Executor, JobContext
 from steeple.postgres.queue._inflight import Claimed
 from steeple.postgres.queue._outage import Retry
@@ -163,6 +167,15 @@ def _positions(
     )
 
 
+async def _complete_and_claim(
+    env: WorkerEnv, carried: list[Claimed], *claim: object
+) -> list[tuple[Any, ...]]:
+    """Write ``carried``'s successes, then claim (``claim``: claim_timed's arguments)."""
+    return await env.db.fetch(
+        env.sql.complete_and_claim, *success_columns(carried), *claim, timeout=env.timeout
+    )
+
+
 class Claimer:
     """The claim loop of one worker."""
 
@@ -256,19 +269,24 @@ class Claimer:
         held_before = False
         names_before: list[str] | None = None
         retry = Retry(env.random)
+        completions = self._completions
         try:
             while not stop.is_set():
                 free, names = self._capacity()
                 # Claim in worthwhile batches: while a quarter of a batch is not yet free
                 # and handlers are running, wait for more slots instead of claiming crumbs.
                 if free <= 0 or (inflight.running and free < self._min_claim):
+                    completions.carry(False)
                     inflight.slot_freed.clear()
                     await wait_either(inflight.slot_freed, stop_waiter, None)
                     continue
                 if (
                     wake.is_set()
                     or names is not names_before
-                    or (held_before and inflight.outcome_written.is_set())
+                    or (
+                        held_before
+                        and (inflight.outcome_written.is_set() or completions.buffered.is_set())
+                    )
                 ):
                     # Work may have come (a NOTIFY, a timer), a limit may have freed a
                     # slot, or other names are asked for: every queue may have work again.
@@ -281,6 +299,7 @@ class Claimer:
                 queues, wants = self._wants(free, turn)
                 turn += 1
                 if not wants:  # every queue is at its own limit in this worker
+                    completions.carry(False)
                     inflight.slot_freed.clear()
                     await wait_either(inflight.slot_freed, stop_waiter, None)
                     continue
@@ -293,19 +312,27 @@ class Claimer:
                 # worker stops waiting (see steeple.core.remote_clock). A claim the server
                 # runs later than that takes nothing, instead of leasing tasks to nobody.
                 give_up = server_clock.at_least(sent + env.timeout)
+                # Under a held limit the buffered successes free the slots this claim may
+                # take: written in its transaction, before it (one call, not two).
+                carried = completions.take_carried() if completions.carrier else []
+                completions.carry(False)
                 try:
                     crash_point("queue.claim.before")
-                    answer = await pool.fetch(
-                        env.sql.claim_timed,
-                        queues,
-                        text_array(wants),
-                        names,
-                        env.worker_id,
-                        give_up,
-                        *_positions(starts),
-                        timeout=env.timeout,
+                    claim = (queues, text_array(wants), names, env.worker_id, give_up)
+                    answer = await (
+                        _complete_and_claim(env, carried, *claim, *_positions(starts))
+                        if carried
+                        else pool.fetch(
+                            env.sql.claim_timed, *claim, *_positions(starts), timeout=env.timeout
+                        )
                     )
                 except DB_ERRORS as exc:
+                    if carried:
+                        completions.carry_failed(carried, exc)
+                        if is_data_error(exc):
+                            # A success the database refuses to store, not the claim: the
+                            # flusher finds it; the claim is sent again at once, alone.
+                            continue
                     status.claims_ok = False
                     status.failed("claims", exc)
                     status.claimed_once = True
@@ -321,10 +348,14 @@ class Claimer:
                 retry.succeeded()
                 status.database.succeeded()
                 crash_point("queue.claim.committed")
+                if carried:
+                    # One row's last column: the ids that succeeded.
+                    done = next(row[19] for row in answer if row[19] is not None)
+                    await completions.carried(carried, set(done))
                 stats.claim_rounds += 1
                 server_now = float(answer[0][0])
                 server_clock.observe(server_now, time.monotonic())
-                rows = [row[1:] for row in answer if row[1] is not None]
+                rows = [row[1:19] for row in answer if row[1] is not None]
                 # A row of id NULL and held true: a global limit held work back; its run_at
                 # (when set) is when a rate window frees a start.
                 held = next((row for row in answer if row[1] is None and row[17]), None)
@@ -386,15 +417,22 @@ class Claimer:
                 events = [wake]
                 if held is not None:
                     # A global limit frees up when an outcome of this worker is written
-                    # (perhaps while the claim ran: the event was cleared before it).
+                    # (perhaps while the claim ran: the event was cleared before it), or
+                    # when a success is buffered: the next claim writes it first.
                     events.append(inflight.outcome_written)
+                    completions.carry(True)
+                    events.append(completions.buffered)
                 if len(drained) < len(self._queues):
                     # A queue at its own limit in this worker filled its share: it may have
                     # more, to claim as soon as one of its handlers ends.
                     inflight.slot_freed.clear()
                     events.append(inflight.slot_freed)
                 await wait_any(tuple(events), stop_waiter, env.poll)
+                if completions.buffered.is_set():
+                    # Let the other handlers that are ready finish: their successes go too.
+                    await asyncio.sleep(0)
         finally:
+            completions.carry(False)
             stop_waiter.cancel()
 
     def _walks_after(

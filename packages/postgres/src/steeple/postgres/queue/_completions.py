@@ -1,7 +1,8 @@
 """Completions: writing each attempt's outcome, fenced by its lease token.
 
 Successes are buffered and written by one flusher in batches (one statement for up to
-``_FLUSH_BATCH``); a batch whose reply was lost is retried, and a task found already
+``_FLUSH_BATCH``), or, while the claim loop waits for a held limit's slots, by its next
+claim (``carry``); a batch whose reply was lost is retried, and a task found already
 completed by that lost write is confirmed, not reported as fenced. A batch the database
 refuses for the values it carries (a result it cannot store) is split in halves until the
 refused outcomes are alone: the others are written, and each refused one fails its own task
@@ -33,7 +34,7 @@ from steeple.postgres.queue._shared import LOG, WorkerEnv
 from steeple.postgres.queue._wakeups import Wakeups
 from steeple.postgres.queue.errors import ResultEncodingError
 
-__all__ = ["Completions"]
+__all__ = ["Completions", "success_columns"]
 
 _FLUSH_BATCH: Final = 1000
 
@@ -50,11 +51,59 @@ class Completions:
         self._buffer: list[Claimed] = []
         self._to_release: list[Claimed] = []
         self._flush_wake = asyncio.Event()
+        self.carrier = False
+        """Set while the claim loop will carry the buffered successes with its next claim
+        (it waits for a limit's slots, which they free): the flusher leaves them to it."""
+        self.buffered = asyncio.Event()
+        """Set when a success is buffered while :attr:`carrier` is set."""
 
     def succeeded(self, claimed: Claimed, result: str | None = None) -> None:
         """Buffer the success of ``claimed`` (and its result's JSON text) for the flusher."""
         claimed.result = result
         self._buffer.append(claimed)
+        if self.carrier:
+            self.buffered.set()
+        else:
+            self._flush_wake.set()
+
+    def carry(self, on: bool) -> None:
+        """Let the claim loop carry the buffered successes (``on``), or give them back.
+
+        Not while one of them is unsure: the flusher confirms those.
+        """
+        self.carrier = on and not any(c.unsure for c in self._buffer)
+        if self.carrier and self._buffer:
+            self.buffered.set()  # what the flusher has not taken yet goes with the claim
+            return
+        self.buffered.clear()
+        if not self.carrier and self._buffer:
+            self._flush_wake.set()
+
+    def take_carried(self) -> list[Claimed]:
+        """Take a batch of buffered successes for the claim loop to write with its claim.
+
+        None while one of them is unsure (its earlier write may have committed): the
+        flusher, which confirms those, writes them.
+        """
+        buffer = self._buffer
+        if any(c.unsure for c in buffer):
+            return []
+        batch = buffer[:_FLUSH_BATCH]
+        del buffer[:_FLUSH_BATCH]
+        return batch
+
+    async def carried(self, batch: list[Claimed], done: set[int]) -> None:
+        """Account for ``batch``, written with a claim: ``done`` the ids that succeeded."""
+        self._env.status.succeeded("completions")
+        await self._account(batch, done, [])
+
+    def carry_failed(self, batch: list[Claimed], exc: BaseException) -> None:
+        """Give ``batch`` back to the flusher: the claim that carried it failed with ``exc``."""
+        if not is_data_error(exc):
+            # The reply was lost: the write may have committed (the retry confirms it).
+            for claimed in batch:
+                claimed.unsure = True
+        self._buffer[:0] = batch
         self._flush_wake.set()
 
     def hand_back(self, claimed: Claimed) -> None:
@@ -207,14 +256,12 @@ class Completions:
     async def flush_forever(self) -> None:
         """Write buffered successes in batches until the worker closes and the buffer is empty."""
         env = self._env
-        stats = env.stats
-        inst = _metrics.instruments()
         buffer = self._buffer
         retry = Retry(env.random)
         while True:
             await self._flush_wake.wait()
             self._flush_wake.clear()
-            while buffer:
+            while buffer and not self.carrier:
                 batch = buffer[:_FLUSH_BATCH]
                 del buffer[:_FLUSH_BATCH]
                 refused: list[tuple[Claimed, BaseException]] = []
@@ -245,29 +292,37 @@ class Completions:
                 env.status.database.succeeded()
                 env.status.succeeded("completions")
                 env.inflight.outcome_written.set()
-                bad = {c.ctx.task_id for c, _ in refused}
-                missed = [c for c in batch if c.ctx.task_id not in done]
-                confirmed = await self._confirm_completed(
-                    [c for c in missed if c.unsure and c.ctx.task_id not in bad]
-                )
-                # Counted per task name and queue: a batch mixes everything that finished.
-                per_name: collections.Counter[tuple[str, str]] = collections.Counter()
-                for claimed in batch:
-                    if claimed.ctx.task_id in done:
-                        stats.succeeded += 1
-                        per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
-                    elif claimed.ctx.task_id in confirmed:
-                        stats.succeeded += 1
-                        stats.confirmed_completions += 1
-                        per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
-                    elif claimed.ctx.task_id not in bad:
-                        self.fenced(claimed)
-                for (name, queue), count in per_name.items():
-                    inst.succeeded.add(count, _metrics.task_attributes(name, queue))
-                for claimed, why in refused:
-                    await self._refused(claimed, why)
+                await self._account(batch, done, refused)
             if env.closing.is_set() and not buffer:
                 return
+
+    async def _account(
+        self, batch: list[Claimed], done: set[int], refused: list[tuple[Claimed, BaseException]]
+    ) -> None:
+        """Count ``batch``'s written successes (``done``), confirm or fence the others."""
+        stats = self._env.stats
+        inst = _metrics.instruments()
+        bad = {c.ctx.task_id for c, _ in refused}
+        missed = [c for c in batch if c.ctx.task_id not in done]
+        confirmed = await self._confirm_completed(
+            [c for c in missed if c.unsure and c.ctx.task_id not in bad]
+        )
+        # Counted per task name and queue: a batch mixes everything that finished.
+        per_name: collections.Counter[tuple[str, str]] = collections.Counter()
+        for claimed in batch:
+            if claimed.ctx.task_id in done:
+                stats.succeeded += 1
+                per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
+            elif claimed.ctx.task_id in confirmed:
+                stats.succeeded += 1
+                stats.confirmed_completions += 1
+                per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
+            elif claimed.ctx.task_id not in bad:
+                self.fenced(claimed)
+        for (name, queue), count in per_name.items():
+            inst.succeeded.add(count, _metrics.task_attributes(name, queue))
+        for claimed, why in refused:
+            await self._refused(claimed, why)
 
     async def _write(
         self, batch: list[Claimed], refused: list[tuple[Claimed, BaseException]]
@@ -285,17 +340,11 @@ class Completions:
         env = self._env
         try:
             crash_point("queue.complete.before")
-            results = [c.result for c in batch]
-            progress = [c.ctx.progress_text for c in batch]
+            ids, tokens, results, progress = success_columns(batch)
             rows = await env.db.fetch(
-                env.sql.complete,
-                array_literal([c.ctx.task_id for c in batch]),
-                array_literal([c.token for c in batch]),
-                env.worker_id,
-                _or_null(results),
-                _or_null(progress),
+                env.sql.complete, ids, tokens, env.worker_id, results, progress,
                 timeout=env.timeout,
-            )
+            )  # fmt: skip
             crash_point("queue.complete.committed")
             return {r[0] for r in rows}
         except DB_ERRORS as exc:
@@ -399,6 +448,21 @@ class Completions:
         for claimed in self._to_release:
             await self.release_now(claimed)
         self._to_release.clear()
+
+
+def success_columns(
+    batch: list[Claimed],
+) -> tuple[str, str, list[str | None] | None, list[str | None] | None]:
+    """Return ``batch``'s successes as the statements take them.
+
+    Ids and tokens (array literals), results and latest progress (JSON text, or ``None``).
+    """
+    return (
+        array_literal([c.ctx.task_id for c in batch]),
+        array_literal([c.token for c in batch]),
+        _or_null([c.result for c in batch]),
+        _or_null([c.ctx.progress_text for c in batch]),
+    )
 
 
 def _or_null(values: list[str | None]) -> list[str | None] | None:

@@ -163,6 +163,7 @@ class QueueSql:
     claim_timed: str
     renew: str
     complete: str
+    complete_and_claim: str
     completed_by: str
     failure_recorded: str
     retry: str
@@ -263,21 +264,22 @@ RETURNING t.id""",
         # $4 results[] (JSON text|null), $5 latest progress[] (JSON text|null: keep what
         # was written); $4 or $5 NULL when all of theirs are (unnest pads it with NULLs)
         complete=f"""
-WITH done AS (
-    UPDATE {s}.tasks t
-    SET state = {_lit(SUCCEEDED)}, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
-        lease_token = NULL, lease_expires_at = NULL, result = h.result::jsonb,
-        progress = coalesce(h.progress::jsonb, t.progress)
-    FROM {DURABLE},
-         unnest($1::text::bigint[], $2::text::uuid[], $4::text[], $5::text[])
-             AS h(id, token, result, progress)
-    WHERE t.id = h.id AND t.lease_token = h.token
-    RETURNING t.id, t.attempts, t.started_at, t.finished_at
-), history AS (
-    INSERT INTO {s}.attempts (task_id, attempt, worker_id, outcome, started_at, finished_at)
-    SELECT id, attempts, $3, {_OUTCOME[TaskEvent.SUCCEED]}, started_at, finished_at FROM done
-), {_settled(s, "SELECT id FROM done", SUCCEEDED, schema)}
-SELECT id FROM done, settled""",
+SELECT c.id FROM {s}.complete_tasks($1::text::bigint[], $2::text::uuid[], $3::text,
+                                    $4::text[], $5::text[], {_quoted(notify_channel(schema))})
+    AS c(id)""",
+        # The successes of complete ($1 .. $4 as its $1, $2, $4, $5; the worker id is the
+        # claim's $8), then claim_timed's claim ($5 .. $12 as its $1 .. $8), in one
+        # transaction: claim_timed's columns, then one more, completed (the ids that
+        # succeeded), set in one row only (its id NULL, held false).
+        complete_and_claim=f"""
+WITH claimed AS (
+    SELECT * FROM {s}.complete_and_claim(
+        $1::text::bigint[], $2::text::uuid[], $3::text[], $4::text[],
+        {_quoted(notify_channel(schema))}, $5::text[], $6::text[]::integer[], $7::text[],
+        $8::text, $9::double precision, $10::text[]::integer[], $11::text[]::timestamptz[],
+        $12::text[]::bigint[])
+)
+SELECT extract(epoch FROM clock_timestamp())::double precision, claimed.* FROM claimed""",
         # $1 ids[], $2 attempts[], $3 claim start times[], $4 worker id: which of these
         # claims did complete (their token is gone; no later claim keeps attempt and start)
         completed_by=f"""
