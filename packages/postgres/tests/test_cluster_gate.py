@@ -147,6 +147,10 @@ def _stale(guard: ClusterGuard, here: ClusterIdentity) -> None:
     guard._watch.observe(ClusterIdentity(here.system_identifier, here.timeline + 1))
 
 
+def _status(conn: psycopg.AsyncConnection[Any]) -> psycopg.pq.TransactionStatus:
+    return conn.info.transaction_status
+
+
 async def _count_tasks(conn: Any, schema: str) -> int:
     count: int = await conn.fetchval(f"SELECT count(*) FROM {schema}.tasks")
     return count
@@ -157,8 +161,8 @@ async def test_a_guarded_asyncpg_pool_reads_each_connection_once_and_enqueues(
 ) -> None:
     dsn, schema, conn = queue
     counting = Counting(monkeypatch)
+    assert ClusterGuard().known is None
     guard = ClusterGuard()
-    assert guard.known is None
     async with asyncpg.create_pool(dsn, min_size=1, max_size=1, init=guard.check) as pool:
         for i in range(5):
             await enqueue(pool, WORK, i, schema=schema)
@@ -201,10 +205,10 @@ async def test_a_guarded_psycopg_pool_and_connection_are_left_idle(queue: QueueF
         await pool.close()
     async with await psycopg.AsyncConnection.connect(dsn) as own:
         await guard.check(own)
-        assert own.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert _status(own) == psycopg.pq.TransactionStatus.IDLE
         await own.execute("SELECT 1")  # the caller's transaction: left open
         await guard.check(own)
-        assert own.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        assert _status(own) == psycopg.pq.TransactionStatus.INTRANS
         await enqueue(own, WORK, 2, schema=schema)
         await own.commit()
     assert await _count_tasks(conn, schema) == 2
@@ -219,7 +223,7 @@ async def test_a_guarded_psycopg_connection_on_a_stale_node_is_refused(
     async with await psycopg.AsyncConnection.connect(dsn) as own:
         with pytest.raises(QueueClusterError, match="stale node"):
             await guard.check(own)
-        assert own.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert _status(own) == psycopg.pq.TransactionStatus.IDLE
 
 
 async def test_a_guard_refuses_another_cluster(pg_dsn: str) -> None:
