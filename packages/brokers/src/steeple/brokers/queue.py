@@ -232,7 +232,7 @@ class WorkQueueBroker(AsyncLifecycle):
         self._idle: list[tuple[Any, float]] = []
         self.connections_opened = 0
         """How many connections this broker has opened so far (reuse keeps it low)."""
-        self._guard = ClusterGuard(_who="steeple work-queue broker")
+        self._guard = ClusterGuard()
 
     def __repr__(self) -> str:
         return f"WorkQueueBroker(dsn={redact_dsn(self._dsn)!r}, schema={self._schema!r})"

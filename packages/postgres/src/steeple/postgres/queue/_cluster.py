@@ -17,7 +17,7 @@ from steeple.postgres._durability import IDENTITY_QUERY, cluster_identity
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue.errors import QueueClusterError
 
-__all__ = ["ClusterGuard"]
+__all__ = ["ClusterGuard", "guard_for"]
 
 LOG = logging.getLogger("steeple.postgres.queue")
 
@@ -42,9 +42,9 @@ class ClusterGuard:
     connections of a process that write to the same database.
     """
 
-    def __init__(self, *, _who: str = "steeple queue") -> None:
+    def __init__(self) -> None:
         self._watch = ClusterWatch()
-        self._who = _who
+        self._who = "steeple queue"  # how its warnings start (see guard_for)
 
     def __repr__(self) -> str:
         return f"ClusterGuard(known={self.known!r})"
@@ -73,3 +73,10 @@ class ClusterGuard:
         except ClusterIdentityError as exc:
             LOG.warning("%s: %s", self._who, exc)
             raise QueueClusterError(str(exc), known=exc.known, seen=exc.seen) from None
+
+
+def guard_for(who: str) -> ClusterGuard:
+    """Return a :class:`ClusterGuard` whose warnings start with ``who`` (a worker)."""
+    guard = ClusterGuard()
+    guard._who = who
+    return guard

@@ -24,7 +24,7 @@ from steeple.postgres._durability import (
     require_permanent_tables,
 )
 from steeple.postgres.queue import _driver
-from steeple.postgres.queue._cluster import ClusterGuard
+from steeple.postgres.queue._cluster import guard_for
 from steeple.postgres.queue.errors import UnfitDatabaseError
 
 __all__ = [
@@ -185,7 +185,7 @@ class _ClusterGate:
     """
 
     def __init__(self) -> None:
-        self.guard = ClusterGuard(_who="steeple queue worker")
+        self.guard = guard_for("steeple queue worker")
         self._admitted: weakref.WeakSet[Any] = weakref.WeakSet()
 
     async def admit(self, conn: Any, key: Any) -> bool:
