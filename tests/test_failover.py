@@ -4,14 +4,15 @@ Each test builds its own private clusters (``pg_clusters``): a primary and a str
 standby made with ``pg_basebackup -R``; promotion is ``pg_ctl promote``, nothing else. A
 queue worker (given the libpq ``key=value`` form of a two-host DSN), a relay loop on the
 recurring store (the URL form) and an application enqueueing through psycopg (the
-``key=value`` form) all use ``target_session_attrs=read-write`` and find the writer
-themselves.
+``key=value`` form, each connection checked by a ``ClusterGuard``) all use
+``target_session_attrs=read-write`` and find the writer themselves.
 
 - Synchronous standby: the standby is promoted while tasks run and occurrences are
   relayed, the old primary is stopped, and everything reconnects to the new primary. The
   old primary is then started again as a stale node (its own timeline, still writable, and
-  the first host of the DSN): every new connection the worker and the store open reaches
-  it and is refused, typed and logged, and nothing is finalized there. Once it is stopped
+  the first host of the DSN): every new connection the worker, the store and the
+  application open reaches it and is refused, typed and logged, and nothing is enqueued
+  or finalized there. Once it is stopped
   again the work goes on. The checker: every acknowledged enqueue and every acknowledged
   completion and publication is on the new primary; each task succeeded exactly once;
   each occurrence was published under one idempotency key.
@@ -52,8 +53,10 @@ from steeple.core.errors import RecurringClusterError, RecurringRelayError
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
 from steeple.postgres.queue import (
+    ClusterGuard,
     EnqueueOptions,
     JobContext,
+    QueueClusterError,
     QueueError,
     Scheduler,
     Task,
@@ -172,13 +175,17 @@ class Worker:
 class Enqueuer:
     """An application enqueueing one task at a time through psycopg, reconnecting on error.
 
-    ``acknowledged`` holds the ids of the enqueues that returned (committed).
+    Each connection it opens is checked once by its ``ClusterGuard``, as the failover
+    guide tells applications to. ``acknowledged`` holds the ids of the enqueues that
+    returned (committed); ``refused`` counts the connections the guard refused.
     """
 
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
         self.acknowledged: list[int] = []
         self.failures = 0
+        self.refused = 0
+        self.guard = ClusterGuard()
         self.running = asyncio.Event()
         self.running.set()
         self._stop = asyncio.Event()
@@ -194,11 +201,15 @@ class Enqueuer:
                 await self.running.wait()
                 try:
                     if conn is None or conn.closed:
-                        conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+                        conn = await psycopg.AsyncConnection.connect(
+                            self.dsn, autocommit=True, application_name="steeple-app"
+                        )
+                        await self.guard.check(conn)
                     done = await enqueue(conn, WORK, len(self.acknowledged), OPTIONS, schema=QUEUE)
                     self.acknowledged.append(done.id)
-                except (QueueError, psycopg.Error, OSError):
+                except (QueueError, psycopg.Error, OSError) as exc:
                     self.failures += 1
+                    self.refused += isinstance(exc, QueueClusterError)
                     if conn is not None:
                         await conn.close()
                         conn = None
@@ -399,10 +410,19 @@ async def test_failover_to_a_synchronous_standby_loses_nothing_and_refuses_the_s
     await asyncio.sleep(PHASE)
 
     # --- the old primary comes back as a stale node: refused ------------------------------
-    app.running.clear()  # an application's own connections are its own (see the guide)
-    await asyncio.sleep(0.1)
     await asyncio.to_thread(primary.start, primary.port)
     assert await fetchval(primary.dsn(), "SELECT pg_is_in_recovery()") is False
+    # Started alone, without the standby it waited for: it acknowledges commits again, so
+    # whatever reaches it is written there (and lost with it).
+    await execute(
+        primary.dsn(),
+        "ALTER SYSTEM RESET synchronous_standby_names",
+        "SELECT pg_reload_conf()",
+    )
+    await poll(
+        "the stale node to commit alone",
+        lambda: _is(primary.dsn(), "SHOW synchronous_standby_names", ""),
+    )
     stale_before = await node_outcomes(primary.dsn())
     # Every steeple connection to the new primary ends: new ones reach the stale node first.
     await terminate_steeple_sessions(replica.dsn())
@@ -417,12 +437,13 @@ async def test_failover_to_a_synchronous_standby_loses_nothing_and_refuses_the_s
         60,
     )
     assert await _logged(caplog, "steeple.postgres.recurring", STALE_LINE)()
+    await poll("the application to refuse the stale node", lambda: _refused_by_app(app), 60)
     await asyncio.sleep(PHASE)
-    assert await node_outcomes(primary.dsn()) == stale_before  # nothing finalized there
+    # Nothing enqueued, claimed or finalized there.
+    assert await node_outcomes(primary.dsn()) == stale_before
 
     # --- the stale node is stopped (fenced): the work goes on -----------------------------
     await asyncio.to_thread(primary.stop, "fast")
-    app.running.set()
     marks = (len(app.acknowledged), len(worker.runs), len(relay.acknowledged))
     await poll("work to resume", lambda: _progress(app, worker, relay, 10, since=marks), 120)
     await app.stop()
@@ -546,6 +567,10 @@ async def _progress(
         and len(worker.runs) - ran >= at_least
         and len(relay.acknowledged) - relayed >= 2
     )
+
+
+async def _refused_by_app(app: Enqueuer) -> bool:
+    return app.refused > 0
 
 
 async def _refused_by_store(relay: Relay) -> bool:

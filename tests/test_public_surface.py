@@ -198,6 +198,7 @@ SURFACE: dict[str, list[str]] = {
     "steeple.postgres.queue": [
         "App",
         "ArgsEncodingError",
+        "ClusterGuard",
         "DEFAULT_SCHEMA",
         "EnqueueOptions",
         "EnqueuedTask",

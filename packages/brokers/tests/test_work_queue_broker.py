@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from typing import Any
@@ -23,6 +24,7 @@ from broker_support import (
 )
 from faultproxy import dsn_via, open_pg, pg_endpoint
 from steeple.brokers.queue import WorkQueueBroker, decode_task_args
+from steeple.core.cluster import ClusterIdentity
 from steeple.core.errors import (
     BrokerConfigurationError,
     BrokerUnavailableError,
@@ -234,6 +236,42 @@ async def test_unreachable_database_is_unavailable() -> None:
     assert "pw-secret" not in repr(broker)
     with pytest.raises(BrokerUnavailableError):
         await broker.publish(message(1), idempotency_key=new_key(), timeout=3)
+
+
+async def test_a_node_left_behind_by_a_failover_is_refused_and_nothing_is_enqueued(
+    harness: QueueHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each connection the broker opens is checked as a worker checks its own: a node on
+    an older timeline than one already seen (an old primary started again after its
+    standby was promoted) is refused, logged, closed, and nothing is written there."""
+    caplog.set_level(logging.WARNING)
+    broker = await harness.make_broker()
+    assert (await broker.lookup(new_key())) is None
+    here = broker._guard.known
+    assert here is not None  # the first connection was checked
+    await broker.close()
+    await wait_for(lambda: harness.proxy.connections == 0)
+    broker = await harness.make_broker()
+    # As if the broker had followed a promotion of this cluster to the next timeline.
+    broker._guard._watch.observe(ClusterIdentity(here.system_identifier, here.timeline + 1))
+    key = new_key()
+    with pytest.raises(BrokerUnavailableError, match="stale node left behind by a failover"):
+        await broker.publish(message(1), idempotency_key=key, timeout=5)
+    assert any(
+        "stale node" in r.getMessage() and r.name == "steeple.postgres.queue"
+        for r in caplog.records
+    )
+    await wait_for(lambda: harness.proxy.connections == 0)  # the refused one is closed
+    conn = await asyncpg.connect(harness.dsn)
+    try:
+        ledger = await conn.fetchval(
+            f"SELECT count(*) FROM {harness.schema}.broker_dedup WHERE idempotency_key = $1",
+            key,
+        )
+    finally:
+        await conn.close()
+    assert ledger == 0
+    assert await harness.drain() == []
 
 
 async def test_sequential_publications_reuse_one_connection(harness: QueueHarness) -> None:

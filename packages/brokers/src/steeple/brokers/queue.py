@@ -49,7 +49,14 @@ from steeple.core.errors import (
     SteepleError,
 )
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
-from steeple.postgres.queue import DEFAULT_SCHEMA, EnqueueOptions, Task, enqueue
+from steeple.postgres.queue import (
+    DEFAULT_SCHEMA,
+    ClusterGuard,
+    EnqueueOptions,
+    QueueClusterError,
+    Task,
+    enqueue,
+)
 from steeple.postgres.queue.errors import ArgsEncodingError, QueueError
 from steeple.postgres.sqlstate import is_access_or_missing_object, is_message_refused, sqlstate
 
@@ -134,6 +141,11 @@ def _driver_failure(exc: BaseException, *, committing: bool, reused: bool) -> Ex
 
 class WorkQueueBroker(AsyncLifecycle):
     """Publishes each message as one task of steeple's work queue, deduplicated by key.
+
+    Each connection it opens is checked once, as a queue worker checks its own (see
+    :class:`~steeple.postgres.queue.ClusterGuard`): a node of another cluster, or an old
+    primary left behind by a failover, is refused with ``BrokerUnavailableError`` (logged
+    as a warning) and nothing is enqueued there; the relay retries later.
 
     Args:
         dsn: PostgreSQL DSN (its password is never shown).
@@ -220,6 +232,7 @@ class WorkQueueBroker(AsyncLifecycle):
         self._idle: list[tuple[Any, float]] = []
         self.connections_opened = 0
         """How many connections this broker has opened so far (reuse keeps it low)."""
+        self._guard = ClusterGuard()
 
     def __repr__(self) -> str:
         return f"WorkQueueBroker(dsn={redact_dsn(self._dsn)!r}, schema={self._schema!r})"
@@ -276,17 +289,13 @@ class WorkQueueBroker(AsyncLifecycle):
                 raise BrokerUnavailableError("work queue: this broker was closed")
             conn = None if fresh else self._take_idle()
             if conn is None:
-                conn = await asyncpg.connect(
-                    self._dsn,
-                    timeout=self._connect_timeout,
-                    # Sent with the startup packet: every commit waits for its WAL flush
-                    # (the ledger promises durability) without a statement per transaction.
-                    server_settings={"synchronous_commit": "on"},
-                )
-                self.connections_opened += 1
+                conn = await self._open_checked()
                 reused = False
             else:
                 reused = True
+        except QueueClusterError as exc:
+            self._slots.release()
+            raise BrokerUnavailableError(f"work queue: {exc}") from None
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
             self._slots.release()
             raise BrokerUnavailableError(
@@ -297,6 +306,28 @@ class WorkQueueBroker(AsyncLifecycle):
             raise
         self._open.add(conn)
         return conn, reused
+
+    async def _open_checked(self) -> Any:
+        """Open a connection and check the node it reached (see :class:`ClusterGuard`).
+
+        After a failover the DSN's first writable host may be the old primary started
+        again: a task enqueued there is lost with it, so such a node is refused.
+        """
+        conn = await asyncpg.connect(
+            self._dsn,
+            timeout=self._connect_timeout,
+            # Sent with the startup packet: every commit waits for its WAL flush
+            # (the ledger promises durability) without a statement per transaction.
+            server_settings={"synchronous_commit": "on"},
+        )
+        self.connections_opened += 1
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                await self._guard.check(conn)
+        except BaseException:
+            conn.terminate()
+            raise
+        return conn
 
     async def _release(self, conn: Any, *, reusable: bool = False) -> None:
         """Free the slot; keep ``conn`` for reuse only if its work ended cleanly.

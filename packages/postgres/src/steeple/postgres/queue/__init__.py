@@ -22,6 +22,7 @@ from steeple.postgres.queue._app import (
     PeriodicReport,
     TaskFunction,
 )
+from steeple.postgres.queue._cluster import ClusterGuard
 from steeple.postgres.queue._enqueue import enqueue, enqueue_many, enqueue_many_sync, enqueue_sync
 from steeple.postgres.queue._ops import (
     Progress,
@@ -89,6 +90,7 @@ __all__ = [
     "PERIODIC_PREFIX",
     "App",
     "ArgsEncodingError",
+    "ClusterGuard",
     "EnqueueOptions",
     "EnqueuedTask",
     "Handler",

@@ -16,19 +16,16 @@ from typing import Any, Final, Protocol, TypeVar
 
 import asyncpg
 
-from steeple.core.cluster import ClusterWatch
-from steeple.core.errors import ClusterIdentityError
 from steeple.postgres._durability import (
-    IDENTITY_QUERY,
     SERVER_QUERY,
     TABLES_QUERY,
     DurabilityProblem,
-    cluster_identity,
     require_durable_server,
     require_permanent_tables,
 )
 from steeple.postgres.queue import _driver
-from steeple.postgres.queue.errors import QueueClusterError, UnfitDatabaseError
+from steeple.postgres.queue._cluster import guard_for
+from steeple.postgres.queue.errors import UnfitDatabaseError
 
 __all__ = [
     "DB_ERRORS",
@@ -181,14 +178,14 @@ class WorkerDb(Protocol):
 class _ClusterGate:
     """Admits each pooled connection once: only on the cluster and timeline the worker knows.
 
-    The first statement on a connection the worker has not used yet reads the node's
-    identity (:data:`~steeple.postgres._durability.IDENTITY_QUERY`, one round trip) and
-    asks the worker's :class:`~steeple.core.cluster.ClusterWatch`; later uses of the same
-    connection cost a set lookup. Caller-provided pools are covered too (no pool hook).
+    The first statement on a connection the worker has not used yet is the worker's
+    :class:`~steeple.postgres.queue.ClusterGuard` check (one round trip); later uses of
+    the same connection cost a set lookup. Caller-provided pools are covered too (no pool
+    hook).
     """
 
     def __init__(self) -> None:
-        self.watch = ClusterWatch()
+        self.guard = guard_for("steeple queue worker")
         self._admitted: weakref.WeakSet[Any] = weakref.WeakSet()
 
     async def admit(self, conn: Any, key: Any) -> bool:
@@ -202,12 +199,7 @@ class _ClusterGate:
         """
         if key in self._admitted:
             return False
-        (row,) = await _driver.fetch(conn, IDENTITY_QUERY)
-        try:
-            self.watch.observe(cluster_identity(row))
-        except ClusterIdentityError as exc:
-            LOG.warning("steeple queue worker: %s", exc)
-            raise QueueClusterError(str(exc), known=exc.known, seen=exc.seen) from None
+        await self.guard.check(conn)
         self._admitted.add(key)
         return True
 
@@ -513,8 +505,7 @@ class _PsycopgDb:
         return int(self._pool.max_size)
 
     async def _admit(self, conn: Any) -> None:
-        if await self._gate.admit(conn, conn) and not conn.autocommit:
-            await conn.rollback()  # end the reading transaction: ``fn`` opens its own
+        await self._gate.admit(conn, conn)  # leaves an idle connection idle
 
     async def fetch(self, sql: str, *args: Any, timeout: float) -> list[tuple[Any, ...]]:
         async with asyncio.timeout(timeout), self._pool.connection() as conn:

@@ -63,6 +63,16 @@ def connection_kind(conn: object) -> Kind:
     )
 
 
+def in_transaction(conn: Any) -> bool:
+    """Tell (without I/O) whether ``conn`` is inside a transaction (none for a pool)."""
+    if connection_kind(conn) == "asyncpg":
+        is_in = getattr(conn, "is_in_transaction", None)  # a pool has none
+        return bool(is_in()) if is_in is not None else False
+    import psycopg
+
+    return bool(conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE)
+
+
 @functools.lru_cache(maxsize=256)
 def to_psycopg(sql: str) -> str:
     """Rewrite ``$n`` placeholders to psycopg's ``%(pn)s`` (and escape literal percent signs)."""

@@ -228,16 +228,6 @@ def _session(conn: Any) -> Any:
     return conn
 
 
-def _in_transaction(conn: Any) -> bool:
-    """Tell (without I/O) whether ``conn`` is inside a transaction (none for a pool)."""
-    if _driver.connection_kind(conn) == "asyncpg":
-        is_in = getattr(conn, "is_in_transaction", None)  # a pool has none
-        return bool(is_in()) if is_in is not None else False
-    import psycopg
-
-    return bool(conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE)
-
-
 def _cached(conn: Any, schema: str) -> bool:
     try:
         return schema in _CURRENT.get(_session(conn), ())
@@ -277,7 +267,7 @@ def entry_point(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
             return await typed(*args, **kwargs)
         except Exception as exc:
             cause = exc if exc.__cause__ is None else exc.__cause__
-            if not _missing_object(cause) or _in_transaction(conn):
+            if not _missing_object(cause) or _driver.in_transaction(conn):
                 raise
             version = await errors_typed(schema_version)(conn, schema)  # type: ignore[arg-type]
             if version == LIBRARY_SCHEMA_VERSION:
@@ -307,7 +297,7 @@ def entry_point_sync(fn: Callable[P, R]) -> Callable[P, R]:
             return typed(*args, **kwargs)
         except Exception as exc:
             cause = exc if exc.__cause__ is None else exc.__cause__
-            if not _missing_object(cause) or _in_transaction(conn):
+            if not _missing_object(cause) or _driver.in_transaction(conn):
                 raise
             version = errors_typed_sync(_schema_version_sync)(conn, schema)  # type: ignore[arg-type]
             if version == LIBRARY_SCHEMA_VERSION:
