@@ -73,7 +73,13 @@ class PostgresQueueDriver:
         options = EnqueueOptions(priority=priority, max_attempts=max_attempts, limit_key=limit_key)
         policy = "run" if run_on_parent_failure else "cancel"
         done = await enqueue(
-            self.conn, TASK, {}, options, schema=self.schema, after=parents, on_parent_failure=policy
+            self.conn,
+            TASK,
+            {},
+            options,
+            schema=self.schema,
+            after=parents,
+            on_parent_failure=policy,
         )
         return int(done.id)
 

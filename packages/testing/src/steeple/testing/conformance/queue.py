@@ -299,8 +299,11 @@ class QueueConformance(RuleBasedStateMachine):
             self._settle_one(parent_id, child_id)
 
     def _settle_one(self, parent_id: int, child_id: int) -> None:
-        """What one ended parent does to one dependent: one fewer to wait for (the last
-        one releases it), or it is cancelled and its own dependents settled in turn."""
+        """Settle one dependent of an ended parent.
+
+        One fewer to wait for (the last one releases it), or it is cancelled and its own
+        dependents are settled in turn.
+        """
         child = self.model[child_id]
         if child.state != "waiting" or parent_id not in child.waits_for:
             return
@@ -314,8 +317,11 @@ class QueueConformance(RuleBasedStateMachine):
             self._ended(child_id)
 
     def _walk(self, limit: int) -> list[int]:
-        """Return what a claim of ``limit`` takes: due pending tasks in claim order, each
-        skipped whose key already runs the limit (counting what this claim took)."""
+        """Return what a claim of ``limit`` takes.
+
+        The due pending tasks in claim order, each skipped whose key already runs the limit
+        (counting what this claim took).
+        """
         due = sorted(
             (-t.priority, t.seq, i) for i, t in self.model.items() if t.state == "pending" and t.due
         )
@@ -377,13 +383,14 @@ class QueueConformance(RuleBasedStateMachine):
         priority=st.sampled_from((0, 0, 1)),
     )
     def enqueue_after(self, data: st.DataObject, runs_anyway: bool, priority: int) -> None:
-        """Enqueue a task after one to three stored tasks (live or ended; often waiting ones,
-        so chains and diamonds form), sometimes one that runs anyway, sometimes keyed."""
+        """Enqueue a task after one to three stored tasks, live or ended.
+
+        Waiting ones are among them, so chains and diamonds form; some run anyway, some
+        carry a limit key.
+        """
         assert isinstance(self.driver, DependencyQueueDriver)
         ids = sorted(self.model)
-        parents = sorted(
-            set(data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=3)))
-        )
+        parents = sorted(set(data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=3))))
         key = data.draw(st.sampled_from((None, *LIMIT_KEYS))) if self.keyed else None
         task_id = self._run(
             self.driver.enqueue_after(
