@@ -105,7 +105,6 @@ _OUTCOME: Final = {
 _EXHAUSTED = "t.attempts >= t.max_attempts"
 
 
-
 def _orphan_settled(s: str) -> str:
     """Return SET clauses settling a stranded waiting task none of whose parents exists.
 
@@ -456,7 +455,8 @@ SELECT (SELECT max(id) FROM looked), (SELECT count(*) FROM looked),
        (SELECT count(*) FROM recounted)
 FROM settled, (SELECT count(*) FROM woken) AS w""",
         lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::text[]::bigint[])",
-        # $1 id, $2 the most attempts of its history returned (the latest ones)
+        # $1 id, $2 the most attempts of its history returned (the latest ones); then the
+        # limit key and workflow id (TaskRun's last fields)
         run_state=f"""
 SELECT {RUN_STATE_COLUMNS}, result::text, (
     SELECT coalesce(json_agg(h ORDER BY h.id), '[]'::json)::text FROM (
@@ -464,7 +464,7 @@ SELECT {RUN_STATE_COLUMNS}, result::text, (
                a.error_type, a.traceback
         FROM {s}.attempts a WHERE a.task_id = t.id ORDER BY a.id DESC LIMIT $2
     ) AS h
-)
+), limit_key, workflow_id
 FROM {s}.tasks t WHERE t.id = $1""",
         cancel=f"""
 WITH target AS (

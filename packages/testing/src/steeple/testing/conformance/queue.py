@@ -389,8 +389,12 @@ class QueueConformance(RuleBasedStateMachine):
         carry a limit key.
         """
         assert isinstance(self.driver, DependencyQueueDriver)
-        ids = sorted(self.model)
-        parents = sorted(set(data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=3))))
+        chosen = set(data.draw(st.lists(st.sampled_from(sorted(self.model)), max_size=2)))
+        # Mostly after a waiting task too: chains, whose cancellation must go all the way.
+        waiting = self._ids_in("waiting")
+        if (waiting and data.draw(st.integers(0, 2)) < 2) or not chosen:
+            chosen.add(data.draw(st.sampled_from(waiting or sorted(self.model))))
+        parents = sorted(chosen)
         key = data.draw(st.sampled_from((None, *LIMIT_KEYS))) if self.keyed else None
         task_id = self._run(
             self.driver.enqueue_after(
