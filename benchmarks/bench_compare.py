@@ -55,13 +55,15 @@ WORKER: dict[str, Any] = {
 # other jobs on the machine than the wall-clock rate, but blind to the server's share.
 # server_cpu: tasks per CPU second of the whole PostgreSQL cluster while the worker drains
 # (only on a private cluster, where nothing else runs: see _server_cpu_seconds).
-# claim: tasks per second the one-off claim statement takes from a backlog of N no-op tasks
-# of a queue with no workflow and no limit (batches of CLAIM_BATCH, nothing completed):
-# the claim path alone, which workflows and per-key limits must leave as fast as it was.
+# claim: tasks per second the one-off claim statement takes from a backlog of N no-op
+# tasks of a queue with no workflow and no limit (batches of CLAIM_BATCH, nothing
+# completed): the claim path alone, which workflows and per-key limits must leave as fast
+# as it was; claim_server_cpu: the same per CPU second of the cluster (private only).
 METRICS = {
     "enqueue": "tasks/s",
     "process": "tasks/s",
     "claim": "tasks/s",
+    "claim_server_cpu": "tasks/server CPU s",
     "process_cpu": "tasks/CPU s",
     "server_cpu": "tasks/server CPU s",
 }
@@ -153,8 +155,12 @@ def _server_cpu_seconds(postmaster: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-async def _claim_rate(conn: Any, schema: str, task: Any, payloads: list[Any]) -> float:
+async def _claim_rate(
+    conn: Any, schema: str, task: Any, payloads: list[Any], postmaster: int
+) -> dict[str, float]:
     """Enqueue ``payloads`` again and claim them all; return tasks claimed per second.
+
+    With ``postmaster`` (a private cluster) also per CPU second of the whole cluster.
 
     The one-off claim statement (``queue_sql(schema).claim``: names, limit, worker, give-up
     time) is the same in every version since named queues.
@@ -167,13 +173,17 @@ async def _claim_rate(conn: Any, schema: str, task: Any, payloads: list[Any]) ->
     claim = queue_sql(schema).claim
     give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 3600")
     claimed = 0
+    server0 = _server_cpu_seconds(postmaster) if postmaster else 0.0
     t0 = time.perf_counter()
     while rows := await conn.fetch(claim, [task.name], CLAIM_BATCH, "bench", give_up):
         claimed += len(rows)
     spent = time.perf_counter() - t0
     if claimed != len(payloads):
         raise RuntimeError(f"claimed {claimed} of {len(payloads)} tasks")
-    return claimed / spent
+    rates = {"claim": claimed / spent}
+    if postmaster:
+        rates["claim_server_cpu"] = claimed / max(_server_cpu_seconds(postmaster) - server0, 1e-9)
+    return rates
 
 
 async def _measure(
@@ -240,7 +250,7 @@ async def _measure(
         rates = {"enqueue": enqueue, "process": process, "process_cpu": process_cpu}
         if postmaster:
             rates["server_cpu"] = n / max(server, 1e-9)
-        rates["claim"] = await _claim_rate(conn, schema, noop, payloads)
+        rates.update(await _claim_rate(conn, schema, noop, payloads, postmaster))
         return rates
     finally:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
