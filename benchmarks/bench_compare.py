@@ -14,10 +14,11 @@ its own interpreter (``--measure``: this file, run from outside the source tree 
 the environment's packages are importable) against the same PostgreSQL: ``--dsn``,
 ``STEEPLE_TEST_DSN``, or a private pgserver cluster started for the run. A measurement
 installs the queue in a schema of its own, enqueues N no-op tasks with ``enqueue_many``
-(chunks of 5,000), drains them with one ``Scheduler(concurrency=200, batch_size=200)``
-and drops the schema. The table shows each metric's median per side and head/base; a
-median more than ``--threshold`` worse than the base's exits with status 1 (only the
-metrics named by ``--gate``, when given).
+(chunks of 5,000), drains them with one ``Scheduler(concurrency=200, batch_size=200)``,
+enqueues N more and times the one-off claim statement taking them all (200 a claim, the
+claim path alone), and drops the schema. The table shows each metric's median per side
+and head/base; a median more than ``--threshold`` worse than the base's exits with status
+1 (only the metrics named by ``--gate``, when given).
 
 Only the public API that every version since named queues and before shares is used
 (``install``, ``Task``, ``enqueue_many``, ``Scheduler``, ``register``,
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CHUNK = 5000
+CLAIM_BATCH = 200
 WORKER: dict[str, Any] = {
     "concurrency": 200,
     "batch_size": 200,
@@ -56,10 +58,16 @@ WORKER: dict[str, Any] = {
 # enqueue_cpu: tasks per CPU second of the enqueue, this process and its connection's
 # server backend together (only when PostgreSQL runs on this machine: see _backend_cpu);
 # the wall-clock enqueue rate of a 1-2 s window swings by 2x with other jobs' load.
+# claim: tasks per second the one-off claim statement takes from a backlog of N no-op
+# tasks of a queue with no workflow and no limit (batches of CLAIM_BATCH, nothing
+# completed): the claim path alone, which workflows and per-key limits must leave as fast
+# as it was; claim_server_cpu: the same per CPU second of the cluster (private only).
 METRICS = {
     "enqueue": "tasks/s",
     "enqueue_cpu": "tasks/CPU s",
     "process": "tasks/s",
+    "claim": "tasks/s",
+    "claim_server_cpu": "tasks/server CPU s",
     "process_cpu": "tasks/CPU s",
     "server_cpu": "tasks/server CPU s",
 }
@@ -160,6 +168,37 @@ def _backend_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def _claim_rate(
+    conn: Any, schema: str, task: Any, payloads: list[Any], postmaster: int
+) -> dict[str, float]:
+    """Enqueue ``payloads`` again and claim them all; return tasks claimed per second.
+
+    With ``postmaster`` (a private cluster) also per CPU second of the whole cluster.
+
+    The one-off claim statement (``queue_sql(schema).claim``: names, limit, worker, give-up
+    time) is the same in every version since named queues.
+    """
+    from steeple.postgres.queue import enqueue_many
+    from steeple.postgres.queue._sql import queue_sql
+
+    for start in range(0, len(payloads), CHUNK):
+        await enqueue_many(conn, task, payloads[start : start + CHUNK], schema=schema)
+    claim = queue_sql(schema).claim
+    give_up = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp()) + 3600")
+    claimed = 0
+    server0 = _server_cpu_seconds(postmaster) if postmaster else 0.0
+    t0 = time.perf_counter()
+    while rows := await conn.fetch(claim, [task.name], CLAIM_BATCH, "bench", give_up):
+        claimed += len(rows)
+    spent = time.perf_counter() - t0
+    if claimed != len(payloads):
+        raise RuntimeError(f"claimed {claimed} of {len(payloads)} tasks")
+    rates = {"claim": claimed / spent}
+    if postmaster:
+        rates["claim_server_cpu"] = claimed / max(_server_cpu_seconds(postmaster) - server0, 1e-9)
+    return rates
+
+
 async def _measure(
     dsn: str, schema: str, n: int, profile: str | None, server_cpu: bool
 ) -> dict[str, float]:
@@ -231,6 +270,7 @@ async def _measure(
             rates["enqueue_cpu"] = n / max(enqueue_cpu + backend1 - backend0, 1e-9)
         if postmaster:
             rates["server_cpu"] = n / max(server, 1e-9)
+        rates.update(await _claim_rate(conn, schema, noop, payloads, postmaster))
         return rates
     finally:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

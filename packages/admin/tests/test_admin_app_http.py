@@ -884,3 +884,33 @@ def test_answered_live_polls_stay_out_of_the_access_log() -> None:
     assert kept.filter(record("/ui/ops/tasks", 200))
     assert kept.filter(record("/api/ops/tasks/retry", 200))
     assert kept.filter(record("/ui/ops/tasks?alive=1", 200))
+
+
+@pytest.mark.postgres
+async def test_task_page_shows_its_limit_key_escaped_and_links_its_workflow(
+    live: dict[str, Any],
+) -> None:
+    from steeple.postgres.queue import EnqueueOptions, Task, enqueue
+
+    seeded = live["seeded"]
+    hostile = '<img src=x onerror="alert(1)">&'
+    conn = await asyncpg.connect(seeded.dsn)
+    try:
+        parent = await enqueue(
+            conn, Task("keyed"), {}, EnqueueOptions(limit_key=hostile), schema=seeded.schema
+        )
+        child = await enqueue(conn, Task("after"), {}, after=[parent], schema=seeded.schema)
+    finally:
+        await conn.close()
+    app = create_admin_app(authorize=Recorder(), stores=live["stores"], tasks=live["tasks"])
+    async with client(app) as http:
+        keyed = await http.get(f"/ui/ops/tasks/{parent.id}")
+        waiting = await http.get(f"/ui/ops/tasks/{child.id}")
+        alone = await http.get(f"/ui/ops/tasks/{seeded.task_ids[0]}")
+        shown = (await http.get(f"/api/ops/tasks/{child.id}")).json()
+    assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;&amp;" in keyed.text
+    assert "<img" not in keyed.text
+    assert f'href="/ui/ops/workflows/{child.id}">{parent.id}</a>' in waiting.text
+    assert "/workflows/" not in alone.text
+    assert "<dt>limit key</dt><dd>-</dd>" in alone.text
+    assert (shown["limit_key"], shown["workflow_id"]) == (None, parent.id)

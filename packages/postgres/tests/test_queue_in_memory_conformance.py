@@ -41,6 +41,13 @@ class InMemoryQueueDriver:
             )
         return (await enqueue(self.queue, TASK, {"p": priority}, options)).id
 
+    async def limit_running_per_key(self, limit: int) -> None:
+        self.queue.limit_queue("default", max_running_per_key=limit)
+
+    async def enqueue_keyed(self, key: str, *, priority: int, max_attempts: int) -> int:
+        options = EnqueueOptions(priority=priority, max_attempts=max_attempts, limit_key=key)
+        return (await enqueue(self.queue, TASK, {}, options)).id
+
     async def claim(self, limit: int) -> list[ClaimedTask]:
         deadline = self.queue.clock.now() + timedelta(minutes=1)
         return [

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -106,13 +107,17 @@ class WorkerProcess:
 
 @contextlib.asynccontextmanager
 async def worker_process(
-    tmp_path: Path, dsn: str, schema: str, worker_id: str
+    tmp_path: Path, dsn: str, schema: str, worker_id: str, *, crash_at: str | None = None
 ) -> AsyncIterator[WorkerProcess]:
+    """Start a worker process; ``crash_at``: the crash point where it SIGKILLs itself."""
     script = tmp_path / "queue_worker.py"
     script.write_text(WORKER_SCRIPT)
+    env = dict(os.environ)
+    if crash_at is not None:
+        env["STEEPLE_CRASH_AT"] = crash_at
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(script), dsn, schema, worker_id,
-        stdout=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
     worker = WorkerProcess(proc)
     try:
@@ -212,6 +217,47 @@ async def test_sigkilled_worker_running_a_parent_leaves_its_dependent_waiting(
     assert ran == [(parent.id, 2), (child.id, 1)]
     states = [(await run_state(conn, t.id, schema=schema)).state.value for t in (parent, child)]
     assert states == ["succeeded", "succeeded"]
+
+
+@pytest.mark.parametrize("point", ["queue.complete.before", "queue.complete.committed"])
+async def test_sigkilled_while_completing_a_parent_its_dependent_runs_once_after_it(
+    queue: QueueFixture, tmp_path: Path, point: str
+) -> None:
+    """The worker dies completing a parent: before the completion is sent it releases
+    nothing (the parent runs again once its lease lapses, then the dependent); once it has
+    committed, the dependent is released and the parent does not run again. Either way the
+    dependent runs exactly once, after the parent's success."""
+    dsn, schema, conn = queue
+    options = EnqueueOptions(lease_duration=timedelta(seconds=1))
+    parent = await enqueue(conn, PROC, {}, options, schema=schema)
+    child = await enqueue(conn, PROC, {}, options, schema=schema, after=[parent])
+    async with worker_process(tmp_path, dsn, schema, "doomed", crash_at=point) as doomed:
+        assert await doomed.proc.wait() == -signal.SIGKILL  # it killed itself at the point
+    committed = point == "queue.complete.committed"
+    states = [(await run_state(conn, t.id, schema=schema)).state.value for t in (parent, child)]
+    # Committed: released; the dying worker may even have leased it (its claim loop woke
+    # on the release) without running it.
+    expected = (
+        [["succeeded", "pending"], ["succeeded", "running"]]
+        if committed
+        else [["running", "waiting"]]
+    )
+    assert states in expected
+    survivor, ran = in_process_worker(dsn, schema, "survivor")
+    stop = asyncio.Event()
+    task = asyncio.create_task(survivor.run_until_shutdown(stop))
+    try:
+        await wait_until(lambda: _succeeded(conn, schema, child.id))
+    finally:
+        stop.set()
+        await task
+    assert [t for t, _attempt in ran] == ([child.id] if committed else [parent.id, child.id])
+    assert committed or ran[0] == (parent.id, 2)
+    assert await _executions(conn, schema) == [(parent.id, 1, "doomed")]
+
+
+async def _succeeded(conn: asyncpg.Connection, schema: str, task_id: int) -> bool:
+    return (await run_state(conn, task_id, schema=schema)).state.value == "succeeded"
 
 
 async def _count_execs(conn: asyncpg.Connection, schema: str, n: int) -> bool:

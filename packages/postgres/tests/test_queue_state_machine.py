@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from datetime import timedelta
 from typing import Any, cast
 
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from steeple.postgres._arrays import array_literal, text_array
-from steeple.postgres.queue import EnqueueOptions, Task, enqueue, install
+from steeple.postgres.queue import EnqueueOptions, Task, enqueue, install, limit_queue
 from steeple.postgres.queue._sql import queue_sql
 from steeple.testing.conformance.queue import (
     ClaimedTask,
@@ -60,6 +60,35 @@ class PostgresQueueDriver:
             )
         done = await enqueue(self.conn, TASK, {"p": priority}, options, schema=self.schema)
         return int(done.id)
+
+    async def enqueue_after(
+        self,
+        parents: Sequence[int],
+        *,
+        priority: int,
+        max_attempts: int,
+        run_on_parent_failure: bool,
+        limit_key: str | None,
+    ) -> int:
+        options = EnqueueOptions(priority=priority, max_attempts=max_attempts, limit_key=limit_key)
+        policy = "run" if run_on_parent_failure else "cancel"
+        done = await enqueue(
+            self.conn,
+            TASK,
+            {},
+            options,
+            schema=self.schema,
+            after=parents,
+            on_parent_failure=policy,
+        )
+        return int(done.id)
+
+    async def limit_running_per_key(self, limit: int) -> None:
+        await limit_queue(self.conn, "default", max_running_per_key=limit, schema=self.schema)
+
+    async def enqueue_keyed(self, key: str, *, priority: int, max_attempts: int) -> int:
+        options = EnqueueOptions(priority=priority, max_attempts=max_attempts, limit_key=key)
+        return int((await enqueue(self.conn, TASK, {}, options, schema=self.schema)).id)
 
     async def _claim(self, limit: int, give_up: float) -> list[ClaimedTask]:
         rows = await self.rows(self.sql.claim, ["m"], limit, "w", give_up)
@@ -145,7 +174,9 @@ async def test_queue_sql_conforms_to_the_lifecycle_model(pg_schema: tuple[str, s
 
     async def make_driver() -> QueueDriver:
         conn = await asyncpg.connect(dsn)
-        await conn.execute(f'TRUNCATE "{schema}".tasks, "{schema}".attempts CASCADE')
+        await conn.execute(
+            f'TRUNCATE "{schema}".tasks, "{schema}".attempts, "{schema}".settings CASCADE'
+        )
         return PostgresQueueDriver(conn, schema)
 
     await asyncio.to_thread(

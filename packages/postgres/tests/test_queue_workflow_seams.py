@@ -141,3 +141,34 @@ async def test_maintenance_settles_dependents_of_tasks_ended_by_an_earlier_relea
         [child.id, anyway.id],
     )
     assert [r[0] for r in waiting_on] == [0, 0]
+
+
+async def test_a_dependent_whose_unsettled_parent_was_pruned_is_settled_as_after_a_failure(
+    queue: QueueFixture,
+) -> None:
+    """Before: a waiting task whose every parent was deleted unsettled waited forever.
+
+    The parent's outcome is unknown once its row is gone, so it does not count as a success:
+    the dependent that runs only after successes is cancelled (and its own dependent after
+    it), the one that runs anyway becomes due.
+    """
+    _dsn, schema, conn = queue
+    sql = queue_sql(schema)
+    parent = await enqueue(conn, STEP, {"s": "a"}, schema=schema)
+    child = await enqueue(conn, STEP, {"s": "b"}, after=[parent], schema=schema)
+    grandchild = await enqueue(conn, STEP, {"s": "c"}, after=[child], schema=schema)
+    anyway = await enqueue(
+        conn, STEP, {"s": "d"}, after=[parent], on_parent_failure=ParentFailure.RUN, schema=schema
+    )
+    assert await _claim(conn, schema, 10) == [parent.id]
+    await _old_end(conn, schema, parent.id, "succeeded")
+    await conn.execute(f'DELETE FROM "{schema}".tasks WHERE id = $1', parent.id)  # pruned
+    await conn.fetch(sql.settle_stranded, 100, 0)
+    assert await _state(conn, schema, child.id) == "cancelled"
+    assert await _state(conn, schema, anyway.id) == "pending"
+    error = await conn.fetchval(f'SELECT last_error FROM "{schema}".tasks WHERE id = $1', child.id)
+    assert "deleted" in error
+    # The cancelled one's dependent has no live parent left: the next pass settles it.
+    await conn.fetch(sql.settle_stranded, 100, 0)
+    assert await _state(conn, schema, grandchild.id) == "cancelled"
+    assert await _claim(conn, schema, 10) == [anyway.id]

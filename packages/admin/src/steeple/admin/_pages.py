@@ -88,6 +88,10 @@ class Links:
         """One task's page."""
         return f"{self.ui}/tasks/{task_id}"
 
+    def workflow(self, task_id: int) -> str:
+        """Return the page of the workflow a task belongs to."""
+        return f"{self.ui}/workflows/{task_id}"
+
 
 def filter_query(where: TaskFilter) -> dict[str, str]:
     """Return the query parameters that select ``where`` on the task list."""
@@ -384,14 +388,16 @@ def _attempts_detail(task: TaskRecord) -> str:
     return task.attempts_shown
 
 
-def task_detail(task: TaskRecord, actions: bool) -> str:
-    """Render the task's metadata and timings."""
+def task_detail(links: Links, task: TaskRecord, actions: bool) -> str:
+    """Render the task's metadata and timings, its limit key and a link to its workflow."""
     waited = _span(task.run_at, task.started_at)
     ran = _span(task.started_at, task.finished_at)
     rows = [
         ("state", badge(task.state)),
         ("task name", esc(task.name)),
         ("queue", esc(task.queue)),
+        ("limit key", esc(task.limit_key or "-")),
+        ("workflow", _workflow_link(links, task)),
         ("attempts", esc(_attempts_detail(task))),
         ("priority", esc(task.priority)),
         ("created (UTC)", esc(utc(task.created_at))),
@@ -411,6 +417,12 @@ def task_detail(task: TaskRecord, actions: bool) -> str:
     return (
         f'{heading("Details")}<dl class="detail">{dl}</dl><div class="task-actions">{buttons}</div>'
     )
+
+
+def _workflow_link(links: Links, task: TaskRecord) -> str:
+    if task.workflow_id is None:
+        return "-"
+    return f'<a href="{esc(links.workflow(task.task_id))}">{task.workflow_id}</a>'
 
 
 def workflow_section(links: Links, graph: Mapping[str, Any]) -> str:

@@ -193,7 +193,12 @@ class PostgresTaskAdmin:
             run = await queue.admin.task_detail(self.pool, task_id, schema=self.schema, history=0)
         except queue.TaskNotFoundError:
             return None
-        return attrs.evolve(task_record(run), result=run.result)
+        return attrs.evolve(
+            task_record(run),
+            result=run.result,
+            limit_key=run.limit_key,
+            workflow_id=run.workflow_id,
+        )
 
     async def workflow(self, task_id: int) -> dict[str, Any] | None:
         """Return the workflow of ``task_id`` as a graph (never args or results), or ``None``.

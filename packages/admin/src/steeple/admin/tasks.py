@@ -71,6 +71,10 @@ class TaskRecord:
     progress_message: str | None = None
     result: Any = None
     """The JSON value its handler returned (``None`` in listings, which leave it out)."""
+    limit_key: str | None = None
+    """The key its per-key limits count it under (``None`` in listings, which leave it out)."""
+    workflow_id: int | None = None
+    """The workflow it belongs to, if any (``None`` in listings, which leave it out)."""
 
     @property
     def attempts_shown(self) -> str:
@@ -108,6 +112,8 @@ class TaskRecord:
             "progress": self.progress,
             "progress_message": self.progress_message,
             "result": self.result,
+            "limit_key": self.limit_key,
+            "workflow_id": self.workflow_id,
         }
 
 

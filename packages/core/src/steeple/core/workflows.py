@@ -23,6 +23,7 @@ from steeple.core.errors import ConfigurationError, ConfigurationTypeError
 from steeple.core.tasks import TERMINAL_TASK_STATES, TaskEvent, TaskState
 
 __all__ = [
+    "DELETED_PARENT",
     "MAX_PARENTS",
     "MAX_WORKFLOW_TASKS",
     "ParentFailure",
@@ -37,6 +38,13 @@ MAX_WORKFLOW_TASKS: Final = 10_000
 """The most tasks one workflow enqueue inserts (one statement)."""
 MAX_PARENTS: Final = 1_000
 """The most tasks one task may wait for."""
+DELETED_PARENT: Final = TaskState.FAILED
+"""What a parent deleted before it settled its dependents counts as.
+
+Its outcome is unknown (a worker of an earlier release ended it without settling, then it
+was pruned), so it is not taken for a success: a dependent that runs only after successes
+is cancelled, one that runs anyway runs.
+"""
 
 
 class WorkflowCycleError(ConfigurationError):

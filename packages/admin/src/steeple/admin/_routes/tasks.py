@@ -198,8 +198,9 @@ async def task_page(ctx: AdminContext, request: Request, namespace: str) -> Resp
     attempts = await admin.attempts(task_id)
     shown = await ctx.visible(request, namespace, record)
     result = _pages.result_section(shown, withheld=shown is not record)
+    links = ctx.links_of(request, namespace)
     sections = [
-        _pages.Section("task", _pages.task_detail(record, ctx.actions_enabled), live=True),
+        _pages.Section("task", _pages.task_detail(links, record, ctx.actions_enabled), live=True),
         _pages.Section("result", result, live=True),
         _pages.Section("attempts", _pages.attempts_table(attempts), live=True),
         _pages.Section("args", _pages.args_section(record, ctx.revealable(record.name))),

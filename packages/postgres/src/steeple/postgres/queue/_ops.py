@@ -153,6 +153,10 @@ class TaskRun:
             not succeeded, or this came from a listing, which leaves results out).
         history: its attempts, oldest first (the latest ``history`` of them; empty in
             listings, which leave it out).
+        limit_key: the key its per-key limits count it under, if any (``None`` in
+            listings, which leave it out).
+        workflow_id: the workflow it belongs to (its first task's id), if any (``None`` in
+            listings, which leave it out).
     """
 
     id: int
@@ -176,6 +180,8 @@ class TaskRun:
     progress: Progress | None = None
     result: Any = None
     history: tuple[TaskAttempt, ...] = ()
+    limit_key: str | None = None
+    workflow_id: int | None = None
 
     @property
     def attempts_shown(self) -> str:
@@ -217,7 +223,8 @@ class TaskRun:
     def from_row(cls, row: tuple[Any, ...]) -> TaskRun:
         """Build from a listing row (``RUN_STATE_COLUMNS``) or a ``run_state`` row.
 
-        A ``run_state`` row has those columns, then the result's JSON text and the history's.
+        A ``run_state`` row has those columns, then the result's JSON text, the history's, the
+        limit key and the workflow id.
         """
         values = list(row)
         values[2] = TaskState(values[2])

@@ -33,6 +33,7 @@ from steeple.core.tasks import (
     TaskState,
     transition,
 )
+from steeple.core.workflows import DELETED_PARENT, ParentFailure, settlement
 from steeple.postgres.queue._schema import notify_channel, validate_schema
 from steeple.postgres.queue._validate import DEFAULT_QUEUE
 
@@ -102,6 +103,31 @@ _OUTCOME: Final = {
 # core's attempts_exhausted(attempt, max_attempts), set-based: a row's attempts counts the
 # running attempt. Checked against core over a grid of values by test_queue_lifecycle_sql.
 _EXHAUSTED = "t.attempts >= t.max_attempts"
+
+
+def _orphan_settled(s: str) -> str:
+    """Return SET clauses settling a stranded waiting task none of whose parents exists.
+
+    Such a task (``t``) is settled against :data:`DELETED_PARENT` by core's settlement for
+    its policy; one with a parent left keeps its state, finish and error.
+    """
+    kept = f"EXISTS (SELECT 1 FROM {s}.task_dependencies e WHERE e.child_id = t.id)"
+    state, finished, error = [f"CASE WHEN {kept} THEN t.{c}" for c in _ORPHAN_COLUMNS]
+    for policy in ParentFailure:
+        event = settlement(DELETED_PARENT, policy).event or TaskEvent.DEPENDENCIES_MET
+        after = transition(TaskState.WAITING, event)
+        when = f" WHEN t.on_parent_failure = '{policy.value}' THEN "
+        state += when + _lit(after)
+        finished += when + _finished(after)
+        error += when + (_ORPHAN_ERROR if after in TERMINAL_TASK_STATES else "t.last_error")
+    return ", ".join(
+        f"{c} = {case} ELSE t.{c} END"
+        for c, case in zip(_ORPHAN_COLUMNS, (state, finished, error), strict=True)
+    )
+
+
+_ORPHAN_COLUMNS = ("state", "finished_at", "last_error")
+_ORPHAN_ERROR = "'cancelled: a task it waited for was deleted before its outcome settled this one'"
 
 DURABLE = "(SELECT set_config('synchronous_commit', 'on', true)) AS durable"
 # Claims and renewals may commit asynchronously: losing one in a server crash leaves the
@@ -390,7 +416,8 @@ SELECT id, state FROM done, settled""",
         # parents by settle_dependents, as a new graph is settled against ended parents
         # (migration 0012). Returns the last id looked at (NULL: none), how many were
         # looked at, and how many were settled. A cancelled one's own dependents are
-        # settled by a later pass.
+        # settled by a later pass. One none of whose parents exists any more (pruned
+        # before this pass) is settled against DELETED_PARENT (_orphan_settled).
         settle_stranded=f"""
 WITH looked AS MATERIALIZED (
     SELECT id FROM {s}.tasks WHERE state = {_lit(TaskState.WAITING)} AND id > $2 ORDER BY id
@@ -404,10 +431,14 @@ WITH looked AS MATERIALIZED (
     FOR NO KEY UPDATE OF t SKIP LOCKED
 ), recounted AS MATERIALIZED (
     UPDATE {s}.tasks t
-    SET waiting_on = (SELECT count(*) FROM {s}.task_dependencies e WHERE e.child_id = t.id)
+    SET waiting_on = (SELECT count(*) FROM {s}.task_dependencies e WHERE e.child_id = t.id),
+        {_orphan_settled(s)}
     FROM {DURABLE}, stranded
     WHERE t.id = stranded.id
-    RETURNING t.id
+    RETURNING t.id, t.state
+), woken AS MATERIALIZED (
+    SELECT pg_notify({_quoted(notify_channel(schema))}, '')
+    FROM recounted WHERE state = {_lit(TaskState.PENDING)} LIMIT 1
 ), parents AS MATERIALIZED (
     SELECT DISTINCT e.parent_id AS id, p.state
     FROM recounted r JOIN {s}.task_dependencies e ON e.child_id = r.id
@@ -424,9 +455,10 @@ WITH looked AS MATERIALIZED (
 )
 SELECT (SELECT max(id) FROM looked), (SELECT count(*) FROM looked),
        (SELECT count(*) FROM recounted)
-FROM settled""",
+FROM settled, (SELECT count(*) FROM woken) AS w""",
         lost_states=f"SELECT id, state FROM {s}.tasks WHERE id = ANY($1::text[]::bigint[])",
-        # $1 id, $2 the most attempts of its history returned (the latest ones)
+        # $1 id, $2 the most attempts of its history returned (the latest ones); then the
+        # limit key and workflow id (TaskRun's last fields)
         run_state=f"""
 SELECT {RUN_STATE_COLUMNS}, result::text, (
     SELECT coalesce(json_agg(h ORDER BY h.id), '[]'::json)::text FROM (
@@ -434,7 +466,7 @@ SELECT {RUN_STATE_COLUMNS}, result::text, (
                a.error_type, a.traceback
         FROM {s}.attempts a WHERE a.task_id = t.id ORDER BY a.id DESC LIMIT $2
     ) AS h
-)
+), limit_key, workflow_id
 FROM {s}.tasks t WHERE t.id = $1""",
         cancel=f"""
 WITH target AS (

@@ -983,4 +983,5 @@ def _run(stored: _Stored, history: int) -> TaskRun:
         progress=Progress.from_json(stored.progress_text),
         result=None if stored.result_text is None else json.loads(stored.result_text),
         history=tuple(stored.history[len(stored.history) - history :]),
+        limit_key=stored.limit_key,
     )

@@ -23,6 +23,19 @@ equal the model:
 - an expired lease is recovered to pending, or to failed once attempts are exhausted;
 - prune removes exactly the terminal tasks, and the attempt history never outlives them.
 
+Two optional capabilities widen the machine when the driver has them:
+
+- :class:`DependencyQueueDriver` (tasks enqueued after others): random graphs of
+  dependents, amid failures, cancellations and lease lapses. A dependent is ``waiting``
+  (claimed by nobody) until every task it waits for has ended; it then becomes due once
+  they all succeeded, or is cancelled (and its own dependents after it) when one failed
+  for good or was cancelled -- unless it runs anyway (``on_parent_failure="run"``), once
+  they all ended. A stale completion releases nothing. So every dependent runs only
+  after its parents, exactly as often as its own attempts say, or never.
+- :class:`KeyLimitedQueueDriver` (a per-key running limit): tasks carry one of a few
+  limit keys and a claim skips each whose key already runs the limit, walking on to the
+  tasks behind it, so no key ever runs more than the limit and a full key blocks no other.
+
 A queue opts in with an adapter::
 
     async def make_driver() -> QueueDriver:
@@ -39,8 +52,9 @@ of each example in the same runner.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine, Hashable
-from typing import Any, ClassVar, Protocol, TypeVar
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import attrs
 from hypothesis import HealthCheck, settings
@@ -58,6 +72,8 @@ __all__ = [
     "DEFAULT_SETTINGS",
     "MAX_ATTEMPTS",
     "ClaimedTask",
+    "DependencyQueueDriver",
+    "KeyLimitedQueueDriver",
     "MakeDriver",
     "QueueConformance",
     "QueueDriver",
@@ -71,6 +87,8 @@ T = TypeVar("T")
 MAX_ATTEMPTS = 2
 """Every task the suite enqueues allows this many attempts (so exhaustion is reached)."""
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+LIMIT_KEYS = ("a", "b")
+"""The limit keys the suite's tasks carry (with a key limiting driver)."""
 
 DEFAULT_SETTINGS = settings(
     max_examples=60,
@@ -168,6 +186,39 @@ class QueueDriver(Protocol):
         ...
 
 
+@runtime_checkable
+class DependencyQueueDriver(QueueDriver, Protocol):
+    """A queue whose tasks can wait for others (the ``waiting`` state)."""
+
+    async def enqueue_after(
+        self,
+        parents: Sequence[int],
+        *,
+        priority: int,
+        max_attempts: int,
+        run_on_parent_failure: bool,
+        limit_key: str | None,
+    ) -> int:
+        """Create a task due now that waits for ``parents`` (existing tasks); return its id.
+
+        ``limit_key`` is ``None`` unless the driver is also a :class:`KeyLimitedQueueDriver`.
+        """
+        ...
+
+
+@runtime_checkable
+class KeyLimitedQueueDriver(QueueDriver, Protocol):
+    """A queue that caps how many tasks of one limit key run at once."""
+
+    async def limit_running_per_key(self, limit: int) -> None:
+        """Let at most ``limit`` tasks of any one key run at once in the suite's queue."""
+        ...
+
+    async def enqueue_keyed(self, key: str, *, priority: int, max_attempts: int) -> int:
+        """Create a task due now with limit key ``key``; return its id."""
+        ...
+
+
 MakeDriver = Callable[[], Awaitable[QueueDriver]]
 """Builds a driver over an empty queue (awaited inside the machine's runner)."""
 
@@ -181,6 +232,9 @@ class _ModelTask:
     attempts: int = 0
     token: Hashable | None = None
     old_tokens: list[Hashable] = attrs.field(factory=list)
+    key: str | None = None
+    waits_for: set[int] = attrs.field(factory=set)  # parents not yet ended
+    runs_anyway: bool = False  # on_parent_failure="run"
 
 
 class QueueConformance(RuleBasedStateMachine):
@@ -200,7 +254,10 @@ class QueueConformance(RuleBasedStateMachine):
         self.runner = asyncio.Runner()
         self.model: dict[int, _ModelTask] = {}
         self.seq = 0
+        self.key_limit: int | None = None
         self.driver: QueueDriver = self._run(_awaitable(factory()))
+        self.dependencies = isinstance(self.driver, DependencyQueueDriver)
+        self.keyed = isinstance(self.driver, KeyLimitedQueueDriver)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.runner.run(coro)
@@ -236,6 +293,51 @@ class QueueConformance(RuleBasedStateMachine):
             task.old_tokens.append(task.token)
         task.token = None
 
+    def _ended(self, parent_id: int) -> None:
+        """Settle the waiting dependents of a task that just reached a terminal state."""
+        for child_id in sorted(self.model):
+            self._settle_one(parent_id, child_id)
+
+    def _settle_one(self, parent_id: int, child_id: int) -> None:
+        """Settle one dependent of an ended parent.
+
+        One fewer to wait for (the last one releases it), or it is cancelled and its own
+        dependents are settled in turn.
+        """
+        child = self.model[child_id]
+        if child.state != "waiting" or parent_id not in child.waits_for:
+            return
+        child.waits_for.discard(parent_id)
+        if self.model[parent_id].state == "succeeded" or child.runs_anyway:
+            if not child.waits_for:
+                child.state = "pending"
+        else:
+            child.state = "cancelled"
+            child.waits_for.clear()
+            self._ended(child_id)
+
+    def _walk(self, limit: int) -> list[int]:
+        """Return what a claim of ``limit`` takes.
+
+        The due pending tasks in claim order, each skipped whose key already runs the limit
+        (counting what this claim took).
+        """
+        due = sorted(
+            (-t.priority, t.seq, i) for i, t in self.model.items() if t.state == "pending" and t.due
+        )
+        running = Counter(t.key for t in self.model.values() if t.state == "running")
+        taken: list[int] = []
+        for _p, _s, i in due:
+            if len(taken) >= limit:
+                break
+            key = self.model[i].key
+            if key is not None and self.key_limit is not None:
+                if running[key] >= self.key_limit:
+                    continue  # a full key: the walk goes on to the tasks behind it
+                running[key] += 1
+            taken.append(i)
+        return taken
+
     # --- rules ---------------------------------------------------------------------------
 
     @initialize(priorities=st.lists(st.sampled_from((0, 0, 1, -1)), min_size=2, max_size=6))
@@ -257,6 +359,68 @@ class QueueConformance(RuleBasedStateMachine):
         self.model[task_id] = _ModelTask(seq=self.seq, priority=priority, due=not delayed)
         self.seq += 1
 
+    @initialize(limit=st.integers(1, 2))
+    def a_per_key_limit(self, limit: int) -> None:
+        """With a key limiting driver, cap each key's running tasks (1 or 2)."""
+        if isinstance(self.driver, KeyLimitedQueueDriver):
+            self._run(self.driver.limit_running_per_key(limit))
+            self.key_limit = limit
+
+    @precondition(lambda self: self.keyed)
+    @rule(key=st.sampled_from(LIMIT_KEYS), priority=st.sampled_from((0, 0, 1)))
+    def enqueue_keyed(self, key: str, priority: int) -> None:
+        """Enqueue a task due now with a limit key (a few keys: they fill up)."""
+        assert isinstance(self.driver, KeyLimitedQueueDriver)
+        task_id = self._run(
+            self.driver.enqueue_keyed(key, priority=priority, max_attempts=MAX_ATTEMPTS)
+        )
+        self._add(task_id, _ModelTask(seq=self.seq, priority=priority, due=True, key=key))
+
+    @precondition(lambda self: self.dependencies and self.model)
+    @rule(
+        data=st.data(),
+        runs_anyway=st.sampled_from((False, False, True)),
+        priority=st.sampled_from((0, 0, 1)),
+    )
+    def enqueue_after(self, data: st.DataObject, runs_anyway: bool, priority: int) -> None:
+        """Enqueue a task after one to three stored tasks, live or ended.
+
+        Waiting ones are among them, so chains and diamonds form; some run anyway, some
+        carry a limit key.
+        """
+        assert isinstance(self.driver, DependencyQueueDriver)
+        chosen = set(data.draw(st.lists(st.sampled_from(sorted(self.model)), max_size=2)))
+        # Mostly after a waiting task too: chains, whose cancellation must go all the way.
+        waiting = self._ids_in("waiting")
+        if (waiting and data.draw(st.integers(0, 2)) < 2) or not chosen:
+            chosen.add(data.draw(st.sampled_from(waiting or sorted(self.model))))
+        parents = sorted(chosen)
+        key = data.draw(st.sampled_from((None, *LIMIT_KEYS))) if self.keyed else None
+        task_id = self._run(
+            self.driver.enqueue_after(
+                parents,
+                priority=priority,
+                max_attempts=MAX_ATTEMPTS,
+                run_on_parent_failure=runs_anyway,
+                limit_key=key,
+            )
+        )
+        task = _ModelTask(
+            seq=self.seq, priority=priority, due=True, key=key, runs_anyway=runs_anyway
+        )
+        task.state = "waiting"
+        task.waits_for = set(parents)
+        self._add(task_id, task)
+        # Parents that had already ended settle it at once, as their endings would have.
+        for parent_id in parents:
+            if self.model[parent_id].state in TERMINAL:
+                self._settle_one(parent_id, task_id)
+
+    def _add(self, task_id: int, task: _ModelTask) -> None:
+        assert task_id not in self.model, f"task id {task_id} reused"
+        self.model[task_id] = task
+        self.seq += 1
+
     @rule(limit=st.integers(1, 3))
     def late_claim_does_nothing(self, limit: int) -> None:
         """Deliver a claim after its sender gave up (a held network): it takes nothing."""
@@ -265,14 +429,12 @@ class QueueConformance(RuleBasedStateMachine):
     @rule(limit=st.integers(1, 3))
     def claim(self, limit: int) -> None:
         """Claim the due pending tasks, highest priority first, then longest waiting."""
+        expected = self._walk(limit)
         claimed = self._run(self.driver.claim(limit))
-        due = sorted(
-            (-t.priority, t.seq, i) for i, t in self.model.items() if t.state == "pending" and t.due
-        )
-        expected = [i for _p, _s, i in due[:limit]]
         assert sorted(c.task_id for c in claimed) == sorted(expected)
         for c in claimed:
             task = self.model[c.task_id]
+            assert not task.waits_for, "a task ran before every task it waits for ended"
             task.state = "running"
             task.attempts += 1
             assert c.attempt == task.attempts
@@ -291,6 +453,7 @@ class QueueConformance(RuleBasedStateMachine):
         if accepted:
             task.state = "succeeded"
             self._end_lease(task)
+            self._ended(task_id)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), permanent=st.sampled_from((False, False, True)))
@@ -309,6 +472,8 @@ class QueueConformance(RuleBasedStateMachine):
                 task.seq = self.seq
                 self.seq += 1
             self._end_lease(task)
+            if permanent:
+                self._ended(task_id)
 
     def _retried_with_peers(self) -> list[int]:
         """List the running tasks with a due peer of their priority that became due after them."""
@@ -337,12 +502,10 @@ class QueueConformance(RuleBasedStateMachine):
         task.state, task.due, task.seq = "pending", True, self.seq
         self.seq += 1
         self._end_lease(task)
-        ahead = sum(
-            1
-            for t in self.model.values()
-            if t.state == "pending" and t.due and (-t.priority, t.seq) < (-task.priority, task.seq)
-        )
-        self.claim(ahead)
+        line = self._walk(len(self.model))
+        ahead = line.index(task_id) if task_id in line else 0  # absent: its key is full
+        if ahead:
+            self.claim(ahead)
         assert task.state == "pending", "a retried task jumped the line"
 
     @precondition(lambda self: self.model)
@@ -363,10 +526,12 @@ class QueueConformance(RuleBasedStateMachine):
         task = self.model[task_id]
         before, changed = self._run(self.driver.cancel(task_id))
         assert before == task.state
-        assert changed == (task.state in ("pending", "running"))
+        assert changed == (task.state in ("waiting", "pending", "running"))
         if changed:
             self._end_lease(task)
             task.state = "cancelled"
+            task.waits_for.clear()
+            self._ended(task_id)
 
     @precondition(lambda self: any(t.state == "running" for t in self.model.values()))
     @rule(data=st.data())
@@ -390,7 +555,9 @@ class QueueConformance(RuleBasedStateMachine):
             return  # attempts exhausted: failed for good, nobody takes it over
         # Claim every due task, so this one is taken over whatever its place in line.
         self.claim(sum(1 for t in self.model.values() if t.state == "pending" and t.due))
-        assert task.state == "running"
+        if task.state != "running":
+            assert task.key is not None, "a due task with no key was left behind"
+            return  # its key already runs the limit
         assert task.token != stale
         call = {
             "complete": self.driver.complete,
@@ -408,6 +575,8 @@ class QueueConformance(RuleBasedStateMachine):
         task.state = "failed" if task.attempts >= MAX_ATTEMPTS else "pending"
         task.due = True
         assert recovered == [(task_id, task.state)]
+        if task.state == "failed":
+            self._ended(task_id)
 
     @rule()
     def prune(self) -> None:
@@ -434,6 +603,13 @@ class QueueConformance(RuleBasedStateMachine):
             for i, t in self.model.items()
         }
         assert actual == expected
+
+    @invariant()
+    def no_key_runs_over_its_limit(self) -> None:
+        """No limit key has more running tasks than the per-key limit."""
+        if self.key_limit is not None:
+            running = Counter(t.key for t in self.model.values() if t.state == "running")
+            assert all(n <= self.key_limit for k, n in running.items() if k is not None)
 
     @invariant()
     def history_belongs_to_live_tasks(self) -> None:
