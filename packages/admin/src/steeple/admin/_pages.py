@@ -12,13 +12,12 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 import attrs
 
 from steeple.admin.tasks import (
-    AttemptRecord,
     JobRecord,
     Overview,
     QueueRecord,
@@ -28,6 +27,9 @@ from steeple.admin.tasks import (
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.records import OccurrenceInfo, ScheduleInfo, occurrence_cursor
 from steeple.core.tasks import TaskState
+
+if TYPE_CHECKING:
+    from steeple.admin.tasks import AttemptRecord
 
 __all__ = ["Button", "Links", "Section", "error_page", "page"]
 

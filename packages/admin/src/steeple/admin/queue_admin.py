@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from steeple.admin.tasks import (
-    AttemptRecord,
     JobRecord,
     Overview,
     QueueRecord,
@@ -29,6 +28,7 @@ from steeple.core.policies import validate_budget
 from steeple.core.records import Page
 
 if TYPE_CHECKING:
+    from steeple.admin.tasks import AttemptRecord
     from steeple.postgres.pooler import Pooler
     from steeple.postgres.queue import TaskRun
     from steeple.postgres.queue.admin import QueueInfo
@@ -305,19 +305,7 @@ class PostgresTaskAdmin:
             )
         except queue.TaskNotFoundError:
             return []
-        return [
-            AttemptRecord(
-                a.attempt,
-                a.outcome,
-                a.worker_id,
-                a.started_at,
-                a.finished_at,
-                a.error,
-                a.error_type,
-                a.traceback,
-            )
-            for a in reversed(run.history)
-        ]
+        return list(reversed(run.history))
 
     async def args(self, task_id: int) -> str | None:
         """Return the task's args as stored (JSON text), or ``None`` for no such task.

@@ -9,7 +9,7 @@ metadata (never a task's args unless asked for with :meth:`TaskAdmin.args`).
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -17,6 +17,10 @@ from steeple.core.errors import ConfigurationError
 from steeple.core.records import Page
 from steeple.core.tasks import MAX_TASK_ID, TaskState, attempts_outlook, parse_task_cursor
 from steeple.core.tasks import check_task_id as validate_task_id
+
+if TYPE_CHECKING:
+    # The queue's own record of an attempt: the admin shows it, it has no copy of its own.
+    from steeple.postgres.queue import TaskAttempt as AttemptRecord
 
 __all__ = [
     "MAX_TASK_ID",
@@ -135,33 +139,6 @@ class TaskFilter:
 
 
 @attrs.frozen
-class AttemptRecord:
-    """One finished attempt of a task (newest first in listings)."""
-
-    attempt: int
-    outcome: str
-    worker_id: str | None
-    started_at: datetime | None
-    finished_at: datetime | None
-    error: str | None
-    error_type: str | None = None
-    traceback: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """Return a JSON-ready dict."""
-        return {
-            "attempt": self.attempt,
-            "outcome": self.outcome,
-            "worker_id": self.worker_id,
-            "started_at": _iso(self.started_at),
-            "finished_at": _iso(self.finished_at),
-            "error": self.error,
-            "error_type": self.error_type,
-            "traceback": self.traceback,
-        }
-
-
-@attrs.frozen
 class QueueRecord:
     """A named queue: paused or not, its limits across all workers, its live tasks."""
 
@@ -276,6 +253,16 @@ class JobRecord:
             "updated_at": _iso(self.updated_at),
             "queue": self.queue,
         }
+
+
+def __getattr__(name: str) -> object:
+    # AttemptRecord is the queue's TaskAttempt, imported when first asked for: importing
+    # the queue (and its drivers) would slow every command that never shows an attempt.
+    if name == "AttemptRecord":
+        from steeple.postgres.queue import TaskAttempt
+
+        return TaskAttempt
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -24,6 +24,7 @@ from steeple.admin._cli.options import (
 )
 from steeple.admin._cli.output import fail, guard, say
 from steeple.admin.settings import CliError, ExitCode, parse_duration
+from steeple.core.tasks import MAX_TASK_ID
 
 if TYPE_CHECKING:
     from steeple.postgres.queue import EnqueueOptions, QueueInfo, TaskRun
@@ -96,7 +97,7 @@ StateOpt = Annotated[
 NameOpt = Annotated[
     str | None, typer.Option("--name", show_default=False, help="Only tasks of this task name.")
 ]
-TaskIdArg = Annotated[int, typer.Argument(min=1, max=2**63 - 1, help="The task id.")]
+TaskIdArg = Annotated[int, typer.Argument(min=1, max=MAX_TASK_ID, help="The task id.")]
 
 
 def _check_state(state: str | None) -> None:
