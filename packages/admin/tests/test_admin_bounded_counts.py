@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from steeple.admin import _pages
 from steeple.admin.tasks import Overview, QueueRecord, TaskFilter
@@ -26,7 +26,9 @@ def test_bounded_counts_are_labelled() -> None:
     assert "10,000+" in html
     assert "estimates" in html
     assert overview.to_json()["count_bounds"] == {"pending": "about", "succeeded": "at_least"}
-    queue = QueueRecord("big", False, 10_000, 2, pending_capped=True)
+    queue = QueueRecord(
+        "big", False, None, None, None, pending=10_000, running=2, pending_capped=True
+    )
     rows = _pages.queues_section(_Links(), [queue], actions=False)  # type: ignore[arg-type]
     assert "10,000+" in rows
     assert queue.to_json()["pending_capped"] is True
@@ -43,11 +45,14 @@ def test_the_queue_list_shows_per_key_limits() -> None:
     queue = QueueRecord(
         "imports",
         False,
-        3,
-        1,
+        None,
+        None,
+        None,
+        pending=3,
+        running=1,
         max_running_per_key=1,
         rate_limit_per_key=10,
-        rate_period_per_key_seconds=1.0,
+        rate_period_per_key=timedelta(seconds=1),
     )
     rows = _pages.queues_section(_Links(), [queue], actions=False)  # type: ignore[arg-type]
     assert "at most 1 running per key" in rows

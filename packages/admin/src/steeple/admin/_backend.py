@@ -393,7 +393,12 @@ def _connection_problem(driver: BaseException, target: Target | None) -> CliErro
 
 def _network_problem(driver: BaseException, target: Target | None, server: str) -> CliError | None:
     """Tell a failure to reach the server (TLS, files, names, sockets) in plain words."""
-    name = type(driver).__name__
+    problem = _tls_problem(driver, target, server)
+    return _socket_problem(driver, server) if problem is None else problem
+
+
+def _tls_problem(driver: BaseException, target: Target | None, server: str) -> CliError | None:
+    """Tell a failed TLS handshake, or a TLS file the DSN names that cannot be read."""
     config = ExitCode.CONFIG
     if isinstance(driver, ssl.SSLCertVerificationError):
         reason = driver.verify_message or driver.reason or str(driver)
@@ -422,14 +427,20 @@ def _network_problem(driver: BaseException, target: Target | None, server: str) 
         if files:
             return CliError(
                 f"cannot read the TLS file the DSN names ({', '.join(files)}): "
-                f"{driver.strerror or name}",
+                f"{driver.strerror or type(driver).__name__}",
                 code=config,
                 hint="fix the path in the DSN",
             )
+    return None
+
+
+def _socket_problem(driver: BaseException, server: str) -> CliError | None:
+    """Tell a host name that does not resolve, a refused or lost connection, a timeout."""
+    name = type(driver).__name__
     if isinstance(driver, socket.gaierror):
         return CliError(
             f"cannot resolve the host of {server}: {driver.strerror or driver}",
-            code=config,
+            code=ExitCode.CONFIG,
             hint=f"check the host name in {_DSN_HINT[4:]}",
         )
     if isinstance(driver, ConnectionRefusedError):
@@ -519,6 +530,23 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
     if isinstance(exc, CliError):
         return exc
     where = f" ({redact_dsn(target.dsn)}, schema {target.schema!r})" if target else ""
+    problem = _refusal_problem(exc)
+    if problem is None:
+        problem = _keys_problem(exc)
+    if problem is None:
+        problem = _schema_problem(exc, where)
+    driver = _driver_error(exc)
+    if problem is None and driver is not None:
+        problem = _connection_problem(driver, target)
+    if problem is None:
+        problem = _data_problem(exc, where)
+    if problem is None:
+        problem = _service_problem(exc, driver, where)
+    return problem
+
+
+def _refusal_problem(exc: BaseException) -> CliError | None:
+    """Tell a recurring operation the namespace refused (missing, conflicting, full)."""
     if isinstance(
         exc,
         RecurringNotFoundError
@@ -529,6 +557,11 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
         hint = "run steeple initialize first" if "initialize" in str(exc) else None
         code = ExitCode.CONFIG if hint else ExitCode.FAILED
         return CliError(str(exc), code=code, hint=hint)
+    return None
+
+
+def _keys_problem(exc: BaseException) -> CliError | None:
+    """Tell keys that do not fit the namespace (binding, key id, key material)."""
     mismatch = _cause(exc, KeyringBindingMismatchError)
     if mismatch is not None:
         return CliError(
@@ -554,17 +587,22 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
         )
     if isinstance(exc, KeyringError) and not isinstance(exc, ConfigurationError):
         return CliError(str(exc), code=ExitCode.CONFIG, hint=_KEYS_HINT)
+    return None
+
+
+def _schema_problem(exc: BaseException, where: str) -> CliError | None:
+    """Tell a schema at another version than this code's."""
     if isinstance(exc, RecurringSchemaVersionError):
         return CliError(str(exc) + where, code=ExitCode.CONFIG)
     from steeple.postgres.queue.errors import SchemaVersionMismatchError
 
     if isinstance(exc, SchemaVersionMismatchError):
         return CliError(str(exc), code=ExitCode.CONFIG, hint="run steeple migrate")
-    driver = _driver_error(exc)
-    if driver is not None:
-        problem = _connection_problem(driver, target)
-        if problem is not None:
-            return problem
+    return None
+
+
+def _data_problem(exc: BaseException, where: str) -> CliError | None:
+    """Tell an argument PostgreSQL refused as data (SQLSTATE class 22)."""
     for candidate in (exc, exc.__cause__):
         if _is_data_exception(candidate):
             # PostgreSQL refused a value as data (a NUL, an undecodable character, a number
@@ -576,6 +614,11 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
                 hint="remove NUL, control characters and undecodable bytes; keep numbers "
                 "within 64 bits",
             )
+    return None
+
+
+def _service_problem(exc: BaseException, driver: BaseException | None, where: str) -> CliError:
+    """Tell any other failure: configuration, storage, the broker, or the server's words."""
     if isinstance(exc, ConfigurationError):
         return CliError(str(exc), code=ExitCode.CONFIG)
     if isinstance(exc, RecurringStorageError):

@@ -12,22 +12,22 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 import attrs
 
 from steeple.admin.tasks import (
-    AttemptRecord,
-    JobRecord,
     Overview,
-    QueueRecord,
     TaskFilter,
     TaskRecord,
 )
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.records import OccurrenceInfo, ScheduleInfo, occurrence_cursor
 from steeple.core.tasks import TaskState
+
+if TYPE_CHECKING:
+    from steeple.admin.tasks import AttemptRecord, JobRecord, QueueRecord
 
 __all__ = ["Button", "Links", "Section", "error_page", "page"]
 
@@ -593,13 +593,14 @@ def queues_section(links: Links, queues: Sequence[QueueRecord], actions: bool) -
         limits = []
         if q.max_running is not None:
             limits.append(f"at most {q.max_running} running")
-        if q.rate_limit is not None and q.rate_period_seconds is not None:
-            limits.append(f"{q.rate_limit} starts per {q.rate_period_seconds:g} s")
+        if q.rate_limit is not None and q.rate_period is not None:
+            limits.append(f"{q.rate_limit} starts per {q.rate_period.total_seconds():g} s")
         if q.max_running_per_key is not None:
             limits.append(f"at most {q.max_running_per_key} running per key")
-        if q.rate_limit_per_key is not None and q.rate_period_per_key_seconds is not None:
+        if q.rate_limit_per_key is not None and q.rate_period_per_key is not None:
             limits.append(
-                f"{q.rate_limit_per_key} starts per key per {q.rate_period_per_key_seconds:g} s"
+                f"{q.rate_limit_per_key} starts per key per "
+                f"{q.rate_period_per_key.total_seconds():g} s"
             )
         state = badge("paused" if q.paused else "active")
         if q.unserved:

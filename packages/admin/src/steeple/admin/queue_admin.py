@@ -16,10 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from steeple.admin.tasks import (
-    AttemptRecord,
-    JobRecord,
     Overview,
-    QueueRecord,
     TaskFilter,
     TaskRecord,
     validate_task_id,
@@ -29,12 +26,11 @@ from steeple.core.policies import validate_budget
 from steeple.core.records import Page
 
 if TYPE_CHECKING:
+    from steeple.admin.tasks import AttemptRecord, JobRecord, QueueRecord
     from steeple.postgres.pooler import Pooler
     from steeple.postgres.queue import TaskRun
-    from steeple.postgres.queue.admin import QueueInfo
-    from steeple.postgres.queue.jobs import JobInfo
 
-__all__ = ["PostgresTaskAdmin", "job_record", "queue_record", "task_record"]
+__all__ = ["PostgresTaskAdmin", "task_record"]
 
 _JOB_VERBS = ("pause", "resume", "reschedule", "delete")
 _HISTORY = 100  # attempts shown on a task's page
@@ -63,43 +59,6 @@ def task_record(run: TaskRun) -> TaskRecord:
         queue=run.queue,
         progress=None if run.progress is None else run.progress.fraction,
         progress_message=None if run.progress is None else run.progress.message,
-    )
-
-
-def queue_record(info: QueueInfo) -> QueueRecord:
-    """Return the admin's view of a named queue."""
-    period = info.rate_period
-    key_period = info.rate_period_per_key
-    return QueueRecord(
-        name=info.name,
-        paused=info.paused,
-        pending=info.pending,
-        running=info.running,
-        max_running=info.max_running,
-        rate_limit=info.rate_limit,
-        rate_period_seconds=None if period is None else period.total_seconds(),
-        due_since=info.due_since,
-        unserved=info.unserved,
-        pending_capped=info.pending_capped,
-        running_capped=info.running_capped,
-        max_running_per_key=info.max_running_per_key,
-        rate_limit_per_key=info.rate_limit_per_key,
-        rate_period_per_key_seconds=None if key_period is None else key_period.total_seconds(),
-    )
-
-
-def job_record(job: JobInfo) -> JobRecord:
-    """Return the admin's view of a recurring job (no args)."""
-    return JobRecord(
-        name=job.name,
-        task_name=job.task_name,
-        cron=job.cron,
-        timezone=job.timezone,
-        paused=job.paused,
-        next_run_at=job.next_run_at,
-        created_at=job.created_at,
-        updated_at=job.updated_at,
-        queue=job.queue,
     )
 
 
@@ -310,19 +269,7 @@ class PostgresTaskAdmin:
             )
         except queue.TaskNotFoundError:
             return []
-        return [
-            AttemptRecord(
-                a.attempt,
-                a.outcome,
-                a.worker_id,
-                a.started_at,
-                a.finished_at,
-                a.error,
-                a.error_type,
-                a.traceback,
-            )
-            for a in reversed(run.history)
-        ]
+        return list(reversed(run.history))
 
     async def args(self, task_id: int) -> str | None:
         """Return the task's args as stored (JSON text), or ``None`` for no such task.
@@ -357,7 +304,7 @@ class PostgresTaskAdmin:
             ends_at=seen.ends_at,
             bucket_seconds=seen.bucket.total_seconds(),
             finished={state.value: per for state, per in seen.finished.items()},
-            queues=tuple(queue_record(q) for q in queues),
+            queues=tuple(queues),
             finished_by_queue={
                 name: {state.value: n for state, n in per.items()}
                 for name, per in seen.by_queue.items()
@@ -373,7 +320,7 @@ class PostgresTaskAdmin:
         from steeple.postgres.queue import admin
 
         change = admin.pause_queue if paused else admin.resume_queue
-        return queue_record(await change(self.pool, name, schema=self.schema))
+        return await change(self.pool, name, schema=self.schema)
 
     async def jobs(self, *, after: str | None = None, limit: int = 100) -> Page[JobRecord]:
         """List the queue's recurring jobs by name (never their args).
@@ -385,7 +332,7 @@ class PostgresTaskAdmin:
 
         validate_budget(limit, "limit")
         page = await admin.list_jobs(self.pool, schema=self.schema, after=after, limit=limit)
-        return Page(items=[job_record(j) for j in page.items], next_cursor=page.next_cursor)
+        return Page(items=list(page.items), next_cursor=page.next_cursor)
 
     async def create_job(
         self,
@@ -407,17 +354,15 @@ class PostgresTaskAdmin:
         from steeple.postgres.queue import Task, jobs
 
         task: Task[Any] = Task(task_name)
-        return job_record(
-            await jobs.create(
-                self.pool,
-                name,
-                task,
-                cron,
-                args,
-                schema=self.schema,
-                timezone=timezone,
-                queue=queue,
-            )
+        return await jobs.create(
+            self.pool,
+            name,
+            task,
+            cron,
+            args,
+            schema=self.schema,
+            timezone=timezone,
+            queue=queue,
         )
 
     async def change_job(
@@ -437,9 +382,9 @@ class PostgresTaskAdmin:
         if verb not in _JOB_VERBS:
             raise ConfigurationError(f"a job change is one of {', '.join(_JOB_VERBS)}")
         if verb == "pause":
-            return job_record(await jobs.pause(self.pool, name, schema=self.schema))
+            return await jobs.pause(self.pool, name, schema=self.schema)
         if verb == "resume":
-            return job_record(await jobs.resume(self.pool, name, schema=self.schema))
+            return await jobs.resume(self.pool, name, schema=self.schema)
         if verb == "delete":
             await jobs.delete(self.pool, name, schema=self.schema)
             return None
@@ -451,4 +396,4 @@ class PostgresTaskAdmin:
             changed = await jobs.reschedule(
                 self.pool, name, cron, schema=self.schema, timezone=timezone
             )
-        return job_record(changed)
+        return changed

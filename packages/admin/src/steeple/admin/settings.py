@@ -524,34 +524,13 @@ def _settings(path: Path, values: dict[str, Any], mode: int) -> SettingsFile:
     shown = repr(str(path))
     fields: dict[str, Any] = {}
     for key, value in values.items():
-        where = f"{key!r} in the settings file {shown}"
         if key not in SETTINGS_KEYS:
             raise CliError(
                 f"unknown key {_shown(key)} in the settings file {shown}",
                 code=ExitCode.CONFIG,
                 hint="the keys are " + ", ".join(SETTINGS_KEYS),
             )
-        if key in _TEXT_KEYS:
-            if not isinstance(value, str):
-                raise CliError(f"{where} must be a string", code=ExitCode.CONFIG)
-            fields[key] = value
-        elif key in _INT_KEYS:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise CliError(f"{where} must be a whole number", code=ExitCode.CONFIG)
-            if value.bit_length() > 63:  # beyond every limit, and maybe beyond str()
-                raise CliError(f"{where} is far too large", code=ExitCode.CONFIG)
-            fields[key] = value
-        elif isinstance(value, str):
-            fields[key] = _config_duration(value, where)
-        elif isinstance(value, int) and not isinstance(value, bool):
-            if value.bit_length() > 64:  # a huge hex literal: no decimal text to parse
-                raise CliError(f"{where} is longer than 100 years", code=ExitCode.CONFIG)
-            # A TOML integer is a number of seconds (the file's documented meaning).
-            fields[key] = _config_duration(f"{value}s", where)
-        else:
-            raise CliError(
-                f'{where} must be a duration such as "60s" or "1d"', code=ExitCode.CONFIG
-            )
+        fields[key] = _setting(key, value, f"{key!r} in the settings file {shown}")
     for key in ("embedded", "keys_file"):
         if key in fields:
             fields[key] = path.parent / Path(fields[key]).expanduser()
@@ -559,19 +538,45 @@ def _settings(path: Path, values: dict[str, Any], mode: int) -> SettingsFile:
         fields["pooler"] = _file_pooler(fields["pooler"], f"'pooler' in the settings file {shown}")
     for key in ("dsn", "listen_dsn"):
         dsn = fields.get(key)
-        if dsn is None:
-            continue
-        # a malformed DSN is refused here, redacted
-        resolve_dsn(dsn, source=f"{key} in the settings file {shown}")
-        if dsn_secrets(dsn) and mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise CliError(
-                f"the settings file {shown} holds a database password ({key}) and other "
-                "users can read it",
-                code=ExitCode.CONFIG,
-                hint=f"restrict it (chmod 600 {path}), or set the password in {DSN_ENV}, "
-                "PGPASSWORD or ~/.pgpass instead",
-            )
+        if dsn is not None:
+            _check_file_dsn(path, key, dsn, mode)
     return SettingsFile(path=path, **fields)
+
+
+def _setting(key: str, value: object, where: str) -> object:
+    """Return the value of one known setting, checked for its kind (text, number, duration)."""
+    if key in _TEXT_KEYS:
+        if not isinstance(value, str):
+            raise CliError(f"{where} must be a string", code=ExitCode.CONFIG)
+        return value
+    if key in _INT_KEYS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CliError(f"{where} must be a whole number", code=ExitCode.CONFIG)
+        if value.bit_length() > 63:  # beyond every limit, and maybe beyond str()
+            raise CliError(f"{where} is far too large", code=ExitCode.CONFIG)
+        return value
+    if isinstance(value, str):
+        return _config_duration(value, where)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value.bit_length() > 64:  # a huge hex literal: no decimal text to parse
+            raise CliError(f"{where} is longer than 100 years", code=ExitCode.CONFIG)
+        # A TOML integer is a number of seconds (the file's documented meaning).
+        return _config_duration(f"{value}s", where)
+    raise CliError(f'{where} must be a duration such as "60s" or "1d"', code=ExitCode.CONFIG)
+
+
+def _check_file_dsn(path: Path, key: str, dsn: str, mode: int) -> None:
+    """Refuse a malformed DSN (redacted), or a password in a file others can read."""
+    shown = repr(str(path))
+    resolve_dsn(dsn, source=f"{key} in the settings file {shown}")
+    if dsn_secrets(dsn) and mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise CliError(
+            f"the settings file {shown} holds a database password ({key}) and other "
+            "users can read it",
+            code=ExitCode.CONFIG,
+            hint=f"restrict it (chmod 600 {path}), or set the password in {DSN_ENV}, "
+            "PGPASSWORD or ~/.pgpass instead",
+        )
 
 
 def _file_pooler(value: str, where: str) -> str:

@@ -222,10 +222,7 @@ def plot_figure(result: SimulationResult) -> Any:
         ValueError: the run was not traced (run it with ``trace=True``).
     """
     try:
-        from matplotlib.dates import AutoDateLocator, ConciseDateFormatter, date2num
         from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
-        from matplotlib.patches import Patch
     except ImportError:
         raise PlotUnavailableError(
             "matplotlib is not installed: pip install 'steeple-admin[plot]'"
@@ -234,26 +231,7 @@ def plot_figure(result: SimulationResult) -> Any:
     scenario = result.scenario
     incidents = _incidents(result)
     short = scenario.end - scenario.start <= timedelta(days=7)
-    rows: list[tuple[str, list[DueRun]]]
-    if len(result.definitions) <= _MAX_ROWS:
-        rows = [
-            (
-                f"{d.name} ({d.policy.value.replace('_', '-')}, {d.cron})",
-                [r for r in runs if r.definition_name == d.name],
-            )
-            for d in result.definitions
-        ]
-    else:
-        policy_of = {d.name: d.policy.value for d in result.definitions}
-        rows = []
-        for policy in _policies(result):
-            names = [d.name for d in result.definitions if d.policy.value == policy]
-            rows.append(
-                (
-                    f"{plural(len(names), 'definition')} with policy {policy.replace('_', '-')}",
-                    [r for r in runs if policy_of.get(r.definition_name) == policy],
-                )
-            )
+    rows = _rows(result, runs)
     longest = max(incidents, key=lambda x: _seconds(x.interval), default=None)
     fig = Figure(figsize=(12, 1.75 * len(rows) + 4.0), layout="constrained")
     grid = fig.subfigures(
@@ -279,66 +257,10 @@ def plot_figure(result: SimulationResult) -> Any:
         if longest is not None:
             spans.append(_zoom(result, row_runs, longest))
         for column, (ax, (lo, hi)) in enumerate(zip(axes, spans, strict=True)):
-            for incident in incidents:
-                color = _HOST_COLOR if incident.kind == "host" else _BROKER_COLOR
-                ax.axvspan(
-                    incident.interval.start, incident.interval.end, color=color, alpha=0.13, lw=0
-                )
-                if row == 0 and column == 0:
-                    # Named inside the top of the top panel (late runs stay below 77 % of
-                    # its height), reading away from the nearer edge.
-                    span = incident.interval
-                    early = span.start - scenario.start < (scenario.end - scenario.start) * 0.7
-                    ax.annotate(
-                        incident.label(short),
-                        (date2num(span.start if early else span.end), 0.96),  # type: ignore[no-untyped-call]
-                        xycoords=ax.get_xaxis_transform(),
-                        xytext=(3 if early else -3, 0),
-                        textcoords="offset points",
-                        va="top",
-                        ha="left" if early else "right",
-                        fontsize=7.5,
-                        color=color,
-                    )
-            for regression in scenario.clock_regressions:
-                ax.axvline(regression.at, color="0.4", lw=0.8, ls=":")
+            _shade(ax, result, incidents, short, named=row == 0 and column == 0)
             shown = [r for r in row_runs if lo <= r.due_at <= hi]
-            raster = len(shown) > _RASTER_ABOVE
-            for key, (_, marker, color, filled) in _OUTCOMES.items():
-                picked = [r for r in shown if _outcome(r) == key]
-                if not picked:
-                    continue
-                ys = [(r.lateness or 0.0) / scale if key == "late" else 0.0 for r in picked]
-                if key == "late":
-                    ax.vlines(
-                        [r.due_at for r in picked],
-                        0,
-                        ys,
-                        color=color,
-                        lw=0.8,
-                        alpha=0.6,
-                        rasterized=raster,
-                    )
-                ax.scatter(
-                    [r.due_at for r in picked],
-                    ys,
-                    marker=marker,
-                    s=16 if column else 10,
-                    color=color if filled else "none",
-                    edgecolors=color if not filled else None,
-                    linewidths=0.9,
-                    zorder=3,
-                    rasterized=raster,
-                )
-            ax.set_xlim(lo, hi)
-            ax.set_ylim(-0.12 * top, top * 1.3)
-            ax.tick_params(labelsize=7.5)
-            locator = AutoDateLocator()  # type: ignore[no-untyped-call]
-            ax.xaxis.set_major_locator(locator)
-            # The year and day are in the title and the tick labels: no offset text.
-            ax.xaxis.set_major_formatter(
-                ConciseDateFormatter(locator, offset_formats=[""] * 6)  # type: ignore[no-untyped-call]
-            )
+            _plot_runs(ax, shown, scale, column)
+            _frame(ax, lo, hi, top)
             if column == 1:
                 _annotate(ax, shown, scale, short)
         axes[0].set_ylabel(f"late ({unit})", fontsize=8)
@@ -348,6 +270,116 @@ def plot_figure(result: SimulationResult) -> Any:
                 "the whole range (across: when each run was due)", fontsize=8, loc="left"
             )
     _distribution(subfigs[-1], rows, runs)
+    handles, labels = _legend(runs, incidents)
+    fig.suptitle(f"What became of every due run: {_title(result)}", fontsize=10)
+    header.legend(handles, labels, loc="center", ncols=4, fontsize=7.5, frameon=False)
+    return fig
+
+
+def _rows(result: SimulationResult, runs: Sequence[DueRun]) -> list[tuple[str, list[DueRun]]]:
+    """One row a definition; past the most rows a figure holds, one row a policy."""
+    if len(result.definitions) <= _MAX_ROWS:
+        return [
+            (
+                f"{d.name} ({d.policy.value.replace('_', '-')}, {d.cron})",
+                [r for r in runs if r.definition_name == d.name],
+            )
+            for d in result.definitions
+        ]
+    policy_of = {d.name: d.policy.value for d in result.definitions}
+    rows = []
+    for policy in _policies(result):
+        names = [d.name for d in result.definitions if d.policy.value == policy]
+        rows.append(
+            (
+                f"{plural(len(names), 'definition')} with policy {policy.replace('_', '-')}",
+                [r for r in runs if policy_of.get(r.definition_name) == policy],
+            )
+        )
+    return rows
+
+
+def _shade(
+    ax: Any, result: SimulationResult, incidents: Sequence[_Incident], short: bool, *, named: bool
+) -> None:
+    """Shade each outage (named on the top-left panel) and mark each clock regression."""
+    from matplotlib.dates import date2num
+
+    scenario = result.scenario
+    for incident in incidents:
+        color = _HOST_COLOR if incident.kind == "host" else _BROKER_COLOR
+        ax.axvspan(incident.interval.start, incident.interval.end, color=color, alpha=0.13, lw=0)
+        if named:
+            # Named inside the top of the top panel (late runs stay below 77 % of
+            # its height), reading away from the nearer edge.
+            span = incident.interval
+            early = span.start - scenario.start < (scenario.end - scenario.start) * 0.7
+            ax.annotate(
+                incident.label(short),
+                (date2num(span.start if early else span.end), 0.96),  # type: ignore[no-untyped-call]
+                xycoords=ax.get_xaxis_transform(),
+                xytext=(3 if early else -3, 0),
+                textcoords="offset points",
+                va="top",
+                ha="left" if early else "right",
+                fontsize=7.5,
+                color=color,
+            )
+    for regression in scenario.clock_regressions:
+        ax.axvline(regression.at, color="0.4", lw=0.8, ls=":")
+
+
+def _plot_runs(ax: Any, shown: Sequence[DueRun], scale: float, column: int) -> None:
+    """Mark each run by its outcome; a late one stands as high as it was late."""
+    raster = len(shown) > _RASTER_ABOVE
+    for key, (_, marker, color, filled) in _OUTCOMES.items():
+        picked = [r for r in shown if _outcome(r) == key]
+        if not picked:
+            continue
+        ys = [(r.lateness or 0.0) / scale if key == "late" else 0.0 for r in picked]
+        if key == "late":
+            ax.vlines(
+                [r.due_at for r in picked],
+                0,
+                ys,
+                color=color,
+                lw=0.8,
+                alpha=0.6,
+                rasterized=raster,
+            )
+        ax.scatter(
+            [r.due_at for r in picked],
+            ys,
+            marker=marker,
+            s=16 if column else 10,
+            color=color if filled else "none",
+            edgecolors=color if not filled else None,
+            linewidths=0.9,
+            zorder=3,
+            rasterized=raster,
+        )
+
+
+def _frame(ax: Any, lo: datetime, hi: datetime, top: float) -> None:
+    """Set a panel's range and its date ticks."""
+    from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
+
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(-0.12 * top, top * 1.3)
+    ax.tick_params(labelsize=7.5)
+    locator = AutoDateLocator()  # type: ignore[no-untyped-call]
+    ax.xaxis.set_major_locator(locator)
+    # The year and day are in the title and the tick labels: no offset text.
+    ax.xaxis.set_major_formatter(
+        ConciseDateFormatter(locator, offset_formats=[""] * 6)  # type: ignore[no-untyped-call]
+    )
+
+
+def _legend(runs: Sequence[DueRun], incidents: Sequence[_Incident]) -> tuple[list[Any], list[str]]:
+    """Return the legend: each outcome with its count, and the kinds of outage shown."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     handles: list[Any] = []
     labels: list[str] = []
     totals = {k: 0 for k in _OUTCOMES}
@@ -372,9 +404,7 @@ def plot_figure(result: SimulationResult) -> Any:
         if any(x.kind == kind for x in incidents):
             handles.append(Patch(color=color, alpha=0.3, lw=0))
             labels.append(f"{kind} down")
-    fig.suptitle(f"What became of every due run: {_title(result)}", fontsize=10)
-    header.legend(handles, labels, loc="center", ncols=4, fontsize=7.5, frameon=False)
-    return fig
+    return handles, labels
 
 
 def _annotate(ax: Any, shown: Sequence[DueRun], scale: float, short: bool) -> None:

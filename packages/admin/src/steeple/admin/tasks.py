@@ -8,8 +8,9 @@ metadata (never a task's args unless asked for with :meth:`TaskAdmin.args`).
 
 from __future__ import annotations
 
+import importlib
 from datetime import datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -17,6 +18,12 @@ from steeple.core.errors import ConfigurationError
 from steeple.core.records import Page
 from steeple.core.tasks import MAX_TASK_ID, TaskState, attempts_outlook, parse_task_cursor
 from steeple.core.tasks import check_task_id as validate_task_id
+
+if TYPE_CHECKING:
+    # The queue's own records: the admin shows them and has no copies of its own.
+    from steeple.postgres.queue import TaskAttempt as AttemptRecord
+    from steeple.postgres.queue.admin import QueueInfo as QueueRecord
+    from steeple.postgres.queue.jobs import JobInfo as JobRecord
 
 __all__ = [
     "MAX_TASK_ID",
@@ -141,80 +148,6 @@ class TaskFilter:
 
 
 @attrs.frozen
-class AttemptRecord:
-    """One finished attempt of a task (newest first in listings)."""
-
-    attempt: int
-    outcome: str
-    worker_id: str | None
-    started_at: datetime | None
-    finished_at: datetime | None
-    error: str | None
-    error_type: str | None = None
-    traceback: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """Return a JSON-ready dict."""
-        return {
-            "attempt": self.attempt,
-            "outcome": self.outcome,
-            "worker_id": self.worker_id,
-            "started_at": _iso(self.started_at),
-            "finished_at": _iso(self.finished_at),
-            "error": self.error,
-            "error_type": self.error_type,
-            "traceback": self.traceback,
-        }
-
-
-@attrs.frozen
-class QueueRecord:
-    """A named queue: paused or not, its limits across all workers, its live tasks."""
-
-    name: str
-    paused: bool
-    pending: int
-    running: int
-    max_running: int | None = None
-    rate_limit: int | None = None
-    rate_period_seconds: float | None = None
-    due_since: datetime | None = None
-    """Since when its oldest due task has waited (the database server's clock)."""
-    unserved: bool = False
-    """No worker appears to claim from it: due work waits and nothing of it runs (see
-    ``steeple.postgres.queue.QueueInfo.unserved``)."""
-    pending_capped: bool = False
-    """``pending`` is where counting stopped: the queue holds at least that many."""
-    running_capped: bool = False
-    """``running`` is where counting stopped: at least that many run."""
-    max_running_per_key: int | None = None
-    """At most this many of its tasks with one limit key running at once."""
-    rate_limit_per_key: int | None = None
-    """At most this many of its tasks with one limit key started per window."""
-    rate_period_per_key_seconds: float | None = None
-    """The per-key rate's window, in seconds."""
-
-    def to_json(self) -> dict[str, Any]:
-        """Return a JSON-ready dict."""
-        return {
-            "name": self.name,
-            "paused": self.paused,
-            "pending": self.pending,
-            "pending_capped": self.pending_capped,
-            "running": self.running,
-            "running_capped": self.running_capped,
-            "max_running": self.max_running,
-            "rate_limit": self.rate_limit,
-            "rate_period_seconds": self.rate_period_seconds,
-            "max_running_per_key": self.max_running_per_key,
-            "rate_limit_per_key": self.rate_limit_per_key,
-            "rate_period_per_key_seconds": self.rate_period_per_key_seconds,
-            "due_since": _iso(self.due_since),
-            "unserved": self.unserved,
-        }
-
-
-@attrs.frozen
 class Overview:
     """Counts per state and tasks finished per minute over the last hour.
 
@@ -254,34 +187,20 @@ class Overview:
         }
 
 
-@attrs.frozen
-class JobRecord:
-    """A recurring job of the queue (its args are not shown)."""
+# The queue's records the admin shows under its own names, imported when first asked for:
+# importing the queue (and its drivers) would slow every command that never shows one.
+_QUEUE_RECORDS = {
+    "AttemptRecord": ("steeple.postgres.queue", "TaskAttempt"),
+    "QueueRecord": ("steeple.postgres.queue.admin", "QueueInfo"),
+    "JobRecord": ("steeple.postgres.queue.jobs", "JobInfo"),
+}
 
-    name: str
-    task_name: str
-    cron: str
-    timezone: str
-    paused: bool
-    next_run_at: datetime | None
-    created_at: datetime | None = None
-    updated_at: datetime | None = None
-    queue: str = "default"
-    """The named queue its runs are enqueued into (a worker must serve it)."""
 
-    def to_json(self) -> dict[str, Any]:
-        """Return a JSON-ready dict."""
-        return {
-            "name": self.name,
-            "task_name": self.task_name,
-            "cron": self.cron,
-            "timezone": self.timezone,
-            "paused": self.paused,
-            "next_run_at": _iso(self.next_run_at),
-            "created_at": _iso(self.created_at),
-            "updated_at": _iso(self.updated_at),
-            "queue": self.queue,
-        }
+def __getattr__(name: str) -> object:
+    if name not in _QUEUE_RECORDS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _QUEUE_RECORDS[name]
+    return getattr(importlib.import_module(module), attribute)
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -52,6 +52,7 @@ from steeple.core.errors import (
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.ports import Clock, Sealer
 from steeple.core.sqlite_codes import SqliteFailure, sqlite_failure
+from steeple.runtime.sqlitelock import retry_while_locked
 
 __all__ = ["JOURNAL_PURPOSE", "SqliteJournalBroker"]
 
@@ -120,16 +121,9 @@ def _switch_to_wal(conn: sqlite3.Connection, deadline: float) -> str:
     journal opening the same new file, say), SQLite refuses the switch at once with
     "database is locked" instead of waiting for the busy timeout: retried here until it.
     """
-    pause = 0.002
-    while True:
-        try:
-            return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
-        except sqlite3.OperationalError as exc:
-            busy = sqlite_failure(exc) is SqliteFailure.LOCKED
-            if not busy or time.monotonic() + pause >= deadline:
-                raise
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+    return retry_while_locked(
+        lambda: str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]), deadline
+    )
 
 
 class SqliteJournalBroker(AsyncLifecycle):

@@ -348,32 +348,58 @@ MAX_TASK_ID: Final = 2**63 - 1
 _DIGITS: Final = re.compile(r"[0-9]{1,19}\Z")
 
 
-def check_task_id(value: object) -> int:
+def check_task_id(
+    value: object,
+    *,
+    what: str = "a task id",
+    error: type[ValueError] = ConfigurationError,
+    type_error: type[ValueError] | None = None,
+) -> int:
     """Return ``value`` if it is a task id: an int (not a bool) in 1 .. :data:`MAX_TASK_ID`.
 
+    The one rule for every task id the library takes (the queue's operations, its in-memory
+    double, workflows' parents, the dashboard and the CLI). ``error`` and ``type_error`` are
+    the caller's typed errors, as for :func:`~steeple.core.names.check_name`.
+
     Raises:
-        ConfigurationTypeError: not an int.
-        ConfigurationError: out of range.
+        type_error: not an int (default: ``error``, or
+            :class:`~steeple.core.errors.ConfigurationTypeError` for a plain
+            ``ConfigurationError``).
+        error: out of range (0, negative, beyond a bigint).
     """
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigurationTypeError(f"a task id is a whole number from 1 to {MAX_TASK_ID}")
+        kind = type_error or (ConfigurationTypeError if error is ConfigurationError else error)
+        raise kind(f"{what} is a whole number from 1 to {MAX_TASK_ID}, not {type(value).__name__}")
     if not 1 <= value <= MAX_TASK_ID:
-        raise ConfigurationError(f"a task id is a whole number from 1 to {MAX_TASK_ID}")
+        raise error(f"{what} is a whole number from 1 to {MAX_TASK_ID}")
     return value
 
 
-def parse_task_cursor(after: object) -> int:
+def parse_task_cursor(
+    after: object,
+    *,
+    error: type[ValueError] = ConfigurationError,
+    type_error: type[ValueError] | None = None,
+) -> int:
     """Return the task id a listing cursor names (``0``, before every task, for ``None``).
 
-    A task listing's cursor is the decimal id of the last task on the previous page.
+    A task listing's cursor is the decimal id of the last task on the previous page (its
+    ``next_cursor``). ``error`` and ``type_error`` as for :func:`check_task_id`.
 
     Raises:
-        ConfigurationError: not ``None`` or 1-19 ASCII digits up to :data:`MAX_TASK_ID`.
+        type_error: neither ``None`` nor a str.
+        error: not 1-19 ASCII digits up to :data:`MAX_TASK_ID`.
     """
     if after is None:
         return 0
-    if not isinstance(after, str) or not _DIGITS.match(after) or int(after) > MAX_TASK_ID:
-        raise ConfigurationError("the cursor of a task listing is a task id")
+    if not isinstance(after, str):
+        kind = type_error or (ConfigurationTypeError if error is ConfigurationError else error)
+        raise kind(
+            "the cursor of a task listing is a task id in decimal (a str), "
+            f"not {type(after).__name__}"
+        )
+    if not _DIGITS.match(after) or int(after) > MAX_TASK_ID:
+        raise error("the cursor of a task listing is a task id in decimal (its next_cursor)")
     return int(after)
 
 

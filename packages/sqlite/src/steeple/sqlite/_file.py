@@ -9,14 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-import time
 import urllib.parse
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from steeple.core.errors import RecurringDeadlineError, RecurringStorageError
 from steeple.core.sqlite_codes import SqliteFailure, sqlite_error_name, sqlite_failure
+from steeple.runtime.sqlitelock import retry_while_locked
 from steeple.sqlite._sql import MIN_SQLITE
 from steeple.sqlite.errors import (
     SqliteCorruptionError,
@@ -26,13 +24,17 @@ from steeple.sqlite.errors import (
     SqliteStorageError,
 )
 
-__all__ = ["busy_retry", "create_file", "map_error", "open_database", "read_only_reason"]
+__all__ = ["create_file", "map_error", "open_database", "read_only_reason"]
 
-T = TypeVar("T")
 
 FILE_MODE = 0o600
 LOCK_POLL_MS = 100
-"""SQLite's busy timeout: how long one attempt waits for a lock (see :func:`busy_retry`)."""
+"""SQLite's busy timeout: how long one attempt waits for a lock.
+
+Short and fixed (a busy timeout that changed with every call's deadline would be a new
+statement text each time, flooding the statement cache): the store's lock wait is
+:func:`~steeple.runtime.sqlitelock.retry_while_locked` until the call's deadline.
+"""
 _SYNCHRONOUS_FULL = 2
 
 
@@ -115,29 +117,6 @@ def map_error(
     return SqliteStorageError(f"{what}: SQLite failed ({name}: {exc})", sqlite_error=name)
 
 
-def busy_retry(fn: Callable[[], T], deadline: float) -> T:
-    """Run ``fn`` until it is not refused as busy, sleeping a little, until ``deadline``.
-
-    This loop is the store's lock wait: SQLite's own busy handler waits only
-    ``LOCK_POLL_MS`` per attempt (a busy timeout that changed with every call's deadline
-    would be a new statement text each time, flooding the statement cache). It also
-    covers the conflicts SQLite refuses at once, without a busy wait (a switch to WAL
-    while another connection writes the file; a recovery in progress).
-    """
-    pause = 0.002
-    while True:
-        try:
-            return fn()
-        except sqlite3.OperationalError as exc:
-            if (
-                sqlite_failure(exc) is not SqliteFailure.LOCKED
-                or time.monotonic() + pause >= deadline
-            ):
-                raise
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-
-
 def create_file(path: Path) -> None:
     """Create ``path`` readable and writable by its owner only (0600), if it is missing.
 
@@ -205,12 +184,16 @@ def open_database(
 
 def _check_durable(conn: sqlite3.Connection, path: Path, create: bool, deadline: float) -> None:
     # Reading the header can meet a lock (a recovery, another opener): retried in time.
-    mode = str(busy_retry(lambda: conn.execute("PRAGMA journal_mode").fetchone()[0], deadline))
+    mode = str(
+        retry_while_locked(lambda: conn.execute("PRAGMA journal_mode").fetchone()[0], deadline)
+    )
     if mode.lower() != "wal" and create:
         # Concurrent first opens of a new file: all but one fail at once with "database
         # is locked" (no busy wait for a journal-mode change); retried until the deadline.
         mode = str(
-            busy_retry(lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0], deadline)
+            retry_while_locked(
+                lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0], deadline
+            )
         )
     if mode.lower() != "wal":
         hint = (

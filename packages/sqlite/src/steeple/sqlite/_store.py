@@ -42,9 +42,9 @@ from steeple.core.ports import Clock, RandomSource, Sealer
 from steeple.engine import EngineStore, RecurringEngine, read_clock, recurring_errors
 from steeple.engine.opening import check_parts, install_namespace, open_namespace
 from steeple.engine.ports import RepositoryWork, StoredNamespace
+from steeple.runtime.sqlitelock import retry_while_locked
 from steeple.sqlite import _sql
 from steeple.sqlite._file import (
-    busy_retry,
     close_quietly,
     create_file,
     map_error,
@@ -233,7 +233,7 @@ class _SqliteStorage:
         return self._conn
 
     def _begin(self, conn: sqlite3.Connection, call: _Call) -> None:
-        busy_retry(lambda: conn.execute("BEGIN IMMEDIATE"), call.deadline)
+        retry_while_locked(lambda: conn.execute("BEGIN IMMEDIATE"), call.deadline)
 
     def _commit(self, conn: sqlite3.Connection, call: _Call, what: str) -> None:
         call.check(what)

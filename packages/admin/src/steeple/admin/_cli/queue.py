@@ -24,6 +24,7 @@ from steeple.admin._cli.options import (
 )
 from steeple.admin._cli.output import fail, guard, say
 from steeple.admin.settings import CliError, ExitCode, parse_duration
+from steeple.core.tasks import MAX_TASK_ID
 
 if TYPE_CHECKING:
     from steeple.postgres.queue import EnqueueOptions, QueueInfo, TaskRun
@@ -96,7 +97,7 @@ StateOpt = Annotated[
 NameOpt = Annotated[
     str | None, typer.Option("--name", show_default=False, help="Only tasks of this task name.")
 ]
-TaskIdArg = Annotated[int, typer.Argument(min=1, max=2**63 - 1, help="The task id.")]
+TaskIdArg = Annotated[int, typer.Argument(min=1, max=MAX_TASK_ID, help="The task id.")]
 
 
 def _check_state(state: str | None) -> None:
@@ -520,26 +521,9 @@ def _job_row(job: JobInfo) -> tuple[str, ...]:
     )
 
 
-def _job_json(job: JobInfo) -> dict[str, Any]:
-    return {
-        "name": job.name,
-        "task_name": job.task_name,
-        "cron": job.cron,
-        "timezone": job.timezone,
-        "queue": job.queue,
-        "paused": job.paused,
-        "next_run_at": None if job.next_run_at is None else job.next_run_at.isoformat(),
-        "priority": job.priority,
-        "max_attempts": job.max_attempts,
-        "lease_duration_seconds": job.lease_duration.total_seconds(),
-        "created_at": job.created_at.isoformat(),
-        "updated_at": job.updated_at.isoformat(),
-    }
-
-
 def _say_job(job: JobInfo, verb: str, as_json: bool) -> None:
     if as_json:
-        output.print_json(_job_json(job))
+        output.print_json(job.to_json())
         return
     state = "paused" if job.paused else f"next run {output.when(job.next_run_at)} UTC"
     zone = "" if job.timezone == "UTC" else f" ({job.timezone})"
@@ -563,7 +547,7 @@ def _list_jobs(where: Where, listing: Listing) -> None:
     output.print_page(
         output.on_queue(target, page),
         as_json=listing.as_json,
-        to_json=_job_json,
+        to_json=lambda job: job.to_json(),
         title=f"recurring jobs in {target.queue_schema}",
         columns=("name", "task", "cron", "time zone", "queue", "state", "next run (UTC)"),
         row=_job_row,
@@ -796,28 +780,9 @@ def _limits_text(info: QueueInfo) -> str:
     return ", ".join(parts) or "none"
 
 
-def _queue_json(info: QueueInfo) -> dict[str, Any]:
-    period = info.rate_period
-    key_period = info.rate_period_per_key
-    return {
-        "name": info.name,
-        "paused": info.paused,
-        "max_running": info.max_running,
-        "rate_limit": info.rate_limit,
-        "rate_period_seconds": None if period is None else period.total_seconds(),
-        "max_running_per_key": info.max_running_per_key,
-        "rate_limit_per_key": info.rate_limit_per_key,
-        "rate_period_per_key_seconds": None if key_period is None else key_period.total_seconds(),
-        "pending": info.pending,
-        "running": info.running,
-        "due_since": None if info.due_since is None else info.due_since.isoformat(),
-        "unserved": info.unserved,
-    }
-
-
 def _say_queue(info: QueueInfo, verb: str, as_json: bool) -> None:
     if as_json:
-        output.print_json(_queue_json(info))
+        output.print_json(info.to_json())
         return
     state = "paused" if info.paused else "active"
     say(
@@ -844,7 +809,7 @@ def _list_queues(where: Where, as_json: bool) -> None:
 
     found = _queue_call(where, lambda conn, schema: admin.list_queues(conn, schema=schema))
     if as_json:
-        output.print_json([_queue_json(q) for q in found])
+        output.print_json([q.to_json() for q in found])
         return
     output.print_table(
         "named queues",

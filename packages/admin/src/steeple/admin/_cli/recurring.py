@@ -20,6 +20,7 @@ from steeple.admin._cli.options import (
 )
 from steeple.admin._cli.output import fail, guard, on_store, plural, say
 from steeple.admin.settings import CliError, ExitCode, parse_duration
+from steeple.core.tasks import MAX_TASK_ID
 
 if TYPE_CHECKING:
     from steeple.core.config import RecurringDefinition
@@ -394,7 +395,7 @@ def cancel(
         typer.Option(
             "--task",
             min=1,
-            max=2**63 - 1,
+            max=MAX_TASK_ID,
             show_default=False,
             help="Cancel this work-queue task id instead (as steeple tasks cancel).",
         ),

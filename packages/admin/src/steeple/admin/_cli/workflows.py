@@ -10,6 +10,7 @@ from steeple.admin._cli import output
 from steeple.admin._cli.options import JsonOpt, Typer, Where, where_options
 from steeple.admin._cli.output import guard, say
 from steeple.admin.settings import CliError, ExitCode
+from steeple.core.tasks import MAX_TASK_ID
 
 if TYPE_CHECKING:
     from steeple.postgres.queue import WorkflowState
@@ -24,7 +25,9 @@ workflows_app = Typer(
 
 WorkflowIdArg = Annotated[
     int,
-    typer.Argument(min=1, max=2**63 - 1, help="The workflow's id, or the id of any of its tasks."),
+    typer.Argument(
+        min=1, max=MAX_TASK_ID, help="The workflow's id, or the id of any of its tasks."
+    ),
 ]
 
 

@@ -368,41 +368,51 @@ class Executor:
         inst = _metrics.instruments()
         attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         started = time.monotonic()
-        me = asyncio.current_task()
-        error: BaseException | None = None
-        result: str | None = None
         try:
-            try:
-                args = decode_args(registration.task, claimed.args_text)
-                value = await self._run(registration, claimed, args)
-                if isinstance(value, _Raised):
-                    error = value.error
-                else:
-                    result = encode_result(ctx.task_name, value)
-            except asyncio.CancelledError as exc:
-                if claimed in self._abandoned:
-                    return
-                if self._hard_stop:
-                    self._completions.hand_back(claimed)
-                    return
-                if me is not None and me.cancelling():
-                    raise  # the worker's owner cancelled it: not this handler's failure
-                error = exc  # the handler raised it, and nobody cancelled it
-            except BaseException as exc:
-                if _from_outside(exc, me):
-                    raise
-                # A handler's failure is data, recorded on the task, whatever it raised
-                # (SystemExit, KeyboardInterrupt, GeneratorExit included).
-                error = exc
-            if claimed in self._abandoned:
+            outcome = await self._attempt(registration, claimed, asyncio.current_task())
+            if outcome is None or claimed in self._abandoned:
                 return  # handed back at the hard stop: its late outcome is not recorded
             inst.run_time.record(time.monotonic() - started, attributes)
+            error, result = outcome
             if error is None:
                 self._completions.succeeded(claimed, result)
             else:
                 await self._failed(claimed, *judge_failure(error, registration.task))
         finally:
             self._env.inflight.remove(ctx.task_id)
+
+    async def _attempt(
+        self,
+        registration: Registration[Any],
+        claimed: Claimed,
+        me: asyncio.Task[Any] | None,
+    ) -> tuple[BaseException | None, str | None] | None:
+        """Run the handler once: its error, or its result as stored text.
+
+        ``None``: the attempt is not to be recorded (abandoned, or handed back at a hard
+        stop). Raises a cancellation or failure that came from outside the handler.
+        """
+        try:
+            args = decode_args(registration.task, claimed.args_text)
+            value = await self._run(registration, claimed, args)
+            if isinstance(value, _Raised):
+                return value.error, None
+            return None, encode_result(claimed.ctx.task_name, value)
+        except asyncio.CancelledError as exc:
+            if claimed in self._abandoned:
+                return None
+            if self._hard_stop:
+                self._completions.hand_back(claimed)
+                return None
+            if me is not None and me.cancelling():
+                raise  # the worker's owner cancelled it: not this handler's failure
+            return exc, None  # the handler raised it, and nobody cancelled it
+        except BaseException as exc:
+            if _from_outside(exc, me):
+                raise
+            # A handler's failure is data, recorded on the task, whatever it raised
+            # (SystemExit, KeyboardInterrupt, GeneratorExit included).
+            return exc, None
 
     async def _failed(
         self,

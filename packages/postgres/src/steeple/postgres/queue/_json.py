@@ -51,6 +51,28 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def _check_keys(container: dict[Any, Any]) -> None:
+    """Refuse a non-str object key (JSON turns it into a str, and two keys can collide)."""
+    for key in container:
+        if type(key) is not str and not isinstance(key, str):
+            raise _Refused(
+                f"has an object key of type {type(key).__name__}; JSON object keys are "
+                "str (it would come back as a str, or collide with one): use str keys"
+            )
+
+
+def _float_needs_exact(item: float) -> bool:
+    """Whether ``item`` is outside the band the C encoder writes as stored; refuse ``-0.0``."""
+    size = abs(item)
+    if _PLAIN_LOW <= size < _PLAIN_HIGH:
+        return False
+    if size == 0.0:
+        if math.copysign(1.0, item) < 0.0:
+            raise _Refused("holds -0.0, which the database stores as 0.0; use 0.0 (or a string)")
+        return False
+    return True
+
+
 def _needs_exact_numbers(value: object) -> bool:
     """Check what the C encoder cannot see; return whether a float needs its exact form.
 
@@ -63,12 +85,7 @@ def _needs_exact_numbers(value: object) -> bool:
     while containers:
         container = containers.pop()
         if isinstance(container, dict):
-            for key in container:
-                if type(key) is not str and not isinstance(key, str):
-                    raise _Refused(
-                        f"has an object key of type {type(key).__name__}; JSON object keys are "
-                        "str (it would come back as a str, or collide with one): use str keys"
-                    )
+            _check_keys(container)
             items: Iterable[Any] = container.values()
         else:
             items = container
@@ -77,16 +94,8 @@ def _needs_exact_numbers(value: object) -> bool:
             if kind is str or kind is bool or item is None:
                 continue
             if isinstance(item, float):
-                size = abs(item)
-                if _PLAIN_LOW <= size < _PLAIN_HIGH:
-                    continue
-                if size == 0.0:
-                    if math.copysign(1.0, item) < 0.0:
-                        raise _Refused(
-                            "holds -0.0, which the database stores as 0.0; use 0.0 (or a string)"
-                        )
-                    continue
-                exact = True
+                if _float_needs_exact(item):
+                    exact = True
             elif isinstance(item, int):
                 if item.bit_length() > _NUMERIC_SAFE_BITS and abs(item) >= _NUMERIC_INT_LIMIT:
                     raise _Refused(
@@ -129,27 +138,35 @@ def _exact(value: Any, parts: list[str]) -> None:
     elif isinstance(value, float):
         parts.append(_float_text(value))
     elif isinstance(value, list | tuple):
-        parts.append("[")
-        first = True
-        for item in value:
-            if not first:
-                parts.append(", ")
-            first = False
-            _exact(item, parts)
-        parts.append("]")
+        _exact_array(value, parts)
     elif isinstance(value, dict):
-        parts.append("{")
-        first = True
-        for key, item in value.items():
-            if not first:
-                parts.append(", ")
-            first = False
-            parts.append(json.encoder.encode_basestring(key))
-            parts.append(": ")
-            _exact(item, parts)
-        parts.append("}")
+        _exact_object(value, parts)
     else:  # pragma: no cover - the C encoder refused it first
         raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _exact_array(value: list[Any] | tuple[Any, ...], parts: list[str]) -> None:
+    parts.append("[")
+    first = True
+    for item in value:
+        if not first:
+            parts.append(", ")
+        first = False
+        _exact(item, parts)
+    parts.append("]")
+
+
+def _exact_object(value: dict[str, Any], parts: list[str]) -> None:
+    parts.append("{")
+    first = True
+    for key, item in value.items():
+        if not first:
+            parts.append(", ")
+        first = False
+        parts.append(json.encoder.encode_basestring(key))
+        parts.append(": ")
+        _exact(item, parts)
+    parts.append("}")
 
 
 def storable_json(value: object, error: type[_E], subject: str, limit: int, kinds: str) -> str:

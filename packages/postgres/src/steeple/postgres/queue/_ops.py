@@ -250,7 +250,7 @@ async def run_state(
 
     Raises:
         TaskNotFoundError: no such task (or it was pruned).
-        QueueConfigurationError: ``task_id`` beyond 64 bits, ``history`` outside 0..1000,
+        QueueConfigurationError: ``task_id`` outside 1..2**63-1, ``history`` outside 0..1000,
             or an invalid schema name.
         QueueTypeError: ``task_id`` or ``history`` is not an int.
     """
@@ -279,7 +279,7 @@ async def cancel(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) -> Ta
 
     Raises:
         TaskNotFoundError: no such task.
-        QueueConfigurationError: ``task_id`` beyond 64 bits, or an invalid schema name.
+        QueueConfigurationError: ``task_id`` outside 1..2**63-1, or an invalid schema name.
         QueueTypeError: ``task_id`` is not an int.
     """
     sql = queue_sql(schema)

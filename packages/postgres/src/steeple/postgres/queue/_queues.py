@@ -107,6 +107,29 @@ class QueueInfo:
     rate_limit_per_key: int | None = None
     rate_period_per_key: timedelta | None = None
 
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict (windows in seconds, instants in ISO 8601)."""
+        return {
+            "name": self.name,
+            "paused": self.paused,
+            "pending": self.pending,
+            "pending_capped": self.pending_capped,
+            "running": self.running,
+            "running_capped": self.running_capped,
+            "max_running": self.max_running,
+            "rate_limit": self.rate_limit,
+            "rate_period_seconds": _seconds(self.rate_period),
+            "max_running_per_key": self.max_running_per_key,
+            "rate_limit_per_key": self.rate_limit_per_key,
+            "rate_period_per_key_seconds": _seconds(self.rate_period_per_key),
+            "due_since": None if self.due_since is None else self.due_since.isoformat(),
+            "unserved": self.unserved,
+        }
+
+
+def _seconds(period: timedelta | None) -> float | None:
+    return None if period is None else period.total_seconds()
+
 
 @attrs.frozen
 class TaskLimits:

@@ -34,7 +34,6 @@ class Renewer:
     async def renew_forever(self) -> None:
         """Renew due leases until the worker closes."""
         env = self._env
-        pool = env.db
         running = env.inflight.running
         retry = Retry(env.random)
         retry_at = 0.0  # after a failure: no renewal before this (monotonic)
@@ -50,59 +49,70 @@ class Renewer:
                 env.status.succeeded("renewals")
                 continue
             due = [c for c in running.values() if not c.lost and now >= c.renew_at]
-            if not due or now < retry_at:
-                continue
-            # A renewal slower than half a lease is as good as lost: give up and retry.
-            deadline = max(0.1, min(env.timeout, min(c.lease for c in due) / 2))
-            try:
-                crash_point("queue.renew.before")
-                rows = await pool.fetch_reserved(
-                    env.sql.renew,
-                    text_array(c.ctx.task_id for c in due),
-                    text_array(c.token for c in due),
-                    timeout=deadline,
-                )
-                crash_point("queue.renew.committed")
-                env.status.succeeded("renewals")
-                env.status.database.succeeded()
-                retry.succeeded()
-                retry_at = 0.0
-            except DB_ERRORS as exc:
-                env.status.failed("renewals", exc)
-                failed_at = time.monotonic()
-                for claimed in due:
-                    if failed_at >= claimed.expires_at:
-                        self._lose(claimed, cancelled=False)
-                # Back off, but try again while the soonest lease still has time to spare.
-                left = [c.expires_at - failed_at for c in due if not c.lost]
-                delay = retry.failed()
-                if left:
-                    delay = min(delay, max(0.0, min(left)) / 2)
-                retry_at = failed_at + delay
-                if not env.status.database.failed("lease renewal", exc):
-                    LOG.warning(
-                        "lease renewal failed (%s); retrying in %.2f s",
-                        describe_db_error(exc),
-                        delay,
-                    )
-                continue
-            renewed = {r[0] for r in rows}
-            lost = [c for c in due if c.ctx.task_id not in renewed]
-            for claimed in due:
-                if claimed.ctx.task_id in renewed:
-                    claimed.renew_at = now + claimed.lease / 3
-                    claimed.expires_at = now + claimed.lease
-            if lost:
-                cancelled: set[int] = set()
-                with contextlib.suppress(*DB_ERRORS):
-                    states = await pool.fetch(
-                        env.sql.lost_states,
-                        text_array(c.ctx.task_id for c in lost),
-                        timeout=env.timeout,
-                    )
-                    cancelled = {r[0] for r in states if r[1] == TaskState.CANCELLED.value}
-                for claimed in lost:
-                    self._lose(claimed, cancelled=claimed.ctx.task_id in cancelled)
+            if due and now >= retry_at:
+                retry_at = await self._renew(due, now, retry)
+
+    async def _renew(self, due: list[Claimed], now: float, retry: Retry) -> float:
+        """Renew ``due`` in one statement; return when the next renewal may start."""
+        env = self._env
+        # A renewal slower than half a lease is as good as lost: give up and retry.
+        deadline = max(0.1, min(env.timeout, min(c.lease for c in due) / 2))
+        try:
+            crash_point("queue.renew.before")
+            rows = await env.db.fetch_reserved(
+                env.sql.renew,
+                text_array(c.ctx.task_id for c in due),
+                text_array(c.token for c in due),
+                timeout=deadline,
+            )
+            crash_point("queue.renew.committed")
+            env.status.succeeded("renewals")
+            env.status.database.succeeded()
+            retry.succeeded()
+        except DB_ERRORS as exc:
+            return self._failed(due, retry, exc)
+        renewed = {r[0] for r in rows}
+        for claimed in due:
+            if claimed.ctx.task_id in renewed:
+                claimed.renew_at = now + claimed.lease / 3
+                claimed.expires_at = now + claimed.lease
+        lost = [c for c in due if c.ctx.task_id not in renewed]
+        if lost:
+            await self._lose_all(lost)
+        return 0.0
+
+    def _failed(self, due: list[Claimed], retry: Retry, exc: BaseException) -> float:
+        """Give up on the leases that expired; return when to try again."""
+        env = self._env
+        env.status.failed("renewals", exc)
+        failed_at = time.monotonic()
+        for claimed in due:
+            if failed_at >= claimed.expires_at:
+                self._lose(claimed, cancelled=False)
+        # Back off, but try again while the soonest lease still has time to spare.
+        left = [c.expires_at - failed_at for c in due if not c.lost]
+        delay = retry.failed()
+        if left:
+            delay = min(delay, max(0.0, min(left)) / 2)
+        if not env.status.database.failed("lease renewal", exc):
+            LOG.warning(
+                "lease renewal failed (%s); retrying in %.2f s", describe_db_error(exc), delay
+            )
+        return failed_at + delay
+
+    async def _lose_all(self, lost: list[Claimed]) -> None:
+        """Mark leases the renewal did not find as lost (and cancelled, if they were)."""
+        env = self._env
+        cancelled: set[int] = set()
+        with contextlib.suppress(*DB_ERRORS):
+            states = await env.db.fetch(
+                env.sql.lost_states,
+                text_array(c.ctx.task_id for c in lost),
+                timeout=env.timeout,
+            )
+            cancelled = {r[0] for r in states if r[1] == TaskState.CANCELLED.value}
+        for claimed in lost:
+            self._lose(claimed, cancelled=claimed.ctx.task_id in cancelled)
 
     def _lose(self, claimed: Claimed, *, cancelled: bool) -> None:
         claimed.lost = True

@@ -15,12 +15,12 @@ from typing import Final
 
 from steeple.core.limits import MAX_NAME_LENGTH
 from steeple.core.names import check_name as core_check_name
+from steeple.core.tasks import check_task_id as core_check_task_id
 from steeple.postgres.queue.errors import QueueConfigurationError, QueueTypeError
 
 __all__ = [
     "DEFAULT_QUEUE",
     "INT32",
-    "INT64",
     "check_bool",
     "check_int",
     "check_name",
@@ -33,7 +33,6 @@ __all__ = [
 ]
 
 INT32: Final = 2**31 - 1
-INT64: Final = 2**63 - 1
 # Cc: control characters (NUL among them: PostgreSQL text cannot hold it); Cs: lone
 # surrogates (not encodable as UTF-8, so no driver can send them).
 _REFUSED_CATEGORIES: Final = frozenset({"Cc", "Cs"})
@@ -125,18 +124,16 @@ def _show(value: int) -> str:
     return str(value) if abs(value) < 10**30 else f"an int of {value.bit_length()} bits"
 
 
-def check_task_id(value: object) -> int:
-    """Return a task id: an int that fits PostgreSQL's bigint.
+def check_task_id(value: object, what: str = "task_id") -> int:
+    """Return ``value`` if it is a task id, by core's one rule (1 .. 2**63 - 1).
 
     Raises:
-        QueueTypeError: not an int.
-        QueueConfigurationError: outside the 64-bit range.
+        QueueTypeError: not an int (or a bool).
+        QueueConfigurationError: 0, negative, or beyond a bigint.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise QueueTypeError(f"task_id must be an int, not {type(value).__name__}")
-    if not -INT64 - 1 <= value <= INT64:
-        raise QueueConfigurationError("task_id must fit in 64 bits (no task has a larger id)")
-    return value
+    return core_check_task_id(
+        value, what=what, error=QueueConfigurationError, type_error=QueueTypeError
+    )
 
 
 def check_timedelta(value: object, what: str, lo: timedelta, hi: timedelta) -> timedelta:

@@ -31,7 +31,7 @@ from steeple.postgres.queue._local import local_queue
 from steeple.postgres.queue._ops import TaskRun
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, entry_point, entry_point_sync
 from steeple.postgres.queue._sql import queue_sql
-from steeple.postgres.queue._validate import INT64, check_task_id
+from steeple.postgres.queue._validate import check_task_id
 from steeple.postgres.queue.errors import (
     QueueConfigurationError,
     QueueTypeError,
@@ -109,9 +109,7 @@ def _parents(after: object, *, owner: int | None) -> tuple[tuple[int, ...], tupl
             raise QueueTypeError(
                 f"after takes Steps, EnqueuedTasks or task ids, not {type(item).__name__}"
             )
-        if not 1 <= item <= INT64:
-            raise QueueConfigurationError("a task id in after must be in 1..2**63-1")
-        ids.append(item)
+        ids.append(check_task_id(item, "a task id in after"))
     return tuple(dict.fromkeys(steps)), tuple(dict.fromkeys(ids))
 
 
@@ -191,7 +189,7 @@ class Workflow:
             ArgsEncodingError: ``args`` cannot be encoded.
             QueueTypeError: a wrong type anywhere (``after`` included).
             QueueConfigurationError: a dedup key, an unknown policy, more than 1,000
-                parents or 10,000 steps, a task id beyond 64 bits, a step of another
+                parents or 10,000 steps, a task id outside 1..2**63-1, a step of another
                 workflow.
         """
         if len(self._nodes) >= MAX_WORKFLOW_TASKS:
@@ -454,7 +452,7 @@ async def workflow_state(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEM
     Raises:
         TaskNotFoundError: no such task.
         QueueTypeError: ``task_id`` is not an int.
-        QueueConfigurationError: ``task_id`` beyond 64 bits, an invalid schema name.
+        QueueConfigurationError: ``task_id`` outside 1..2**63-1, an invalid schema name.
     """
     sql = queue_sql(schema)
     rows = await _driver.fetch(conn, sql.workflow, check_task_id(task_id))
@@ -502,7 +500,7 @@ async def parent_results(
 
     Raises:
         QueueTypeError: ``task_id`` is not an int.
-        QueueConfigurationError: ``task_id`` beyond 64 bits, an invalid schema name.
+        QueueConfigurationError: ``task_id`` outside 1..2**63-1, an invalid schema name.
     """
     sql = queue_sql(schema)
     rows = await _driver.fetch(conn, sql.parent_results, check_task_id(task_id))

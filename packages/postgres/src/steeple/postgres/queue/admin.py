@@ -14,7 +14,6 @@ return metadata only (never a task's args or lease token). Cancelling and prunin
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
@@ -22,7 +21,7 @@ import attrs
 
 from steeple.core.records import Page
 from steeple.core.tasks import TERMINAL_TASK_STATES as _TERMINAL
-from steeple.core.tasks import TaskEvent, TaskState, transition
+from steeple.core.tasks import TaskEvent, TaskState, parse_task_cursor, transition
 from steeple.postgres.queue import _driver
 from steeple.postgres.queue._admin_sql import admin_sql
 from steeple.postgres.queue._driver import errors_typed
@@ -41,7 +40,6 @@ from steeple.postgres.queue._queues import (
 )
 from steeple.postgres.queue._schema import DEFAULT_SCHEMA, LIBRARY_SCHEMA_VERSION, entry_point
 from steeple.postgres.queue._validate import (
-    INT64,
     check_bool,
     check_int,
     check_name,
@@ -91,7 +89,6 @@ __all__ = [
 
 MAX_PAGE: Final = 1000
 """The most rows one listing call returns."""
-_DIGITS: Final = re.compile(r"[0-9]{1,19}\Z")
 
 
 # undefined_table, invalid_schema_name: the queue is not installed in that schema.
@@ -117,15 +114,7 @@ def _contained_json(value: Any) -> str:
 
 
 def _task_cursor(after: object) -> int:
-    if after is None:
-        return 0
-    if not isinstance(after, str):
-        raise QueueTypeError(f"after must be a str cursor or None, not {type(after).__name__}")
-    if not _DIGITS.match(after) or int(after) > INT64:
-        raise QueueConfigurationError(
-            "after must be the next_cursor of a task listing (a task id in decimal)"
-        )
-    return int(after)
+    return parse_task_cursor(after, error=QueueConfigurationError, type_error=QueueTypeError)
 
 
 def _newest_cursor(after: object) -> int | None:
@@ -252,7 +241,7 @@ async def task_detail(
     Raises:
         TaskNotFoundError: no such task (or it was pruned).
         SchemaVersionMismatchError: the queue is not installed in ``schema``.
-        QueueConfigurationError: ``task_id`` beyond 64 bits, ``history`` outside 0..1000,
+        QueueConfigurationError: ``task_id`` outside 1..2**63-1, ``history`` outside 0..1000,
             or an invalid schema name.
         QueueTypeError: ``task_id`` or ``history`` is not an int.
     """
@@ -361,7 +350,7 @@ async def retry_failed_task(conn: Any, task_id: int, *, schema: str = DEFAULT_SC
         TaskNotFoundError: no such task (or it was pruned).
         TaskStateError: the task is not failed, or a live task holds its dedup key.
         SchemaVersionMismatchError: the queue is not installed in ``schema``.
-        QueueConfigurationError: ``task_id`` beyond 64 bits, or an invalid schema name.
+        QueueConfigurationError: ``task_id`` outside 1..2**63-1, or an invalid schema name.
         QueueTypeError: ``task_id`` is not an int.
     """
     sql = admin_sql(schema)
@@ -466,7 +455,7 @@ async def task_args(conn: Any, task_id: int, *, schema: str = DEFAULT_SCHEMA) ->
     Raises:
         TaskNotFoundError: no such task (or it was pruned).
         SchemaVersionMismatchError: the queue is not installed in ``schema``.
-        QueueConfigurationError: ``task_id`` beyond 64 bits, or an invalid schema name.
+        QueueConfigurationError: ``task_id`` outside 1..2**63-1, or an invalid schema name.
         QueueTypeError: ``task_id`` is not an int.
     """
     sql = admin_sql(schema)

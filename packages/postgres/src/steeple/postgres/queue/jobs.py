@@ -136,6 +136,23 @@ class JobInfo:
         """Build from a row of the job columns, in order."""
         return cls(*row)
 
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict (never its args; instants in ISO 8601)."""
+        return {
+            "name": self.name,
+            "task_name": self.task_name,
+            "cron": self.cron,
+            "timezone": self.timezone,
+            "queue": self.queue,
+            "paused": self.paused,
+            "next_run_at": None if self.next_run_at is None else self.next_run_at.isoformat(),
+            "priority": self.priority,
+            "max_attempts": self.max_attempts,
+            "lease_duration_seconds": self.lease_duration.total_seconds(),
+            "created_at": self.created_at.isoformat(),
+            "updated_at": self.updated_at.isoformat(),
+        }
+
 
 def _calendar(cron: str, zone: Zone) -> ZonedCalendar:
     """Parse a job's calendar (core decides what is valid: fields, shorthands, zones)."""

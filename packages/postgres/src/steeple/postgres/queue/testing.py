@@ -76,7 +76,13 @@ from steeple.postgres.queue._queues import (
     TaskLimits,
     check_limits,
 )
-from steeple.postgres.queue._validate import check_int, check_name, check_queue, check_timedelta
+from steeple.postgres.queue._validate import (
+    check_int,
+    check_name,
+    check_queue,
+    check_task_id,
+    check_timedelta,
+)
 from steeple.postgres.queue.errors import QueueError, QueueTypeError, TaskNotFoundError
 from steeple.postgres.queue.tasks import EnqueuedTask, EnqueueOptions, Task
 
@@ -418,7 +424,7 @@ class InMemoryQueue(LocalQueue):
         return [_run(s, MAX_HISTORY) for s in stored if state is None or s.state is state]
 
     def _get(self, task_id: int) -> _Stored:
-        check_int(task_id, "task_id", 1, 2**63 - 1)
+        check_task_id(task_id)
         stored = self._tasks.get(task_id)
         if stored is None:
             raise TaskNotFoundError(task_id)

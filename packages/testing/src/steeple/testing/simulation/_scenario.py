@@ -464,6 +464,17 @@ class Scenario:
                 f"the range ends {_iso(self.end)}, beyond the calendar's last year (2100): "
                 f"end it by {_iso(CALENDAR_END)}"
             )
+        self._check_names()
+        self._check_events()
+        if self.sample_interval is not None:
+            _positive(self.sample_interval, "sample interval", minimum=timedelta(seconds=1))
+            if (self.end - self.start) / self.sample_interval > _MAX_SAMPLES:
+                raise ScenarioError(
+                    f"the sample interval {self.sample_interval} gives more than "
+                    f"{_MAX_SAMPLES:,} samples over the range: lengthen it"
+                )
+
+    def _check_names(self) -> None:
         names = [d.name for d in self.definitions]
         names += [d.name for c in self.changes for d in c.create]
         if len(set(names)) != len(names):
@@ -473,6 +484,8 @@ class Scenario:
                 f"{len(names)} definitions exceed the namespace quota of "
                 f"{self.config.max_definitions}"
             )
+
+    def _check_events(self) -> None:
         known = {d.name for d in self.definitions}
         for change in self.changes:
             if not self.start <= change.at < self.end:
@@ -488,13 +501,6 @@ class Scenario:
             if not self.start < regression.at < self.end:
                 raise ScenarioError(
                     f"a clock regression at {_iso(regression.at)} is outside the range"
-                )
-        if self.sample_interval is not None:
-            _positive(self.sample_interval, "sample interval", minimum=timedelta(seconds=1))
-            if (self.end - self.start) / self.sample_interval > _MAX_SAMPLES:
-                raise ScenarioError(
-                    f"the sample interval {self.sample_interval} gives more than "
-                    f"{_MAX_SAMPLES:,} samples over the range: lengthen it"
                 )
 
     def _check_types(self) -> None:
