@@ -20,6 +20,10 @@ server session: nothing steeple does may rely on session state.
   its connect is refused with an error naming it.
 - The admin CLI enqueues, lists and initializes through the pooler, and the dashboard's
   queue backend reads and pauses through it.
+- The work-queue broker publishes through the pooler with ``pooler="transaction"``
+  (``synchronous_commit`` set in each publication's transaction, seen by a trigger),
+  deduplicates, and gets over a pooler restart; without the setting it refuses with a
+  configuration error naming it.
 """
 
 from __future__ import annotations
@@ -533,3 +537,71 @@ async def test_steeple_worker_relays_and_runs_tasks_through_the_pooler(
             await conn.execute(f'DROP SCHEMA IF EXISTS "{store_schema}" CASCADE')
         finally:
             await conn.close()
+
+
+# Notes, for every ledger row the work-queue broker commits (a duplicate's transaction
+# is rolled back, its note with it), where synchronous_commit came from: 'session' is a
+# set_config(..., true) in the transaction, 'client' the startup packet, anything else
+# the server session's own default.
+_NOTE_SYNCHRONOUS_COMMIT = """
+CREATE TABLE {s}.seen (setting text, source text);
+CREATE FUNCTION {s}.note() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO {s}.seen SELECT setting, source FROM pg_settings
+     WHERE name = 'synchronous_commit';
+    RETURN NEW;
+END $$;
+CREATE TRIGGER note BEFORE INSERT ON {s}.broker_dedup
+    FOR EACH ROW EXECUTE FUNCTION {s}.note();
+"""
+
+
+async def test_the_work_queue_broker_publishes_through_the_pooler(
+    queue: tuple[str, str], bouncer: PgBouncer
+) -> None:
+    """With pooler="transaction" the work-queue broker publishes through the pooler from
+    more client connections than it has server sessions, sets synchronous_commit in each
+    publication's own transaction, deduplicates a republished key, and gets over a pooler
+    restart; without it, it refuses with a configuration error naming the setting."""
+    from steeple.brokers.queue import WorkQueueBroker
+    from steeple.core.errors import BrokerConfigurationError, ConfigurationError
+    from steeple.core.messages import ScheduledMessage
+
+    dsn, schema = queue
+    with pytest.raises(ConfigurationError, match="pooler must be None"):
+        WorkQueueBroker(dsn, schema=schema, pooler="session")  # type: ignore[arg-type]
+    async with WorkQueueBroker(bouncer.dsn(), schema=schema) as undeclared:
+        with pytest.raises(BrokerConfigurationError, match=r"pooler='transaction'"):
+            await undeclared.install()
+    direct = await asyncpg.connect(dsn)
+    try:
+        async with WorkQueueBroker(
+            bouncer.dsn(), schema=schema, pooler="transaction", max_connections=12
+        ) as broker:
+            await broker.install()
+            await direct.execute(_NOTE_SYNCHRONOUS_COMMIT.format(s=f'"{schema}"'))
+
+            async def publish(n: int) -> bool:
+                sent = ScheduledMessage("t", "pooled.relayed", str(n).encode())
+                receipt = await broker.publish(sent, idempotency_key=f"k{n}", timeout=20)
+                return receipt.duplicate
+
+            # Twice the pooler's server sessions at once, then every key again.
+            assert await asyncio.gather(*(publish(n) for n in range(12))) == [False] * 12
+            assert await asyncio.gather(*(publish(n) for n in range(12))) == [True] * 12
+            bouncer.kill()
+            bouncer.start()
+            assert (
+                await asyncio.gather(*(publish(n) for n in range(10, 16)))
+                == [True] * 2 + [False] * 4
+            )
+        seen = await direct.fetch(f'SELECT setting, source FROM "{schema}".seen')
+        tasks = await direct.fetchval(
+            f'SELECT count(*) FROM "{schema}".tasks t JOIN "{schema}".broker_dedup d'
+            " ON d.task_id = t.id WHERE t.task_name = 'pooled.relayed'"
+        )
+    finally:
+        await direct.close()
+    assert {(row["setting"], row["source"]) for row in seen} == {("on", "session")}
+    assert len(seen) == 16
+    assert tasks == 16

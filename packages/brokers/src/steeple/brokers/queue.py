@@ -49,6 +49,14 @@ from steeple.core.errors import (
     SteepleError,
 )
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
+from steeple.postgres.pooler import (
+    Pooler,
+    PoolerProblem,
+    asyncpg_options,
+    check_pooler,
+    local_settings_sql,
+    pooler_refusal,
+)
 from steeple.postgres.queue import (
     DEFAULT_SCHEMA,
     ClusterGuard,
@@ -63,6 +71,9 @@ from steeple.postgres.sqlstate import is_access_or_missing_object, is_message_re
 __all__ = ["WorkQueueBroker", "decode_task_args"]
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+# Every commit waits for its WAL flush: the ledger promises durability.
+_SESSION_SETTINGS = {"synchronous_commit": "on"}
 
 
 class _StaleConnectionError(Exception):
@@ -166,6 +177,12 @@ class WorkQueueBroker(AsyncLifecycle):
             publication (connecting costs more than the publication itself); one that
             saw any error is closed, and one kept idle over ``idle_timeout`` seconds
             (default 30) is closed instead of reused.
+        pooler: ``"transaction"`` when ``dsn`` leads through a connection pooler in
+            transaction mode (PgBouncer ``pool_mode = transaction``; see
+            :mod:`steeple.postgres.pooler`): no statement cache, and
+            ``synchronous_commit`` set in each publication's transaction instead of at
+            connect. ``None`` (the default) for a direct connection or a pooler in
+            session mode.
 
     Raises:
         ConfigurationError: invalid arguments.
@@ -185,7 +202,14 @@ class WorkQueueBroker(AsyncLifecycle):
         connect_timeout: float = 5.0,
         max_connections: int = 8,
         idle_timeout: float = 30.0,
+        pooler: Pooler | None = None,
     ) -> None:
+        try:
+            self._pooler = check_pooler(pooler)
+        except PoolerProblem as exc:
+            raise ConfigurationError(str(exc)) from None
+        self._connect_options = asyncpg_options(self._pooler, _SESSION_SETTINGS)
+        self._local_settings = local_settings_sql(self._pooler, _SESSION_SETTINGS)
         if (
             isinstance(max_connections, bool)
             or not isinstance(max_connections, int)
@@ -298,6 +322,9 @@ class WorkQueueBroker(AsyncLifecycle):
             raise BrokerUnavailableError(f"work queue: {exc}") from None
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
             self._slots.release()
+            refusal = pooler_refusal(exc)
+            if refusal is not None:
+                raise BrokerConfigurationError(f"work queue: {refusal}") from None
             raise BrokerUnavailableError(
                 f"work queue: cannot connect to {redact_dsn(self._dsn)} ({type(exc).__name__})"
             ) from None
@@ -313,12 +340,10 @@ class WorkQueueBroker(AsyncLifecycle):
         After a failover the DSN's first writable host may be the old primary started
         again: a task enqueued there is lost with it, so such a node is refused.
         """
+        # Directly, the settings go with the startup packet (no statement per
+        # transaction); through a transaction pooler, see _transmit_once.
         conn = await asyncpg.connect(
-            self._dsn,
-            timeout=self._connect_timeout,
-            # Sent with the startup packet: every commit waits for its WAL flush
-            # (the ledger promises durability) without a statement per transaction.
-            server_settings={"synchronous_commit": "on"},
+            self._dsn, timeout=self._connect_timeout, **self._connect_options
         )
         self.connections_opened += 1
         try:
@@ -355,6 +380,8 @@ class WorkQueueBroker(AsyncLifecycle):
         """Create the dedup ledger table in the queue's schema (idempotent).
 
         Raises:
+            BrokerConfigurationError: ``dsn`` leads through a transaction pooler without
+                ``pooler="transaction"``.
             BrokerUnavailableError: the database cannot be reached or refused the DDL.
         """
         conn = await self._connect()
@@ -387,8 +414,9 @@ class WorkQueueBroker(AsyncLifecycle):
         Raises:
             ConfigurationError: a bad key or timeout, or not a ScheduledMessage.
             MessageTooLargeError: the args exceed the queue's limit (permanent).
-            BrokerConfigurationError: the queue or the ledger is not installed, or the role
-                lacks a privilege.
+            BrokerConfigurationError: the queue or the ledger is not installed, the role
+                lacks a privilege, or ``dsn`` leads through a transaction pooler without
+                ``pooler="transaction"`` (PgBouncer refused a session setting).
             BrokerRejectedError: the queue refuses the task name or args (a message type
                 over 200 characters, a text field without a UTF-8 encoding...), or the
                 database refuses the data (permanent).
@@ -467,6 +495,8 @@ class WorkQueueBroker(AsyncLifecycle):
             tx = conn.transaction()
             await tx.start()
             try:
+                if self._local_settings is not None:
+                    await conn.execute(self._local_settings)
                 new = await conn.fetchval(
                     f'INSERT INTO "{self._schema}".broker_dedup (idempotency_key, task_name)'
                     " VALUES ($1, $2) ON CONFLICT (idempotency_key) DO NOTHING"
