@@ -138,11 +138,13 @@ async def test_a_stale_workers_writes_change_nothing_while_another_worker_holds_
     dsn, schema, conn = queue
     await conn.execute(f'CREATE TABLE "{schema}".stale_log (task_id bigint, what text)')
     await conn.execute(f'CREATE TABLE "{schema}".go (at timestamptz)')
+    # A lease of 6 s gives a renewal 3 s to answer: one that fails while the lease has
+    # lapsed by the worker's own clock also loses the lease, without asking the database.
     task = await enqueue(
         conn,
         FENCED,
         {"outcome": outcome},
-        EnqueueOptions(lease_duration=timedelta(seconds=2)),
+        EnqueueOptions(lease_duration=timedelta(seconds=6)),
         schema=schema,
     )
     hold = asyncio.Event()
