@@ -34,7 +34,7 @@ FENCED: Task[Any] = Task("fenced")
 # argv: DSN, schema, worker id, drain timeout. The handler of the first attempt logs that
 # it started, then (by args["outcome"]) waits for the test's "go" and succeeds, retries or
 # fails; or waits to learn its lease is lost ("renew"); or runs until the drain cancels it
-# ("hand back"). The stats are printed at the end.
+# ("hand-back"). The stats are printed at the end.
 STALE_WORKER = """
 import asyncio, json, signal, sys
 from datetime import timedelta
@@ -57,7 +57,7 @@ async def main() -> None:
             await asyncio.wait_for(ctx.lease_lost.wait(), 120)
             await log(ctx, "lease lost")
             return
-        if outcome == "hand back":
+        if outcome == "hand-back":
             await asyncio.sleep(3600)
         while not await pool.fetchval(f'SELECT count(*) FROM "{schema}".go'):
             await asyncio.sleep(0.05)
@@ -131,7 +131,7 @@ async def _history(conn: asyncpg.Connection, schema: str, task_id: int) -> list[
     return [tuple(r) for r in rows]
 
 
-@pytest.mark.parametrize("outcome", ["succeed", "retry", "fail", "hand back", "renew"])
+@pytest.mark.parametrize("outcome", ["succeed", "retry", "fail", "hand-back", "renew"])
 async def test_a_stale_workers_writes_change_nothing_while_another_worker_holds_the_task(
     queue: QueueFixture, tmp_path: Path, outcome: str
 ) -> None:
@@ -164,7 +164,7 @@ async def test_a_stale_workers_writes_change_nothing_while_another_worker_holds_
     )
     fresh.register(FENCED, holder)
     stop = asyncio.Event()
-    async with stale_worker(tmp_path, dsn, schema, 0.5 if outcome == "hand back" else 30) as stale:
+    async with stale_worker(tmp_path, dsn, schema, 0.5 if outcome == "hand-back" else 30) as stale:
         await wait_until(lambda: _logged(conn, schema, "started"))
         stale.send_signal(signal.SIGSTOP)
         running = asyncio.create_task(fresh.run_until_shutdown(stop))
