@@ -55,7 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CATALOGUE = ROOT / "mutants" / "catalogue.toml"
 # One mutant's tests may not run longer than this (a hang counts as killed, and says so).
 PER_MUTANT_TIMEOUT = 1200.0
-_FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)")
+# "FAILED <node id> - <message>": a node id may hold spaces (a parameter's id).
+_FAILED_LINE = re.compile(r"^(FAILED|ERROR) (.+?)(?= - |$)")
 
 
 class CatalogueError(Exception):
