@@ -447,3 +447,11 @@ def test_an_owed_walk_starts_at_the_front_whatever_position_it_keeps() -> None:
     walk = ClaimWalk(_place(0, 1, 1), front_at=10.0, owed=True)
     assert walk.start(10.1, 1.0) is None
     assert ClaimWalk(_place(0, 1, 1), front_at=10.0).start(10.1, 1.0) == _place(0, 1, 1)
+
+
+def test_a_keys_limit_counts_every_task_this_claim_took_of_the_key() -> None:
+    cands = [Cand(i, "q1", "a", "A") for i in range(4)] + [Cand(9, "q1", "a", "B")]
+    queues = {"q1": ScopeState(ScopeLimits(max_running_per_key=2))}
+    plan = plan_claim([("q1", 5)], cands, queues=queues, names={}, now=NOW)
+    assert plan.started == (cands[0], cands[1], cands[4])
+    assert plan.held
