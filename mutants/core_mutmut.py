@@ -91,6 +91,15 @@ result memoised there by the unmutated code would answer in the mutant's place.
 
 import sys
 
+from hypothesis import HealthCheck, settings
+
+# Timing checks judge the machine, not the mutant: on a loaded machine they would fail
+# the unmutated run (mutmut's first pass) and no mutant would be checked at all.
+settings.register_profile(
+    "mutmut", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("mutmut")
+
 
 def pytest_sessionstart(session):
     for name, module in list(sys.modules.items()):

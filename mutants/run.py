@@ -15,6 +15,11 @@ Usage (``nox -s mutants -- ARGS`` passes ARGS here)::
     python mutants/run.py --sample 8 --seed 1234 --budget 300
     python mutants/run.py --only queue.pause.ignored --only keyring.nonce.fixed
     python mutants/run.py --area keyring --results mutants.json
+    python mutants/run.py --all-killers --only queue.complete.token-dropped
+
+``--all-killers`` runs each chosen mutant's tests to the end instead of stopping at the
+first failure, and records every test that failed: which tests, of which kinds, defend an
+invariant (a run without it names only the first).
 
 ``--seed`` defaults to ``STEEPLE_MUTANT_SEED``, else a fresh one; it is always printed so a
 sample can be replayed. ``--budget`` time-boxes the run: no mutant starts after that many
@@ -50,7 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CATALOGUE = ROOT / "mutants" / "catalogue.toml"
 # One mutant's tests may not run longer than this (a hang counts as killed, and says so).
 PER_MUTANT_TIMEOUT = 1200.0
-_FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)")
+# "FAILED <node id> - <message>": a node id may hold spaces (a parameter's id).
+_FAILED_LINE = re.compile(r"^(FAILED|ERROR) (.+?)(?= - |$)")
 
 
 class CatalogueError(Exception):
@@ -81,6 +87,7 @@ class Outcome:
     by: str = ""
     seconds: float = 0.0
     detail: list[str] = field(default_factory=list)
+    killers: list[str] = field(default_factory=list)  # every failing test (--all-killers)
 
 
 def load(path: Path = CATALOGUE) -> list[Mutant]:
@@ -173,11 +180,14 @@ def _env(tree: Path) -> dict[str, str]:
     return env
 
 
-def run_one(m: Mutant, tree: Path, budget: float | None = None) -> Outcome:
+def run_one(
+    m: Mutant, tree: Path, budget: float | None = None, *, all_killers: bool = False
+) -> Outcome:
     """Apply ``m`` in ``tree``, run its tests, restore the file, and say what happened.
 
     Tests still running after ``budget`` seconds are stopped and the mutant is "not run";
     after :data:`PER_MUTANT_TIMEOUT` (a hang the mutant caused) it counts as killed.
+    ``all_killers``: run every test (no ``-x``) and list each one that failed.
     """
     target = tree / m.file
     original = target.read_text(encoding="utf-8")
@@ -188,8 +198,8 @@ def run_one(m: Mutant, tree: Path, budget: float | None = None) -> Outcome:
         mutated = mutated.replace(find, replace)
     target.write_text(mutated, encoding="utf-8")
     command = [
-        sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-        "-p", "_no_shrink",
+        sys.executable, "-m", "pytest", *([] if all_killers else ["-x"]), "-q", "-rfE",
+        "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "_no_shrink",
         *m.tests,
     ]  # fmt: skip
     start = time.monotonic()
@@ -214,8 +224,9 @@ def run_one(m: Mutant, tree: Path, budget: float | None = None) -> Outcome:
         return Outcome(m, "survived", "", seconds)
     if done.returncode in (4, 5):  # usage error or nothing collected: the entry is wrong
         raise CatalogueError(f"{m.name}: pytest exit {done.returncode}: {lines[-3:]}")
-    by = next((g.group(2) for g in map(_FAILED_LINE.match, lines) if g), "")
-    return Outcome(m, "killed", by or f"(pytest exit {done.returncode})", seconds, lines[-15:])
+    killers = list(dict.fromkeys(g.group(2) for g in map(_FAILED_LINE.match, lines) if g))
+    by = killers[0] if killers else f"(pytest exit {done.returncode})"
+    return Outcome(m, "killed", by, seconds, lines[-15:], killers)
 
 
 def _in_scope(mutants: list[Mutant], args: argparse.Namespace) -> list[Mutant]:
@@ -260,7 +271,7 @@ def table(outcomes: list[Outcome]) -> str:
             "not run": "not run",
             "equivalent": "equivalent",
         }[o.status]
-        by = o.mutant.equivalent if o.status == "equivalent" else o.by
+        by = o.mutant.equivalent if o.status == "equivalent" else ", ".join(o.killers) or o.by
         rows.append(
             f"| {o.mutant.name} | {o.mutant.invariant} | {killed} | {by} | {o.seconds:.0f} |"
         )
@@ -291,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--results", type=Path, help="also write the outcomes here (JSON)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    parser.add_argument(
+        "--all-killers",
+        action="store_true",
+        help="run each mutant's tests to the end and record every test that kills it",
+    )
     args = parser.parse_args(argv)
     # The real tree is never touched, but a stopped run must still end its pytest and
     # remove the scratch copy: SIGTERM unwinds like Ctrl-C.
@@ -322,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
                 elif left is not None and left <= 0:
                     outcomes.append(Outcome(m, "not run"))
                     continue
-                outcome = run_one(m, tree, left)
+                outcome = run_one(m, tree, left, all_killers=args.all_killers)
                 outcomes.append(outcome)
                 print(f"  {outcome.status:8} {m.name} {outcome.by} ({outcome.seconds:.0f} s)")
+                for killer in outcome.killers[1:]:
+                    print(f"           also killed by {killer}")
                 sys.stdout.flush()
                 if m.canary and outcome.status != "killed":
                     print(f"canary {m.name} survived: mutations do not reach the tests")
@@ -346,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                         "by": o.by,
                         "seconds": round(o.seconds, 1),
                         "equivalent": o.mutant.equivalent,
+                        **({"killers": o.killers} if args.all_killers else {}),
                     }
                     for o in outcomes
                 ],

@@ -99,6 +99,35 @@ def test_a_survivor_is_reported_and_a_failing_test_kills(tmp_path: Path) -> None
     assert "| s | i | **no** |  |" in runner.table([killed, survived])
 
 
+def test_all_killers_runs_every_test_and_lists_each_that_failed(tmp_path: Path) -> None:
+    (tmp_path / "packages").mkdir()
+    (tmp_path / "code.py").write_text("VALUE = 1\n", encoding="utf-8")
+    (tmp_path / "test_code.py").write_text(
+        "import pathlib\n\n"
+        "def value() -> str:\n"
+        "    return pathlib.Path('code.py').read_text()\n\n"
+        "def test_first() -> None:\n"
+        "    assert 'VALUE = 1' in value()\n\n"
+        "def test_unrelated() -> None:\n"
+        "    assert 'VALUE' in value()\n\n"
+        "def test_second() -> None:\n"
+        "    assert value() == 'VALUE = 1\\n'\n",
+        encoding="utf-8",
+    )
+    mutant = runner.Mutant(
+        "k", "a", "i", "code.py", ("VALUE = 1",), ("VALUE = 2",), ("test_code.py",)
+    )
+    first_only = runner.run_one(mutant, tmp_path)
+    assert first_only.killers == ["test_code.py::test_first"]
+    every = runner.run_one(mutant, tmp_path, all_killers=True)
+    assert every.status == "killed"
+    assert every.by == "test_code.py::test_first"
+    assert every.killers == ["test_code.py::test_first", "test_code.py::test_second"]
+    assert "| k | i | yes | test_code.py::test_first, test_code.py::test_second |" in (
+        runner.table([every])
+    )
+
+
 def test_paired_texts_must_pair_up_and_each_must_change_something(tmp_path: Path) -> None:
     head = '[[mutant]]\nname = "m"\narea = "a"\ninvariant = "i"\nfile = "f"\ntests = ["t"]\n'
     unpaired = tmp_path / "unpaired.toml"

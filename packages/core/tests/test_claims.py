@@ -418,3 +418,40 @@ def test_a_claim_held_by_two_names_rates_frees_up_at_the_earlier_exit() -> None:
     candidates = [Cand(1, "q1", "a"), Cand(2, "q1", "b")]
     plan = plan_claim([("q1", 2)], candidates, queues={}, names={"a": soon, "b": later}, now=NOW)
     assert plan == ClaimPlan((), held=True, frees_at=NOW + 10 * S)
+
+
+def test_the_other_names_get_only_what_the_limited_names_left_of_the_want() -> None:
+    a, z1, z2, z3 = (Cand(1, "q1", "a"), Cand(2, "q1", "z"),
+                     Cand(3, "q1", "z"), Cand(4, "q1", "z"))  # fmt: skip
+    roomy = ScopeState(ScopeLimits(max_running=5))
+    plan = plan_claim([("q1", 2)], [a, z1, z2, z3], queues={}, names={"a": roomy}, now=NOW)
+    assert plan == ClaimPlan((a, z1), held=False, frees_at=None)
+
+
+def test_a_claim_held_by_several_keys_rates_frees_up_at_the_earliest_exit() -> None:
+    minute = timedelta(minutes=1)
+    queues = {"q1": ScopeState(ScopeLimits(rate_limit_per_key=1, rate_period_per_key=minute))}
+    keys = {
+        ("queue", "q1", "A"): KeyState(starts=(NOW - 50 * S,)),
+        ("queue", "q1", "B"): KeyState(starts=(NOW - 10 * S,)),
+    }
+    candidates = [Cand(1, "q1", "a", "A"), Cand(2, "q1", "a", "B")]
+    for order in (candidates, candidates[::-1]):
+        plan = plan_claim([("q1", 2)], order, queues=queues, names={}, now=NOW, keys=keys)
+        assert plan == ClaimPlan((), held=True, frees_at=NOW + 10 * S)
+
+
+def test_an_owed_walk_starts_at_the_front_whatever_position_it_keeps() -> None:
+    # The debt alone decides: a walk built with a position and the debt still walks from
+    # the front, inside the interval and with a recent walk from the front.
+    walk = ClaimWalk(_place(0, 1, 1), front_at=10.0, owed=True)
+    assert walk.start(10.1, 1.0) is None
+    assert ClaimWalk(_place(0, 1, 1), front_at=10.0).start(10.1, 1.0) == _place(0, 1, 1)
+
+
+def test_a_keys_limit_counts_every_task_this_claim_took_of_the_key() -> None:
+    cands = [Cand(i, "q1", "a", "A") for i in range(4)] + [Cand(9, "q1", "a", "B")]
+    queues = {"q1": ScopeState(ScopeLimits(max_running_per_key=2))}
+    plan = plan_claim([("q1", 5)], cands, queues=queues, names={}, now=NOW)
+    assert plan.started == (cands[0], cands[1], cands[4])
+    assert plan.held

@@ -588,3 +588,20 @@ def test_without_a_draw_the_retry_waits_the_whole_backoff_delay() -> None:
     backoff = Backoff(initial=10 * S, maximum=10 * S, jitter=1.0)
     decision = after_publish_failure(1, T0, T0 + HOUR, False, backoff)
     assert decision == FailureDecision(OccurrenceState.RETRY_WAIT, T0 + 10 * S)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.binary(min_size=1, max_size=64),
+    st.integers(0, 5),
+    st.binary(min_size=1, max_size=64) | st.none(),
+    st.integers(0, 5),
+)
+def test_a_lease_is_held_only_with_both_its_capability_and_its_revision(
+    capability: bytes, revision: int, presented: bytes | None, presented_revision: int
+) -> None:
+    # None: the holder presents the capability itself; else another one (a forgery, or
+    # the capability of an older claim).
+    shown = capability if presented is None else presented
+    held = holds_lease(capability_digest(capability), revision, shown, presented_revision)
+    assert held == (shown == capability and presented_revision == revision)
