@@ -14,9 +14,18 @@ import attrs
 import pytest
 
 from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage
-from steeple.core.errors import BrokerUnavailableError, ConfigurationError
+from steeple.core.errors import BrokerUnavailableError, ConfigurationError, InvalidTransitionError
+from steeple.core.leases import capability_digest, holds_granted_lease, holds_lease
 from steeple.core.messages import BrokerReceipt, trusted_receipt
+from steeple.core.occurrences import (
+    CLAIMABLE_STATES,
+    OCCURRENCE_STEPS,
+    OccurrenceEvent,
+    OccurrenceState,
+    step,
+)
 from steeple.core.records import Lease, RelayOutcome, trusted_lease, trusted_outcome
+from steeple.engine.ports import OccurrenceRow, apply_step
 from steeple.testing import FakeClock, MemoryBroker
 from steeple.testing.entropy import DeterministicRandom
 from steeple.testing.simulation import memory_store
@@ -96,3 +105,63 @@ async def test_a_stores_leases_and_outcomes_are_what_the_checked_constructors_bu
     for outcome in outcomes:
         assert outcome == RelayOutcome(outcome.occurrence_id, outcome.receipt, outcome.error)
     await store.close()
+
+
+@pytest.mark.parametrize("stored", ["none", "same", "other"])
+@pytest.mark.parametrize("stored_revision", [0, 1, 2])
+def test_a_granted_leases_fence_is_the_checked_one(stored: str, stored_revision: int) -> None:
+    """Judged by the digest taken when it was granted, a lease is held exactly when
+    :func:`holds_lease` (which hashes the presented capability) says it is."""
+    capability, other = b"\x01" * 32, b"\x02" * 32
+    digest = capability_digest(capability)
+    stored_digest = {"none": None, "same": digest, "other": capability_digest(other)}[stored]
+    for revision in (0, 1, 2):
+        checked = holds_lease(stored_digest, stored_revision, capability, revision)
+        assert holds_granted_lease(stored_digest, stored_revision, digest, revision) is checked
+    assert holds_granted_lease(digest, 1, digest, 1)
+    assert not holds_granted_lease(None, 1, digest, 1)
+
+
+@pytest.mark.parametrize("state", sorted(CLAIMABLE_STATES, key=lambda s: s.value))
+def test_a_claim_that_counts_the_attempt_writes_what_two_changes_wrote(
+    state: OccurrenceState,
+) -> None:
+    """The grant of ``claim_and_relay`` counts the attempt in its own change: equal to the
+    claim's change with the attempt counted on top (the relay's check, by hand)."""
+    row = OccurrenceRow(
+        occurrence_id="ab" * 16,
+        definition_name="job",
+        due_at=AT,
+        state=state,
+        attempts=3,
+        window_ends_at=AT + timedelta(hours=1),
+        created_at=AT,
+        updated_at=AT,
+        content=b"sealed",
+        lease_revision=4,
+        lease_digest=b"\x00" * 32,
+        lease_expires_at=AT,
+        next_attempt_at=AT,
+    )
+    now = AT + timedelta(minutes=1)
+    lease = {
+        "lease_expires_at": now + timedelta(seconds=60),
+        "lease_revision": 5,
+        "lease_digest": b"\x07" * 32,
+    }
+    claimed = step(state, OccurrenceEvent.CLAIM)
+    claim = apply_step(row, claimed, now, **lease)
+    by_hand = attrs.evolve(claim, attempts=claim.attempts + 1, updated_at=now)
+    assert apply_step(row, claimed, now, attempted=True, **lease) == by_hand
+    assert apply_step(row, claimed, now, **lease) == claim  # not counted unless asked
+
+
+def test_the_steps_looked_up_by_value_are_the_table() -> None:
+    """:func:`step` looks its answer up by the members' values: the table's own rows."""
+    for state in OccurrenceState:
+        for event in OccurrenceEvent:
+            if (state, event) in OCCURRENCE_STEPS:
+                assert step(state, event) is OCCURRENCE_STEPS[(state, event)]
+            else:
+                with pytest.raises(InvalidTransitionError):
+                    step(state, event)

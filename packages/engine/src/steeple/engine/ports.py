@@ -247,7 +247,9 @@ class OccurrenceChange:
         )
 
 
-def apply_step(row: OccurrenceRow, step: Step, at: datetime, **values: Any) -> OccurrenceChange:
+def apply_step(
+    row: OccurrenceRow, step: Step, at: datetime, *, attempted: bool = False, **values: Any
+) -> OccurrenceChange:
     """Return the change that moves ``row`` by one row of the lifecycle table at ``at``.
 
     The one place where a step's effects become column values: every adapter writes
@@ -255,8 +257,9 @@ def apply_step(row: OccurrenceRow, step: Step, at: datetime, **values: Any) -> O
 
     The step's effects are applied (content and lease erased, ``finished_at`` stamped or
     cleared, attempts reset, error cleared, lease expiry and next attempt cleared outside
-    ``leased`` / ``retry_wait``); ``values`` then set what the engine decided besides
-    (a new lease, the next attempt, the error).
+    ``leased`` / ``retry_wait``); ``attempted`` also counts a relay attempt (a claim
+    that relays what it leased counts it in the same write); ``values`` then set what
+    the engine decided besides (a new lease, the next attempt, the error).
 
     Raises:
         ValueError: the step removes the row (purging deletes instead).
@@ -275,7 +278,7 @@ def apply_step(row: OccurrenceRow, step: Step, at: datetime, **values: Any) -> O
     columns: dict[str, Any] = {
         "occurrence_id": row.occurrence_id,
         "state": target,
-        "attempts": 0 if effects.reopens else row.attempts,
+        "attempts": (0 if effects.reopens else row.attempts) + attempted,
         "next_attempt_at": None if step.clears_next_attempt else row.next_attempt_at,
         "last_error": None if effects.clears_error else row.last_error,
         "lease_expires_at": None if step.ends_lease else row.lease_expires_at,
@@ -285,7 +288,9 @@ def apply_step(row: OccurrenceRow, step: Step, at: datetime, **values: Any) -> O
         "finished_at": finished,
         "erase_content": effects.erase_content,
     }
-    return OccurrenceChange(**(columns | values if values else columns))
+    if values:
+        columns.update(values)
+    return OccurrenceChange(**columns)
 
 
 class RecurringRepository(Protocol):
