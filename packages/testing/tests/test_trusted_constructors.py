@@ -9,6 +9,7 @@ hands out must be exactly what the public constructors build from the same field
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import attrs
 import pytest
@@ -25,7 +26,7 @@ from steeple.core.occurrences import (
     step,
 )
 from steeple.core.records import Lease, RelayOutcome, trusted_lease, trusted_outcome
-from steeple.engine.ports import OccurrenceRow, apply_step
+from steeple.engine.ports import _CHANGE_FIELDS, OccurrenceChange, OccurrenceRow, apply_step
 from steeple.testing import FakeClock, MemoryBroker
 from steeple.testing.entropy import DeterministicRandom
 from steeple.testing.simulation import memory_store
@@ -122,7 +123,7 @@ def test_a_granted_leases_fence_is_the_checked_one(stored: str, stored_revision:
     assert not holds_granted_lease(None, 1, digest, 1)
 
 
-@pytest.mark.parametrize("state", sorted(CLAIMABLE_STATES, key=lambda s: s.value))
+@pytest.mark.parametrize("state", [s for s in OccurrenceState if s in CLAIMABLE_STATES])
 def test_a_claim_that_counts_the_attempt_writes_what_two_changes_wrote(
     state: OccurrenceState,
 ) -> None:
@@ -144,7 +145,7 @@ def test_a_claim_that_counts_the_attempt_writes_what_two_changes_wrote(
         next_attempt_at=AT,
     )
     now = AT + timedelta(minutes=1)
-    lease = {
+    lease: dict[str, Any] = {
         "lease_expires_at": now + timedelta(seconds=60),
         "lease_revision": 5,
         "lease_digest": b"\x07" * 32,
@@ -165,3 +166,55 @@ def test_the_steps_looked_up_by_value_are_the_table() -> None:
             else:
                 with pytest.raises(InvalidTransitionError):
                     step(state, event)
+
+
+def test_a_steps_change_names_each_column_it_sets() -> None:
+    """``apply_step`` builds its change positionally: each value lands in its own field,
+    for every step of the table, with and without values decided besides."""
+    assert tuple(f.name for f in attrs.fields(OccurrenceChange)) == _CHANGE_FIELDS
+    row = OccurrenceRow(
+        occurrence_id="cd" * 16,
+        definition_name="job",
+        due_at=AT,
+        state=OccurrenceState.LEASED,
+        attempts=3,
+        window_ends_at=AT + timedelta(hours=1),
+        created_at=AT - timedelta(minutes=2),
+        updated_at=AT - timedelta(minutes=1),
+        finished_at=AT - timedelta(seconds=30),
+        next_attempt_at=AT + timedelta(minutes=5),
+        last_error="BrokerUnavailableError",
+        lease_expires_at=AT + timedelta(seconds=60),
+        lease_revision=4,
+        lease_digest=b"\x00" * 32,
+        content=b"sealed",
+    )
+    now = AT + timedelta(minutes=3)
+    for (state, event), found in OCCURRENCE_STEPS.items():
+        if not isinstance(found.target, OccurrenceState):
+            continue
+        moved = attrs.evolve(row, state=state)
+        change = apply_step(moved, found, now)
+        effects = found.effects
+        stamp = now if effects.stamps else moved.updated_at
+        expected = {
+            "occurrence_id": moved.occurrence_id,
+            "state": found.target,
+            "attempts": 0 if effects.reopens else moved.attempts,
+            "next_attempt_at": None if found.clears_next_attempt else moved.next_attempt_at,
+            "last_error": None if effects.clears_error else moved.last_error,
+            "lease_expires_at": None if found.ends_lease else moved.lease_expires_at,
+            "lease_revision": moved.lease_revision,
+            "lease_digest": None if effects.erase_lease else moved.lease_digest,
+            "updated_at": stamp,
+            "finished_at": stamp
+            if effects.finishes
+            else (None if effects.reopens else moved.finished_at),
+            "erase_content": effects.erase_content,
+        }
+        assert attrs.asdict(change, recurse=False) == expected, (state, event)
+        decided = apply_step(moved, found, now, last_error="X", lease_revision=9)
+        assert attrs.asdict(decided, recurse=False) == expected | {
+            "last_error": "X",
+            "lease_revision": 9,
+        }
