@@ -499,6 +499,41 @@ async def test_claim_and_relay_claims_the_oldest_and_relays_them(
     assert await store.claim_and_relay(10, broker) == []  # expired: nothing to claim
 
 
+async def test_claim_and_relay_leases_fenced_during_publication_record_nothing(
+    store: Any, clock: FakeClock
+) -> None:
+    """The leases ``claim_and_relay`` grants itself are fenced when their outcomes are
+    recorded like any presented lease: a newer claim during publication wins."""
+    for name in ("a", "b"):
+        await store.create(definition(name))
+    assert (await store.tick(100)).materialized == 2
+    newer: list[Lease] = []
+
+    async def lapse_and_reclaim() -> None:
+        # While the batch publishes, its leases lapse and another worker claims.
+        clock.advance(timedelta(seconds=61))
+        newer.extend(await store.claim(100))
+
+    broker = ScriptedBroker({b"a": lapse_and_reclaim})
+    outcomes = await store.claim_and_relay(10, broker, concurrency=1)
+    by_id = {o.occurrence_id: name for name, o in (await listed(store)).items()}
+    first, second = sorted(outcomes, key=lambda o: by_id[o.occurrence_id])
+    # "a" was accepted but can no longer be recorded by this holder; "b" found its lease
+    # lapsed when its turn came and was never sent.
+    assert isinstance(first.error, RelayLeaseLostError)
+    assert "fenced" in str(first.error)
+    assert isinstance(second.error, RelayLeaseLostError)
+    assert broker.attempts == 1
+    occurrences = await listed(store)
+    assert {o.state for o in occurrences.values()} == {S.LEASED}
+    assert len(newer) == 2
+    # The new holder records its own outcomes.
+    broker.script.clear()
+    again = await store.relay_many(newer, broker)
+    assert [o.ok for o in again] == [True, True]
+    assert {o.state for o in (await listed(store)).values()} == {S.PUBLISHED}
+
+
 # --- create_many ---------------------------------------------------------------------------
 
 

@@ -9,14 +9,24 @@ hands out must be exactly what the public constructors build from the same field
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import attrs
 import pytest
 
 from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage
-from steeple.core.errors import BrokerUnavailableError, ConfigurationError
+from steeple.core.errors import BrokerUnavailableError, ConfigurationError, InvalidTransitionError
+from steeple.core.leases import capability_digest, holds_granted_lease, holds_lease
 from steeple.core.messages import BrokerReceipt, trusted_receipt
+from steeple.core.occurrences import (
+    CLAIMABLE_STATES,
+    OCCURRENCE_STEPS,
+    OccurrenceEvent,
+    OccurrenceState,
+    step,
+)
 from steeple.core.records import Lease, RelayOutcome, trusted_lease, trusted_outcome
+from steeple.engine.ports import _CHANGE_FIELDS, OccurrenceChange, OccurrenceRow, apply_step
 from steeple.testing import FakeClock, MemoryBroker
 from steeple.testing.entropy import DeterministicRandom
 from steeple.testing.simulation import memory_store
@@ -96,3 +106,115 @@ async def test_a_stores_leases_and_outcomes_are_what_the_checked_constructors_bu
     for outcome in outcomes:
         assert outcome == RelayOutcome(outcome.occurrence_id, outcome.receipt, outcome.error)
     await store.close()
+
+
+@pytest.mark.parametrize("stored", ["none", "same", "other"])
+@pytest.mark.parametrize("stored_revision", [0, 1, 2])
+def test_a_granted_leases_fence_is_the_checked_one(stored: str, stored_revision: int) -> None:
+    """Judged by the digest taken when it was granted, a lease is held exactly when
+    :func:`holds_lease` (which hashes the presented capability) says it is."""
+    capability, other = b"\x01" * 32, b"\x02" * 32
+    digest = capability_digest(capability)
+    stored_digest = {"none": None, "same": digest, "other": capability_digest(other)}[stored]
+    for revision in (0, 1, 2):
+        checked = holds_lease(stored_digest, stored_revision, capability, revision)
+        assert holds_granted_lease(stored_digest, stored_revision, digest, revision) is checked
+    assert holds_granted_lease(digest, 1, digest, 1)
+    assert not holds_granted_lease(None, 1, digest, 1)
+
+
+@pytest.mark.parametrize("state", [s for s in OccurrenceState if s in CLAIMABLE_STATES])
+def test_a_claim_that_counts_the_attempt_writes_what_two_changes_wrote(
+    state: OccurrenceState,
+) -> None:
+    """The grant of ``claim_and_relay`` counts the attempt in its own change: equal to the
+    claim's change with the attempt counted on top (the relay's check, by hand)."""
+    row = OccurrenceRow(
+        occurrence_id="ab" * 16,
+        definition_name="job",
+        due_at=AT,
+        state=state,
+        attempts=3,
+        window_ends_at=AT + timedelta(hours=1),
+        created_at=AT,
+        updated_at=AT,
+        content=b"sealed",
+        lease_revision=4,
+        lease_digest=b"\x00" * 32,
+        lease_expires_at=AT,
+        next_attempt_at=AT,
+    )
+    now = AT + timedelta(minutes=1)
+    lease: dict[str, Any] = {
+        "lease_expires_at": now + timedelta(seconds=60),
+        "lease_revision": 5,
+        "lease_digest": b"\x07" * 32,
+    }
+    claimed = step(state, OccurrenceEvent.CLAIM)
+    claim = apply_step(row, claimed, now, **lease)
+    by_hand = attrs.evolve(claim, attempts=claim.attempts + 1, updated_at=now)
+    assert apply_step(row, claimed, now, attempted=True, **lease) == by_hand
+    assert apply_step(row, claimed, now, **lease) == claim  # not counted unless asked
+
+
+def test_the_steps_looked_up_by_value_are_the_table() -> None:
+    """:func:`step` looks its answer up by the members' values: the table's own rows."""
+    for state in OccurrenceState:
+        for event in OccurrenceEvent:
+            if (state, event) in OCCURRENCE_STEPS:
+                assert step(state, event) is OCCURRENCE_STEPS[(state, event)]
+            else:
+                with pytest.raises(InvalidTransitionError):
+                    step(state, event)
+
+
+def test_a_steps_change_names_each_column_it_sets() -> None:
+    """``apply_step`` builds its change positionally: each value lands in its own field,
+    for every step of the table, with and without values decided besides."""
+    assert tuple(f.name for f in attrs.fields(OccurrenceChange)) == _CHANGE_FIELDS
+    row = OccurrenceRow(
+        occurrence_id="cd" * 16,
+        definition_name="job",
+        due_at=AT,
+        state=OccurrenceState.LEASED,
+        attempts=3,
+        window_ends_at=AT + timedelta(hours=1),
+        created_at=AT - timedelta(minutes=2),
+        updated_at=AT - timedelta(minutes=1),
+        finished_at=AT - timedelta(seconds=30),
+        next_attempt_at=AT + timedelta(minutes=5),
+        last_error="BrokerUnavailableError",
+        lease_expires_at=AT + timedelta(seconds=60),
+        lease_revision=4,
+        lease_digest=b"\x00" * 32,
+        content=b"sealed",
+    )
+    now = AT + timedelta(minutes=3)
+    for (state, event), found in OCCURRENCE_STEPS.items():
+        if not isinstance(found.target, OccurrenceState):
+            continue
+        moved = attrs.evolve(row, state=state)
+        change = apply_step(moved, found, now)
+        effects = found.effects
+        stamp = now if effects.stamps else moved.updated_at
+        expected = {
+            "occurrence_id": moved.occurrence_id,
+            "state": found.target,
+            "attempts": 0 if effects.reopens else moved.attempts,
+            "next_attempt_at": None if found.clears_next_attempt else moved.next_attempt_at,
+            "last_error": None if effects.clears_error else moved.last_error,
+            "lease_expires_at": None if found.ends_lease else moved.lease_expires_at,
+            "lease_revision": moved.lease_revision,
+            "lease_digest": None if effects.erase_lease else moved.lease_digest,
+            "updated_at": stamp,
+            "finished_at": stamp
+            if effects.finishes
+            else (None if effects.reopens else moved.finished_at),
+            "erase_content": effects.erase_content,
+        }
+        assert attrs.asdict(change, recurse=False) == expected, (state, event)
+        decided = apply_step(moved, found, now, last_error="X", lease_revision=9)
+        assert attrs.asdict(decided, recurse=False) == expected | {
+            "last_error": "X",
+            "lease_revision": 9,
+        }

@@ -31,6 +31,7 @@ __all__ = [
     "capability_digest",
     "capability_matches",
     "check_server_clock",
+    "holds_granted_lease",
     "holds_lease",
     "is_claimable",
     "is_live",
@@ -254,9 +255,29 @@ def holds_lease(
     if isinstance(revision, bool) or not isinstance(revision, int):
         return False
     # The presented capability was checked above (bytes-like, at most 1024 bytes): its
-    # digest is taken as is; the stored digest is checked as any compared value is.
+    # digest is taken as is.
     raw = capability if type(capability) is bytes else bytes(capability)
-    presented = hashlib.sha256(raw).digest()
+    return _digest_held(stored_digest, stored_revision, hashlib.sha256(raw).digest(), revision)
+
+
+def holds_granted_lease(
+    stored_digest: bytes | None, stored_revision: int, granted_digest: bytes, revision: int
+) -> bool:
+    """:func:`holds_lease` for a lease the caller granted itself, judged by its digest.
+
+    ``granted_digest`` is the :func:`capability_digest` of the lease's capability, taken
+    when it was granted (``revision`` its revision): the answer is :func:`holds_lease`'s,
+    without hashing the capability again.
+    """
+    if stored_digest is None:
+        return False
+    return _digest_held(stored_digest, stored_revision, granted_digest, revision)
+
+
+def _digest_held(
+    stored_digest: bytes, stored_revision: int, presented: bytes, revision: int
+) -> bool:
+    # The stored digest is checked as any compared value is; compared in constant time.
     matches = hmac.compare_digest(_as_bytes(stored_digest, "stored_digest"), presented)
     return matches and revision == stored_revision
 

@@ -188,6 +188,12 @@ OCCURRENCE_STEPS: Final[Mapping[tuple[OccurrenceState, OccurrenceEvent], Step]] 
 )
 """The whole occurrence lifecycle: ``(state, event) -> Step(next state, effects)``."""
 
+_STEPS_BY_VALUE: Final[dict[tuple[str, str], Step]] = {
+    (state._value_, event._value_): row for (state, event), row in OCCURRENCE_STEPS.items()
+}
+# The same table keyed by the members' values: a str hashes in C, an enum member in
+# Python, and every write of every occurrence looks its step up.
+
 OCCURRENCE_TRANSITIONS: Final[
     Mapping[tuple[OccurrenceState, OccurrenceEvent], OccurrenceState | Literal[PurgedType.PURGED]]
 ] = MappingProxyType({pair: row.target for pair, row in OCCURRENCE_STEPS.items()})
@@ -231,7 +237,7 @@ def step(state: OccurrenceState, event: OccurrenceEvent) -> Step:
     """
     # Only members are looked up: hashing a foreign object could fail in any way.
     if isinstance(state, OccurrenceState) and isinstance(event, OccurrenceEvent):
-        found = OCCURRENCE_STEPS.get((state, event))
+        found = _STEPS_BY_VALUE.get((state._value_, event._value_))
         if found is not None:
             return found
     raise InvalidTransitionError("occurrence", state, event)

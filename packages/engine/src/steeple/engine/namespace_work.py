@@ -231,8 +231,14 @@ class NamespaceWork:
         if changes:
             await tx.repo.update_occurrences(changes)
 
-    async def grant(self, tx: Tx, limit: int) -> tuple[list[Lease], list[OccurrenceChange]]:
-        """Claim's reads and decisions: the leases to grant and their changes (unwritten)."""
+    async def grant(
+        self, tx: Tx, limit: int, *, attempted: bool = False
+    ) -> tuple[list[Lease], list[OccurrenceChange]]:
+        """Claim's reads and decisions: the leases to grant and their changes (unwritten).
+
+        ``attempted``: each change also counts the relay attempt (a claim that relays
+        what it leases writes each occurrence once).
+        """
         await self.classify_expired(tx)
         lease_duration = self.config.lease_duration
         granted: list[Lease] = []
@@ -248,6 +254,7 @@ class NamespaceWork:
                     row,
                     step(row.state, _E.CLAIM),
                     tx.now,
+                    attempted=attempted,
                     lease_expires_at=expires,
                     lease_revision=revision,
                     lease_digest=capability_digest(capability),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import attrs
 
@@ -247,7 +247,25 @@ class OccurrenceChange:
         )
 
 
-def apply_step(row: OccurrenceRow, step: Step, at: datetime, **values: Any) -> OccurrenceChange:
+_CHANGE_FIELDS: Final = (
+    "occurrence_id",
+    "state",
+    "attempts",
+    "next_attempt_at",
+    "last_error",
+    "lease_expires_at",
+    "lease_revision",
+    "lease_digest",
+    "updated_at",
+    "finished_at",
+    "erase_content",
+)
+# The order of apply_step's columns; a test requires it to be OccurrenceChange's fields'.
+
+
+def apply_step(
+    row: OccurrenceRow, step: Step, at: datetime, *, attempted: bool = False, **values: Any
+) -> OccurrenceChange:
     """Return the change that moves ``row`` by one row of the lifecycle table at ``at``.
 
     The one place where a step's effects become column values: every adapter writes
@@ -255,8 +273,9 @@ def apply_step(row: OccurrenceRow, step: Step, at: datetime, **values: Any) -> O
 
     The step's effects are applied (content and lease erased, ``finished_at`` stamped or
     cleared, attempts reset, error cleared, lease expiry and next attempt cleared outside
-    ``leased`` / ``retry_wait``); ``values`` then set what the engine decided besides
-    (a new lease, the next attempt, the error).
+    ``leased`` / ``retry_wait``); ``attempted`` also counts a relay attempt (a claim
+    that relays what it leased counts it in the same write); ``values`` then set what
+    the engine decided besides (a new lease, the next attempt, the error).
 
     Raises:
         ValueError: the step removes the row (purging deletes instead).
@@ -272,20 +291,23 @@ def apply_step(row: OccurrenceRow, step: Step, at: datetime, **values: Any) -> O
         finished = None
     else:
         finished = row.finished_at
-    columns: dict[str, Any] = {
-        "occurrence_id": row.occurrence_id,
-        "state": target,
-        "attempts": 0 if effects.reopens else row.attempts,
-        "next_attempt_at": None if step.clears_next_attempt else row.next_attempt_at,
-        "last_error": None if effects.clears_error else row.last_error,
-        "lease_expires_at": None if step.ends_lease else row.lease_expires_at,
-        "lease_revision": row.lease_revision,
-        "lease_digest": None if effects.erase_lease else row.lease_digest,
-        "updated_at": stamp,
-        "finished_at": finished,
-        "erase_content": effects.erase_content,
-    }
-    return OccurrenceChange(**(columns | values if values else columns))
+    columns = (
+        row.occurrence_id,
+        target,
+        (0 if effects.reopens else row.attempts) + attempted,
+        None if step.clears_next_attempt else row.next_attempt_at,
+        None if effects.clears_error else row.last_error,
+        None if step.ends_lease else row.lease_expires_at,
+        row.lease_revision,
+        None if effects.erase_lease else row.lease_digest,
+        stamp,
+        finished,
+        effects.erase_content,
+    )
+    if values:
+        return OccurrenceChange(**(dict(zip(_CHANGE_FIELDS, columns, strict=True)) | values))
+    # Positional, in the fields' order: keywords would cost a dict on every write.
+    return OccurrenceChange(*columns)
 
 
 class RecurringRepository(Protocol):

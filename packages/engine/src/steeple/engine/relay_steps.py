@@ -34,7 +34,7 @@ from steeple.core.errors import (
     SteepleError,
 )
 from steeple.core.idempotency import PUBLISH_PURPOSE, trusted_idempotency_key
-from steeple.core.leases import after_publish_failure, holds_lease, is_live
+from steeple.core.leases import after_publish_failure, holds_granted_lease, holds_lease, is_live
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, step
 from steeple.core.policies import validate_budget
@@ -72,6 +72,9 @@ class _Checked:
     definition_name: str
     due_at: datetime
     expires_at: datetime
+    granted_digest: bytes | None = attrs.field(default=None, kw_only=True)
+    """The digest of the lease's capability when this relay granted it (its fence is then
+    checked without hashing the capability again)."""
 
 
 @attrs.frozen(repr=False)
@@ -82,6 +85,7 @@ class _Prepared:
     message: ScheduledMessage
     key: str
     expires_at: datetime
+    granted_digest: bytes | None = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen(repr=False)
@@ -176,7 +180,11 @@ class RelaySteps:
         in_place = _publishes_in_place(broker)
 
         async def body(tx: Tx) -> tuple[list[Lease], list[_Checked | SteepleError]]:
-            granted, changes = await self._work.grant(tx, limit)
+            # Each lease is granted from its row just now, under this lock: the row holds
+            # it, live, by construction, so the check of ``relay_many`` (capability digest,
+            # revision, state, expiry) has nothing to find; only the attempt is counted,
+            # by the grant's own change: one write per occurrence.
+            granted, changes = await self._work.grant(tx, limit, attempted=True)
             if not granted:
                 return granted, []
             # The claimed rows with their content (a claimable row need not carry it).
@@ -184,34 +192,20 @@ class RelaySteps:
                 r.occurrence_id: r
                 for r in await tx.repo.occurrences([c.occurrence_id for c in changes])
             }
-            # Each lease was granted from its row just now, under this lock: the row holds
-            # it, live, by construction, so the check of ``relay_many`` (capability digest,
-            # revision, state, expiry) has nothing to find; only the attempt is counted.
-            # The grant's change carries it: one write per occurrence.
+            await tx.repo.update_occurrences(changes)
             checked: list[_Checked | SteepleError] = []
-            final: list[OccurrenceChange] = []
             for lease, change in zip(granted, changes, strict=True):
                 row = stored[lease.occurrence_id]
-                # Built directly (attrs.evolve is several times slower): once per relay.
-                final.append(
-                    OccurrenceChange(
-                        occurrence_id=change.occurrence_id,
-                        state=change.state,
-                        attempts=change.attempts + 1,
-                        next_attempt_at=change.next_attempt_at,
-                        last_error=change.last_error,
-                        lease_expires_at=change.lease_expires_at,
-                        lease_revision=change.lease_revision,
-                        lease_digest=change.lease_digest,
-                        updated_at=tx.now,
-                        finished_at=change.finished_at,
-                        erase_content=change.erase_content,
+                checked.append(
+                    _Checked(
+                        lease,
+                        row.content,
+                        row.definition_name,
+                        row.due_at,
+                        lease.expires_at,
+                        granted_digest=change.lease_digest,
                     )
                 )
-                checked.append(
-                    _Checked(lease, row.content, row.definition_name, row.due_at, lease.expires_at)
-                )
-            await tx.repo.update_occurrences(final)
             return granted, checked
 
         (granted, checked), checked_at = await self._work.run("claim", body, points="claim")
@@ -238,7 +232,7 @@ class RelaySteps:
         """
         outcomes: list[RelayOutcome | None] = [None] * len(leases)
         ready: list[tuple[int, _Prepared]] = []
-        unopenable: list[tuple[int, Lease, _Attempt]] = []
+        unopenable: list[tuple[int, Lease, _Attempt, bytes | None]] = []
         for index, entry in enumerate(checked):
             if not isinstance(entry, _Checked):
                 outcomes[index] = trusted_outcome(leases[index].occurrence_id, error=entry)
@@ -246,7 +240,9 @@ class RelaySteps:
             try:
                 ready.append((index, self._opened(entry)))
             except (RecurringKeyringError, RecurringStorageError) as exc:
-                unopenable.append((index, entry.lease, _Attempt(unopenable=exc)))
+                unopenable.append(
+                    (index, entry.lease, _Attempt(unopenable=exc), entry.granted_digest)
+                )
         attempts: list[_Attempt] = []
         if ready and in_place:
             # A broker that never waits (a model of one, in a simulation) publishes each
@@ -286,11 +282,13 @@ class RelaySteps:
                     for _, prepared in ready
                 ]
             attempts = [task.result() for task in tasks]
-        entries = [(i, p.lease, a) for (i, p), a in zip(ready, attempts, strict=True)]
+        entries = [
+            (i, p.lease, a, p.granted_digest) for (i, p), a in zip(ready, attempts, strict=True)
+        ]
         entries += unopenable
         if entries:
-            recorded = await self._record_outcomes([(lease, a) for _, lease, a in entries])
-            for (index, _, _), outcome in zip(entries, recorded, strict=True):
+            recorded = await self._record_outcomes([(lease, a, d) for _, lease, a, d in entries])
+            for (index, *_), outcome in zip(entries, recorded, strict=True):
                 outcomes[index] = outcome
         return [outcome for outcome in outcomes if outcome is not None]
 
@@ -318,7 +316,13 @@ class RelaySteps:
             due_at=checked.due_at,
             generation=bytes.fromhex(lease.occurrence_id),
         )
-        return _Prepared(lease, codec.decode_message(opened), key, checked.expires_at)
+        return _Prepared(
+            lease,
+            codec.decode_message(opened),
+            key,
+            checked.expires_at,
+            granted_digest=checked.granted_digest,
+        )
 
     async def _publish(
         self,
@@ -436,7 +440,7 @@ class RelaySteps:
         return results, changes
 
     async def _record_outcomes(
-        self, attempted: Sequence[tuple[Lease, _Attempt]]
+        self, attempted: Sequence[tuple[Lease, _Attempt, bytes | None]]
     ) -> list[RelayOutcome]:
         """Relay step three for a batch: record each outcome, fenced by its own lease.
 
@@ -447,19 +451,26 @@ class RelaySteps:
         transaction fails, an accepted publication is reported as an uncertain
         acknowledgement carrying its receipt, a lost broker acknowledgement as itself
         (the storage error as its ``__cause__``), any other outcome as the storage error.
+        Each entry carries its capability's digest when this relay granted the lease.
         """
-        if all(a.error is not None and not a.unsent for _, a in attempted):
-            return [self._reported(lease, a, None) for lease, a in attempted]
+        if all(a.error is not None and not a.unsent for _, a, _ in attempted):
+            return [self._reported(lease, a, None) for lease, a, _ in attempted]
 
         async def body(tx: Tx) -> list[str | SteepleError | None]:
-            ids = [lease.occurrence_id for lease, a in attempted if a.error is None or a.unsent]
+            ids = [lease.occurrence_id for lease, a, _ in attempted if a.error is None or a.unsent]
             rows = {r.occurrence_id: r for r in await tx.repo.occurrences(ids)}
             changes: list[OccurrenceChange] = []
             notes: list[str | SteepleError | None] = []
-            for lease, attempt in attempted:
+            for lease, attempt, granted_digest in attempted:
                 row = rows.get(lease.occurrence_id)
-                if row is not None and not holds_lease(
-                    row.lease_digest, row.lease_revision, lease.capability, lease.revision
+                if row is not None and not (
+                    holds_lease(
+                        row.lease_digest, row.lease_revision, lease.capability, lease.revision
+                    )
+                    if granted_digest is None
+                    else holds_granted_lease(
+                        row.lease_digest, row.lease_revision, granted_digest, lease.revision
+                    )
                 ):
                     row = None
                 if attempt.error is not None:
@@ -489,10 +500,10 @@ class RelaySteps:
         try:
             notes = (await self._work.run("relay", body, points="relay.record"))[0]
         except RecurringError as stored:
-            return [self._reported(lease, a, stored) for lease, a in attempted]
+            return [self._reported(lease, a, stored) for lease, a, _ in attempted]
         return [
             self._reported(lease, a, None, note)
-            for (lease, a), note in zip(attempted, notes, strict=True)
+            for (lease, a, _), note in zip(attempted, notes, strict=True)
         ]
 
     def _unopenable_change(
