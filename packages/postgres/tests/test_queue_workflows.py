@@ -5,6 +5,7 @@ by the statements that end those others, in the same transaction, fenced by thei
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -32,6 +33,7 @@ from steeple.postgres.queue import (
     enqueue,
     enqueue_workflow,
     parent_results,
+    prune_terminal,
     workflow_state,
 )
 from steeple.postgres.queue._sql import queue_sql
@@ -123,6 +125,34 @@ async def test_enqueue_after_waits_in_the_callers_transaction(queue: QueueFixtur
     # After an already-succeeded task: claimable at once.
     late = await enqueue(conn, STEP, {}, schema=schema, after=[parent.id])
     assert (await _states(conn, schema))[late.id] == "pending"
+
+
+async def test_prune_keeps_a_parent_until_its_dependents_have_finished(
+    queue: QueueFixture,
+) -> None:
+    """A dependent reads its parents' results: pruning never takes them from under it."""
+    _, schema, conn = queue
+    parent = await enqueue(conn, STEP, {"s": "a"}, schema=schema)
+    child = await enqueue(conn, STEP, {"s": "b"}, after=[parent], schema=schema)
+    grandchild = await enqueue(conn, STEP, {"s": "c"}, after=[child], schema=schema)
+    (row,) = await _claim(conn, schema)
+    assert await _complete(conn, schema, parent.id, row["lease_token"], '{"n": 7}')
+    # Finished, old enough, and still needed by the pending child: kept.
+    assert await prune_terminal(conn, timedelta(0), schema=schema) == 0
+    (row,) = await _claim(conn, schema)
+    assert row["id"] == child.id
+    # The running child still reads its parent's outcome.
+    results = await parent_results(conn, child.id, schema=schema)
+    assert [(r.id, r.state, r.result) for r in results] == [
+        (parent.id, TaskState.SUCCEEDED, {"n": 7})
+    ]
+    assert await _complete(conn, schema, child.id, row["lease_token"])
+    # The parent's only dependent finished: it goes; the child stays for the grandchild.
+    assert await prune_terminal(conn, timedelta(0), schema=schema) == 1
+    assert set(await _states(conn, schema)) == {child.id, grandchild.id}
+    await _run_all(conn, schema)
+    assert await prune_terminal(conn, timedelta(0), schema=schema) == 2
+    assert await _states(conn, schema) == {}
 
 
 async def test_a_stale_completion_releases_nothing(queue: QueueFixture) -> None:

@@ -22,6 +22,7 @@ from steeple.postgres.queue._sql import (
     _from,
     _in,
     _only,
+    kept_for_dependents,
 )
 from steeple.postgres.queue.jobs import _COLUMNS as JOB_COLUMNS
 
@@ -123,7 +124,9 @@ WITH target AS (
 )
 SELECT target.state, (SELECT count(*) FROM done), (SELECT id FROM blocker) FROM target""",
         # $1 older-than interval: what prune_terminal would remove, however many batches
-        count_prunable=f"SELECT count(*) FROM {s}.tasks WHERE {PRUNABLE}",
+        count_prunable=(
+            f"SELECT count(*) FROM {s}.tasks p WHERE {PRUNABLE} AND {kept_for_dependents(s, 'p')}"
+        ),
         # $1 how many to count at most per state (pending, running) or in all (terminal),
         # $2 the schema's name. count_states walks each state's partial index and stops;
         # then the statistics' estimate of each state, from the last ANALYZE (none before).

@@ -306,8 +306,10 @@ async def prune_terminal(
 ) -> int:
     """Delete up to ``limit`` terminal tasks finished more than ``older_than`` ago.
 
-    Their attempt history goes with them (ON DELETE CASCADE). Call repeatedly until it
-    returns less than ``limit`` to prune everything eligible in bounded batches.
+    Their attempt history goes with them (ON DELETE CASCADE). A task that a live task of a
+    workflow waits on is kept until that dependent finishes (it reads its parents'
+    results). Call repeatedly until it returns less than ``limit`` to prune everything
+    eligible in bounded batches.
 
     Returns:
         How many tasks were deleted.

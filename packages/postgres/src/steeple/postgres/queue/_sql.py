@@ -83,7 +83,26 @@ RUNNING: Final = transition(PENDING, TaskEvent.CLAIM)
 LIVE: Final = _in(s for s in TaskState if s not in TERMINAL_TASK_STATES)
 TERMINAL: Final = _in(TERMINAL_TASK_STATES)
 PRUNABLE: Final = f"state IN {TERMINAL} AND finished_at < clock_timestamp() - $1::interval"
-"""The tasks ``prune_terminal`` removes ($1: the age, an interval), oldest finished first."""
+"""The tasks ``prune_terminal`` removes ($1: the age, an interval), oldest finished first.
+
+Those a live dependent still needs are kept too (see :func:`kept_for_dependents`).
+"""
+
+
+def kept_for_dependents(schema: str, task: str) -> str:
+    """Return the condition that no live task of ``schema`` depends on ``task`` (an alias).
+
+    A dependent reads its parents' results when it runs, and a waiting one is settled
+    by its parents' outcomes: prune keeps a finished task until every task that waits
+    on it has finished too.
+    """
+    return (
+        f"NOT EXISTS (SELECT 1 FROM {schema}.task_dependencies e "
+        f"JOIN {schema}.tasks c ON c.id = e.child_id "
+        f"WHERE e.parent_id = {task}.id AND c.state IN {LIVE})"
+    )
+
+
 SUCCEEDED: Final = transition(RUNNING, TaskEvent.SUCCEED)
 _RETRIED = transition(RUNNING, TaskEvent.FAIL_RETRYABLE)
 _FAILED = transition(RUNNING, TaskEvent.FAIL_PERMANENT)
@@ -484,8 +503,8 @@ SELECT target.state, (SELECT count(*) FROM done) FROM target, settled""",
         # $1 older-than interval, $2 limit
         prune=f"""
 WITH victims AS (
-    SELECT id FROM {s}.tasks
-    WHERE {PRUNABLE}
+    SELECT p.id FROM {s}.tasks p
+    WHERE {PRUNABLE} AND {kept_for_dependents(s, "p")}
     ORDER BY finished_at
     LIMIT $2
     FOR UPDATE SKIP LOCKED

@@ -21,7 +21,8 @@ equal the model:
 - cancel reports the prior state and changes only pending or running work, fencing out
   the running lease;
 - an expired lease is recovered to pending, or to failed once attempts are exhausted;
-- prune removes exactly the terminal tasks, and the attempt history never outlives them.
+- prune removes exactly the terminal tasks no live task depends on, and the attempt
+  history never outlives them.
 
 Two optional capabilities widen the machine when the driver has them:
 
@@ -170,7 +171,7 @@ class QueueDriver(Protocol):
         ...
 
     async def prune(self) -> int:
-        """Delete every terminal task (and its history); return how many."""
+        """Delete every terminal task no live task depends on (and its history); return how many."""
         ...
 
     async def tasks(self) -> dict[int, StoredTask]:
@@ -234,6 +235,7 @@ class _ModelTask:
     old_tokens: list[Hashable] = attrs.field(factory=list)
     key: str | None = None
     waits_for: set[int] = attrs.field(factory=set)  # parents not yet ended
+    parents: frozenset[int] = frozenset()  # every task it waits on, ended or not
     runs_anyway: bool = False  # on_parent_failure="run"
 
 
@@ -410,6 +412,7 @@ class QueueConformance(RuleBasedStateMachine):
         )
         task.state = "waiting"
         task.waits_for = set(parents)
+        task.parents = frozenset(parents)
         self._add(task_id, task)
         # Parents that had already ended settle it at once, as their endings would have.
         for parent_id in parents:
@@ -580,9 +583,10 @@ class QueueConformance(RuleBasedStateMachine):
 
     @rule()
     def prune(self) -> None:
-        """Prune every terminal task."""
+        """Prune every terminal task no live task depends on."""
         count = self._run(self.driver.prune())
-        terminal = self._ids_in(*TERMINAL)
+        needed = {p for t in self.model.values() if t.state not in TERMINAL for p in t.parents}
+        terminal = [i for i in self._ids_in(*TERMINAL) if i not in needed]
         assert count == len(terminal)
         for task_id in terminal:
             del self.model[task_id]
