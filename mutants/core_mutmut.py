@@ -21,7 +21,8 @@ Usage::
 It prints, per module: mutants, killed (a timeout counts as killed), survived, no tests,
 equivalent (listed in ``mutants/core_equivalent.toml`` with the reason) and the score,
 killed / (mutants - equivalent - not checked); then every survivor that is not listed as
-equivalent. It exits 1 when the score over all modules is below 90 %.
+equivalent. It exits 1 when the score over all modules is below 90 %, or when no mutant
+was checked at all.
 """
 
 from __future__ import annotations
@@ -155,9 +156,53 @@ def report(work: Path) -> int:
         text=True,
         check=True,
     ).stdout
-    known = equivalents()
+    status, text = score_listing(listed, equivalents())
+    print(f"{text}; work directory {work}")
+    return status
+
+
+def score_listing(listed: str, known: dict[str, str]) -> tuple[int, str]:
+    """Score mutmut's ``results --all`` listing: the exit status and the table to print.
+
+    The status is 1 when the score is below the bar, and also when no mutant was judged
+    (none listed, or every one not checked or equivalent): a run that checked nothing
+    proves nothing, however its empty score reads.
+    """
+    per, total = _tally(listed, known)
+    rows = [
+        "| module | mutants | killed | survived | no tests | equivalent | not checked | score |",
+        "|---|---|---|---|---|---|---|---|",
+        *(_row(module, per[module]) for module in sorted(per)),
+        _row("**all**", total),
+    ]
+    survivors = _survivors(listed, known)
+    if survivors:
+        rows.append(
+            "\nsurvivors not listed as equivalent (mutmut show NAME, in the work directory):"
+        )
+        rows += [f"  {s}" for s in survivors]
+    if not _judged(total):
+        rows.append(
+            f"\nno mutant was checked ({total['mutants']} listed, {total['not checked']} not "
+            f"checked, {total['equivalent']} equivalent): the run failed or was cut short"
+        )
+        return 1, "\n".join(rows)
+    score = _score(total)
+    rows.append(f"\nscore {score:.1%} (bar {THRESHOLD:.0%})")
+    return (0 if score >= THRESHOLD else 1), "\n".join(rows)
+
+
+def _survivors(listed: str, known: dict[str, str]) -> list[str]:
+    found = (_RESULT.match(line) for line in listed.splitlines())
+    return [
+        f"{m[1]}: {m[3]}"
+        for m in found
+        if m and m[1] not in known and m[3] not in KILLED and m[3] != "not checked"
+    ]
+
+
+def _tally(listed: str, known: dict[str, str]) -> tuple[dict[str, Counter[str]], Counter[str]]:
     per: dict[str, Counter[str]] = {}
-    survivors: list[str] = []
     for line in listed.splitlines():
         found = _RESULT.match(line)
         if not found:
@@ -173,29 +218,19 @@ def report(work: Path) -> int:
             counts["not checked"] += 1
         else:
             counts["no tests" if status == "no tests" else "survived"] += 1
-            survivors.append(f"{name}: {status}")
-    rows = [
-        "| module | mutants | killed | survived | no tests | equivalent | not checked | score |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
     total: Counter[str] = Counter()
-    for module in sorted(per):
-        counts = per[module]
+    for counts in per.values():
         total.update(counts)
-        rows.append(_row(module, counts))
-    rows.append(_row("**all**", total))
-    print("\n".join(rows))
-    if survivors:
-        print("\nsurvivors not listed as equivalent (mutmut show NAME, in the work directory):")
-        print("\n".join(f"  {s}" for s in survivors))
-    score = _score(total)
-    print(f"\nscore {score:.1%} (bar {THRESHOLD:.0%}); work directory {work}")
-    return 0 if score >= THRESHOLD else 1
+    return per, total
+
+
+def _judged(c: Counter[str]) -> int:
+    return c["mutants"] - c["equivalent"] - c["not checked"]
 
 
 def _score(c: Counter[str]) -> float:
-    judged = c["mutants"] - c["equivalent"] - c["not checked"]
-    return c["killed"] / judged if judged else 1.0
+    judged = _judged(c)
+    return c["killed"] / judged if judged else 0.0
 
 
 def _row(module: str, c: Counter[str]) -> str:

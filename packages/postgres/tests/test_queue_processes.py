@@ -19,11 +19,13 @@ import pytest
 
 import queue_support
 from queue_support import QueueFixture
+from steeple.core.tasks import TaskState
 from steeple.postgres.queue import (
     EnqueueOptions,
     JobContext,
     Scheduler,
     Task,
+    cancel,
     enqueue,
     enqueue_many,
     run_state,
@@ -343,3 +345,46 @@ async def _all_succeeded(conn: asyncpg.Connection, schema: str, n: int) -> bool:
         f"SELECT count(*) FROM \"{schema}\".tasks WHERE state = 'succeeded'"
     )
     return bool(count == n)
+
+
+async def _finished(conn: asyncpg.Connection, schema: str, ids: list[int]) -> list[Any]:
+    rows = await conn.fetch(
+        f'SELECT id, state, attempts, finished_at, lease_token FROM "{schema}".tasks '
+        "WHERE id = ANY($1::bigint[]) ORDER BY id",
+        ids,
+    )
+    return [tuple(r) for r in rows]
+
+
+async def test_cancelling_finished_tasks_changes_nothing_while_worker_processes_run(
+    queue: QueueFixture, tmp_path: Path
+) -> None:
+    dsn, schema, conn = queue
+    options = EnqueueOptions(lease_duration=timedelta(seconds=10))
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [
+            await stack.enter_async_context(worker_process(tmp_path, dsn, schema, f"p{i}"))
+            for i in range(2)
+        ]
+        done = await enqueue_many(conn, PROC, [{}] * 20, options, schema=schema)
+        await wait_until(lambda: _all_succeeded(conn, schema, len(done)), timeout=60)
+        before = await _finished(conn, schema, done)
+        # More work, so the workers claim, run and complete while the finished are cancelled.
+        busy = await enqueue_many(conn, PROC, [{"sleep": 0.05}] * 40, options, schema=schema)
+
+        async def some_busy_work_ran() -> bool:
+            ran = await conn.fetchval(
+                f'SELECT count(*) FROM "{schema}".executions WHERE task_id = ANY($1::bigint[])',
+                busy,
+            )
+            return bool(ran)
+
+        await wait_until(some_busy_work_ran, timeout=60)
+        states = [await cancel(conn, task_id, schema=schema) for task_id in done]
+        await wait_until(lambda: _all_succeeded(conn, schema, len(done) + len(busy)), timeout=60)
+        stats = [await w.stop() for w in workers]
+    assert states == [TaskState.SUCCEEDED] * len(done)
+    assert await _finished(conn, schema, done) == before
+    executions = await _executions(conn, schema)
+    assert sorted(e[0] for e in executions) == sorted(done + busy)  # each ran once
+    assert sum(s["succeeded"] for s in stats) == len(done) + len(busy)

@@ -128,6 +128,9 @@ class PostgresQueueDriver:
     async def fail(self, task_id: int, token: Hashable) -> bool:
         return bool(await self.rows(self.sql.fail, task_id, token, "boom", "w", None, None, None))
 
+    async def release(self, task_id: int, token: Hashable) -> bool:
+        return bool(await self.rows(self.sql.release, task_id, token, "w"))
+
     async def cancel(self, task_id: int) -> tuple[str, bool]:
         ((before, changed),) = await self.rows(self.sql.cancel, task_id)
         return str(before), bool(changed)

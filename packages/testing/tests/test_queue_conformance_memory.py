@@ -102,6 +102,15 @@ class MemoryQueue:
     async def fail(self, task_id: int, token: Hashable) -> bool:
         return self._finish(task_id, token, "failed")
 
+    async def release(self, task_id: int, token: Hashable) -> bool:
+        task = self._holds(task_id, token)
+        if task is None:
+            return False
+        task.state, task.token = "pending", None  # keeps its place in line
+        task.attempts -= 1
+        task.history += 1
+        return True
+
     async def cancel(self, task_id: int) -> tuple[str, bool]:
         task = self.store[task_id]
         before = task.state
@@ -203,6 +212,16 @@ class CancelKeepsLease(MemoryQueue):
         return result
 
 
+class StaleHandBackTaken(MemoryQueue):
+    """Hands back a running task whatever lease token comes with it."""
+
+    async def release(self, task_id: int, token: Hashable) -> bool:
+        task = self.store.get(task_id)
+        if task is not None and task.state == "running":
+            token = task.token
+        return await super().release(task_id, token)
+
+
 class LowPriorityFirst(MemoryQueue):
     """Claims the lowest priority first."""
 
@@ -224,7 +243,7 @@ def test_the_memory_queue_conforms() -> None:
 @pytest.mark.parametrize(
     "mutant",
     [RetryKeepsItsPlace, StaleTokenCompletes, RecoveryNeverExhausts, CancelKeepsLease,
-     LowPriorityFirst],
+     StaleHandBackTaken, LowPriorityFirst],
 )  # fmt: skip
 def test_the_suite_fails_a_broken_queue(mutant: type[MemoryQueue]) -> None:
     with pytest.raises(AssertionError):

@@ -24,7 +24,7 @@ equal the model:
 - prune removes exactly the terminal tasks no live task depends on, and the attempt
   history never outlives them.
 
-Two optional capabilities widen the machine when the driver has them:
+Three optional capabilities widen the machine when the driver has them:
 
 - :class:`DependencyQueueDriver` (tasks enqueued after others): random graphs of
   dependents, amid failures, cancellations and lease lapses. A dependent is ``waiting``
@@ -36,6 +36,10 @@ Two optional capabilities widen the machine when the driver has them:
 - :class:`KeyLimitedQueueDriver` (a per-key running limit): tasks carry one of a few
   limit keys and a claim skips each whose key already runs the limit, walking on to the
   tasks behind it, so no key ever runs more than the limit and a full key blocks no other.
+- :class:`ReleasingQueueDriver` (a holder hands unfinished work back): only the current
+  lease token returns a running task to pending, due at once with its attempt refunded;
+  a stale holder's hand-back, also one arriving while another worker runs the task, and
+  a forged one change nothing.
 
 A queue opts in with an adapter::
 
@@ -78,6 +82,7 @@ __all__ = [
     "MakeDriver",
     "QueueConformance",
     "QueueDriver",
+    "ReleasingQueueDriver",
     "StoredTask",
     "queue_conformance_machine",
     "run_queue_conformance",
@@ -220,6 +225,18 @@ class KeyLimitedQueueDriver(QueueDriver, Protocol):
         ...
 
 
+@runtime_checkable
+class ReleasingQueueDriver(QueueDriver, Protocol):
+    """A queue whose holder can hand a running task back unfinished (at shutdown)."""
+
+    async def release(self, task_id: int, token: Hashable) -> bool:
+        """Return a running task to pending if ``token`` is its lease; report whether it was.
+
+        The task stays due and its attempt is refunded.
+        """
+        ...
+
+
 MakeDriver = Callable[[], Awaitable[QueueDriver]]
 """Builds a driver over an empty queue (awaited inside the machine's runner)."""
 
@@ -260,6 +277,7 @@ class QueueConformance(RuleBasedStateMachine):
         self.driver: QueueDriver = self._run(_awaitable(factory()))
         self.dependencies = isinstance(self.driver, DependencyQueueDriver)
         self.keyed = isinstance(self.driver, KeyLimitedQueueDriver)
+        self.releases = isinstance(self.driver, ReleasingQueueDriver)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.runner.run(coro)
@@ -521,6 +539,21 @@ class QueueConformance(RuleBasedStateMachine):
         renewed = self._run(self.driver.renew(task_id, token))
         assert renewed == (current and task.state == "running")
 
+    @precondition(lambda self: self.releases and self.model)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        """Hand back with the current, a stale or a forged token: only the current one counts."""
+        assert isinstance(self.driver, ReleasingQueueDriver)
+        task_id = self._pick(data)
+        task = self.model[task_id]
+        token, current = self._token(task, data)
+        accepted = current and task.state == "running"
+        assert self._run(self.driver.release(task_id, token)) == accepted
+        if accepted:  # due again in its old place (it was due), the attempt refunded
+            task.state, task.due = "pending", True
+            task.attempts -= 1
+            self._end_lease(task)
+
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
@@ -543,13 +576,19 @@ class QueueConformance(RuleBasedStateMachine):
         self._expire(data.draw(st.sampled_from(self._ids_in("running"))))
 
     @precondition(lambda self: any(t.state == "running" for t in self.model.values()))
-    @rule(data=st.data(), late=st.sampled_from(("complete", "retry", "fail", "renew")))
+    @rule(
+        data=st.data(),
+        late=st.sampled_from(("complete", "retry", "fail", "renew", "release")),
+    )
     def stale_holder_reports_while_another_runs_it(self, data: st.DataObject, late: str) -> None:
         """Take a task over, then deliver the first holder's late outcome: it is refused.
 
         The lease lapses, the task is claimed again, and the first holder's completion,
-        retry, failure or renewal arrives while the new holder runs it: nothing changes.
+        retry, failure, renewal or hand-back arrives while the new holder runs it: nothing
+        changes.
         """
+        if late == "release" and not self.releases:
+            late = "complete"
         task_id = data.draw(st.sampled_from(self._ids_in("running")))
         task = self.model[task_id]
         stale = task.token
@@ -562,12 +601,15 @@ class QueueConformance(RuleBasedStateMachine):
             assert task.key is not None, "a due task with no key was left behind"
             return  # its key already runs the limit
         assert task.token != stale
-        call = {
+        calls = {
             "complete": self.driver.complete,
             "retry": self.driver.retry,
             "fail": self.driver.fail,
             "renew": self.driver.renew,
-        }[late]
+        }
+        if isinstance(self.driver, ReleasingQueueDriver):
+            calls["release"] = self.driver.release
+        call = calls[late]
         assert not self._run(call(task_id, stale)), f"a stale {late} was accepted"
 
     def _expire(self, task_id: int) -> None:
