@@ -196,6 +196,11 @@ class _Driver:
         self.concurrency = relay.concurrency
         broker.concurrency = relay.concurrency
         broker.latency_us = 0 if relay.rate is None else max(1, round(1_000_000 / relay.rate))
+        self._init_state(scenario)
+
+    def _init_state(self, scenario: Scenario) -> None:
+        """Set up the run's bookkeeping: events, hints, workers and the sampled series."""
+        relay = scenario.relay
         self.lease_us = span_us(scenario.config.lease_duration)
         self.sample_step = span_us(scenario.samples_every)
         self.buckets = -(-(self.end - self.origin) // self.sample_step)
@@ -287,6 +292,27 @@ class _Driver:
                     self.schedule_worker(worker, at)
 
     async def run(self) -> SimulationResult:
+        await self._start()
+        events = 0
+        while self.heap:
+            events += 1
+            if not events % _YIELD_EVERY:
+                # Let the event loop run: it drops the timers of finished publication
+                # deadlines (cancelled, never due), which otherwise pile up in its heap.
+                await asyncio.sleep(0)
+                if self.progress is not None and not self.report():
+                    await self.stop()
+                    break
+            at, kind, arg, _, token = heapq.heappop(self.heap)
+            if at >= self.end and kind != _END:
+                continue  # the range is half-open: only the final count runs at its end
+            self.t = at
+            if await self._handle(at, kind, arg, token):
+                break
+        return self.result()
+
+    async def _start(self) -> None:
+        """Create the first definitions and push every scheduled event of the scenario."""
         scenario = self.scenario
         self.set_clock()
         for definition in scenario.definitions:
@@ -310,57 +336,63 @@ class _Driver:
         self.reschedule_ticker(self.origin)
         for worker in self.workers:
             self.wake(worker)
-        events = 0
-        while self.heap:
-            events += 1
-            if not events % _YIELD_EVERY:
-                # Let the event loop run: it drops the timers of finished publication
-                # deadlines (cancelled, never due), which otherwise pile up in its heap.
-                await asyncio.sleep(0)
-                if self.progress is not None and not self.report():
-                    await self.stop()
-                    break
-            at, kind, arg, _, token = heapq.heappop(self.heap)
-            if at >= self.end and kind != _END:
-                continue  # the range is half-open: only the final count runs at its end
-            self.t = at
-            if kind == _WORKER:
-                worker = self.workers[arg]
-                if token == worker.token and not self.down:
-                    worker.parked = False
-                    worker.wake_at = _NEVER
-                    await self.work(worker)
-            elif kind == _TICK:
-                if token == self.tick_token and not self.down:
-                    self.tick_at = _NEVER
-                    await self.tick()
-            elif kind == _SCAN:
-                self.scan_pending = False
-                if self.retry_unknown and not self.down:
-                    await self.harvest()
-            elif kind == _SAMPLE:
-                await self.sample()
-                following = at + self.sample_step
-                if following < self.end:
-                    self.push(following, _SAMPLE)
-            elif kind == _HOST_DOWN:
-                self.host_down()
-            elif kind == _HOST_UP:
-                await self.host_up()
-            elif kind == _REGRESSION:
-                self.regressed(scenario.clock_regressions[arg].by)
-            elif kind == _SYNC:
-                if not self.down and at >= self.origin:
-                    await self.sync()
-            elif kind == _CHANGE:
-                if self.down:
-                    self.deferred.append(arg)
-                else:
-                    await self.change(arg)
-            elif kind == _END:
-                await self.finish()
-                break
-        return self.result()
+
+    async def _handle(self, at: int, kind: int, arg: int, token: int) -> bool:
+        """Run one popped event; return whether the run is over."""
+        if kind == _WORKER:
+            await self._on_worker(self.workers[arg], token)
+        elif kind == _TICK:
+            await self._on_tick(token)
+        elif kind == _SCAN:
+            await self._on_scan()
+        elif kind == _SAMPLE:
+            await self._on_sample(at)
+        elif kind == _HOST_DOWN:
+            self.host_down()
+        elif kind == _HOST_UP:
+            await self.host_up()
+        elif kind == _REGRESSION:
+            self.regressed(self.scenario.clock_regressions[arg].by)
+        elif kind == _SYNC:
+            await self._on_sync(at)
+        elif kind == _CHANGE:
+            await self._on_change(arg)
+        elif kind == _END:
+            await self.finish()
+            return True
+        return False
+
+    async def _on_worker(self, worker: _Worker, token: int) -> None:
+        if token == worker.token and not self.down:
+            worker.parked = False
+            worker.wake_at = _NEVER
+            await self.work(worker)
+
+    async def _on_tick(self, token: int) -> None:
+        if token == self.tick_token and not self.down:
+            self.tick_at = _NEVER
+            await self.tick()
+
+    async def _on_scan(self) -> None:
+        self.scan_pending = False
+        if self.retry_unknown and not self.down:
+            await self.harvest()
+
+    async def _on_sample(self, at: int) -> None:
+        await self.sample()
+        following = at + self.sample_step
+        if following < self.end:
+            self.push(following, _SAMPLE)
+
+    async def _on_sync(self, at: int) -> None:
+        if not self.down and at >= self.origin:
+            await self.sync()
+
+    async def _on_change(self, index: int) -> None:
+        if self.down:
+            self.deferred.append(index)
+        else:
+            await self.change(index)
 
     def report(self) -> bool:
         """Tell the progress callback where the run is; False: stop here."""
