@@ -465,14 +465,7 @@ class Scheduler:
             UnknownTaskError: no handler is registered.
             QueueError: called twice.
         """
-        if not isinstance(stop, asyncio.Event):
-            raise QueueTypeError(f"stop must be an asyncio.Event, not {type(stop).__name__}")
-        if hard_stop is not None and not isinstance(hard_stop, asyncio.Event):
-            raise QueueTypeError(
-                f"hard_stop must be an asyncio.Event, not {type(hard_stop).__name__}"
-            )
-        hard = hard_stop if hard_stop is not None else asyncio.Event()
-        drain = check_seconds(drain_timeout, "drain_timeout", 0.0, _MAX_DRAIN)
+        hard, drain = _check_run_arguments(stop, hard_stop, drain_timeout)
         if self._started:
             raise QueueError("a Scheduler runs once; create a new one")
         if not self._registry:
@@ -486,67 +479,8 @@ class Scheduler:
             else None
         )
         try:
-            try:
-                env.db_or_none = await self._open()
-                await self._check_fit(env.db)
-            except DB_ERRORS as exc:
-                refusal = pooler_refusal(exc)
-                if refusal is not None:
-                    raise QueueConfigurationError(refusal) from None
-                raise QueueUnavailableError(
-                    "the worker could not start: "
-                    + scrub_secrets(f"{type(exc).__name__}: {exc}", env.secrets)
-                ) from exc
-            env.status.started()
-            if self._pooler is not None and self._listen_dsn is None:
-                LOG.warning(
-                    "%s: wake-ups are by polling every %g s: the pool leads through a "
-                    "transaction pooler, where LISTEN does not work; give listen_dsn (CLI: "
-                    "--listen-dsn) a direct connection to PostgreSQL for NOTIFY wake-ups",
-                    self.worker_id,
-                    env.poll,
-                )
-            wakeups = Wakeups(env)
-            completions = Completions(env, wakeups)
-            progress = ProgressWriter(env)
-            executor = Executor(env, self._registry, completions, threads, progress)
-            claimer = Claimer(
-                env,
-                list(self._registry),
-                queues=self._queues,
-                concurrency=self._concurrency,
-                batch=self._batch,
-                wakeups=wakeups,
-                executor=executor,
-                completions=completions,
-                sync_names=[name for name, r in self._registry.items() if not r.run_async],
-                threads=self._threads,
-            )
-            async with (
-                watching_event_loop(self._loop_lag, on_stall=self._stalled),
-                asyncio.TaskGroup() as services,
-            ):
-                if self._listen:
-                    services.create_task(wakeups.listen_forever())
-                services.create_task(Renewer(env).renew_forever())
-                services.create_task(Maintainer(env, wakeups, self._maintenance).maintain_forever())
-                services.create_task(completions.flush_forever())
-                services.create_task(progress.write_forever())
-                # A hard stop stops claiming too (the claim loop watches one event).
-                claiming = asyncio.Event()
-                if stop.is_set() or hard.is_set():
-                    claiming.set()
-                services.create_task(_either(stop, hard, claiming, env.closing))
-                try:
-                    async with asyncio.TaskGroup() as handlers:
-                        await claimer.claim_until(claiming, handlers)
-                        await self._drain(executor, completions, drain, hard)
-                    await completions.release_unfinished()
-                finally:
-                    env.closing.set()
-                    completions.stop()
-                    progress.stop()
-                    wakeups.cancel_timers()
+            await self._open_checked()
+            await self._serve(stop, hard, drain, threads)
         finally:
             env.status.stopped()
             if threads is not None:
@@ -558,6 +492,81 @@ class Scheduler:
                 await env.db_or_none.close_reserve()
                 if owned:
                     await env.db_or_none.close()
+
+    async def _open_checked(self) -> None:
+        """Open the database and check it fits; a start-up failure raises the typed error."""
+        env = self._env
+        try:
+            env.db_or_none = await self._open()
+            await self._check_fit(env.db)
+        except DB_ERRORS as exc:
+            refusal = pooler_refusal(exc)
+            if refusal is not None:
+                raise QueueConfigurationError(refusal) from None
+            raise QueueUnavailableError(
+                "the worker could not start: "
+                + scrub_secrets(f"{type(exc).__name__}: {exc}", env.secrets)
+            ) from exc
+        env.status.started()
+        if self._pooler is not None and self._listen_dsn is None:
+            LOG.warning(
+                "%s: wake-ups are by polling every %g s: the pool leads through a "
+                "transaction pooler, where LISTEN does not work; give listen_dsn (CLI: "
+                "--listen-dsn) a direct connection to PostgreSQL for NOTIFY wake-ups",
+                self.worker_id,
+                env.poll,
+            )
+
+    async def _serve(
+        self,
+        stop: asyncio.Event,
+        hard: asyncio.Event,
+        drain: float,
+        threads: HandlerThreads | None,
+    ) -> None:
+        """Run the services and the claim loop until a stop, then drain and release."""
+        env = self._env
+        wakeups = Wakeups(env)
+        completions = Completions(env, wakeups)
+        progress = ProgressWriter(env)
+        executor = Executor(env, self._registry, completions, threads, progress)
+        claimer = Claimer(
+            env,
+            list(self._registry),
+            queues=self._queues,
+            concurrency=self._concurrency,
+            batch=self._batch,
+            wakeups=wakeups,
+            executor=executor,
+            completions=completions,
+            sync_names=[name for name, r in self._registry.items() if not r.run_async],
+            threads=self._threads,
+        )
+        async with (
+            watching_event_loop(self._loop_lag, on_stall=self._stalled),
+            asyncio.TaskGroup() as services,
+        ):
+            if self._listen:
+                services.create_task(wakeups.listen_forever())
+            services.create_task(Renewer(env).renew_forever())
+            services.create_task(Maintainer(env, wakeups, self._maintenance).maintain_forever())
+            services.create_task(completions.flush_forever())
+            services.create_task(progress.write_forever())
+            # A hard stop stops claiming too (the claim loop watches one event).
+            claiming = asyncio.Event()
+            if stop.is_set() or hard.is_set():
+                claiming.set()
+            services.create_task(_either(stop, hard, claiming, env.closing))
+            try:
+                async with asyncio.TaskGroup() as handlers:
+                    await claimer.claim_until(claiming, handlers)
+                    await self._drain(executor, completions, drain, hard)
+                await completions.release_unfinished()
+            finally:
+                env.closing.set()
+                completions.stop()
+                progress.stop()
+                wakeups.cancel_timers()
 
     def _stalled(self, stall: LoopStall) -> None:
         # The monitor logged it, naming the culprit; counted here for this worker.
@@ -687,3 +696,15 @@ async def _either(
             waiter.cancel()
     if not closing.is_set():
         then.set()
+
+
+def _check_run_arguments(
+    stop: asyncio.Event, hard_stop: asyncio.Event | None, drain_timeout: float | timedelta
+) -> tuple[asyncio.Event, float]:
+    """Refuse wrong-typed stop events and drain timeouts; return the hard stop and drain."""
+    if not isinstance(stop, asyncio.Event):
+        raise QueueTypeError(f"stop must be an asyncio.Event, not {type(stop).__name__}")
+    if hard_stop is not None and not isinstance(hard_stop, asyncio.Event):
+        raise QueueTypeError(f"hard_stop must be an asyncio.Event, not {type(hard_stop).__name__}")
+    hard = hard_stop if hard_stop is not None else asyncio.Event()
+    return hard, check_seconds(drain_timeout, "drain_timeout", 0.0, _MAX_DRAIN)
