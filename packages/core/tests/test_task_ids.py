@@ -59,5 +59,12 @@ def test_a_cursor_names_the_last_task_id_of_a_page(after: str | None, task_id: i
 def test_anything_else_is_not_a_cursor(after: object) -> None:
     with pytest.raises(ConfigurationError) as refused:
         parse_task_cursor(after)
-    # The whole message: it says what a cursor is, and shows nothing of what was given.
-    assert str(refused.value) == "the cursor of a task listing is a task id"
+    # The whole message: it says what a cursor is, and shows nothing of what was given
+    # (of something not a str, only its type).
+    what = "the cursor of a task listing is a task id in decimal"
+    expected = (
+        f"{what} (its next_cursor)"
+        if isinstance(after, str)
+        else f"{what} (a str), not {type(after).__name__}"
+    )
+    assert str(refused.value) == expected

@@ -193,8 +193,17 @@ async def test_a_stale_success_a_worker_carries_with_its_claim_is_refused(
         started.set()
         await go.wait()
 
-    # A long poll: the worker waits for its own outcome, which its next claim carries.
-    worker = Scheduler(dsn, schema=schema, worker_id="carrier", concurrency=4, poll_interval=60)
+    # A long poll, no NOTIFY and no maintenance pass: nothing but its own outcome wakes the
+    # waiting claim loop, so the success rides on the next claim (the path under test).
+    worker = Scheduler(
+        dsn,
+        schema=schema,
+        worker_id="carrier",
+        concurrency=4,
+        poll_interval=60,
+        maintenance_interval=3600,
+        listen=False,
+    )
     worker.register(Task("job"), handler)
     stop = asyncio.Event()
     run = asyncio.create_task(worker.run_until_shutdown(stop))
