@@ -115,9 +115,11 @@ async def test_delayed_work_is_not_run_early(queue: QueueFixture) -> None:
         # one statement): however slowly this machine runs, nothing starts early.
         while True:
             ran_before = list(ran_at)
-            now, state = await conn.fetchrow(
+            row = await conn.fetchrow(
                 f'SELECT clock_timestamp(), state FROM "{schema}".tasks WHERE id = $1', done.id
             )
+            assert row is not None
+            now, state = row
             if now >= due:
                 break
             assert (ran_before, state) == ([], "pending")
