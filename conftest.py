@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 if TYPE_CHECKING:
     from pgserver.postgres_server import PostgresServer
@@ -39,6 +40,12 @@ IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 _FAULT_TOOLS = str(Path(__file__).resolve().parent / "tests")
 if _FAULT_TOOLS not in sys.path:
     sys.path.append(_FAULT_TOOLS)
+
+# Property tests assert what holds, never how fast: on a loaded two-core machine a slow
+# example or slow data generation is not a failure. Tests that set their own settings keep
+# them; the rest inherit these.
+settings.register_profile("steeple", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("steeple")
 
 # Names of what tests create on the test server carry this tag, so the session-end check
 # finds this session's leftovers even on a server that other test sessions share.

@@ -34,8 +34,8 @@ from steeple.core import (
     SystemClock,
 )
 from steeple.keyring import Keyring, StorageKey
-from steeple.postgres import PostgresRecurringStore
 from steeple.postgres import queue as q
+from store_setup_support import initialize_patiently
 
 __all__ = ["APP", "WorkerProc", "World", "private_database", "world"]
 
@@ -296,9 +296,7 @@ async def world(
         await conn.close()
     key = StorageKey.generate("k1")
     config = RecurringConfig("default", 1000, 100_000, lease_duration=lease)
-    store = await PostgresRecurringStore.initialize(
-        dsn, config, Keyring(key), SystemClock(), schema=schema
-    )
+    store = await initialize_patiently(dsn, config, Keyring(key), SystemClock(), schema=schema)
     try:
         # Each definition fires once, a few minutes ago, and next a year later: exactly
         # ``occurrences`` are due whenever the test runs (a minute boundary adds none).

@@ -21,8 +21,8 @@ from steeple.core import (
     SystemClock,
 )
 from steeple.keyring import Keyring, StorageKey
-from steeple.postgres import PostgresRecurringStore
 from steeple.testing import MemoryBroker
+from store_setup_support import initialize_patiently
 
 NAMESPACE = "ops"
 
@@ -70,9 +70,7 @@ async def seed_namespace(dsn: str, schema: str) -> Seeded:
     keys, keyring = make_keys()
     config = RecurringConfig(NAMESPACE, 1000, 100_000)
     now = datetime.now(UTC)
-    store = await PostgresRecurringStore.initialize(
-        dsn, config, keyring, SystemClock(), schema=schema
-    )
+    store = await initialize_patiently(dsn, config, keyring, SystemClock(), schema=schema)
     try:
         for name, cron, policy in (
             ("minutely", "* * * * *", MissedRunPolicy.CATCH_UP),
