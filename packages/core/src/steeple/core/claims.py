@@ -251,12 +251,11 @@ class _Walk:
             chosen.append(c)
         return chosen
 
-    def within(self, scope: ScopeState, want: int, taken: int = 0) -> int:
-        """Return how many of ``want`` the scope's limits allow besides ``taken``.
+    def within(self, scope: ScopeState, want: int, left: int | None) -> int:
+        """Return how many of ``want`` the scope's room ``left`` allows (``None``: all).
 
-        It notes whether the limits held work back and when the scope frees a start.
+        It notes whether the scope's limits held work back and when the scope frees a start.
         """
-        left = room(scope, self.now, taken)
         allowed = want if left is None else min(want, left)
         self.frees = _earliest(self.frees, frees_at(scope, self.now))
         if allowed < want:
@@ -274,7 +273,9 @@ class _Walk:
             want = budget - len(chosen)
             if want <= 0:
                 break
-            allowed = self.within(self.names[name], want, self.taken_by_name[name])
+            settings = self.names[name]
+            left = room(settings, self.now, self.taken_by_name[name])
+            allowed = self.within(settings, want, left)
             if allowed <= 0:
                 continue
             named = self.take([c for c in mine if c.task_name == name], allowed)
@@ -327,7 +328,7 @@ def plan_claim(
         elif settings.limits.paused:
             continue
         else:
-            budget = walk.within(settings, want)
+            budget = walk.within(settings, want, room(settings, now))
         started.extend(walk.take_queue([c for c in candidates if c.queue == queue], budget))
     return ClaimPlan(tuple(started), walk.held, walk.frees)
 
