@@ -199,12 +199,19 @@ def _earliest(a: datetime | None, b: datetime | None) -> datetime | None:
 
 @attrs.define
 class _Walk:
-    """The per-key bookkeeping of one claim: what it took per key, what keys held back."""
+    """One claim's bookkeeping: what it took, what held it back, when a start frees up.
+
+    It counts what the claim took per limited name and per key of the scopes that limit keys.
+    """
 
     queues: Mapping[str, ScopeState]
     names: Mapping[str, ScopeState]
     keys: Mapping[KeyScope, KeyState]
     now: datetime
+    limited: Sequence[str]
+    """The names with limits, in the order the claim serves them."""
+    taken_by_name: dict[str, int]
+    """What the claim took so far of each name in :attr:`limited` (its keys are those names)."""
     taken: dict[KeyScope, int] = attrs.field(factory=dict)
     held: bool = False
     frees: datetime | None = None
@@ -244,6 +251,41 @@ class _Walk:
             chosen.append(c)
         return chosen
 
+    def within(self, scope: ScopeState, want: int, left: int | None) -> int:
+        """Return how many of ``want`` the scope's room ``left`` allows (``None``: all).
+
+        It notes whether the scope's limits held work back and when the scope frees a start.
+        """
+        allowed = want if left is None else min(want, left)
+        self.frees = _earliest(self.frees, frees_at(scope, self.now))
+        if allowed < want:
+            self.held = True
+        return allowed
+
+    def take_queue(self, mine: Sequence[C], budget: int) -> list[C]:
+        """Return up to ``budget`` of one queue's tasks ``mine``, by name.
+
+        Each limited name's tasks come first, within the name's limits; the other names'
+        tasks get what is left.
+        """
+        chosen: list[C] = []
+        for name in self.limited:
+            want = budget - len(chosen)
+            if want <= 0:
+                break
+            settings = self.names[name]
+            left = room(settings, self.now, self.taken_by_name[name])
+            allowed = self.within(settings, want, left)
+            if allowed <= 0:
+                continue
+            named = self.take([c for c in mine if c.task_name == name], allowed)
+            self.taken_by_name[name] += len(named)
+            chosen.extend(named)
+        if budget - len(chosen) > 0:
+            others = [c for c in mine if c.task_name not in self.taken_by_name]
+            chosen.extend(self.take(others, budget - len(chosen)))
+        return chosen
+
 
 def plan_claim(
     wants: Sequence[tuple[str, int]],
@@ -273,49 +315,22 @@ def plan_claim(
     limit the claim consulted, or of a key a limit skipped; it matters when ``held`` is true.
     """
     limited = sorted(n for n, s in names.items() if s.limits.limited)
-    limited_set = frozenset(limited)
-    taken_by_name = dict.fromkeys(limited, 0)
+    walk = _Walk(queues, names, keys or {}, now, limited, dict.fromkeys(limited, 0))
     started: list[C] = []
-    held = False
-    frees: datetime | None = None
-    walk = _Walk(queues, names, keys or {}, now)
     for queue, want in wants:
         if total is not None:
             want = min(want, total - len(started))
             if want <= 0:
                 break
-        budget = want
         settings = queues.get(queue)
-        if settings is not None:
-            if settings.limits.paused:
-                continue
-            left = room(settings, now)
-            if left is not None:
-                budget = min(budget, left)
-            frees = _earliest(frees, frees_at(settings, now))
-            if budget < want:
-                held = True
-        mine = [c for c in candidates if c.queue == queue]
-        got = 0
-        for name in limited:
-            if budget - got <= 0:
-                break
-            left = room(names[name], now, taken_by_name[name])
-            name_budget = budget - got if left is None else min(budget - got, left)
-            frees = _earliest(frees, frees_at(names[name], now))
-            if name_budget < budget - got:
-                held = True
-            if name_budget <= 0:
-                continue
-            chosen = walk.take([c for c in mine if c.task_name == name], name_budget)
-            taken_by_name[name] += len(chosen)
-            got += len(chosen)
-            started.extend(chosen)
-        if budget - got > 0:
-            free = walk.take([c for c in mine if c.task_name not in limited_set], budget - got)
-            got += len(free)
-            started.extend(free)
-    return ClaimPlan(tuple(started), held or walk.held, _earliest(frees, walk.frees))
+        if settings is None:
+            budget = want
+        elif settings.limits.paused:
+            continue
+        else:
+            budget = walk.within(settings, want, room(settings, now))
+        started.extend(walk.take_queue([c for c in candidates if c.queue == queue], budget))
+    return ClaimPlan(tuple(started), walk.held, walk.frees)
 
 
 @attrs.frozen
