@@ -330,7 +330,7 @@ async def test_lost_answer_to_a_completion_still_completes_once(
         executions.append(ctx.task_id)
 
     # the completion statement's text travels in its first Parse on a connection
-    fault_proxy.cut_reply_after(b"'succeeded', started_at, finished_at FROM done")
+    fault_proxy.cut_reply_after(b".complete_tasks($1::text::bigint[]")
     worker = Scheduler(
         fault_proxy.dsn(),
         worker_id="fault-lost-answer",
