@@ -123,6 +123,26 @@ def test_a_granted_leases_fence_is_the_checked_one(stored: str, stored_revision:
     assert not holds_granted_lease(None, 1, digest, 1)
 
 
+@pytest.mark.parametrize(
+    ("granted", "revision"),
+    [
+        ("digest-as-str", 1),
+        (bytearray(32), 1),
+        (None, 1),
+        (b"", True),
+        (b"", 1.0),
+        (b"", "1"),
+        (b"", None),
+        (b"", 2**64),
+    ],
+)
+def test_a_granted_lease_of_the_wrong_type_is_never_held(granted: object, revision: object) -> None:
+    """As with a presented capability: nothing but a bytes digest and an int revision."""
+    digest = capability_digest(b"cap")
+    held = digest if granted == b"" else granted
+    assert holds_granted_lease(digest, 1, held, revision) is False  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("state", [s for s in OccurrenceState if s in CLAIMABLE_STATES])
 def test_a_claim_that_counts_the_attempt_writes_what_two_changes_wrote(
     state: OccurrenceState,

@@ -267,9 +267,11 @@ def holds_granted_lease(
 
     ``granted_digest`` is the :func:`capability_digest` of the lease's capability, taken
     when it was granted (``revision`` its revision): the answer is :func:`holds_lease`'s,
-    without hashing the capability again.
+    without hashing the capability again. As there, a spent lease and a digest or
+    revision of the wrong type (a bool is not a revision) are never held.
     """
-    if stored_digest is None:
+    # Exact types, cheaply: this runs once per occurrence a batch records.
+    if stored_digest is None or type(granted_digest) is not bytes or type(revision) is not int:
         return False
     return _digest_held(stored_digest, stored_revision, granted_digest, revision)
 
