@@ -27,6 +27,7 @@ from steeple.postgres.queue import (
     QueueClusterError,
     QueueUnavailableError,
     Task,
+    UnsupportedConnectionError,
     _driver,
     enqueue,
 )
@@ -236,3 +237,16 @@ async def test_a_guard_refuses_another_cluster(pg_dsn: str) -> None:
             await guard.check(conn)
     finally:
         await conn.close()
+
+
+@pytest.mark.parametrize(
+    "conn", [42, None, True, "postgresql://app:s3cret-pw@db/app", b"\x00", object()]
+)
+async def test_a_guard_given_no_connection_refuses_it_typed_without_echoing_it(
+    conn: object,
+) -> None:
+    guard = ClusterGuard()
+    with pytest.raises(UnsupportedConnectionError) as refused:
+        await guard.check(conn)
+    assert "s3cret" not in str(refused.value)
+    assert guard.known is None  # nothing was learned
