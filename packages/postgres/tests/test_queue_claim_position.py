@@ -22,6 +22,7 @@ import queue_support
 from queue_support import QueueFixture
 from steeple.core.claims import ClaimPosition, ClaimWalk
 from steeple.postgres.queue import EnqueueOptions, Health, JobContext, Scheduler, Task, enqueue
+from steeple.postgres.queue._wakeups import Wakeups
 
 pytestmark = pytest.mark.postgres
 
@@ -187,6 +188,53 @@ async def test_a_worker_claims_work_placed_before_its_position_without_waiting_f
         # Behind the worker's position (a higher priority): its wake-up's walk from the
         # position finds nothing, so the next claim walks from the front at once.
         urgent = await _enqueue(conn, schema, 5)
+        await wait_until(lambda: ran == [first, urgent] or run.done())
+        assert not run.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(run, 30)
+
+
+async def test_a_walk_from_the_position_that_finds_nothing_is_followed_at_once_from_the_front(
+    queue: QueueFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dsn, schema, conn = queue
+    ran: list[int] = []
+    wakeups: list[Wakeups] = []
+    init = Wakeups.__init__
+
+    def kept(self: Wakeups, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        wakeups.append(self)
+
+    monkeypatch.setattr(Wakeups, "__init__", kept)
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        ran.append(ctx.task_id)
+
+    # No NOTIFY, no maintenance pass, polls an hour apart: the one wake-up the test gives
+    # is all that starts a claim, so nothing but the claim rule can bring in what follows.
+    worker = Scheduler(
+        dsn,
+        worker_id="w",
+        schema=schema,
+        poll_interval=3600.0,
+        maintenance_interval=3600,
+        listen=False,
+        concurrency=4,
+    )
+    worker.register(Task("t"), handler)
+    stop = asyncio.Event()
+    run = asyncio.create_task(worker.run_until_shutdown(stop, drain_timeout=10))
+    try:
+        await wait_until(lambda: worker.stats.idle_waits >= 1 or run.done())
+        first = await _enqueue(conn, schema, 0)
+        wakeups[0].wake.set()
+        await wait_until(lambda: (ran == [first] and worker.stats.idle_waits >= 2) or run.done())
+        # Behind the worker's position (a higher priority): the woken claim walks from the
+        # position and finds nothing; the next walks from the front without another wake-up.
+        urgent = await _enqueue(conn, schema, 5)
+        wakeups[0].wake.set()
         await wait_until(lambda: ran == [first, urgent] or run.done())
         assert not run.done()
     finally:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import time
 from collections import Counter
@@ -176,6 +177,23 @@ async def _complete_and_claim(
     )
 
 
+@dataclasses.dataclass(slots=True)
+class _Loop:
+    """What one run of the claim loop keeps from round to round."""
+
+    handlers: asyncio.TaskGroup
+    inst: _metrics.QueueInstruments
+    stop_waiter: asyncio.Future[Any]
+    """Done once the worker is told to stop: every wait of the loop ends on it."""
+    retry: Retry
+    turn: int = 0
+    """Which queue's share comes first this round (see ``Claimer._wants``)."""
+    held_before: bool = False
+    """Whether a limit held the last claim back."""
+    names_before: list[str] | None = None
+    """The task names the last claim asked for."""
+
+
 class Claimer:
     """The claim loop of one worker."""
 
@@ -255,185 +273,253 @@ class Claimer:
 
     async def claim_until(self, stop: asyncio.Event, handlers: asyncio.TaskGroup) -> None:
         """Claim and start handlers in ``handlers`` until ``stop`` is set."""
-        env = self._env
-        pool = env.db
-        status = env.status
-        stats = env.stats
-        inflight = env.inflight
-        server_clock = env.server_clock
-        wake = self._wakeups.wake
-        drained = self._drained
         inst = _metrics.instruments()
         stop_waiter = asyncio.ensure_future(stop.wait())
-        turn = 0
-        held_before = False
-        names_before: list[str] | None = None
-        retry = Retry(env.random)
-        completions = self._completions
+        loop = _Loop(handlers, inst, stop_waiter, Retry(self._env.random))
         try:
             while not stop.is_set():
-                free, names = self._capacity()
-                # Claim in worthwhile batches: while a quarter of a batch is not yet free
-                # and handlers are running, wait for more slots instead of claiming crumbs.
-                if free <= 0 or (inflight.running and free < self._min_claim):
-                    completions.carry(False)
-                    inflight.slot_freed.clear()
-                    await wait_either(inflight.slot_freed, stop_waiter, None)
-                    continue
-                if (
-                    wake.is_set()
-                    or names is not names_before
-                    or (
-                        held_before
-                        and (inflight.outcome_written.is_set() or completions.buffered.is_set())
-                    )
-                ):
-                    # Work may have come (a NOTIFY, a timer), a limit may have freed a
-                    # slot, or other names are asked for: every queue may have work again.
-                    drained.clear()
-                else:
-                    expired = time.monotonic() - env.poll
-                    for name in [n for n, since in drained.items() if since <= expired]:
-                        del drained[name]
-                names_before = names
-                queues, wants = self._wants(free, turn)
-                turn += 1
-                if not wants:  # every queue is at its own limit in this worker
-                    completions.carry(False)
-                    inflight.slot_freed.clear()
-                    await wait_either(inflight.slot_freed, stop_waiter, None)
-                    continue
-                wake.clear()
-                inflight.outcome_written.clear()
-                wanted = sum(wants)
-                sent = time.monotonic()
-                starts = [self._walks.get(q, _FRONT).start(sent, env.poll) for q in queues]
-                # The give-up time, on the server's clock: what it surely reads when this
-                # worker stops waiting (see steeple.core.remote_clock). A claim the server
-                # runs later than that takes nothing, instead of leasing tasks to nobody.
-                give_up = server_clock.at_least(sent + env.timeout)
-                # Under a held limit the buffered successes free the slots this claim may
-                # take: written in its transaction, before it (one call, not two).
-                carried = completions.take_carried() if completions.carrier else []
-                completions.carry(False)
-                try:
-                    crash_point("queue.claim.before")
-                    claim = (queues, text_array(wants), names, env.worker_id, give_up)
-                    answer = await (
-                        _complete_and_claim(env, carried, *claim, *_positions(starts))
-                        if carried
-                        else pool.fetch(
-                            env.sql.claim_timed, *claim, *_positions(starts), timeout=env.timeout
-                        )
-                    )
-                except DB_ERRORS as exc:
-                    if carried:
-                        completions.carry_failed(carried, exc)
-                        if is_data_error(exc):
-                            # A success the database refuses to store, not the claim: the
-                            # flusher finds it; the claim is sent again at once, alone.
-                            continue
-                    status.claims_ok = False
-                    status.failed("claims", exc)
-                    status.claimed_once = True
-                    stats.failed_claims += 1
-                    delay = retry.failed()
-                    if not status.database.failed("claims", exc):
-                        LOG.warning(
-                            "claim failed (%s); retrying in %.2f s", describe_db_error(exc), delay
-                        )
-                    # Backing off: only a stop cuts the wait short (wake-ups would not help).
-                    await wait_any((), stop_waiter, delay)
-                    continue
-                retry.succeeded()
-                status.database.succeeded()
-                crash_point("queue.claim.committed")
-                if carried:
-                    # One row's last column: the ids that succeeded.
-                    done = next(row[19] for row in answer if row[19] is not None)
-                    await completions.carried(carried, set(done))
-                stats.claim_rounds += 1
-                server_now = float(answer[0][0])
-                server_clock.observe(server_now, time.monotonic())
-                rows = [row[1:19] for row in answer if row[1] is not None]
-                # A row of id NULL and held true: a global limit held work back; its run_at
-                # (when set) is when a rate window frees a start.
-                held = next((row for row in answer if row[1] is None and row[17]), None)
-                if held is not None and held[13] is not None:
-                    self._wakeups.wake_at(held[13].timestamp() - server_now)
-                if not rows and server_now >= give_up:
-                    # Refused as too late: the server's clock moved under the estimate, or
-                    # the request sat in the network. The answer re-anchored the estimate:
-                    # try again at once, then at the poll interval while it keeps happening.
-                    stats.refused_claims += 1
-                    refused_before = not status.claims_ok
-                    status.claims_ok = False
-                    status.claimed_once = True
-                    LOG.warning(
-                        "the server refused a claim as arriving after its give-up time "
-                        "(its clock moved, or the network delayed the request)"
-                    )
-                    if refused_before:
-                        await wait_either(wake, stop_waiter, env.poll)
-                    continue
-                status.claims_ok = True
-                status.succeeded("claims")
-                status.claimed_once = True
-                # Slots follow demand: a queue that answered short is drained (row[15]: the
-                # queue of a claimed task), one that filled its share may have more.
-                got = collections.Counter(row[15] for row in rows)
-                walks = self._walks_after(queues, starts, rows, sent, held=held is not None)
-                for name, want in zip(queues, wants, strict=True):
-                    # A walk from a position that found nothing is no answer: the next
-                    # claim walks the queue from the front at once.
-                    if got[name] < want and not walks[name].owed:
-                        drained[name] = sent
-                    else:
-                        drained.pop(name, None)
-                held_before = held is not None
-                # Tracing (only while a tracer provider is configured) reads the enqueuers'
-                # trace contexts of the batch with one more query; none otherwise. The
-                # leases already run and are renewed only once the handlers start, so the
-                # read gets a quarter of the shortest lease at most (row[7]: the lease).
-                tracer = _tracing.tracer() if rows else None
-                contexts = (
-                    await _tracing.trace_contexts(
-                        pool,
-                        env.sql,
-                        [row[0] for row in rows],
-                        min(env.timeout, min(row[7].total_seconds() for row in rows) / 4),
-                    )
-                    if tracer is not None
-                    else None
-                )
-                for row in rows:
-                    self._start(row, sent, handlers, inst, tracer, contexts, stop_waiter)
-                if len(rows) >= wanted or self._more_may_be_due():
-                    # Let handlers and the flusher run before the next claim, which gives
-                    # the slots of the queues that answered short to the others.
-                    await asyncio.sleep(0)
-                    continue
-                stats.idle_waits += 1
-                events = [wake]
-                if held is not None:
-                    # A global limit frees up when an outcome of this worker is written
-                    # (perhaps while the claim ran: the event was cleared before it), or
-                    # when a success is buffered: the next claim writes it first.
-                    events.append(inflight.outcome_written)
-                    completions.carry(True)
-                    events.append(completions.buffered)
-                if len(drained) < len(self._queues):
-                    # A queue at its own limit in this worker filled its share: it may have
-                    # more, to claim as soon as one of its handlers ends.
-                    inflight.slot_freed.clear()
-                    events.append(inflight.slot_freed)
-                await wait_any(tuple(events), stop_waiter, env.poll)
-                if completions.buffered.is_set():
-                    # Let the other handlers that are ready finish: their successes go too.
-                    await asyncio.sleep(0)
+                await self._round(loop)
         finally:
-            completions.carry(False)
+            self._completions.carry(False)
             stop_waiter.cancel()
+
+    async def _round(self, loop: _Loop) -> None:
+        """One round of the claim loop: claim what fits, start it, wait if nothing more is due."""
+        env = self._env
+        inflight = env.inflight
+        completions = self._completions
+        free, names = self._capacity()
+        # Claim in worthwhile batches: while a quarter of a batch is not yet free
+        # and handlers are running, wait for more slots instead of claiming crumbs.
+        if free <= 0 or (inflight.running and free < self._min_claim):
+            await self._wait_for_a_slot(loop)
+            return
+        self._undrain(loop, names)
+        loop.names_before = names
+        queues, wants = self._wants(free, loop.turn)
+        loop.turn += 1
+        if not wants:  # every queue is at its own limit in this worker
+            await self._wait_for_a_slot(loop)
+            return
+        self._wakeups.wake.clear()
+        inflight.outcome_written.clear()
+        wanted = sum(wants)
+        sent = time.monotonic()
+        starts = [self._walks.get(q, _FRONT).start(sent, env.poll) for q in queues]
+        # The give-up time, on the server's clock: what it surely reads when this
+        # worker stops waiting (see steeple.core.remote_clock). A claim the server
+        # runs later than that takes nothing, instead of leasing tasks to nobody.
+        give_up = env.server_clock.at_least(sent + env.timeout)
+        # Under a held limit the buffered successes free the slots this claim may
+        # take: written in its transaction, before it (one call, not two).
+        carried = completions.take_carried() if completions.carrier else []
+        completions.carry(False)
+        answer = await self._send(loop, carried, (queues, wants, names, give_up), starts)
+        if answer is None:
+            return
+        server_now, rows, held = await self._read(loop, answer, carried)
+        if not rows and server_now >= give_up:
+            await self._refused(loop)
+            return
+        self._claimed(queues, wants, starts, rows, sent, held=held is not None)
+        loop.held_before = held is not None
+        await self._start_all(loop, rows, sent)
+        if len(rows) >= wanted or self._more_may_be_due():
+            # Let handlers and the flusher run before the next claim, which gives
+            # the slots of the queues that answered short to the others.
+            await asyncio.sleep(0)
+            return
+        await self._wait_idle(loop, held=held is not None)
+
+    async def _wait_for_a_slot(self, loop: _Loop) -> None:
+        """Wait until one of this worker's handlers ends (or the worker stops)."""
+        self._completions.carry(False)
+        inflight = self._env.inflight
+        inflight.slot_freed.clear()
+        await wait_either(inflight.slot_freed, loop.stop_waiter, None)
+
+    def _undrain(self, loop: _Loop, names: list[str]) -> None:
+        """Give the drained queues their slots back when they may have work again."""
+        drained = self._drained
+        if (
+            self._wakeups.wake.is_set()
+            or names is not loop.names_before
+            or (
+                loop.held_before
+                and (
+                    self._env.inflight.outcome_written.is_set()
+                    or self._completions.buffered.is_set()
+                )
+            )
+        ):
+            # Work may have come (a NOTIFY, a timer), a limit may have freed a
+            # slot, or other names are asked for: every queue may have work again.
+            drained.clear()
+        else:
+            expired = time.monotonic() - self._env.poll
+            for name in [n for n, since in drained.items() if since <= expired]:
+                del drained[name]
+
+    async def _send(
+        self,
+        loop: _Loop,
+        carried: list[Claimed],
+        asked: tuple[list[str], list[int], list[str], float],
+        starts: Sequence[ClaimPosition | None],
+    ) -> list[tuple[Any, ...]] | None:
+        """Send a claim, with the ``carried`` successes; None if it failed (and was handled).
+
+        ``asked``: the queues, how many of each, the task names and the give-up time.
+        """
+        env = self._env
+        queues, wants, names, give_up = asked
+        try:
+            crash_point("queue.claim.before")
+            claim = (queues, text_array(wants), names, env.worker_id, give_up)
+            return await (
+                _complete_and_claim(env, carried, *claim, *_positions(starts))
+                if carried
+                else env.db.fetch(
+                    env.sql.claim_timed, *claim, *_positions(starts), timeout=env.timeout
+                )
+            )
+        except DB_ERRORS as exc:
+            await self._claim_failed(loop, carried, exc)
+            return None
+
+    async def _claim_failed(self, loop: _Loop, carried: list[Claimed], exc: BaseException) -> None:
+        """Report a failed claim and back off, unless a carried success is what failed."""
+        if carried:
+            self._completions.carry_failed(carried, exc)
+            if is_data_error(exc):
+                # A success the database refuses to store, not the claim: the
+                # flusher finds it; the claim is sent again at once, alone.
+                return
+        status = self._env.status
+        status.claims_ok = False
+        status.failed("claims", exc)
+        status.claimed_once = True
+        self._env.stats.failed_claims += 1
+        delay = loop.retry.failed()
+        if not status.database.failed("claims", exc):
+            LOG.warning("claim failed (%s); retrying in %.2f s", describe_db_error(exc), delay)
+        # Backing off: only a stop cuts the wait short (wake-ups would not help).
+        await wait_any((), loop.stop_waiter, delay)
+
+    async def _read(
+        self, loop: _Loop, answer: list[tuple[Any, ...]], carried: list[Claimed]
+    ) -> tuple[float, list[Any], tuple[Any, ...] | None]:
+        """Take in a claim's answer: the server's time, the claimed rows, the held row."""
+        env = self._env
+        completions = self._completions
+        loop.retry.succeeded()
+        env.status.database.succeeded()
+        crash_point("queue.claim.committed")
+        if carried:
+            # One row's last column: the ids that succeeded.
+            done = next(row[19] for row in answer if row[19] is not None)
+            await completions.carried(carried, set(done))
+        env.stats.claim_rounds += 1
+        server_now = float(answer[0][0])
+        env.server_clock.observe(server_now, time.monotonic())
+        rows = [row[1:19] for row in answer if row[1] is not None]
+        # A row of id NULL and held true: a global limit held work back; its run_at
+        # (when set) is when a rate window frees a start.
+        held = next((row for row in answer if row[1] is None and row[17]), None)
+        if held is not None and held[13] is not None:
+            self._wakeups.wake_at(held[13].timestamp() - server_now)
+        return server_now, rows, held
+
+    async def _refused(self, loop: _Loop) -> None:
+        """Count a claim the server refused as too late; wait a poll if it happens again."""
+        # Refused as too late: the server's clock moved under the estimate, or
+        # the request sat in the network. The answer re-anchored the estimate:
+        # try again at once, then at the poll interval while it keeps happening.
+        env = self._env
+        status = env.status
+        env.stats.refused_claims += 1
+        refused_before = not status.claims_ok
+        status.claims_ok = False
+        status.claimed_once = True
+        LOG.warning(
+            "the server refused a claim as arriving after its give-up time "
+            "(its clock moved, or the network delayed the request)"
+        )
+        if refused_before:
+            await wait_either(self._wakeups.wake, loop.stop_waiter, env.poll)
+
+    def _claimed(
+        self,
+        queues: Sequence[str],
+        wants: Sequence[int],
+        starts: Sequence[ClaimPosition | None],
+        rows: Sequence[Any],
+        sent: float,
+        *,
+        held: bool,
+    ) -> None:
+        """Record a claim that took ``rows``: status, where next to walk, which queues drained."""
+        status = self._env.status
+        drained = self._drained
+        status.claims_ok = True
+        status.succeeded("claims")
+        status.claimed_once = True
+        # Slots follow demand: a queue that answered short is drained (row[15]: the
+        # queue of a claimed task), one that filled its share may have more.
+        got = collections.Counter(row[15] for row in rows)
+        walks = self._walks_after(queues, starts, rows, sent, held=held)
+        for name, want in zip(queues, wants, strict=True):
+            # A walk from a position that found nothing is no answer: the next
+            # claim walks the queue from the front at once.
+            if got[name] < want and not walks[name].owed:
+                drained[name] = sent
+            else:
+                drained.pop(name, None)
+
+    async def _start_all(self, loop: _Loop, rows: Sequence[Any], sent: float) -> None:
+        """Start a handler for each claimed row."""
+        env = self._env
+        # Tracing (only while a tracer provider is configured) reads the enqueuers'
+        # trace contexts of the batch with one more query; none otherwise. The
+        # leases already run and are renewed only once the handlers start, so the
+        # read gets a quarter of the shortest lease at most (row[7]: the lease).
+        tracer = _tracing.tracer() if rows else None
+        contexts = (
+            await _tracing.trace_contexts(
+                env.db,
+                env.sql,
+                [row[0] for row in rows],
+                min(env.timeout, min(row[7].total_seconds() for row in rows) / 4),
+            )
+            if tracer is not None
+            else None
+        )
+        for row in rows:
+            self._start(row, sent, loop.handlers, loop.inst, tracer, contexts, loop.stop_waiter)
+
+    async def _wait_idle(self, loop: _Loop, *, held: bool) -> None:
+        """Wait for what may bring work: a wake-up, a freed slot or limit, or a poll interval."""
+        env = self._env
+        inflight = env.inflight
+        completions = self._completions
+        env.stats.idle_waits += 1
+        events = [self._wakeups.wake]
+        if held:
+            # A global limit frees up when an outcome of this worker is written
+            # (perhaps while the claim ran: the event was cleared before it), or
+            # when a success is buffered: the next claim writes it first.
+            events.append(inflight.outcome_written)
+            completions.carry(True)
+            events.append(completions.buffered)
+        if len(self._drained) < len(self._queues):
+            # A queue at its own limit in this worker filled its share: it may have
+            # more, to claim as soon as one of its handlers ends.
+            inflight.slot_freed.clear()
+            events.append(inflight.slot_freed)
+        await wait_any(tuple(events), loop.stop_waiter, env.poll)
+        if completions.buffered.is_set():
+            # Let the other handlers that are ready finish: their successes go too.
+            await asyncio.sleep(0)
 
     def _walks_after(
         self,
