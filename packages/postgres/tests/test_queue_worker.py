@@ -632,7 +632,9 @@ async def test_a_batch_of_completions_is_counted_under_each_tasks_name(
 
     dsn, schema, conn = queue
     recorders = {field.name: _Recorder() for field in _metrics.QueueInstruments.__attrs_attrs__}
-    monkeypatch.setattr(_metrics, "instruments", lambda: _metrics.QueueInstruments(**recorders))
+    recording = _metrics.QueueInstruments(**recorders)
+    monkeypatch.setattr(_metrics, "instruments", lambda: recording)
+    monkeypatch.setattr(_metrics, "recording", lambda: recording)
     batches: list[list[int]] = []
 
     class Recording:
@@ -681,7 +683,9 @@ async def test_a_handler_that_blocks_the_loop_is_counted_and_named(
 
     dsn, schema, conn = queue
     recorders = {field.name: _Recorder() for field in _metrics.QueueInstruments.__attrs_attrs__}
-    monkeypatch.setattr(_metrics, "instruments", lambda: _metrics.QueueInstruments(**recorders))
+    recording = _metrics.QueueInstruments(**recorders)
+    monkeypatch.setattr(_metrics, "instruments", lambda: recording)
+    monkeypatch.setattr(_metrics, "recording", lambda: recording)
     reported = threading.Event()
 
     class Watch(logging.Handler):

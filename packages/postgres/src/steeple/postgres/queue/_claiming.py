@@ -263,7 +263,6 @@ class Claimer:
         server_clock = env.server_clock
         wake = self._wakeups.wake
         drained = self._drained
-        inst = _metrics.instruments()
         stop_waiter = asyncio.ensure_future(stop.wait())
         turn = 0
         held_before = False
@@ -396,6 +395,7 @@ class Claimer:
                 # leases already run and are renewed only once the handlers start, so the
                 # read gets a quarter of the shortest lease at most (row[7]: the lease).
                 tracer = _tracing.tracer() if rows else None
+                inst = _metrics.recording() if rows else None
                 contexts = (
                     await _tracing.trace_contexts(
                         pool,
@@ -461,7 +461,7 @@ class Claimer:
         row: Any,
         now: float,
         handlers: asyncio.TaskGroup,
-        inst: _metrics.QueueInstruments,
+        inst: _metrics.QueueInstruments | None,
         tracer: Tracer | None,
         contexts: dict[int, str] | None,
         stopping: asyncio.Future[Any],
@@ -490,24 +490,33 @@ class Claimer:
             expires_at=now + lease_s,
             started_at=started_at,
         )
-        attributes = _metrics.task_attributes(name, queue)
-        inst.claimed.add(1, attributes)
-        inst.pickup_latency.record(max((started_at - run_at).total_seconds(), 0.0), attributes)
+        if inst is not None:
+            attributes = _metrics.task_attributes(name, queue)
+            inst.claimed.add(1, attributes)
+            inst.pickup_latency.record(max((started_at - run_at).total_seconds(), 0.0), attributes)
         env.stats.claimed += 1
         env.inflight.add(claimed)
+        execute = self._executor.execute
+        if name in self._sync or tracer is not None:
 
-        def run() -> Coroutine[Any, Any, None]:
-            execution = self._executor.execute(claimed)
-            if tracer is not None and contexts is not None:
-                return _tracing.traced_run(tracer, claimed.ctx, contexts.get(task_id), execution)
-            return execution
+            def run() -> Coroutine[Any, Any, None]:
+                execution = execute(claimed, inst)
+                if tracer is not None and contexts is not None:
+                    return _tracing.traced_run(
+                        tracer, claimed.ctx, contexts.get(task_id), execution
+                    )
+                return execution
 
-        if name in self._sync:
-            self._gate.held += 1
-            # A quarter of the lease: handed back before its first renewal is due (at a third).
-            attempt_run = self._on_a_thread(claimed, now + lease_s / 4, stopping, run)
+            if name in self._sync:
+                self._gate.held += 1
+                # A quarter of the lease: handed back before its first renewal is due (at
+                # a third).
+                attempt_run = self._on_a_thread(claimed, now + lease_s / 4, stopping, run)
+            else:
+                attempt_run = run()
         else:
-            attempt_run = run()
+            # The common case, without a closure: an async handler, not traced.
+            attempt_run = execute(claimed, inst)
         # Named for the loop-lag monitor, which reports the task that blocks the loop.
         env.inflight.tasks[task_id] = handlers.create_task(
             attempt_run, name=f"steeple task {name!r} #{task_id} attempt {attempt}"

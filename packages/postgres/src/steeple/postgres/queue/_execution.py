@@ -329,21 +329,24 @@ class Executor:
             inflight.remove(task_id)
         return len(stubborn)
 
-    async def _run(self, registration: Registration[Any], claimed: Claimed, args: Any) -> object:
-        """Run the handler: awaited on the loop, or called in the thread pool.
+    async def _in_thread(
+        self, registration: Registration[Any], claimed: Claimed, args: Any
+    ) -> object:
+        """Run a plain ``def`` handler in the thread pool (an async one is awaited on the loop).
 
-        What a plain ``def`` handler raises comes back as a :class:`_Raised` (never through
-        the future: asyncio refuses some exceptions there, such as ``StopIteration``).
+        What it raises comes back as a :class:`_Raised` (never through the future: asyncio
+        refuses some exceptions there, such as ``StopIteration``).
         """
-        ctx = claimed.ctx
-        if registration.run_async:
-            return await self._awaited(claimed, registration.handler(ctx, args))  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         # The thread sees the context variables of this run (its tracing span among them).
         value = await loop.run_in_executor(
             self._threads,
             functools.partial(
-                _call_in_thread, contextvars.copy_context(), registration.handler, ctx, args
+                _call_in_thread,
+                contextvars.copy_context(),
+                registration.handler,
+                claimed.ctx,
+                args,
             ),
         )
         if inspect.isawaitable(value):
@@ -359,20 +362,24 @@ class Executor:
         finally:
             self._awaiting.pop(claimed, None)
 
-    async def execute(self, claimed: Claimed) -> None:
-        """Run ``claimed``'s handler and record its outcome."""
+    async def execute(self, claimed: Claimed, inst: _metrics.QueueInstruments | None) -> None:
+        """Run ``claimed``'s handler and record its outcome.
+
+        ``inst``: the instruments to measure its run time with (None: metrics are off).
+        """
         ctx = claimed.ctx
         registration = self._registry[ctx.task_name]
         if self._progress is not None:
             self._progress.attach(claimed)
-        inst = _metrics.instruments()
-        attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         started = time.monotonic()
         try:
             outcome = await self._attempt(registration, claimed, asyncio.current_task())
             if outcome is None or claimed in self._abandoned:
                 return  # handed back at the hard stop: its late outcome is not recorded
-            inst.run_time.record(time.monotonic() - started, attributes)
+            if inst is not None:
+                inst.run_time.record(
+                    time.monotonic() - started, _metrics.task_attributes(ctx.task_name, ctx.queue)
+                )
             error, result = outcome
             if error is None:
                 self._completions.succeeded(claimed, result)
@@ -394,7 +401,10 @@ class Executor:
         """
         try:
             args = decode_args(registration.task, claimed.args_text)
-            value = await self._run(registration, claimed, args)
+            if registration.run_async:
+                value = await self._awaited(claimed, registration.handler(claimed.ctx, args))  # type: ignore[arg-type]
+            else:
+                value = await self._in_thread(registration, claimed, args)
             if isinstance(value, _Raised):
                 return value.error, None
             return None, encode_result(claimed.ctx.task_name, value)
