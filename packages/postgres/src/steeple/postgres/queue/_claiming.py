@@ -448,12 +448,19 @@ class Claimer:
 
         ``held``: a limit held the claim back.
         """
-        taken: dict[str, list[ClaimPosition]] = collections.defaultdict(list)
+        # Only the last task taken from each queue in claim order counts (ClaimWalk.after
+        # keeps the greatest position): one position per queue, not one per task.
+        last: dict[str, tuple[int, Any, int]] = {}
         for row in rows:  # row[15]: queue, row[17]: priority, row[12]: run_at
-            taken[row[15]].append(ClaimPosition(row[17], row[12], row[0]))
+            key = (-row[17], row[12], row[0])  # ClaimPosition.key
+            seen = last.get(row[15])
+            if seen is None or key > seen:
+                last[row[15]] = key
         for name, start in zip(queues, starts, strict=True):
             walk = self._walks.get(name, _FRONT)
-            self._walks[name] = walk.after(start, taken[name], at, held=held)
+            got = last.get(name)
+            taken = [] if got is None else [ClaimPosition(-got[0], got[1], got[2])]
+            self._walks[name] = walk.after(start, taken, at, held=held)
         return self._walks
 
     def _start(
