@@ -76,6 +76,8 @@ Handler = Callable[["JobContext", A], Awaitable[object] | object]
 MAX_RESULT_BYTES: Final = 64 * 1024
 """A handler's result is limited to 64 KiB of JSON (as the database stores it)."""
 _MAX_PROGRESS_MESSAGE: Final = 200
+# Makes a context's events on first use (rare, and never twice for one context).
+_EVENTS_MADE: Final = threading.Lock()
 # The stored progress column allows 8 KiB; a fraction and 200 characters take under 1.2 KiB.
 _MAX_PROGRESS_BYTES: Final = 8192
 
@@ -110,8 +112,9 @@ class JobContext:
     worker_id: str
     scheduled_for: datetime | None = None
     queue: str = DEFAULT_QUEUE
-    lease_lost: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
-    cancelled: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
+    # Made on first use (most attempts never look at them): see the properties below.
+    _lease_lost: asyncio.Event | None = attrs.field(default=None, alias="lease_lost", repr=False)
+    _cancelled: asyncio.Event | None = attrs.field(default=None, alias="cancelled", repr=False)
     # The latest progress reported: (sequence number, JSON text); the worker writes it.
     _progress: tuple[int, str] | None = attrs.field(default=None, init=False, repr=False)
     _on_progress: Callable[[], None] | None = attrs.field(default=None, init=False, repr=False)
@@ -160,6 +163,27 @@ class JobContext:
         notify = self._on_progress
         if notify is not None:
             notify()
+
+    @property
+    def lease_lost(self) -> asyncio.Event:
+        """Set when the worker no longer holds the lease (see the class docstring)."""
+        event = self._lease_lost
+        return event if event is not None else self._made("_lease_lost")
+
+    @property
+    def cancelled(self) -> asyncio.Event:
+        """Set (with ``lease_lost``) when the task was cancelled."""
+        event = self._cancelled
+        return event if event is not None else self._made("_cancelled")
+
+    def _made(self, slot: str) -> asyncio.Event:
+        # First use, from the loop or a handler's thread: one event, whoever asks first.
+        with _EVENTS_MADE:
+            event: asyncio.Event | None = getattr(self, slot)
+            if event is None:
+                event = asyncio.Event()
+                setattr(self, slot, event)
+            return event
 
     @property
     def progress_text(self) -> str | None:
