@@ -240,3 +240,35 @@ async def test_a_walk_from_the_position_that_finds_nothing_is_followed_at_once_f
     finally:
         stop.set()
         await asyncio.wait_for(run, 30)
+
+
+def test_each_queues_next_walk_starts_after_the_last_task_its_claim_took() -> None:
+    """The claim answers in no particular order: the position kept per queue is the task
+    last in claim order (lowest priority, latest due, then highest id), whatever the order
+    of the rows."""
+    import random
+    import types
+    from datetime import UTC, datetime, timedelta
+
+    from steeple.postgres.queue._claiming import Claimer
+
+    due = datetime(2031, 3, 8, 12, 0, tzinfo=UTC)
+    taken = {
+        "a": [ClaimPosition(p, due + timedelta(seconds=s), i)
+              for i, (p, s) in enumerate([(5, 0), (5, 3), (1, 0), (1, 2), (1, 2)], start=10)],
+        "b": [ClaimPosition(0, due, 7), ClaimPosition(0, due, 3)],
+    }  # fmt: skip
+    rows: list[tuple[Any, ...]] = []
+    for queue, positions in taken.items():
+        for p in positions:
+            row: list[Any] = [None] * 18
+            row[0], row[12], row[15], row[17] = p.id, p.run_at, queue, p.priority
+            rows.append(tuple(row))
+    for seed in range(5):
+        random.Random(seed).shuffle(rows)
+        holder: Any = types.SimpleNamespace(_walks={})
+        walks = Claimer._walks_after(holder, ["a", "b", "c"], [None] * 3, rows, 1.0, held=False)
+        assert walks["a"].position == ClaimPosition(1, due + timedelta(seconds=2), 14)
+        assert walks["b"].position == ClaimPosition(0, due, 7)
+        assert walks["c"].position is None
+        assert not walks["c"].owed

@@ -175,3 +175,29 @@ async def test_metrics_are_exported_when_an_sdk_is_configured(queue: QueueFixtur
     assert float(totals["steeple.queue.tasks.cancelled"]) == 1
     assert float(totals["steeple.queue.run_time"]) == 4
     assert float(totals["steeple.queue.pickup_latency"]) == 4
+
+
+RECORDING_SCRIPT = textwrap.dedent(
+    """
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from steeple.postgres.queue import _metrics
+
+    assert _metrics.recording() is None  # no provider yet: the hot path measures nothing
+    metrics.set_meter_provider(MeterProvider())
+    assert _metrics.recording() is _metrics.instruments()
+    print("ok")
+    """
+)
+
+
+async def test_the_hot_path_measures_once_a_meter_provider_is_set() -> None:
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", RECORDING_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == "ok"

@@ -632,7 +632,9 @@ async def test_a_batch_of_completions_is_counted_under_each_tasks_name(
 
     dsn, schema, conn = queue
     recorders = {field.name: _Recorder() for field in _metrics.QueueInstruments.__attrs_attrs__}
-    monkeypatch.setattr(_metrics, "instruments", lambda: _metrics.QueueInstruments(**recorders))
+    recording = _metrics.QueueInstruments(**recorders)
+    monkeypatch.setattr(_metrics, "instruments", lambda: recording)
+    monkeypatch.setattr(_metrics, "recording", lambda: recording)
     batches: list[list[int]] = []
 
     class Recording:
@@ -681,7 +683,9 @@ async def test_a_handler_that_blocks_the_loop_is_counted_and_named(
 
     dsn, schema, conn = queue
     recorders = {field.name: _Recorder() for field in _metrics.QueueInstruments.__attrs_attrs__}
-    monkeypatch.setattr(_metrics, "instruments", lambda: _metrics.QueueInstruments(**recorders))
+    recording = _metrics.QueueInstruments(**recorders)
+    monkeypatch.setattr(_metrics, "instruments", lambda: recording)
+    monkeypatch.setattr(_metrics, "recording", lambda: recording)
     reported = threading.Event()
 
     class Watch(logging.Handler):
@@ -792,3 +796,46 @@ def test_pgsslmode_verify_full_satisfies_the_check(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("PGSSLMODE", "require")
     with pytest.raises(QueueConfigurationError, match="verified TLS"):
         Scheduler("postgresql://runtime@db.internal/app", worker_id="w")
+
+
+async def test_a_contexts_events_are_one_pair_whoever_asks_first() -> None:
+    """Made on first use: the loop and a handler's threads see the same two events."""
+    import threading
+    import uuid
+
+    from steeple.postgres.queue import JobContext
+
+    ctx = JobContext(
+        task_id=1, task_name="t", run_id=uuid.uuid4(), attempt=1, max_attempts=1, worker_id="w"
+    )
+    start = threading.Barrier(8)
+    seen: list[tuple[asyncio.Event, asyncio.Event]] = []
+
+    def ask() -> None:
+        start.wait()
+        seen.append((ctx.lease_lost, ctx.cancelled))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {id(pair[0]) for pair in seen} == {id(ctx.lease_lost)}
+    assert {id(pair[1]) for pair in seen} == {id(ctx.cancelled)}
+    assert ctx.lease_lost is not ctx.cancelled
+    ctx.cancelled.set()
+    ctx.lease_lost.set()
+    assert all(lost.is_set() and gone.is_set() for lost, gone in seen)
+    await asyncio.wait_for(ctx.lease_lost.wait(), 5)
+    given = asyncio.Event()
+    kept = JobContext(
+        task_id=2,
+        task_name="t",
+        run_id=uuid.uuid4(),
+        attempt=1,
+        max_attempts=1,
+        worker_id="w",
+        lease_lost=given,
+    )
+    assert kept.lease_lost is given
+    assert not kept.cancelled.is_set()

@@ -182,7 +182,6 @@ class _Loop:
     """What one run of the claim loop keeps from round to round."""
 
     handlers: asyncio.TaskGroup
-    inst: _metrics.QueueInstruments
     stop_waiter: asyncio.Future[Any]
     """Done once the worker is told to stop: every wait of the loop ends on it."""
     retry: Retry
@@ -273,9 +272,8 @@ class Claimer:
 
     async def claim_until(self, stop: asyncio.Event, handlers: asyncio.TaskGroup) -> None:
         """Claim and start handlers in ``handlers`` until ``stop`` is set."""
-        inst = _metrics.instruments()
         stop_waiter = asyncio.ensure_future(stop.wait())
-        loop = _Loop(handlers, inst, stop_waiter, Retry(self._env.random))
+        loop = _Loop(handlers, stop_waiter, Retry(self._env.random))
         try:
             while not stop.is_set():
                 await self._round(loop)
@@ -484,6 +482,7 @@ class Claimer:
         # leases already run and are renewed only once the handlers start, so the
         # read gets a quarter of the shortest lease at most (row[7]: the lease).
         tracer = _tracing.tracer() if rows else None
+        inst = _metrics.recording() if rows else None
         contexts = (
             await _tracing.trace_contexts(
                 env.db,
@@ -495,7 +494,7 @@ class Claimer:
             else None
         )
         for row in rows:
-            self._start(row, sent, loop.handlers, loop.inst, tracer, contexts, loop.stop_waiter)
+            self._start(row, sent, loop.handlers, inst, tracer, contexts, loop.stop_waiter)
 
     async def _wait_idle(self, loop: _Loop, *, held: bool) -> None:
         """Wait for what may bring work: a wake-up, a freed slot or limit, or a poll interval."""
@@ -534,12 +533,19 @@ class Claimer:
 
         ``held``: a limit held the claim back.
         """
-        taken: dict[str, list[ClaimPosition]] = collections.defaultdict(list)
+        # Only the last task taken from each queue in claim order counts (ClaimWalk.after
+        # keeps the greatest position): one position per queue, not one per task.
+        last: dict[str, tuple[int, Any, int]] = {}
         for row in rows:  # row[15]: queue, row[17]: priority, row[12]: run_at
-            taken[row[15]].append(ClaimPosition(row[17], row[12], row[0]))
+            key = (-row[17], row[12], row[0])  # ClaimPosition.key
+            seen = last.get(row[15])
+            if seen is None or key > seen:
+                last[row[15]] = key
         for name, start in zip(queues, starts, strict=True):
             walk = self._walks.get(name, _FRONT)
-            self._walks[name] = walk.after(start, taken[name], at, held=held)
+            got = last.get(name)
+            taken = [] if got is None else [ClaimPosition(-got[0], got[1], got[2])]
+            self._walks[name] = walk.after(start, taken, at, held=held)
         return self._walks
 
     def _start(
@@ -547,7 +553,7 @@ class Claimer:
         row: Any,
         now: float,
         handlers: asyncio.TaskGroup,
-        inst: _metrics.QueueInstruments,
+        inst: _metrics.QueueInstruments | None,
         tracer: Tracer | None,
         contexts: dict[int, str] | None,
         stopping: asyncio.Future[Any],
@@ -576,24 +582,33 @@ class Claimer:
             expires_at=now + lease_s,
             started_at=started_at,
         )
-        attributes = _metrics.task_attributes(name, queue)
-        inst.claimed.add(1, attributes)
-        inst.pickup_latency.record(max((started_at - run_at).total_seconds(), 0.0), attributes)
+        if inst is not None:
+            attributes = _metrics.task_attributes(name, queue)
+            inst.claimed.add(1, attributes)
+            inst.pickup_latency.record(max((started_at - run_at).total_seconds(), 0.0), attributes)
         env.stats.claimed += 1
         env.inflight.add(claimed)
+        execute = self._executor.execute
+        if name in self._sync or tracer is not None:
 
-        def run() -> Coroutine[Any, Any, None]:
-            execution = self._executor.execute(claimed)
-            if tracer is not None and contexts is not None:
-                return _tracing.traced_run(tracer, claimed.ctx, contexts.get(task_id), execution)
-            return execution
+            def run() -> Coroutine[Any, Any, None]:
+                execution = execute(claimed, inst)
+                if tracer is not None and contexts is not None:
+                    return _tracing.traced_run(
+                        tracer, claimed.ctx, contexts.get(task_id), execution
+                    )
+                return execution
 
-        if name in self._sync:
-            self._gate.held += 1
-            # A quarter of the lease: handed back before its first renewal is due (at a third).
-            attempt_run = self._on_a_thread(claimed, now + lease_s / 4, stopping, run)
+            if name in self._sync:
+                self._gate.held += 1
+                # A quarter of the lease: handed back before its first renewal is due (at
+                # a third).
+                attempt_run = self._on_a_thread(claimed, now + lease_s / 4, stopping, run)
+            else:
+                attempt_run = run()
         else:
-            attempt_run = run()
+            # The common case, without a closure: an async handler, not traced.
+            attempt_run = execute(claimed, inst)
         # Named for the loop-lag monitor, which reports the task that blocks the loop.
         env.inflight.tasks[task_id] = handlers.create_task(
             attempt_run, name=f"steeple task {name!r} #{task_id} attempt {attempt}"

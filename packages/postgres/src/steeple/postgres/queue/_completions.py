@@ -301,26 +301,25 @@ class Completions:
     ) -> None:
         """Count ``batch``'s written successes (``done``), confirm or fence the others."""
         stats = self._env.stats
-        inst = _metrics.instruments()
         bad = {c.ctx.task_id for c, _ in refused}
         missed = [c for c in batch if c.ctx.task_id not in done]
         confirmed = await self._confirm_completed(
             [c for c in missed if c.unsure and c.ctx.task_id not in bad]
         )
-        # Counted per task name and queue: a batch mixes everything that finished.
-        per_name: collections.Counter[tuple[str, str]] = collections.Counter()
-        for claimed in batch:
-            if claimed.ctx.task_id in done:
-                stats.succeeded += 1
-                per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
-            elif claimed.ctx.task_id in confirmed:
-                stats.succeeded += 1
+        # A fresh list when some were missed (the confirmed ones join it), else the batch.
+        succeeded = [c for c in batch if c.ctx.task_id in done] if missed else batch
+        for claimed in missed:
+            if claimed.ctx.task_id in confirmed:
                 stats.confirmed_completions += 1
-                per_name[claimed.ctx.task_name, claimed.ctx.queue] += 1
+                succeeded.append(claimed)
             elif claimed.ctx.task_id not in bad:
                 self.fenced(claimed)
-        for (name, queue), count in per_name.items():
-            inst.succeeded.add(count, _metrics.task_attributes(name, queue))
+        stats.succeeded += len(succeeded)
+        inst = _metrics.recording()
+        if inst is not None:  # counted per task name and queue: a batch mixes them
+            per_name = collections.Counter((c.ctx.task_name, c.ctx.queue) for c in succeeded)
+            for (name, queue), count in per_name.items():
+                inst.succeeded.add(count, _metrics.task_attributes(name, queue))
         for claimed, why in refused:
             await self._refused(claimed, why)
 

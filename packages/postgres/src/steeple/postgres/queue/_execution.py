@@ -76,6 +76,8 @@ Handler = Callable[["JobContext", A], Awaitable[object] | object]
 MAX_RESULT_BYTES: Final = 64 * 1024
 """A handler's result is limited to 64 KiB of JSON (as the database stores it)."""
 _MAX_PROGRESS_MESSAGE: Final = 200
+# Makes a context's events on first use (rare, and never twice for one context).
+_EVENTS_MADE: Final = threading.Lock()
 # The stored progress column allows 8 KiB; a fraction and 200 characters take under 1.2 KiB.
 _MAX_PROGRESS_BYTES: Final = 8192
 
@@ -110,8 +112,9 @@ class JobContext:
     worker_id: str
     scheduled_for: datetime | None = None
     queue: str = DEFAULT_QUEUE
-    lease_lost: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
-    cancelled: asyncio.Event = attrs.field(factory=asyncio.Event, repr=False)
+    # Made on first use (most attempts never look at them): see the properties below.
+    _lease_lost: asyncio.Event | None = attrs.field(default=None, alias="lease_lost", repr=False)
+    _cancelled: asyncio.Event | None = attrs.field(default=None, alias="cancelled", repr=False)
     # The latest progress reported: (sequence number, JSON text); the worker writes it.
     _progress: tuple[int, str] | None = attrs.field(default=None, init=False, repr=False)
     _on_progress: Callable[[], None] | None = attrs.field(default=None, init=False, repr=False)
@@ -160,6 +163,27 @@ class JobContext:
         notify = self._on_progress
         if notify is not None:
             notify()
+
+    @property
+    def lease_lost(self) -> asyncio.Event:
+        """Set when the worker no longer holds the lease (see the class docstring)."""
+        event = self._lease_lost
+        return event if event is not None else self._made("_lease_lost")
+
+    @property
+    def cancelled(self) -> asyncio.Event:
+        """Set (with ``lease_lost``) when the task was cancelled."""
+        event = self._cancelled
+        return event if event is not None else self._made("_cancelled")
+
+    def _made(self, slot: str) -> asyncio.Event:
+        # First use, from the loop or a handler's thread: one event, whoever asks first.
+        with _EVENTS_MADE:
+            event: asyncio.Event | None = getattr(self, slot)
+            if event is None:
+                event = asyncio.Event()
+                setattr(self, slot, event)
+            return event
 
     @property
     def progress_text(self) -> str | None:
@@ -329,21 +353,24 @@ class Executor:
             inflight.remove(task_id)
         return len(stubborn)
 
-    async def _run(self, registration: Registration[Any], claimed: Claimed, args: Any) -> object:
-        """Run the handler: awaited on the loop, or called in the thread pool.
+    async def _in_thread(
+        self, registration: Registration[Any], claimed: Claimed, args: Any
+    ) -> object:
+        """Run a plain ``def`` handler in the thread pool (an async one is awaited on the loop).
 
-        What a plain ``def`` handler raises comes back as a :class:`_Raised` (never through
-        the future: asyncio refuses some exceptions there, such as ``StopIteration``).
+        What it raises comes back as a :class:`_Raised` (never through the future: asyncio
+        refuses some exceptions there, such as ``StopIteration``).
         """
-        ctx = claimed.ctx
-        if registration.run_async:
-            return await self._awaited(claimed, registration.handler(ctx, args))  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         # The thread sees the context variables of this run (its tracing span among them).
         value = await loop.run_in_executor(
             self._threads,
             functools.partial(
-                _call_in_thread, contextvars.copy_context(), registration.handler, ctx, args
+                _call_in_thread,
+                contextvars.copy_context(),
+                registration.handler,
+                claimed.ctx,
+                args,
             ),
         )
         if inspect.isawaitable(value):
@@ -359,20 +386,24 @@ class Executor:
         finally:
             self._awaiting.pop(claimed, None)
 
-    async def execute(self, claimed: Claimed) -> None:
-        """Run ``claimed``'s handler and record its outcome."""
+    async def execute(self, claimed: Claimed, inst: _metrics.QueueInstruments | None) -> None:
+        """Run ``claimed``'s handler and record its outcome.
+
+        ``inst``: the instruments to measure its run time with (None: metrics are off).
+        """
         ctx = claimed.ctx
         registration = self._registry[ctx.task_name]
         if self._progress is not None:
             self._progress.attach(claimed)
-        inst = _metrics.instruments()
-        attributes = _metrics.task_attributes(ctx.task_name, ctx.queue)
         started = time.monotonic()
         try:
             outcome = await self._attempt(registration, claimed, asyncio.current_task())
             if outcome is None or claimed in self._abandoned:
                 return  # handed back at the hard stop: its late outcome is not recorded
-            inst.run_time.record(time.monotonic() - started, attributes)
+            if inst is not None:
+                inst.run_time.record(
+                    time.monotonic() - started, _metrics.task_attributes(ctx.task_name, ctx.queue)
+                )
             error, result = outcome
             if error is None:
                 self._completions.succeeded(claimed, result)
@@ -394,7 +425,10 @@ class Executor:
         """
         try:
             args = decode_args(registration.task, claimed.args_text)
-            value = await self._run(registration, claimed, args)
+            if registration.run_async:
+                value = await self._awaited(claimed, registration.handler(claimed.ctx, args))  # type: ignore[arg-type]
+            else:
+                value = await self._in_thread(registration, claimed, args)
             if isinstance(value, _Raised):
                 return value.error, None
             return None, encode_result(claimed.ctx.task_name, value)

@@ -15,7 +15,14 @@ from typing import Any, Protocol
 
 import attrs
 
-__all__ = ["Counter", "Histogram", "QueueInstruments", "instruments", "task_attributes"]
+__all__ = [
+    "Counter",
+    "Histogram",
+    "QueueInstruments",
+    "instruments",
+    "recording",
+    "task_attributes",
+]
 
 Attributes = Mapping[str, str] | None
 
@@ -114,3 +121,37 @@ def instruments() -> QueueInstruments:
             "steeple.queue.loop_stall", "s", "Event-loop stalls past the loop-lag threshold"
         ),
     )
+
+
+@functools.cache
+def _unconfigured() -> tuple[Any, tuple[type, ...]] | None:
+    """``get_meter_provider`` and the provider types that record nothing; None: no API."""
+    try:
+        from opentelemetry import metrics
+    except ImportError:
+        return None
+    kinds: list[type] = [metrics.NoOpMeterProvider]
+    try:  # the stand-in until a provider is set (private: absent, it counts as recording)
+        from opentelemetry.metrics._internal import _ProxyMeterProvider
+    except ImportError:  # pragma: no cover - another opentelemetry-api layout
+        pass
+    else:
+        kinds.append(_ProxyMeterProvider)
+    return metrics.get_meter_provider, tuple(kinds)
+
+
+def recording() -> QueueInstruments | None:
+    """Return the instruments while a meter provider is configured, else None.
+
+    The hot path asks once per claimed batch and skips its per-task measurements when
+    nothing would record them (no ``opentelemetry-api``, or no provider set: the API's own
+    instruments are no-ops then). Instruments made before a provider is set forward to it
+    once it is, so the measurements resume with the next batch.
+    """
+    api = _unconfigured()
+    if api is None:
+        return None
+    get_provider, silent = api
+    if isinstance(get_provider(), silent):
+        return None
+    return instruments()

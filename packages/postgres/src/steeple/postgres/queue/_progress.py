@@ -30,10 +30,12 @@ class ProgressWriter:
         self._env = env
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
+        # Bound once: attaching it to each claimed context allocates nothing.
+        self._notifier = self._notify
 
     def attach(self, claimed: Claimed) -> None:
         """Let ``claimed``'s context wake this room when its handler reports progress."""
-        claimed.ctx._on_progress = self._notify
+        claimed.ctx._on_progress = self._notifier
 
     def stop(self) -> None:
         """Let the loop return (``env.closing`` is set)."""
