@@ -215,6 +215,8 @@ async def _drain(
         "carried": sum(o["carried_claims"] for o in outs),
         "flushes": sum(o["flushes"] for o in outs),
         "worker_cpu_us": 1e6 * sum(o["cpu"] for o in outs) / count,
+        # The share of the tasks the busiest worker ran (1/workers: an even split).
+        "top_share": max(o["count"] for o in outs) / count,
     }
     if monitor:
         result["peak_running_seen"] = peak
