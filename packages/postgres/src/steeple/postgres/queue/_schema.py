@@ -57,6 +57,7 @@ _MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
     (14, "0014_per_key_limits"),
     (15, "0015_workflow_limit_keys"),
     (16, "0016_complete_and_claim"),
+    (17, "0017_limited_claim_planned_lean"),
 )
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""
