@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
 import attrs
 import pytest
+import typer.main
+import typer.testing
 
 from steeple.core import (
     MissedRunPolicy,
@@ -52,6 +55,16 @@ class Seeded:
 def make_keys() -> tuple[str, Keyring]:
     key = StorageKey.generate("k1")
     return f"k1:{key.to_base64()}", Keyring(key)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cli_built_once() -> Iterator[None]:
+    """typer's ``CliRunner.invoke`` builds the click command from the app at every call,
+    evaluating the annotations of every command anew: most of an in-process invocation's
+    time. Built once per app, the same command runs every invocation (as in a process)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(typer.testing, "_get_command", functools.cache(typer.main.get_command))
+        yield
 
 
 @pytest.fixture

@@ -230,11 +230,16 @@ async def test_sigkilled_while_completing_a_parent_its_dependent_runs_once_after
     committed, the dependent is released and the parent does not run again. Either way the
     dependent runs exactly once, after the parent's success."""
     dsn, schema, conn = queue
-    options = EnqueueOptions(lease_duration=timedelta(seconds=1))
+    # A lease no stall of a loaded machine outlasts: one that lapsed between the handler
+    # and its completion would let the dying worker's own maintenance take the parent
+    # back, fencing the completion this test means to cut. The dead worker's leases are
+    # lapsed below, once it is gone, for the survivor to recover them.
+    options = EnqueueOptions(lease_duration=timedelta(minutes=5))
     parent = await enqueue(conn, PROC, {}, options, schema=schema)
     child = await enqueue(conn, PROC, {}, options, schema=schema, after=[parent])
     async with worker_process(tmp_path, dsn, schema, "doomed", crash_at=point) as doomed:
         assert await doomed.proc.wait() == -signal.SIGKILL  # it killed itself at the point
+    await _lapse_leases_of(conn, schema, "doomed")
     committed = point == "queue.complete.committed"
     states = [(await run_state(conn, t.id, schema=schema)).state.value for t in (parent, child)]
     # Committed: released; the dying worker may even have leased it (its claim loop woke
@@ -256,6 +261,15 @@ async def test_sigkilled_while_completing_a_parent_its_dependent_runs_once_after
     assert [t for t, _attempt in ran] == ([child.id] if committed else [parent.id, child.id])
     assert committed or ran[0] == (parent.id, 2)
     assert await _executions(conn, schema) == [(parent.id, 1, "doomed")]
+
+
+async def _lapse_leases_of(conn: asyncpg.Connection, schema: str, worker_id: str) -> None:
+    """Let the leases of a worker that is gone run out now (the time passes, in effect)."""
+    await conn.execute(
+        f'UPDATE "{schema}".tasks SET lease_expires_at = clock_timestamp() '
+        "- interval '1 second' WHERE state = 'running' AND worker_id = $1",
+        worker_id,
+    )
 
 
 async def _succeeded(conn: asyncpg.Connection, schema: str, task_id: int) -> bool:

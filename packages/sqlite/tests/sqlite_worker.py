@@ -6,8 +6,9 @@ it reports returned, i.e. after its transaction committed):
 - ``loop PATH JOURNAL T0 SPEED``: tick, claim and relay to a SQLite journal broker, for
   ever (the test SIGKILLs it); prints ``{"ready": 1}``, then ``{"ticked": [ids]}`` and
   ``{"published": id}``.
-- ``tickers PATH T0 SPEED STORES SECONDS``: ``STORES`` stores of its own on the file, each
-  ticking in a loop for ``SECONDS``; prints ``{"ticked": [ids]}`` per tick, then
+- ``tickers PATH T0 SPEED STORES``: ``STORES`` stores of its own on the file; prints
+  ``{"ready": 1}`` once they are open, then, from a ``go`` line on stdin to a ``stop``
+  line (or stdin's end), each ticks in a loop; prints ``{"ticked": [ids]}`` per tick, then
   ``{"errors": [...]}``.
 - ``hold PATH``: a plain sqlite3 connection that takes the file's write lock
   (``BEGIN IMMEDIATE``) on each ``hold`` line of stdin and releases it on ``release``,
@@ -71,16 +72,24 @@ async def loop(path: str, journal_path: str, t0: float, speed: float) -> None:
             say(published=lease.occurrence_id)
 
 
-async def tickers(path: str, t0: float, speed: float, stores: int, seconds: float) -> None:
+async def tickers(path: str, t0: float, speed: float, stores: int) -> None:
     clock = SpedClock(t0, speed)
     opened = [
         await SqliteRecurringStore.connect(path, CONFIG, KEYRING, clock) for _ in range(stores)
     ]
     errors: list[str] = []
-    end = time.monotonic() + seconds
+    say(ready=1)
+    await asyncio.to_thread(sys.stdin.readline)  # "go"
+    stop = asyncio.Event()
+
+    async def stop_on_line() -> None:
+        await asyncio.to_thread(sys.stdin.readline)  # "stop", or the end of stdin
+        stop.set()
+
+    stopper = asyncio.create_task(stop_on_line())
 
     async def tick(store: SqliteRecurringStore) -> None:
-        while time.monotonic() < end:
+        while not stop.is_set():
             try:
                 result = await store.tick(100)
             except RecurringDeadlineError as exc:  # typed, nothing stored: counted
@@ -95,6 +104,7 @@ async def tickers(path: str, t0: float, speed: float, stores: int, seconds: floa
     async with asyncio.TaskGroup() as group:
         for store in opened:
             group.create_task(tick(store))
+    await stopper
     for store in opened:
         await store.close()
     say(errors=errors)
@@ -117,7 +127,7 @@ def main(argv: list[str]) -> None:
     if mode == "loop":
         asyncio.run(loop(args[0], args[1], float(args[2]), float(args[3])))
     elif mode == "tickers":
-        asyncio.run(tickers(args[0], float(args[1]), float(args[2]), int(args[3]), float(args[4])))
+        asyncio.run(tickers(args[0], float(args[1]), float(args[2]), int(args[3])))
     elif mode == "hold":
         hold(args[0])
     else:

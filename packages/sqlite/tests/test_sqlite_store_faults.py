@@ -468,6 +468,34 @@ async def test_cancelled_at_many_delays_leaves_nothing_open(tmp_path: Path) -> N
 # --- two processes, ten stores, one file -----------------------------------------------------
 
 
+TICKING = 3.0
+"""How long (at least) the two processes tick the file at once, in wall-clock seconds."""
+
+
+async def _tell(procs: list[asyncio.subprocess.Process], line: bytes) -> None:
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(line)
+        await proc.stdin.drain()
+
+
+async def _ticks(
+    proc: asyncio.subprocess.Process, into: list[dict[str, Any]], ticked: asyncio.Event
+) -> None:
+    """Collect a tickers process's JSON lines until its stdout closes; set ``ticked`` at
+    its first tick that stored something."""
+    assert proc.stdout is not None
+    while line := await proc.stdout.readline():
+        into.append(json.loads(line))
+        if "ticked" in into[-1]:
+            ticked.set()
+
+
+async def _stderr(proc: asyncio.subprocess.Process) -> str:
+    assert proc.stderr is not None
+    return (await proc.stderr.read()).decode(errors="replace")
+
+
 @pytest.mark.timeout(180)
 async def test_ten_tickers_in_two_processes_materialize_each_due_instant_once(
     tmp_path: Path,
@@ -479,13 +507,38 @@ async def test_ten_tickers_in_two_processes_materialize_each_due_instant_once(
         for i in range(10):
             await store.create(definition(f"d{i}", minutes_back=30))
     t0 = time.time()
-    procs = [await start("tickers", path, t0, SPEED, 5, 3.0) for _ in range(2)]
-    reported: list[list[str]] = []
-    for proc in procs:
+    procs = [await start("tickers", path, t0, SPEED, 5) for _ in range(2)]
+    outputs: list[list[dict[str, Any]]] = [[], []]
+    try:
         async with asyncio.timeout(120):
-            out, err = await proc.communicate()
-        assert proc.returncode == 0, err.decode()
-        lines = [json.loads(line) for line in out.splitlines()]
+            for proc in procs:  # both open their stores before either ticks
+                assert proc.stdout is not None
+                ready = await proc.stdout.readline()
+                assert json.loads(ready or b"null") == {"ready": 1}, ready
+            ticked = [asyncio.Event() for _ in procs]
+            readers = [
+                asyncio.create_task(_ticks(proc, into, event))
+                for proc, into, event in zip(procs, outputs, ticked, strict=True)
+            ]
+            errs = [asyncio.create_task(_stderr(proc)) for proc in procs]
+            await _tell(procs, b"go\n")
+            # Both tick at once for TICKING seconds (the workload's length), and on until
+            # each has ticked something: which one takes the SQLite lock first at each new
+            # minute is up to the OS, and a loaded machine may favour one for seconds.
+            await asyncio.sleep(TICKING)
+            for event in ticked:
+                await event.wait()
+            await _tell(procs, b"stop\n")
+            for proc, reader, err in zip(procs, readers, errs, strict=True):
+                await reader
+                assert await proc.wait() == 0, await err
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    reported: list[list[str]] = []
+    for lines in outputs:
         assert lines[-1] == {"errors": []}, lines[-1]
         ticks = [line["ticked"] for line in lines[:-1]]
         assert ticks, "a process never ticked anything"
