@@ -293,7 +293,7 @@ def apply_step(
         finished = None
     else:
         finished = row.finished_at
-    columns = [
+    columns: list[Any] = [
         row.occurrence_id,
         target,
         (0 if effects.reopens else row.attempts) + attempted,
