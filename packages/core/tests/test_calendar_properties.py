@@ -8,8 +8,9 @@ with ``steeple.core.calendar``: only the rules of DESIGN.md.
 from __future__ import annotations
 
 import re
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta, timezone
 from itertools import islice
+from zoneinfo import ZoneInfo
 
 import pytest
 from hypothesis import assume, event, given, settings
@@ -421,3 +422,18 @@ def test_iteration_agrees_with_repeated_next_after(expression: str, start: datet
             break
         stepped.append(current)
     assert list(islice(calendar.iter_after(start), 20)) == stepped
+
+
+@settings(max_examples=200, deadline=None)
+@given(valid_expressions(), instants, st.integers(-23 * 60, 23 * 60))
+def test_an_instant_in_any_offset_is_the_same_instant_in_utc(
+    expression: str, start: datetime, minutes: int
+) -> None:
+    """A UTC instant takes the short way through ``next_after``; any other offset (and a
+    UTC zone that is not ``datetime.UTC``) is converted first: the answer is the same."""
+    calendar = CronCalendar.parse(expression)
+    expected = calendar.next_after(start)
+    shifted = start.astimezone(timezone(timedelta(minutes=minutes)))
+    assert calendar.next_after(shifted) == expected
+    assert CronCalendar.parse(expression).next_after(shifted) == expected  # a cold memo
+    assert calendar.next_after(start.astimezone(ZoneInfo("UTC"))) == expected

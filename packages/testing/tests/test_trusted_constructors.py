@@ -16,7 +16,14 @@ import pytest
 
 from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage
 from steeple.core.errors import BrokerUnavailableError, ConfigurationError, InvalidTransitionError
-from steeple.core.leases import capability_digest, holds_granted_lease, holds_lease
+from steeple.core.leases import (
+    capability_digest,
+    holds_granted_lease,
+    holds_lease,
+    new_generation,
+    new_occurrence_id,
+    occurrence_id_for,
+)
 from steeple.core.messages import BrokerReceipt, trusted_receipt
 from steeple.core.occurrences import (
     CLAIMABLE_STATES,
@@ -238,3 +245,27 @@ def test_a_steps_change_names_each_column_it_sets() -> None:
             "last_error": "X",
             "lease_revision": 9,
         }
+
+
+def test_a_fresh_occurrence_id_is_the_id_of_a_fresh_generation() -> None:
+    """The tick draws each id in one step: the same id as the checked two."""
+    one, two = DeterministicRandom(11), DeterministicRandom(11)
+    for _ in range(50):
+        assert new_occurrence_id(one) == occurrence_id_for(new_generation(two))
+
+
+def test_a_step_refuses_a_value_for_no_column() -> None:
+    """Values decided besides the step land in their own column; no other name is taken."""
+    row = OccurrenceRow(
+        occurrence_id="ef" * 16,
+        definition_name="job",
+        due_at=AT,
+        state=OccurrenceState.PENDING,
+        attempts=0,
+        window_ends_at=AT + timedelta(hours=1),
+        created_at=AT,
+        updated_at=AT,
+    )
+    claimed = step(OccurrenceState.PENDING, OccurrenceEvent.CLAIM)
+    with pytest.raises(TypeError, match="no column 'content'"):
+        apply_step(row, claimed, AT, content=b"x")

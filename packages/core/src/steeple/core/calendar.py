@@ -434,14 +434,16 @@ class CronCalendar:
             ConfigurationError: ``instant`` is naive (a ``ValueError``).
             ConfigurationTypeError: ``instant`` is not a datetime (a ``TypeError``).
         """
-        instant = _require_aware(instant)
+        if type(instant) is not datetime or instant.tzinfo is not UTC:
+            # Anything but an aware UTC datetime (what every store passes) is checked.
+            instant = _require_aware(instant)
         if not self._can_fire or instant >= LAST_INSTANT:
             return None
         if instant < FIRST_INSTANT:
             # Compared before converting: astimezone() can overflow near datetime.min.
             start = FIRST_INSTANT
         else:
-            utc = instant.astimezone(UTC)
+            utc = instant if instant.tzinfo is UTC else instant.astimezone(UTC)
             start = utc.replace(second=0, microsecond=0) + _ONE_MINUTE
         found = self._found
         # One lookup (not `in` then a read): another thread may clear the memo between two.

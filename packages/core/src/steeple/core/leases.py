@@ -38,6 +38,7 @@ __all__ = [
     "lease_expiry",
     "new_capability",
     "new_generation",
+    "new_occurrence_id",
     "occurrence_id_for",
     "window_end",
 ]
@@ -311,6 +312,17 @@ def new_generation(random: RandomSource) -> bytes:
         ConfigurationError: the random source returned the wrong number of bytes.
     """
     return _random_bytes(random, GENERATION_BYTES, "generation")
+
+
+def new_occurrence_id(random: RandomSource) -> str:
+    """Return the id of a fresh generation: ``occurrence_id_for(new_generation(random))``.
+
+    The generation is checked once, as it is drawn (a tick draws one per occurrence).
+
+    Raises:
+        ConfigurationError: the random source returned the wrong number of bytes.
+    """
+    return _random_bytes(random, GENERATION_BYTES, "generation").hex()
 
 
 def occurrence_id_for(generation: bytes) -> str:

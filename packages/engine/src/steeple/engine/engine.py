@@ -32,7 +32,7 @@ from steeple.core.errors import (
     RecurringNotFoundError,
     shown,
 )
-from steeple.core.leases import is_live, new_generation, occurrence_id_for, window_end
+from steeple.core.leases import is_live, new_occurrence_id, window_end
 from steeple.core.messages import BrokerReceipt
 from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, states_for, step
 from steeple.core.policies import DueDefinition, plan_namespace_tick, validate_budget
@@ -308,7 +308,7 @@ class RecurringEngine:
                         rows[name].sealed, PURPOSE_DEFINITION, name, f"definition {name!r}"
                     )
                     messages[name] = codec.definition_message_plaintext(opened)
-                occurrence_id = occurrence_id_for(new_generation(self._random))
+                occurrence_id = new_occurrence_id(self._random)
                 created.append(
                     OccurrenceRow(
                         occurrence_id=occurrence_id,

@@ -261,6 +261,7 @@ _CHANGE_FIELDS: Final = (
     "erase_content",
 )
 # The order of apply_step's columns; a test requires it to be OccurrenceChange's fields'.
+_CHANGE_INDEX: Final = {name: index for index, name in enumerate(_CHANGE_FIELDS)}
 
 
 def apply_step(
@@ -279,6 +280,7 @@ def apply_step(
 
     Raises:
         ValueError: the step removes the row (purging deletes instead).
+        TypeError: a value names no column of :class:`OccurrenceChange`.
     """
     target = step.target
     if not isinstance(target, OccurrenceState):
@@ -291,7 +293,7 @@ def apply_step(
         finished = None
     else:
         finished = row.finished_at
-    columns = (
+    columns: list[Any] = [
         row.occurrence_id,
         target,
         (0 if effects.reopens else row.attempts) + attempted,
@@ -303,10 +305,14 @@ def apply_step(
         stamp,
         finished,
         effects.erase_content,
-    )
-    if values:
-        return OccurrenceChange(**(dict(zip(_CHANGE_FIELDS, columns, strict=True)) | values))
-    # Positional, in the fields' order: keywords would cost a dict on every write.
+    ]
+    # Positional, in the fields' order: keywords would cost a dict on every write (a
+    # claim's lease columns are set in place).
+    for name, value in values.items():
+        index = _CHANGE_INDEX.get(name)
+        if index is None:
+            raise TypeError(f"an occurrence change has no column {name!r}")
+        columns[index] = value
     return OccurrenceChange(*columns)
 
 

@@ -88,6 +88,8 @@ _TERMINAL: Final = {
     _S.EXPIRED: "expired",
     _S.CANCELLED: "cancelled",
 }
+_TERMINAL_VALUES: Final = frozenset(state.value for state in _TERMINAL)
+"""The terminal states' values: a str hashes in C, an enum member in Python."""
 
 # Event kinds, in the order they run when they fall on the same instant.
 # A sample runs before the ticker and the workers: it sees what was left at the end of
@@ -736,7 +738,7 @@ class _Driver:
         self.retry_unknown = False
         finished = 0
         for info in items:
-            if info.state in _TERMINAL:
+            if info.state._value_ in _TERMINAL_VALUES:
                 self.count(info)
                 finished += 1
             elif final:
@@ -815,7 +817,7 @@ class _Driver:
         if items is not None:
             counts = dict.fromkeys(self.series_keys, 0)
             for info in items:
-                if info.state not in _TERMINAL:
+                if info.state._value_ not in _TERMINAL_VALUES:
                     counts[self.definitions[self.by_name[info.definition_name]].policy] += 1
                     counts["all"] += 1
             self.last_backlog = counts
