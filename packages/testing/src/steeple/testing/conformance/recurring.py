@@ -717,15 +717,25 @@ class RecurringStoreConformance(RuleBasedStateMachine):
             and now < o.lease.expires_at < o.window_ends_at
         ]
 
-    @rule(limit=st.integers(1, 4), index=st.integers(0, 99), new_holder_relays=st.booleans())
-    def relay_after_takeover(self, limit: int, index: int, new_holder_relays: bool) -> None:
+    @rule(
+        budget=st.integers(1, 12),
+        limit=st.integers(1, 4),
+        index=st.integers(0, 99),
+        new_holder_relays=st.booleans(),
+    )
+    def relay_after_takeover(
+        self, budget: int, limit: int, index: int, new_holder_relays: bool
+    ) -> None:
         """Let a lease lapse and another worker take it over; then the old holder relays.
 
-        A worker claims (up to ``limit``); one of the live leases lapses and a newer claim
-        takes its occurrence, which is leased again and live, but not to the old holder.
-        The old holder's relay must be refused at its check: nothing reaches the broker,
-        no attempt is counted. Then (if ``new_holder_relays``) the new holder publishes.
+        A worker ticks (``budget``, within the quota) and claims (up to ``limit``); one of
+        the live leases lapses and a newer claim takes its occurrence, which is leased
+        again and live, but not to the old holder. The old holder's relay must be refused
+        at its check: nothing reaches the broker, no attempt is counted. Then (if
+        ``new_holder_relays``) the new holder publishes.
         """
+        room = self._config.max_occurrences - len(self.occurrences)
+        self._tick(max(1, min(budget, room)))  # within the quota, so the tick adds work
         self._claim_and_check(limit)
         candidates = self._takeover_candidates()
         if not candidates:
