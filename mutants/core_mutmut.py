@@ -19,10 +19,12 @@ Usage::
     python mutants/core_mutmut.py --report-only WORKDIR               # score a finished run
 
 It prints, per module: mutants, killed (a timeout counts as killed), survived, no tests,
-equivalent (listed in ``mutants/core_equivalent.toml`` with the reason) and the score,
-killed / (mutants - equivalent - not checked); then every survivor that is not listed as
-equivalent. It exits 1 when the score over all modules is below 90 %, or when no mutant
-was checked at all.
+equivalent (listed in ``mutants/core_equivalent.toml`` with the reason, and survived in
+this run), not checked, and the score, killed / (mutants - equivalent): a mutant the run
+did not check counts against it. Then every survivor that is not listed as equivalent, and
+every listed equivalent that this run did not see survive (killed: the record's number now
+names another mutant; absent: no such mutant). It exits 1 when the score over all modules
+is below 90 %, when any mutant was not checked, or when any equivalent record is stale.
 """
 
 from __future__ import annotations
@@ -164,53 +166,87 @@ def report(work: Path) -> int:
 def score_listing(listed: str, known: dict[str, str]) -> tuple[int, str]:
     """Score mutmut's ``results --all`` listing: the exit status and the table to print.
 
-    The status is 1 when the score is below the bar, and also when no mutant was judged
-    (none listed, or every one not checked or equivalent): a run that checked nothing
-    proves nothing, however its empty score reads.
+    The status is 1 when the score is below the bar, when any mutant was not checked (a
+    run cut short proves nothing about the rest, and an empty one nothing at all), and
+    when a record of ``known`` names a mutant of a module in the listing that did not
+    survive in it: a stale record, reported and not counted as equivalent.
     """
-    per, total = _tally(listed, known)
+    results = _results(listed)
+    equivalent = {n for n, (_m, status) in results.items() if n in known and _survived(status)}
+    stale = _stale(results, known)
+    per, total = _tally(results, equivalent)
     rows = [
         "| module | mutants | killed | survived | no tests | equivalent | not checked | score |",
         "|---|---|---|---|---|---|---|---|",
         *(_row(module, per[module]) for module in sorted(per)),
         _row("**all**", total),
     ]
-    survivors = _survivors(listed, known)
+    survivors = [
+        f"{n}: {status}"
+        for n, (_m, status) in results.items()
+        if n not in equivalent and _survived(status)
+    ]
     if survivors:
         rows.append(
             "\nsurvivors not listed as equivalent (mutmut show NAME, in the work directory):"
         )
         rows += [f"  {s}" for s in survivors]
-    if not _judged(total):
+    failures = []
+    if stale:
         rows.append(
-            f"\nno mutant was checked ({total['mutants']} listed, {total['not checked']} not "
-            f"checked, {total['equivalent']} equivalent): the run failed or was cut short"
+            f"\nstale records in {EQUIVALENT.name} (not counted as equivalent; check each "
+            "number with mutmut show NAME and list the mutant it now names, if equivalent):"
         )
-        return 1, "\n".join(rows)
+        rows += [f"  {s}" for s in stale]
+        failures.append(f"{len(stale)} stale equivalent record(s)")
+    if not total["mutants"]:
+        failures.append("no mutant was listed: the run failed before it made any")
+    elif total["not checked"]:
+        failures.append(
+            f"{total['not checked']} of {total['mutants']} mutants were not checked: the run "
+            "failed or was cut short, and a mutant not checked counts as not killed"
+        )
     score = _score(total)
     rows.append(f"\nscore {score:.1%} (bar {THRESHOLD:.0%})")
-    return (0 if score >= THRESHOLD else 1), "\n".join(rows)
+    if score < THRESHOLD:
+        failures.append(f"the score is below the bar of {THRESHOLD:.0%}")
+    rows += [f"FAILED: {f}" for f in failures]
+    return (1 if failures else 0), "\n".join(rows)
 
 
-def _survivors(listed: str, known: dict[str, str]) -> list[str]:
+def _results(listed: str) -> dict[str, tuple[str, str]]:
+    """Mutant name -> (module, status), from mutmut's listing."""
     found = (_RESULT.match(line) for line in listed.splitlines())
-    return [
-        f"{m[1]}: {m[3]}"
-        for m in found
-        if m and m[1] not in known and m[3] not in KILLED and m[3] != "not checked"
-    ]
+    return {m[1]: (m[2], m[3]) for m in found if m}
 
 
-def _tally(listed: str, known: dict[str, str]) -> tuple[dict[str, Counter[str]], Counter[str]]:
+def _survived(status: str) -> bool:
+    return status not in KILLED and status != "not checked"
+
+
+def _stale(results: dict[str, tuple[str, str]], known: dict[str, str]) -> list[str]:
+    """List the records of ``known``, for a module in ``results``, that did not survive it."""
+    modules = {module for module, _status in results.values()}
+    stale = []
+    for name in sorted(known):
+        parts = name.split(".")
+        if len(parts) > 2 and parts[2] not in modules:
+            continue  # a module this run did not mutate
+        if name not in results:
+            stale.append(f"{name}: no such mutant in this run")
+        elif results[name][1] in KILLED:
+            stale.append(f"{name}: {results[name][1]} (the number names a mutant a test kills)")
+    return stale
+
+
+def _tally(
+    results: dict[str, tuple[str, str]], equivalent: set[str]
+) -> tuple[dict[str, Counter[str]], Counter[str]]:
     per: dict[str, Counter[str]] = {}
-    for line in listed.splitlines():
-        found = _RESULT.match(line)
-        if not found:
-            continue
-        name, module, status = found.groups()
+    for name, (module, status) in results.items():
         counts = per.setdefault(module, Counter())
         counts["mutants"] += 1
-        if name in known:
+        if name in equivalent:
             counts["equivalent"] += 1
         elif status in KILLED:
             counts["killed"] += 1
@@ -224,12 +260,9 @@ def _tally(listed: str, known: dict[str, str]) -> tuple[dict[str, Counter[str]],
     return per, total
 
 
-def _judged(c: Counter[str]) -> int:
-    return c["mutants"] - c["equivalent"] - c["not checked"]
-
-
 def _score(c: Counter[str]) -> float:
-    judged = _judged(c)
+    """Killed over every mutant not known equivalent: one not checked counts as not killed."""
+    judged = c["mutants"] - c["equivalent"]
     return c["killed"] / judged if judged else 0.0
 
 

@@ -14,8 +14,9 @@ planning, lease and backoff rules. After every step it checks that
 - every published occurrence reached the broker, and the broker holds one copy per key;
 - an occurrence's idempotency key is the same on every attempt, and differs between
   occurrences;
-- a fenced-out or expired lease never publishes or records anything, and a lease taken
-  over while its publication is in flight records nothing of it;
+- a fenced-out or expired lease never publishes or records anything: a lease that lapsed
+  and was taken over is refused at the relay's check (nothing sent, no attempt counted),
+  and a lease taken over while its publication is in flight records nothing of it;
 - quotas hold, and listing pages (1-100 items, exclusive cursors) agree with the model.
 
 A store opts in with a few lines::
@@ -715,6 +716,41 @@ class RecurringStoreConformance(RuleBasedStateMachine):
             and o.lease is not None
             and now < o.lease.expires_at < o.window_ends_at
         ]
+
+    @rule(
+        budget=st.integers(1, 12),
+        limit=st.integers(1, 4),
+        index=st.integers(0, 99),
+        new_holder_relays=st.booleans(),
+    )
+    def relay_after_takeover(
+        self, budget: int, limit: int, index: int, new_holder_relays: bool
+    ) -> None:
+        """Let a lease lapse and another worker take it over; then the old holder relays.
+
+        A worker ticks (``budget``, within the quota) and claims (up to ``limit``); one of
+        the live leases lapses and a newer claim takes its occurrence, which is leased
+        again and live, but not to the old holder. The old holder's relay must be refused
+        at its check: nothing reaches the broker, no attempt is counted. Then (if
+        ``new_holder_relays``) the new holder publishes.
+        """
+        room = self._config.max_occurrences - len(self.occurrences)
+        self._tick(max(1, min(budget, room)))  # within the quota, so the tick adds work
+        self._claim_and_check(limit)
+        candidates = self._takeover_candidates()
+        if not candidates:
+            return
+        occ = candidates[index % len(candidates)]
+        old = occ.lease
+        assert old is not None
+        self.clock.set(old.expires_at)
+        ready = self._ready(self._now())
+        self._claim_and_check(ready.index(occ.occurrence_id) + 1)
+        assert occ.lease is not None
+        assert occ.lease != old, "the newer claim did not take over"
+        self._relay(old)
+        if new_holder_relays:
+            self._relay(occ.lease)
 
     @rule(limit=st.integers(1, 4), index=st.integers(0, 99))
     def taken_over_while_publishing(self, limit: int, index: int) -> None:
