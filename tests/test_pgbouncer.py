@@ -212,8 +212,112 @@ async def test_an_undeclared_pooler_is_refused_naming_the_setting(
         del ctx, args
 
     worker.register(WORK, handler)
-    with pytest.raises(QueueConfigurationError, match=r"pooler='transaction'.*--pooler"):
+    with pytest.raises(QueueConfigurationError, match=r"Scheduler\(\.\.\., pooler='transaction'\)"):
         await worker.run_until_shutdown(asyncio.Event())
+
+
+# PgBouncer refuses the first startup parameter it does not know; each caller names what
+# its user changes: a keyword argument in code, the options of the command line.
+_REFUSED = (
+    "the server refused the session setting '{}' at connect, as a connection pooler in "
+    "transaction mode (PgBouncer) does"
+)
+_WAKEUPS = ", and give {} a direct connection to PostgreSQL for LISTEN/NOTIFY wake-ups"
+_CLI_POOLER = (
+    'give --pooler transaction (or STEEPLE_POOLER=transaction, or pooler = "transaction" '
+    "in steeple.toml)"
+)
+_CLI_LISTEN = "--listen-dsn (or STEEPLE_LISTEN_DSN, or listen_dsn in steeple.toml)"
+
+
+async def test_each_caller_words_an_undeclared_pooler_in_its_own_terms(
+    queue: tuple[str, str], pg_name: Any, bouncer: PgBouncer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker, the recurring store and the work-queue broker built in code name their
+    own keyword argument (listen_dsn only for the worker, the one that LISTENs); the
+    command line names --pooler and STEEPLE_POOLER (and --listen-dsn for steeple worker).
+    """
+    import base64
+
+    from typer.testing import CliRunner
+
+    from steeple.admin._backend import Target, classify
+    from steeple.admin.cli import app
+    from steeple.admin.settings import ExitCode, NamespaceSettings
+    from steeple.admin.worker import WorkerApp, run_worker
+    from steeple.brokers.queue import WorkQueueBroker
+    from steeple.core import RecurringConfig, RecurringConfigurationError
+    from steeple.core.clock import SystemClock
+    from steeple.core.errors import BrokerConfigurationError
+    from steeple.keyring import Keyring, StorageKey
+    from steeple.postgres import PostgresRecurringStore
+
+    for name in list(os.environ):
+        if name.startswith("STEEPLE_") and name != "STEEPLE_TEST_DSN":
+            monkeypatch.delenv(name, raising=False)
+    _, schema = queue
+    store_schema = pg_name("pgbsay")
+    keys = "k1:" + base64.b64encode(bytes(32)).decode()
+
+    async def handler(ctx: JobContext, args: Any) -> None:
+        del ctx, args
+
+    worker = Scheduler(bouncer.dsn(), worker_id="says", schema=schema)
+    worker.register(WORK, handler)
+    with pytest.raises(QueueConfigurationError) as refused_worker:
+        await worker.run_until_shutdown(asyncio.Event())
+    refused = _REFUSED.format("tcp_keepalives_idle")
+    assert str(refused_worker.value) == (
+        refused + ": create it as Scheduler(..., pooler='transaction') or "
+        "App.scheduler(..., pooler='transaction')" + _WAKEUPS.format("listen_dsn")
+    )
+
+    keyring = Keyring(StorageKey("k1", bytes(32)))
+    with pytest.raises(RecurringConfigurationError) as refused_store:
+        await PostgresRecurringStore.connect(
+            bouncer.dsn(),
+            RecurringConfig("says", 10, 100),
+            keyring,
+            SystemClock(),
+            schema=store_schema,
+        )
+    assert str(refused_store.value) == (
+        "connect: " + _REFUSED.format("statement_timeout") + ": open it "
+        "with PostgresRecurringStore.connect(..., pooler='transaction') (or "
+        "initialize(..., pooler='transaction'))"
+    )
+
+    async with WorkQueueBroker(bouncer.dsn(), schema=schema) as broker:
+        with pytest.raises(BrokerConfigurationError) as refused_broker:
+            await broker.install()
+    assert str(refused_broker.value) == (
+        "work queue: "
+        + _REFUSED.format("synchronous_commit")
+        + ": create it as WorkQueueBroker(..., pooler='transaction')"
+    )
+
+    # The command line: steeple initialize (the recurring store), steeple worker.
+    init = await asyncio.to_thread(
+        CliRunner().invoke,
+        app,
+        ["initialize", "--dsn", bouncer.dsn(), "--schema", store_schema],
+        env={"STEEPLE_KEYS": keys},
+        catch_exceptions=False,
+    )
+    assert init.exit_code == ExitCode.CONFIG, init.output
+    said = init.stderr.splitlines()
+    assert said[0] == "steeple: error: " + _REFUSED.format("statement_timeout"), said
+    assert said[1:] == ["  what to do: " + _CLI_POOLER], said
+    target = Target(
+        bouncer.dsn(), store_schema, NamespaceSettings("says"), queue_schema_override=schema
+    )
+    run = run_worker(WorkerApp(tasks=[(WORK, handler)], worker_id="says-cli"), target)
+    with pytest.raises(BaseException) as refused_cli:  # noqa: PT011 (as steeple worker sees it)
+        await asyncio.wait_for(run, 60)
+    told = classify(refused_cli.value, target)
+    assert told.code == ExitCode.CONFIG
+    assert str(told) == refused
+    assert told.hint == _CLI_POOLER + _WAKEUPS.format(_CLI_LISTEN)
 
 
 async def test_a_listener_behind_an_undeclared_pooler_is_detected(

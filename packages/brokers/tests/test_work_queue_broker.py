@@ -238,6 +238,33 @@ async def test_unreachable_database_is_unavailable() -> None:
         await broker.publish(message(1), idempotency_key=new_key(), timeout=3)
 
 
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://app:pw-secret@db:5432/app",
+        "postgres://app:pw%2Dsecret%40x@db/app",
+        "postgresql://app@db/app?password=pw-secret",
+        "postgresql://app@db/app?sslmode=require&password=pw%2Dsecret",
+        "postgresql://app@db/app?sslpassword=pw-secret&sslkey=/k",
+        "postgresql://app:pw-secret@db1:5432,db2:5433/app?target_session_attrs=read-write",
+    ],
+)
+@pytest.mark.parametrize("pooler", [None, "transaction"])
+def test_the_repr_shows_the_pooler_and_no_password(dsn: str, pooler: Any) -> None:
+    broker = WorkQueueBroker(dsn, schema="jobs", pooler=pooler)
+    shown = repr(broker)
+    assert shown.startswith("WorkQueueBroker(dsn='postgres"), shown
+    assert shown.endswith(f", schema='jobs', pooler={pooler!r})"), shown
+    for piece in ("pw-secret", "pw%2Dsecret", "secret"):
+        assert piece not in shown, shown
+
+
+def test_a_key_value_dsn_is_refused_without_quoting_it() -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        WorkQueueBroker("host=db user=app password=pw-secret dbname=app", pooler="transaction")
+    assert "secret" not in str(refused.value)
+
+
 async def test_a_node_left_behind_by_a_failover_is_refused_and_nothing_is_enqueued(
     harness: QueueHarness, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from steeple.postgres.pooler import (
+    PoolerAdvice,
     PoolerProblem,
+    PoolerRefusal,
     asyncpg_options,
     check_pooler,
     local_settings_sql,
@@ -49,13 +51,25 @@ def test_through_a_transaction_pooler_settings_move_into_each_transaction() -> N
 
 
 def test_pgbouncers_refusal_is_recognised_and_names_the_setting() -> None:
-    said = pooler_refusal(Exception("unsupported startup parameter: tcp_keepalives_idle"))
-    assert said is not None
-    assert "'tcp_keepalives_idle'" in said
-    assert "pooler='transaction'" in said
-    assert "--pooler transaction" in said
-    assert "listen_dsn" in said
+    refused = pooler_refusal(Exception("unsupported startup parameter: tcp_keepalives_idle"))
+    assert refused is not None
+    assert refused.setting == "tcp_keepalives_idle"
+    refusal = (
+        "the server refused the session setting 'tcp_keepalives_idle' at connect, as a "
+        "connection pooler in transaction mode (PgBouncer) does"
+    )
+    assert str(refused) == refusal
+    # Each caller words what to change; the direct DSN only where the caller has one.
+    assert refused.explain(PoolerAdvice("create it as X(..., pooler='transaction')")) == (
+        refusal + ": create it as X(..., pooler='transaction')"
+    )
+    assert refused.explain(PoolerAdvice("declare it", listen="listen_dsn")) == (
+        refusal + ": declare it, and give listen_dsn a direct connection to PostgreSQL "
+        "for LISTEN/NOTIFY wake-ups"
+    )
     hostile = pooler_refusal(Exception("unsupported startup parameter: x'; DROP --"))
     assert hostile is not None
-    assert "DROP" not in hostile
+    assert hostile.setting == "?"
+    assert "DROP" not in str(hostile)
+    assert pooler_refusal(Exception("unsupported startup parameter:")) == PoolerRefusal("?")
     assert pooler_refusal(Exception("password authentication failed")) is None

@@ -32,6 +32,7 @@ from steeple.core.errors import (
     KeyringError,
     RecurringCapacityError,
     RecurringConflictError,
+    RecurringError,
     RecurringInvalidStateError,
     RecurringNotFoundError,
     RecurringSchemaVersionError,
@@ -530,7 +531,9 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
     if isinstance(exc, CliError):
         return exc
     where = f" ({redact_dsn(target.dsn)}, schema {target.schema!r})" if target else ""
-    problem = _refusal_problem(exc)
+    problem = _pooler_problem(exc)
+    if problem is None:
+        problem = _refusal_problem(exc)
     if problem is None:
         problem = _keys_problem(exc)
     if problem is None:
@@ -543,6 +546,36 @@ def _classify(exc: BaseException, target: Target | None) -> CliError:
     if problem is None:
         problem = _service_problem(exc, driver, where)
     return problem
+
+
+_POOLER_DECLARE = (
+    'give --pooler transaction (or STEEPLE_POOLER=transaction, or pooler = "transaction" '
+    f"in {SETTINGS_FILE})"
+)
+_LISTEN_DSN = f"--listen-dsn (or STEEPLE_LISTEN_DSN, or listen_dsn in {SETTINGS_FILE})"
+
+
+def _pooler_problem(exc: BaseException) -> CliError | None:
+    """Tell an undeclared transaction pooler, in the options of what the command built.
+
+    The command builds the recurring store and the task worker with ``--pooler``: their
+    refusal names the option (and, for the worker, ``--listen-dsn``). A broker the
+    application built itself keeps its own words.
+    """
+    from steeple.postgres.pooler import PoolerAdvice, pooler_refusal
+    from steeple.postgres.queue.errors import QueueError
+
+    if isinstance(exc, RecurringError):
+        advice = PoolerAdvice(_POOLER_DECLARE)
+    elif isinstance(exc, QueueError):
+        advice = PoolerAdvice(_POOLER_DECLARE, listen=_LISTEN_DSN)
+    else:
+        return None
+    driver = _driver_error(exc)
+    refused = None if driver is None else pooler_refusal(driver)
+    if refused is None:
+        return None
+    return CliError(str(refused), code=ExitCode.CONFIG, hint=str(advice))
 
 
 def _refusal_problem(exc: BaseException) -> CliError | None:

@@ -51,6 +51,7 @@ from steeple.core.errors import (
 from steeple.core.messages import BrokerReceipt, ScheduledMessage
 from steeple.postgres.pooler import (
     Pooler,
+    PoolerAdvice,
     PoolerProblem,
     asyncpg_options,
     check_pooler,
@@ -74,6 +75,9 @@ _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 # Every commit waits for its WAL flush: the ledger promises durability.
 _SESSION_SETTINGS = {"synchronous_commit": "on"}
+
+
+_POOLER_ADVICE = PoolerAdvice("create it as WorkQueueBroker(..., pooler='transaction')")
 
 
 class _StaleConnectionError(Exception):
@@ -259,7 +263,10 @@ class WorkQueueBroker(AsyncLifecycle):
         self._guard = ClusterGuard()
 
     def __repr__(self) -> str:
-        return f"WorkQueueBroker(dsn={redact_dsn(self._dsn)!r}, schema={self._schema!r})"
+        return (
+            f"WorkQueueBroker(dsn={redact_dsn(self._dsn)!r}, schema={self._schema!r}, "
+            f"pooler={self._pooler!r})"
+        )
 
     async def __aenter__(self) -> Self:
         # Nothing to open ahead: the first publication connects.
@@ -322,9 +329,11 @@ class WorkQueueBroker(AsyncLifecycle):
             raise BrokerUnavailableError(f"work queue: {exc}") from None
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
             self._slots.release()
-            refusal = pooler_refusal(exc)
-            if refusal is not None:
-                raise BrokerConfigurationError(f"work queue: {refusal}") from None
+            refused = pooler_refusal(exc)
+            if refused is not None:
+                raise BrokerConfigurationError(
+                    f"work queue: {refused.explain(_POOLER_ADVICE)}"
+                ) from None
             raise BrokerUnavailableError(
                 f"work queue: cannot connect to {redact_dsn(self._dsn)} ({type(exc).__name__})"
             ) from None

@@ -19,19 +19,24 @@ steeple does not guess: a transaction pooler cannot be told from a server reliab
 the client's side (it forwards the server's version and settings). It is declared with
 ``pooler="transaction"`` (CLI ``--pooler transaction``, ``STEEPLE_POOLER``). Without it,
 steeple's own connections send session settings as startup parameters, which PgBouncer
-refuses ("unsupported startup parameter"); that refusal is recognised
-(:func:`pooler_refusal`) and reported as a configuration error naming the setting.
+refuses ("unsupported startup parameter"); that refusal is recognised here, once
+(:func:`pooler_refusal`), and each caller reports it as a configuration error naming the
+setting and what to change in its own terms (:class:`PoolerAdvice`): a class's keyword
+argument, or the CLI's option and environment variable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 __all__ = [
     "POOLER_HINT",
     "Pooler",
+    "PoolerAdvice",
     "PoolerProblem",
+    "PoolerRefusal",
     "asyncpg_options",
     "check_pooler",
     "local_settings_sql",
@@ -44,7 +49,8 @@ Pooler = Literal["transaction"]
 POOLER_HINT: Final = (
     "set pooler='transaction' (CLI: --pooler transaction, or STEEPLE_POOLER=transaction)"
 )
-"""What to change when the DSN leads to a transaction pooler steeple was not told about."""
+"""What to change when a worker's DSN leads to a transaction pooler it was not told about
+(in its API and CLI forms: the wake-up listener's warning cannot tell which built it)."""
 
 # The startup parameters PgBouncer accepts and tracks per client connection (it restores
 # them on whichever server session the client's next transaction gets).
@@ -107,20 +113,60 @@ def local_settings_sql(pooler: Pooler | None, settings: Mapping[str, str]) -> st
     return "SELECT " + ", ".join(f"set_config('{n}', '{v}', true)" for n, v in chosen)
 
 
-def pooler_refusal(exc: BaseException) -> str | None:
-    """Recognise a pooler refusing steeple's startup settings; return what to change.
+@dataclass(frozen=True, slots=True)
+class PoolerAdvice:
+    """What a caller tells its user to change on a :class:`PoolerRefusal`, in its own terms.
+
+    ``declare``: how to declare the pooler (``"create it as WorkQueueBroker(...,
+    pooler='transaction')"``); ``listen``: where a direct DSN for LISTEN/NOTIFY wake-ups
+    is given, or ``None`` where the caller has none.
+    """
+
+    declare: str
+    listen: str | None = None
+
+    def __str__(self) -> str:
+        if self.listen is None:
+            return self.declare
+        return (
+            f"{self.declare}, and give {self.listen} a direct connection to PostgreSQL "
+            "for LISTEN/NOTIFY wake-ups"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolerRefusal:
+    """A connection pooler in transaction mode refused a session setting at connect.
+
+    ``setting`` is the refused parameter's name (``"?"`` when the server's answer did not
+    give a plain name). A caller raises its typed configuration error with
+    :meth:`explain` and chains the driver's error, so a front end that configured the
+    caller (the CLI) can recognise the refusal again and word it in its own terms.
+    """
+
+    setting: str
+
+    def __str__(self) -> str:
+        return (
+            f"the server refused the session setting {self.setting!r} at connect, as a "
+            "connection pooler in transaction mode (PgBouncer) does"
+        )
+
+    def explain(self, advice: PoolerAdvice) -> str:
+        """Return the refusal and what to change, as ``advice`` words it."""
+        return f"{self}: {advice}"
+
+
+def pooler_refusal(exc: BaseException) -> PoolerRefusal | None:
+    """Recognise a pooler refusing steeple's startup settings (``None``: any other failure).
 
     PgBouncer answers a startup parameter it does not know with ``unsupported startup
-    parameter: NAME`` (SQLSTATE 08P01). ``None`` for any other failure.
+    parameter: NAME`` (SQLSTATE 08P01).
     """
     text = str(exc)
     marker = "unsupported startup parameter"
     if marker not in text:
         return None
-    name = text.split(marker, 1)[1].lstrip(": ").split()[0] if ":" in text else "?"
-    safe = name if name.replace("_", "").isalnum() else "?"
-    return (
-        f"the server refused the session setting {safe!r} at connect, as a connection "
-        f"pooler in transaction mode (PgBouncer) does: {POOLER_HINT}, and give listen_dsn "
-        "(CLI: --listen-dsn) a direct connection for LISTEN/NOTIFY wake-ups"
-    )
+    words = text.split(marker, 1)[1].lstrip(": ").split()
+    name = words[0] if words else "?"
+    return PoolerRefusal(name if name.replace("_", "").isalnum() else "?")

@@ -48,6 +48,7 @@ from steeple.core.ports import Clock, RandomSource
 from steeple.postgres._durability import DurabilityProblem, check_transport
 from steeple.postgres.pooler import (
     Pooler,
+    PoolerAdvice,
     PoolerProblem,
     asyncpg_options,
     check_pooler,
@@ -162,6 +163,13 @@ def _check_dsn(dsn: object, what: str) -> str:
     except DurabilityProblem as exc:
         raise QueueConfigurationError(str(exc) if what == "the DSN" else f"{what}: {exc}") from None
     return url
+
+
+_POOLER_ADVICE: Final = PoolerAdvice(
+    "create it as Scheduler(..., pooler='transaction') or App.scheduler(..., pooler='transaction')",
+    listen="listen_dsn",
+)
+"""What a worker whose DSN leads to an undeclared transaction pooler says to change."""
 
 
 def _check_pool_for_pooler(pool: object) -> None:
@@ -500,9 +508,9 @@ class Scheduler:
             env.db_or_none = await self._open()
             await self._check_fit(env.db)
         except DB_ERRORS as exc:
-            refusal = pooler_refusal(exc)
-            if refusal is not None:
-                raise QueueConfigurationError(refusal) from None
+            refused = pooler_refusal(exc)
+            if refused is not None:
+                raise QueueConfigurationError(refused.explain(_POOLER_ADVICE)) from exc
             raise QueueUnavailableError(
                 "the worker could not start: "
                 + scrub_secrets(f"{type(exc).__name__}: {exc}", env.secrets)

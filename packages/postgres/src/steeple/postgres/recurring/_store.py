@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
-from typing import Any, Self, TypeVar
+from typing import Any, Final, Self, TypeVar
 
 import asyncpg
 import attrs
@@ -60,6 +60,7 @@ from steeple.postgres._durability import (
 )
 from steeple.postgres.pooler import (
     Pooler,
+    PoolerAdvice,
     PoolerProblem,
     asyncpg_options,
     check_pooler,
@@ -130,14 +131,20 @@ SERVER_SETTINGS: Mapping[str, str] = {
 """Session settings of every connection the store opens (5 s statement and lock waits)."""
 
 
+_POOLER_ADVICE: Final = PoolerAdvice(
+    "open it with PostgresRecurringStore.connect(..., pooler='transaction') (or "
+    "initialize(..., pooler='transaction'))"
+)
+
+
 class _StaleConnection(Exception):
     """Internal: the pooled connection was dead before the transaction began."""
 
 
 def _map_driver_error(exc: BaseException, what: str) -> RecurringError:
-    undeclared = pooler_refusal(exc)
-    if undeclared is not None:
-        return RecurringConfigurationError(f"{what}: {undeclared}")
+    refused = pooler_refusal(exc)
+    if refused is not None:
+        return RecurringConfigurationError(f"{what}: {refused.explain(_POOLER_ADVICE)}")
     if isinstance(exc, TimeoutError):
         return RecurringDeadlineError(
             f"{what}: the storage deadline passed (10 s per call, 5 s to acquire a connection)"
