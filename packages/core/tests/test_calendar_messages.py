@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta, tzinfo
+from datetime import UTC, datetime, timedelta, timezone, tzinfo
 
 import pytest
 
@@ -151,6 +151,14 @@ def test_answers_do_not_depend_on_the_machines_time_zone() -> None:
     assert calendar.matches(utc(2024, 1, 1, 9))
     assert not calendar.matches(utc(2024, 1, 1, 14, 30))
     assert calendar.next_after(utc(2024, 1, 1, 8)) == utc(2024, 1, 1, 9)
+
+
+@pytest.mark.usefixtures("machine_far_from_utc")
+def test_an_instant_in_another_offset_is_converted_to_utc_not_to_the_machines_zone() -> None:
+    # 03:00 at UTC-5 is 08:00 UTC (13:30 on this machine's clock): 09:00 UTC the same day.
+    calendar = CronCalendar.parse("0 9 * * *")
+    east_coast = datetime(2024, 1, 1, 3, tzinfo=timezone(timedelta(hours=-5)))
+    assert calendar.next_after(east_coast) == utc(2024, 1, 1, 9)
 
 
 FIELD_BOUNDS = (("minutes", 0, 59), ("hours", 0, 23), ("days_of_month", 1, 31),
