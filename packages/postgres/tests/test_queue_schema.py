@@ -54,6 +54,7 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             (15, "0015_workflow_limit_keys"),
             (16, "0016_complete_and_claim"),
             (17, "0017_limited_claim_planned_lean"),
+            (18, "0018_claim_keeps_its_plans"),
         ]
         # The claim of workers of versions 6 to 12, and the one with positions.
         assert (
