@@ -6,7 +6,11 @@ Measured on the same PostgreSQL, one system at a time, each in its own schema:
 - bulk enqueue rate (tasks/s) of N no-op tasks (each system's bulk API);
 - processing rate (tasks/s) of those N no-op tasks by one worker process (this one);
 - pickup latency p50/p99 (ms) of single tasks on an idle queue: from just before the
-  enqueue call to the start of the handler, with the worker already waiting;
+  enqueue call to the start of the handler, with the worker already waiting. It includes
+  the enqueue's own round trip and durable commit (a WAL flush); the table also gives that
+  round trip alone, and the time from the enqueue's return (its commit acknowledged) to
+  the handler's start. That part is what the worker adds: the NOTIFY is sent at the
+  commit, so it can even come first (the part is then 0);
 - named queues ("mix"): the processing rate of --mix-n tasks of one queue at the worker's
   defaults, served alone, then with an extra idle queue, then with an extra paused one
   (the three take turns, three times; the median of each).
@@ -70,6 +74,10 @@ class Result:
         self.mix_paused: float | None = None
         self.p50: float | None = None
         self.p99: float | None = None
+        # the enqueue call's round trip (its commit included), and pickup after its return
+        self.enqueue_p50: float | None = None
+        self.after_p50: float | None = None
+        self.after_p99: float | None = None
         self.error: str | None = None
 
 
@@ -98,18 +106,30 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 
 
 async def measure_latency(
-    samples: int, enqueue_one: Callable[[], Awaitable[Any]], started: asyncio.Queue[float]
-) -> tuple[float, float]:
-    """Enqueue one task at a time on an idle queue; latency = enqueue start -> handler start."""
-    latencies = []
+    result: Result,
+    samples: int,
+    enqueue_one: Callable[[], Awaitable[Any]],
+    started: asyncio.Queue[float],
+) -> None:
+    """Enqueue one task at a time on an idle queue; latency = enqueue start -> handler start.
+
+    Also the enqueue's round trip, and handler start - enqueue return (0 when the handler
+    started first), into ``result``.
+    """
+    latencies, enqueues, after = [], [], []
     for i in range(samples + 5):
         await asyncio.sleep(0.02)  # idle: the worker is waiting, not mid-poll
         t0 = time.perf_counter()
         await enqueue_one()
+        returned = time.perf_counter()
         t1 = await asyncio.wait_for(started.get(), 30)
         if i >= 5:  # warm-up
             latencies.append(t1 - t0)
-    return percentiles(latencies)
+            enqueues.append(returned - t0)
+            after.append(max(0.0, t1 - returned))
+    result.p50, result.p99 = percentiles(latencies)
+    result.enqueue_p50 = percentiles(enqueues)[0]
+    result.after_p50, result.after_p99 = percentiles(after)
 
 
 # --- steeple --------------------------------------------------------------------------
@@ -235,8 +255,8 @@ async def bench_steeple(dsn: str, n: int, samples: int) -> Result:
         stop = asyncio.Event()
         run = asyncio.create_task(worker.run_until_shutdown(stop))
         await asyncio.sleep(1.0)
-        result.p50, result.p99 = await measure_latency(
-            samples, lambda: enqueue(conn, noop, {}, schema=schema), started
+        await measure_latency(
+            result, samples, lambda: enqueue(conn, noop, {}, schema=schema), started
         )
         stop.set()
         await run
@@ -328,9 +348,7 @@ async def bench_pgqueuer(dsn: str, n: int, samples: int) -> Result:
 
             run = asyncio.create_task(qm.run(batch_size=10, dequeue_timeout=timedelta(seconds=30)))
             await asyncio.sleep(1.0)
-            result.p50, result.p99 = await measure_latency(
-                samples, lambda: queries.enqueue("noop", None), started
-            )
+            await measure_latency(result, samples, lambda: queries.enqueue("noop", None), started)
             qm.shutdown.set()
             await asyncio.wait_for(run, 30)
         finally:
@@ -399,9 +417,7 @@ async def bench_procrastinate(dsn: str, n: int, samples: int) -> Result:
                 )
             )
             await asyncio.sleep(1.0)
-            result.p50, result.p99 = await measure_latency(
-                samples, lambda: noop.defer_async(i=0), started
-            )
+            await measure_latency(result, samples, lambda: noop.defer_async(i=0), started)
             run.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(run, 30)
@@ -520,9 +536,7 @@ async def bench_limit(dsn: str, n: int, samples: int) -> Result:
         runner = asyncio.create_task(loop())
         one = insert.replace("generate_series($1::int, $2::int)", "generate_series(1, 1)")
         one_notify = f"WITH ins AS ({one} RETURNING id) SELECT pg_notify($1, '') FROM ins"
-        result.p50, result.p99 = await measure_latency(
-            samples, lambda: conn.execute(one_notify, channel), started
-        )
+        await measure_latency(result, samples, lambda: conn.execute(one_notify, channel), started)
         stop.set()
         wake.set()
         await runner
@@ -592,6 +606,27 @@ def print_table(results: dict[str, Result], n: int, samples: int, mix_n: int) ->
         ["idle pickup p99 (ms)"]
         + [fmt(results[k].p99, 2) for k in names]
         + [ratio(s.p99, p.p99, inverse=True), ratio(s.p99, lim.p99, inverse=True)]
+    )
+    rows.append(
+        ["  of which the enqueue call, p50 (ms)"]
+        + [fmt(results[k].enqueue_p50, 2) for k in names]
+        + ["-", "-"]
+    )
+    rows.append(
+        ["  after the enqueue returned, p50 (ms)"]
+        + [fmt(results[k].after_p50, 2) for k in names]
+        + [
+            ratio(s.after_p50, p.after_p50, inverse=True),
+            ratio(s.after_p50, lim.after_p50, inverse=True),
+        ]
+    )
+    rows.append(
+        ["  after the enqueue returned, p99 (ms)"]
+        + [fmt(results[k].after_p99, 2) for k in names]
+        + [
+            ratio(s.after_p99, p.after_p99, inverse=True),
+            ratio(s.after_p99, lim.after_p99, inverse=True),
+        ]
     )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
