@@ -26,7 +26,7 @@ from typing import Any
 
 import asyncpg
 
-SCHEMA = "bench_pickup_trace"
+SCHEMA = f"bench_pickup_trace_{os.getpid()}"  # this run's own: runs at once do not mix
 STEPS = ("enqueue returned", "notify heard", "claim sent", "claim answered", "handler started")
 
 

@@ -37,12 +37,17 @@ from typing import Any
 
 import asyncpg
 
+# Each run's own schemas (the process id in their names): runs started at once against one
+# server must not drop each other's schemas, nor have one's workers take the other's tasks.
 SCHEMAS = {
-    "mix": "bench_steeple_mix",
-    "steeple": "bench_steeple",
-    "pgqueuer": "bench_pgqueuer",
-    "procrastinate": "bench_procrastinate",
-    "limit": "bench_limit",
+    name: f"{schema}_{os.getpid()}"
+    for name, schema in {
+        "mix": "bench_steeple_mix",
+        "steeple": "bench_steeple",
+        "pgqueuer": "bench_pgqueuer",
+        "procrastinate": "bench_procrastinate",
+        "limit": "bench_limit",
+    }.items()
 }
 CHUNK = 5000
 PGQUEUER_BATCH = 100
