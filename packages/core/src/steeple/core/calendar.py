@@ -441,10 +441,10 @@ class CronCalendar:
         if exact:
             # The very instant object asked before (a plan's answer is the next plan's
             # cursor, and definitions sharing a calendar ask with the same objects): its
-            # answer, without building the search start or hashing it. The memo holds the
-            # instant, so its id names no other object while the entry lives.
+            # answer, without building the search start or hashing it. Each entry holds
+            # its instant alive, so no other object can have that id while it lives.
             asked = self._asked.get(id(instant))
-            if asked is not None and asked[0] is instant:
+            if asked is not None:
                 return asked[1]
         else:
             # Anything but an aware UTC datetime (what every store passes) is checked.
