@@ -437,3 +437,17 @@ def test_an_instant_in_any_offset_is_the_same_instant_in_utc(
     assert calendar.next_after(shifted) == expected
     assert CronCalendar.parse(expression).next_after(shifted) == expected  # a cold memo
     assert calendar.next_after(start.astimezone(ZoneInfo("UTC"))) == expected
+
+
+def test_instants_asked_once_each_get_their_own_answer() -> None:
+    # next_after remembers answers by the identity of the instant asked; a fresh instant
+    # object, even one made where a freed one lived, is never given another's answer.
+    calendar = CronCalendar.parse("*/5 * * * *")
+    base = datetime(2026, 3, 1, tzinfo=UTC)
+    for step in range(600):
+        minutes = step * 7 % 1440
+        instant = base + timedelta(minutes=minutes, seconds=step % 60)
+        expected = base + timedelta(minutes=minutes - minutes % 5 + 5)
+        assert calendar.next_after(instant) == expected
+        # Asked again with the same object: the same answer.
+        assert calendar.next_after(instant) == expected

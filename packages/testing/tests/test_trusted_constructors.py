@@ -18,8 +18,11 @@ from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, 
 from steeple.core.errors import BrokerUnavailableError, ConfigurationError, InvalidTransitionError
 from steeple.core.leases import (
     capability_digest,
+    grant_leases,
     holds_granted_lease,
     holds_lease,
+    lease_expiry,
+    new_capability,
     new_generation,
     new_occurrence_id,
     occurrence_id_for,
@@ -269,3 +272,56 @@ def test_a_step_refuses_a_value_for_no_column() -> None:
     claimed = step(OccurrenceState.PENDING, OccurrenceEvent.CLAIM)
     with pytest.raises(TypeError, match="no column 'content'"):
         apply_step(row, claimed, AT, content=b"x")
+
+
+@pytest.mark.parametrize("lease_seconds", [1, 60, 300])
+def test_a_claims_grants_are_the_checked_functions_drawn_in_order(lease_seconds: int) -> None:
+    """``grant_leases`` checks the batch once; each grant equals ``lease_expiry``, then
+    ``new_capability`` and ``capability_digest`` drawn from the same source in order, and
+    a window that has ended (or ends now) draws nothing."""
+    lease = timedelta(seconds=lease_seconds)
+    windows = [
+        AT + timedelta(days=1),
+        AT + timedelta(seconds=30),  # shortens the lease to the window's end
+        AT,  # ended: no lease, no draw
+        AT - timedelta(minutes=1),  # ended
+        AT + timedelta(microseconds=1),
+        AT + lease,
+        AT + timedelta(hours=2),
+    ]
+    batch = DeterministicRandom(7)
+    one_by_one = DeterministicRandom(7)
+    grants = grant_leases(AT, lease, windows, batch)
+    assert len(grants) == len(windows)
+    for window, grant in zip(windows, grants, strict=True):
+        expires = lease_expiry(AT, lease, window)
+        if expires is None:
+            assert grant is None
+            continue
+        assert grant is not None
+        capability = new_capability(one_by_one)
+        assert (grant.expires_at, grant.capability) == (expires, capability)
+        assert grant.digest == capability_digest(capability)
+    # Nothing more was drawn than the checked functions drew.
+    assert batch.token_bytes(16) == one_by_one.token_bytes(16)
+
+
+def test_a_claims_grants_refuse_what_lease_expiry_refuses() -> None:
+    random = DeterministicRandom(1)
+    with pytest.raises(ConfigurationError):
+        grant_leases(AT, timedelta(seconds=60), [datetime(2026, 1, 2)], random)
+    with pytest.raises(ConfigurationError):
+        grant_leases(AT.replace(tzinfo=None), timedelta(seconds=60), [], random)
+    with pytest.raises(ConfigurationError):
+        grant_leases(AT, timedelta(0), [], random)
+    with pytest.raises(TypeError):
+        grant_leases(AT, timedelta(seconds=60), ["2026-01-02"], random)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        grant_leases(AT, timedelta(seconds=60), [AT + timedelta(days=1)], object())  # type: ignore[arg-type]
+
+    class Short:
+        def token_bytes(self, n: int) -> bytes:
+            return b"\x00" * (n - 1)
+
+    with pytest.raises(ConfigurationError):
+        grant_leases(AT, timedelta(seconds=60), [AT + timedelta(days=1)], Short())  # type: ignore[arg-type]

@@ -329,6 +329,8 @@ class CronCalendar:
     # Recent answers of next_after by search start: the search is pure, and a namespace's
     # definitions ask the same calendar for the same minutes (ticks, then their plans).
     _found: dict[datetime, datetime | None] = attrs.field(init=False, eq=False)
+    # Recent answers of next_after by the identity of the instant asked (with the instant).
+    _asked: dict[int, tuple[datetime, datetime | None]] = attrs.field(init=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         # Frozen class: derived fields are set once here, through object.__setattr__.
@@ -344,6 +346,7 @@ class CronCalendar:
         can_fire = min(self.days_of_month) <= longest
         set_(self, "_can_fire", can_fire)
         set_(self, "_found", {})
+        set_(self, "_asked", {})
 
     @classmethod
     def parse(cls, expression: str) -> CronCalendar:
@@ -434,9 +437,28 @@ class CronCalendar:
             ConfigurationError: ``instant`` is naive (a ``ValueError``).
             ConfigurationTypeError: ``instant`` is not a datetime (a ``TypeError``).
         """
-        if type(instant) is not datetime or instant.tzinfo is not UTC:
+        exact = type(instant) is datetime and instant.tzinfo is UTC
+        if exact:
+            # The very instant object asked before (a plan's answer is the next plan's
+            # cursor, and definitions sharing a calendar ask with the same objects): its
+            # answer, without building the search start or hashing it. Each entry holds
+            # its instant alive, so no other object can have that id while it lives.
+            asked = self._asked.get(id(instant))
+            if asked is not None:
+                return asked[1]
+        else:
             # Anything but an aware UTC datetime (what every store passes) is checked.
             instant = _require_aware(instant)
+        answer = self._next_after_checked(instant)
+        if exact:
+            by_id = self._asked
+            if len(by_id) >= _MEMO_SIZE:
+                by_id.clear()  # bounded; refilled by the instants in use
+            by_id[id(instant)] = (instant, answer)
+        return answer
+
+    def _next_after_checked(self, instant: datetime) -> datetime | None:
+        """:meth:`next_after` of an aware instant."""
         if not self._can_fire or instant >= LAST_INSTANT:
             return None
         if instant < FIRST_INSTANT:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Final
 
@@ -26,11 +27,13 @@ __all__ = [
     "GENERATION_BYTES",
     "ClaimRule",
     "FailureDecision",
+    "Grant",
     "adopt_time",
     "after_publish_failure",
     "capability_digest",
     "capability_matches",
     "check_server_clock",
+    "grant_leases",
     "holds_granted_lease",
     "holds_lease",
     "is_claimable",
@@ -96,9 +99,63 @@ def lease_expiry(
     start = aware_utc(now, "now")
     end = aware_utc(window_ends_at, "window_ends_at")
     lease = _positive_duration(lease_duration, "lease_duration")
+    return _expiry(start, lease, end)
+
+
+def _expiry(start: datetime, lease: timedelta, end: datetime) -> datetime | None:
+    """:func:`lease_expiry` of checked values (aware instants, a positive duration)."""
     # Past the end of the datetime range the lease is cut to the window anyway.
     expires = end if end - start <= lease else start + lease
     return expires if expires > start else None
+
+
+@attrs.define(repr=False)
+class Grant:
+    """A lease to grant (:func:`grant_leases`): its expiry, capability and the digest kept.
+
+    Built once per occurrence a claim leases and never changed (slotted, not frozen: a
+    frozen value costs about three times as much to build).
+    """
+
+    expires_at: datetime
+    capability: bytes
+    digest: bytes
+
+
+def grant_leases(
+    now: datetime,
+    lease_duration: timedelta,
+    windows: list[datetime],
+    random: RandomSource,
+) -> list[Grant | None]:
+    """Decide a claim's leases: for each delivery window's end, the lease to grant or ``None``.
+
+    Each is :func:`lease_expiry`, then :func:`new_capability` and its
+    :func:`capability_digest`, drawn in order for the windows that get a lease (the
+    random source gives the same capabilities as one call of each per window); ``now``,
+    the duration and the source are checked once for the batch, each window's end as
+    :func:`lease_expiry` checks it.
+
+    Raises:
+        ConfigurationError: ``lease_duration`` is not a positive timedelta, an instant is
+            naive, or the random source returned the wrong number of bytes.
+        ConfigurationTypeError: an instant is not a datetime, or ``random`` is not a
+            RandomSource (a ``TypeError``).
+    """
+    start = aware_utc(now, "now")
+    lease = _positive_duration(lease_duration, "lease_duration")
+    draw = _token_source(random)
+    sha256 = hashlib.sha256
+    grants: list[Grant | None] = []
+    for window in windows:
+        expires = _expiry(start, lease, aware_utc(window, "window_ends_at"))
+        if expires is None:
+            grants.append(None)
+            continue
+        capability = _drawn(draw(CAPABILITY_BYTES), CAPABILITY_BYTES, "capability")
+        # The capability is fresh bytes of the right length: hashed without re-checking.
+        grants.append(Grant(expires, capability, sha256(capability).digest()))
+    return grants
 
 
 def is_live(expires_at: datetime, now: datetime) -> bool:
@@ -285,15 +342,23 @@ def _digest_held(
     return matches and revision == stored_revision
 
 
-def _random_bytes(random: RandomSource, n: int, what: str) -> bytes:
-    if not callable(getattr(random, "token_bytes", None)):
+def _token_source(random: RandomSource) -> Callable[[int], object]:
+    draw = getattr(random, "token_bytes", None)
+    if not callable(draw):
         raise ConfigurationTypeError(
             f"random must be a RandomSource (with token_bytes), not {type(random).__name__}"
         )
-    raw = random.token_bytes(n)
+    return draw  # type: ignore[no-any-return]  # a port: what it returns is checked
+
+
+def _drawn(raw: object, n: int, what: str) -> bytes:
     if not isinstance(raw, bytes) or len(raw) != n:
         raise ConfigurationError(f"the random source returned a bad {what} (need {n} bytes)")
     return raw
+
+
+def _random_bytes(random: RandomSource, n: int, what: str) -> bytes:
+    return _drawn(_token_source(random)(n), n, what)
 
 
 def new_capability(random: RandomSource) -> bytes:

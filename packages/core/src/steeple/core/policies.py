@@ -89,11 +89,14 @@ def _next(calendar: DueCalendar, instant: datetime) -> datetime | None:
     return None if found is None else aware_utc(found, "the calendar's next due instant")
 
 
-def _finish(due: list[datetime], cursor: datetime, calendar: DueCalendar) -> TickPlan:
-    following = _next(calendar, cursor)
-    if following is None:
-        return TickPlan(due=tuple(due), cursor=None, exhausted=True, next_due=None)
-    return TickPlan(due=tuple(due), cursor=cursor, exhausted=False, next_due=following)
+_Planned = tuple[list[datetime], datetime, datetime | None]
+"""A plan as :func:`_plan_checked` returns it: the due instants, where the cursor stands
+after them, and the first due instant after that (``None``: the calendar is exhausted).
+Plain values, not a :class:`TickPlan`: a namespace tick plans once per occurrence."""
+
+
+def _finish(due: list[datetime], cursor: datetime, calendar: DueCalendar) -> _Planned:
+    return due, cursor, _next(calendar, cursor)
 
 
 def plan_tick(
@@ -132,9 +135,12 @@ def plan_tick(
     """
     validate_budget(budget)
     _check_calendar(calendar)
-    return _plan_checked(
+    due, position, following = _plan_checked(
         policy, calendar, aware_utc(cursor, "cursor"), aware_utc(now, "now"), budget
     )
+    if following is None:
+        return TickPlan(due=tuple(due), cursor=None, exhausted=True, next_due=None)
+    return TickPlan(due=tuple(due), cursor=position, exhausted=False, next_due=following)
 
 
 def _check_calendar(calendar: object) -> None:
@@ -146,8 +152,8 @@ def _check_calendar(calendar: object) -> None:
 
 def _plan_checked(
     policy: MissedRunPolicy, calendar: DueCalendar, cursor: datetime, now: datetime, budget: int
-) -> TickPlan:
-    """:func:`plan_tick` of arguments it checked already (aware UTC instants)."""
+) -> _Planned:
+    """:func:`plan_tick`'s decision on arguments it checked already (aware UTC instants)."""
     if policy is MissedRunPolicy.CATCH_UP:
         due: list[datetime] = []
         position = cursor
@@ -273,26 +279,34 @@ def plan_namespace_tick(
         heap.append((due, definition.name))
     heapq.heapify(heap)
     emitted: list[tuple[str, datetime]] = []
-    state: dict[str, DefinitionAdvance] = {}
+    # Where each definition that emitted stands: (cursor, next due time or None once
+    # exhausted); its DefinitionAdvance is built once, at the end.
+    state: dict[str, tuple[datetime, datetime | None]] = {}
     exhausted: list[str] = []
+    pop, push = heapq.heappop, heapq.heappush
     while heap and len(emitted) < budget:
-        _, name = heapq.heappop(heap)
+        _, name = pop(heap)
         definition = by_name[name]
         cursor = cursors[name]
         # Checked once above (the calendar, the cursor, now); each plan's cursor is its own.
-        plan = _plan_checked(definition.policy, definition.calendar, cursor, now, 1)
-        if not plan.due:
+        emits, position, following = _plan_checked(
+            definition.policy, definition.calendar, cursor, now, 1
+        )
+        if not emits:
             continue  # next_due was stale: nothing is due after the cursor yet
-        emitted.append((name, plan.due[0]))
-        moved = plan.cursor if plan.cursor is not None else max(cursor, *plan.due)
+        emitted.append((name, emits[0]))
+        moved = position if following is not None else max(cursor, *emits)
         cursors[name] = moved
-        state[name] = DefinitionAdvance(name, moved, plan.next_due, plan.exhausted)
-        if plan.exhausted:
+        state[name] = (moved, following)
+        if following is None:
             exhausted.append(name)
-        elif plan.next_due is not None and plan.next_due <= now:
-            heapq.heappush(heap, (plan.next_due, name))
+        elif following <= now:
+            push(heap, (following, name))
     return NamespaceTickPlan(
         emitted=tuple(emitted),
-        advanced=tuple(state[name] for name in sorted(state)),
+        advanced=tuple(
+            DefinitionAdvance(name, moved, following, following is None)
+            for name, (moved, following) in sorted(state.items())
+        ),
         exhausted=tuple(exhausted),
     )

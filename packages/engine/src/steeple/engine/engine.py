@@ -301,31 +301,38 @@ class RecurringEngine:
                 )
             messages: dict[str, bytes] = {}
             created: list[OccurrenceRow] = []
-            window = window_end(tx.now, self._config.delivery_window)
+            now = tx.now
+            window = window_end(now, self._config.delivery_window)
+            key_id = self._sealer.primary_key_id
+            seal, draw = self._work.seal_occurrence, self._random
+            pending = OccurrenceState.PENDING
             for name, due in plan.emitted:
-                if name not in messages:
+                message = messages.get(name)
+                if message is None:
                     opened = self._work.open(
                         rows[name].sealed, PURPOSE_DEFINITION, name, f"definition {name!r}"
                     )
-                    messages[name] = codec.definition_message_plaintext(opened)
-                occurrence_id = new_occurrence_id(self._random)
+                    message = messages[name] = codec.definition_message_plaintext(opened)
+                occurrence_id = new_occurrence_id(draw)
+                # Positional, in the fields' order (keywords cost a lookup each, per row).
                 created.append(
                     OccurrenceRow(
-                        occurrence_id=occurrence_id,
-                        definition_name=name,
-                        due_at=due,
-                        state=OccurrenceState.PENDING,
-                        attempts=0,
-                        window_ends_at=window,
-                        created_at=tx.now,
-                        updated_at=tx.now,
-                        content=self._work.seal(
-                            messages[name],
-                            PURPOSE_OCCURRENCE,
-                            occurrence_id,
-                            f"occurrence {occurrence_id}",
-                        ),
-                        key_id=self._sealer.primary_key_id,
+                        occurrence_id,
+                        name,
+                        due,
+                        pending,
+                        0,  # attempts
+                        window,
+                        now,  # created
+                        now,  # updated
+                        None,  # finished
+                        None,  # next attempt
+                        None,  # last error
+                        None,  # lease expiry
+                        0,  # lease revision
+                        None,  # lease digest
+                        seal(message, occurrence_id),
+                        key_id,
                     )
                 )
             if created:

@@ -28,14 +28,8 @@ from steeple.core.errors import (
     RecurringConfigurationError,
     recurring_keyring_error,
 )
-from steeple.core.leases import (
-    CLAIM_RULE,
-    adopt_time,
-    capability_digest,
-    lease_expiry,
-    new_capability,
-)
-from steeple.core.occurrences import OccurrenceEvent, states_for, step
+from steeple.core.leases import CLAIM_RULE, adopt_time, grant_leases
+from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, Step, states_for, step
 from steeple.core.ports import Clock, RandomSource, Sealer
 from steeple.core.records import Lease, ScheduleInfo, trusted_lease, validate_occurrence_id
 from steeple.engine import codec
@@ -195,6 +189,30 @@ class NamespaceWork:
         except KeyringError as exc:
             raise recurring_keyring_error(exc, record) from exc
 
+    def seal_occurrence(self, plaintext: bytes, occurrence_id: str) -> bytes:
+        """Seal an occurrence's content (:meth:`seal`; the record is named only on error)."""
+        try:
+            return self.sealer.seal(
+                plaintext,
+                namespace=self.config.namespace,
+                purpose=PURPOSE_OCCURRENCE,
+                identity=occurrence_id,
+            )
+        except KeyringError as exc:
+            raise recurring_keyring_error(exc, f"occurrence {occurrence_id}") from exc
+
+    def open_occurrence(self, sealed: bytes, occurrence_id: str) -> bytes:
+        """Open an occurrence's content (:meth:`open`; the record is named only on error)."""
+        try:
+            return self.sealer.open(
+                bytes(sealed),
+                namespace=self.config.namespace,
+                purpose=PURPOSE_OCCURRENCE,
+                identity=occurrence_id,
+            )
+        except KeyringError as exc:
+            raise recurring_keyring_error(exc, f"occurrence {occurrence_id}") from exc
+
     def open(self, sealed: bytes, purpose: str, identity: str, record: str) -> bytes:
         """Open ``sealed`` content (``record`` names it in errors)."""
         try:
@@ -240,27 +258,35 @@ class NamespaceWork:
         what it leases writes each occurrence once).
         """
         await self.classify_expired(tx)
-        lease_duration = self.config.lease_duration
+        now = tx.now
+        rows = await tx.repo.claimable(CLAIM_RULE, now, limit)
+        grants = grant_leases(
+            now, self.config.lease_duration, [row.window_ends_at for row in rows], self.random
+        )
         granted: list[Lease] = []
         changes: list[OccurrenceChange] = []
-        for row in await tx.repo.claimable(CLAIM_RULE, tx.now, limit):
-            expires = lease_expiry(tx.now, lease_duration, row.window_ends_at)
-            if expires is None:
+        claims: dict[OccurrenceState, Step] = {}  # the claim's row of the table, per state
+        for row, grant in zip(rows, grants, strict=True):
+            if grant is None:
                 continue
-            capability = new_capability(self.random)
+            claim = claims.get(row.state)
+            if claim is None:
+                claim = claims[row.state] = step(row.state, _E.CLAIM)
             revision = row.lease_revision + 1
             changes.append(
                 apply_step(
                     row,
-                    step(row.state, _E.CLAIM),
-                    tx.now,
+                    claim,
+                    now,
                     attempted=attempted,
-                    lease_expires_at=expires,
+                    lease_expires_at=grant.expires_at,
                     lease_revision=revision,
-                    lease_digest=capability_digest(capability),
+                    lease_digest=grant.digest,
                 )
             )
-            granted.append(trusted_lease(row.occurrence_id, expires, revision, capability))
+            granted.append(
+                trusted_lease(row.occurrence_id, grant.expires_at, revision, grant.capability)
+            )
         return granted, changes
 
     # --- relay ---------------------------------------------------------------------------

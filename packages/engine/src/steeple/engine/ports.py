@@ -226,24 +226,25 @@ class OccurrenceChange:
     def applied_to(self, row: OccurrenceRow) -> OccurrenceRow:
         """Return ``row`` as it is after this change."""
         erased = self.erase_content
-        # Built directly, not with attrs.evolve: this runs for every write of every relay.
+        # Built directly, not with attrs.evolve, and positionally, in OccurrenceRow's field
+        # order (keywords cost a lookup each): this runs for every write of every relay.
         return OccurrenceRow(
-            occurrence_id=row.occurrence_id,
-            definition_name=row.definition_name,
-            due_at=row.due_at,
-            state=self.state,
-            attempts=self.attempts,
-            window_ends_at=row.window_ends_at,
-            created_at=row.created_at,
-            updated_at=self.updated_at,
-            finished_at=self.finished_at,
-            next_attempt_at=self.next_attempt_at,
-            last_error=self.last_error,
-            lease_expires_at=self.lease_expires_at,
-            lease_revision=self.lease_revision,
-            lease_digest=self.lease_digest,
-            content=None if erased else row.content,
-            key_id=None if erased else row.key_id,
+            row.occurrence_id,
+            row.definition_name,
+            row.due_at,
+            self.state,
+            self.attempts,
+            row.window_ends_at,
+            row.created_at,
+            self.updated_at,
+            self.finished_at,
+            self.next_attempt_at,
+            self.last_error,
+            self.lease_expires_at,
+            self.lease_revision,
+            self.lease_digest,
+            None if erased else row.content,
+            None if erased else row.key_id,
         )
 
 

@@ -49,7 +49,6 @@ from steeple.core.records import Lease, RelayOutcome, trusted_outcome
 from steeple.engine import codec
 from steeple.engine.crashpoints import crash_point
 from steeple.engine.namespace_work import (
-    PURPOSE_OCCURRENCE,
     NamespaceWork,
     Tx,
     check_batch,
@@ -307,12 +306,7 @@ class RelaySteps:
         lease = checked.lease
         if checked.content is None:
             raise RecurringStorageError(f"occurrence {lease.occurrence_id} has no content")
-        opened = self._work.open(
-            checked.content,
-            PURPOSE_OCCURRENCE,
-            lease.occurrence_id,
-            f"occurrence {lease.occurrence_id}",
-        )
+        opened = self._work.open_occurrence(checked.content, lease.occurrence_id)
         # The row's own values, checked when stored: the key is derived without checks.
         key = trusted_idempotency_key(
             purpose=PUBLISH_PURPOSE,

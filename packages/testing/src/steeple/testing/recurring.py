@@ -113,20 +113,21 @@ class _Repository:
         storage = self._storage
         for u in updates:
             current = storage.definitions[u.name]
+            # Positional, in DefinitionRow's field order: a tick writes one per definition.
             storage.put_definition(
                 u.name,
                 DefinitionRow(
-                    name=current.name,
-                    sealed=current.sealed,
-                    key_id=current.key_id,
-                    cron=current.cron,
-                    policy=current.policy,
-                    first_after=current.first_after,
-                    state=u.state,
-                    cursor=u.cursor,
-                    next_due_at=u.next_due_at,
-                    created_at=current.created_at,
-                    cancelled_at=u.cancelled_at,
+                    current.name,
+                    current.sealed,
+                    current.key_id,
+                    current.cron,
+                    current.policy,
+                    current.first_after,
+                    u.state,
+                    u.cursor,
+                    u.next_due_at,
+                    current.created_at,
+                    u.cancelled_at,
                 ),
             )
 
