@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,37 @@ pytestmark = pytest.mark.slow
 PROC: Task[Any] = Task("proc")
 
 WORKER_SCRIPT = """
-import asyncio, json, signal, sys
+import asyncio, json, os, signal, sys
 import asyncpg, attrs
 from steeple.postgres.queue import Scheduler, Task
 
+class Connection(asyncpg.Connection):
+    completed = False  # it ran a completion since it was last given back
+
+    async def fetch(self, query, *args, **kwargs):
+        rows = await super().fetch(query, *args, **kwargs)
+        self.completed = self.completed or "complete_tasks(" in query
+        return rows
+
 async def main() -> None:
     dsn, schema, worker_id = sys.argv[1:4]
-    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=10)
+    hold = os.environ.get("HOLD_COMPLETION_UNTIL_EXECUTIONS")
+
+    async def reset(conn):
+        # With HOLD_COMPLETION_UNTIL_EXECUTIONS=n: the connection that ran a completion
+        # comes back to the pool (after its commit, before the completion goes on) only
+        # once n executions are logged (or after 30 s): what a slow reset round trip
+        # there lets the worker's other tasks do meanwhile.
+        if hold and conn.completed:
+            for _ in range(3000):
+                if await conn.fetchval(f'SELECT count(*) FROM "{schema}".executions') >= int(hold):
+                    break
+                await asyncio.sleep(0.01)
+        conn.completed = False
+        await conn.reset()
+
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=10, connection_class=Connection,
+                                     reset=reset)
     worker = Scheduler(pool, worker_id=worker_id, schema=schema, poll_interval=0.1,
                        maintenance_interval=0.2, concurrency=8)
 
@@ -74,7 +98,8 @@ async def queue(
     _dsn, schema, conn = queue
     await conn.execute(
         f'CREATE TABLE "{schema}".executions (task_id bigint, run_id uuid, attempt int, '
-        "worker_id text, UNIQUE (run_id, attempt))"
+        "worker_id text, at timestamptz NOT NULL DEFAULT clock_timestamp(), "
+        "UNIQUE (run_id, attempt))"
     )
     return queue
 
@@ -109,17 +134,27 @@ class WorkerProcess:
 
 @contextlib.asynccontextmanager
 async def worker_process(
-    tmp_path: Path, dsn: str, schema: str, worker_id: str, *, crash_at: str | None = None
+    tmp_path: Path,
+    dsn: str,
+    schema: str,
+    worker_id: str,
+    *,
+    crash_at: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[WorkerProcess]:
-    """Start a worker process; ``crash_at``: the crash point where it SIGKILLs itself."""
+    """Start a worker process; ``crash_at``: the crash point where it SIGKILLs itself.
+
+    ``env``: more environment variables for it (``HOLD_COMPLETION_UNTIL_EXECUTIONS``: see
+    the script).
+    """
     script = tmp_path / "queue_worker.py"
     script.write_text(WORKER_SCRIPT)
-    env = dict(os.environ)
+    environ = {**os.environ, **(env or {})}
     if crash_at is not None:
-        env["STEEPLE_CRASH_AT"] = crash_at
+        environ["STEEPLE_CRASH_AT"] = crash_at
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(script), dsn, schema, worker_id,
-        stdout=asyncio.subprocess.PIPE, env=env,
+        stdout=asyncio.subprocess.PIPE, env=environ,
     )  # fmt: skip
     worker = WorkerProcess(proc)
     try:
@@ -221,14 +256,33 @@ async def test_sigkilled_worker_running_a_parent_leaves_its_dependent_waiting(
     assert states == ["succeeded", "succeeded"]
 
 
-@pytest.mark.parametrize("point", ["queue.complete.before", "queue.complete.committed"])
+@pytest.mark.parametrize(
+    ("point", "dependent_started"),
+    [
+        ("queue.complete.before", False),
+        ("queue.complete.committed", False),
+        ("queue.complete.committed", True),
+    ],
+    ids=[
+        "queue.complete.before",
+        "queue.complete.committed",
+        "queue.complete.committed-dependent-started",
+    ],
+)
 async def test_sigkilled_while_completing_a_parent_its_dependent_runs_once_after_it(
-    queue: QueueFixture, tmp_path: Path, point: str
+    queue: QueueFixture, tmp_path: Path, point: str, dependent_started: bool
 ) -> None:
     """The worker dies completing a parent: before the completion is sent it releases
     nothing (the parent runs again once its lease lapses, then the dependent); once it has
     committed, the dependent is released and the parent does not run again. Either way the
-    dependent runs exactly once, after the parent's success."""
+    dependent succeeds exactly once, after the parent's success.
+
+    Once the completion has committed, the dying worker's claim loop (woken by the release,
+    or by its poll) may lease the dependent and start it before the crash: that attempt is
+    cut by the crash like any other, recorded as lapsed, and run again by the survivor.
+    ``dependent_started`` makes that order certain: the completion's connection comes back
+    to the dying worker's pool only once the dependent's execution is logged.
+    """
     dsn, schema, conn = queue
     # A lease no stall of a loaded machine outlasts: one that lapsed between the handler
     # and its completion would let the dying worker's own maintenance take the parent
@@ -237,19 +291,20 @@ async def test_sigkilled_while_completing_a_parent_its_dependent_runs_once_after
     options = EnqueueOptions(lease_duration=timedelta(minutes=5))
     parent = await enqueue(conn, PROC, {}, options, schema=schema)
     child = await enqueue(conn, PROC, {}, options, schema=schema, after=[parent])
-    async with worker_process(tmp_path, dsn, schema, "doomed", crash_at=point) as doomed:
+    env = {"HOLD_COMPLETION_UNTIL_EXECUTIONS": "2"} if dependent_started else None
+    async with worker_process(tmp_path, dsn, schema, "doomed", crash_at=point, env=env) as doomed:
         assert await doomed.proc.wait() == -signal.SIGKILL  # it killed itself at the point
     await _lapse_leases_of(conn, schema, "doomed")
     committed = point == "queue.complete.committed"
     states = [(await run_state(conn, t.id, schema=schema)).state.value for t in (parent, child)]
     # Committed: released; the dying worker may even have leased it (its claim loop woke
-    # on the release) without running it.
+    # on the release) and started it.
     expected = (
         [["succeeded", "pending"], ["succeeded", "running"]]
         if committed
         else [["running", "waiting"]]
     )
-    assert states in expected
+    assert states in (expected[1:] if dependent_started else expected)
     survivor, ran = in_process_worker(dsn, schema, "survivor")
     stop = asyncio.Event()
     task = asyncio.create_task(survivor.run_until_shutdown(stop))
@@ -258,9 +313,69 @@ async def test_sigkilled_while_completing_a_parent_its_dependent_runs_once_after
     finally:
         stop.set()
         await task
-    assert [t for t, _attempt in ran] == ([child.id] if committed else [parent.id, child.id])
-    assert committed or ran[0] == (parent.id, 2)
-    assert await _executions(conn, schema) == [(parent.id, 1, "doomed")]
+    evidence = await _evidence(conn, schema)
+    parent_done = (await run_state(conn, parent.id, schema=schema)).finished_at
+    assert parent_done is not None
+    executions = await _executions_at(conn, schema)
+    history = await _history(conn, schema)
+    # The doomed worker's executions (the survivor's are in ``ran``): the parent once,
+    # attempt 1.
+    assert [e[:3] for e in executions if e[0] == parent.id] == [(parent.id, 1, "doomed")], evidence
+    if committed:
+        assert history[parent.id] == [(1, "succeeded", "doomed")], evidence
+    else:
+        assert history[parent.id] == [
+            (1, "lease_expired", "doomed"),
+            (2, "succeeded", "survivor"),
+        ], evidence
+    # The dependent: leased by the doomed worker only if it was running when that worker
+    # died (its attempt 1 then lapsed, perhaps started: the crash cut it), succeeded once,
+    # by the survivor, in the next attempt; never started before the parent's success.
+    lapsed = [(1, "lease_expired", "doomed")] if states[1] == "running" else []
+    assert history[child.id] == [*lapsed, (len(lapsed) + 1, "succeeded", "survivor")], evidence
+    survivor_ran = [(child.id, len(lapsed) + 1)]
+    assert ran == (survivor_ran if committed else [(parent.id, 2), *survivor_ran]), evidence
+    cut = [e[1] for e in executions if e[0] == child.id]
+    assert cut in ([[1]] if dependent_started else [[], [1]] if lapsed else [[]]), evidence
+    assert all(e[3] >= parent_done for e in executions if e[0] == child.id), evidence
+
+
+async def _executions_at(
+    conn: asyncpg.Connection, schema: str
+) -> list[tuple[int, int, str, datetime]]:
+    """The logged executions, in the order they started: task, attempt, worker, when."""
+    rows = await conn.fetch(
+        f'SELECT task_id, attempt, worker_id, at FROM "{schema}".executions ORDER BY at'
+    )
+    return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+
+async def _history(conn: asyncpg.Connection, schema: str) -> dict[int, list[tuple[int, str, str]]]:
+    """Each task's recorded attempts, in order: attempt, outcome, worker."""
+    history: dict[int, list[tuple[int, str, str]]] = {}
+    rows = await conn.fetch(
+        f'SELECT task_id, attempt, outcome, worker_id FROM "{schema}".attempts ORDER BY id'
+    )
+    for r in rows:
+        history.setdefault(r[0], []).append((r[1], r[2], r[3]))
+    return history
+
+
+async def _evidence(conn: asyncpg.Connection, schema: str) -> str:
+    """What a failed assertion shows: executions, attempts and tasks, with their times."""
+    queries = {
+        "executions": "SELECT task_id, run_id, attempt, worker_id, at FROM {}.executions "
+        "ORDER BY at",
+        "attempts": "SELECT task_id, attempt, outcome, worker_id, started_at, finished_at "
+        "FROM {}.attempts ORDER BY id",
+        "tasks": "SELECT id, state, attempts, worker_id, started_at, finished_at FROM {}.tasks "
+        "ORDER BY id",
+    }
+    lines = []
+    for name, sql in queries.items():
+        lines.append(f"{name}:")
+        lines += [f"  {tuple(r)}" for r in await conn.fetch(sql.format(f'"{schema}"'))]
+    return "\n".join(lines)
 
 
 async def _lapse_leases_of(conn: asyncpg.Connection, schema: str, worker_id: str) -> None:
