@@ -38,6 +38,7 @@ from steeple.core.leases import (
     lease_expiry,
     new_capability,
     new_generation,
+    new_occurrence_id,
     occurrence_id_for,
     window_end,
 )
@@ -179,6 +180,22 @@ def test_fresh_capability_and_generation_come_from_the_injected_source() -> None
         new_capability(_Fixed(b"short"))
     with pytest.raises(ConfigurationError, match="generation"):
         new_generation(_Fixed(b""))
+
+
+def test_a_fresh_occurrence_id_is_the_id_of_one_generation_drawn_from_the_source() -> None:
+    source = _Fixed(bytes([0xAB, 0x0C] * 16))
+    fresh = new_occurrence_id(source)
+    assert fresh == occurrence_id_for(bytes([0xAB, 0x0C] * 8)) == "ab0c" * 8
+    assert source.asked == [GENERATION_BYTES]  # one draw of a generation's length
+    with pytest.raises(
+        ConfigurationError, match=r"^the random source returned a bad generation \(need 16 bytes\)$"
+    ):
+        new_occurrence_id(_Fixed(b"\x00" * 15))
+    with pytest.raises(
+        ConfigurationTypeError,
+        match=r"^random must be a RandomSource \(with token_bytes\), not object$",
+    ):
+        new_occurrence_id(object())  # type: ignore[arg-type]
 
 
 def test_occurrence_id_is_32_lowercase_hex() -> None:
