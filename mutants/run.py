@@ -66,8 +66,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CATALOGUE = ROOT / "mutants" / "catalogue.toml"
 # One mutant's tests may not run longer than this (a hang counts as killed, and says so).
 PER_MUTANT_TIMEOUT = 1200.0
-# "FAILED <node id> - <message>": a node id may hold spaces (a parameter's id).
-_FAILED_LINE = re.compile(r"^(FAILED|ERROR) (.+?)(?= - |$)")
+# "FAILED <node id> - <message>": a node id may hold spaces (a parameter's id). A captured
+# log line ("ERROR    logger:file.py:12 ...") is not one: a node id starts with its file.
+_FAILED_LINE = re.compile(r"^(FAILED|ERROR) ([^\s:]+\.py(?:::.+?)?)(?= - |$)")
 
 
 class CatalogueError(Exception):

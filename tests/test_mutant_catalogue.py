@@ -310,3 +310,19 @@ def test_jobs_run_mutants_at_once_each_in_its_own_tree(tmp_path: Path) -> None:
     ]
     for tree in trees:
         assert (tree / "code.py").read_text(encoding="utf-8") == "VALUE = 1\n"
+
+
+def test_only_pytests_summary_lines_name_killers() -> None:
+    lines = [
+        "ERROR    steeple.queue:_execution.py:485 task 1 failed: TimeoutError: ",
+        "FAILED pkg/tests/test_a.py::test_x[a b] - assert 1 == 2",
+        "ERROR pkg/tests/test_b.py - ImportError: no module",
+        "ERROR pkg/tests/test_c.py::test_y",
+        "FAILED: not a summary line",
+    ]
+    found = [g.group(2) for g in map(runner._FAILED_LINE.match, lines) if g]
+    assert found == [
+        "pkg/tests/test_a.py::test_x[a b]",
+        "pkg/tests/test_b.py",
+        "pkg/tests/test_c.py::test_y",
+    ]
