@@ -888,7 +888,9 @@ def mutants(session: nox.Session) -> None:
     """Apply each mutant of ``mutants/catalogue.toml`` and require its tests to kill it.
 
     Arguments after ``--`` go to ``mutants/run.py``: ``--sample N --seed S --budget SECONDS``
-    for a replayable sample, ``--only NAME``, ``--area AREA``, ``--results FILE``, ``--list``.
+    for a replayable sample, ``--only NAME``, ``--area AREA``, ``--results FILE``, ``--list``,
+    ``--jobs N`` (N mutants at once), ``--record-killers`` (keep what killed each one; those
+    tests run first next time, and a mutant is still killed only by a test that fails).
     A surviving mutant, a canary that survives or an anchor text that is missing or occurs
     more than once fails the session.
     """

@@ -29,6 +29,15 @@ out, for a short time box that they would fill (CI's sample): a mutation that do
 reach the tests makes every mutant survive, which fails the run anyway; the canaries only
 say why, first.
 
+``killers`` in an entry lists node ids of its tests that killed it in an earlier run. They run
+first (with ``-x``); if one fails, the mutant is killed. If they all pass (or no longer
+exist), the hint is stale and the entry's whole ``tests`` run as without it: a hint only
+saves time, it never decides a verdict alone. ``--all-killers`` ignores the hints.
+``--record-killers`` writes what killed each mutant of the run back into the catalogue.
+
+``--jobs N`` runs N mutants at once, each in its own scratch copy (every test uses its own
+schema, so two mutants' tests do not meet); the canaries run first, alone.
+
 A mutant whose entry has ``equivalent = "why"`` changes nothing any test could observe (a
 second guard behind a first one that already decides): it is not run, not sampled, and
 listed as equivalent with its reason, unless ``--only`` names it (then it runs, to show it
@@ -46,17 +55,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CATALOGUE = ROOT / "mutants" / "catalogue.toml"
 # One mutant's tests may not run longer than this (a hang counts as killed, and says so).
 PER_MUTANT_TIMEOUT = 1200.0
-# "FAILED <node id> - <message>": a node id may hold spaces (a parameter's id).
-_FAILED_LINE = re.compile(r"^(FAILED|ERROR) (.+?)(?= - |$)")
+# "FAILED <node id> - <message>": a node id may hold spaces (a parameter's id). A captured
+# log line ("ERROR    logger:file.py:12 ...") is not one: a node id starts with its file.
+_FAILED_LINE = re.compile(r"^(FAILED|ERROR) ([^\s:]+\.py(?:::.+?)?)(?= - |$)")
 
 
 class CatalogueError(Exception):
@@ -76,6 +88,7 @@ class Mutant:
     tests: tuple[str, ...]
     canary: bool = False
     equivalent: str = ""  # why no test can tell it apart from the code (not run then)
+    killers: tuple[str, ...] = ()  # node ids of its tests that killed it before: tried first
 
 
 @dataclass
@@ -88,6 +101,7 @@ class Outcome:
     seconds: float = 0.0
     detail: list[str] = field(default_factory=list)
     killers: list[str] = field(default_factory=list)  # every failing test (--all-killers)
+    hint: str = ""  # "hit": a recorded killer killed it; "stale": they passed, tests ran
 
 
 def load(path: Path = CATALOGUE) -> list[Mutant]:
@@ -99,7 +113,7 @@ def load(path: Path = CATALOGUE) -> list[Mutant]:
     required = {"name", "area", "invariant", "file", "find", "replace", "tests"}
     for entry in entries:
         missing = required - entry.keys()
-        extra = entry.keys() - required - {"canary", "equivalent"}
+        extra = entry.keys() - required - {"canary", "equivalent", "killers"}
         if missing or extra:
             raise CatalogueError(f"{entry.get('name', entry)}: missing {missing}, unknown {extra}")
         if entry["name"] in seen:
@@ -124,9 +138,36 @@ def load(path: Path = CATALOGUE) -> list[Mutant]:
                 tests=tuple(entry["tests"]),
                 canary=bool(entry.get("canary", False)),
                 equivalent=equivalent.strip(),
+                killers=_killers(entry),
             )
         )
     return mutants
+
+
+def _killers(entry: dict[str, object]) -> tuple[str, ...]:
+    """Return an entry's recorded killers: node ids within its own ``tests``."""
+    killers = entry.get("killers", [])
+    if not isinstance(killers, list) or not all(isinstance(k, str) and k for k in killers):
+        raise CatalogueError(f"{entry['name']}: killers must be a list of test node ids")
+    paths = _test_paths(tuple(entry["tests"]))  # type: ignore[arg-type]
+    for killer in killers:
+        if not any(_within(killer, path) for path in paths):
+            raise CatalogueError(f"{entry['name']}: killer {killer!r} is not one of its tests")
+    return tuple(killers)
+
+
+def _test_paths(tests: tuple[str, ...]) -> list[str]:
+    """Return the files, directories and node ids of a ``tests`` list (not its options)."""
+    paths, skip = [], False
+    for arg in tests:
+        if not skip and not arg.startswith("-"):
+            paths.append(arg)
+        skip = arg in ("-k", "-m")
+    return paths
+
+
+def _within(node: str, path: str) -> bool:
+    return node == path or node.startswith((f"{path}::", f"{path}[", f"{path.rstrip('/')}/"))
 
 
 def _texts(value: object) -> tuple[str, ...]:
@@ -185,22 +226,53 @@ def run_one(
 ) -> Outcome:
     """Apply ``m`` in ``tree``, run its tests, restore the file, and say what happened.
 
-    Tests still running after ``budget`` seconds are stopped and the mutant is "not run";
-    after :data:`PER_MUTANT_TIMEOUT` (a hang the mutant caused) it counts as killed.
-    ``all_killers``: run every test (no ``-x``) and list each one that failed.
+    Its recorded killers run first; only a test that fails kills it, so when they pass the
+    entry's whole ``tests`` run (the hint was stale). Tests still running after ``budget``
+    seconds are stopped and the mutant is "not run"; after :data:`PER_MUTANT_TIMEOUT` (a
+    hang the mutant caused) it counts as killed. ``all_killers``: ignore the hints, run
+    every test (no ``-x``) and list each one that failed.
     """
     target = tree / m.file
     original = target.read_text(encoding="utf-8")
     mutated = original
-    for find, replace in zip(m.find, m.replace, strict=True):
+    for find, replace_by in zip(m.find, m.replace, strict=True):
         if mutated.count(find) != 1:
             raise CatalogueError(f"{m.name}: its text does not occur exactly once in {m.file}")
-        mutated = mutated.replace(find, replace)
+        mutated = mutated.replace(find, replace_by)
     target.write_text(mutated, encoding="utf-8")
+    start = time.monotonic()
+    try:
+        if m.killers and not all_killers:
+            hinted = _pytest(m, tree, m.killers, budget, hint=True)
+            if hinted is not None and hinted.status in ("killed", "not run"):
+                return replace(hinted, hint="hit" if hinted.status == "killed" else "")
+            left = None if budget is None else budget - (time.monotonic() - start)
+            if left is not None and left <= 0:
+                return Outcome(m, "not run", "(stopped at the budget)", time.monotonic() - start)
+            outcome = _pytest(m, tree, m.tests, left, all_killers=all_killers)
+            assert outcome is not None
+            return replace(outcome, seconds=time.monotonic() - start, hint="stale")
+        outcome = _pytest(m, tree, m.tests, budget, all_killers=all_killers)
+        assert outcome is not None
+        return outcome
+    finally:
+        target.write_text(original, encoding="utf-8")
+
+
+def _pytest(
+    m: Mutant,
+    tree: Path,
+    tests: tuple[str, ...],
+    budget: float | None,
+    *,
+    all_killers: bool = False,
+    hint: bool = False,
+) -> Outcome | None:
+    """Run ``tests`` on the mutated ``tree``; ``None`` when a hint's node ids are gone."""
     command = [
         sys.executable, "-m", "pytest", *([] if all_killers else ["-x"]), "-q", "-rfE",
         "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "_no_shrink",
-        *m.tests,
+        *tests,
     ]  # fmt: skip
     start = time.monotonic()
     try:
@@ -216,13 +288,13 @@ def run_one(
         if budget is not None and budget < PER_MUTANT_TIMEOUT:
             return Outcome(m, "not run", "(stopped at the budget)", time.monotonic() - start)
         return Outcome(m, "killed", "(timeout)", time.monotonic() - start)
-    finally:
-        target.write_text(original, encoding="utf-8")
     seconds = time.monotonic() - start
     lines = done.stdout.splitlines()
     if done.returncode == 0:
         return Outcome(m, "survived", "", seconds)
-    if done.returncode in (4, 5):  # usage error or nothing collected: the entry is wrong
+    if done.returncode in (4, 5):  # usage error or nothing collected
+        if hint:
+            return None  # a recorded killer that no longer exists: the hint is stale
         raise CatalogueError(f"{m.name}: pytest exit {done.returncode}: {lines[-3:]}")
     killers = list(dict.fromkeys(g.group(2) for g in map(_FAILED_LINE.match, lines) if g))
     by = killers[0] if killers else f"(pytest exit {done.returncode})"
@@ -286,6 +358,90 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join(rows)
 
 
+def record_killers(path: Path, outcomes: list[Outcome]) -> int:
+    """Write each killed mutant's killers into its catalogue entry (a survivor's are removed).
+
+    Returns how many entries changed. Only the ``killers = [...]`` line after an entry's
+    ``tests`` line is touched; the rest of the catalogue keeps its text.
+    """
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    found = {o.mutant.name: o for o in outcomes if o.status in ("killed", "survived")}
+    out: list[str] = []
+    current: Outcome | None = None
+    changed = 0
+    for line in lines:
+        if line.startswith("[[mutant]]"):
+            current = None
+        elif line.startswith("name = "):
+            current = found.get(tomllib.loads(line)["name"])
+        elif current is not None and line.startswith("killers = "):
+            continue  # replaced below, after the tests line
+        out.append(line)
+        if current is not None and line.startswith("tests = "):
+            names = [k for k in (current.killers or [current.by]) if not k.startswith("(")]
+            if current.status == "killed" and names:
+                out.append(f"killers = [{', '.join(json.dumps(n) for n in names)}]\n")
+            changed += tuple(names if current.status == "killed" else ()) != (
+                current.mutant.killers
+            )
+    path.write_text("".join(out), encoding="utf-8")
+    return changed
+
+
+def _run_chosen(
+    chosen: list[Mutant], trees: list[Path], args: argparse.Namespace, started: float
+) -> list[Outcome] | None:
+    """Run the canaries alone, then the others on ``trees`` (one mutant per tree at once).
+
+    Returns the outcomes in ``chosen`` order, or ``None`` when a canary survived.
+    """
+    outcomes: dict[str, Outcome] = {}
+    lock = threading.Lock()
+    free = list(trees)
+
+    def one(m: Mutant) -> Outcome:
+        left = None if args.budget is None else args.budget - (time.monotonic() - started)
+        if m.canary:
+            left = None  # the canaries always run to the end: everything rests on them
+        elif left is not None and left <= 0:
+            return Outcome(m, "not run")
+        with lock:
+            tree = free.pop()
+        try:
+            outcome = run_one(m, tree, left, all_killers=args.all_killers)
+        finally:
+            with lock:
+                free.append(tree)
+        with lock:
+            _print(outcome)
+        return outcome
+
+    for m in (m for m in chosen if m.canary):
+        outcomes[m.name] = one(m)
+        if outcomes[m.name].status != "killed":
+            print(f"canary {m.name} survived: mutations do not reach the tests")
+            return None
+    rest = [m for m in chosen if not m.canary]
+    pool = ThreadPoolExecutor(max_workers=len(trees))
+    try:
+        for outcome in pool.map(one, rest):
+            outcomes[outcome.mutant.name] = outcome
+    finally:  # a stopped run starts no further mutant; those running end their tests
+        pool.shutdown(wait=True, cancel_futures=True)
+    return [outcomes[m.name] for m in chosen]
+
+
+def _print(outcome: Outcome) -> None:
+    hint = {"hit": " [recorded killer]", "stale": " [recorded killers passed: all tests ran]"}
+    print(
+        f"  {outcome.status:8} {outcome.mutant.name} {outcome.by} ({outcome.seconds:.0f} s)"
+        f"{hint.get(outcome.hint, '')}"
+    )
+    for killer in outcome.killers[1:]:
+        print(f"           also killed by {killer}")
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen mutants; exit 1 when any survives (or a canary does), 2 on a bad entry."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -307,7 +463,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run each mutant's tests to the end and record every test that kills it",
     )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="mutants run at once, each in its own copy"
+    )
+    parser.add_argument(
+        "--record-killers",
+        action="store_true",
+        help="write what killed each mutant into the catalogue's killers (tried first next time)",
+    )
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     # The real tree is never touched, but a stopped run must still end its pytest and
     # remove the scratch copy: SIGTERM unwinds like Ctrl-C.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -326,33 +492,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(aside)} equivalent set aside"
         )
         sys.stdout.flush()
-        outcomes: list[Outcome] = []
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="steeple-mutants-") as scratch:
-            tree = scratch_tree(Path(scratch))
-            check_anchors(mutants, tree)  # the whole catalogue, whatever was chosen
-            for m in chosen:
-                left = None if args.budget is None else args.budget - (time.monotonic() - started)
-                if m.canary:
-                    left = None  # the canaries always run to the end: everything rests on them
-                elif left is not None and left <= 0:
-                    outcomes.append(Outcome(m, "not run"))
-                    continue
-                outcome = run_one(m, tree, left, all_killers=args.all_killers)
-                outcomes.append(outcome)
-                print(f"  {outcome.status:8} {m.name} {outcome.by} ({outcome.seconds:.0f} s)")
-                for killer in outcome.killers[1:]:
-                    print(f"           also killed by {killer}")
-                sys.stdout.flush()
-                if m.canary and outcome.status != "killed":
-                    print(f"canary {m.name} survived: mutations do not reach the tests")
-                    return 1
+            trees = [Path(scratch) / f"tree-{i}" for i in range(args.jobs)]
+            for tree in trees:
+                tree.mkdir()
+                scratch_tree(tree)
+            check_anchors(mutants, trees[0])  # the whole catalogue, whatever was chosen
+            ran = _run_chosen(chosen, trees, args, started)
+            if ran is None:
+                return 1
+            outcomes = ran
     except CatalogueError as e:
         print(f"mutants: {e}", file=sys.stderr)
         return 2
     outcomes += [Outcome(m, "equivalent") for m in aside]
     print(table(outcomes))
-    print(f"seed {seed}")
+    print(f"seed {seed}; {time.monotonic() - started:.0f} s from start to end")
+    if args.record_killers:
+        changed = record_killers(args.catalogue, outcomes)
+        print(f"killers recorded in {args.catalogue}: {changed} entries changed")
     if args.results is not None:
         args.results.write_text(
             json.dumps(
@@ -364,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                         "by": o.by,
                         "seconds": round(o.seconds, 1),
                         "equivalent": o.mutant.equivalent,
+                        "hint": o.hint,
                         **({"killers": o.killers} if args.all_killers else {}),
                     }
                     for o in outcomes

@@ -32,12 +32,14 @@ from steeple.core.leases import (
     capability_digest,
     capability_matches,
     check_server_clock,
+    holds_granted_lease,
     holds_lease,
     is_claimable,
     is_live,
     lease_expiry,
     new_capability,
     new_generation,
+    new_occurrence_id,
     occurrence_id_for,
     window_end,
 )
@@ -179,6 +181,46 @@ def test_fresh_capability_and_generation_come_from_the_injected_source() -> None
         new_capability(_Fixed(b"short"))
     with pytest.raises(ConfigurationError, match="generation"):
         new_generation(_Fixed(b""))
+
+
+def test_a_lease_the_caller_granted_is_held_exactly_when_its_capability_would_be() -> None:
+    capability = bytes(range(16))
+    digest = capability_digest(capability)
+    for stored, stored_revision, revision, held in [
+        (digest, 3, 3, True),
+        (digest, 3, 2, False),  # an older revision
+        (capability_digest(bytes(16)), 3, 3, False),  # another lease's capability
+        (None, 3, 3, False),  # a spent lease
+    ]:
+        assert holds_granted_lease(stored, stored_revision, digest, revision) is held
+        assert holds_lease(stored, stored_revision, capability, revision) is held
+    # Never held, never an error: a bool is not a revision (True would equal 1), and a
+    # revision or a capability or digest of another type is refused.
+    assert holds_granted_lease(digest, 1, digest, 1)
+    assert holds_granted_lease(digest, 1, digest, True) is False
+    assert holds_granted_lease(digest, 3, digest, "3") is False  # type: ignore[arg-type]
+    assert holds_granted_lease(digest, 3, bytearray(digest), 3) is False  # type: ignore[arg-type]
+    assert holds_lease(digest, 1, capability, 1)
+    assert holds_lease(digest, 1, capability, True) is False
+    assert holds_lease(digest, 3, capability, "3") is False
+    assert holds_lease(digest, 3, "not bytes", 3) is False
+    assert holds_lease(None, 3, "not bytes", 3) is False
+
+
+def test_a_fresh_occurrence_id_is_the_id_of_one_generation_drawn_from_the_source() -> None:
+    source = _Fixed(bytes([0xAB, 0x0C] * 16))
+    fresh = new_occurrence_id(source)
+    assert fresh == occurrence_id_for(bytes([0xAB, 0x0C] * 8)) == "ab0c" * 8
+    assert source.asked == [GENERATION_BYTES]  # one draw of a generation's length
+    with pytest.raises(
+        ConfigurationError, match=r"^the random source returned a bad generation \(need 16 bytes\)$"
+    ):
+        new_occurrence_id(_Fixed(b"\x00" * 15))
+    with pytest.raises(
+        ConfigurationTypeError,
+        match=r"^random must be a RandomSource \(with token_bytes\), not object$",
+    ):
+        new_occurrence_id(object())  # type: ignore[arg-type]
 
 
 def test_occurrence_id_is_32_lowercase_hex() -> None:

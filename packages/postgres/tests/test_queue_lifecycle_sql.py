@@ -324,6 +324,30 @@ async def test_a_lease_holds_at_its_expiry_instant_and_is_recovered_one_microsec
     assert await db.state(task_id) is transition(TaskState.RUNNING, lease_expiry_event(1, 3))
 
 
+async def test_a_claim_never_takes_a_task_another_worker_runs(queue: Any) -> None:
+    _, schema, conn = queue
+    sql = queue_sql(schema)
+    task: Task[Any] = Task("shared")
+    older = (await enqueue(conn, task, {}, EnqueueOptions(), schema=schema)).id
+    newer = (await enqueue(conn, task, {}, EnqueueOptions(), schema=schema)).id
+    give_up = await conn.fetchval(
+        "SELECT extract(epoch FROM clock_timestamp())::double precision + 60"
+    )
+    [first] = await conn.fetch(sql.claim, ["shared"], 1, "a", give_up)
+    assert first["id"] == older
+    # Another worker with room for ten gets the one pending task, never the running one.
+    assert [r["id"] for r in await conn.fetch(sql.claim, ["shared"], 10, "b", give_up)] == [newer]
+    assert await conn.fetch(sql.claim, ["shared"], 10, "c", give_up) == []
+    held = await conn.fetchrow(
+        f'SELECT worker_id, lease_token, attempts FROM "{schema}".tasks WHERE id = $1', older
+    )
+    assert (held["worker_id"], held["lease_token"], held["attempts"]) == (
+        "a",
+        first["lease_token"],
+        1,
+    )
+
+
 async def test_a_stale_holder_cannot_overwrite_the_new_holders_progress(queue: Any) -> None:
     _, schema, conn = queue
     db = Db(conn, schema)
