@@ -107,12 +107,14 @@ async def variants(conn: asyncpg.Connection, chunk: int) -> dict[str, Variant]:
             texts = [noop.encode(a) for a in payloads[start : start + chunk]]
             raw = random_run_ids(len(texts))
             async with conn.transaction():
-                now, ids = await conn.fetchrow(
+                row = await conn.fetchrow(
                     "SELECT clock_timestamp(), array(SELECT nextval(pg_get_serial_sequence("
                     f"'{SCHEMA}.tasks', 'id')) FROM generate_series(1, $1)) FROM "
                     "(SELECT set_config('synchronous_commit', 'on', true)) AS durable",
                     len(texts),
                 )
+                assert row is not None
+                now, ids = row
                 records = [
                     (i, "noop", t, 0, now, 5, lease, 1_000_000, 300_000_000, 2, 0.0, "default",
                      now, now, uuid.UUID(bytes=raw[16 * k : 16 * k + 16]))
