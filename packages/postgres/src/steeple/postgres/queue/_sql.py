@@ -257,8 +257,9 @@ RETURNING id, pg_notify($12, {_DUE_PAYLOAD.format(run_at="run_at")})::text""",
         # $1 name, $2 every args as one JSON array text (Task.encode_all), $3.. as above
         # but no dedup; $11 channel, $12 delay|null, $13 queue, $14 limit key|null, $15 trace
         # context|null (one for the batch), $16 the run ids: 16 random bytes per task, in
-        # order (random_run_ids: the column's default, gen_random_uuid(), costs the server
-        # about a third of the insert; too short a $16 fails the statement, never a row).
+        # order (random_run_ids: the column's default, gen_random_uuid(), cost the server
+        # 5-40% of the insert, by its build's random source; too short a $16 fails the
+        # statement, never a row).
         enqueue_many=f"""
 WITH {_NOW}, ins AS (
     INSERT INTO {s}.tasks ({_TASK_COLUMNS}, created_at, updated_at, trace_context, run_id)
