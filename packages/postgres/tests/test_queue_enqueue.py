@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -27,6 +28,7 @@ from steeple.postgres.queue import (
     enqueue_sync,
     run_state,
 )
+from steeple.postgres.queue._enqueue import random_run_ids
 
 
 @attrs.frozen
@@ -245,6 +247,64 @@ async def test_enqueue_many_stores_each_args_as_enqueue_would(queue: QueueFixtur
             singles,
         )
         assert [r[0] for r in alone] == [r[0] for r in stored]
+
+
+# Every column a task's options or args decide (not its id, run id or creation instant).
+_DECIDED = (
+    "task_name, args::text, state, priority, run_at, attempts, max_attempts, lease_duration, "
+    "backoff_initial_us, backoff_maximum_us, backoff_factor, backoff_jitter, dedup_key, "
+    "job_id, scheduled_for, lease_token, lease_expires_at, worker_id, started_at, "
+    "finished_at, last_error, trace_context, queue, result, progress, waiting_on, "
+    "workflow_id, on_parent_failure, limit_key"
+)
+
+
+def _version_4(run_id: uuid.UUID) -> bool:
+    return run_id.version == 4 and run_id.variant == uuid.RFC_4122
+
+
+async def test_enqueue_many_rows_equal_enqueue_rows_each_with_its_own_run_id(
+    queue: QueueFixture,
+) -> None:
+    """A batch's rows hold what ``enqueue`` stores for the same args and options, by every
+    driver; each task gets its own random version-4 run id (the idempotency key of its
+    side effects), never one shared with another task."""
+    dsn, schema, conn = queue
+    options = EnqueueOptions(
+        priority=3,
+        run_at=datetime(2031, 5, 6, 7, 8, 9, tzinfo=UTC),
+        max_attempts=7,
+        lease_duration=timedelta(seconds=45),
+        backoff=Backoff(timedelta(seconds=2), timedelta(seconds=90), factor=3, jitter=0.25),
+        queue="bulk",
+        limit_key="tenant-9",
+    )
+    batch = [{"n": i, "s": "é"} for i in range(300)]
+    ids = await enqueue_many(conn, PLAIN, batch, options, schema=schema)
+    with psycopg.connect(dsn, autocommit=True) as sync_conn:
+        ids += enqueue_many_sync(sync_conn, PLAIN, batch, options, schema=schema)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as async_conn:
+        ids += await enqueue_many(async_conn, PLAIN, batch, options, schema=schema)
+    single = [(await enqueue(conn, PLAIN, args, options, schema=schema)).id for args in batch]
+    query = f'SELECT {_DECIDED} FROM "{schema}".tasks WHERE id = ANY($1::bigint[]) ORDER BY id'
+    alone = [tuple(r) for r in await conn.fetch(query, single)]
+    for start in range(0, len(ids), len(batch)):
+        rows = await conn.fetch(query, ids[start : start + len(batch)])
+        assert [tuple(r) for r in rows] == alone
+    run_ids = [r[0] for r in await conn.fetch(f'SELECT run_id FROM "{schema}".tasks')]
+    assert len(run_ids) == 4 * len(batch)
+    assert len(set(run_ids)) == len(run_ids)
+    assert all(_version_4(r) for r in run_ids)
+
+
+def test_a_batchs_run_ids_are_random_version_4_uuids() -> None:
+    for count in (0, 1, 2, 1000):
+        raw = random_run_ids(count)
+        assert len(raw) == 16 * count
+        ids = [uuid.UUID(bytes=raw[i : i + 16]) for i in range(0, len(raw), 16)]
+        assert all(_version_4(r) for r in ids)
+        assert len(set(ids)) == count
+    assert random_run_ids(4) != random_run_ids(4)
 
 
 async def test_enqueue_sends_a_notification_on_commit_only(queue: QueueFixture) -> None:
