@@ -6,6 +6,16 @@ per task) and starts a handler for each, never more than ``concurrency`` at once
 than a queue's own limit in this worker, nor more plain ``def`` handlers than the worker
 has threads: a worker claims only what it can start.
 
+A worker whose handlers all run on the event loop keeps up to two claims in flight (two
+lanes of rounds), each of at most half its slots: one claim's round trip overlaps the
+handlers of the other's tasks. The slots a claim asked for count as taken (in all and per
+queue) until its tasks run, so the tasks running and the claims in flight never ask for
+more than ``concurrency`` or a queue's own limit. Only the first lane polls and waits for
+wake-ups; the second claims while claims come back full and otherwise waits for one that
+does, so an idle worker polls no more than with one lane. A worker with a plain ``def``
+handler keeps one claim in flight (what a claim takes is known only from its answer, and
+each sync task it takes needs a thread).
+
 Each queue's claim walks its claim order from the last task this worker took there (a
 position), not from the front, which skips the entries of what it already claimed (a held
 vacuum horizon keeps them in the claim index); it walks from the front at least every poll
@@ -378,10 +388,14 @@ class Claimer:
         if loop.extra:
             # Only the first lane polls and waits for wake-ups: the extra one comes back
             # when a claim fills up again (so an idle worker polls no more than before).
-            self._filled.clear()
-            await wait_either(self._filled, loop.stop_waiter, None)
+            await self._wait_filled(loop)
             return
         await self._wait_idle(loop, held=held is not None)
+
+    async def _wait_filled(self, loop: _Loop) -> None:
+        """Wait until a claim takes all it asked for (or the worker stops)."""
+        self._filled.clear()
+        await wait_either(self._filled, loop.stop_waiter, None)
 
     async def _wait_for_a_slot(self, loop: _Loop) -> None:
         """Wait until one of this worker's handlers ends (or the worker stops)."""
@@ -455,6 +469,11 @@ class Claimer:
         delay = loop.retry.failed()
         if not status.database.failed("claims", exc):
             LOG.warning("claim failed (%s); retrying in %.2f s", describe_db_error(exc), delay)
+        if loop.extra:
+            # The first lane retries (and reports the outage); this one comes back once
+            # a claim fills up again.
+            await self._wait_filled(loop)
+            return
         # Backing off: only a stop cuts the wait short (wake-ups would not help).
         await wait_any((), loop.stop_waiter, delay)
 
