@@ -139,7 +139,7 @@ async def test_running_tasks_and_claims_in_flight_never_exceed_the_concurrency(
         batch_size=4,
         poll_interval=10.0,
         listen=False,
-        **({} if queues is None else {"queues": queues}),
+        queues=("default",) if queues is None else queues,
     )
     worker.register(NOOP, handle)
     async with _running(worker):
