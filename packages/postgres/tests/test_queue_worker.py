@@ -106,8 +106,12 @@ async def test_delayed_work_is_not_run_early(queue: QueueFixture) -> None:
     done = await enqueue(conn, PLAIN, 1, EnqueueOptions.at(due), schema=schema)
     worker = worker_for(dsn, schema)
 
+    # The handler and the watch below share one connection: one statement at a time.
+    one_at_a_time = asyncio.Lock()
+
     async def handler(ctx: JobContext, args: Any) -> None:
-        ran_at.append(await conn.fetchval("SELECT clock_timestamp()"))
+        async with one_at_a_time:
+            ran_at.append(await conn.fetchval("SELECT clock_timestamp()"))
 
     worker.register(PLAIN, handler)
     async with running(worker):
@@ -115,9 +119,11 @@ async def test_delayed_work_is_not_run_early(queue: QueueFixture) -> None:
         # one statement): however slowly this machine runs, nothing starts early.
         while True:
             ran_before = list(ran_at)
-            row = await conn.fetchrow(
-                f'SELECT clock_timestamp(), state FROM "{schema}".tasks WHERE id = $1', done.id
-            )
+            async with one_at_a_time:
+                row = await conn.fetchrow(
+                    f'SELECT clock_timestamp(), state FROM "{schema}".tasks WHERE id = $1',
+                    done.id,
+                )
             assert row is not None
             now, state = row
             if now >= due:

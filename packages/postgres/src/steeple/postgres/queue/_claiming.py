@@ -6,6 +6,16 @@ per task) and starts a handler for each, never more than ``concurrency`` at once
 than a queue's own limit in this worker, nor more plain ``def`` handlers than the worker
 has threads: a worker claims only what it can start.
 
+A worker whose handlers all run on the event loop keeps up to two claims in flight (two
+lanes of rounds), each of at most half its slots: one claim's round trip overlaps the
+handlers of the other's tasks. The slots a claim asked for count as taken (in all and per
+queue) until its tasks run, so the tasks running and the claims in flight never ask for
+more than ``concurrency`` or a queue's own limit. Only the first lane polls and waits for
+wake-ups; the second claims while claims come back full and otherwise waits for one that
+does, so an idle worker polls no more than with one lane. A worker with a plain ``def``
+handler keeps one claim in flight (what a claim takes is known only from its answer, and
+each sync task it takes needs a thread).
+
 Each queue's claim walks its claim order from the last task this worker took there (a
 position), not from the front, which skips the entries of what it already claimed (a held
 vacuum horizon keeps them in the claim index); it walks from the front at least every poll
@@ -191,6 +201,8 @@ class _Loop:
     """Whether a limit held the last claim back."""
     names_before: list[str] | None = None
     """The task names the last claim asked for."""
+    extra: bool = False
+    """A lane beside the first: it claims only while claims fill up (see ``Claimer._round``)."""
 
 
 class Claimer:
@@ -222,6 +234,18 @@ class Claimer:
         self._gate = _ThreadGate(threads)
         capacity = concurrency if self._async_names else min(concurrency, threads)
         self._min_claim = max(1, min(batch, capacity) // 4)
+        # Claims in flight at once: two, each of at most half the slots, so one claim's
+        # round trip overlaps the handlers of the other's tasks; one while a handler needs
+        # a thread (what a claim takes cannot be told before it answers, and every sync
+        # task it takes needs a thread).
+        self._lanes = 1 if self._sync or concurrency < 2 else 2
+        self._lane_batch = min(batch, concurrency // self._lanes)
+        # Slots asked for by the claims in flight (in all and per queue): not free, though
+        # their tasks are not yet in ``env.inflight``.
+        self._reserved = 0
+        self._reserved_per_queue: Counter[str] = collections.Counter()
+        # Set when a claim took all it asked for: more may be due, the extra lane claims.
+        self._filled = asyncio.Event()
         self._wakeups = wakeups
         self._executor = executor
         self._completions = completions
@@ -234,7 +258,7 @@ class Claimer:
 
     def _capacity(self) -> tuple[int, list[str]]:
         """Return the slots free for new claims and the task names to claim for them."""
-        free = self._concurrency - len(self._env.inflight)
+        free = self._concurrency - len(self._env.inflight) - self._reserved
         if not self._sync:
             return free, self._names
         free_threads = self._gate.size - self._gate.held
@@ -252,12 +276,13 @@ class Claimer:
         is still left goes to the drained queues, so an idle worker asks every queue.
         """
         per_queue = self._env.inflight.per_queue
+        reserved = self._reserved_per_queue
         count = len(self._queues)
         order = [self._queues[(turn + i) % count][0] for i in range(count)]
-        room = {name: limit - per_queue[name] for name, limit in self._queues}
+        room = {name: limit - per_queue[name] - reserved[name] for name, limit in self._queues}
         drained = self._drained
         shares: Counter[str] = collections.Counter()
-        left = min(free, self._batch)
+        left = min(free, self._lane_batch)
         left = _share_out(left, [n for n in order if n not in drained], room, shares)
         _share_out(left, [n for n in order if n in drained], room, shares)
         queues = [name for name in order if shares[name] > 0]
@@ -266,20 +291,41 @@ class Claimer:
     def _more_may_be_due(self) -> bool:
         """Whether a queue with room in this worker has not answered short since last asked."""
         per_queue = self._env.inflight.per_queue
+        reserved = self._reserved_per_queue
         return any(
-            limit > per_queue[name] and name not in self._drained for name, limit in self._queues
+            limit > per_queue[name] + reserved[name] and name not in self._drained
+            for name, limit in self._queues
         )
 
     async def claim_until(self, stop: asyncio.Event, handlers: asyncio.TaskGroup) -> None:
         """Claim and start handlers in ``handlers`` until ``stop`` is set."""
         stop_waiter = asyncio.ensure_future(stop.wait())
-        loop = _Loop(handlers, stop_waiter, Retry(self._env.random))
+        loops = [
+            _Loop(handlers, stop_waiter, Retry(self._env.random), turn=i, extra=i > 0)
+            for i in range(self._lanes)
+        ]
         try:
-            while not stop.is_set():
-                await self._round(loop)
+            if len(loops) == 1:
+                await self._lane(stop, loops[0])
+            else:
+                async with asyncio.TaskGroup() as lanes:
+                    for loop in loops:
+                        lanes.create_task(self._lane(stop, loop))
         finally:
             self._completions.carry(False)
             stop_waiter.cancel()
+
+    async def _lane(self, stop: asyncio.Event, loop: _Loop) -> None:
+        """Run rounds until ``stop`` is set: one claim in flight at a time in this lane."""
+        while not stop.is_set():
+            await self._round(loop)
+
+    def _reserve(self, queues: Sequence[str], wants: Sequence[int], sign: int) -> None:
+        """Count (``sign`` 1) or stop counting (-1) a claim's ``wants`` as taken slots."""
+        reserved = self._reserved_per_queue
+        for name, want in zip(queues, wants, strict=True):
+            reserved[name] += sign * want
+            self._reserved += sign * want
 
     async def _round(self, loop: _Loop) -> None:
         """One round of the claim loop: claim what fits, start it, wait if nothing more is due."""
@@ -312,22 +358,44 @@ class Claimer:
         # take: written in its transaction, before it (one call, not two).
         carried = completions.take_carried() if completions.carrier else []
         completions.carry(False)
-        answer = await self._send(loop, carried, (queues, wants, names, give_up), starts)
-        if answer is None:
-            return
-        server_now, rows, held = await self._read(loop, answer, carried)
-        if not rows and server_now >= give_up:
-            await self._refused(loop)
-            return
-        self._claimed(queues, wants, starts, rows, sent, held=held is not None)
-        loop.held_before = held is not None
-        await self._start_all(loop, rows, sent)
+        # The slots asked for stay taken until the tasks claimed are in env.inflight (the
+        # other lane's claim may not ask for them meanwhile).
+        self._reserve(queues, wants, 1)
+        try:
+            answer = await self._send(loop, carried, (queues, wants, names, give_up), starts)
+            if answer is None:
+                return
+            server_now, rows, held = await self._read(loop, answer, carried)
+            if not rows and server_now >= give_up:
+                await self._refused(loop)
+                return
+            self._claimed(queues, wants, starts, rows, sent, held=held is not None)
+            loop.held_before = held is not None
+            await self._start_all(loop, rows, sent)
+        finally:
+            self._reserve(queues, wants, -1)
+            if self._lanes > 1:
+                # What the claim did not take is free again: a lane waiting for a slot
+                # may claim it.
+                inflight.slot_freed.set()
+        if len(rows) >= wanted:
+            self._filled.set()
         if len(rows) >= wanted or self._more_may_be_due():
             # Let handlers and the flusher run before the next claim, which gives
             # the slots of the queues that answered short to the others.
             await asyncio.sleep(0)
             return
+        if loop.extra:
+            # Only the first lane polls and waits for wake-ups: the extra one comes back
+            # when a claim fills up again (so an idle worker polls no more than before).
+            await self._wait_filled(loop)
+            return
         await self._wait_idle(loop, held=held is not None)
+
+    async def _wait_filled(self, loop: _Loop) -> None:
+        """Wait until a claim takes all it asked for (or the worker stops)."""
+        self._filled.clear()
+        await wait_either(self._filled, loop.stop_waiter, None)
 
     async def _wait_for_a_slot(self, loop: _Loop) -> None:
         """Wait until one of this worker's handlers ends (or the worker stops)."""
@@ -401,6 +469,11 @@ class Claimer:
         delay = loop.retry.failed()
         if not status.database.failed("claims", exc):
             LOG.warning("claim failed (%s); retrying in %.2f s", describe_db_error(exc), delay)
+        if loop.extra:
+            # The first lane retries (and reports the outage); this one comes back once
+            # a claim fills up again.
+            await self._wait_filled(loop)
+            return
         # Backing off: only a stop cuts the wait short (wake-ups would not help).
         await wait_any((), loop.stop_waiter, delay)
 
