@@ -44,10 +44,12 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._private_pg import PrivateServer
+from benchmarks._run_names import drop_schemas, run_name
 
-SCHEMA = "steeple_queue"
+# This run's own schema and slot: with --dsn, the server may be serving other runs.
+SCHEMA = run_name("bench_bloat")
 TABLES = ("tasks", "attempts", "jobs", "settings", "schema_migrations")
-SLOT = "steeple_bench_slot"
+SLOT = run_name("bench_bloat_slot")
 
 
 @dataclass
@@ -109,7 +111,12 @@ class Load:
 
         self._time_claims()
         worker = Scheduler(
-            self.dsn, worker_id="bloat", concurrency=32, batch_size=32, maintenance_interval=1.0
+            self.dsn,
+            worker_id="bloat",
+            schema=SCHEMA,
+            concurrency=32,
+            batch_size=32,
+            maintenance_interval=1.0,
         )
 
         async def handler(ctx: Any, args: Any) -> None:
@@ -132,7 +139,7 @@ class Load:
         next_at = loop.time()
         try:
             while not self.stop.is_set():
-                await enqueue_many(pool, task, [{"n": i} for i in range(per_tick)])
+                await enqueue_many(pool, task, [{"n": i} for i in range(per_tick)], schema=SCHEMA)
                 next_at += tick
                 await asyncio.sleep(max(0.0, next_at - loop.time()))
         finally:
@@ -144,7 +151,10 @@ class Load:
         pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=1)
         try:
             while not self.stop.is_set():
-                while await prune_terminal(pool, timedelta(seconds=30), 10_000) == 10_000:
+                while (
+                    await prune_terminal(pool, timedelta(seconds=30), 10_000, schema=SCHEMA)
+                    == 10_000
+                ):
                     pass
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), 5)
@@ -333,6 +343,7 @@ async def run(args: argparse.Namespace) -> None:
         )
         dsn = server.dsn()
     load = Load(dsn, args.rate, args.work_ms)
+    held: list[Holder] = []
     try:
         from steeple.postgres.queue import install
 
@@ -351,7 +362,6 @@ async def run(args: argparse.Namespace) -> None:
             flush=True,
         )
         print(HEADER, flush=True)
-        held: list[Holder] = []
         for phase, seconds, kind in plan:
             while held:
                 await held.pop().release()
@@ -384,6 +394,9 @@ async def run(args: argparse.Namespace) -> None:
         await conn.close()
     finally:
         await load.close()
+        while held:  # a failure or Ctrl-C while held: the slot goes too
+            await held.pop().release()
+        await drop_schemas(dsn, SCHEMA)
         if server is not None:
             server.close()
 
