@@ -175,6 +175,7 @@ class Holder:
         self.conns: list[asyncpg.Connection] = []
         self.readers: list[asyncio.Task[None]] = []
         self.done = asyncio.Event()
+        self.slot = False
 
     async def hold(self) -> None:
         if self.kind == "idle":
@@ -192,10 +193,11 @@ class Holder:
                 self.readers.append(asyncio.create_task(self._read(conn)))
         elif self.kind == "slot":
             conn = await asyncpg.connect(self.dsn)
+            self.conns.append(conn)
             await conn.execute(
                 f"SELECT pg_create_logical_replication_slot('{SLOT}', 'test_decoding')"
             )
-            self.conns.append(conn)
+            self.slot = True
         else:
             raise ValueError(self.kind)
 
@@ -209,10 +211,12 @@ class Holder:
     async def release(self) -> None:
         self.done.set()
         await asyncio.gather(*self.readers, return_exceptions=True)
-        if self.kind == "slot":
-            await self.conns[0].execute(f"SELECT pg_drop_replication_slot('{SLOT}')")
-        for conn in self.conns:
-            await conn.close()
+        try:
+            if self.slot:
+                await self.conns[0].execute(f"SELECT pg_drop_replication_slot('{SLOT}')")
+        finally:
+            for conn in self.conns:
+                await conn.close()
 
 
 async def observe(
@@ -393,12 +397,14 @@ async def run(args: argparse.Namespace) -> None:
             )
         await conn.close()
     finally:
-        await load.close()
-        while held:  # a failure or Ctrl-C while held: the slot goes too
-            await held.pop().release()
-        await drop_schemas(dsn, SCHEMA)
-        if server is not None:
-            server.close()
+        try:
+            await load.close()
+            while held:  # a failure or Ctrl-C while held: the slot goes too
+                await held.pop().release()
+            await drop_schemas(dsn, SCHEMA)
+        finally:
+            if server is not None:
+                server.close()
 
 
 def main() -> None:
