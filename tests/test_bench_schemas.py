@@ -85,7 +85,7 @@ def _ddl_names(tree: ast.Module) -> set[str]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.JoinedStr):
             continue
-        text = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+        text = "".join(str(v.value) for v in node.values if isinstance(v, ast.Constant))
         if DDL.search(text):
             for value in node.values:
                 if isinstance(value, ast.FormattedValue):
