@@ -44,10 +44,12 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._private_pg import PrivateServer
+from benchmarks._run_names import drop_schemas, run_name
 
-SCHEMA = "steeple_queue"
+# This run's own schema and slot: with --dsn, the server may be serving other runs.
+SCHEMA = run_name("bench_bloat")
 TABLES = ("tasks", "attempts", "jobs", "settings", "schema_migrations")
-SLOT = "steeple_bench_slot"
+SLOT = run_name("bench_bloat_slot")
 
 
 @dataclass
@@ -109,7 +111,12 @@ class Load:
 
         self._time_claims()
         worker = Scheduler(
-            self.dsn, worker_id="bloat", concurrency=32, batch_size=32, maintenance_interval=1.0
+            self.dsn,
+            worker_id="bloat",
+            schema=SCHEMA,
+            concurrency=32,
+            batch_size=32,
+            maintenance_interval=1.0,
         )
 
         async def handler(ctx: Any, args: Any) -> None:
@@ -132,7 +139,7 @@ class Load:
         next_at = loop.time()
         try:
             while not self.stop.is_set():
-                await enqueue_many(pool, task, [{"n": i} for i in range(per_tick)])
+                await enqueue_many(pool, task, [{"n": i} for i in range(per_tick)], schema=SCHEMA)
                 next_at += tick
                 await asyncio.sleep(max(0.0, next_at - loop.time()))
         finally:
@@ -144,7 +151,10 @@ class Load:
         pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=1)
         try:
             while not self.stop.is_set():
-                while await prune_terminal(pool, timedelta(seconds=30), 10_000) == 10_000:
+                while (
+                    await prune_terminal(pool, timedelta(seconds=30), 10_000, schema=SCHEMA)
+                    == 10_000
+                ):
                     pass
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), 5)
@@ -165,6 +175,7 @@ class Holder:
         self.conns: list[asyncpg.Connection] = []
         self.readers: list[asyncio.Task[None]] = []
         self.done = asyncio.Event()
+        self.slot = False
 
     async def hold(self) -> None:
         if self.kind == "idle":
@@ -182,10 +193,11 @@ class Holder:
                 self.readers.append(asyncio.create_task(self._read(conn)))
         elif self.kind == "slot":
             conn = await asyncpg.connect(self.dsn)
+            self.conns.append(conn)
             await conn.execute(
                 f"SELECT pg_create_logical_replication_slot('{SLOT}', 'test_decoding')"
             )
-            self.conns.append(conn)
+            self.slot = True
         else:
             raise ValueError(self.kind)
 
@@ -199,10 +211,12 @@ class Holder:
     async def release(self) -> None:
         self.done.set()
         await asyncio.gather(*self.readers, return_exceptions=True)
-        if self.kind == "slot":
-            await self.conns[0].execute(f"SELECT pg_drop_replication_slot('{SLOT}')")
-        for conn in self.conns:
-            await conn.close()
+        try:
+            if self.slot:
+                await self.conns[0].execute(f"SELECT pg_drop_replication_slot('{SLOT}')")
+        finally:
+            for conn in self.conns:
+                await conn.close()
 
 
 async def observe(
@@ -333,6 +347,7 @@ async def run(args: argparse.Namespace) -> None:
         )
         dsn = server.dsn()
     load = Load(dsn, args.rate, args.work_ms)
+    held: list[Holder] = []
     try:
         from steeple.postgres.queue import install
 
@@ -351,7 +366,6 @@ async def run(args: argparse.Namespace) -> None:
             flush=True,
         )
         print(HEADER, flush=True)
-        held: list[Holder] = []
         for phase, seconds, kind in plan:
             while held:
                 await held.pop().release()
@@ -383,9 +397,14 @@ async def run(args: argparse.Namespace) -> None:
             )
         await conn.close()
     finally:
-        await load.close()
-        if server is not None:
-            server.close()
+        try:
+            await load.close()
+            while held:  # a failure or Ctrl-C while held: the slot goes too
+                await held.pop().release()
+            await drop_schemas(dsn, SCHEMA)
+        finally:
+            if server is not None:
+                server.close()
 
 
 def main() -> None:

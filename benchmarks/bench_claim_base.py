@@ -19,17 +19,23 @@ import io
 import os
 import statistics
 import subprocess
+import sys
 import tarfile
 import time
+from pathlib import Path
 
 import asyncpg
 
 from steeple.postgres.queue import install
 from steeple.postgres.queue._sql import queue_sql
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._run_names import drop_schemas, run_name
+
 MIGRATIONS = "packages/postgres/src/steeple/postgres/queue/migrations"
 BATCH = 200
-SIDES = ("bench_claim_base", "bench_claim_head")
+SIDES = (run_name("bench_claim_base"), run_name("bench_claim_head"))
 INSERT = """
 INSERT INTO {s}.tasks (task_name, args, max_attempts, lease_duration, backoff_initial_us,
                        backoff_maximum_us, backoff_factor, backoff_jitter, run_at, created_at,
@@ -82,7 +88,7 @@ async def run(dsn: str, base: str, rounds: int, n: int) -> None:
     conn = await asyncpg.connect(dsn)
     try:
         for s in SIDES:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{s}" CASCADE')
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{s}" CASCADE')  # a killed run's leftover
             await conn.execute(f'CREATE SCHEMA "{s}"')
         for sql in migrations:
             await conn.execute(sql.replace("__SCHEMA__", f'"{SIDES[0]}"'))
@@ -102,9 +108,8 @@ async def run(dsn: str, base: str, rounds: int, n: int) -> None:
             f"{min(ratios):.3f}..{max(ratios):.3f}"
         )
     finally:
-        for s in SIDES:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{s}" CASCADE')
         await conn.close()
+        await drop_schemas(dsn, *SIDES)
 
 
 def main() -> None:

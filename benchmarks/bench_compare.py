@@ -286,17 +286,42 @@ _UNINHERITED = frozenset({"PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE"
 
 def _run_one(python: str, dsn: str, schema: str, n: int, server_cpu: bool) -> dict[str, float]:
     """One measurement in a fresh process of ``python``, run from an empty directory."""
-    with tempfile.TemporaryDirectory(prefix="steeple-bench-compare-") as cwd:
-        env = {k: v for k, v in os.environ.items() if k not in _UNINHERITED}
-        done = subprocess.run(
-            [python, os.path.abspath(__file__), "--measure", "--dsn", dsn,
-             "--schema", schema, "--n", str(n), *(["--server-cpu"] if server_cpu else [])],
-            cwd=cwd, env=env, capture_output=True, text=True, timeout=3600, check=False,
-        )  # fmt: skip
+    finished = False
+    try:
+        with tempfile.TemporaryDirectory(prefix="steeple-bench-compare-") as cwd:
+            env = {k: v for k, v in os.environ.items() if k not in _UNINHERITED}
+            done = subprocess.run(
+                [python, os.path.abspath(__file__), "--measure", "--dsn", dsn,
+                 "--schema", schema, "--n", str(n), *(["--server-cpu"] if server_cpu else [])],
+                cwd=cwd, env=env, capture_output=True, text=True, timeout=3600, check=False,
+            )  # fmt: skip
+        finished = done.returncode == 0
+    finally:
+        if not finished:  # killed (Ctrl-C, timeout) or failed: its own cleanup may not have run
+            _drop_schema(dsn, schema)
     if done.returncode != 0:
         raise RuntimeError(f"measurement with {python} failed:\n{done.stdout}{done.stderr}")
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def _run_schema(side: str) -> str:
+    """This run's own schema for ``side``'s measurements (not needed by a measurement)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._run_names import run_name
+
+    return run_name(f"bench_compare_{side}")
+
+
+def _drop_schema(dsn: str, schema: str) -> None:
+    """Drop a failed measurement's schema; if that fails too, say so (the first failure counts)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._run_names import drop_schemas
+
+    try:
+        asyncio.run(drop_schemas(dsn, schema))
+    except Exception as exc:  # the measurement's own failure is the one to raise
+        print(f"could not drop schema {schema}: {type(exc).__name__}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -321,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--server-cpu", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--schema", default="bench_compare", help=argparse.SUPPRESS)
+    parser.add_argument("--schema", help=argparse.SUPPRESS)
     parser.add_argument(
         "--profile", metavar="FILE", help="with --measure: cProfile the drain into FILE"
     )
@@ -329,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.n < 1 or args.rounds < 1:
         parser.error("--n and --rounds must be at least 1")
     if args.measure:
+        if not args.schema:
+            parser.error("--measure needs --schema")
         print(
             json.dumps(
                 asyncio.run(_measure(args.dsn, args.schema, args.n, args.profile, args.server_cpu))
@@ -346,13 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("starting a private PostgreSQL (pgserver)", file=sys.stderr)
         server = get_server(tempfile.mkdtemp(prefix="steeple-bench-"), cleanup_mode="delete")
         args.dsn = server.get_uri()
+    schemas = {side: _run_schema(side) for side in ("base", "head")}
     try:
         samples: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
         for i in range(args.rounds):
             for side, python in (("base", args.base_python), ("head", args.head_python)):
-                got = _run_one(
-                    python, args.dsn, f"bench_compare_{side}", args.n, server is not None
-                )
+                got = _run_one(python, args.dsn, schemas[side], args.n, server is not None)
                 for metric, value in got.items():
                     samples[side].setdefault(metric, []).append(value)
                 shown = ", ".join(f"{m} {v:,.0f}" for m, v in got.items())

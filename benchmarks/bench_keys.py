@@ -29,13 +29,19 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import asyncpg
 
 from steeple.postgres.queue import install, limit_queue
 
-SCHEMA = "bench_keys"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._run_names import drop_schemas, run_name
+
+SCHEMA = run_name("bench_keys")
 QUEUES = ("plain", "limited", "keyed", "saturated", "hot")
 
 
@@ -129,7 +135,7 @@ async def main() -> int:
         parser.error("give --dsn or set STEEPLE_TEST_DSN")
     conn = await asyncpg.connect(args.dsn)
     try:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')  # a killed run's leftover
         await install(conn, schema=SCHEMA)
         await _fill(conn, args)
         times: dict[str, list[float]] = {q: [] for q in QUEUES}
@@ -153,8 +159,8 @@ async def main() -> int:
                 f"  (took {taken[queue]})"
             )
     finally:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
         await conn.close()
+        await drop_schemas(args.dsn, SCHEMA)
     return 0
 
 

@@ -32,6 +32,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._run_names import drop_schemas, run_name
+
 WORKER: dict[str, Any] = {
     "concurrency": 200,
     "batch_size": 200,
@@ -234,24 +236,35 @@ async def _drain(
 async def _run(args: argparse.Namespace) -> None:
     samples: dict[str, list[dict[str, Any]]] = {"unlimited": [], "limited": []}
     statements: dict[str, list[tuple[str, int, float, float]]] = {}
-    for i in range(args.rounds):
-        for mode, limit in (("unlimited", None), ("limited", args.limit)):
-            schema = f"bench_limited_{mode}"
-            await _prepare(args.dsn, schema, args.n, limit)
-            if args.statements:
-                await _statements(args.dsn, reset=True)
-            got = await _drain(
-                args.dsn, schema, args.n, args.workers, args.trace, args.monitor, args.postmaster
-            )
-            if args.statements:
-                statements[mode] = await _statements(args.dsn, reset=False)
-            if got["count"] != args.n:
-                raise RuntimeError(f"{mode}: {got['count']} of {args.n} tasks ran")
-            samples[mode].append(got)
-            shown = ", ".join(
-                f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()
-            )
-            print(f"round {i + 1}/{args.rounds} {mode}: {shown}", flush=True)
+    # This run's own schemas, dropped however the run ends.
+    schemas = {mode: run_name(f"bench_limited_{mode}") for mode in ("unlimited", "limited")}
+    try:
+        for i in range(args.rounds):
+            for mode, limit in (("unlimited", None), ("limited", args.limit)):
+                schema = schemas[mode]
+                await _prepare(args.dsn, schema, args.n, limit)
+                if args.statements:
+                    await _statements(args.dsn, reset=True)
+                got = await _drain(
+                    args.dsn,
+                    schema,
+                    args.n,
+                    args.workers,
+                    args.trace,
+                    args.monitor,
+                    args.postmaster,
+                )
+                if args.statements:
+                    statements[mode] = await _statements(args.dsn, reset=False)
+                if got["count"] != args.n:
+                    raise RuntimeError(f"{mode}: {got['count']} of {args.n} tasks ran")
+                samples[mode].append(got)
+                shown = ", ".join(
+                    f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()
+                )
+                print(f"round {i + 1}/{args.rounds} {mode}: {shown}", flush=True)
+    finally:
+        await drop_schemas(args.dsn, *schemas.values())
     print(f"\nN = {args.n:,}, workers = {args.workers}, limit = {args.limit}, medians:")
     keys = [k for k in samples["limited"][0] if k != "count"]
     print(f"{'metric':<20}{'unlimited':>12}{'limited':>12}")

@@ -21,12 +21,18 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 
-SCHEMA = f"bench_pickup_trace_{os.getpid()}"  # this run's own: runs at once do not mix
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._run_names import drop_schemas, run_name
+
+SCHEMA = run_name("bench_pickup_trace")  # this run's own: runs at once do not mix
 STEPS = ("enqueue returned", "notify heard", "claim sent", "claim answered", "handler started")
 
 
@@ -157,9 +163,9 @@ async def main() -> int:
     from steeple.postgres.queue import install
 
     conn = await asyncpg.connect(args.dsn)
-    await conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
-    await install(conn, schema=SCHEMA)
     try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')  # a killed run's leftover
+        await install(conn, schema=SCHEMA)
         rows = await traced_pickups(args.dsn, args.samples)
         print(f"idle pickup, {len(rows)} traced tasks (ms from just before the enqueue call)")
         print(f"  {'step':<18} {'p50':>7} {'p90':>7} {'p99':>7}   median since the step before")
@@ -177,8 +183,8 @@ async def main() -> int:
         for label, (wall, cpu) in trips.items():
             print(f"  {label:<28} {wall:6.2f}   {'-' if cpu is None else f'{cpu:.2f}'}")
     finally:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
         await conn.close()
+        await drop_schemas(args.dsn, SCHEMA)
     return 0
 
 

@@ -37,10 +37,14 @@ from typing import Any
 
 import asyncpg
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._run_names import run_name
+
 # Each run's own schemas (the process id in their names): runs started at once against one
 # server must not drop each other's schemas, nor have one's workers take the other's tasks.
 SCHEMAS = {
-    name: f"{schema}_{os.getpid()}"
+    name: run_name(schema)
     for name, schema in {
         "mix": "bench_steeple_mix",
         "steeple": "bench_steeple",

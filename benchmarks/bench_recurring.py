@@ -18,9 +18,9 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import tempfile
 import time
-import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -30,6 +30,10 @@ from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, 
 from steeple.keyring import Keyring, StorageKey
 from steeple.postgres import PostgresRecurringStore
 from steeple.testing import FakeClock, MemoryBroker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._run_names import drop_schemas, run_name
 
 NOW = datetime(2031, 3, 4, 5, 6, 7, tzinfo=UTC)
 
@@ -95,7 +99,7 @@ async def _raw_baselines(
 
 async def main(ticks: int, relays: int) -> None:
     dsn, server = _dsn()
-    schema = f"bench_{uuid.uuid4().hex[:8]}"
+    schema = run_name("bench_recurring")
     clock = FakeClock(NOW)
     keyring = Keyring(StorageKey.generate("bench"))
     payload = os.urandom(512)
@@ -137,11 +141,7 @@ async def main(ticks: int, relays: int) -> None:
         raw_insert, raw_update = await _raw_baselines(dsn, schema, max(ticks, 20), payload)
     finally:
         await store.close()
-        conn = await asyncpg.connect(dsn)
-        try:
-            await conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
-        finally:
-            await conn.close()
+        await drop_schemas(dsn, schema)
         if server is not None:
             server.cleanup()  # type: ignore[attr-defined]
     tick_ms = statistics.median(tick_samples)

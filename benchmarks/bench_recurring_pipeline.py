@@ -46,6 +46,10 @@ from typing import Any
 
 import asyncpg
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._run_names import drop_schemas, run_name
+
 PAYLOAD = os.urandom(256)
 
 
@@ -351,7 +355,7 @@ class Run:
         self.aps_outcomes: dict[str, int] = {}
 
     def new_schema(self, prefix: str) -> str:
-        schema = f"{prefix}_{self.tag}_{len(self.schemas)}"
+        schema = run_name(f"{prefix}_{len(self.schemas)}")
         self.schemas.append(schema)
         return schema
 
@@ -513,12 +517,7 @@ class Run:
     async def cleanup(self) -> None:
         import nats
 
-        conn = await asyncpg.connect(self.dsn)
-        try:
-            for schema in self.schemas:
-                await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        finally:
-            await conn.close()
+        await drop_schemas(self.dsn, *self.schemas)
         nc = await nats.connect(self.nats)
         try:
             for stream in self.streams:

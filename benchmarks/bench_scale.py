@@ -32,8 +32,11 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._private_pg import PrivateServer
+from benchmarks._run_names import drop_schemas, run_name
 
-SCHEMA = "bench_scale"
+# This run's own schema. Worker processes (spawned: they import this file afresh, with
+# process ids of their own) are given it, never read it here.
+SCHEMA = run_name("bench_scale")
 CHUNK = 5000
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -67,20 +70,32 @@ def server_pids(data: Path) -> list[int]:
 
 
 def worker_process(
-    dsn: str, index: int, settings: dict[str, Any], ready: Event, go: Event, stop: Event
+    dsn: str,
+    schema: str,
+    index: int,
+    settings: dict[str, Any],
+    ready: Event,
+    go: Event,
+    stop: Event,
 ) -> None:
-    asyncio.run(_worker(dsn, index, settings, ready, go, stop))
+    asyncio.run(_worker(dsn, schema, index, settings, ready, go, stop))
 
 
 async def _worker(
-    dsn: str, index: int, settings: dict[str, Any], ready: Event, go: Event, stop: Event
+    dsn: str,
+    schema: str,
+    index: int,
+    settings: dict[str, Any],
+    ready: Event,
+    go: Event,
+    stop: Event,
 ) -> None:
     from steeple.postgres.queue import Scheduler, Task
 
     async def handler(ctx: Any, args: Any) -> None:
         return None
 
-    worker = Scheduler(dsn, worker_id=f"scale-{index}", schema=SCHEMA, **settings)
+    worker = Scheduler(dsn, worker_id=f"scale-{index}", schema=schema, **settings)
     worker.register(Task("noop"), handler)
     ready.set()
     while not go.is_set():  # noqa: ASYNC110 (a cross-process flag, polled)
@@ -102,7 +117,7 @@ async def prepare(dsn: str, tasks: int) -> None:
 
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')  # the previous N's
         await install(conn, schema=SCHEMA)
         noop: Task[dict[str, int]] = Task("noop")
         payloads = [{"i": i} for i in range(tasks)]
@@ -126,14 +141,6 @@ async def wait_drained(dsn: str, tasks: int, timeout: float) -> None:
         await conn.close()
 
 
-async def drop(dsn: str) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
-    finally:
-        await conn.close()
-
-
 def measure(
     dsn: str, n: int, tasks: int, settings: dict[str, Any], data: Path | None
 ) -> dict[str, float | None]:
@@ -143,7 +150,9 @@ def measure(
     readies = [context.Event() for _ in range(n)]
     processes = [
         context.Process(
-            target=worker_process, args=(dsn, i, settings, readies[i], go, stop), daemon=True
+            target=worker_process,
+            args=(dsn, SCHEMA, i, settings, readies[i], go, stop),
+            daemon=True,
         )
         for i in range(n)
     ]
@@ -215,7 +224,7 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        asyncio.run(drop(dsn))
+        asyncio.run(drop_schemas(dsn, SCHEMA))
         if server:
             server.close()
     base = results[counts[0]]["rate"] or 1.0

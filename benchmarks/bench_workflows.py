@@ -15,7 +15,9 @@ import argparse
 import asyncio
 import re
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -23,6 +25,10 @@ import asyncpg
 from steeple.postgres._arrays import array_literal
 from steeple.postgres.queue import Task, Workflow, enqueue_many, enqueue_workflow, install
 from steeple.postgres.queue._sql import QueueSql, queue_sql
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._run_names import drop_schemas, run_name
 
 TASK: Task[Any] = Task("b")
 
@@ -112,15 +118,15 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     options = parser.parse_args()
     conn = await asyncpg.connect(options.dsn)
-    schema = "steeple_bench_workflows"
-    await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    schema = run_name("steeple_bench_workflows")
     try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')  # a killed run's leftover
         await install(conn, schema=schema)
         await completions(conn, schema, options.rounds)
         await graphs(conn, schema)
     finally:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await conn.close()
+        await drop_schemas(options.dsn, schema)
 
 
 if __name__ == "__main__":
