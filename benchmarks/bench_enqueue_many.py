@@ -40,8 +40,11 @@ from typing import Any
 
 import asyncpg
 
-SCHEMA = "bench_enqueue_many"
-PGQUEUER_SCHEMA = "bench_enqueue_many_pgq"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._run_names import run_name
+
+SCHEMA = run_name("bench_enqueue_many")
+PGQUEUER_SCHEMA = run_name("bench_enqueue_many_pgq")
 _RUN_ID_COLUMN = ", trace_context, run_id)"
 _RUN_ID_VALUE = ",\n           encode(substr($16::bytea, u.n::integer * 16 - 15, 16), 'hex')::uuid"
 _COPY_COLUMNS = [
