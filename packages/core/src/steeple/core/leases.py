@@ -188,23 +188,6 @@ class ClaimRule:
     ready: frozenset[OccurrenceState]
     after_next_attempt: frozenset[OccurrenceState]
     after_lease_expiry: frozenset[OccurrenceState]
-    _kinds: dict[str, int] = attrs.field(init=False, repr=False, eq=False, hash=False)
-    """Each admitted state's value: how it is admitted (0 ready, 1 after its next attempt,
-    2 after its lease), the first of those that holds it. A state's value hashes in C,
-    the state itself in Python."""
-
-    def __attrs_post_init__(self) -> None:
-        kinds: dict[str, int] = {}
-        for kind, states in (
-            (2, self.after_lease_expiry),
-            (1, self.after_next_attempt),
-            (0, self.ready),
-        ):
-            if isinstance(states, (frozenset, set, list, tuple)):
-                for state in states:
-                    if isinstance(state, OccurrenceState):
-                        kinds[state._value_] = kind
-        object.__setattr__(self, "_kinds", kinds)
 
     @property
     def states(self) -> frozenset[OccurrenceState]:
@@ -232,12 +215,11 @@ class ClaimRule:
         at = aware_utc(now, "now")
         if at >= aware_utc(window_ends_at, "window_ends_at"):
             return False
-        kind = self._kinds.get(state._value_)
-        if kind == 0:
+        if state in self.ready:
             return True
-        if kind == 1:
+        if state in self.after_next_attempt:
             return next_attempt_at is None or aware_utc(next_attempt_at, "next_attempt_at") <= at
-        if kind == 2:
+        if state in self.after_lease_expiry:
             return lease_expires_at is None or not is_live(lease_expires_at, at)
         return False
 
