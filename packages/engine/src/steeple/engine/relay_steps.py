@@ -62,14 +62,18 @@ __all__ = ["RelaySteps"]
 _E = OccurrenceEvent
 _NO_TIME = timedelta(0)
 
-# The relay's own records of one publication (_Checked, _Prepared, _Attempt) are built
-# once per publication and never changed: slotted, but not frozen (a frozen attrs class
-# sets each field through object.__setattr__, three times slower).
+# The relay's own records of one publication (_Checked, _Attempt) are built once per
+# publication: slotted, but not frozen (a frozen attrs class sets each field through
+# object.__setattr__, three times slower).
 
 
 @attrs.define(repr=False)
 class _Checked:
-    """A lease that passed the relay's check, with its occurrence's sealed content."""
+    """A lease that passed the relay's check, with its occurrence's sealed content.
+
+    Opened (:meth:`RelaySteps._opened`), the same record also holds what to publish and
+    under which key: one record per publication, not two.
+    """
 
     lease: Lease
     content: bytes | None
@@ -79,17 +83,10 @@ class _Checked:
     granted_digest: bytes | None = attrs.field(default=None, kw_only=True)
     """The digest of the lease's capability when this relay granted it (its fence is then
     checked without hashing the capability again)."""
-
-
-@attrs.define(repr=False)
-class _Prepared:
-    """A checked lease, opened: what to publish, under which key, until when."""
-
-    lease: Lease
-    message: ScheduledMessage
-    key: str
-    expires_at: datetime
-    granted_digest: bytes | None = attrs.field(default=None, kw_only=True)
+    message: ScheduledMessage = attrs.field(init=False)
+    """What to publish (set once the content is opened)."""
+    key: str = attrs.field(init=False)
+    """The publication's idempotency key (set once the content is opened)."""
 
 
 @attrs.define(repr=False)
@@ -235,7 +232,7 @@ class RelaySteps:
         outcome) and reported as the keyring (or storage) error.
         """
         outcomes: list[RelayOutcome | None] = [None] * len(leases)
-        ready: list[tuple[int, _Prepared]] = []
+        ready: list[tuple[int, _Checked]] = []
         unopenable: list[tuple[int, Lease, _Attempt, bytes | None]] = []
         for index, entry in enumerate(checked):
             if not isinstance(entry, _Checked):
@@ -296,8 +293,8 @@ class RelaySteps:
                 outcomes[index] = outcome
         return [outcome for outcome in outcomes if outcome is not None]
 
-    def _opened(self, checked: _Checked) -> _Prepared:
-        """Open a checked lease's content; derive its idempotency key.
+    def _opened(self, checked: _Checked) -> _Checked:
+        """Open a checked lease's content; derive its idempotency key (set on ``checked``).
 
         Raises:
             RecurringKeyringError: the content cannot be opened (missing key, tampering).
@@ -315,17 +312,13 @@ class RelaySteps:
             due_at=checked.due_at,
             generation=bytes.fromhex(lease.occurrence_id),
         )
-        return _Prepared(
-            lease,
-            codec.decode_message(opened),
-            key,
-            checked.expires_at,
-            granted_digest=checked.granted_digest,
-        )
+        checked.message = codec.decode_message(opened)
+        checked.key = key
+        return checked
 
     async def _publish(
         self,
-        prepared: _Prepared,
+        prepared: _Checked,
         broker: MessageBroker,
         checked_at: datetime,
         limit: asyncio.Semaphore,
@@ -336,7 +329,7 @@ class RelaySteps:
 
     async def _publish_now(
         self,
-        prepared: _Prepared,
+        prepared: _Checked,
         broker: MessageBroker,
         checked_at: datetime,
         *,

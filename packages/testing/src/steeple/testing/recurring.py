@@ -204,14 +204,21 @@ class _Repository:
     async def delete_occurrences(
         self, states: frozenset[OccurrenceState], finished_before: datetime, limit: int
     ) -> int:
-        doomed = sorted(
-            (o.finished_at, o.due_at, o.definition_name, o.occurrence_id)
-            for o in self._storage.in_states(states)
+        storage = self._storage
+        finished = [
+            o
+            for o in storage.in_states(states)
             if o.finished_at is not None and o.finished_at < finished_before
-        )[:limit]
-        for *_, occurrence_id in doomed:
-            self._storage.put_occurrence(occurrence_id, None)
-        return len(doomed)
+        ]
+        if len(finished) > limit:
+            # Only more than a page needs the order: the oldest finished go first.
+            finished = sorted(
+                finished,
+                key=lambda o: (o.finished_at, o.due_at, o.definition_name, o.occurrence_id),
+            )[:limit]
+        for o in finished:
+            storage.put_occurrence(o.occurrence_id, None)
+        return len(finished)
 
 
 class InMemoryRecurringStorage:
