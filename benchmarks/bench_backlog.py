@@ -16,7 +16,7 @@ schemas (rounds interleaved, medians):
   statements): the buffers it read;
 - pause, resume, queue and task limits, enqueue, enqueue of 100, run_state;
 - the dashboard's calls: the overview (counts per state, throughput, queues), the queue
-  list, the first page of tasks (newest first, and pending only);
+  list, the first page of tasks (newest first, and pending only: oldest and newest first);
 - pruning: ``prune_terminal`` batches of 10,000 over the finished tasks (each batch one
   short transaction: time per batch and the longest), all of them with ``--prune-all``.
 
@@ -264,6 +264,9 @@ async def run(args: argparse.Namespace) -> None:
                 "list_queues": lambda: admin.list_queues(pool, schema=s),
                 "tasks page (newest)": lambda: overview.tasks(limit=50, newest_first=True),
                 "tasks page (pending)": lambda: overview.tasks(limit=50, state="pending"),
+                "tasks page (pending, newest)": lambda: overview.tasks(
+                    limit=50, state="pending", newest_first=True
+                ),
             }
 
         for label in ("no statistics", "after ANALYZE"):

@@ -55,6 +55,7 @@ async def test_install_is_idempotent_and_records_the_version(pg_schema: tuple[st
             (16, "0016_complete_and_claim"),
             (17, "0017_limited_claim_planned_lean"),
             (18, "0018_claim_keeps_its_plans"),
+            (19, "0019_pending_tasks_listed_by_id"),
         ]
         # The claim of workers of versions 6 to 12, and the one with positions.
         assert (

@@ -38,6 +38,7 @@ class AdminSql:
 
     list_tasks: str
     list_tasks_newest: str
+    list_pending: str
     count_by_state: str
     throughput: str
     task_args: str
@@ -83,6 +84,14 @@ WHERE ($1::bigint IS NULL OR id < $1) AND ($2::text IS NULL OR state = $2)
   AND ($8::text IS NULL OR args @> $8::text::jsonb)
 ORDER BY id DESC
 LIMIT $4""",
+        # Pending tasks only, the parameters of list_tasks ($2 is 'pending'; $1 null and
+        # $9 true: newest first, from the top): pending_page walks the pending tasks' id
+        # index and stops after the page, however long the backlog.
+        list_pending=f"""
+SELECT {RUN_STATE_COLUMNS} FROM {s}.tasks
+WHERE $2::text = 'pending' AND id = ANY (ARRAY(
+    SELECT p.id FROM {s}.pending_page($1, $9, $4, $3, $5, $6, $7, $8::text::jsonb) AS p))
+ORDER BY CASE WHEN $9::boolean THEN -id ELSE id END""",
         count_by_state=f"SELECT state, count(*) FROM {s}.tasks GROUP BY state",
         # $1 window (interval), $2 bucket width (interval). Terminal tasks by how many whole
         # buckets ago they finished, on the server's clock (read once); the terminal index

@@ -59,6 +59,7 @@ _MIGRATIONS: Final[tuple[tuple[int, str], ...]] = (
     (16, "0016_complete_and_claim"),
     (17, "0017_limited_claim_planned_lean"),
     (18, "0018_claim_keeps_its_plans"),
+    (19, "0019_pending_tasks_listed_by_id"),
 )
 LIBRARY_SCHEMA_VERSION: Final = _MIGRATIONS[-1][0]
 """The schema version this library reads and writes."""

@@ -201,6 +201,9 @@ async def list_tasks(
     since = _instant(created_after, "created_after")
     until = _instant(created_before, "created_before")
     statement = sql.list_tasks_newest if newest_first else sql.list_tasks
+    if wanted == TaskState.PENDING.value:
+        # An index walk that stops after the page, however long the backlog.
+        statement = sql.list_pending
     if queue is not None:
         check_queue(queue)
     contained = None if args_contain is None else _contained_json(args_contain)
@@ -216,6 +219,7 @@ async def list_tasks(
         until,
         queue,
         contained,
+        *((newest_first,) if statement is sql.list_pending else ()),
     )
     items = [TaskRun.from_row(tuple(row)) for row in rows[:limit]]
     cursor = str(items[-1].id) if len(rows) > limit else None
