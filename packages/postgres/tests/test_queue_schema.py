@@ -192,6 +192,36 @@ async def test_an_older_database_is_reported_and_install_migrates_it_forward(
         await conn.close()
 
 
+async def test_an_index_built_concurrently_before_the_upgrade_to_19_is_kept(
+    pg_schema: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator builds the pending tasks' index CONCURRENTLY before upgrading a large
+    table (writes go on meanwhile); the migration then keeps it instead of failing."""
+    dsn, schema = pg_schema
+    conn = await asyncpg.connect(dsn)
+    try:
+        with monkeypatch.context() as patched:
+            older = tuple(m for m in _schema._MIGRATIONS if m[0] <= 18)
+            patched.setattr(_schema, "_MIGRATIONS", older)
+            patched.setattr(_schema, "LIBRARY_SCHEMA_VERSION", 18)
+            assert await install(conn, schema=schema) == 18
+        assert await schema_version(conn, schema) == 18
+        await conn.execute(
+            f'CREATE INDEX CONCURRENTLY tasks_pending_id_idx ON "{schema}".tasks (id) '
+            "WHERE state = 'pending'"
+        )
+        assert await install(conn, schema=schema) == LIBRARY_SCHEMA_VERSION
+        valid = await conn.fetch(
+            "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = $1 AND c.relname = 'tasks_pending_id_idx'",
+            schema,
+        )
+        assert [r[0] for r in valid] == [True]
+    finally:
+        await conn.close()
+
+
 async def test_scheduler_refuses_an_uninstalled_schema(pg_schema: tuple[str, str]) -> None:
     dsn, schema = pg_schema
     worker = Scheduler(dsn, worker_id="w", schema=schema)

@@ -10,7 +10,10 @@
 -- like tasks_waiting_idx for waiting ones, and pending_page walks it and stops after the
 -- page. Enqueueing writes one more index entry per pending task; nothing else changes, so
 -- running workers and operators of earlier versions work as before.
-CREATE INDEX tasks_pending_id_idx ON __SCHEMA__.tasks (id) WHERE state = 'pending';
+-- IF NOT EXISTS: on a large table an operator builds this index beforehand with
+-- CREATE INDEX CONCURRENTLY (writes go on meanwhile) and the migration keeps it; built
+-- here, inside the migration's transaction, enqueues wait for the build.
+CREATE INDEX IF NOT EXISTS tasks_pending_id_idx ON __SCHEMA__.tasks (id) WHERE state = 'pending';
 
 -- The ids of one page of pending tasks in id order (descending when p_newest), after the
 -- exclusive cursor p_after (null: from the start), of the optional task name, creation
