@@ -706,6 +706,42 @@ async def test_purge_with_a_limit_removes_no_more_than_the_limit(
     assert await store.purge_terminal(later, limit=2) == 0
 
 
+async def test_a_bounded_purge_removes_the_earliest_finished_first_not_the_earliest_due(
+    clock: FakeClock, open_store: OpenStore
+) -> None:
+    # Four occurrences, due at minutes 0-3, finish in another order: minute 3 first, then
+    # minutes 2 and 1 together (relayed in that order), then minute 0. The documented order
+    # is (finished, due, definition, id): finishing time first, due time breaking a tie.
+    store = await open_store(config(), clock, random=DeterministicRandom(1))
+    await store.create(definition(back=timedelta(minutes=4)))
+    assert (await store.tick(100)).materialized == 4
+    due_of = {o.occurrence_id: o.due_at for o in await listed(store)}
+    leases = sorted(await store.claim(4), key=lambda lease: due_of[lease.occurrence_id])
+    due = [due_of[lease.occurrence_id] for lease in leases]
+    # The tie is broken by due time, not by id: the tied pair's ids are in the other order.
+    assert leases[1].occurrence_id > leases[2].occurrence_id
+    broker = MemoryBroker()
+    await store.relay(leases[3], broker)
+    clock.advance(timedelta(seconds=1))
+    await store.relay(leases[2], broker)
+    await store.relay(leases[1], broker)
+    clock.advance(timedelta(seconds=1))
+    await store.relay(leases[0], broker)
+    later = clock.now() + timedelta(seconds=1)
+
+    async def remaining() -> list[datetime]:
+        return sorted(o.due_at for o in await listed(store))
+
+    assert await store.purge_terminal(later, limit=1) == 1
+    assert await remaining() == due[:3]  # the first finished, though due last
+    assert await store.purge_terminal(later, limit=1) == 1
+    assert await remaining() == [due[0], due[2]]  # a tie in finishing: the earlier due
+    assert await store.purge_terminal(later, limit=1) == 1
+    assert await remaining() == [due[0]]  # the last finished, though due first, stays
+    assert await store.purge_terminal(later, limit=1) == 1
+    assert await remaining() == []
+
+
 async def test_expired_occurrences_free_capacity_only_when_purged(
     clock: FakeClock, open_store: OpenStore
 ) -> None:

@@ -141,7 +141,10 @@ class RecurringStore(Protocol):
         ...
 
     async def purge_terminal(self, older_than: datetime, limit: int = 100) -> int:
-        """Remove at most ``limit`` terminal occurrences older than the cutoff."""
+        """Remove at most ``limit`` terminal occurrences finished before the cutoff.
+
+        The earliest finished go first (a tie: the earliest due first).
+        """
         ...
 
     async def close(self) -> None:

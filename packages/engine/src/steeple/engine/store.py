@@ -336,7 +336,8 @@ class EngineStore:
     async def purge_terminal(self, older_than: datetime, limit: int = 100) -> int:
         """Remove at most ``limit`` (1-100) terminal occurrences finished before ``older_than``.
 
-        Expired work is classified first. Returns how many were removed.
+        Expired work is classified first. The earliest finished go first (a tie: the
+        earliest due first). Returns how many were removed.
 
         Raises:
             RecurringConfigurationError: ``limit`` outside 1..100, or a cutoff that is not
