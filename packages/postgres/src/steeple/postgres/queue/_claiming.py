@@ -7,8 +7,8 @@ than a queue's own limit in this worker, nor more plain ``def`` handlers than th
 has threads: a worker claims only what it can start.
 
 A worker whose handlers all run on the event loop keeps up to two claims in flight (two
-lanes of rounds), each of at most half its slots: one claim's round trip overlaps the
-handlers of the other's tasks. The slots a claim asked for count as taken (in all and per
+lanes of rounds), each of at most half its slots (rounded up): one claim's round trip
+overlaps the handlers of the other's tasks. The slots a claim asked for count as taken (in all and per
 queue) until its tasks run, so the tasks running and the claims in flight never ask for
 more than ``concurrency`` or a queue's own limit. Only the first lane polls and waits for
 wake-ups; the second claims while claims come back full and otherwise waits for one that
@@ -239,7 +239,11 @@ class Claimer:
         # a thread (what a claim takes cannot be told before it answers, and every sync
         # task it takes needs a thread).
         self._lanes = 1 if self._sync or concurrency < 2 else 2
-        self._lane_batch = min(batch, concurrency // self._lanes)
+        # Rounded up, so the lanes' claims can fill every slot between them (an odd
+        # concurrency would otherwise leave one slot unasked until a handler ends, as
+        # fewer than a quarter of a batch free waits for one); ``free`` counts the other
+        # lane's claim, so together they never ask for more than ``concurrency``.
+        self._lane_batch = min(batch, -(-concurrency // self._lanes))
         # Slots asked for by the claims in flight (in all and per queue): not free, though
         # their tasks are not yet in ``env.inflight``.
         self._reserved = 0
