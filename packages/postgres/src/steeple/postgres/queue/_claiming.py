@@ -10,11 +10,11 @@ A worker whose handlers all run on the event loop keeps up to two claims in flig
 lanes of rounds), each of at most half its slots (rounded up): one claim's round trip
 overlaps the handlers of the other's tasks. The slots a claim asked for count as taken
 (in all and per queue) until its tasks run, so the tasks running and the claims in flight
-never ask for more than ``concurrency`` or a queue's own limit. Only the first lane polls and waits for
-wake-ups; the second claims while claims come back full and otherwise waits for one that
-does, so an idle worker polls no more than with one lane. A worker with a plain ``def``
-handler keeps one claim in flight (what a claim takes is known only from its answer, and
-each sync task it takes needs a thread).
+never ask for more than ``concurrency`` or a queue's own limit. Only the first lane polls
+and waits for wake-ups; the second claims while claims come back full and otherwise waits
+for one that does, so an idle worker polls no more than with one lane. A worker with a
+plain ``def`` handler keeps one claim in flight (what a claim takes is known only from its
+answer, and each sync task it takes needs a thread).
 
 Each queue's claim walks its claim order from the last task this worker took there (a
 position), not from the front, which skips the entries of what it already claimed (a held
