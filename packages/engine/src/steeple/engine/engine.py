@@ -444,7 +444,7 @@ class RecurringEngine:
         async def body(tx: Tx) -> Page[OccurrenceInfo]:
             await self._work.classify_expired(tx)
             rows = await tx.repo.occurrence_page(position, limit + 1)
-            items = [codec.occurrence_info(r) for r in rows[:limit]]
+            items = codec.occurrence_infos(rows[:limit])
             cursor = None
             if len(rows) > limit:
                 cursor = codec.occurrence_cursor(items[-1].due_at, items[-1].occurrence_id)

@@ -15,6 +15,8 @@ definitions and occurrence content are sealed as in every other store.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import operator
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Final, TypeVar
@@ -55,6 +57,9 @@ class _Unsealed:
     def open(self, sealed: bytes, *, namespace: str, purpose: str, identity: str) -> bytes:
         return bytes(sealed)
 
+
+_LISTING_ORDER: Final = operator.attrgetter("due_at", "occurrence_id")
+"""A listing's order: by due time, then id (unique: it is also the cursor's position)."""
 
 _Undo = tuple[bool, str, DefinitionRow | OccurrenceRow | None]
 """One undo entry: (is an occurrence, key, the row before the write or ``None`` if new)."""
@@ -138,13 +143,10 @@ class _Repository:
     async def occurrence_page(
         self, after: tuple[datetime, str] | None, limit: int
     ) -> Sequence[OccurrenceRow]:
-        stored = self._storage.occurrences
-        ordered = sorted(
-            (o.due_at, o.occurrence_id)
-            for o in stored.values()
-            if after is None or (o.due_at, o.occurrence_id) > after
-        )
-        return [stored[i] for _, i in ordered[:limit]]
+        ordered = sorted(self._storage.occurrences.values(), key=_LISTING_ORDER)
+        if after is not None:
+            del ordered[: bisect.bisect_right(ordered, after, key=_LISTING_ORDER)]
+        return ordered[:limit]
 
     async def claimable(
         self, rule: ClaimRule, now: datetime, limit: int
@@ -205,9 +207,12 @@ class _Repository:
         self, states: frozenset[OccurrenceState], finished_before: datetime, limit: int
     ) -> int:
         storage = self._storage
+        stored = storage.occurrences
+        by_state = storage.by_state
         finished = [
             o
-            for o in storage.in_states(states)
+            for state in states
+            for o in map(stored.__getitem__, by_state[state._value_])
             if o.finished_at is not None and o.finished_at < finished_before
         ]
         if len(finished) > limit:
@@ -216,8 +221,7 @@ class _Repository:
                 finished,
                 key=lambda o: (o.finished_at, o.due_at, o.definition_name, o.occurrence_id),
             )[:limit]
-        for o in finished:
-            storage.put_occurrence(o.occurrence_id, None)
+        storage.delete_occurrences(finished)
         return len(finished)
 
 
@@ -267,6 +271,20 @@ class InMemoryRecurringStorage:
         if self.undo_log is not None:
             self.undo_log.append((True, occurrence_id, old))
         self._place(occurrence_id, old, row)
+
+    def delete_occurrences(self, rows: Sequence[OccurrenceRow]) -> None:
+        """Delete the stored ``rows`` (noting each for a rollback); keep the indexes."""
+        stored = self.occurrences
+        by_state = self.by_state
+        identities = self.identities
+        undo = self.undo_log
+        for row in rows:
+            occurrence_id = row.occurrence_id
+            old = stored.pop(occurrence_id)
+            if undo is not None:
+                undo.append((True, occurrence_id, old))
+            by_state[old.state._value_].pop(occurrence_id, None)
+            identities.discard((old.definition_name, old.due_at))
 
     def _place(
         self, occurrence_id: str, old: OccurrenceRow | None, row: OccurrenceRow | None

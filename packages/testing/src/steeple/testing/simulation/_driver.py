@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime, timedelta
 from typing import Final
 
@@ -71,7 +71,14 @@ from steeple.testing.simulation._result import (
     Tally,
 )
 from steeple.testing.simulation._scenario import Scenario, ScenarioError
-from steeple.testing.simulation._timeline import align_up, from_us, span_us, to_us
+from steeple.testing.simulation._timeline import (
+    EPOCH,
+    MICROSECOND,
+    align_up,
+    from_us,
+    span_us,
+    to_us,
+)
 
 __all__ = ["Progress", "StoreFactory", "drive"]
 
@@ -90,6 +97,8 @@ _TERMINAL: Final = {
 }
 _TERMINAL_VALUES: Final = frozenset(state.value for state in _TERMINAL)
 """The terminal states' values: a str hashes in C, an enum member in Python."""
+_PUBLISHED: Final = _S.PUBLISHED
+_RETRY_WAIT: Final = _S.RETRY_WAIT.value
 
 # Event kinds, in the order they run when they fall on the same instant.
 # A sample runs before the ticker and the workers: it sees what was left at the end of
@@ -149,13 +158,18 @@ class _Worker:
 
 
 class _Definition:
-    __slots__ = ("active", "definition", "policy", "tally")
+    """One definition's running counts, with its policy's series (counted into per item)."""
 
-    def __init__(self, definition: RecurringDefinition) -> None:
+    __slots__ = ("active", "definition", "late", "made", "policy", "published", "tally")
+
+    def __init__(self, definition: RecurringDefinition, driver: _Driver) -> None:
         self.definition = definition
-        self.policy = definition.policy.value
+        self.policy = policy = definition.policy.value
         self.active = True
         self.tally = Tally()
+        self.made = driver.bucket_materialized[policy]
+        self.published = driver.bucket_published[policy]
+        self.late = driver.bucket_late[policy]
 
 
 class _Driver:
@@ -205,12 +219,16 @@ class _Driver:
         relay = scenario.relay
         self.lease_us = span_us(scenario.config.lease_duration)
         self.sample_step = span_us(scenario.samples_every)
+        self.sample_span = timedelta(microseconds=self.sample_step)
+        self.start = from_us(self.origin)
         self.buckets = -(-(self.end - self.origin) // self.sample_step)
         self.heap: list[tuple[int, int, int, int, int]] = []
         self.seq = 0
         self.hits: dict[str, int] = dict.fromkeys(Hits.__annotations__, 0)
         self.definitions: list[_Definition] = []
         self.by_name: dict[str, int] = {}
+        self.records: dict[str, _Definition] = {}
+        """Each definition's record by name (what ``by_name`` indexes, looked up once)."""
         self.due_hints: list[tuple[int, int]] = []
         self.claim_hints: list[int] = []
         self.tick_token = 0
@@ -232,17 +250,18 @@ class _Driver:
             {d.policy.value for d in scenario.definitions}
             | {d.policy.value for c in scenario.changes for d in c.create}
         )
+        self.policies = policies
         self.series_keys = [*policies, "all"]
         self.backlog: dict[str, list[int]] = {k: [] for k in self.series_keys}
         self.last_backlog: dict[str, int] = dict.fromkeys(self.series_keys, 0)
-        self.bucket_published: dict[str, list[int]] = {
-            k: [0] * self.buckets for k in self.series_keys
-        }
+        # Per policy only: the series of all policies together is their sum (their worst
+        # lateness), made once in ``result``.
+        self.bucket_published: dict[str, list[int]] = {k: [0] * self.buckets for k in policies}
         self.bucket_late: dict[str, list[int | None]] = {
-            k: [None] * self.buckets for k in self.series_keys
+            k: [None] * self.buckets for k in policies
         }
         self.bucket_materialized: dict[str, list[int]] = {
-            k: [0] * self.buckets for k in self.series_keys
+            k: [0] * self.buckets for k in policies
         }
 
     # --- events ----------------------------------------------------------------------------
@@ -451,8 +470,10 @@ class _Driver:
         await self.store.create(definition)
         self.reached(reading)
         index = len(self.definitions)
-        self.definitions.append(_Definition(definition))
+        record = _Definition(definition, self)
+        self.definitions.append(record)
         self.by_name[definition.name] = index
+        self.records[definition.name] = record
         first = definition.cron.next_after(definition.first_after)
         if first is not None:
             heapq.heappush(self.due_hints, (to_us(first), index))
@@ -731,23 +752,33 @@ class _Driver:
             after = page.next_cursor
 
     async def harvest(self, *, final: bool = False) -> list[OccurrenceInfo] | None:
+        """List every occurrence, count the finished ones and purge them.
+
+        ``final``: count every occurrence and purge nothing. Returns the live occurrences
+        (``None``: the listing failed on a clock error).
+        """
         items = await self.listing()
         if items is None:
             return None
         self.since_harvest = 0
         self.retry_unknown = False
-        finished = 0
+        terminal = _TERMINAL_VALUES
+        finished: list[OccurrenceInfo] = []
+        live: list[OccurrenceInfo] = []
         for info in items:
-            if info.state._value_ in _TERMINAL_VALUES:
-                self.count(info)
-                finished += 1
-            elif final:
-                self.count(info)
-            elif info.state is _S.RETRY_WAIT and info.next_attempt_at is not None:
+            value = info.state._value_
+            if value in terminal:
+                finished.append(info)
+                continue
+            live.append(info)
+            if value == _RETRY_WAIT and not final and info.next_attempt_at is not None:
                 self.hint(to_us(info.next_attempt_at))
-        if finished and not final:
-            await self.purge(finished)
-        return items
+        self.count(finished)
+        if final:
+            self.count(live)
+        elif finished:
+            await self.purge(len(finished))
+        return live
 
     async def purge(self, expected: int) -> None:
         # Everything finished has its last update at or before the store's current time.
@@ -768,58 +799,67 @@ class _Driver:
             self.tick_blocked = False
             self.reschedule_ticker(self.t)
 
-    def count(self, info: OccurrenceInfo) -> None:
-        record = self.definitions[self.by_name[info.definition_name]]
-        tally = record.tally
-        tally.attempts += info.attempts
-        made = to_us(info.created_at) - self.origin
-        made_bucket = min(max(made, 0) // self.sample_step, self.buckets - 1)
-        self.bucket_materialized[record.policy][made_bucket] += 1
-        self.bucket_materialized["all"][made_bucket] += 1
-        state = info.state
-        published_at: int | None = None
-        if state is _S.PUBLISHED:
-            published_at = self.published_at.pop(info.occurrence_id, None)
-            if published_at is None:
-                raise SimulationError(
-                    f"occurrence {info.occurrence_id} is published but no relay recorded it"
-                )
-            lateness = published_at - to_us(info.due_at)
-            tally.published += 1
-            tally.lateness.append(lateness)
-            bucket = min((published_at - self.origin) // self.sample_step, self.buckets - 1)
-            for key in (record.policy, "all"):
-                self.bucket_published[key][bucket] += 1
-                worst = self.bucket_late[key][bucket]
+    def count(self, infos: list[OccurrenceInfo]) -> None:
+        """Add listed occurrences to their definitions' tallies and their policies' series."""
+        records = self.records
+        published_at_of = self.published_at
+        trace = self.trace
+        start = self.start
+        origin = self.origin
+        sample_step = self.sample_step
+        sample_span = self.sample_span
+        last = self.buckets - 1
+        for info in infos:
+            record = records[info.definition_name]
+            tally = record.tally
+            tally.attempts += info.attempts
+            made = (info.created_at - start) // sample_span
+            record.made[0 if made < 0 else min(made, last)] += 1
+            state = info.state
+            published_at: int | None = None
+            if state is _PUBLISHED:
+                published_at = published_at_of.pop(info.occurrence_id, None)
+                if published_at is None:
+                    raise SimulationError(
+                        f"occurrence {info.occurrence_id} is published but no relay recorded it"
+                    )
+                lateness = published_at - (info.due_at - EPOCH) // MICROSECOND
+                tally.published += 1
+                tally.lateness.append(lateness)
+                bucket = min((published_at - origin) // sample_step, last)
+                record.published[bucket] += 1
+                late = record.late
+                worst = late[bucket]
                 if worst is None or lateness > worst:
-                    self.bucket_late[key][bucket] = lateness
-        elif state is _S.DEAD:
-            tally.dead += 1
-        elif state is _S.EXPIRED:
-            tally.expired += 1
-        elif state is _S.CANCELLED:
-            tally.cancelled += 1
-        else:
-            tally.live += 1
-        if self.trace is not None:
-            self.trace.append(
-                OccurrenceOutcome(
-                    definition_name=info.definition_name,
-                    due_at=info.due_at,
-                    state=state,
-                    attempts=info.attempts,
-                    materialized_at=info.created_at,
-                    published_at=None if published_at is None else from_us(published_at),
+                    late[bucket] = lateness
+            elif state is _S.DEAD:
+                tally.dead += 1
+            elif state is _S.EXPIRED:
+                tally.expired += 1
+            elif state is _S.CANCELLED:
+                tally.cancelled += 1
+            else:
+                tally.live += 1
+            if trace is not None:
+                trace.append(
+                    OccurrenceOutcome(
+                        definition_name=info.definition_name,
+                        due_at=info.due_at,
+                        state=state,
+                        attempts=info.attempts,
+                        materialized_at=info.created_at,
+                        published_at=None if published_at is None else from_us(published_at),
+                    )
                 )
-            )
 
-    def note_backlog(self, items: list[OccurrenceInfo] | None) -> None:
-        if items is not None:
+    def note_backlog(self, live: list[OccurrenceInfo] | None) -> None:
+        """Sample the backlog: ``live`` occurrences by policy (``None``: the last sample holds)."""
+        if live is not None:
             counts = dict.fromkeys(self.series_keys, 0)
-            for info in items:
-                if info.state._value_ not in _TERMINAL_VALUES:
-                    counts[self.definitions[self.by_name[info.definition_name]].policy] += 1
-                    counts["all"] += 1
+            records = self.records
+            for info in live:
+                counts[records[info.definition_name].policy] += 1
+            counts["all"] = len(live)
             self.last_backlog = counts
         for key in self.series_keys:
             self.backlog[key].append(self.last_backlog[key])
@@ -829,17 +869,17 @@ class _Driver:
         self.note_backlog(None if self.down else await self.harvest())
 
     async def finish(self) -> None:
-        items = await self.harvest(final=True)
-        if items is None:
+        live = await self.harvest(final=True)
+        if live is None:
             # The host clock still trails the store's recorded time by more than the
             # tolerance at the end (a step back shortly before it): the operator's listing
             # failed, as it would. The final tally is no operator action: it reads the
             # store as of its recorded time, which changes nothing stored.
             self.offset = self.t - self.shared
-            items = await self.harvest(final=True)
-        if items is None:
+            live = await self.harvest(final=True)
+        if live is None:
             raise SimulationError("the final listing failed on a clock error")
-        self.note_backlog(items)
+        self.note_backlog(live)
 
     # --- the result ------------------------------------------------------------------------------
 
@@ -871,14 +911,15 @@ class _Driver:
             from_us(min(self.origin + (k + 1) * self.sample_step, self.end))
             for k in range(self.buckets)
         )
+        late = {**self.bucket_late, "all": _worst(self.bucket_late.values(), self.buckets)}
         series = Series(
             times=times,
             backlog={k: tuple(v) for k, v in self.backlog.items()},
-            materialized={k: tuple(v) for k, v in self.bucket_materialized.items()},
-            published={k: tuple(v) for k, v in self.bucket_published.items()},
+            materialized=_with_sum(self.bucket_materialized, self.buckets),
+            published=_with_sum(self.bucket_published, self.buckets),
             max_lateness={
                 k: tuple(None if us is None else us / 1_000_000 for us in v)
-                for k, v in self.bucket_late.items()
+                for k, v in late.items()
             },
         )
         outcomes = None
@@ -895,6 +936,24 @@ class _Driver:
             occurrences=outcomes,
             stopped_at=None if self.stopped_at is None else from_us(self.stopped_at),
         )
+
+
+def _with_sum(per_policy: dict[str, list[int]], buckets: int) -> dict[str, tuple[int, ...]]:
+    """Return the series by policy and, under ``"all"``, their sum bucket by bucket."""
+    total = tuple(map(sum, zip(*per_policy.values(), strict=True))) or (0,) * buckets
+    return {**{k: tuple(v) for k, v in per_policy.items()}, "all": total}
+
+
+def _worst(series: Iterable[list[int | None]], buckets: int) -> list[int | None]:
+    """Return the worst lateness of ``series`` bucket by bucket (``None``: none published)."""
+    worst: list[int | None] = [None] * buckets
+    for one in series:
+        for index, us in enumerate(one):
+            if us is not None:
+                current = worst[index]
+                if current is None or us > current:
+                    worst[index] = us
+    return worst
 
 
 async def drive(

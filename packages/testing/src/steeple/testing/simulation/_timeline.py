@@ -5,15 +5,15 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Final
 
-__all__ = ["EPOCH", "align_up", "from_us", "span_us", "to_us"]
+__all__ = ["EPOCH", "MICROSECOND", "align_up", "from_us", "span_us", "to_us"]
 
 EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
-_US: Final = timedelta(microseconds=1)
+MICROSECOND: Final = timedelta(microseconds=1)
 
 
 def to_us(instant: datetime) -> int:
     """Return an aware instant as microseconds since the epoch."""
-    return (instant - EPOCH) // _US
+    return (instant - EPOCH) // MICROSECOND
 
 
 def from_us(us: int) -> datetime:
@@ -23,7 +23,7 @@ def from_us(us: int) -> datetime:
 
 def span_us(delta: timedelta) -> int:
     """Return a duration in microseconds."""
-    return delta // _US
+    return delta // MICROSECOND
 
 
 def align_up(us: int, origin: int, step: int) -> int:
