@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta
+from types import TracebackType
 
 from steeple.core.clock import is_simulated
 from steeple.core.config import RecurringConfig
@@ -156,8 +156,7 @@ def judge_clock(clock: Clock, server: ServerClockReading | None) -> datetime:
     return local
 
 
-@contextlib.contextmanager
-def recurring_errors(what: str) -> Iterator[None]:
+def recurring_errors(what: str) -> contextlib.AbstractContextManager[None]:
     """Re-raise any library error of the block as its recurring-store error.
 
     Recurring errors and relay errors pass unchanged; any other
@@ -165,9 +164,30 @@ def recurring_errors(what: str) -> Iterator[None]:
     matching :class:`~steeple.core.errors.RecurringError` subtype, with the original as
     its ``__cause__``.
     """
-    try:
-        yield
-    except (RecurringError, RecurringRelayError):
-        raise
-    except SteepleError as exc:
-        raise recurring_error(exc, what) from exc
+    # A plain context manager: every store call passes through one, and a generator's
+    # costs several times as much to enter and leave.
+    return _RecurringErrors(what)
+
+
+class _RecurringErrors(contextlib.AbstractContextManager[None]):
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if (
+            exc is None
+            or not isinstance(exc, SteepleError)
+            or isinstance(exc, RecurringError | RecurringRelayError)
+        ):
+            return
+        raise recurring_error(exc, self.what) from exc

@@ -229,7 +229,8 @@ class _Driver:
         self.by_name: dict[str, int] = {}
         self.records: dict[str, _Definition] = {}
         """Each definition's record by name (what ``by_name`` indexes, looked up once)."""
-        self.due_hints: list[tuple[int, int]] = []
+        self.due_hints: list[tuple[int, int, datetime]] = []
+        """(when, definition index, the calendar's instant): the earliest each can be due."""
         self.claim_hints: list[int] = []
         self.tick_token = 0
         self.tick_at = _NEVER
@@ -476,7 +477,7 @@ class _Driver:
         self.records[definition.name] = record
         first = definition.cron.next_after(definition.first_after)
         if first is not None:
-            heapq.heappush(self.due_hints, (to_us(first), index))
+            heapq.heappush(self.due_hints, (to_us(first), index, first))
 
     async def change(self, index: int) -> None:
         change = self.scenario.changes[index]
@@ -557,20 +558,27 @@ class _Driver:
         if hints and hints[0][0] <= reading:
             now = from_us(reading)
             # Definitions often share a calendar: one search per expression.
-            found: dict[str, int | None] = {}
+            found: dict[str, tuple[int, int, datetime] | None] = {}
             while hints and hints[0][0] <= reading:
-                _, index = heapq.heappop(hints)
+                _, index, due = heapq.heappop(hints)
                 record = self.definitions[index]
                 if not record.active:
                     continue
                 cron = record.definition.cron
                 if cron.expression in found:
-                    following = found[cron.expression]
+                    entry = found[cron.expression]
                 else:
-                    instant = cron.next_after(now)
-                    following = found[cron.expression] = None if instant is None else to_us(instant)
-                if following is not None:
-                    heapq.heappush(hints, (following, index))
+                    # The fire time after the one that came: the calendar answers the very
+                    # instant object it returned (and the tick asked) from its memo. It is
+                    # the first after now unless the ticker missed fire times (an outage).
+                    instant = cron.next_after(due)
+                    if instant is not None and instant <= now:
+                        instant = cron.next_after(now)
+                    entry = found[cron.expression] = (
+                        None if instant is None else (to_us(instant), index, instant)
+                    )
+                if entry is not None:
+                    heapq.heappush(hints, (entry[0], index, entry[2]))
         self.reschedule_ticker(self.t + self.tick_step)
 
     # --- relay workers -------------------------------------------------------------------------
