@@ -18,14 +18,20 @@ import re
 from bisect import bisect_left
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Final
 
 import attrs
 
 from steeple.core.errors import ConfigurationError, ConfigurationTypeError, InvalidCronExpression
 
-__all__ = ["FIRST_INSTANT", "LAST_INSTANT", "MAX_EXPRESSION_LENGTH", "CronCalendar"]
+__all__ = [
+    "FIRST_INSTANT",
+    "LAST_INSTANT",
+    "MAX_EXPRESSION_LENGTH",
+    "CronCalendar",
+    "shared_calendar",
+]
 
 #: The first instant the calendar can produce (it is itself a candidate fire time).
 FIRST_INSTANT: Final = datetime(1970, 1, 1, tzinfo=UTC)
@@ -543,3 +549,16 @@ class CronCalendar:
                 month += 1
             day, hour, minute = 1, 0, 0
         return None
+
+
+@lru_cache(maxsize=1024)
+def shared_calendar(expression: str) -> CronCalendar:
+    """Return the one calendar of ``expression`` the process shares (parsed once).
+
+    Parsing is pure, and a shared calendar shares its memo: a tick and a simulation
+    asking after the same fire time find it computed once.
+
+    Raises:
+        InvalidCronExpression: as :meth:`CronCalendar.parse`.
+    """
+    return CronCalendar.parse(expression)

@@ -12,15 +12,15 @@ commit. The relay's three steps (check, publish, record) are
 
 from __future__ import annotations
 
-import functools
 import hmac
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Final
 
 import attrs
 
 from steeple.core import limits
-from steeple.core.calendar import CronCalendar
+from steeple.core.calendar import shared_calendar
 from steeple.core.config import RecurringConfig, RecurringDefinition, is_definition_name
 from steeple.core.entropy import SystemRandom
 from steeple.core.errors import (
@@ -72,10 +72,8 @@ _E = OccurrenceEvent
 _PURGEABLE = frozenset().union(*states_for(_E.PURGE).values())
 
 
-@functools.lru_cache(maxsize=1024)
-def _calendar(expression: str) -> CronCalendar:
-    # Parsing is pure and the expressions of a namespace repeat on every tick.
-    return CronCalendar.parse(expression)
+_calendar: Final = shared_calendar
+"""Parsing is pure and the expressions of a namespace repeat on every tick: one calendar each."""
 
 
 def _same_definition(

@@ -50,6 +50,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime, timedelta
 from typing import Final
 
+from steeple.core.calendar import shared_calendar
 from steeple.core.config import RecurringConfig, RecurringDefinition
 from steeple.core.errors import (
     RecurringCapacityError,
@@ -160,10 +161,20 @@ class _Worker:
 class _Definition:
     """One definition's running counts, with its policy's series (counted into per item)."""
 
-    __slots__ = ("active", "definition", "late", "made", "policy", "published", "tally")
+    __slots__ = (
+        "active",
+        "definition",
+        "expression",
+        "late",
+        "made",
+        "policy",
+        "published",
+        "tally",
+    )
 
     def __init__(self, definition: RecurringDefinition, driver: _Driver) -> None:
         self.definition = definition
+        self.expression = definition.cron.expression
         self.policy = policy = definition.policy.value
         self.active = True
         self.tally = Tally()
@@ -475,7 +486,7 @@ class _Driver:
         self.definitions.append(record)
         self.by_name[definition.name] = index
         self.records[definition.name] = record
-        first = definition.cron.next_after(definition.first_after)
+        first = shared_calendar(record.expression).next_after(definition.first_after)
         if first is not None:
             heapq.heappush(self.due_hints, (to_us(first), index, first))
 
@@ -558,27 +569,28 @@ class _Driver:
         if hints and hints[0][0] <= reading:
             now = from_us(reading)
             # Definitions often share a calendar: one search per expression.
-            found: dict[str, tuple[int, int, datetime] | None] = {}
+            found: dict[str, tuple[int, datetime] | None] = {}
             while hints and hints[0][0] <= reading:
                 _, index, due = heapq.heappop(hints)
                 record = self.definitions[index]
                 if not record.active:
                     continue
-                cron = record.definition.cron
-                if cron.expression in found:
-                    entry = found[cron.expression]
+                expression = record.expression
+                if expression in found:
+                    entry = found[expression]
                 else:
-                    # The fire time after the one that came: the calendar answers the very
-                    # instant object it returned (and the tick asked) from its memo. It is
-                    # the first after now unless the ticker missed fire times (an outage).
+                    cron = shared_calendar(expression)
+                    # The fire time after the one that came, from the calendar the engine
+                    # uses (which answered its tick already): the first after now unless
+                    # the ticker missed fire times (an outage).
                     instant = cron.next_after(due)
                     if instant is not None and instant <= now:
                         instant = cron.next_after(now)
-                    entry = found[cron.expression] = (
-                        None if instant is None else (to_us(instant), index, instant)
+                    entry = found[expression] = (
+                        None if instant is None else (to_us(instant), instant)
                     )
                 if entry is not None:
-                    heapq.heappush(hints, (entry[0], index, entry[2]))
+                    heapq.heappush(hints, (entry[0], index, entry[1]))
         self.reschedule_ticker(self.t + self.tick_step)
 
     # --- relay workers -------------------------------------------------------------------------
