@@ -196,7 +196,15 @@ class _Repository:
     async def window_ended(
         self, states: frozenset[OccurrenceState], ended_by: datetime
     ) -> Sequence[OccurrenceRow]:
-        return [o for o in self._storage.in_states(states) if o.window_ends_at <= ended_by]
+        stored = self._storage.occurrences
+        by_state = self._storage.by_state
+        # Every call classifies expiry first: the live states' ids, read without a generator.
+        return [
+            o
+            for state in states
+            for o in map(stored.__getitem__, by_state[state._value_])
+            if o.window_ends_at <= ended_by
+        ]
 
     async def occurrences_of(
         self, definition_name: str, states: frozenset[OccurrenceState]

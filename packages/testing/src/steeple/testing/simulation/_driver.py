@@ -829,12 +829,18 @@ class _Driver:
         sample_step = self.sample_step
         sample_span = self.sample_span
         last = self.buckets - 1
+        made_at: dict[datetime, int] = {}
         for info in infos:
             record = records[info.definition_name]
             tally = record.tally
             tally.attempts += info.attempts
-            made = (info.created_at - start) // sample_span
-            record.made[0 if made < 0 else min(made, last)] += 1
+            # A tick's occurrences share their creation instant: one division per tick.
+            made = made_at.get(info.created_at)
+            if made is None:
+                made = made_at[info.created_at] = min(
+                    max((info.created_at - start) // sample_span, 0), last
+                )
+            record.made[made] += 1
             state = info.state
             published_at: int | None = None
             if state is _PUBLISHED:
