@@ -61,7 +61,8 @@ class SimulatedBroker:
     duplicates: int = attrs.field(default=0, init=False)
     _outages: tuple[tuple[int, int], ...] = attrs.field(default=(), init=False)
     _rng: _random.Random = attrs.field(init=False)
-    _keys: dict[str, BrokerReceipt] = attrs.field(factory=dict, init=False)
+    _keys: dict[str, None] = attrs.field(factory=dict, init=False)
+    """The accepted keys not settled yet."""
 
     def __attrs_post_init__(self) -> None:
         self._rng = _random.Random(f"steeple-broker:{self.seed}")  # noqa: S311 - a model, not secrets
@@ -116,23 +117,23 @@ class SimulatedBroker:
             receipt = await self.inner.publish(
                 message, idempotency_key=idempotency_key, timeout=timeout
             )
+            if receipt.duplicate:
+                self.duplicates += 1
+            else:
+                self.accepted += 1
         else:
-            receipt = self._accept(idempotency_key)
+            # The relay derived the key: receipts are built without checks.
+            keys = self._keys
+            if idempotency_key in keys:
+                receipt = trusted_receipt(_NAME, idempotency_key, duplicate=True)
+                self.duplicates += 1
+            else:
+                receipt = trusted_receipt(_NAME, idempotency_key)
+                keys[idempotency_key] = None
+                self.accepted += 1
         self.accepted_at[idempotency_key] = now + self.latency_us
-        if receipt.duplicate:
-            self.duplicates += 1
-        else:
-            self.accepted += 1
         if lose_ack:
             raise RelayAcknowledgementError(receipt, "simulated lost acknowledgement")
-        return receipt
-
-    def _accept(self, key: str) -> BrokerReceipt:
-        # The relay derived the key: receipts are built without checks (once per publication).
-        if key in self._keys:
-            return trusted_receipt(_NAME, key, duplicate=True)
-        receipt = trusted_receipt(_NAME, key)
-        self._keys[key] = receipt
         return receipt
 
     def settle(self, key: str) -> None:
