@@ -333,7 +333,10 @@ class InMemoryRecurringStorage:
         """
         if self.closed:
             raise RecurringStorageError(f"{operation}: the store is closed")
-        async with self._lock:
+        lock = self._lock
+        # Acquired and released directly: ``async with`` adds two coroutines to every call.
+        await lock.acquire()
+        try:
             state = NamespaceState(self.recorded, len(self.definitions), len(self.occurrences))
             repo = _Repository(self, state)
             undo: list[_Undo] = []
@@ -347,6 +350,8 @@ class InMemoryRecurringStorage:
                 self.undo_log = None
             self.recorded = repo.recorded
             return result
+        finally:
+            lock.release()
 
 
 @attrs.define(init=False, repr=False)

@@ -373,9 +373,16 @@ class _Driver:
     async def _handle(self, at: int, kind: int, arg: int, token: int) -> bool:
         """Run one popped event; return whether the run is over."""
         if kind == _WORKER:
-            await self._on_worker(self.workers[arg], token)
+            # The two commonest events, handled here (a coroutine fewer each).
+            worker = self.workers[arg]
+            if token == worker.token and not self.down:
+                worker.parked = False
+                worker.wake_at = _NEVER
+                await self.work(worker)
         elif kind == _TICK:
-            await self._on_tick(token)
+            if token == self.tick_token and not self.down:
+                self.tick_at = _NEVER
+                await self.tick()
         elif kind == _SCAN:
             await self._on_scan()
         elif kind == _SAMPLE:
@@ -394,17 +401,6 @@ class _Driver:
             await self.finish()
             return True
         return False
-
-    async def _on_worker(self, worker: _Worker, token: int) -> None:
-        if token == worker.token and not self.down:
-            worker.parked = False
-            worker.wake_at = _NEVER
-            await self.work(worker)
-
-    async def _on_tick(self, token: int) -> None:
-        if token == self.tick_token and not self.down:
-            self.tick_at = _NEVER
-            await self.tick()
 
     async def _on_scan(self) -> None:
         self.scan_pending = False
