@@ -774,3 +774,12 @@ def test_the_memo_of_next_after_is_bounded_and_never_changes_an_answer() -> None
         fresh = CronCalendar.parse("*/7 3-5 * * Mon-Fri")
         assert remembering.next_after(instant) == fresh.next_after(instant)
         assert len(remembering._found) <= calendar_module._MEMO_SIZE
+
+
+def test_the_shared_calendar_of_an_expression_is_one_parsed_calendar() -> None:
+    shared = calendar_module.shared_calendar("*/5 * * * *")
+    assert shared is calendar_module.shared_calendar("*/5 * * * *")
+    assert shared == CronCalendar.parse("*/5 * * * *")
+    assert shared.next_after(utc(2026, 1, 1, 0, 5)) == utc(2026, 1, 1, 0, 10)
+    with pytest.raises(InvalidCronExpression):
+        calendar_module.shared_calendar("61 * * * *")
