@@ -9,8 +9,8 @@ import pytest
 from steeple.core.errors import (
     ConfigurationError,
     RecurringConfigurationError,
-    RelayLeaseLostError,
     RecurringNotFoundError,
+    RelayLeaseLostError,
 )
 from steeple.core.occurrences import OccurrenceState
 from steeple.core.records import OccurrenceInfo

@@ -269,12 +269,8 @@ class _Driver:
         # Per policy only: the series of all policies together is their sum (their worst
         # lateness), made once in ``result``.
         self.bucket_published: dict[str, list[int]] = {k: [0] * self.buckets for k in policies}
-        self.bucket_late: dict[str, list[int | None]] = {
-            k: [None] * self.buckets for k in policies
-        }
-        self.bucket_materialized: dict[str, list[int]] = {
-            k: [0] * self.buckets for k in policies
-        }
+        self.bucket_late: dict[str, list[int | None]] = {k: [None] * self.buckets for k in policies}
+        self.bucket_materialized: dict[str, list[int]] = {k: [0] * self.buckets for k in policies}
 
     # --- events ----------------------------------------------------------------------------
 
@@ -383,7 +379,13 @@ class _Driver:
             if token == self.tick_token and not self.down:
                 self.tick_at = _NEVER
                 await self.tick()
-        elif kind == _SCAN:
+        else:
+            return await self._handle_other(at, kind, arg)
+        return False
+
+    async def _handle_other(self, at: int, kind: int, arg: int) -> bool:
+        """Run one popped event that is neither a worker's nor the ticker's."""
+        if kind == _SCAN:
             await self._on_scan()
         elif kind == _SAMPLE:
             await self._on_sample(at)
