@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 
 from steeple.core.clock import is_simulated
@@ -129,7 +129,10 @@ def read_clock(clock: Clock) -> datetime:
         RecurringConfigurationError: the clock returned a naive datetime or no datetime.
     """
     try:
-        return adopt_time(None, clock.now())
+        reading = clock.now()
+        if type(reading) is datetime and reading.tzinfo is UTC:
+            return reading  # what adopt_time returns for it (every call reads the clock twice)
+        return adopt_time(None, reading)
     except ConfigurationError as exc:
         # ConfigurationTypeError (not a datetime) is a ConfigurationError too.
         raise RecurringConfigurationError(

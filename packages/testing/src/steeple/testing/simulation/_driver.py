@@ -828,6 +828,8 @@ class _Driver:
         sample_span = self.sample_span
         last = self.buckets - 1
         made_at: dict[datetime, int] = {}
+        due_us: dict[datetime, int] = {}
+        bucket_of: dict[int, int] = {}
         for info in infos:
             record = records[info.definition_name]
             tally = record.tally
@@ -847,10 +849,19 @@ class _Driver:
                     raise SimulationError(
                         f"occurrence {info.occurrence_id} is published but no relay recorded it"
                     )
-                lateness = published_at - (info.due_at - EPOCH) // MICROSECOND
+                # Definitions sharing a calendar share their due instants.
+                due = due_us.get(info.due_at)
+                if due is None:
+                    due = due_us[info.due_at] = (info.due_at - EPOCH) // MICROSECOND
+                lateness = published_at - due
                 tally.published += 1
                 tally.lateness.append(lateness)
-                bucket = min((published_at - origin) // sample_step, last)
+                # A wave of a batch's publications shares its acknowledgement instant.
+                bucket = bucket_of.get(published_at)
+                if bucket is None:
+                    bucket = bucket_of[published_at] = min(
+                        (published_at - origin) // sample_step, last
+                    )
                 record.published[bucket] += 1
                 late = record.late
                 worst = late[bucket]
