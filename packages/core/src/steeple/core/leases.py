@@ -404,9 +404,6 @@ def occurrence_id_for(generation: bytes) -> str:
     return raw.hex()
 
 
-_NO_TIME: Final = timedelta(0)
-
-
 def adopt_time(
     recorded: datetime | None,
     local: datetime,
@@ -431,7 +428,7 @@ def adopt_time(
         ConfigurationTypeError: an instant is not a datetime (a ``TypeError``).
     """
     here = aware_utc(local, "local")
-    if not isinstance(tolerance, timedelta) or tolerance < _NO_TIME:
+    if not isinstance(tolerance, timedelta) or tolerance < timedelta(0):
         raise ConfigurationError("tolerance must be a non-negative timedelta")
     if recorded is None:
         return here

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from datetime import UTC, datetime, timedelta
-from types import TracebackType
+from collections.abc import Iterator
+from datetime import datetime, timedelta
 
 from steeple.core.clock import is_simulated
 from steeple.core.config import RecurringConfig
@@ -129,10 +129,7 @@ def read_clock(clock: Clock) -> datetime:
         RecurringConfigurationError: the clock returned a naive datetime or no datetime.
     """
     try:
-        reading = clock.now()
-        if type(reading) is datetime and reading.tzinfo is UTC:
-            return reading  # what adopt_time returns for it (every call reads the clock twice)
-        return adopt_time(None, reading)
+        return adopt_time(None, clock.now())
     except ConfigurationError as exc:
         # ConfigurationTypeError (not a datetime) is a ConfigurationError too.
         raise RecurringConfigurationError(
@@ -159,7 +156,8 @@ def judge_clock(clock: Clock, server: ServerClockReading | None) -> datetime:
     return local
 
 
-def recurring_errors(what: str) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def recurring_errors(what: str) -> Iterator[None]:
     """Re-raise any library error of the block as its recurring-store error.
 
     Recurring errors and relay errors pass unchanged; any other
@@ -167,30 +165,9 @@ def recurring_errors(what: str) -> contextlib.AbstractContextManager[None]:
     matching :class:`~steeple.core.errors.RecurringError` subtype, with the original as
     its ``__cause__``.
     """
-    # A plain context manager: every store call passes through one, and a generator's
-    # costs several times as much to enter and leave.
-    return _RecurringErrors(what)
-
-
-class _RecurringErrors(contextlib.AbstractContextManager[None]):
-    __slots__ = ("what",)
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if (
-            exc is None
-            or not isinstance(exc, SteepleError)
-            or isinstance(exc, RecurringError | RecurringRelayError)
-        ):
-            return
-        raise recurring_error(exc, self.what) from exc
+    try:
+        yield
+    except (RecurringError, RecurringRelayError):
+        raise
+    except SteepleError as exc:
+        raise recurring_error(exc, what) from exc
