@@ -134,7 +134,7 @@ class DefinitionUpdate:
     cancelled_at: datetime | None
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, weakref_slot=False)
 class OccurrenceRow:
     """A stored occurrence.
 
@@ -182,7 +182,7 @@ class OccurrenceRow:
         )
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, weakref_slot=False)
 class OccurrenceChange:
     """New values of one occurrence's mutable columns.
 
@@ -226,43 +226,50 @@ class OccurrenceChange:
     def applied_to(self, row: OccurrenceRow) -> OccurrenceRow:
         """Return ``row`` as it is after this change."""
         erased = self.erase_content
-        # Built directly, not with attrs.evolve, and positionally, in OccurrenceRow's field
-        # order (keywords cost a lookup each): this runs for every write of every relay.
-        return OccurrenceRow(
-            row.occurrence_id,
-            row.definition_name,
-            row.due_at,
-            self.state,
-            self.attempts,
-            row.window_ends_at,
-            row.created_at,
-            self.updated_at,
-            self.finished_at,
-            self.next_attempt_at,
-            self.last_error,
-            self.lease_expires_at,
-            self.lease_revision,
-            self.lease_digest,
-            None if erased else row.content,
-            None if erased else row.key_id,
-        )
+        # Built as a writable object, then made an OccurrenceRow (see _writable): this
+        # runs for every write of every relay.
+        new: Any = _new(_WRITABLE_ROW)
+        new.occurrence_id = row.occurrence_id
+        new.definition_name = row.definition_name
+        new.due_at = row.due_at
+        new.state = self.state
+        new.attempts = self.attempts
+        new.window_ends_at = row.window_ends_at
+        new.created_at = row.created_at
+        new.updated_at = self.updated_at
+        new.finished_at = self.finished_at
+        new.next_attempt_at = self.next_attempt_at
+        new.last_error = self.last_error
+        new.lease_expires_at = self.lease_expires_at
+        new.lease_revision = self.lease_revision
+        new.lease_digest = self.lease_digest
+        new.content = None if erased else row.content
+        new.key_id = None if erased else row.key_id
+        new.__class__ = OccurrenceRow
+        return new  # type: ignore[no-any-return]  # an OccurrenceRow, every field set
 
 
-_CHANGE_FIELDS: Final = (
-    "occurrence_id",
-    "state",
-    "attempts",
-    "next_attempt_at",
-    "last_error",
-    "lease_expires_at",
-    "lease_revision",
-    "lease_digest",
-    "updated_at",
-    "finished_at",
-    "erase_content",
-)
-# The order of apply_step's columns; a test requires it to be OccurrenceChange's fields'.
-_CHANGE_INDEX: Final = {name: index for index, name in enumerate(_CHANGE_FIELDS)}
+_new: Final = object.__new__
+
+
+def _writable(cls: type) -> type:
+    """Return a plain class with the slots of ``cls`` (a frozen attrs class) and nothing else.
+
+    A frozen attrs value sets each field through ``object.__setattr__``, which costs
+    about five times a plain attribute store. Rows and changes built from values the
+    engine or a store already holds are filled in as an instance of this class, then
+    made a ``cls`` by assigning ``__class__`` (allowed: the two layouts are the same).
+    The value is the one ``cls(...)`` builds from the same fields (a test requires it);
+    ``cls`` has no weak reference slot, which would make the layouts differ.
+    """
+    names = tuple(field.name for field in attrs.fields(cls))
+    return type(f"_Writable{cls.__name__}", (), {"__slots__": names})
+
+
+_WRITABLE_ROW: Final = _writable(OccurrenceRow)
+_WRITABLE_CHANGE: Final = _writable(OccurrenceChange)
+_CHANGE_FIELDS: Final = tuple(field.name for field in attrs.fields(OccurrenceChange))
+"""The columns a change sets (OccurrenceChange's fields, in order)."""
 
 
 def apply_step(
@@ -288,33 +295,29 @@ def apply_step(
         raise ValueError("a purge removes the row; it is not a change")
     effects = step.effects
     stamp = at if effects.stamps else row.updated_at
+    # Built as a writable object, then made an OccurrenceChange (see _writable): this
+    # runs for every write of every relay.
+    change: Any = _new(_WRITABLE_CHANGE)
+    change.occurrence_id = row.occurrence_id
+    change.state = target
+    change.attempts = (0 if effects.reopens else row.attempts) + attempted
+    change.next_attempt_at = None if step.clears_next_attempt else row.next_attempt_at
+    change.last_error = None if effects.clears_error else row.last_error
+    change.lease_expires_at = None if step.ends_lease else row.lease_expires_at
+    change.lease_revision = row.lease_revision
+    change.lease_digest = None if effects.erase_lease else row.lease_digest
+    change.updated_at = stamp
     if effects.finishes:
-        finished: datetime | None = stamp
-    elif effects.reopens:
-        finished = None
+        change.finished_at = stamp
     else:
-        finished = row.finished_at
-    columns: list[Any] = [
-        row.occurrence_id,
-        target,
-        (0 if effects.reopens else row.attempts) + attempted,
-        None if step.clears_next_attempt else row.next_attempt_at,
-        None if effects.clears_error else row.last_error,
-        None if step.ends_lease else row.lease_expires_at,
-        row.lease_revision,
-        None if effects.erase_lease else row.lease_digest,
-        stamp,
-        finished,
-        effects.erase_content,
-    ]
-    # Positional, in the fields' order: keywords would cost a dict on every write (a
-    # claim's lease columns are set in place).
+        change.finished_at = None if effects.reopens else row.finished_at
+    change.erase_content = effects.erase_content
     for name, value in values.items():
-        index = _CHANGE_INDEX.get(name)
-        if index is None:
+        if name not in _CHANGE_FIELDS:
             raise TypeError(f"an occurrence change has no column {name!r}")
-        columns[index] = value
-    return OccurrenceChange(*columns)
+        setattr(change, name, value)
+    change.__class__ = OccurrenceChange
+    return change  # type: ignore[no-any-return]  # an OccurrenceChange, every field set
 
 
 class RecurringRepository(Protocol):
