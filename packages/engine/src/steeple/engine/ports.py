@@ -21,6 +21,7 @@ from typing import Any, Final, Protocol, TypeVar
 
 import attrs
 
+from steeple.core._frozen import new, writable
 from steeple.core.leases import ClaimRule
 from steeple.core.occurrences import OccurrenceState, Step
 from steeple.core.policies import MissedRunPolicy
@@ -226,48 +227,31 @@ class OccurrenceChange:
     def applied_to(self, row: OccurrenceRow) -> OccurrenceRow:
         """Return ``row`` as it is after this change."""
         erased = self.erase_content
-        # Built as a writable object, then made an OccurrenceRow (see _writable): this
-        # runs for every write of every relay.
-        new: Any = _new(_WRITABLE_ROW)
-        new.occurrence_id = row.occurrence_id
-        new.definition_name = row.definition_name
-        new.due_at = row.due_at
-        new.state = self.state
-        new.attempts = self.attempts
-        new.window_ends_at = row.window_ends_at
-        new.created_at = row.created_at
-        new.updated_at = self.updated_at
-        new.finished_at = self.finished_at
-        new.next_attempt_at = self.next_attempt_at
-        new.last_error = self.last_error
-        new.lease_expires_at = self.lease_expires_at
-        new.lease_revision = self.lease_revision
-        new.lease_digest = self.lease_digest
-        new.content = None if erased else row.content
-        new.key_id = None if erased else row.key_id
-        new.__class__ = OccurrenceRow
-        return new  # type: ignore[no-any-return]  # an OccurrenceRow, every field set
+        # Filled in as a plain object, then made an OccurrenceRow (steeple.core._frozen):
+        # this runs for every write of every relay.
+        built: Any = new(_WRITABLE_ROW)
+        built.occurrence_id = row.occurrence_id
+        built.definition_name = row.definition_name
+        built.due_at = row.due_at
+        built.state = self.state
+        built.attempts = self.attempts
+        built.window_ends_at = row.window_ends_at
+        built.created_at = row.created_at
+        built.updated_at = self.updated_at
+        built.finished_at = self.finished_at
+        built.next_attempt_at = self.next_attempt_at
+        built.last_error = self.last_error
+        built.lease_expires_at = self.lease_expires_at
+        built.lease_revision = self.lease_revision
+        built.lease_digest = self.lease_digest
+        built.content = None if erased else row.content
+        built.key_id = None if erased else row.key_id
+        built.__class__ = OccurrenceRow
+        return built  # type: ignore[no-any-return]  # an OccurrenceRow, every field set
 
 
-_new: Final = object.__new__
-
-
-def _writable(cls: type) -> type:
-    """Return a plain class with the slots of ``cls`` (a frozen attrs class) and nothing else.
-
-    A frozen attrs value sets each field through ``object.__setattr__``, which costs
-    about five times a plain attribute store. Rows and changes built from values the
-    engine or a store already holds are filled in as an instance of this class, then
-    made a ``cls`` by assigning ``__class__`` (allowed: the two layouts are the same).
-    The value is the one ``cls(...)`` builds from the same fields (a test requires it);
-    ``cls`` has no weak reference slot, which would make the layouts differ.
-    """
-    names = tuple(field.name for field in attrs.fields(cls))
-    return type(f"_Writable{cls.__name__}", (), {"__slots__": names})
-
-
-_WRITABLE_ROW: Final = _writable(OccurrenceRow)
-_WRITABLE_CHANGE: Final = _writable(OccurrenceChange)
+_WRITABLE_ROW: Final = writable(OccurrenceRow)
+_WRITABLE_CHANGE: Final = writable(OccurrenceChange)
 _CHANGE_FIELDS: Final = tuple(field.name for field in attrs.fields(OccurrenceChange))
 """The columns a change sets (OccurrenceChange's fields, in order)."""
 
@@ -295,9 +279,9 @@ def apply_step(
         raise ValueError("a purge removes the row; it is not a change")
     effects = step.effects
     stamp = at if effects.stamps else row.updated_at
-    # Built as a writable object, then made an OccurrenceChange (see _writable): this
-    # runs for every write of every relay.
-    change: Any = _new(_WRITABLE_CHANGE)
+    # Filled in as a plain object, then made an OccurrenceChange (steeple.core._frozen):
+    # this runs for every write of every relay.
+    change: Any = new(_WRITABLE_CHANGE)
     change.occurrence_id = row.occurrence_id
     change.state = target
     change.attempts = (0 if effects.reopens else row.attempts) + attempted
