@@ -61,6 +61,61 @@ def test_a_trusted_outcome_equals_the_checked_one() -> None:
     assert trusted_outcome("ab" * 16, receipt=receipt) == RelayOutcome("ab" * 16, receipt=receipt)
     assert trusted_outcome("ab" * 16, error=error) == RelayOutcome("ab" * 16, error=error)
     assert trusted_outcome("ab" * 16, receipt=receipt).result() == receipt
+    trusted = trusted_outcome("ab" * 16, error=error)
+    assert type(trusted) is RelayOutcome
+    assert hash(trusted) == hash(RelayOutcome("ab" * 16, error=error))
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        trusted.error = None  # type: ignore[misc]
+
+
+def _assert_built_as_checked(built: Any, checked: Any) -> None:
+    """``built`` (filled in as a plain object, then given its class) is ``checked``."""
+    assert type(built) is type(checked)
+    assert built == checked
+    assert hash(built) == hash(checked)
+    assert repr(built) == repr(checked)
+    assert attrs.asdict(built, recurse=False) == attrs.asdict(checked, recurse=False)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        built.state = OccurrenceState.DEAD  # type: ignore[attr-defined]
+
+
+def test_a_steps_change_and_the_row_it_writes_equal_the_constructed_ones() -> None:
+    """``apply_step`` and ``applied_to`` fill a plain object in and give it its class: the
+    values equal, field for field, what the public constructors build."""
+    row = OccurrenceRow(
+        "ef" * 16, "job", AT, OccurrenceState.PENDING, 2, AT + timedelta(hours=1), AT, AT,
+        content=b"sealed", key_id="k1",
+    )  # fmt: skip
+    claimed = step(OccurrenceState.PENDING, OccurrenceEvent.CLAIM)
+    now = AT + timedelta(seconds=5)
+    expires = now + timedelta(seconds=30)
+    change = apply_step(
+        row, claimed, now, attempted=True,
+        lease_expires_at=expires, lease_revision=1, lease_digest=b"\x02" * 32,
+    )  # fmt: skip
+    expected = OccurrenceChange(
+        row.occurrence_id, OccurrenceState.LEASED, 3, None, None, expires,
+        1, b"\x02" * 32, now, None,
+    )  # fmt: skip
+    _assert_built_as_checked(change, expected)
+    written = change.applied_to(row)
+    _assert_built_as_checked(
+        written,
+        OccurrenceRow(
+            row.occurrence_id, "job", AT, OccurrenceState.LEASED, 3, row.window_ends_at, AT,
+            now, None, None, None, expires, 1, b"\x02" * 32, b"sealed", "k1",
+        ),
+    )  # fmt: skip
+    published = step(OccurrenceState.LEASED, OccurrenceEvent.PUBLISHED)
+    done = apply_step(written, published, now)
+    assert done.erase_content
+    _assert_built_as_checked(
+        done.applied_to(written),
+        OccurrenceRow(
+            row.occurrence_id, "job", AT, OccurrenceState.PUBLISHED, 3, row.window_ends_at, AT,
+            now, now, None, None, None, 1, None, None, None,
+        ),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("duplicate", [False, True])
