@@ -76,7 +76,7 @@ def _assert_built_as_checked(built: Any, checked: Any) -> None:
     assert repr(built) == repr(checked)
     assert attrs.asdict(built, recurse=False) == attrs.asdict(checked, recurse=False)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        built.state = OccurrenceState.DEAD  # type: ignore[attr-defined]
+        built.state = OccurrenceState.DEAD
 
 
 def test_a_steps_change_and_the_row_it_writes_equal_the_constructed_ones() -> None:
