@@ -51,13 +51,15 @@ CAPABILITY_BYTES: Final = 16
 GENERATION_BYTES: Final = 16
 """Length of an occurrence's random generation (its id is the generation's hex)."""
 
+_NO_TIME: Final = timedelta(0)
+
 
 def _positive_duration(value: object, what: str) -> timedelta:
     if not isinstance(value, timedelta):
         raise ConfigurationTypeError(
             f"{what} must be a datetime.timedelta, not {type(value).__name__}"
         )
-    if value <= timedelta(0):
+    if value <= _NO_TIME:
         raise ConfigurationError(f"{what} must be positive; got {value}")
     return value
 
@@ -428,7 +430,7 @@ def adopt_time(
         ConfigurationTypeError: an instant is not a datetime (a ``TypeError``).
     """
     here = aware_utc(local, "local")
-    if not isinstance(tolerance, timedelta) or tolerance < timedelta(0):
+    if not isinstance(tolerance, timedelta) or tolerance < _NO_TIME:
         raise ConfigurationError("tolerance must be a non-negative timedelta")
     if recorded is None:
         return here
