@@ -20,6 +20,7 @@ import contextlib
 import time
 from datetime import datetime, timedelta
 
+from steeple.core._validate import aware_utc
 from steeple.core.clock import is_simulated
 from steeple.core.config import RecurringConfig
 from steeple.core.errors import (
@@ -128,7 +129,7 @@ def read_clock(clock: Clock) -> datetime:
         RecurringConfigurationError: the clock returned a naive datetime or no datetime.
     """
     try:
-        return adopt_time(None, clock.now())
+        return aware_utc(clock.now(), "local")
     except ConfigurationError as exc:
         # ConfigurationTypeError (not a datetime) is a ConfigurationError too.
         raise RecurringConfigurationError(
