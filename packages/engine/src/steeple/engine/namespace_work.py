@@ -29,7 +29,7 @@ from steeple.core.errors import (
     recurring_keyring_error,
 )
 from steeple.core.leases import CLAIM_RULE, adopt_time, grant_leases
-from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, Step, states_for, step
+from steeple.core.occurrences import OccurrenceEvent, Step, states_for, step
 from steeple.core.ports import Clock, RandomSource, Sealer
 from steeple.core.records import Lease, ScheduleInfo, trusted_lease, validate_occurrence_id
 from steeple.engine import codec
@@ -265,13 +265,15 @@ class NamespaceWork:
         )
         granted: list[Lease] = []
         changes: list[OccurrenceChange] = []
-        claims: dict[OccurrenceState, Step] = {}  # the claim's row of the table, per state
+        # The claim's row of the table, per state (by value: a str hashes in C, an enum
+        # member in Python).
+        claims: dict[str, Step] = {}
         for row, grant in zip(rows, grants, strict=True):
             if grant is None:
                 continue
-            claim = claims.get(row.state)
+            claim = claims.get(row.state._value_)
             if claim is None:
-                claim = claims[row.state] = step(row.state, _E.CLAIM)
+                claim = claims[row.state._value_] = step(row.state, _E.CLAIM)
             revision = row.lease_revision + 1
             changes.append(
                 apply_step(
