@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage
+from steeple.core._frozen import new, writable
 from steeple.core.errors import BrokerUnavailableError, ConfigurationError, InvalidTransitionError
 from steeple.core.leases import (
     capability_digest,
@@ -77,6 +78,30 @@ def _assert_built_as_checked(built: Any, checked: Any) -> None:
     assert attrs.asdict(built, recurse=False) == attrs.asdict(checked, recurse=False)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         built.state = OccurrenceState.DEAD
+
+
+def test_only_a_slotted_class_without_a_weak_reference_slot_is_filled_in() -> None:
+    """``writable`` refuses a class whose layout a plain one cannot share."""
+
+    @attrs.frozen
+    class Weak:
+        x: int
+
+    @attrs.frozen(slots=False)
+    class Unslotted:
+        x: int
+
+    @attrs.frozen(weakref_slot=False)
+    class Plain:
+        x: int
+
+    for refused in (Weak, Unslotted):
+        with pytest.raises(TypeError):
+            writable(refused)
+    built: Any = new(writable(Plain))
+    built.x = 1
+    built.__class__ = Plain
+    _assert_built_as_checked(built, Plain(1))
 
 
 def test_a_steps_change_and_the_row_it_writes_equal_the_constructed_ones() -> None:

@@ -24,8 +24,13 @@ def writable(cls: type) -> type:
 
     Fill in every field of ``new(writable(cls))``, then assign ``__class__ = cls``
     (allowed: the two layouts are the same); the value is the one ``cls(...)`` builds
-    from the same fields, without its checks (a test requires both to be equal). ``cls``
-    must have no weak reference slot, which would make the layouts differ.
+    from the same fields, without its checks (a test requires both to be equal).
+
+    Raises:
+        TypeError: ``cls`` is not slotted, or has a weak reference slot (either would
+            make the layouts differ).
     """
+    if "__weakref__" in getattr(cls, "__slots__", ("__weakref__",)):
+        raise TypeError(f"{cls.__name__} must be slotted, without a weak reference slot")
     names = tuple(field.name for field in attrs.fields(cls))
     return type(f"_Writable{cls.__name__}", (), {"__slots__": names})
