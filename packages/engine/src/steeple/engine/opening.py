@@ -167,8 +167,8 @@ def recurring_errors(what: str) -> contextlib.AbstractContextManager[None]:
     return _RecurringErrors(what)
 
 
-class _RecurringErrors:
-    """The context :func:`recurring_errors` returns.
+class _RecurringErrors(contextlib.ContextDecorator):
+    """The context :func:`recurring_errors` returns (a decorator too, as before).
 
     A class: every transaction enters one, and a generator-based context costs several
     times as much.
