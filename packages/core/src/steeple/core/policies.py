@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import Protocol
 
@@ -24,9 +24,12 @@ __all__ = [
     "DefinitionAdvance",
     "DueCalendar",
     "DueDefinition",
+    "DueValues",
     "MissedRunPolicy",
     "NamespaceTickPlan",
+    "PlannedTick",
     "TickPlan",
+    "plan_due",
     "plan_namespace_tick",
     "plan_tick",
     "validate_budget",
@@ -226,6 +229,16 @@ class NamespaceTickPlan:
     exhausted: tuple[str, ...]
 
 
+DueValues = tuple[str, MissedRunPolicy, DueCalendar, datetime, datetime | None]
+"""A :class:`DueDefinition` as plain values, in its fields' order (what a store reads)."""
+
+PlannedTick = tuple[
+    list[tuple[str, datetime]], list[tuple[str, datetime, datetime | None]], list[str]
+]
+""":func:`plan_due`'s answer: :class:`NamespaceTickPlan`'s three fields as lists, each
+advance as ``(name, cursor, next due or None once exhausted)``."""
+
+
 def plan_namespace_tick(
     definitions: Iterable[DueDefinition], now: datetime, budget: int
 ) -> NamespaceTickPlan:
@@ -256,57 +269,83 @@ def plan_namespace_tick(
         raise ConfigurationTypeError(
             f"definitions must be an iterable of DueDefinition, not {type(definitions).__name__}"
         )
-    by_name: dict[str, DueDefinition] = {}
-    cursors: dict[str, datetime] = {}
-    heap: list[tuple[datetime, str]] = []
+    emitted, advanced, exhausted = plan_due(_due_values(definitions), now, budget)
+    return NamespaceTickPlan(
+        emitted=tuple(emitted),
+        advanced=tuple(
+            DefinitionAdvance(name, moved, following, following is None)
+            for name, moved, following in advanced
+        ),
+        exhausted=tuple(exhausted),
+    )
+
+
+def _due_values(definitions: Iterable[DueDefinition]) -> Iterator[DueValues]:
     for definition in definitions:
         if not isinstance(definition, DueDefinition):
             raise ConfigurationTypeError(
                 f"definitions must hold DueDefinition values, not {type(definition).__name__}"
             )
-        if not isinstance(definition.name, str):
+        yield (
+            definition.name,
+            definition.policy,
+            definition.calendar,
+            definition.cursor,
+            definition.next_due,
+        )
+
+
+def plan_due(definitions: Iterable[DueValues], now: datetime, budget: int) -> PlannedTick:
+    """:func:`plan_namespace_tick` on plain values, its plan as plain values.
+
+    ``now`` must be an aware UTC datetime and ``budget`` an int in 1..100 (checked by the
+    caller); every definition's values are checked as :func:`plan_namespace_tick` checks
+    them. What a store's tick calls: no value is built per definition but the plan's own.
+
+    Raises:
+        RecurringConfigurationError: an unknown policy.
+        ConfigurationTypeError: a name is not a str, a calendar has no ``next_after``, or
+            an instant is not a datetime (a ``TypeError``).
+        ConfigurationError: an instant is naive, or a calendar answered something other
+            than an aware datetime or ``None`` (a ``ValueError``).
+    """
+    seen: set[str] = set()
+    # (due time, name, policy, calendar, cursor): names are unique in the heap, so the
+    # order is (due time, name) and the other values are never compared.
+    heap: list[tuple[datetime, str, MissedRunPolicy, DueCalendar, datetime]] = []
+    for name, policy, calendar, cursor, due in definitions:
+        if not isinstance(name, str):
             raise ConfigurationTypeError(
-                f"a definition's name must be a str, not {type(definition.name).__name__}"
+                f"a definition's name must be a str, not {type(name).__name__}"
             )
-        if definition.next_due is None:
+        if due is None:
             continue
-        due = aware_utc(definition.next_due, "next_due")
-        if due > now or definition.name in by_name:
+        due = aware_utc(due, "next_due")
+        if due > now or name in seen:
             continue
-        _check_calendar(definition.calendar)
-        by_name[definition.name] = definition
-        cursors[definition.name] = aware_utc(definition.cursor, "cursor")
-        heap.append((due, definition.name))
+        _check_calendar(calendar)
+        seen.add(name)
+        heap.append((due, name, policy, calendar, aware_utc(cursor, "cursor")))
     heapq.heapify(heap)
     emitted: list[tuple[str, datetime]] = []
     # Where each definition that emitted stands: (cursor, next due time or None once
-    # exhausted); its DefinitionAdvance is built once, at the end.
+    # exhausted).
     state: dict[str, tuple[datetime, datetime | None]] = {}
     exhausted: list[str] = []
     pop, push = heapq.heappop, heapq.heappush
     while heap and len(emitted) < budget:
-        _, name = pop(heap)
-        definition = by_name[name]
-        cursor = cursors[name]
+        _, name, policy, calendar, cursor = pop(heap)
         # Checked once above (the calendar, the cursor, now); each plan's cursor is its own.
-        emits, position, following = _plan_checked(
-            definition.policy, definition.calendar, cursor, now, 1
-        )
+        emits, position, following = _plan_checked(policy, calendar, cursor, now, 1)
         if not emits:
             continue  # next_due was stale: nothing is due after the cursor yet
-        emitted.append((name, emits[0]))
-        moved = position if following is not None else max(cursor, *emits)
-        cursors[name] = moved
+        due = emits[0]
+        emitted.append((name, due))
+        moved = position if following is not None else max(cursor, due)
         state[name] = (moved, following)
         if following is None:
             exhausted.append(name)
         elif following <= now:
-            push(heap, (following, name))
-    return NamespaceTickPlan(
-        emitted=tuple(emitted),
-        advanced=tuple(
-            DefinitionAdvance(name, moved, following, following is None)
-            for name, (moved, following) in sorted(state.items())
-        ),
-        exhausted=tuple(exhausted),
-    )
+            push(heap, (following, name, policy, calendar, moved))
+    advanced = [(name, moved, following) for name, (moved, following) in sorted(state.items())]
+    return emitted, advanced, exhausted

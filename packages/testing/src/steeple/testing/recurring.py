@@ -90,11 +90,7 @@ class _Repository:
         return [stored[n] for n in names[:limit]]
 
     async def due_definitions(self, due_by: datetime, limit: int) -> Sequence[DefinitionRow]:
-        due = sorted(
-            (d.next_due_at, d.name)
-            for d in self._storage.definitions.values()
-            if d.next_due_at is not None and d.next_due_at <= due_by
-        )
+        due = sorted(key for key in self._storage.due.values() if key[0] <= due_by)
         stored = self._storage.definitions
         return [stored[name] for _, name in due[:limit]]
 
@@ -165,13 +161,19 @@ class _Repository:
 
     async def insert_occurrences(self, rows: Sequence[OccurrenceRow]) -> None:
         storage = self._storage
+        stored, identities, undo = storage.occurrences, storage.identities, storage.undo_log
+        by_state = storage.by_state
         for row in rows:
-            if (
-                row.occurrence_id in storage.occurrences
-                or (row.definition_name, row.due_at) in storage.identities
-            ):
-                raise RecurringStorageError(f"occurrence {row.occurrence_id} is stored already")
-            storage.put_occurrence(row.occurrence_id, row)
+            occurrence_id = row.occurrence_id
+            identity = (row.definition_name, row.due_at)
+            if occurrence_id in stored or identity in identities:
+                raise RecurringStorageError(f"occurrence {occurrence_id} is stored already")
+            # put_occurrence, for a new row: nothing to replace, every index gains it.
+            if undo is not None:
+                undo.append((True, occurrence_id, None))
+            stored[occurrence_id] = row
+            identities.add(identity)
+            by_state[row.state._value_][occurrence_id] = None
 
     async def update_occurrences(self, changes: Sequence[OccurrenceChange]) -> None:
         storage = self._storage
@@ -229,7 +231,8 @@ class InMemoryRecurringStorage:
     dicts and notes each row it replaces, and a transaction whose work raises puts those
     back, so a call that raises stores nothing. Occurrences are also indexed by state
     (what claims, expiry and purges select by) and by ``(definition_name, due_at)``
-    (their identity): a read touches the rows it may return, not every row kept.
+    (their identity), and definitions by their next due time (what a tick selects by): a
+    read touches the rows it may return, or those rows' index entries, not every row kept.
 
     Tests may replace a stored occurrence in :attr:`occurrences` with one that differs
     in any column but its state, definition and due time (the indexed ones).
@@ -239,6 +242,8 @@ class InMemoryRecurringStorage:
         self.definitions: dict[str, DefinitionRow] = {}
         self.occurrences: dict[str, OccurrenceRow] = {}
         self.identities: set[tuple[str, datetime]] = set()
+        self.due: dict[str, tuple[datetime, str]] = {}
+        """``(next_due_at, name)`` of each definition that has a next due time, by name."""
         self.recorded: datetime | None = None
         self.closed = False
         self.by_state: dict[str, dict[str, None]] = {s._value_: {} for s in OccurrenceState}
@@ -259,7 +264,18 @@ class InMemoryRecurringStorage:
         """Store ``row`` under ``name`` (noting what it replaces for a rollback)."""
         if self.undo_log is not None:
             self.undo_log.append((False, name, self.definitions.get(name)))
+        self._place_definition(name, row)
+
+    def _place_definition(self, name: str, row: DefinitionRow | None) -> None:
+        if row is None:
+            self.definitions.pop(name, None)
+            self.due.pop(name, None)
+            return
         self.definitions[name] = row
+        if row.next_due_at is None:
+            self.due.pop(name, None)
+        else:
+            self.due[name] = (row.next_due_at, name)
 
     def put_occurrence(self, occurrence_id: str, row: OccurrenceRow | None) -> None:
         """Store ``row`` under ``occurrence_id``, or delete it (``None``); keep the indexes."""
@@ -293,11 +309,9 @@ class InMemoryRecurringStorage:
             if is_occurrence:
                 assert before is None or isinstance(before, OccurrenceRow)
                 self._place(key, self.occurrences.get(key), before)
-            elif before is None:
-                self.definitions.pop(key, None)
             else:
-                assert isinstance(before, DefinitionRow)
-                self.definitions[key] = before
+                assert before is None or isinstance(before, DefinitionRow)
+                self._place_definition(key, before)
 
     async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         """Run ``work`` on the rows; undo its writes if it raises.
