@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections.abc import Iterable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Protocol
 
 import attrs
@@ -87,19 +87,18 @@ class TickPlan:
 
 
 def _next(calendar: DueCalendar, instant: datetime) -> datetime | None:
-    # A calendar is a port: what it answers is checked like any other input.
+    # A calendar is a port: what it answers is checked like any other input (an aware UTC
+    # datetime, what a CronCalendar answers, is taken as it is without a call).
     found = calendar.next_after(instant)
-    return None if found is None else aware_utc(found, "the calendar's next due instant")
+    if found is None or (type(found) is datetime and found.tzinfo is UTC):
+        return found
+    return aware_utc(found, "the calendar's next due instant")
 
 
 _Planned = tuple[list[datetime], datetime, datetime | None]
 """A plan as :func:`_plan_checked` returns it: the due instants, where the cursor stands
 after them, and the first due instant after that (``None``: the calendar is exhausted).
 Plain values, not a :class:`TickPlan`: a namespace tick plans once per occurrence."""
-
-
-def _finish(due: list[datetime], cursor: datetime, calendar: DueCalendar) -> _Planned:
-    return due, cursor, _next(calendar, cursor)
 
 
 def plan_tick(
@@ -157,21 +156,24 @@ def _plan_checked(
     policy: MissedRunPolicy, calendar: DueCalendar, cursor: datetime, now: datetime, budget: int
 ) -> _Planned:
     """:func:`plan_tick`'s decision on arguments it checked already (aware UTC instants)."""
+    # Each plan ends by asking where the calendar goes after the new cursor; when the
+    # cursor stays where the last question was asked, that answer is reused (a calendar
+    # is a pure function of the instant).
     if policy is MissedRunPolicy.CATCH_UP:
         due: list[datetime] = []
         position = cursor
         while len(due) < budget:
             candidate = _next(calendar, position)
             if candidate is None or candidate > now:
-                break
+                return due, position, candidate
             due.append(candidate)
             position = candidate
-        return _finish(due, position, calendar)
-    if policy in (MissedRunPolicy.COALESCE, MissedRunPolicy.RUN_ONCE):
+        return due, position, _next(calendar, position)
+    if policy is MissedRunPolicy.COALESCE or policy is MissedRunPolicy.RUN_ONCE:
         oldest = _next(calendar, cursor)
         if oldest is not None and oldest <= now:
-            return _finish([oldest], now, calendar)
-        return _finish([], cursor, calendar)
+            return [oldest], now, _next(calendar, now)
+        return [], cursor, oldest
     raise RecurringConfigurationError(f"unknown missed-run policy {shown(policy)}")
 
 
