@@ -52,13 +52,15 @@ CAPABILITY_BYTES: Final = 16
 GENERATION_BYTES: Final = 16
 """Length of an occurrence's random generation (its id is the generation's hex)."""
 
+_NO_TIME: Final = timedelta(0)
+
 
 def _positive_duration(value: object, what: str) -> timedelta:
     if not isinstance(value, timedelta):
         raise ConfigurationTypeError(
             f"{what} must be a datetime.timedelta, not {type(value).__name__}"
         )
-    if value <= timedelta(0):
+    if value <= _NO_TIME:
         raise ConfigurationError(f"{what} must be positive; got {value}")
     return value
 
@@ -443,7 +445,7 @@ def adopt_time(
         ConfigurationTypeError: an instant is not a datetime (a ``TypeError``).
     """
     here = aware_utc(local, "local")
-    if not isinstance(tolerance, timedelta) or tolerance < timedelta(0):
+    if not isinstance(tolerance, timedelta) or tolerance < _NO_TIME:
         raise ConfigurationError("tolerance must be a non-negative timedelta")
     if recorded is None:
         return here
@@ -483,7 +485,7 @@ def check_server_clock(
     """
     here = aware_utc(local, "local")
     there = aware_utc(server, "server")
-    if not isinstance(round_trip, timedelta) or round_trip < timedelta(0):
+    if not isinstance(round_trip, timedelta) or round_trip < _NO_TIME:
         raise ConfigurationError("round_trip must be a non-negative timedelta")
     ahead = here - there - round_trip
     if ahead <= bound:

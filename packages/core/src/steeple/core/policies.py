@@ -12,7 +12,7 @@ import enum
 import heapq
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Final, Protocol
 
 import attrs
 
@@ -48,6 +48,13 @@ class MissedRunPolicy(enum.Enum, metaclass=TypedEnumType):
     CATCH_UP = "catch_up"
     COALESCE = "coalesce"
     RUN_ONCE = "run_once"
+
+
+# The members, read once: reading one off the class is a descriptor call in Python 3.11
+# (about 0.17 µs), and a tick plans once per occurrence.
+_CATCH_UP: Final = MissedRunPolicy.CATCH_UP
+_COALESCE: Final = MissedRunPolicy.COALESCE
+_RUN_ONCE: Final = MissedRunPolicy.RUN_ONCE
 
 
 class DueCalendar(Protocol):
@@ -87,9 +94,12 @@ class TickPlan:
 
 
 def _next(calendar: DueCalendar, instant: datetime) -> datetime | None:
+    return _checked_answer(calendar.next_after(instant))
+
+
+def _checked_answer(found: datetime | None) -> datetime | None:
     # A calendar is a port: what it answers is checked like any other input (an aware UTC
-    # datetime, what a CronCalendar answers, is taken as it is without a call).
-    found = calendar.next_after(instant)
+    # datetime, what a CronCalendar answers, is taken as it is).
     if found is None or (type(found) is datetime and found.tzinfo is UTC):
         return found
     return aware_utc(found, "the calendar's next due instant")
@@ -159,17 +169,19 @@ def _plan_checked(
     # Each plan ends by asking where the calendar goes after the new cursor; when the
     # cursor stays where the last question was asked, that answer is reused (a calendar
     # is a pure function of the instant).
-    if policy is MissedRunPolicy.CATCH_UP:
+    if policy is _CATCH_UP:
+        ask = calendar.next_after
         due: list[datetime] = []
         position = cursor
-        while len(due) < budget:
-            candidate = _next(calendar, position)
-            if candidate is None or candidate > now:
-                return due, position, candidate
-            due.append(candidate)
-            position = candidate
-        return due, position, _next(calendar, position)
-    if policy is MissedRunPolicy.COALESCE or policy is MissedRunPolicy.RUN_ONCE:
+        while True:
+            found = ask(position)
+            if found is not None and (type(found) is not datetime or found.tzinfo is not UTC):
+                found = _checked_answer(found)  # inline above: a tick plans per occurrence
+            if found is None or found > now or len(due) == budget:
+                return due, position, found
+            due.append(found)
+            position = found
+    if policy is _COALESCE or policy is _RUN_ONCE:
         oldest = _next(calendar, cursor)
         if oldest is not None and oldest <= now:
             return [oldest], now, _next(calendar, now)
@@ -322,12 +334,16 @@ def plan_due(definitions: Iterable[DueValues], now: datetime, budget: int) -> Pl
             )
         if due is None:
             continue
-        due = aware_utc(due, "next_due")
+        # aware_utc's own first test, inline: what every store passes needs no call.
+        if type(due) is not datetime or due.tzinfo is not UTC:
+            due = aware_utc(due, "next_due")
         if due > now or name in seen:
             continue
         _check_calendar(calendar)
         seen.add(name)
-        heap.append((due, name, policy, calendar, aware_utc(cursor, "cursor")))
+        if type(cursor) is not datetime or cursor.tzinfo is not UTC:
+            cursor = aware_utc(cursor, "cursor")
+        heap.append((due, name, policy, calendar, cursor))
     heapq.heapify(heap)
     emitted: list[tuple[str, datetime]] = []
     # Where each definition that emitted stands: (cursor, next due time or None once

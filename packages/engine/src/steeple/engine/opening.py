@@ -16,9 +16,8 @@ can read one), before the namespace's shared time is adopted or moved.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 
 from steeple.core.clock import is_simulated
@@ -156,8 +155,7 @@ def judge_clock(clock: Clock, server: ServerClockReading | None) -> datetime:
     return local
 
 
-@contextlib.contextmanager
-def recurring_errors(what: str) -> Iterator[None]:
+def recurring_errors(what: str) -> AbstractContextManager[None]:
     """Re-raise any library error of the block as its recurring-store error.
 
     Recurring errors and relay errors pass unchanged; any other
@@ -165,9 +163,24 @@ def recurring_errors(what: str) -> Iterator[None]:
     matching :class:`~steeple.core.errors.RecurringError` subtype, with the original as
     its ``__cause__``.
     """
-    try:
-        yield
-    except (RecurringError, RecurringRelayError):
-        raise
-    except SteepleError as exc:
-        raise recurring_error(exc, what) from exc
+    return _RecurringErrors(what)
+
+
+class _RecurringErrors:
+    # A class, not a generator context manager: every engine call enters one.
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object
+    ) -> bool:
+        if isinstance(exc, SteepleError) and not isinstance(
+            exc, (RecurringError, RecurringRelayError)
+        ):
+            raise recurring_error(exc, self.what) from exc
+        return False

@@ -107,25 +107,31 @@ class _Repository:
 
     async def update_definitions(self, updates: Sequence[DefinitionUpdate]) -> None:
         storage = self._storage
+        stored, due, undo = storage.definitions, storage.due, storage.undo_log
         for u in updates:
-            current = storage.definitions[u.name]
-            # Positional, in DefinitionRow's field order: a tick writes one per definition.
-            storage.put_definition(
-                u.name,
-                DefinitionRow(
-                    current.name,
-                    current.sealed,
-                    current.key_id,
-                    current.cron,
-                    current.policy,
-                    current.first_after,
-                    u.state,
-                    u.cursor,
-                    u.next_due_at,
-                    current.created_at,
-                    u.cancelled_at,
-                ),
+            name = u.name
+            current = stored[name]
+            if undo is not None:
+                undo.append((False, name, current))
+            # put_definition, for a stored row. Positional, in DefinitionRow's field order:
+            # a tick writes one per definition.
+            stored[name] = DefinitionRow(
+                current.name,
+                current.sealed,
+                current.key_id,
+                current.cron,
+                current.policy,
+                current.first_after,
+                u.state,
+                u.cursor,
+                u.next_due_at,
+                current.created_at,
+                u.cancelled_at,
             )
+            if u.next_due_at is None:
+                due.pop(name, None)
+            else:
+                due[name] = (u.next_due_at, name)
 
     async def occurrences(self, ids: Sequence[str]) -> Sequence[OccurrenceRow]:
         stored = self._storage.occurrences
