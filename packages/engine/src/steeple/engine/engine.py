@@ -343,12 +343,12 @@ class RecurringEngine:
                 crash_point("tick.inserted")
             if advanced:
                 active, ended = ScheduleState.ACTIVE, ScheduleState.EXHAUSTED
-                # Positional, in the fields' order: one per definition that emitted.
+                update = DefinitionUpdate.built  # one per definition that emitted
                 await tx.repo.update_definitions(
                     [
-                        DefinitionUpdate(name, active, cursor, following, None)
+                        update(name, active, cursor, following, None)
                         if following is not None
-                        else DefinitionUpdate(name, ended, cursor, None, None)
+                        else update(name, ended, cursor, None, None)
                         for name, cursor, following in advanced
                     ]
                 )

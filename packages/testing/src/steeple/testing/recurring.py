@@ -113,21 +113,8 @@ class _Repository:
             current = stored[name]
             if undo is not None:
                 undo.append((False, name, current))
-            # put_definition, for a stored row. Positional, in DefinitionRow's field order:
-            # a tick writes one per definition.
-            stored[name] = DefinitionRow(
-                current.name,
-                current.sealed,
-                current.key_id,
-                current.cron,
-                current.policy,
-                current.first_after,
-                u.state,
-                u.cursor,
-                u.next_due_at,
-                current.created_at,
-                u.cancelled_at,
-            )
+            # put_definition, for a stored row.
+            stored[name] = u.applied_to(current)
             if u.next_due_at is None:
                 due.pop(name, None)
             else:
