@@ -311,9 +311,7 @@ class RecurringEngine:
             for name, due in emitted:
                 message = messages.get(name)
                 if message is None:
-                    opened = self._work.open(
-                        rows[name].sealed, PURPOSE_DEFINITION, name, f"definition {name!r}"
-                    )
+                    opened = self._work.open_document(rows[name].sealed, name)
                     message = messages[name] = codec.definition_message_plaintext(opened)
                 occurrence_id = next_id()
                 ids.append(occurrence_id)

@@ -314,7 +314,9 @@ class InMemoryRecurringStorage:
         """
         if self.closed:
             raise RecurringStorageError(f"{operation}: the store is closed")
-        async with self._lock:
+        lock = self._lock
+        await lock.acquire()  # `async with`, without its two awaits per call
+        try:
             state = NamespaceState(self.recorded, len(self.definitions), len(self.occurrences))
             repo = _Repository(self, state)
             undo: list[_Undo] = []
@@ -328,6 +330,8 @@ class InMemoryRecurringStorage:
                 self.undo_log = None
             self.recorded = repo.recorded
             return result
+        finally:
+            lock.release()
 
 
 @attrs.define(init=False, repr=False)
