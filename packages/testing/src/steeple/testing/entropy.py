@@ -35,8 +35,7 @@ class DeterministicRandom:
         """
         if n < 0:
             raise ValueError(f"n must be >= 0; got {n}")
-        # random.Random.randbytes itself, without its call (a draw per occurrence and lease).
-        return self._rng.getrandbits(n * 8).to_bytes(n, "little")
+        return self._rng.randbytes(n)
 
     def random(self) -> float:
         """Return a pseudo-random float in [0, 1)."""
