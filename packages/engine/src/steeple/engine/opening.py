@@ -178,9 +178,9 @@ class _RecurringErrors:
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object
-    ) -> bool:
+    ) -> None:
+        # Returns None: whatever the block raised propagates (or is replaced, here).
         if isinstance(exc, SteepleError) and not isinstance(
             exc, (RecurringError, RecurringRelayError)
         ):
             raise recurring_error(exc, self.what) from exc
-        return False
