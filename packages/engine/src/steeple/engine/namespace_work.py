@@ -225,11 +225,21 @@ class NamespaceWork:
         except KeyringError as exc:
             raise recurring_keyring_error(exc, record) from exc
 
+    def open_document(self, sealed: bytes, name: str) -> bytes:
+        """Open definition ``name``'s sealed document (:meth:`open`; named only on error)."""
+        try:
+            return self.sealer.open(
+                bytes(sealed),
+                namespace=self.config.namespace,
+                purpose=PURPOSE_DEFINITION,
+                identity=name,
+            )
+        except KeyringError as exc:
+            raise recurring_keyring_error(exc, f"definition {name!r}") from exc
+
     def open_definition(self, row: DefinitionRow) -> RecurringDefinition:
         """Open a stored definition."""
-        return codec.decode_definition(
-            self.open(row.sealed, PURPOSE_DEFINITION, row.name, f"definition {row.name!r}")
-        )
+        return codec.decode_definition(self.open_document(row.sealed, row.name))
 
     def schedule_info(self, row: DefinitionRow) -> ScheduleInfo:
         """Return a stored definition's metadata (its message opened)."""
