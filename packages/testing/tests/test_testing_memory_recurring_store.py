@@ -17,6 +17,7 @@ from steeple.core.occurrences import OccurrenceState
 from steeple.core.policies import MissedRunPolicy
 from steeple.core.ports import RecurringStore
 from steeple.core.records import Lease, OccurrenceInfo
+from steeple.runtime import crashpoints
 from steeple.testing import DeterministicRandom, FakeClock, InMemoryRecurringStore, MemoryBroker
 
 START = datetime(2031, 5, 17, 3, 14, 15, 926000, tzinfo=UTC)
@@ -152,3 +153,43 @@ async def test_sealed_content_round_trips_and_is_bound_to_its_identity(clock: Fa
     )
     with pytest.raises(AuthenticationFailedError):
         await store.relay(second, broker)
+
+
+class _Crash(Exception):
+    pass
+
+
+def _due_index_of(store: InMemoryRecurringStore) -> dict[str, tuple[datetime, str]]:
+    """The index a tick selects by, as the stored rows say it must be."""
+    rows = store._definitions
+    return {n: (r.next_due_at, n) for n, r in rows.items() if r.next_due_at is not None}
+
+
+async def test_a_tick_undone_leaves_its_definitions_due_as_they_were(clock: FakeClock) -> None:
+    """A tick selects definitions by an index of their next due times, kept with the rows:
+    a tick that raises after advancing them puts the index back with them, so the next
+    tick materializes what the undone one would have; a cancelled definition leaves it."""
+    store = InMemoryRecurringStore(config(), clock, random=DeterministicRandom(11))
+    await store.create(definition("a", back=timedelta(minutes=3)))
+    await store.create(definition("b", "*/2 * * * *", back=timedelta(minutes=5)))
+    await store.create(definition("c", first_after=START + timedelta(hours=1)))
+    before = dict(store._storage.due)
+    assert before == _due_index_of(store)
+    assert set(before) == {"a", "b", "c"}
+
+    def crash(name: str) -> None:
+        if name == "tick.written":
+            raise _Crash(name)
+
+    crashpoints.arm(crash)
+    try:
+        with pytest.raises(_Crash):
+            await store.tick(10)
+    finally:
+        crashpoints.disarm()
+    assert store._storage.due == before
+    assert (await store.tick(10)).materialized == 3 + 3  # a: 03:12-03:14; b: 03:10-03:14
+    assert store._storage.due == _due_index_of(store) != before
+    await store.cancel("b")
+    assert store._storage.due == _due_index_of(store)
+    assert set(store._storage.due) == {"a", "c"}

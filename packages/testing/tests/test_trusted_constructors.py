@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from steeple.core import MissedRunPolicy, RecurringConfig, RecurringDefinition, ScheduledMessage
+from steeple.core._frozen import new, writable
 from steeple.core.errors import BrokerUnavailableError, ConfigurationError, InvalidTransitionError
 from steeple.core.leases import (
     capability_digest,
@@ -25,6 +26,7 @@ from steeple.core.leases import (
     new_capability,
     new_generation,
     new_occurrence_id,
+    new_occurrence_ids,
     occurrence_id_for,
 )
 from steeple.core.messages import BrokerReceipt, trusted_receipt
@@ -36,7 +38,14 @@ from steeple.core.occurrences import (
     step,
 )
 from steeple.core.records import Lease, RelayOutcome, trusted_lease, trusted_outcome
-from steeple.engine.ports import _CHANGE_FIELDS, OccurrenceChange, OccurrenceRow, apply_step
+from steeple.engine.ports import (
+    _CHANGE_FIELDS,
+    DefinitionRow,
+    DefinitionUpdate,
+    OccurrenceChange,
+    OccurrenceRow,
+    apply_step,
+)
 from steeple.testing import FakeClock, MemoryBroker
 from steeple.testing.entropy import DeterministicRandom
 from steeple.testing.simulation import memory_store
@@ -61,6 +70,85 @@ def test_a_trusted_outcome_equals_the_checked_one() -> None:
     assert trusted_outcome("ab" * 16, receipt=receipt) == RelayOutcome("ab" * 16, receipt=receipt)
     assert trusted_outcome("ab" * 16, error=error) == RelayOutcome("ab" * 16, error=error)
     assert trusted_outcome("ab" * 16, receipt=receipt).result() == receipt
+    trusted = trusted_outcome("ab" * 16, error=error)
+    assert type(trusted) is RelayOutcome
+    assert hash(trusted) == hash(RelayOutcome("ab" * 16, error=error))
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        trusted.error = None  # type: ignore[misc]
+
+
+def _assert_built_as_checked(built: Any, checked: Any) -> None:
+    """``built`` (filled in as a plain object, then given its class) is ``checked``."""
+    assert type(built) is type(checked)
+    assert built == checked
+    assert hash(built) == hash(checked)
+    assert repr(built) == repr(checked)
+    assert attrs.asdict(built, recurse=False) == attrs.asdict(checked, recurse=False)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        built.state = OccurrenceState.DEAD
+
+
+def test_only_a_slotted_class_without_a_weak_reference_slot_is_filled_in() -> None:
+    """``writable`` refuses a class whose layout a plain one cannot share."""
+
+    @attrs.frozen
+    class Weak:
+        x: int
+
+    @attrs.frozen(slots=False)
+    class Unslotted:
+        x: int
+
+    @attrs.frozen(weakref_slot=False)
+    class Plain:
+        x: int
+
+    for refused in (Weak, Unslotted):
+        with pytest.raises(TypeError):
+            writable(refused)
+    built: Any = new(writable(Plain))
+    built.x = 1
+    built.__class__ = Plain
+    _assert_built_as_checked(built, Plain(1))
+
+
+def test_a_steps_change_and_the_row_it_writes_equal_the_constructed_ones() -> None:
+    """``apply_step`` and ``applied_to`` fill a plain object in and give it its class: the
+    values equal, field for field, what the public constructors build."""
+    row = OccurrenceRow(
+        "ef" * 16, "job", AT, OccurrenceState.PENDING, 2, AT + timedelta(hours=1), AT, AT,
+        content=b"sealed", key_id="k1",
+    )  # fmt: skip
+    claimed = step(OccurrenceState.PENDING, OccurrenceEvent.CLAIM)
+    now = AT + timedelta(seconds=5)
+    expires = now + timedelta(seconds=30)
+    change = apply_step(
+        row, claimed, now, attempted=True,
+        lease_expires_at=expires, lease_revision=1, lease_digest=b"\x02" * 32,
+    )  # fmt: skip
+    expected = OccurrenceChange(
+        row.occurrence_id, OccurrenceState.LEASED, 3, None, None, expires,
+        1, b"\x02" * 32, now, None,
+    )  # fmt: skip
+    _assert_built_as_checked(change, expected)
+    written = change.applied_to(row)
+    _assert_built_as_checked(
+        written,
+        OccurrenceRow(
+            row.occurrence_id, "job", AT, OccurrenceState.LEASED, 3, row.window_ends_at, AT,
+            now, None, None, None, expires, 1, b"\x02" * 32, b"sealed", "k1",
+        ),
+    )  # fmt: skip
+    published = step(OccurrenceState.LEASED, OccurrenceEvent.PUBLISHED)
+    done = apply_step(written, published, now)
+    assert done.erase_content
+    _assert_built_as_checked(
+        done.applied_to(written),
+        OccurrenceRow(
+            row.occurrence_id, "job", AT, OccurrenceState.PUBLISHED, 3, row.window_ends_at, AT,
+            now, now, None, None, None, 1, None, None, None,
+        ),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("duplicate", [False, True])
@@ -255,6 +343,69 @@ def test_a_fresh_occurrence_id_is_the_id_of_a_fresh_generation() -> None:
     one, two = DeterministicRandom(11), DeterministicRandom(11)
     for _ in range(50):
         assert new_occurrence_id(one) == occurrence_id_for(new_generation(two))
+
+
+def test_a_ticks_ids_are_fresh_ids_drawn_one_by_one() -> None:
+    """A tick looks its random source up once and draws an id per occurrence, as asked."""
+    one, two = DeterministicRandom(11), DeterministicRandom(11)
+    ids = new_occurrence_ids(one)
+    for _ in range(50):
+        assert next(ids) == new_occurrence_id(two)
+    assert one.token_bytes(16) == two.token_bytes(16)  # no draw ahead of what was asked
+    with pytest.raises(ConfigurationError, match=r"bad generation \(need 16 bytes\)$"):
+        next(new_occurrence_ids(_Short()))
+    lazy = new_occurrence_ids(object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"^random must be a RandomSource"):
+        next(lazy)  # refused at the first id, as new_occurrence_id refuses it
+
+
+class _Short:
+    def token_bytes(self, n: int) -> bytes:
+        return bytes(n - 1)
+
+    def random(self) -> float:
+        return 0.0
+
+
+def test_definition_values_built_slot_by_slot_equal_the_constructed_ones() -> None:
+    """A tick builds its definition updates, and the in-memory store its rows, slot by slot:
+    equal to what the constructors build, and the classes have nothing else their
+    constructors would run (a default factory, a validator, a converter, a post-init)."""
+    for cls in (DefinitionRow, DefinitionUpdate):
+        assert not hasattr(cls, "__attrs_post_init__")
+        for field in attrs.fields(cls):
+            assert field.validator is None
+            assert field.converter is None
+            assert not isinstance(field.default, attrs.Factory)  # type: ignore[arg-type]
+    later = AT + timedelta(minutes=5)
+    fields = ("job", "active", AT, later, None)
+    built, constructed = DefinitionUpdate.built(*fields), DefinitionUpdate(*fields)
+    assert built == constructed
+    assert hash(built) == hash(constructed)
+    assert repr(built) == repr(constructed)
+    assert attrs.asdict(built) == attrs.asdict(constructed)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        built.state = "cancelled"  # type: ignore[misc]
+    row = DefinitionRow(
+        "job", b"sealed", "k1", "*/5 * * * *", MissedRunPolicy.COALESCE, AT - timedelta(days=1),
+        "active", AT - timedelta(minutes=5), AT, AT - timedelta(days=2),
+    )  # fmt: skip
+    for update in (
+        built,
+        DefinitionUpdate("job", "exhausted", later, None, None),
+        DefinitionUpdate("job", "cancelled", AT, None, later),
+    ):
+        applied = update.applied_to(row)
+        assert applied == attrs.evolve(
+            row,
+            state=update.state,
+            cursor=update.cursor,
+            next_due_at=update.next_due_at,
+            cancelled_at=update.cancelled_at,
+        )
+        assert attrs.asdict(applied) == attrs.asdict(
+            DefinitionRow(*(getattr(applied, f.name) for f in attrs.fields(DefinitionRow)))
+        )
 
 
 def test_a_step_refuses_a_value_for_no_column() -> None:

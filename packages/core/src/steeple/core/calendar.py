@@ -472,7 +472,9 @@ class CronCalendar:
             start = FIRST_INSTANT
         else:
             utc = instant if instant.tzinfo is UTC else instant.astimezone(UTC)
-            start = utc.replace(second=0, microsecond=0) + _ONE_MINUTE
+            if utc.second or utc.microsecond:
+                utc = utc.replace(second=0, microsecond=0)
+            start = utc + _ONE_MINUTE  # a fire time (a whole minute) asks from the next
         found = self._found
         # One lookup (not `in` then a read): another thread may clear the memo between two.
         answer = found.get(start, _UNKNOWN)

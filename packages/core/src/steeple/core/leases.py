@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Final
 
@@ -42,6 +42,7 @@ __all__ = [
     "new_capability",
     "new_generation",
     "new_occurrence_id",
+    "new_occurrence_ids",
     "occurrence_id_for",
     "window_end",
 ]
@@ -51,13 +52,15 @@ CAPABILITY_BYTES: Final = 16
 GENERATION_BYTES: Final = 16
 """Length of an occurrence's random generation (its id is the generation's hex)."""
 
+_NO_TIME: Final = timedelta(0)
+
 
 def _positive_duration(value: object, what: str) -> timedelta:
     if not isinstance(value, timedelta):
         raise ConfigurationTypeError(
             f"{what} must be a datetime.timedelta, not {type(value).__name__}"
         )
-    if value <= timedelta(0):
+    if value <= _NO_TIME:
         raise ConfigurationError(f"{what} must be positive; got {value}")
     return value
 
@@ -387,7 +390,21 @@ def new_occurrence_id(random: RandomSource) -> str:
     Raises:
         ConfigurationError: the random source returned the wrong number of bytes.
     """
-    return _random_bytes(random, GENERATION_BYTES, "generation").hex()
+    return next(new_occurrence_ids(random))
+
+
+def new_occurrence_ids(random: RandomSource) -> Iterator[str]:
+    """Yield :func:`new_occurrence_id` of ``random`` on each ``next``, for as long as asked.
+
+    The source is looked up once, at the first id (a tick draws one per occurrence).
+
+    Raises:
+        ConfigurationTypeError: ``random`` has no ``token_bytes`` (at the first id).
+        ConfigurationError: the random source returned the wrong number of bytes.
+    """
+    draw = _token_source(random)
+    while True:
+        yield _drawn(draw(GENERATION_BYTES), GENERATION_BYTES, "generation").hex()
 
 
 def occurrence_id_for(generation: bytes) -> str:
@@ -428,7 +445,7 @@ def adopt_time(
         ConfigurationTypeError: an instant is not a datetime (a ``TypeError``).
     """
     here = aware_utc(local, "local")
-    if not isinstance(tolerance, timedelta) or tolerance < timedelta(0):
+    if not isinstance(tolerance, timedelta) or tolerance < _NO_TIME:
         raise ConfigurationError("tolerance must be a non-negative timedelta")
     if recorded is None:
         return here
@@ -468,7 +485,7 @@ def check_server_clock(
     """
     here = aware_utc(local, "local")
     there = aware_utc(server, "server")
-    if not isinstance(round_trip, timedelta) or round_trip < timedelta(0):
+    if not isinstance(round_trip, timedelta) or round_trip < _NO_TIME:
         raise ConfigurationError("round_trip must be a non-negative timedelta")
     ahead = here - there - round_trip
     if ahead <= bound:

@@ -6,11 +6,12 @@ import math
 import unicodedata
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
 from steeple.core import limits
+from steeple.core._frozen import new, writable
 from steeple.core._validate import encodable, shown, text
 from steeple.core.errors import (
     ConfigurationError,
@@ -147,7 +148,7 @@ def _receipt_location(_: object, __: object, value: Any) -> None:
         _receipt_text(value, "location", limits.MAX_LOCATION_LENGTH)
 
 
-@attrs.frozen
+@attrs.frozen(weakref_slot=False)
 class BrokerReceipt:
     """A broker's word that it accepted a message.
 
@@ -176,14 +177,17 @@ def trusted_receipt(broker: str, idempotency_key: str, *, duplicate: bool = Fals
     (printable ASCII, 53 characters). Every real broker goes through ``BrokerReceipt(...)``,
     which checks every field; a test requires both to build equal receipts.
     """
-    receipt = object.__new__(BrokerReceipt)
-    # A frozen attrs class: fields are set the way its own __init__ sets them.
-    _set = object.__setattr__
-    _set(receipt, "broker", broker)
-    _set(receipt, "idempotency_key", idempotency_key)
-    _set(receipt, "duplicate", duplicate)
-    _set(receipt, "location", None)
-    return receipt
+    # Filled in as a plain object, then made a BrokerReceipt (steeple.core._frozen).
+    receipt: Any = new(_WRITABLE_RECEIPT)
+    receipt.broker = broker
+    receipt.idempotency_key = idempotency_key
+    receipt.duplicate = duplicate
+    receipt.location = None
+    receipt.__class__ = BrokerReceipt
+    return receipt  # type: ignore[no-any-return]  # a BrokerReceipt, every field set
+
+
+_WRITABLE_RECEIPT: Final = writable(BrokerReceipt)
 
 
 def check_publish_timeout(timeout: object) -> float:

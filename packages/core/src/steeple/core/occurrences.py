@@ -131,16 +131,18 @@ class Step:
 
     target: OccurrenceState | Literal[PurgedType.PURGED]
     effects: Effects = Effects()
+    # Derived from the target when the row is built (every change reads them: plain
+    # attributes, not properties).
+    ends_lease: bool = attrs.field(init=False, eq=False, repr=False)
+    """The lease expiry is cleared: no live lease outside ``leased``."""
+    clears_next_attempt: bool = attrs.field(init=False, eq=False, repr=False)
+    """The next automatic attempt is cleared: only ``retry_wait`` waits for one."""
 
-    @property
-    def ends_lease(self) -> bool:
-        """The lease expiry is cleared: no live lease outside ``leased``."""
-        return self.target is not OccurrenceState.LEASED
-
-    @property
-    def clears_next_attempt(self) -> bool:
-        """The next automatic attempt is cleared: only ``retry_wait`` waits for one."""
-        return self.target is not OccurrenceState.RETRY_WAIT
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "ends_lease", self.target is not OccurrenceState.LEASED)
+        object.__setattr__(
+            self, "clears_next_attempt", self.target is not OccurrenceState.RETRY_WAIT
+        )
 
 
 _S = OccurrenceState

@@ -9,6 +9,7 @@ from typing import Any, Final, Generic, TypeVar
 
 import attrs
 
+from steeple.core._frozen import new, writable
 from steeple.core._validate import INT64_MAX, aware_utc, bounded_int, byte_string
 from steeple.core.calendar import FIRST_INSTANT, LAST_INSTANT
 from steeple.core.errors import (
@@ -72,7 +73,7 @@ def _capability(value: object) -> bytes:
     return byte_string(value, "capability", max_len=_MAX_CAPABILITY_BYTES)
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, weakref_slot=False)
 class Lease:
     """A claim on one occurrence, fenced by a random capability and a revision.
 
@@ -108,14 +109,17 @@ def trusted_lease(
     Everything a caller hands in goes through ``Lease(...)``, which checks every field;
     a test requires both to build equal leases from the same values.
     """
-    lease = object.__new__(Lease)
-    # A frozen attrs class: fields are set the way its own __init__ sets them.
-    _set = object.__setattr__
-    _set(lease, "occurrence_id", occurrence_id)
-    _set(lease, "expires_at", expires_at)
-    _set(lease, "revision", revision)
-    _set(lease, "capability", capability)
-    return lease
+    # Filled in as a plain object, then made a Lease (steeple.core._frozen).
+    lease: Any = new(_WRITABLE_LEASE)
+    lease.occurrence_id = occurrence_id
+    lease.expires_at = expires_at
+    lease.revision = revision
+    lease.capability = capability
+    lease.__class__ = Lease
+    return lease  # type: ignore[no-any-return]  # a Lease, every field set
+
+
+_WRITABLE_LEASE: Final = writable(Lease)
 
 
 class ScheduleState:
@@ -174,7 +178,7 @@ class TickResult:
     exhausted: Sequence[str] = ()
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, weakref_slot=False)
 class RelayOutcome:
     """What relaying one lease came to (one per lease of a batched relay, in order).
 
@@ -242,12 +246,16 @@ def trusted_outcome(
     caller's values go through ``RelayOutcome(...)``; a test requires both to build equal
     outcomes.
     """
-    outcome = object.__new__(RelayOutcome)
-    _set = object.__setattr__
-    _set(outcome, "occurrence_id", occurrence_id)
-    _set(outcome, "receipt", receipt)
-    _set(outcome, "error", error)
-    return outcome
+    # Filled in as a plain object, then made a RelayOutcome (steeple.core._frozen).
+    outcome: Any = new(_WRITABLE_OUTCOME)
+    outcome.occurrence_id = occurrence_id
+    outcome.receipt = receipt
+    outcome.error = error
+    outcome.__class__ = RelayOutcome
+    return outcome  # type: ignore[no-any-return]  # a RelayOutcome, every field set
+
+
+_WRITABLE_OUTCOME: Final = writable(RelayOutcome)
 
 
 _OCCURRENCE_ID: Final = re.compile(r"[0-9a-f]{32}\Z")

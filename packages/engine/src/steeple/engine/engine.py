@@ -32,10 +32,10 @@ from steeple.core.errors import (
     RecurringNotFoundError,
     shown,
 )
-from steeple.core.leases import is_live, new_occurrence_id, window_end
+from steeple.core.leases import is_live, new_occurrence_ids, window_end
 from steeple.core.messages import BrokerReceipt
 from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, states_for, step
-from steeple.core.policies import DueDefinition, plan_namespace_tick, validate_budget
+from steeple.core.policies import plan_due, validate_budget
 from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
 from steeple.core.records import (
     Lease,
@@ -282,36 +282,37 @@ class RecurringEngine:
         budget = validate_budget(budget)
 
         async def body(tx: Tx) -> TickResult:
-            rows = {r.name: r for r in await tx.repo.due_definitions(tx.now, budget)}
-            plan = plan_namespace_tick(
+            now = tx.now
+            rows = {r.name: r for r in await tx.repo.due_definitions(now, budget)}
+            emitted, advanced, exhausted = plan_due(
                 (
-                    DueDefinition(r.name, r.policy, _calendar(r.cron), r.cursor, r.next_due_at)
+                    (r.name, r.policy, _calendar(r.cron), r.cursor, r.next_due_at)
                     for r in rows.values()
                 ),
-                tx.now,
+                now,
                 budget,
             )
-            if tx.occurrence_count + len(plan.emitted) > self._config.max_occurrences:
+            if tx.occurrence_count + len(emitted) > self._config.max_occurrences:
                 raise RecurringCapacityError(
-                    f"materializing {len(plan.emitted)} occurrences would exceed the quota of "
+                    f"materializing {len(emitted)} occurrences would exceed the quota of "
                     f"{self._config.max_occurrences} ({tx.occurrence_count} stored); nothing "
                     "was materialized: tick a smaller budget or purge terminal occurrences"
                 )
             messages: dict[str, bytes] = {}
             created: list[OccurrenceRow] = []
-            now = tx.now
             window = window_end(now, self._config.delivery_window)
             key_id = self._sealer.primary_key_id
-            seal, draw = self._work.seal_occurrence, self._random
+            seal = self._work.seal_occurrence
             pending = OccurrenceState.PENDING
-            for name, due in plan.emitted:
+            next_id = new_occurrence_ids(self._random).__next__
+            ids: list[str] = []
+            for name, due in emitted:
                 message = messages.get(name)
                 if message is None:
-                    opened = self._work.open(
-                        rows[name].sealed, PURPOSE_DEFINITION, name, f"definition {name!r}"
-                    )
+                    opened = self._work.open_document(rows[name].sealed, name)
                     message = messages[name] = codec.definition_message_plaintext(opened)
-                occurrence_id = new_occurrence_id(draw)
+                occurrence_id = next_id()
+                ids.append(occurrence_id)
                 # Positional, in the fields' order (keywords cost a lookup each, per row).
                 created.append(
                     OccurrenceRow(
@@ -336,24 +337,20 @@ class RecurringEngine:
             if created:
                 await tx.repo.insert_occurrences(created)
                 crash_point("tick.inserted")
-            if plan.advanced:
+            if advanced:
+                active, ended = ScheduleState.ACTIVE, ScheduleState.EXHAUSTED
+                update = DefinitionUpdate.built  # one per definition that emitted
                 await tx.repo.update_definitions(
                     [
-                        DefinitionUpdate(
-                            name=a.name,
-                            state=ScheduleState.EXHAUSTED if a.exhausted else ScheduleState.ACTIVE,
-                            cursor=a.cursor,
-                            next_due_at=None if a.exhausted else a.next_due,
-                            cancelled_at=None,
-                        )
-                        for a in plan.advanced
+                        update(name, active, cursor, following, None)
+                        if following is not None
+                        else update(name, ended, cursor, None, None)
+                        for name, cursor, following in advanced
                     ]
                 )
             tx.occurrence_delta = len(created)
             return TickResult(
-                materialized=len(created),
-                occurrence_ids=tuple(o.occurrence_id for o in created),
-                exhausted=plan.exhausted,
+                materialized=len(created), occurrence_ids=tuple(ids), exhausted=tuple(exhausted)
             )
 
         return (await self._work.run("tick", body, points="tick"))[0]

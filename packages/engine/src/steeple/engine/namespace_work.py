@@ -29,7 +29,7 @@ from steeple.core.errors import (
     recurring_keyring_error,
 )
 from steeple.core.leases import CLAIM_RULE, adopt_time, grant_leases
-from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, Step, states_for, step
+from steeple.core.occurrences import OccurrenceEvent, Step, states_for, step
 from steeple.core.ports import Clock, RandomSource, Sealer
 from steeple.core.records import Lease, ScheduleInfo, trusted_lease, validate_occurrence_id
 from steeple.engine import codec
@@ -225,11 +225,21 @@ class NamespaceWork:
         except KeyringError as exc:
             raise recurring_keyring_error(exc, record) from exc
 
+    def open_document(self, sealed: bytes, name: str) -> bytes:
+        """Open definition ``name``'s sealed document (:meth:`open`; named only on error)."""
+        try:
+            return self.sealer.open(
+                bytes(sealed),
+                namespace=self.config.namespace,
+                purpose=PURPOSE_DEFINITION,
+                identity=name,
+            )
+        except KeyringError as exc:
+            raise recurring_keyring_error(exc, f"definition {name!r}") from exc
+
     def open_definition(self, row: DefinitionRow) -> RecurringDefinition:
         """Open a stored definition."""
-        return codec.decode_definition(
-            self.open(row.sealed, PURPOSE_DEFINITION, row.name, f"definition {row.name!r}")
-        )
+        return codec.decode_definition(self.open_document(row.sealed, row.name))
 
     def schedule_info(self, row: DefinitionRow) -> ScheduleInfo:
         """Return a stored definition's metadata (its message opened)."""
@@ -265,13 +275,15 @@ class NamespaceWork:
         )
         granted: list[Lease] = []
         changes: list[OccurrenceChange] = []
-        claims: dict[OccurrenceState, Step] = {}  # the claim's row of the table, per state
+        # The claim's row of the table, per state (by value: a str hashes in C, an enum
+        # member in Python).
+        claims: dict[str, Step] = {}
         for row, grant in zip(rows, grants, strict=True):
             if grant is None:
                 continue
-            claim = claims.get(row.state)
+            claim = claims.get(row.state._value_)
             if claim is None:
-                claim = claims[row.state] = step(row.state, _E.CLAIM)
+                claim = claims[row.state._value_] = step(row.state, _E.CLAIM)
             revision = row.lease_revision + 1
             changes.append(
                 apply_step(

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta
 
+from steeple.core._validate import aware_utc
 from steeple.core.clock import is_simulated
 from steeple.core.config import RecurringConfig
 from steeple.core.errors import (
@@ -129,7 +129,7 @@ def read_clock(clock: Clock) -> datetime:
         RecurringConfigurationError: the clock returned a naive datetime or no datetime.
     """
     try:
-        return adopt_time(None, clock.now())
+        return aware_utc(clock.now(), "local")
     except ConfigurationError as exc:
         # ConfigurationTypeError (not a datetime) is a ConfigurationError too.
         raise RecurringConfigurationError(
@@ -156,8 +156,7 @@ def judge_clock(clock: Clock, server: ServerClockReading | None) -> datetime:
     return local
 
 
-@contextlib.contextmanager
-def recurring_errors(what: str) -> Iterator[None]:
+def recurring_errors(what: str) -> contextlib.AbstractContextManager[None]:
     """Re-raise any library error of the block as its recurring-store error.
 
     Recurring errors and relay errors pass unchanged; any other
@@ -165,9 +164,26 @@ def recurring_errors(what: str) -> Iterator[None]:
     matching :class:`~steeple.core.errors.RecurringError` subtype, with the original as
     its ``__cause__``.
     """
-    try:
-        yield
-    except (RecurringError, RecurringRelayError):
-        raise
-    except SteepleError as exc:
-        raise recurring_error(exc, what) from exc
+    return _RecurringErrors(what)
+
+
+class _RecurringErrors(contextlib.ContextDecorator):
+    """The context :func:`recurring_errors` returns (a decorator too, as before).
+
+    A class: every transaction enters one, and a generator-based context costs several
+    times as much.
+    """
+
+    __slots__ = ("_what",)
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
+        if isinstance(exc, SteepleError) and not isinstance(
+            exc, RecurringError | RecurringRelayError
+        ):
+            raise recurring_error(exc, self._what) from exc

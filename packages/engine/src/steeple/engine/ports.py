@@ -21,6 +21,7 @@ from typing import Any, Final, Protocol, TypeVar
 
 import attrs
 
+from steeple.core._frozen import new, writable
 from steeple.core.leases import ClaimRule
 from steeple.core.occurrences import OccurrenceState, Step
 from steeple.core.policies import MissedRunPolicy
@@ -133,8 +134,77 @@ class DefinitionUpdate:
     next_due_at: datetime | None
     cancelled_at: datetime | None
 
+    @classmethod
+    def built(
+        cls,
+        name: str,
+        state: str,
+        cursor: datetime,
+        next_due_at: datetime | None,
+        cancelled_at: datetime | None,
+    ) -> DefinitionUpdate:
+        """Return ``DefinitionUpdate(name, state, cursor, next_due_at, cancelled_at)``.
 
-@attrs.frozen(repr=False)
+        Built slot by slot (:func:`_slot_setters`): a tick writes one per definition.
+        """
+        update = _new_object(cls)
+        set_name, set_state, set_cursor, set_next_due_at, set_cancelled_at = _UPDATE_SETTERS
+        set_name(update, name)
+        set_state(update, state)
+        set_cursor(update, cursor)
+        set_next_due_at(update, next_due_at)
+        set_cancelled_at(update, cancelled_at)
+        return update
+
+    def applied_to(self, row: DefinitionRow) -> DefinitionRow:
+        """Return ``row`` with this update's columns (built slot by slot, as :meth:`built`)."""
+        new = _new_object(DefinitionRow)
+        (
+            set_name,
+            set_sealed,
+            set_key_id,
+            set_cron,
+            set_policy,
+            set_first_after,
+            set_state,
+            set_cursor,
+            set_next_due_at,
+            set_created_at,
+            set_cancelled_at,
+        ) = _ROW_SETTERS
+        set_name(new, row.name)
+        set_sealed(new, row.sealed)
+        set_key_id(new, row.key_id)
+        set_cron(new, row.cron)
+        set_policy(new, row.policy)
+        set_first_after(new, row.first_after)
+        set_state(new, self.state)
+        set_cursor(new, self.cursor)
+        set_next_due_at(new, self.next_due_at)
+        set_created_at(new, row.created_at)
+        set_cancelled_at(new, self.cancelled_at)
+        return new
+
+
+def _slot_setters(cls: type) -> tuple[Callable[[object, object], None], ...]:
+    """Return the slots' own setters of an attrs class, in its fields' order.
+
+    Setting each slot through its descriptor is what the class's ``__init__`` does through
+    ``object.__setattr__``, without the per-field attribute lookup: a value built this way
+    is equal to (and indistinguishable from) one the constructor builds, for a class whose
+    fields have no default factory, validator or converter and that has no
+    ``__attrs_post_init__`` (a test holds :class:`DefinitionRow` and
+    :class:`DefinitionUpdate` to that).
+    """
+    return tuple(cls.__dict__[field.name].__set__ for field in attrs.fields(cls))
+
+
+_new_object: Final = object.__new__
+_ROW_SETTERS: Final = _slot_setters(DefinitionRow)
+_UPDATE_SETTERS: Final = _slot_setters(DefinitionUpdate)
+
+
+@attrs.frozen(repr=False, weakref_slot=False)
 class OccurrenceRow:
     """A stored occurrence.
 
@@ -182,7 +252,7 @@ class OccurrenceRow:
         )
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, weakref_slot=False)
 class OccurrenceChange:
     """New values of one occurrence's mutable columns.
 
@@ -226,43 +296,33 @@ class OccurrenceChange:
     def applied_to(self, row: OccurrenceRow) -> OccurrenceRow:
         """Return ``row`` as it is after this change."""
         erased = self.erase_content
-        # Built directly, not with attrs.evolve, and positionally, in OccurrenceRow's field
-        # order (keywords cost a lookup each): this runs for every write of every relay.
-        return OccurrenceRow(
-            row.occurrence_id,
-            row.definition_name,
-            row.due_at,
-            self.state,
-            self.attempts,
-            row.window_ends_at,
-            row.created_at,
-            self.updated_at,
-            self.finished_at,
-            self.next_attempt_at,
-            self.last_error,
-            self.lease_expires_at,
-            self.lease_revision,
-            self.lease_digest,
-            None if erased else row.content,
-            None if erased else row.key_id,
-        )
+        # Filled in as a plain object, then made an OccurrenceRow (steeple.core._frozen):
+        # this runs for every write of every relay.
+        built: Any = new(_WRITABLE_ROW)
+        built.occurrence_id = row.occurrence_id
+        built.definition_name = row.definition_name
+        built.due_at = row.due_at
+        built.state = self.state
+        built.attempts = self.attempts
+        built.window_ends_at = row.window_ends_at
+        built.created_at = row.created_at
+        built.updated_at = self.updated_at
+        built.finished_at = self.finished_at
+        built.next_attempt_at = self.next_attempt_at
+        built.last_error = self.last_error
+        built.lease_expires_at = self.lease_expires_at
+        built.lease_revision = self.lease_revision
+        built.lease_digest = self.lease_digest
+        built.content = None if erased else row.content
+        built.key_id = None if erased else row.key_id
+        built.__class__ = OccurrenceRow
+        return built  # type: ignore[no-any-return]  # an OccurrenceRow, every field set
 
 
-_CHANGE_FIELDS: Final = (
-    "occurrence_id",
-    "state",
-    "attempts",
-    "next_attempt_at",
-    "last_error",
-    "lease_expires_at",
-    "lease_revision",
-    "lease_digest",
-    "updated_at",
-    "finished_at",
-    "erase_content",
-)
-# The order of apply_step's columns; a test requires it to be OccurrenceChange's fields'.
-_CHANGE_INDEX: Final = {name: index for index, name in enumerate(_CHANGE_FIELDS)}
+_WRITABLE_ROW: Final = writable(OccurrenceRow)
+_WRITABLE_CHANGE: Final = writable(OccurrenceChange)
+_CHANGE_FIELDS: Final = tuple(field.name for field in attrs.fields(OccurrenceChange))
+"""The columns a change sets (OccurrenceChange's fields, in order)."""
 
 
 def apply_step(
@@ -288,33 +348,29 @@ def apply_step(
         raise ValueError("a purge removes the row; it is not a change")
     effects = step.effects
     stamp = at if effects.stamps else row.updated_at
+    # Filled in as a plain object, then made an OccurrenceChange (steeple.core._frozen):
+    # this runs for every write of every relay.
+    change: Any = new(_WRITABLE_CHANGE)
+    change.occurrence_id = row.occurrence_id
+    change.state = target
+    change.attempts = (0 if effects.reopens else row.attempts) + attempted
+    change.next_attempt_at = None if step.clears_next_attempt else row.next_attempt_at
+    change.last_error = None if effects.clears_error else row.last_error
+    change.lease_expires_at = None if step.ends_lease else row.lease_expires_at
+    change.lease_revision = row.lease_revision
+    change.lease_digest = None if effects.erase_lease else row.lease_digest
+    change.updated_at = stamp
     if effects.finishes:
-        finished: datetime | None = stamp
-    elif effects.reopens:
-        finished = None
+        change.finished_at = stamp
     else:
-        finished = row.finished_at
-    columns: list[Any] = [
-        row.occurrence_id,
-        target,
-        (0 if effects.reopens else row.attempts) + attempted,
-        None if step.clears_next_attempt else row.next_attempt_at,
-        None if effects.clears_error else row.last_error,
-        None if step.ends_lease else row.lease_expires_at,
-        row.lease_revision,
-        None if effects.erase_lease else row.lease_digest,
-        stamp,
-        finished,
-        effects.erase_content,
-    ]
-    # Positional, in the fields' order: keywords would cost a dict on every write (a
-    # claim's lease columns are set in place).
+        change.finished_at = None if effects.reopens else row.finished_at
+    change.erase_content = effects.erase_content
     for name, value in values.items():
-        index = _CHANGE_INDEX.get(name)
-        if index is None:
+        if name not in _CHANGE_FIELDS:
             raise TypeError(f"an occurrence change has no column {name!r}")
-        columns[index] = value
-    return OccurrenceChange(*columns)
+        setattr(change, name, value)
+    change.__class__ = OccurrenceChange
+    return change  # type: ignore[no-any-return]  # an OccurrenceChange, every field set
 
 
 class RecurringRepository(Protocol):

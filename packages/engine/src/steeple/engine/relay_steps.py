@@ -283,13 +283,18 @@ class RelaySteps:
                     for _, prepared in ready
                 ]
             attempts = [task.result() for task in tasks]
-        entries = [
-            (i, p.lease, a, p.granted_digest) for (i, p), a in zip(ready, attempts, strict=True)
+        attempted = [
+            (p.lease, a, p.granted_digest) for (_, p), a in zip(ready, attempts, strict=True)
         ]
-        entries += unopenable
-        if entries:
-            recorded = await self._record_outcomes([(lease, a, d) for _, lease, a, d in entries])
-            for (index, *_), outcome in zip(entries, recorded, strict=True):
+        if len(attempted) == len(leases):
+            # Every lease was checked and opened (the usual batch): the outcomes recorded
+            # are the batch's, in its order.
+            return await self._record_outcomes(attempted)
+        attempted += [(lease, a, d) for _, lease, a, d in unopenable]
+        if attempted:
+            recorded = await self._record_outcomes(attempted)
+            indexes = [i for i, _ in ready] + [i for i, *_ in unopenable]
+            for index, outcome in zip(indexes, recorded, strict=True):
                 outcomes[index] = outcome
         return [outcome for outcome in outcomes if outcome is not None]
 

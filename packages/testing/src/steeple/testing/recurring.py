@@ -95,11 +95,7 @@ class _Repository:
         return [stored[n] for n in names[:limit]]
 
     async def due_definitions(self, due_by: datetime, limit: int) -> Sequence[DefinitionRow]:
-        due = sorted(
-            (d.next_due_at, d.name)
-            for d in self._storage.definitions.values()
-            if d.next_due_at is not None and d.next_due_at <= due_by
-        )
+        due = sorted(key for key in self._storage.due.values() if key[0] <= due_by)
         stored = self._storage.definitions
         return [stored[name] for _, name in due[:limit]]
 
@@ -116,25 +112,18 @@ class _Repository:
 
     async def update_definitions(self, updates: Sequence[DefinitionUpdate]) -> None:
         storage = self._storage
+        stored, due, undo = storage.definitions, storage.due, storage.undo_log
         for u in updates:
-            current = storage.definitions[u.name]
-            # Positional, in DefinitionRow's field order: a tick writes one per definition.
-            storage.put_definition(
-                u.name,
-                DefinitionRow(
-                    current.name,
-                    current.sealed,
-                    current.key_id,
-                    current.cron,
-                    current.policy,
-                    current.first_after,
-                    u.state,
-                    u.cursor,
-                    u.next_due_at,
-                    current.created_at,
-                    u.cancelled_at,
-                ),
-            )
+            name = u.name
+            current = stored[name]
+            if undo is not None:
+                undo.append((False, name, current))
+            # put_definition, for a stored row.
+            stored[name] = u.applied_to(current)
+            if u.next_due_at is None:
+                due.pop(name, None)
+            else:
+                due[name] = (u.next_due_at, name)
 
     async def occurrences(self, ids: Sequence[str]) -> Sequence[OccurrenceRow]:
         stored = self._storage.occurrences
@@ -167,13 +156,19 @@ class _Repository:
 
     async def insert_occurrences(self, rows: Sequence[OccurrenceRow]) -> None:
         storage = self._storage
+        stored, identities, undo = storage.occurrences, storage.identities, storage.undo_log
+        by_state = storage.by_state
         for row in rows:
-            if (
-                row.occurrence_id in storage.occurrences
-                or (row.definition_name, row.due_at) in storage.identities
-            ):
-                raise RecurringStorageError(f"occurrence {row.occurrence_id} is stored already")
-            storage.put_occurrence(row.occurrence_id, row)
+            occurrence_id = row.occurrence_id
+            identity = (row.definition_name, row.due_at)
+            if occurrence_id in stored or identity in identities:
+                raise RecurringStorageError(f"occurrence {occurrence_id} is stored already")
+            # put_occurrence, for a new row: nothing to replace, every index gains it.
+            if undo is not None:
+                undo.append((True, occurrence_id, None))
+            stored[occurrence_id] = row
+            identities.add(identity)
+            by_state[row.state._value_][occurrence_id] = None
 
     async def update_occurrences(self, changes: Sequence[OccurrenceChange]) -> None:
         storage = self._storage
@@ -241,7 +236,8 @@ class InMemoryRecurringStorage:
     dicts and notes each row it replaces, and a transaction whose work raises puts those
     back, so a call that raises stores nothing. Occurrences are also indexed by state
     (what claims, expiry and purges select by) and by ``(definition_name, due_at)``
-    (their identity): a read touches the rows it may return, not every row kept.
+    (their identity), and definitions by their next due time (what a tick selects by): a
+    read touches the rows it may return, or those rows' index entries, not every row kept.
 
     Tests may replace a stored occurrence in :attr:`occurrences` with one that differs
     in any column but its state, definition and due time (the indexed ones).
@@ -251,6 +247,8 @@ class InMemoryRecurringStorage:
         self.definitions: dict[str, DefinitionRow] = {}
         self.occurrences: dict[str, OccurrenceRow] = {}
         self.identities: set[tuple[str, datetime]] = set()
+        self.due: dict[str, tuple[datetime, str]] = {}
+        """``(next_due_at, name)`` of each definition that has a next due time, by name."""
         self.recorded: datetime | None = None
         self.closed = False
         self.by_state: dict[str, dict[str, None]] = {s._value_: {} for s in OccurrenceState}
@@ -271,7 +269,18 @@ class InMemoryRecurringStorage:
         """Store ``row`` under ``name`` (noting what it replaces for a rollback)."""
         if self.undo_log is not None:
             self.undo_log.append((False, name, self.definitions.get(name)))
+        self._place_definition(name, row)
+
+    def _place_definition(self, name: str, row: DefinitionRow | None) -> None:
+        if row is None:
+            self.definitions.pop(name, None)
+            self.due.pop(name, None)
+            return
         self.definitions[name] = row
+        if row.next_due_at is None:
+            self.due.pop(name, None)
+        else:
+            self.due[name] = (row.next_due_at, name)
 
     def put_occurrence(self, occurrence_id: str, row: OccurrenceRow | None) -> None:
         """Store ``row`` under ``occurrence_id``, or delete it (``None``); keep the indexes."""
@@ -319,11 +328,9 @@ class InMemoryRecurringStorage:
             if is_occurrence:
                 assert before is None or isinstance(before, OccurrenceRow)
                 self._place(key, self.occurrences.get(key), before)
-            elif before is None:
-                self.definitions.pop(key, None)
             else:
-                assert isinstance(before, DefinitionRow)
-                self.definitions[key] = before
+                assert before is None or isinstance(before, DefinitionRow)
+                self._place_definition(key, before)
 
     async def transaction(self, operation: str, work: RepositoryWork[T]) -> T:
         """Run ``work`` on the rows; undo its writes if it raises.
@@ -334,8 +341,7 @@ class InMemoryRecurringStorage:
         if self.closed:
             raise RecurringStorageError(f"{operation}: the store is closed")
         lock = self._lock
-        # Acquired and released directly: ``async with`` adds two coroutines to every call.
-        await lock.acquire()
+        await lock.acquire()  # `async with`, without its two awaits per call
         try:
             state = NamespaceState(self.recorded, len(self.definitions), len(self.occurrences))
             repo = _Repository(self, state)
