@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import attrs
 import pytest
 
 from steeple.core.errors import (
@@ -62,6 +63,13 @@ def test_a_listing_page_builds_each_field_from_its_own_column() -> None:
     assert built == [by_name(r) for r in rows]
     assert [occurrence_info(r) for r in rows] == built
     assert occurrence_infos([]) == []
+    for info, r in zip(built, rows, strict=True):
+        checked = by_name(r)
+        assert type(info) is OccurrenceInfo
+        assert hash(info) == hash(checked)
+        assert repr(info) == repr(checked)
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            info.attempts = 0  # type: ignore[misc]
 
 
 def test_the_error_boundary_maps_library_errors_and_passes_the_rest() -> None:

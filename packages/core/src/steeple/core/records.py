@@ -146,7 +146,7 @@ class ScheduleInfo:
     cancelled_at: datetime | None = None
 
 
-@attrs.frozen
+@attrs.frozen(weakref_slot=False)
 class OccurrenceInfo:
     """Metadata of one occurrence (never the payload, never lease credentials)."""
 
