@@ -118,6 +118,13 @@ def test_the_unchecked_key_the_relay_derives_is_the_checked_one(
         "due_at": due_there,
         "generation": generation,
     }
-    assert trusted_idempotency_key(**args) == idempotency_key(**args)  # type: ignore[arg-type]
-    for other in ({"namespace": namespace + "x"}, {"generation": generation + b"\0"}):
+    key = idempotency_key(**args)  # type: ignore[arg-type]
+    # Twice: what a definition's keys share is computed once and must not be changed by use.
+    assert trusted_idempotency_key(**args) == key  # type: ignore[arg-type]
+    assert trusted_idempotency_key(**args) == key  # type: ignore[arg-type]
+    for other in (
+        {"namespace": namespace + "x"},
+        {"definition_name": name + "x"},
+        {"generation": generation + b"\0"},
+    ):
         assert trusted_idempotency_key(**(args | other)) != idempotency_key(**args)  # type: ignore[arg-type]

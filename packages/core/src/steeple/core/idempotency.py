@@ -73,11 +73,19 @@ def trusted_idempotency_key(
     due instant and the generation are what it stored after checking them. A test
     requires both functions to return the same key for the same values.
     """
-    digest = _prefix(purpose.encode(), namespace.encode()).copy()
-    name = definition_name.encode()
+    digest = _named_prefix(purpose, namespace, definition_name).copy()
     due = str((due_at - _EPOCH) // _MS).encode()
-    digest.update(_part(name) + _part(due) + _part(generation))
-    return f"stp1-{digest.hexdigest()[:48]}"
+    digest.update(_part(due) + _part(generation))
+    return "stp1-" + digest.hexdigest()[:48]
+
+
+@functools.lru_cache(maxsize=4096)
+def _named_prefix(purpose: str, namespace: str, definition_name: str) -> Any:
+    # A relay derives a key per publication, and a definition's keys share their first
+    # three parts: hashed once per definition, copied for each key.
+    digest = _prefix(purpose.encode(), namespace.encode()).copy()
+    digest.update(_part(definition_name.encode()))
+    return digest
 
 
 @functools.lru_cache(maxsize=64)
