@@ -45,6 +45,7 @@ from steeple.engine.ports import (
     OccurrenceChange,
     OccurrenceRow,
     apply_step,
+    pending_row,
 )
 from steeple.testing import FakeClock, MemoryBroker
 from steeple.testing.entropy import DeterministicRandom
@@ -147,6 +148,20 @@ def test_a_steps_change_and_the_row_it_writes_equal_the_constructed_ones() -> No
         OccurrenceRow(
             row.occurrence_id, "job", AT, OccurrenceState.PUBLISHED, 3, row.window_ends_at, AT,
             now, now, None, None, None, 1, None, None, None,
+        ),
+    )  # fmt: skip
+
+
+def test_a_ticks_new_row_equals_the_constructed_one() -> None:
+    """``pending_row`` fills a plain object in: the row a tick inserts equals, field for
+    field, the pending row the public constructor builds."""
+    window = AT + timedelta(hours=1)
+    due = AT - timedelta(minutes=1)
+    _assert_built_as_checked(
+        pending_row("cd" * 16, "job", due, window, AT, b"sealed", "k1"),
+        OccurrenceRow(
+            "cd" * 16, "job", due, OccurrenceState.PENDING, 0, window, AT, AT,
+            content=b"sealed", key_id="k1",
         ),
     )  # fmt: skip
 

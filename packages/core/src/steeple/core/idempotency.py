@@ -76,7 +76,7 @@ def trusted_idempotency_key(
     digest = _named_prefix(purpose, namespace, definition_name).copy()
     due = str((due_at - _EPOCH) // _MS).encode()
     digest.update(_part(due) + _part(generation))
-    return "stp1-" + digest.hexdigest()[:48]
+    return f"stp1-{digest.hexdigest()[:48]}"
 
 
 @functools.lru_cache(maxsize=4096)

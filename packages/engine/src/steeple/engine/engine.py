@@ -34,7 +34,7 @@ from steeple.core.errors import (
 )
 from steeple.core.leases import is_live, new_occurrence_ids, window_end
 from steeple.core.messages import BrokerReceipt
-from steeple.core.occurrences import OccurrenceEvent, OccurrenceState, states_for, step
+from steeple.core.occurrences import OccurrenceEvent, states_for, step
 from steeple.core.policies import plan_due, validate_budget
 from steeple.core.ports import Clock, MessageBroker, RandomSource, Sealer
 from steeple.core.records import (
@@ -63,6 +63,7 @@ from steeple.engine.ports import (
     OccurrenceRow,
     RecurringStorage,
     apply_step,
+    pending_row,
 )
 from steeple.engine.relay_steps import RelaySteps
 
@@ -303,7 +304,6 @@ class RecurringEngine:
             window = window_end(now, self._config.delivery_window)
             key_id = self._sealer.primary_key_id
             seal = self._work.seal_occurrence
-            pending = OccurrenceState.PENDING
             next_id = new_occurrence_ids(self._random).__next__
             ids: list[str] = []
             for name, due in emitted:
@@ -313,23 +313,13 @@ class RecurringEngine:
                     message = messages[name] = codec.definition_message_plaintext(opened)
                 occurrence_id = next_id()
                 ids.append(occurrence_id)
-                # Positional, in the fields' order (keywords cost a lookup each, per row).
                 created.append(
-                    OccurrenceRow(
+                    pending_row(
                         occurrence_id,
                         name,
                         due,
-                        pending,
-                        0,  # attempts
                         window,
-                        now,  # created
-                        now,  # updated
-                        None,  # finished
-                        None,  # next attempt
-                        None,  # last error
-                        None,  # lease expiry
-                        0,  # lease revision
-                        None,  # lease digest
+                        now,
                         seal(message, occurrence_id),
                         key_id,
                     )

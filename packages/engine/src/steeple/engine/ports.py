@@ -39,6 +39,7 @@ __all__ = [
     "ServerClockReading",
     "StoredNamespace",
     "apply_step",
+    "pending_row",
 ]
 
 T = TypeVar("T")
@@ -320,6 +321,46 @@ class OccurrenceChange:
 
 
 _WRITABLE_ROW: Final = writable(OccurrenceRow)
+
+
+def pending_row(
+    occurrence_id: str,
+    definition_name: str,
+    due_at: datetime,
+    window_ends_at: datetime,
+    now: datetime,
+    content: bytes,
+    key_id: str,
+) -> OccurrenceRow:
+    """Return the row of an occurrence a tick materializes at ``now``, unchecked.
+
+    For the engine only: every value is one the tick checked or built; the row is the
+    one ``OccurrenceRow(...)`` builds from them (a test requires both to be equal).
+    """
+    # Filled in as a plain object, then made an OccurrenceRow (steeple.core._frozen):
+    # a tick builds one per occurrence.
+    built: Any = new(_WRITABLE_ROW)
+    built.occurrence_id = occurrence_id
+    built.definition_name = definition_name
+    built.due_at = due_at
+    built.state = _PENDING
+    built.attempts = 0
+    built.window_ends_at = window_ends_at
+    built.created_at = now
+    built.updated_at = now
+    built.finished_at = None
+    built.next_attempt_at = None
+    built.last_error = None
+    built.lease_expires_at = None
+    built.lease_revision = 0
+    built.lease_digest = None
+    built.content = content
+    built.key_id = key_id
+    built.__class__ = OccurrenceRow
+    return built  # type: ignore[no-any-return]  # an OccurrenceRow, every field set
+
+
+_PENDING: Final = OccurrenceState.PENDING
 _WRITABLE_CHANGE: Final = writable(OccurrenceChange)
 _CHANGE_FIELDS: Final = tuple(field.name for field in attrs.fields(OccurrenceChange))
 """The columns a change sets (OccurrenceChange's fields, in order)."""
