@@ -382,10 +382,11 @@ class _Short:
         return 0.0
 
 
-def test_definition_values_built_slot_by_slot_equal_the_constructed_ones() -> None:
-    """A tick builds its definition updates, and the in-memory store its rows, slot by slot:
-    equal to what the constructors build, and the classes have nothing else their
-    constructors would run (a default factory, a validator, a converter, a post-init)."""
+def test_definition_values_filled_in_as_plain_objects_equal_the_constructed_ones() -> None:
+    """A tick builds its definition updates, and the in-memory store its rows, as plain
+    objects given their class: equal to what the constructors build, and the classes have
+    nothing else their constructors would run (a default factory, a validator, a
+    converter, a post-init)."""
     for cls in (DefinitionRow, DefinitionUpdate):
         assert not hasattr(cls, "__attrs_post_init__")
         for field in attrs.fields(cls):

@@ -88,7 +88,7 @@ class NamespaceState:
         )
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, weakref_slot=False)
 class DefinitionRow:
     """A stored recurring definition: sealed content plus plaintext scheduling metadata.
 
@@ -125,7 +125,7 @@ class DefinitionRow:
         return f"DefinitionRow(name={self.name!r}, state={self.state!r}, cron={self.cron!r})"
 
 
-@attrs.frozen
+@attrs.frozen(weakref_slot=False)
 class DefinitionUpdate:
     """New values of a definition's mutable columns (tick advancement, cancellation)."""
 
@@ -146,63 +146,38 @@ class DefinitionUpdate:
     ) -> DefinitionUpdate:
         """Return ``DefinitionUpdate(name, state, cursor, next_due_at, cancelled_at)``.
 
-        Built slot by slot (:func:`_slot_setters`): a tick writes one per definition.
+        Filled in as a plain object, then made a DefinitionUpdate (``steeple.core._frozen``):
+        a tick writes one per definition.
         """
-        update = _new_object(cls)
-        set_name, set_state, set_cursor, set_next_due_at, set_cancelled_at = _UPDATE_SETTERS
-        set_name(update, name)
-        set_state(update, state)
-        set_cursor(update, cursor)
-        set_next_due_at(update, next_due_at)
-        set_cancelled_at(update, cancelled_at)
-        return update
+        update: Any = new(_WRITABLE_UPDATE)
+        update.name = name
+        update.state = state
+        update.cursor = cursor
+        update.next_due_at = next_due_at
+        update.cancelled_at = cancelled_at
+        update.__class__ = cls
+        return update  # type: ignore[no-any-return]  # a DefinitionUpdate, every field set
 
     def applied_to(self, row: DefinitionRow) -> DefinitionRow:
-        """Return ``row`` with this update's columns (built slot by slot, as :meth:`built`)."""
-        new = _new_object(DefinitionRow)
-        (
-            set_name,
-            set_sealed,
-            set_key_id,
-            set_cron,
-            set_policy,
-            set_first_after,
-            set_state,
-            set_cursor,
-            set_next_due_at,
-            set_created_at,
-            set_cancelled_at,
-        ) = _ROW_SETTERS
-        set_name(new, row.name)
-        set_sealed(new, row.sealed)
-        set_key_id(new, row.key_id)
-        set_cron(new, row.cron)
-        set_policy(new, row.policy)
-        set_first_after(new, row.first_after)
-        set_state(new, self.state)
-        set_cursor(new, self.cursor)
-        set_next_due_at(new, self.next_due_at)
-        set_created_at(new, row.created_at)
-        set_cancelled_at(new, self.cancelled_at)
-        return new
+        """Return ``row`` with this update's columns (filled in as :meth:`built` is)."""
+        built: Any = new(_WRITABLE_DEFINITION)
+        built.name = row.name
+        built.sealed = row.sealed
+        built.key_id = row.key_id
+        built.cron = row.cron
+        built.policy = row.policy
+        built.first_after = row.first_after
+        built.state = self.state
+        built.cursor = self.cursor
+        built.next_due_at = self.next_due_at
+        built.created_at = row.created_at
+        built.cancelled_at = self.cancelled_at
+        built.__class__ = DefinitionRow
+        return built  # type: ignore[no-any-return]  # a DefinitionRow, every field set
 
 
-def _slot_setters(cls: type) -> tuple[Callable[[object, object], None], ...]:
-    """Return the slots' own setters of an attrs class, in its fields' order.
-
-    Setting each slot through its descriptor is what the class's ``__init__`` does through
-    ``object.__setattr__``, without the per-field attribute lookup: a value built this way
-    is equal to (and indistinguishable from) one the constructor builds, for a class whose
-    fields have no default factory, validator or converter and that has no
-    ``__attrs_post_init__`` (a test holds :class:`DefinitionRow` and
-    :class:`DefinitionUpdate` to that).
-    """
-    return tuple(cls.__dict__[field.name].__set__ for field in attrs.fields(cls))
-
-
-_new_object: Final = object.__new__
-_ROW_SETTERS: Final = _slot_setters(DefinitionRow)
-_UPDATE_SETTERS: Final = _slot_setters(DefinitionUpdate)
+_WRITABLE_DEFINITION: Final = writable(DefinitionRow)
+_WRITABLE_UPDATE: Final = writable(DefinitionUpdate)
 
 
 @attrs.frozen(repr=False, weakref_slot=False)
