@@ -216,7 +216,7 @@ class RecurringEngine:
         name = definition.name
         return DefinitionRow(
             name=name,
-            sealed=self._work.seal(document, PURPOSE_DEFINITION, name, f"definition {name!r}"),
+            sealed=self._work.seal(document, PURPOSE_DEFINITION, name),
             key_id=self._sealer.primary_key_id,
             cron=definition.cron.expression,
             policy=definition.policy,

@@ -180,62 +180,35 @@ class NamespaceWork:
         except KeyringError as exc:
             raise recurring_keyring_error(exc, record) from exc
 
-    def seal(self, plaintext: bytes, purpose: str, identity: str, record: str) -> bytes:
-        """Seal ``plaintext`` for ``purpose`` and ``identity`` (``record`` names it in errors)."""
+    def seal(self, plaintext: bytes, purpose: str, identity: str) -> bytes:
+        """Seal ``plaintext`` for ``purpose`` and ``identity`` (a definition's or occurrence's)."""
         try:
             return self.sealer.seal(
                 plaintext, namespace=self.config.namespace, purpose=purpose, identity=identity
             )
         except KeyringError as exc:
-            raise recurring_keyring_error(exc, record) from exc
+            raise recurring_keyring_error(exc, _record(purpose, identity)) from exc
 
     def seal_occurrence(self, plaintext: bytes, occurrence_id: str) -> bytes:
-        """Seal an occurrence's content (:meth:`seal`; the record is named only on error)."""
+        """Seal an occurrence's content (:meth:`seal`)."""
+        return self.seal(plaintext, PURPOSE_OCCURRENCE, occurrence_id)
+
+    def open(self, sealed: bytes, purpose: str, identity: str) -> bytes:
+        """Open what :meth:`seal` sealed for ``purpose`` and ``identity``."""
         try:
-            return self.sealer.seal(
-                plaintext,
-                namespace=self.config.namespace,
-                purpose=PURPOSE_OCCURRENCE,
-                identity=occurrence_id,
+            return self.sealer.open(
+                bytes(sealed), namespace=self.config.namespace, purpose=purpose, identity=identity
             )
         except KeyringError as exc:
-            raise recurring_keyring_error(exc, f"occurrence {occurrence_id}") from exc
+            raise recurring_keyring_error(exc, _record(purpose, identity)) from exc
 
     def open_occurrence(self, sealed: bytes, occurrence_id: str) -> bytes:
-        """Open an occurrence's content (:meth:`open`; the record is named only on error)."""
-        try:
-            return self.sealer.open(
-                bytes(sealed),
-                namespace=self.config.namespace,
-                purpose=PURPOSE_OCCURRENCE,
-                identity=occurrence_id,
-            )
-        except KeyringError as exc:
-            raise recurring_keyring_error(exc, f"occurrence {occurrence_id}") from exc
-
-    def open(self, sealed: bytes, purpose: str, identity: str, record: str) -> bytes:
-        """Open ``sealed`` content (``record`` names it in errors)."""
-        try:
-            return self.sealer.open(
-                bytes(sealed),
-                namespace=self.config.namespace,
-                purpose=purpose,
-                identity=identity,
-            )
-        except KeyringError as exc:
-            raise recurring_keyring_error(exc, record) from exc
+        """Open an occurrence's content (:meth:`open`)."""
+        return self.open(sealed, PURPOSE_OCCURRENCE, occurrence_id)
 
     def open_document(self, sealed: bytes, name: str) -> bytes:
-        """Open definition ``name``'s sealed document (:meth:`open`; named only on error)."""
-        try:
-            return self.sealer.open(
-                bytes(sealed),
-                namespace=self.config.namespace,
-                purpose=PURPOSE_DEFINITION,
-                identity=name,
-            )
-        except KeyringError as exc:
-            raise recurring_keyring_error(exc, f"definition {name!r}") from exc
+        """Open definition ``name``'s sealed document (:meth:`open`)."""
+        return self.open(sealed, PURPOSE_DEFINITION, name)
 
     def open_definition(self, row: DefinitionRow) -> RecurringDefinition:
         """Open a stored definition."""
@@ -302,3 +275,11 @@ class NamespaceWork:
         return granted, changes
 
     # --- relay ---------------------------------------------------------------------------
+
+
+def _record(purpose: str, identity: str) -> str:
+    # Built only when the keyring refuses: a tick and a relay seal and open once per
+    # occurrence.
+    if purpose == PURPOSE_DEFINITION:
+        return f"definition {identity!r}"
+    return f"occurrence {identity}"
