@@ -155,7 +155,7 @@ class DefinitionUpdate:
         update.cursor = cursor
         update.next_due_at = next_due_at
         update.cancelled_at = cancelled_at
-        update.__class__ = cls
+        update.__class__ = DefinitionUpdate
         return update  # type: ignore[no-any-return]  # a DefinitionUpdate, every field set
 
     def applied_to(self, row: DefinitionRow) -> DefinitionRow:
