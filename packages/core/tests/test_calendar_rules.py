@@ -783,3 +783,15 @@ def test_the_shared_calendar_of_an_expression_is_one_parsed_calendar() -> None:
     assert shared.next_after(utc(2026, 1, 1, 0, 5)) == utc(2026, 1, 1, 0, 10)
     with pytest.raises(InvalidCronExpression):
         calendar_module.shared_calendar("61 * * * *")
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [["* * * * *"], {"cron": 1}, None, 5, 1.5, b"* * * * *", "\ud800", "\0", "x" * 10_000],
+    ids=["list", "dict", "None", "int", "float", "bytes", "surrogate", "NUL", "10KB"],
+)
+def test_the_shared_calendar_refuses_what_parse_refuses_with_its_typed_error(
+    hostile: object,
+) -> None:
+    with pytest.raises(InvalidCronExpression):
+        calendar_module.shared_calendar(hostile)  # type: ignore[arg-type]

@@ -553,7 +553,6 @@ class CronCalendar:
         return None
 
 
-@lru_cache(maxsize=1024)
 def shared_calendar(expression: str) -> CronCalendar:
     """Return the one calendar of ``expression`` the process shares (parsed once).
 
@@ -561,6 +560,14 @@ def shared_calendar(expression: str) -> CronCalendar:
     asking after the same fire time find it computed once.
 
     Raises:
-        InvalidCronExpression: as :meth:`CronCalendar.parse`.
+        InvalidCronExpression: as :meth:`CronCalendar.parse` (a value that is not a str
+            too, hashable or not).
     """
+    if type(expression) is not str:
+        return CronCalendar.parse(expression)  # refuses it; only a str is cached
+    return _parsed(expression)
+
+
+@lru_cache(maxsize=1024)
+def _parsed(expression: str) -> CronCalendar:
     return CronCalendar.parse(expression)
